@@ -1,0 +1,33 @@
+# The virtual environment lives at .venv; every target reuses it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+# A CPU machine gets the CPU build of torch, a machine with an NVIDIA driver the CUDA one.
+# Torch is installed before the project so pip never resolves a multi-GB CUDA build on a CPU box.
+# Set TORCH_INDEX to a PyTorch wheel index if the CPU wheel is not on your default indexes.
+TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch==$(TORCH_VERSION)"; else echo "torch==$(TORCH_VERSION)+cpu"; fi)
+TORCH_INDEX ?=
+PIP := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: setup test demo bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PIP) -e ".[test]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) -m dspark_cache.demo
+
+bench: setup
+	$(PY) bench/producer.py
+
+clean:
+	rm -rf .demo .bench .pytest_cache

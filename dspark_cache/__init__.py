@@ -1,0 +1,28 @@
+"""dspark-cache: precompute a frozen target LLM's hidden states once, stream them into training.
+
+The public loader API is imported lazily so that light consumers (the TUI, ``dspark-verify``)
+never pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "open_cache": "dspark_cache.loader.cache",
+    "Cache": "dspark_cache.loader.cache",
+    "build_cached_dspark_dataloader": "dspark_cache.loader.nemo",
+    "read_target_weights": "dspark_cache.loader.nemo",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dspark_cache' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

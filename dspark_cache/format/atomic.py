@@ -1,0 +1,30 @@
+"""Crash-safe file publication: write a temporary, fsync it, rename, fsync the directory."""
+
+from __future__ import annotations
+
+import os
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or creation inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so that readers see either the old or the new file.
+
+    The temporary name carries the pid so that two processes never share it.
+    """
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))

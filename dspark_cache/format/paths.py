@@ -1,0 +1,93 @@
+"""Where every file of a cache lives. The only place that knows file names."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+MANIFEST = "manifest.json"
+TARGET_WEIGHTS = "target_weights.safetensors"
+SHARDS_DIR = "shards"
+STATUS_DIR = "status"
+EVENTS_DIR = "events"
+STOP_REQUEST = "control/stop"
+PARTIAL_SUFFIX = ".partial"
+
+_SHARD_INDEX_RE = re.compile(r"^shard-(\d{6})\.idx$")
+
+
+def sample_key(sample_id: int) -> str:
+    """The WebDataset key of a sample: dot-free, zero-padded, sortable, unique."""
+    return f"{sample_id:010d}"
+
+
+@dataclass(frozen=True)
+class CachePaths:
+    """File names inside one cache directory."""
+
+    root: str
+
+    @property
+    def manifest(self) -> str:
+        return os.path.join(self.root, MANIFEST)
+
+    @property
+    def target_weights(self) -> str:
+        return os.path.join(self.root, TARGET_WEIGHTS)
+
+    @property
+    def shards_dir(self) -> str:
+        return os.path.join(self.root, SHARDS_DIR)
+
+    @property
+    def status_dir(self) -> str:
+        return os.path.join(self.root, STATUS_DIR)
+
+    @property
+    def events_dir(self) -> str:
+        return os.path.join(self.root, EVENTS_DIR)
+
+    @property
+    def stop_request(self) -> str:
+        return os.path.join(self.root, STOP_REQUEST)
+
+    def shard_tar(self, shard_id: int) -> str:
+        return os.path.join(self.shards_dir, f"shard-{shard_id:06d}.tar")
+
+    def shard_partial(self, shard_id: int) -> str:
+        return self.shard_tar(shard_id) + PARTIAL_SUFFIX
+
+    def shard_index(self, shard_id: int) -> str:
+        return os.path.join(self.shards_dir, f"shard-{shard_id:06d}.idx")
+
+    def status(self, rank: int) -> str:
+        return os.path.join(self.status_dir, f"rank-{rank:05d}.json")
+
+    def events(self, rank: int) -> str:
+        return os.path.join(self.events_dir, f"rank-{rank:05d}.jsonl")
+
+    def indexed_shard_ids(self) -> list[int]:
+        """Shard ids whose index file exists (published, unless damaged afterwards)."""
+        try:
+            names = os.listdir(self.shards_dir)
+        except FileNotFoundError:
+            return []
+        ids = (_SHARD_INDEX_RE.match(name) for name in names)
+        return sorted(int(m.group(1)) for m in ids if m)
+
+    def partial_files(self) -> list[str]:
+        """Leftovers of an interrupted run: never read, deleted on resume."""
+        try:
+            names = os.listdir(self.shards_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            os.path.join(self.shards_dir, n)
+            for n in names
+            if n.endswith(PARTIAL_SUFFIX) or n.endswith(".tmp")
+        )
+
+    def ensure_dirs(self) -> None:
+        for path in (self.root, self.shards_dir, self.status_dir, self.events_dir):
+            os.makedirs(path, exist_ok=True)

@@ -1,0 +1,167 @@
+"""msgspec structs for every on-disk record: manifest, shard index, status and events.
+
+Field names of ``Manifest`` that NeMo Automodel's ``manifest.json`` also has keep NeMo's names
+and meaning, so NeMo's consumer checks can read them unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+FORMAT_VERSION = 1
+CACHE_FORMAT = "dspark-wds"
+
+# Manifest fields that describe progress or provenance, not what the cache contains. Every
+# other field is identity: resume refuses a cache whose identity differs from the new run's.
+NON_IDENTITY_FIELDS = frozenset({"complete", "versions", "created_at", "completed_at"})
+
+
+class SkippedRow(msgspec.Struct, frozen=True):
+    """An input row that produced no sample, and why."""
+
+    row: int
+    reason: str
+    where: str = ""
+
+
+class Manifest(msgspec.Struct, kw_only=True):
+    """Run identity, plan and completion state of a cache (``manifest.json``)."""
+
+    format_version: int = FORMAT_VERSION
+    cache_format: str = CACHE_FORMAT
+    complete: bool = False
+    # NeMo's fields, same names and meaning.
+    target_model: str
+    target_model_type: str
+    target_vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    seq_length: int
+    dtype: str
+    num_samples: int
+    shard_size: int
+    target_hidden_dim: int
+    target_last_hidden_dim: int
+    target_layer_ids: list[int]
+    train_data_path: str
+    train_split: str | None = None
+    shuffle_seed: int = 42
+    mask_reasoning_content: bool = False
+    chat_template_sha256: str = ""
+    # What NeMo forgets.
+    input_sha256: str = ""
+    tokenizer_sha256: str = ""
+    compute_dtype: str = ""
+    attn_implementation: str | None = None
+    pad_token_id: int = 0
+    num_rows: int = 0
+    num_shards: int = 0
+    planned_tokens: int = 0
+    planned_loss_tokens: int = 0
+    planned_bytes: int = 0
+    skipped_rows: dict[str, int] = msgspec.field(default_factory=dict)
+    skipped: list[SkippedRow] = msgspec.field(default_factory=list)
+    versions: dict[str, str] = msgspec.field(default_factory=dict)
+    created_at: float = 0.0
+    completed_at: float | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that must match for a resume to reuse this cache's shards."""
+        return {
+            k: v for k, v in msgspec.structs.asdict(self).items() if k not in NON_IDENTITY_FIELDS
+        }
+
+
+def identity_diff(old: Manifest, new: Manifest) -> list[tuple[str, Any, Any]]:
+    """Every identity field whose value differs, as ``(field, old, new)``."""
+    a, b = old.identity(), new.identity()
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+class SampleEntry(msgspec.Struct, array_like=True, frozen=True):
+    """Where one sample's safetensors payload lies inside its shard tar."""
+
+    sample_id: int
+    length: int
+    loss_tokens: int
+    offset: int  # byte offset of the payload (the safetensors blob) in the tar file
+    size: int  # payload size in bytes
+    xxh3: int  # xxh3_64 of the payload
+
+
+class ShardIndex(msgspec.Struct, kw_only=True):
+    """The ``shard-N.idx`` file: published last; a shard exists only when this matches it."""
+
+    format_version: int = FORMAT_VERSION
+    shard_id: int
+    tar_bytes: int
+    tar_xxh3: int
+    samples: list[SampleEntry]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+
+class RankStatus(msgspec.Struct, kw_only=True):
+    """A producer rank's heartbeat (``status/rank-N.json``), replaced about once a second."""
+
+    rank: int
+    world_size: int
+    pid: int
+    host: str
+    state: str  # planning | loading | running | stopping | finished | failed
+    updated_at: float
+    started_at: float
+    shard: int | None = None
+    shards_done: int = 0
+    shards_owned: int = 0
+    samples_done: int = 0
+    tokens_done: int = 0
+    bytes_written: int = 0
+    samples_total: int = 0
+    tokens_total: int = 0
+    tokens_per_s: float = 0.0
+    bytes_per_s: float = 0.0
+    inflight_bytes: int = 0
+    stage_seconds: dict[str, float] = msgspec.field(default_factory=dict)
+    device_memory_bytes: int | None = None
+    last_error: str | None = None
+
+
+class Event(msgspec.Struct, kw_only=True):
+    """One line of ``events/rank-N.jsonl``."""
+
+    time: float
+    rank: int
+    kind: str  # started | plan | resumed | shard_published | skipped_row | warning | error | finished
+    message: str
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_json_encoder = msgspec.json.Encoder()
+
+
+def encode_json(obj: Any, *, pretty: bool = False) -> bytes:
+    """Encode a struct to JSON; manifests are written indented and sorted for humans."""
+    data = _json_encoder.encode(obj)
+    return msgspec.json.format(data, indent=2) + b"\n" if pretty else data
+
+
+def decode_manifest(data: bytes, where: str) -> Manifest:
+    try:
+        manifest = msgspec.json.decode(data, type=Manifest)
+    except msgspec.DecodeError as exc:
+        raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
+    if manifest.format_version != FORMAT_VERSION or manifest.cache_format != CACHE_FORMAT:
+        raise msgspec.DecodeError(
+            f"{where}: format {manifest.cache_format!r} v{manifest.format_version} is not "
+            f"{CACHE_FORMAT!r} v{FORMAT_VERSION}; upgrade dspark-cache or re-produce the cache"
+        )
+    return manifest
+
+
+def decode_shard_index(data: bytes) -> ShardIndex:
+    return msgspec.json.decode(data, type=ShardIndex)

@@ -1,0 +1,46 @@
+"""Byte placement of members in a shard tar, shared by the writer and by size planning."""
+
+from __future__ import annotations
+
+import tarfile
+
+from dspark_cache.format.paths import sample_key
+from dspark_cache.format.sample import PayloadLayout, TensorSpec, layout_payload
+
+TAR_BLOCK = 512
+END_OF_ARCHIVE = 2 * TAR_BLOCK
+
+
+def member_name(sample_id: int) -> str:
+    return f"{sample_key(sample_id)}.safetensors"
+
+
+def member_header(name: str, size: int) -> bytes:
+    """A deterministic USTAR header (mtime 0, root-owned) so equal runs give equal bytes."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mode = 0o644
+    info.mtime = 0
+    info.type = tarfile.REGTYPE
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def block_padding(size: int) -> int:
+    return -size % TAR_BLOCK
+
+
+class TarCursor:
+    """Tracks the next member position; the writer and the planner advance it identically."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def place(self, specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[int, PayloadLayout]:
+        """Place one sample; returns the payload's file offset and its layout."""
+        data_offset = self.offset + TAR_BLOCK
+        layout = layout_payload(specs, metadata, data_offset)
+        self.offset = data_offset + layout.size + block_padding(layout.size)
+        return data_offset, layout
+
+    def final_size(self) -> int:
+        return self.offset + END_OF_ARCHIVE

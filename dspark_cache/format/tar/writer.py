@@ -1,0 +1,106 @@
+"""Append samples to ``shard-N.tar.partial``; publish with fsync, rename, then the index."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import xxhash
+
+from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.sample import TensorSpec, payload_buffers
+from dspark_cache.format.schema import SampleEntry, ShardIndex, encode_json
+from dspark_cache.format.tar.layout import (
+    END_OF_ARCHIVE,
+    TarCursor,
+    block_padding,
+    member_header,
+    member_name,
+)
+
+
+class ShardWriter:
+    """Writes one shard. Nothing is visible to readers until :meth:`publish` returns."""
+
+    def __init__(self, paths: CachePaths, shard_id: int, *, durable: bool = True) -> None:
+        self.paths = paths
+        self.shard_id = shard_id
+        self.durable = durable
+        self._partial = paths.shard_partial(shard_id)
+        self._file = open(self._partial, "wb", buffering=0)
+        self._cursor = TarCursor()
+        self._hash = xxhash.xxh3_64()
+        self._entries: list[SampleEntry] = []
+        self.bytes_written = 0
+
+    def _write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        while view.nbytes:
+            written = self._file.write(view)
+            view = view[written:]
+        self._hash.update(data)
+        self.bytes_written += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+
+    def append(
+        self,
+        sample_id: int,
+        loss_tokens: int,
+        specs: list[TensorSpec],
+        metadata: dict[str, str],
+        tensors: dict[str, torch.Tensor],
+    ) -> SampleEntry:
+        """Write one sample blob as a tar member and remember where it lies."""
+        data_offset, layout = self._cursor.place(specs, metadata)
+        self._write(member_header(member_name(sample_id), layout.size))
+        sample_hash = xxhash.xxh3_64()
+        for buffer in payload_buffers(layout, tensors):
+            self._write(buffer)
+            sample_hash.update(buffer)
+        self._write(bytes(block_padding(layout.size)))
+        entry = SampleEntry(
+            sample_id=sample_id,
+            length=specs[-1].shape[0],
+            loss_tokens=loss_tokens,
+            offset=data_offset,
+            size=layout.size,
+            xxh3=sample_hash.intdigest(),
+        )
+        self._entries.append(entry)
+        return entry
+
+    def publish(self) -> ShardIndex:
+        """Seal the tar, make it durable, rename it into place, then publish its index."""
+        self._write(bytes(END_OF_ARCHIVE))
+        if self.durable:
+            os.fsync(self._file.fileno())
+        self._file.close()
+        tar_path = self.paths.shard_tar(self.shard_id)
+        os.replace(self._partial, tar_path)
+        if self.durable:
+            fsync_dir(self.paths.shards_dir)
+        index = ShardIndex(
+            shard_id=self.shard_id,
+            tar_bytes=self.bytes_written,
+            tar_xxh3=self._hash.intdigest(),
+            samples=self._entries,
+        )
+        atomic_write_bytes(self.paths.shard_index(self.shard_id), encode_json(index), durable=self.durable)
+        return index
+
+    def abort(self) -> None:
+        """Drop the unfinished shard; a rerun recomputes it."""
+        if not self._file.closed:
+            self._file.close()
+        try:
+            os.unlink(self._partial)
+        except FileNotFoundError:
+            pass
+
+
+def predict_shard_bytes(samples: list[tuple[list[TensorSpec], dict[str, str]]]) -> int:
+    """Exact size of the tar that :class:`ShardWriter` will write for these samples."""
+    cursor = TarCursor()
+    for specs, metadata in samples:
+        cursor.place(specs, metadata)
+    return cursor.final_size()

@@ -1,0 +1,1 @@
+"""The training side: read a cache (complete or growing) into NeMo-shaped batches."""

@@ -1,0 +1,1 @@
+"""``dspark-produce``: chat rows -> target forward -> compact WebDataset shards."""

@@ -1,0 +1,103 @@
+"""The producer's settings: NeMo's flag names and defaults, plus ours."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from dspark_cache.format.sample import CACHE_DTYPES
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_STOPPED = 3  # stopped on request (SIGINT/SIGTERM/monitor): the cache is resumable
+
+
+@dataclass
+class ProduceConfig:
+    target_model: str
+    input_data: str
+    output_dir: str
+    seq_length: int = 2048
+    batch_size: int = 4
+    shard_size: int = 256
+    dtype: str = "bf16"
+    device: str = "auto"
+    num_workers: int = 0
+    split: str | None = None
+    shuffle_seed: int = 42
+    draft_num_hidden_layers: int = 5
+    target_layer_ids: list[int] | None = None
+    chat_template: str | None = None
+    mask_reasoning_content: bool = False
+    target_attn_implementation: str | None = None
+    target_force_hf: bool = False
+    trust_remote_code: bool = False
+    resume: bool = False
+    log_level: str = "INFO"
+    # Ours.
+    compute_dtype: str = "auto"
+    max_batch_tokens: int | None = None
+    max_inflight_bytes: int = 1 << 30
+    on_invalid: str = "error"
+    overwrite: bool = False
+    force: bool = False
+
+    @property
+    def batch_token_budget(self) -> int:
+        return self.max_batch_tokens or self.batch_size * self.seq_length
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dspark-produce",
+        description="Run a frozen target once over chat data and write its hidden states as "
+        "compact, resumable WebDataset shards for DSpark drafter training. NeMo's "
+        "precompute_dspark command lines work unchanged.",
+    )
+    p.add_argument("--target-model", required=True, help="HF checkpoint directory or hub id")
+    p.add_argument("--input-data", required=True, help="JSONL/JSON/Parquet file, a directory of them, or an HF dataset id")
+    p.add_argument("--output-dir", required=True, help="cache directory (resumed when it matches)")
+    p.add_argument("--seq-length", type=int, default=2048, help="right-truncate samples to this many tokens")
+    p.add_argument("--batch-size", type=int, default=4, help="max samples per forward batch")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
+    p.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default="bf16", help="cache float dtype")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda, cuda:N or cpu")
+    p.add_argument("--num-workers", type=int, default=0, help="tokenisation processes (0 = in process)")
+    p.add_argument("--split", default=None, help="dataset split, slice syntax name[a:b] allowed")
+    p.add_argument("--shuffle-seed", type=int, default=42, help="shuffle before slicing (Parquet / hub only)")
+    p.add_argument("--draft-num-hidden-layers", type=int, default=5, help="feature layers for the default spread")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit layer ids (NeMo convention)")
+    p.add_argument("--chat-template", default=None, help="inline Jinja or a file; default: the tokenizer's")
+    p.add_argument("--mask-reasoning-content", action="store_true", help="do not supervise reasoning_content")
+    p.add_argument("--target-attn-implementation", default=None, help="attn_implementation for the target")
+    p.add_argument("--target-force-hf", action="store_true", help="accepted for NeMo compatibility (always HF here)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own Python code")
+    p.add_argument("--resume", action="store_true", help="accepted for NeMo compatibility: resume is automatic")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--compute-dtype", choices=["auto", *sorted(CACHE_DTYPES)], default="auto",
+                   help="target compute dtype; auto = bf16 on CUDA, fp32 on CPU (as NeMo)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="padded-token budget per batch (default batch-size x seq-length)")
+    p.add_argument("--max-inflight-bytes", type=int, default=1 << 30,
+                   help="host bytes staged between device and writer before the device waits")
+    p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
+                   help="invalid input rows: stop during planning (default) or skip and count them")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
+    p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> ProduceConfig:
+    args = build_parser().parse_args(argv)
+    names = {f.name for f in fields(ProduceConfig)}
+    return ProduceConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def validate_config(cfg: ProduceConfig) -> None:
+    """Cheap checks that run before anything is loaded."""
+    for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.max_batch_tokens is not None and cfg.max_batch_tokens < 1:
+        raise ValueError(f"--max-batch-tokens must be >= 1, got {cfg.max_batch_tokens}")

@@ -1,0 +1,245 @@
+"""The producer's overlapped pipeline: device forward | device->host copy | shard writing.
+
+The main thread runs the target on batch i+1 while batch i is trimmed to its real tokens on
+the device and copied to pinned host memory on a side stream, and a writer thread encodes and
+appends earlier batches to their shard. Host memory is bounded by a byte budget: the main
+thread blocks before staging a batch that would exceed it, whatever the shard size.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.format.schema import ShardIndex
+from dspark_cache.format.tar.writer import ShardWriter
+from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
+
+log = logging.getLogger(__name__)
+
+
+class ByteBudget:
+    """Blocks producers while more than ``limit`` bytes are in flight (one item always passes)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.inflight = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, abort: Callable[[], bool] = lambda: False) -> None:
+        with self._cond:
+            while self.inflight and self.inflight + nbytes > self.limit and not abort():
+                self._cond.wait(0.1)
+            self.inflight += nbytes
+            self.peak = max(self.peak, self.inflight)
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.inflight -= nbytes
+            self._cond.notify_all()
+
+
+@dataclass
+class StageTimes:
+    """Seconds spent per stage (what the monitor's breakdown shows)."""
+
+    data: float = 0.0
+    device: float = 0.0
+    copy: float = 0.0
+    backpressure: float = 0.0
+    write: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class WriteJob:
+    shard: ShardPlan
+    samples: list[PlannedSample]
+    tensors: list[tuple[torch.Tensor | None, torch.Tensor]]
+    ready: torch.cuda.Event | None
+    nbytes: int
+    closes_shard: bool
+
+
+@dataclass
+class PipelineStats:
+    samples: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    shards: int = 0
+    times: StageTimes = field(default_factory=StageTimes)
+
+
+class Stager:
+    """Trims a batch to real tokens and brings it to host memory (async on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def stage(self, hidden: torch.Tensor | None, last: torch.Tensor, lengths: list[int]) -> tuple[list[tuple[torch.Tensor | None, torch.Tensor]], torch.cuda.Event | None]:
+        if not self.cuda:
+            return [(None if hidden is None else hidden[b, :n], last[b, :n]) for b, n in enumerate(lengths)], None
+        assert self.stream is not None
+        self.stream.wait_stream(torch.cuda.current_stream(last.device))
+        out = []
+        with torch.cuda.stream(self.stream):
+            for b, n in enumerate(lengths):
+                pair = []
+                for src in (hidden, last):
+                    if src is None:
+                        pair.append(None)
+                        continue
+                    dst = torch.empty((n, src.shape[-1]), dtype=src.dtype, pin_memory=True)
+                    dst.copy_(src[b, :n], non_blocking=True)
+                    pair.append(dst)
+                out.append((pair[0], pair[1]))
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        for src in (hidden, last):
+            if src is not None:
+                src.record_stream(self.stream)  # keep device memory alive until the copy ends
+        return out, ready
+
+
+class ShardWriterThread(threading.Thread):
+    """Appends staged batches to shards in plan order and publishes each finished shard."""
+
+    def __init__(self, paths: CachePaths, shape: SampleShape, budget: ByteBudget, stats: PipelineStats,
+                 on_published: Callable[[ShardPlan, ShardIndex], None], durable: bool = True) -> None:
+        super().__init__(name="dspark-writer", daemon=True)
+        self.paths, self.shape, self.budget, self.stats = paths, shape, budget, stats
+        self.on_published = on_published
+        self.durable = durable
+        self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self._writer: ShardWriter | None = None
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                if self.error is None:
+                    self._write(job)
+            except BaseException as exc:  # surfaced to the main thread, which stops cleanly
+                self.error = exc
+                if self._writer is not None:
+                    self._writer.abort()
+                    self._writer = None
+            finally:
+                self.budget.release(job.nbytes)
+
+    def _write(self, job: WriteJob) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()
+        started = time.perf_counter()
+        if self._writer is None:
+            self._writer = ShardWriter(self.paths, job.shard.shard_id, durable=self.durable)
+        for sample, (hidden, last) in zip(job.samples, job.tensors):
+            tensors = {
+                LAST_HIDDEN: last,
+                INPUT_IDS: torch.from_numpy(sample.input_ids),
+                LOSS_MASK: torch.from_numpy(sample.loss_mask),
+            }
+            if hidden is not None:
+                tensors[HIDDEN] = hidden
+            self._writer.append(sample.sample_id, sample.loss_tokens, self.shape.specs(sample.length),
+                                self.shape.metadata(sample.sample_id), tensors)
+            self.stats.samples += 1
+            self.stats.tokens += sample.length
+        if job.closes_shard:
+            index = self._writer.publish()
+            self.stats.bytes += index.tar_bytes
+            self.stats.shards += 1
+            self._writer = None
+            self.on_published(job.shard, index)
+        self.stats.times.write += time.perf_counter() - started
+
+    def abandon(self) -> None:
+        """Drop an unfinished shard (its .partial is removed; a rerun recomputes it)."""
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+
+def collate(batch: list[PlannedSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad a length-grouped batch to its longest sample (not to seq_length)."""
+    width = max(s.length for s in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, sample in enumerate(batch):
+        ids[row, : sample.length] = torch.from_numpy(sample.input_ids)
+        mask[row, : sample.length] = 1
+    if device.type == "cuda":
+        return ids.pin_memory().to(device, non_blocking=True), mask.pin_memory().to(device, non_blocking=True)
+    return ids, mask
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor]]
+
+
+def run_pipeline(
+    shards: list[ShardPlan],
+    forward: Forward,
+    *,
+    paths: CachePaths,
+    shape: SampleShape,
+    device: torch.device,
+    pad_id: int,
+    max_inflight_bytes: int,
+    on_published: Callable[[ShardPlan, ShardIndex], None] = lambda shard, index: None,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_batch: Callable[[PipelineStats, ByteBudget], None] = lambda stats, budget: None,
+    durable: bool = True,
+) -> PipelineStats:
+    """Compute and write ``shards``; returns when all are published or a stop was honoured.
+
+    A stop request is honoured at shard boundaries, so the shard in flight is finished.
+    """
+    stats = PipelineStats()
+    budget = ByteBudget(max_inflight_bytes)
+    writer = ShardWriterThread(paths, shape, budget, stats, on_published, durable)
+    stager = Stager(device)
+    writer.start()
+    try:
+        for shard in shards:
+            if should_stop() or writer.error is not None:
+                break
+            for i, batch in enumerate(shard.batches):
+                if writer.error is not None:
+                    break
+                t0 = time.perf_counter()
+                ids, mask = collate(batch, pad_id, device)
+                t1 = time.perf_counter()
+                hidden, last = forward(ids, mask)
+                t2 = time.perf_counter()
+                staged, ready = stager.stage(hidden, last, [s.length for s in batch])
+                del hidden, last
+                t3 = time.perf_counter()
+                nbytes = sum(sum(t.nbytes for t in pair if t is not None) for pair in staged)
+                budget.acquire(nbytes, abort=lambda: writer.error is not None)
+                t4 = time.perf_counter()
+                writer.jobs.put(WriteJob(shard, batch, staged, ready, nbytes, i == len(shard.batches) - 1))
+                times = stats.times
+                times.data += t1 - t0
+                times.device += t2 - t1
+                times.copy += t3 - t2
+                times.backpressure += t4 - t3
+                on_batch(stats, budget)
+    finally:
+        writer.jobs.put(None)
+        writer.join()
+        writer.abandon()
+    if writer.error is not None:
+        raise writer.error
+    return stats

@@ -1,0 +1,72 @@
+"""What the producer tells the world: a per-rank heartbeat file and an append-only event log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.schema import Event, RankStatus, encode_json
+
+log = logging.getLogger(__name__)
+
+
+class StatusReporter:
+    """Writes ``status/rank-N.json`` (atomically, at most every ``interval`` s) and events."""
+
+    def __init__(self, paths: CachePaths, rank: int, world_size: int, interval: float = 1.0) -> None:
+        self.paths = paths
+        self.rank = rank
+        self.interval = interval
+        now = time.time()
+        self.status = RankStatus(
+            rank=rank, world_size=world_size, pid=os.getpid(), host=socket.gethostname(),
+            state="planning", updated_at=now, started_at=now,
+        )
+        self._last_write = 0.0
+        self._lock = threading.Lock()
+        self._rate_anchor: tuple[float, int, int] | None = None
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        """Append one event line (O_APPEND keeps lines whole across restarts)."""
+        line = encode_json(Event(time=time.time(), rank=self.rank, kind=kind, message=message, data=data)) + b"\n"
+        os.makedirs(self.paths.events_dir, exist_ok=True)
+        with self._lock:
+            fd = os.open(self.paths.events(self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        if kind in ("warning", "error"):
+            log.log(logging.WARNING if kind == "warning" else logging.ERROR, message)
+
+    def update(self, force: bool = False, **fields: Any) -> None:
+        """Change status fields; the file is rewritten when ``interval`` has passed (or forced)."""
+        with self._lock:
+            for key, value in fields.items():
+                setattr(self.status, key, value)
+            now = time.time()
+            self._update_rates(now)
+            if not force and now - self._last_write < self.interval:
+                return
+            self.status.updated_at = now
+            self._last_write = now
+            data = encode_json(self.status)
+        os.makedirs(self.paths.status_dir, exist_ok=True)
+        atomic_write_bytes(self.paths.status(self.rank), data, durable=False)
+
+    def _update_rates(self, now: float) -> None:
+        s = self.status
+        if self._rate_anchor is None or s.state != "running":
+            self._rate_anchor = (now, s.tokens_done, s.bytes_written)
+            return
+        t0, tokens0, bytes0 = self._rate_anchor
+        if now - t0 >= 2.0:  # rates over a few seconds are steadier than per batch
+            s.tokens_per_s = (s.tokens_done - tokens0) / (now - t0)
+            s.bytes_per_s = (s.bytes_written - bytes0) / (now - t0)
+            self._rate_anchor = (now, s.tokens_done, s.bytes_written)

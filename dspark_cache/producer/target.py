@@ -1,0 +1,130 @@
+"""Load the target and capture the requested hidden states, without ever running the LM head."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dspark_cache.format.layers import EMBEDDING_LAYER, stored_hidden_layer_ids
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(Exception):
+    """The target model directory or id is unusable."""
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What the plan and the manifest need, read from the config alone (no weights)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+
+
+def resolve_device(arg: str) -> torch.device:
+    """``auto`` = CUDA when present; under torchrun each rank takes ``cuda:LOCAL_RANK``."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if arg == "auto":
+        arg = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(arg)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TargetError("--device cuda was given but no CUDA device is visible; use --device cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    return device
+
+
+def read_target_info(path: str, trust_remote_code: bool = False) -> TargetInfo:
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path) and ("/" not in path or path.startswith((".", "/"))):
+        raise TargetError(f"target model {path} does not exist; pass a checkpoint directory or a hub id to --target-model")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise TargetError(f"cannot read the config of target model {path!r}: {exc}") from exc
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return TargetInfo(
+        model_type=str(getattr(config, "model_type", "")),
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+    )
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class TargetRunner:
+    """The frozen target's base model with capture hooks on the requested layers."""
+
+    def __init__(
+        self,
+        path: str,
+        layer_ids: list[int],
+        num_layers: int,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        cache_dtype: torch.dtype,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model.to(device).eval().requires_grad_(False)
+        self.model = model
+        self.base = model.get_decoder()
+        self.device = device
+        self.cache_dtype = cache_dtype
+        self.stored_ids = stored_hidden_layer_ids(layer_ids, num_layers)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = [self._hook_module(i) for i in self.stored_ids]
+
+    def _hook_module(self, layer_id: int) -> Any:
+        module = self.base.get_input_embeddings() if layer_id == EMBEDDING_LAYER else self.base.layers[layer_id]
+
+        def hook(_module: Any, _args: Any, output: Any) -> None:
+            self._captured[layer_id] = _first_tensor(output)
+
+        return module.register_forward_hook(hook)
+
+    def target_weights(self) -> dict[str, torch.Tensor]:
+        """``embed_tokens.weight`` and ``lm_head.weight`` [V, H] in the cache dtype (as NeMo)."""
+        embed = self.model.get_input_embeddings().weight
+        head = self.model.get_output_embeddings().weight
+        return {
+            "embed_tokens.weight": embed.detach().to("cpu", self.cache_dtype).clone(),
+            "lm_head.weight": head.detach().to("cpu", self.cache_dtype).clone(),
+        }
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Return ``(hidden [B,T,k*H] or None, last [B,T,H])`` in the cache dtype, on device."""
+        self._captured.clear()
+        # Batches are right-padded and the target is causal, so no real token ever attends to a
+        # pad: the padding mask changes nothing we keep, and dropping it lets attention take its
+        # fused causal path instead of materialising a [B, 1, T, T] mask.
+        del attention_mask
+        out = self.base(input_ids=input_ids, use_cache=False)
+        last = out.last_hidden_state.to(self.cache_dtype)
+        if not self.stored_ids:
+            return None, last
+        b, t, h = last.shape
+        hidden = torch.empty((b, t, h * len(self.stored_ids)), dtype=self.cache_dtype, device=last.device)
+        for slot, layer_id in enumerate(self.stored_ids):
+            hidden[..., slot * h : (slot + 1) * h].copy_(self._captured[layer_id])
+        self._captured.clear()
+        return hidden, last
