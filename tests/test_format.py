@@ -1,0 +1,135 @@
+"""Format v1: round trips, alignment, integrity checks, publication, plain WebDataset reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tarfile
+
+import pytest
+import torch
+import webdataset as wds
+
+import dspark_cache
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.sample import CACHE_DTYPES, sample_metadata, sample_specs
+from dspark_cache.format.tar.reader import ShardReader
+from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
+from dspark_cache.format.wds import decode_dspark_sample
+
+
+def _tensors(length, k, h, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(length, k * h, generator=g).to(dtype),
+        "last_hidden_states": torch.randn(length, h, generator=g).to(dtype),
+        "input_ids": torch.randint(0, 50000, (length,), generator=g, dtype=torch.int32),
+        "loss_mask": torch.randint(0, 2, (length,), generator=g, dtype=torch.uint8),
+    }
+
+
+def _write_shard(root, dtype, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=24):
+    paths = CachePaths(str(root))
+    paths.ensure_dirs()
+    writer = ShardWriter(paths, 0)
+    k = sum(1 for i in layer_ids if i != num_layers - 1)
+    written, layout = {}, []
+    for sid, length in enumerate(lengths):
+        t = _tensors(length, k, h, dtype, sid)
+        specs, md = sample_specs(length, k * h, h, dtype), sample_metadata(sid, list(layer_ids), num_layers)
+        writer.append(sid * 3, int(t["loss_mask"].sum()), specs, md, t)
+        written[sid * 3] = t
+        layout.append((specs, md))
+    index = writer.publish()
+    assert index.tar_bytes == predict_shard_bytes(layout) == os.path.getsize(paths.shard_tar(0))
+    return paths, index, written
+
+
+@pytest.mark.parametrize("dtype_name", sorted(CACHE_DTYPES))
+def test_round_trip_every_dtype(tmp_path, dtype_name):
+    dtype = CACHE_DTYPES[dtype_name]
+    paths, index, written = _write_shard(tmp_path, dtype, [1, 7, 300, 64])
+    with ShardReader(paths, 0) as reader:
+        reader.verify()
+        for entry in index.samples:
+            got = reader.read_sample(entry)
+            t = written[entry.sample_id]
+            assert got["target_hidden_states"].dtype == dtype
+            assert torch.equal(got["target_hidden_states"], torch.cat([t["hidden_states"], t["last_hidden_states"]], -1))
+            assert torch.equal(got["target_last_hidden_states"], t["last_hidden_states"])
+            assert torch.equal(got["input_ids"], t["input_ids"]) and torch.equal(got["loss_mask"], t["loss_mask"])
+
+
+def test_tensor_data_is_page_aligned_and_64_byte_aligned(tmp_path):
+    paths, index, _ = _write_shard(tmp_path, torch.bfloat16, [5, 33, 129], h=20)
+    with open(paths.shard_tar(0), "rb") as handle:
+        data = handle.read()
+    for entry in index.samples:
+        (hlen,) = struct.unpack_from("<Q", data, entry.offset)
+        base = entry.offset + 8 + hlen
+        assert base % 4096 == 0
+        header = json.loads(data[entry.offset + 8 : base])
+        header.pop("__metadata__")
+        real = {k: v for k, v in header.items() if not k.startswith("__pad")}
+        assert len(real) == 4 and all((base + v["data_offsets"][0]) % 64 == 0 for v in real.values())
+
+
+def test_flipped_byte_is_named(tmp_path):
+    paths, index, _ = _write_shard(tmp_path, torch.bfloat16, [50, 60])
+    victim = index.samples[1]
+    with open(paths.shard_tar(0), "r+b") as handle:
+        handle.seek(victim.offset + victim.size - 10)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    with ShardReader(paths, 0) as reader:
+        reader.read_sample(index.samples[0])  # the untouched sample still reads
+        with pytest.raises(CorruptShardError, match=r"shard-000000\.tar \(sample 3\)"):
+            reader.read_sample(victim)
+        with pytest.raises(CorruptShardError, match="checksum"):
+            reader.verify()
+
+
+def test_truncated_shard_is_named(tmp_path):
+    paths, _, _ = _write_shard(tmp_path, torch.bfloat16, [50, 60])
+    with open(paths.shard_tar(0), "r+b") as handle:
+        handle.truncate(os.path.getsize(paths.shard_tar(0)) - 700)
+    with pytest.raises(CorruptShardError, match=r"shard-000000\.tar.*truncated"):
+        ShardReader(paths, 0)
+
+
+def test_partial_files_are_never_read(small_cache, tmp_path):
+    cache_dir = tmp_path / "c"
+    shutil.copytree(small_cache, cache_dir)
+    paths = CachePaths(str(cache_dir))
+    n = len(dspark_cache.open_cache(str(cache_dir)))
+    # A leftover .partial (say, from a crash) next to published shards is invisible to readers.
+    with open(paths.shard_partial(99), "wb") as handle:
+        handle.write(b"garbage" * 100)
+    assert len(dspark_cache.open_cache(str(cache_dir))) == n
+    # A shard without its index (killed between rename and index) is not published either,
+    # and a complete manifest missing one then refuses to open, naming the shard.
+    os.unlink(paths.shard_index(2))
+    with pytest.raises(CacheError, match=r"shards \[2\]"):
+        dspark_cache.open_cache(str(cache_dir))
+
+
+def test_plain_webdataset_reads_our_shards(small_cache):
+    cache = dspark_cache.open_cache(small_cache)
+    expected = {s["sample_id"]: s for s in cache.samples()}
+    urls = [cache.paths.shard_tar(i) for i in range(cache.manifest.num_shards)]
+    seen = 0
+    for sample in wds.WebDataset(urls, shardshuffle=False).decode(decode_dspark_sample):
+        got = sample["safetensors"]
+        want = expected[got["sample_id"]]
+        assert sample["__key__"] == f"{got['sample_id']:010d}"
+        for key in ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"):
+            assert torch.equal(got[key], want[key])
+        seen += 1
+    assert seen == len(expected)
+    # And the shard is a normal tar to the standard library too.
+    with tarfile.open(urls[0]) as tar:
+        assert all(m.name.endswith(".safetensors") and "." not in m.name[:-12] for m in tar.getmembers())
