@@ -26,6 +26,7 @@ from dspark_cache.producer.manifest import (
 )
 from dspark_cache.producer.messages import normalise_row
 from dspark_cache.producer.pipeline import PipelineStats, run_pipeline
+from dspark_cache.producer.progress import ProgressLog
 from dspark_cache.producer.plan import Plan, SampleShape, build_plan, collect_samples
 from dspark_cache.producer.status import StatusReporter
 from dspark_cache.producer.target import TargetInfo, TargetRunner, read_target_info, resolve_device
@@ -186,6 +187,8 @@ def produce(cfg: ProduceConfig) -> RunResult:
     base_samples = sum(len(s.samples) for s in plan.shards if s.shard_id in done)
     base_tokens = sum(s.num_tokens for s in plan.shards if s.shard_id in done)
     published = set(done)
+    todo_tokens = sum(s.num_tokens for s in todo)
+    progress = ProgressLog(todo_tokens, sum(len(s.samples) for s in todo))
 
     def on_published(shard, index) -> None:
         published.add(shard.shard_id)
@@ -197,6 +200,7 @@ def produce(cfg: ProduceConfig) -> RunResult:
         status.update(state="running", samples_done=base_samples + stats.samples, tokens_done=base_tokens + stats.tokens,
                       bytes_written=stats.bytes, inflight_bytes=budget.inflight, stage_seconds=stats.times.as_dict(),
                       device_memory_bytes=torch.cuda.memory_allocated(device) if device.type == "cuda" else None)
+        progress.update(stats.tokens, stats.samples, len(published), len(plan.shards))
 
     status.update(force=True, state="running")
     try:
