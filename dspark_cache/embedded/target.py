@@ -65,15 +65,20 @@ def build_target(
     num_kv_heads: int = 2,
     template: str = "stock",
     vocab_size: int = 2048,
+    model_vocab_size: int | None = None,
     seed: int = 0,
 ) -> str:
-    """Write a random-init Qwen3 checkpoint + tokenizer into ``out_dir`` and return it."""
+    """Write a random-init Qwen3 checkpoint + tokenizer into ``out_dir`` and return it.
+
+    ``model_vocab_size`` widens the embedding and LM head beyond the tokenizer (real Qwen3 has
+    151,936 rows for 151,669 tokens), which matters when benchmarking LM-head cost.
+    """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tokenizer(vocab_size, template)
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=max(model_vocab_size or 0, len(tokenizer)),  # a larger head, as real targets have
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 from dspark_cache.format.sample import CACHE_DTYPES
@@ -23,7 +24,7 @@ class ProduceConfig:
     shard_size: int = 256
     dtype: str = "bf16"
     device: str = "auto"
-    num_workers: int = 0
+    num_workers: int | None = None
     split: str | None = None
     shuffle_seed: int = 42
     draft_num_hidden_layers: int = 5
@@ -42,6 +43,13 @@ class ProduceConfig:
     on_invalid: str = "error"
     overwrite: bool = False
     force: bool = False
+
+    @property
+    def tokenize_workers(self) -> int:
+        if self.num_workers is not None:
+            return self.num_workers
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return max(1, min(16, (os.cpu_count() or 1) // per_node))
 
     @property
     def batch_token_budget(self) -> int:
@@ -63,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
     p.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default="bf16", help="cache float dtype")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda, cuda:N or cpu")
-    p.add_argument("--num-workers", type=int, default=0, help="tokenisation processes (0 = in process)")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="tokenisation processes (default: the cores of this rank's share of the node; 0 = in process)")
     p.add_argument("--split", default=None, help="dataset split, slice syntax name[a:b] allowed")
     p.add_argument("--shuffle-seed", type=int, default=42, help="shuffle before slicing (Parquet / hub only)")
     p.add_argument("--draft-num-hidden-layers", type=int, default=5, help="feature layers for the default spread")

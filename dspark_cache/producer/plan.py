@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -123,21 +123,17 @@ def length_grouped_batches(samples: list[PlannedSample], batch_size: int, max_ba
 
 
 def collect_samples(
-    rows: Iterable[RawRow],
-    encode: Callable[[RawRow], EncodedRow],
+    encoded: Iterable[tuple[RawRow, EncodedRow | InvalidRow]],
     on_invalid: str,
 ) -> tuple[int, list[PlannedSample], list[SkippedRow]]:
-    """Encode every row; invalid rows raise or are skipped (and listed) by policy."""
+    """Gather encoded rows; invalid rows raise or are skipped (and listed) by policy."""
     samples: list[PlannedSample] = []
     skipped: list[SkippedRow] = []
     num_rows = 0
-    for row in rows:
+    for row, result in encoded:
         num_rows += 1
-        try:
-            if row.error is not None:
-                raise row.error
-            encoded = encode(row)
-        except InvalidRow as exc:
+        if isinstance(result, InvalidRow):
+            exc = result
             if on_invalid == "error":
                 raise InvalidInputError(
                     f"{row.where}: {exc.detail}. Fix or remove this row, or pass --on-invalid skip "
@@ -145,7 +141,7 @@ def collect_samples(
                 ) from exc
             skipped.append(SkippedRow(row=row.index, reason=exc.reason, where=row.where))
             continue
-        sample = PlannedSample(row.index, encoded.input_ids, encoded.loss_mask)
+        sample = PlannedSample(row.index, result.input_ids, result.loss_mask)
         if sample.loss_tokens == 0:
             skipped.append(SkippedRow(row=row.index, reason=NO_SUPERVISED_TOKEN, where=row.where))
             continue

@@ -27,6 +27,7 @@ from dspark_cache.producer.manifest import (
 from dspark_cache.producer.messages import normalise_row
 from dspark_cache.producer.pipeline import PipelineStats, run_pipeline
 from dspark_cache.producer.progress import ProgressLog
+from dspark_cache.producer.tokenize import encode_rows
 from dspark_cache.producer.plan import Plan, SampleShape, build_plan, collect_samples
 from dspark_cache.producer.status import StatusReporter
 from dspark_cache.producer.target import TargetInfo, TargetRunner, read_target_info, resolve_device
@@ -87,7 +88,7 @@ def make_plan(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, sha
         messages, tools = normalise_row(row.value)
         return encoder.encode(messages, tools)
 
-    num_rows, samples, skipped = collect_samples(source.rows(), encode, cfg.on_invalid)
+    num_rows, samples, skipped = collect_samples(encode_rows(source.rows(), encode, cfg.tokenize_workers), cfg.on_invalid)
     if num_rows == 0:
         from dspark_cache.producer.inputs import InputError
 
