@@ -20,11 +20,17 @@ def atomic_write_bytes(path: str, data: bytes, *, durable: bool = True) -> None:
     The temporary name carries the pid so that two processes never share it.
     """
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        if durable:
-            handle.flush()
-            os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A failed write (a full disk, say) leaves the old file, and no stray temporary.
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     if durable:
         fsync_dir(os.path.dirname(os.path.abspath(path)))

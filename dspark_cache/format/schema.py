@@ -15,7 +15,9 @@ CACHE_FORMAT = "dspark-wds"
 
 # Manifest fields that describe progress or provenance, not what the cache contains. Every
 # other field is identity: resume refuses a cache whose identity differs from the new run's.
-NON_IDENTITY_FIELDS = frozenset({"complete", "versions", "created_at", "completed_at"})
+NON_IDENTITY_FIELDS = frozenset(
+    {"complete", "versions", "created_at", "completed_at", "num_samples", "nonfinite_samples"}
+)
 
 
 class SkippedRow(msgspec.Struct, frozen=True):
@@ -40,7 +42,7 @@ class Manifest(msgspec.Struct, kw_only=True):
     num_hidden_layers: int
     seq_length: int
     dtype: str
-    num_samples: int
+    num_samples: int  # samples stored; planned_samples minus any dropped as non-finite
     shard_size: int
     target_hidden_dim: int
     target_last_hidden_dim: int
@@ -57,12 +59,14 @@ class Manifest(msgspec.Struct, kw_only=True):
     attn_implementation: str | None = None
     pad_token_id: int = 0
     num_rows: int = 0
+    planned_samples: int = 0
     num_shards: int = 0
     planned_tokens: int = 0
     planned_loss_tokens: int = 0
     planned_bytes: int = 0
     skipped_rows: dict[str, int] = msgspec.field(default_factory=dict)
     skipped: list[SkippedRow] = msgspec.field(default_factory=list)
+    nonfinite_samples: list[int] = msgspec.field(default_factory=list)
     versions: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: float = 0.0
     completed_at: float | None = None
@@ -99,6 +103,7 @@ class ShardIndex(msgspec.Struct, kw_only=True):
     tar_bytes: int
     tar_xxh3: int
     samples: list[SampleEntry]
+    nonfinite: list[int] = msgspec.field(default_factory=list)  # planned ids dropped (--on-nonfinite skip)
 
     @property
     def num_samples(self) -> int:
@@ -110,6 +115,7 @@ class RankStatus(msgspec.Struct, kw_only=True):
 
     rank: int
     world_size: int
+    run_id: str = ""
     pid: int
     host: str
     state: str  # planning | loading | running | stopping | finished | failed

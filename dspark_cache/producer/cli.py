@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from dspark_cache.producer.config import EXIT_ERROR, EXIT_OK, EXIT_STOPPED, parse_config
+from dspark_cache.producer.config import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, parse_config
 
 
 def _summary(result) -> str:
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dspark-produce: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print(_summary(result))
+    if result.missing:
+        print(f"dspark-produce: shards {result.missing} were not published because the rank that owned them "
+              "stopped; rerun the same command (any number of ranks) to complete the cache", file=sys.stderr)
+        return EXIT_INCOMPLETE
     if result.stopped:
         print("dspark-produce: stopped before completion; rerun the same command to resume", file=sys.stderr)
         return EXIT_STOPPED

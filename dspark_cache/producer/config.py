@@ -12,6 +12,7 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_STOPPED = 3  # stopped on request (SIGINT/SIGTERM/monitor): the cache is resumable
+EXIT_INCOMPLETE = 4  # this rank finished, but shards of a rank that died are missing: rerun
 
 
 @dataclass
@@ -41,6 +42,8 @@ class ProduceConfig:
     max_batch_tokens: int | None = None
     max_inflight_bytes: int = 1 << 30
     on_invalid: str = "error"
+    on_nonfinite: str = "error"
+    rank_timeout: float = 300.0
     overwrite: bool = False
     force: bool = False
 
@@ -92,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host bytes staged between device and writer before the device waits")
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows: stop during planning (default) or skip and count them")
+    p.add_argument("--on-nonfinite", choices=["error", "skip"], default="error",
+                   help="NaN/inf hidden states: stop (default) or drop the sample and list it in the manifest")
+    p.add_argument("--rank-timeout", type=float, default=300.0,
+                   help="seconds without a heartbeat after which a finished rank stops waiting for another")
     p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
     p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
     return p

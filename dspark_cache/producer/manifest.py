@@ -13,9 +13,10 @@ from dspark_cache import __version__
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError, CorruptShardError, ManifestMismatchError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Manifest, decode_manifest, encode_json, identity_diff
+from dspark_cache.format.schema import Manifest, ShardIndex, decode_manifest, encode_json, identity_diff
 from dspark_cache.format.tar.reader import load_shard_index
-from dspark_cache.producer.plan import Plan
+from dspark_cache.format.tar.writer import predict_shard_bytes
+from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,19 @@ def check_existing(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifes
     return old
 
 
-def published_shards(paths: CachePaths, plan: Plan) -> set[int]:
-    """Shards whose index and tar match the plan; damaged or foreign ones are removed."""
+def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape) -> bool:
+    """The index lists exactly the planned samples (minus dropped non-finite ones) and sizes."""
+    dropped = set(index.nonfinite)
+    kept = [s for s in shard.samples if s.sample_id not in dropped]
+    if [e.sample_id for e in index.samples] != [s.sample_id for s in kept]:
+        return False
+    expected = shard.num_bytes if not dropped else \
+        predict_shard_bytes([(shape.specs(s.length), shape.metadata(s.sample_id)) for s in kept])
+    return index.tar_bytes == expected
+
+
+def published_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[int]:
+    """Shards whose index and tar match the plan; partial, damaged or foreign ones are removed."""
     for leftover in paths.partial_files():
         log.info("removing leftover %s from an interrupted run", leftover)
         os.unlink(leftover)
@@ -89,9 +101,7 @@ def published_shards(paths: CachePaths, plan: Plan) -> set[int]:
     for shard_id in paths.indexed_shard_ids():
         shard = planned.get(shard_id)
         try:
-            index = load_shard_index(paths, shard_id)
-            ok = shard is not None and index.tar_bytes == shard.num_bytes and \
-                [e.sample_id for e in index.samples] == [s.sample_id for s in shard.samples]
+            ok = shard is not None and _matches_plan(load_shard_index(paths, shard_id), shard, shape)
         except CorruptShardError as exc:
             log.warning("%s; it will be recomputed", exc)
             ok = False
@@ -104,7 +114,23 @@ def published_shards(paths: CachePaths, plan: Plan) -> set[int]:
     return done
 
 
+def claim_completion(paths: CachePaths, run_id: str) -> bool:
+    """True for exactly one rank of a run: the one that creates the claim file first."""
+    os.makedirs(os.path.dirname(paths.stop_request), exist_ok=True)
+    try:
+        fd = os.open(os.path.join(os.path.dirname(paths.stop_request), f"complete-{run_id}"),
+                     os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
 def mark_complete(paths: CachePaths, manifest: Manifest) -> None:
+    """Record what was stored (samples dropped as non-finite included) and flip ``complete``."""
+    nonfinite = sorted(sid for i in paths.indexed_shard_ids() for sid in load_shard_index(paths, i).nonfinite)
+    manifest.nonfinite_samples = nonfinite
+    manifest.num_samples = manifest.planned_samples - len(nonfinite)
     manifest.complete = True
     manifest.completed_at = time.time()
     write_manifest(paths, manifest)

@@ -27,6 +27,9 @@ class InvalidRow(ValueError):
         self.reason = reason
         self.detail = detail
 
+    def __reduce__(self):  # rows cross to tokenisation workers; keep both fields on the way
+        return (InvalidRow, (self.reason, self.detail))
+
 
 def _content(value: Any, where: str) -> str:
     if value is None:

@@ -26,6 +26,19 @@ from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
 log = logging.getLogger(__name__)
 
 
+class NonFiniteError(Exception):
+    """The target produced NaN/inf for a sample and the policy is ``error``."""
+
+
+def finite_flags(hidden: torch.Tensor | None, last: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per sample: are all its real positions finite? Computed on the device, no sync."""
+    ok = torch.isfinite(last).all(-1)
+    if hidden is not None:
+        ok &= torch.isfinite(hidden).all(-1)
+    real = torch.arange(last.shape[1], device=last.device)[None, :] < torch.tensor(lengths, device=last.device)[:, None]
+    return (ok | ~real).all(-1)
+
+
 class ByteBudget:
     """Blocks producers while more than ``limit`` bytes are in flight (one item always passes)."""
 
@@ -67,6 +80,7 @@ class WriteJob:
     shard: ShardPlan
     samples: list[PlannedSample]
     tensors: list[tuple[torch.Tensor | None, torch.Tensor]]
+    finite: torch.Tensor  # bool [B], host
     ready: torch.cuda.Event | None
     nbytes: int
     closes_shard: bool
@@ -88,9 +102,10 @@ class Stager:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def stage(self, hidden: torch.Tensor | None, last: torch.Tensor, lengths: list[int]) -> tuple[list[tuple[torch.Tensor | None, torch.Tensor]], torch.cuda.Event | None]:
+    def stage(self, hidden: torch.Tensor | None, last: torch.Tensor, finite: torch.Tensor, lengths: list[int]
+              ) -> tuple[list[tuple[torch.Tensor | None, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
         if not self.cuda:
-            return [(None if hidden is None else hidden[b, :n], last[b, :n]) for b, n in enumerate(lengths)], None
+            return [(None if hidden is None else hidden[b, :n], last[b, :n]) for b, n in enumerate(lengths)], finite, None
         assert self.stream is not None
         self.stream.wait_stream(torch.cuda.current_stream(last.device))
         out = []
@@ -105,23 +120,28 @@ class Stager:
                     dst.copy_(src[b, :n], non_blocking=True)
                     pair.append(dst)
                 out.append((pair[0], pair[1]))
+            finite_host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
+            finite_host.copy_(finite, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        for src in (hidden, last):
+        for src in (hidden, last, finite):
             if src is not None:
                 src.record_stream(self.stream)  # keep device memory alive until the copy ends
-        return out, ready
+        return out, finite_host, ready
 
 
 class ShardWriterThread(threading.Thread):
     """Appends staged batches to shards in plan order and publishes each finished shard."""
 
     def __init__(self, paths: CachePaths, shape: SampleShape, budget: ByteBudget, stats: PipelineStats,
-                 on_published: Callable[[ShardPlan, ShardIndex], None], durable: bool = True) -> None:
+                 on_published: Callable[[ShardPlan, ShardIndex], None], on_nonfinite: str = "error",
+                 durable: bool = True) -> None:
         super().__init__(name="dspark-writer", daemon=True)
         self.paths, self.shape, self.budget, self.stats = paths, shape, budget, stats
         self.on_published = on_published
+        self.on_nonfinite = on_nonfinite
         self.durable = durable
+        self._nonfinite: list[int] = []
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.error: BaseException | None = None
         self._writer: ShardWriter | None = None
@@ -133,9 +153,7 @@ class ShardWriterThread(threading.Thread):
                     self._write(job)
             except BaseException as exc:  # surfaced to the main thread, which stops cleanly
                 self.error = exc
-                if self._writer is not None:
-                    self._writer.abort()
-                    self._writer = None
+                self.abandon()
             finally:
                 self.budget.release(job.nbytes)
 
@@ -145,7 +163,18 @@ class ShardWriterThread(threading.Thread):
         started = time.perf_counter()
         if self._writer is None:
             self._writer = ShardWriter(self.paths, job.shard.shard_id, durable=self.durable)
-        for sample, (hidden, last) in zip(job.samples, job.tensors):
+        for sample, (hidden, last), finite in zip(job.samples, job.tensors, job.finite.tolist()):
+            if not finite:
+                if self.on_nonfinite == "error":
+                    raise NonFiniteError(
+                        f"the target produced non-finite hidden states for sample {sample.sample_id} (input "
+                        f"row {sample.sample_id}); nothing was written for shard {job.shard.shard_id}. Check the "
+                        "target and --compute-dtype, or pass --on-nonfinite skip to drop such samples (listed "
+                        "in the manifest)"
+                    )
+                log.warning("sample %d has non-finite hidden states: dropped", sample.sample_id)
+                self._nonfinite.append(sample.sample_id)
+                continue
             tensors = {
                 LAST_HIDDEN: last,
                 INPUT_IDS: torch.from_numpy(sample.input_ids),
@@ -158,7 +187,8 @@ class ShardWriterThread(threading.Thread):
             self.stats.samples += 1
             self.stats.tokens += sample.length
         if job.closes_shard:
-            index = self._writer.publish()
+            index = self._writer.publish(nonfinite=self._nonfinite)
+            self._nonfinite = []
             self.stats.bytes += index.tar_bytes
             self.stats.shards += 1
             self._writer = None
@@ -170,6 +200,7 @@ class ShardWriterThread(threading.Thread):
         if self._writer is not None:
             self._writer.abort()
             self._writer = None
+        self._nonfinite = []
 
 
 def collate(batch: list[PlannedSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +231,7 @@ def run_pipeline(
     on_published: Callable[[ShardPlan, ShardIndex], None] = lambda shard, index: None,
     should_stop: Callable[[], bool] = lambda: False,
     on_batch: Callable[[PipelineStats, ByteBudget], None] = lambda stats, budget: None,
+    on_nonfinite: str = "error",
     durable: bool = True,
 ) -> PipelineStats:
     """Compute and write ``shards``; returns when all are published or a stop was honoured.
@@ -208,7 +240,7 @@ def run_pipeline(
     """
     stats = PipelineStats()
     budget = ByteBudget(max_inflight_bytes)
-    writer = ShardWriterThread(paths, shape, budget, stats, on_published, durable)
+    writer = ShardWriterThread(paths, shape, budget, stats, on_published, on_nonfinite, durable)
     stager = Stager(device)
     writer.start()
     try:
@@ -222,14 +254,16 @@ def run_pipeline(
                 ids, mask = collate(batch, pad_id, device)
                 t1 = time.perf_counter()
                 hidden, last = forward(ids, mask)
+                lengths = [s.length for s in batch]
+                finite = finite_flags(hidden, last, lengths)
                 t2 = time.perf_counter()
-                staged, ready = stager.stage(hidden, last, [s.length for s in batch])
+                staged, finite, ready = stager.stage(hidden, last, finite, lengths)
                 del hidden, last
                 t3 = time.perf_counter()
                 nbytes = sum(sum(t.nbytes for t in pair if t is not None) for pair in staged)
                 budget.acquire(nbytes, abort=lambda: writer.error is not None)
                 t4 = time.perf_counter()
-                writer.jobs.put(WriteJob(shard, batch, staged, ready, nbytes, i == len(shard.batches) - 1))
+                writer.jobs.put(WriteJob(shard, batch, staged, finite, ready, nbytes, i == len(shard.batches) - 1))
                 times = stats.times
                 times.data += t1 - t0
                 times.device += t2 - t1

@@ -19,18 +19,35 @@ log = logging.getLogger(__name__)
 class StatusReporter:
     """Writes ``status/rank-N.json`` (atomically, at most every ``interval`` s) and events."""
 
-    def __init__(self, paths: CachePaths, rank: int, world_size: int, interval: float = 1.0) -> None:
+    def __init__(self, paths: CachePaths, rank: int, world_size: int, run_id: str, interval: float = 1.0) -> None:
         self.paths = paths
         self.rank = rank
         self.interval = interval
         now = time.time()
         self.status = RankStatus(
-            rank=rank, world_size=world_size, pid=os.getpid(), host=socket.gethostname(),
+            rank=rank, world_size=world_size, run_id=run_id, pid=os.getpid(), host=socket.gethostname(),
             state="planning", updated_at=now, started_at=now,
         )
         self._last_write = 0.0
         self._lock = threading.Lock()
         self._rate_anchor: tuple[float, int, int] | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def start_heartbeat(self) -> None:
+        """Rewrite the status every ``interval`` s even while a long step (model load) runs."""
+
+        def beat() -> None:
+            while not self._stop.wait(self.interval):
+                self.update(force=True)
+
+        self._beat = threading.Thread(target=beat, name="dspark-heartbeat", daemon=True)
+        self._beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         """Append one event line (O_APPEND keeps lines whole across restarts)."""

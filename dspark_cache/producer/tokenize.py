@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import collections
 import itertools
 import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
-
-import numpy as np
 
 from dspark_cache.producer.chat import EncodedRow
 from dspark_cache.producer.inputs import RawRow
@@ -28,22 +27,16 @@ def _encode_one(encode: Encode, row: RawRow) -> Result:
         return exc
 
 
-def _to_wire(result: Result) -> tuple:
-    # Plain tuples cross the process boundary (InvalidRow's constructor is not pickle-friendly).
-    if isinstance(result, InvalidRow):
-        return ("invalid", result.reason, result.detail)
-    return ("ok", result.input_ids, result.loss_mask, result.full_length)
+def _worker_init() -> None:
+    # Workers inherit the parent's graceful-stop handlers; they must die on SIGTERM (that is
+    # how the pool ends them) and leave SIGINT to the parent.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _from_wire(wire: tuple) -> Result:
-    if wire[0] == "invalid":
-        return InvalidRow(wire[1], wire[2])
-    return EncodedRow(np.asarray(wire[1]), np.asarray(wire[2]), wire[3])
-
-
-def _encode_chunk(rows: list[RawRow]) -> list[tuple]:
+def _encode_chunk(rows: list[RawRow]) -> list[Result]:
     assert _worker_encode is not None
-    return [_to_wire(_encode_one(_worker_encode, row)) for row in rows]
+    return [_encode_one(_worker_encode, row) for row in rows]
 
 
 def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) -> Iterator[tuple[RawRow, Result]]:
@@ -57,18 +50,13 @@ def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) ->
         return
     global _worker_encode
     _worker_encode = encode
-    chunks = iter(lambda it=iter(rows): list(itertools.islice(it, _CHUNK)), [])
-    with multiprocessing.get_context("fork").Pool(num_workers) as pool:
-        pending = (chunk for chunk in chunks)
-        buffered: collections.deque[list[RawRow]] = collections.deque()
-
-        def feed() -> Iterator[list[RawRow]]:
-            for chunk in pending:
-                buffered.append(chunk)
-                yield chunk
-
-        for results in pool.imap(_encode_chunk, feed()):
-            chunk = buffered.popleft()
-            for row, wire in zip(chunk, results):
-                yield row, _from_wire(wire)
-    _worker_encode = None
+    chunks = list(iter(lambda it=iter(rows): list(itertools.islice(it, _CHUNK)), []))
+    # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of
+    # leaving the planner waiting forever for a lost chunk.
+    context = multiprocessing.get_context("fork")
+    try:
+        with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init) as pool:
+            for chunk, results in zip(chunks, pool.map(_encode_chunk, chunks)):
+                yield from zip(chunk, results)
+    finally:
+        _worker_encode = None

@@ -10,6 +10,7 @@ import torch
 import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
+from dspark_cache.format.faults import crash_point
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import TensorSpec, payload_buffers
 from dspark_cache.format.schema import SampleEntry, ShardIndex, encode_json
@@ -94,9 +95,10 @@ class ShardWriter:
             xxh3=sample_hash.intdigest(),
         )
         self._entries.append(entry)
+        crash_point("mid_shard")
         return entry
 
-    def publish(self) -> ShardIndex:
+    def publish(self, nonfinite: list[int] | None = None) -> ShardIndex:
         """Seal the tar, make it durable, rename it into place, then publish its index."""
         self._write(bytes(END_OF_ARCHIVE))
         if self.durable:
@@ -106,13 +108,16 @@ class ShardWriter:
         os.replace(self._partial, tar_path)
         if self.durable:
             fsync_dir(self.paths.shards_dir)
+        crash_point("after_rename")
         index = ShardIndex(
             shard_id=self.shard_id,
             tar_bytes=self.bytes_written,
             tar_xxh3=self._hash.intdigest(),
             samples=self._entries,
+            nonfinite=list(nonfinite or []),
         )
         atomic_write_bytes(self.paths.shard_index(self.shard_id), encode_json(index), durable=self.durable)
+        crash_point("after_index")
         return index
 
     def abort(self) -> None:

@@ -1,0 +1,123 @@
+"""Many producer ranks (``torchrun``), one cache: deterministic shard ownership, no shared file.
+
+Ranks exchange no tensors: every rank plans the same plan, rank 0 prepares the directory and
+broadcasts the outcome once (over gloo, on CPU, whatever the device), then the process group
+is released. From there each rank writes only its own shards, status and events, so a rank
+that dies cannot block the others in a collective; they finish their shards, wait for the
+owners of the rest while those heartbeat, and name what is missing if an owner is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import msgspec
+import torch
+
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.schema import RankStatus
+from dspark_cache.producer.plan import ShardPlan
+
+ACTIVE_STATES = ("planning", "loading", "running", "waiting")
+_PAYLOAD_BYTES = 65536
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def rank_info() -> RankInfo:
+    return RankInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _init_group(info: RankInfo) -> None:
+    import torch.distributed as dist
+
+    if info.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size, timeout=timedelta(minutes=60))
+
+
+def share_setup(info: RankInfo, error: str | None) -> tuple[str | None, str]:
+    """Rank 0's set-up outcome and a run id, known to every rank; then the group is released.
+
+    Returns ``(error or None, run_id)``. Other ranks pass ``error=None``.
+    """
+    payload = {"error": error, "run_id": secrets.token_hex(8)}
+    if info.world_size == 1:
+        return payload["error"], payload["run_id"]
+    import torch.distributed as dist
+
+    _init_group(info)
+    buf = torch.zeros(_PAYLOAD_BYTES, dtype=torch.uint8)
+    if info.is_leader:
+        raw = json.dumps(payload).encode()[: _PAYLOAD_BYTES - 8]
+        buf[:8] = torch.tensor(list(len(raw).to_bytes(8, "little")), dtype=torch.uint8)
+        buf[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=0)
+    dist.destroy_process_group()
+    size = int.from_bytes(bytes(buf[:8].tolist()), "little")
+    shared = json.loads(bytes(buf[8 : 8 + size].tolist()))
+    return shared["error"], shared["run_id"]
+
+
+def barrier_before_setup(info: RankInfo) -> None:
+    """Everyone has planned before rank 0 touches the directory (it may clear it)."""
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        _init_group(info)
+        dist.barrier()
+
+
+def assign_shards(todo: list[ShardPlan], world_size: int) -> list[list[ShardPlan]]:
+    """Balance planned tokens: largest shard first to the least loaded rank (ties: lowest)."""
+    owned: list[list[ShardPlan]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for shard in sorted(todo, key=lambda s: (-s.num_tokens, s.shard_id)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owned[rank].append(shard)
+        load[rank] += shard.num_tokens
+    return [sorted(o, key=lambda s: s.shard_id) for o in owned]
+
+
+def read_statuses(paths: CachePaths) -> list[RankStatus]:
+    out = []
+    try:
+        names = sorted(os.listdir(paths.status_dir))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        try:
+            with open(os.path.join(paths.status_dir, name), "rb") as handle:
+                out.append(msgspec.json.decode(handle.read(), type=RankStatus))
+        except (OSError, msgspec.DecodeError):
+            continue
+    return out
+
+
+def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id: str,
+                      rank_timeout: float, poll: float = 1.0) -> set[int]:
+    """Wait while shards are missing and some other rank of this run is alive; return missing."""
+    while True:
+        missing = planned - set(paths.indexed_shard_ids())
+        if not missing:
+            return missing
+        now = time.time()
+        alive = [
+            s for s in read_statuses(paths)
+            if s.rank != me.rank and s.run_id == run_id and s.state in ACTIVE_STATES and now - s.updated_at < rank_timeout
+        ]
+        if not alive:
+            return missing
+        time.sleep(poll)
