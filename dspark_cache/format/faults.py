@@ -1,4 +1,8 @@
-"""Crash points for the crash-safety tests: ``DSPARK_CRASH_AT=point:n`` SIGKILLs this process.
+"""Fault injection for the crash-safety tests; without the variables every call is a no-op.
+
+``DSPARK_CRASH_AT=point:n`` SIGKILLs this process the n-th time ``point`` is reached.
+``DSPARK_FAIL_WRITES_AFTER=bytes`` makes shard writes fail with ENOSPC past that many bytes
+(for machines where a small filesystem cannot be mounted).
 
 The points sit at the boundaries that matter for atomic publication (a shard half written,
 renamed but not yet indexed, indexed but not yet reported). Without the variable this is a
@@ -7,6 +11,7 @@ no-op, so production runs never pay more than a dictionary lookup per shard.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -24,3 +29,10 @@ def crash_point(name: str) -> None:
     _counts[name] = _counts.get(name, 0) + 1
     if _counts[name] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def check_write_budget(bytes_written: int) -> None:
+    """Raise ENOSPC once this process has written more shard bytes than allowed."""
+    limit = os.environ.get("DSPARK_FAIL_WRITES_AFTER")
+    if limit is not None and bytes_written > int(limit):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

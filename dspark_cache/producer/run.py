@@ -13,6 +13,7 @@ import torch
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
+from dspark_cache.format.faults import crash_point
 from dspark_cache.format.layers import build_target_layer_ids, validate_target_layer_ids
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
@@ -141,6 +142,7 @@ def prepare(cfg: ProduceConfig) -> Prepared:
              plan.num_rows, plan.num_samples, len(plan.skipped), plan.num_tokens, plan.num_loss_tokens,
              len(plan.shards), plan.num_bytes / 1e6)
     manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, source, compute_dtype)
+    crash_point("planned")
     return Prepared(cfg, info, layer_ids, shape, plan, manifest, CachePaths(cfg.output_dir), device, compute_dtype)
 
 

@@ -59,8 +59,8 @@ class StatusReporter:
                 os.write(fd, line)
             finally:
                 os.close(fd)
-        if kind in ("warning", "error"):
-            log.log(logging.WARNING if kind == "warning" else logging.ERROR, message)
+        if kind == "warning":  # errors reach the user once, through the exception the run raises
+            log.warning(message)
 
     def update(self, force: bool = False, **fields: Any) -> None:
         """Change status fields; the file is rewritten when ``interval`` has passed (or forced)."""

@@ -10,7 +10,7 @@ import torch
 import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
-from dspark_cache.format.faults import crash_point
+from dspark_cache.format.faults import check_write_budget, crash_point
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import TensorSpec, payload_buffers
 from dspark_cache.format.schema import SampleEntry, ShardIndex, encode_json
@@ -39,6 +39,7 @@ def _load_sync_file_range():
 
 
 _sync_file_range = _load_sync_file_range()
+_process_bytes = [0]  # shard bytes this process wrote (for fault injection only)
 
 
 class ShardWriter:
@@ -58,6 +59,8 @@ class ShardWriter:
 
     def _write(self, data: memoryview | bytes) -> None:
         view = memoryview(data)
+        _process_bytes[0] += view.nbytes
+        check_write_budget(_process_bytes[0])
         while view.nbytes:
             written = self._file.write(view)
             view = view[written:]

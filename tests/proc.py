@@ -1,0 +1,79 @@
+"""Helpers to run the real console scripts as subprocesses (killed, signalled, under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+import dspark_cache
+
+BIN = os.path.dirname(sys.executable)
+
+
+def producer_cmd(*args: str) -> list[str]:
+    return [os.path.join(BIN, "dspark-produce"), *args]
+
+
+def start(cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = start(cmd, env)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def events(cache_dir: str) -> list[dict]:
+    out = []
+    directory = os.path.join(cache_dir, "events")
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        with open(os.path.join(directory, name)) as handle:
+            for line in handle:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by SIGKILL
+                    pass
+    return out
+
+
+def wait_for(predicate, timeout: float = 120, poll: float = 0.05) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if time.time() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(poll)
+
+
+def published(cache_dir: str) -> int:
+    return sum(1 for e in events(cache_dir) if e["kind"] == "shard_published")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_same_samples(a_dir: str, b_dir: str, exact: bool = True) -> int:
+    """Every sample of cache ``a`` equals ``b``'s (ids, masks, hidden states), none missing or extra."""
+    a, b = dspark_cache.open_cache(a_dir), dspark_cache.open_cache(b_dir)
+    assert a.manifest.identity() == b.manifest.identity()
+    n = 0
+    for x, y in zip(a.samples(), b.samples(), strict=True):
+        assert x["sample_id"] == y["sample_id"]
+        for key in ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"):
+            if exact or key in ("input_ids", "loss_mask"):
+                assert torch.equal(x[key], y[key]), (x["sample_id"], key)
+            else:
+                torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=1e-5)
+        n += 1
+    return n

@@ -1,0 +1,86 @@
+"""Every kind of bad input, under both policies: a clear planning-time error, or counted skips."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import dspark_cache
+from tests.conftest import run_produce
+from tests.proc import events
+
+GOOD = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]}
+NO_ANSWER = {"messages": [{"role": "user", "content": "anyone?"}]}
+
+# (raw line, reason counted under --on-invalid skip, words the error message must contain)
+BAD_ROWS = [
+    ('{"messages": [{"role": "user"', "malformed JSON", "malformed JSON"),
+    ('[1, 2, 3]', "row not an object", "expected a JSON object"),
+    ('{"text": "no messages here"}', "missing messages", "neither 'messages' nor 'conversations'"),
+    ('{"messages": "hello"}', "messages not a list", "expected a list"),
+    ('{"messages": ["hello"]}', "message not an object", "message 0"),
+    ('{"messages": [{"content": "x"}]}', "message without role", "no 'role'"),
+    ('{"messages": [{"role": "narrator", "content": "x"}]}', "unknown role", "unknown role 'narrator'"),
+    ('{"messages": [{"role": "user", "content": 42}]}', "non-string content", "content of type int"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "invalid UTF-8", "invalid UTF-8"),
+    (b"\x89PNG\x1a\x00\x00\x00\rIHDR\xff\xfe\x00", "invalid UTF-8", "invalid UTF-8"),  # binary garbage
+    ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown role", "unknown 'from'"),
+]
+
+
+def _write(path, lines) -> str:
+    with open(path, "wb") as handle:
+        for line in lines:
+            handle.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("raw,reason,words", BAD_ROWS, ids=[r[1] + str(i) for i, r in enumerate(BAD_ROWS)])
+def test_error_policy_names_file_line_and_reason(embedded, tmp_path, capsys, raw, reason, words):
+    data = _write(tmp_path / "rows.jsonl", [json.dumps(GOOD), json.dumps(GOOD), raw, json.dumps(GOOD)])
+    out = str(tmp_path / "out")
+    assert run_produce(embedded.stock, data, out, "--seq-length", "64") == 1
+    err = capsys.readouterr().err
+    assert "rows.jsonl:3" in err and words in err and "--on-invalid skip" in err
+    assert not os.path.exists(os.path.join(out, "manifest.json"))  # refused during planning
+
+
+def test_skip_policy_counts_and_lists_every_bad_row(embedded, tmp_path):
+    lines = [json.dumps(GOOD)]
+    for raw, _, _ in BAD_ROWS:
+        lines += [raw, json.dumps(GOOD)]
+    lines.append(json.dumps(NO_ANSWER))
+    data = _write(tmp_path / "rows.jsonl", lines)
+    out = str(tmp_path / "out")
+    assert run_produce(embedded.stock, data, out, "--seq-length", "64", "--on-invalid", "skip") == 0
+    m = dspark_cache.open_cache(out).manifest
+    expected: dict[str, int] = {"no supervised token": 1}
+    for _, reason, _ in BAD_ROWS:
+        expected[reason] = expected.get(reason, 0) + 1
+    assert m.skipped_rows == dict(sorted(expected.items()))
+    assert [s.row for s in m.skipped] == [2 * i + 1 for i in range(len(BAD_ROWS))] + [len(lines) - 1]
+    assert all(s.where.startswith(data + ":") for s in m.skipped)
+    assert m.num_samples == len(BAD_ROWS) + 1 and m.num_rows == len(lines)
+    assert [s["sample_id"] for s in dspark_cache.open_cache(out).samples()] == [2 * i for i in range(len(BAD_ROWS) + 1)]
+    logged = [e for e in events(out) if e["kind"] == "skipped_row"]
+    assert sorted(e["data"]["row"] for e in logged) == sorted(s.row for s in m.skipped)
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_unusable_inputs_fail_under_both_policies(embedded, tmp_path, capsys, policy):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    nodata = tmp_path / "nodata"
+    nodata.mkdir()
+    (nodata / "readme.txt").write_text("x")
+    only_bad = _write(tmp_path / "bad.jsonl", ["not json", "{]"])
+    cases = [(str(empty), "holds no rows"), (str(tmp_path / "missing.jsonl"), "does not exist"),
+             (str(nodata), "holds no data files")]
+    if policy == "skip":
+        cases.append((only_bad, "none of the 2 rows"))
+    for path, words in cases:
+        assert run_produce(embedded.stock, path, str(tmp_path / "out"), "--on-invalid", policy) == 1
+        err = capsys.readouterr().err
+        assert words in err, err
