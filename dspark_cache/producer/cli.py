@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from dspark_cache.producer.config import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, parse_config
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dspark_cache").debug("failure", exc_info=True)
         print(f"dspark-produce: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    print(_summary(result))
+    rank = int(os.environ.get("RANK", "0"))
+    print(_summary(result) if rank == 0 else f"rank {rank}: done")
     if result.missing:
         print(f"dspark-produce: shards {result.missing} were not published because the rank that owned them "
               "stopped; rerun the same command (any number of ranks) to complete the cache", file=sys.stderr)

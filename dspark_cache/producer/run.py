@@ -250,7 +250,14 @@ def finish(p: Prepared, status: StatusReporter, run_id: str, me: RankInfo) -> tu
     if claim_completion(p.paths, run_id):
         mark_complete(p.paths, p.manifest)
         status.event("finished", "cache complete", samples=p.manifest.num_samples, bytes=p.plan.num_bytes)
-    return read_manifest_file(p.paths) or p.manifest, []
+        return p.manifest, []
+    deadline = time.time() + p.cfg.rank_timeout  # another rank claimed it: let it finish writing
+    while time.time() < deadline:
+        manifest = read_manifest_file(p.paths)
+        if manifest is not None and manifest.complete:
+            return manifest, []
+        time.sleep(0.1)
+    return p.manifest, []
 
 
 def produce(cfg: ProduceConfig) -> RunResult:

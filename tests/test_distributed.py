@@ -1,0 +1,74 @@
+"""Several producer ranks: torchrun (gloo, CPU), kills, a different world size, a dying rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import dspark_cache
+from dspark_cache.verify import verify_cache
+from tests.conftest import produce_args, run_produce
+from tests.proc import BIN, assert_same_samples, free_port, producer_cmd, published, run, start, wait_for
+
+ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
+
+
+@pytest.fixture(scope="module")
+def reference(embedded, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("ref") / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
+    return out
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
+            "dspark_cache.producer.cli", *args]
+
+
+def test_two_ranks_equal_one(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    proc = run(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    assert proc.returncode == 0, proc.stderr
+    # torchrun runs each rank with one thread: equal content up to float summation order.
+    assert_same_samples(out, reference, exact=False)
+    assert verify_cache(out).ok
+    for rank in (0, 1):
+        status = open(os.path.join(out, "status", f"rank-{rank:05d}.json")).read()
+        assert '"state":"finished"' in status and '"shards_owned":0' not in status  # both ranks worked
+    assert len(os.listdir(os.path.join(out, "control"))) == 1  # completion claimed exactly once
+
+
+def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    proc = start(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    wait_for(lambda: published(out) >= 3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    report = verify_cache(out)
+    assert not report.complete and report.missing and not report.corrupt
+    done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    assert done.returncode == 0, done.stderr
+    assert_same_samples(out, reference, exact=False)
+
+
+def test_a_dying_rank_does_not_hang_the_others(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    port = str(free_port())
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_WORLD_SIZE": "2"}
+    cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--rank-timeout", "4"))
+    ranks = [start(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
+                             **({"DSPARK_CRASH_AT": "mid_shard:3"} if r == 1 else {})}) for r in (0, 1)]
+    out0, err0 = ranks[0].communicate(timeout=240)
+    ranks[1].wait(timeout=60)
+    assert ranks[1].returncode == -signal.SIGKILL
+    assert ranks[0].returncode == 4, err0
+    assert "were not published" in err0 and "rerun" in err0
+    report = verify_cache(out)
+    assert report.missing and not report.corrupt
+    assert f"shards {report.missing}" in err0  # the survivor names exactly what is missing
+    done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    assert done.returncode == 0, done.stderr
+    assert_same_samples(out, reference, exact=False)
+    assert dspark_cache.open_cache(out).manifest.complete
