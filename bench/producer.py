@@ -101,16 +101,16 @@ class SyntheticTarget:
         import torch
 
         self.spt = seconds_per_token
-        self.hidden = torch.randn(budget_tokens * shape.stored_hidden_dim).to(shape.dtype)
-        self.last = torch.randn(budget_tokens * shape.hidden_size).to(shape.dtype)
-        self.h, self.kh = shape.hidden_size, shape.stored_hidden_dim
+        self.d, self.h = shape.hidden_dim, shape.hidden_size
+        self.hidden = torch.randn(budget_tokens * self.d).to(shape.dtype)
+        self.last = torch.randn(budget_tokens * self.h).to(shape.dtype) if shape.stores_last else None
 
     def forward(self, ids, mask):
         b, t = ids.shape
         if self.spt:
             time.sleep(self.spt * b * t)
-        hidden = self.hidden[: b * t * self.kh].view(b, t, self.kh) if self.kh else None
-        return hidden, self.last[: b * t * self.h].view(b, t, self.h)
+        last = None if self.last is None else self.last[: b * t * self.h].view(b, t, self.h)
+        return self.hidden[: b * t * self.d].view(b, t, self.d), last
 
 
 def make_device(args, target, info, layer_ids, shape, cfg, seconds_per_token):

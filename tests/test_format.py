@@ -21,25 +21,28 @@ from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
 from dspark_cache.format.wds import decode_dspark_sample
 
 
-def _tensors(length, k, h, dtype, seed):
+def _tensors(length, k, h, dtype, seed, store_last):
     g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(length, k * h, generator=g).to(dtype),
-        "last_hidden_states": torch.randn(length, h, generator=g).to(dtype),
+    t = {
+        "target_hidden_states": torch.randn(length, k * h, generator=g).to(dtype),
         "input_ids": torch.randint(0, 50000, (length,), generator=g, dtype=torch.int32),
         "loss_mask": torch.randint(0, 2, (length,), generator=g, dtype=torch.uint8),
     }
+    if store_last:
+        t["target_last_hidden_states"] = torch.randn(length, h, generator=g).to(dtype)
+    return t
 
 
 def _write_shard(root, dtype, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=24):
     paths = CachePaths(str(root))
     paths.ensure_dirs()
     writer = ShardWriter(paths, 0)
-    k = sum(1 for i in layer_ids if i != num_layers - 1)
+    k, store_last = len(layer_ids), layer_ids[-1] != num_layers - 1
     written, layout = {}, []
     for sid, length in enumerate(lengths):
-        t = _tensors(length, k, h, dtype, sid)
-        specs, md = sample_specs(length, k * h, h, dtype), sample_metadata(sid, list(layer_ids), num_layers)
+        t = _tensors(length, k, h, dtype, sid, store_last)
+        specs = sample_specs(length, k * h, h, dtype, store_last)
+        md = sample_metadata(sid, list(layer_ids), num_layers, h)
         writer.append(sid * 3, int(t["loss_mask"].sum()), specs, md, t)
         written[sid * 3] = t
         layout.append((specs, md))
@@ -49,17 +52,20 @@ def _write_shard(root, dtype, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=2
 
 
 @pytest.mark.parametrize("dtype_name", sorted(CACHE_DTYPES))
-def test_round_trip_every_dtype(tmp_path, dtype_name):
+@pytest.mark.parametrize("layer_ids", [(1, 2, 3, 4), (-1, 2)], ids=["final-in-ids", "final-apart"])
+def test_round_trip_every_dtype(tmp_path, dtype_name, layer_ids):
     dtype = CACHE_DTYPES[dtype_name]
-    paths, index, written = _write_shard(tmp_path, dtype, [1, 7, 300, 64])
+    paths, index, written = _write_shard(tmp_path, dtype, [1, 7, 300, 64], layer_ids=layer_ids)
     with ShardReader(paths, 0) as reader:
         reader.verify()
         for entry in index.samples:
             got = reader.read_sample(entry)
             t = written[entry.sample_id]
             assert got["target_hidden_states"].dtype == dtype
-            assert torch.equal(got["target_hidden_states"], torch.cat([t["hidden_states"], t["last_hidden_states"]], -1))
-            assert torch.equal(got["target_last_hidden_states"], t["last_hidden_states"])
+            assert torch.equal(got["target_hidden_states"], t["target_hidden_states"])
+            # The final state is stored once: as the last H columns, or on its own.
+            last = t.get("target_last_hidden_states", t["target_hidden_states"][:, -24:])
+            assert torch.equal(got["target_last_hidden_states"], last)
             assert torch.equal(got["input_ids"], t["input_ids"]) and torch.equal(got["loss_mask"], t["loss_mask"])
 
 
@@ -74,7 +80,7 @@ def test_tensor_data_is_page_aligned_and_64_byte_aligned(tmp_path):
         header = json.loads(data[entry.offset + 8 : base])
         header.pop("__metadata__")
         real = {k: v for k, v in header.items() if not k.startswith("__pad")}
-        assert len(real) == 4 and all((base + v["data_offsets"][0]) % 64 == 0 for v in real.values())
+        assert len(real) == 3 and all((base + v["data_offsets"][0]) % 64 == 0 for v in real.values())
 
 
 def test_flipped_byte_is_named(tmp_path):

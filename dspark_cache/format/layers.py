@@ -2,9 +2,9 @@
 
 ``-1`` is the embedding output, ``i`` the output of decoder layer ``i`` (HF
 ``hidden_states[i + 1]``), and ``N - 1`` the post-final-norm state (HF ``hidden_states[N]``),
-which is also ``target_last_hidden_states``. Because the final state is stored once, a sample
-holds ``hidden_states`` for the other ids and ``last_hidden_states``; readers rebuild
-``target_hidden_states`` by appending the latter when ``N - 1`` is among the ids.
+which is also ``target_last_hidden_states``. The final state is stored once: when ``N - 1`` is
+among the ids, ``target_last_hidden_states`` is the last ``H`` columns of the stored
+``target_hidden_states``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,3 @@ def final_state_in_ids(layer_ids: list[int], num_layers: int) -> bool:
     """Whether the post-norm state is one of the feature layers (then it is stored once)."""
     return bool(layer_ids) and layer_ids[-1] == num_layers - 1
 
-
-def stored_hidden_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
-    """The ids whose states go into a sample's ``hidden_states`` tensor, in order."""
-    return [i for i in layer_ids if i != num_layers - 1]

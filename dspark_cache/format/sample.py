@@ -23,8 +23,11 @@ TENSOR_ALIGN = 64
 SAMPLE_FORMAT = "dspark-cache/1"
 
 # Tensor names inside a sample blob, in storage order (largest first keeps them aligned cheaply).
-HIDDEN = "hidden_states"  # [L, k*H]: feature layers other than the final post-norm state
-LAST_HIDDEN = "last_hidden_states"  # [L, H]: the final post-norm state
+# target_hidden_states is stored exactly as NeMo's per-sample tensor, so a reader can read it
+# straight into a batch row. When the final post-norm state is one of the feature layers (the
+# default), it is those last H columns, and target_last_hidden_states is not stored again.
+HIDDEN = "target_hidden_states"  # [L, len(ids) * H]
+LAST_HIDDEN = "target_last_hidden_states"  # [L, H], stored only when N-1 is not among the ids
 INPUT_IDS = "input_ids"  # [L] int32
 LOSS_MASK = "loss_mask"  # [L] uint8
 PAD_PREFIX = "__pad"
@@ -80,24 +83,20 @@ class PayloadLayout:
         return len(self.header) + (self.placed[-1][2] if self.placed else 0)
 
 
-def sample_specs(length: int, stored_hidden_dim: int, hidden_size: int, dtype: torch.dtype) -> list[TensorSpec]:
+def sample_specs(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dtype, store_last: bool) -> list[TensorSpec]:
     """The tensors of a sample of ``length`` tokens, in storage order."""
-    specs = []
-    if stored_hidden_dim:
-        specs.append(TensorSpec(HIDDEN, dtype, (length, stored_hidden_dim)))
-    specs += [
-        TensorSpec(LAST_HIDDEN, dtype, (length, hidden_size)),
-        TensorSpec(INPUT_IDS, torch.int32, (length,)),
-        TensorSpec(LOSS_MASK, torch.uint8, (length,)),
-    ]
-    return specs
+    specs = [TensorSpec(HIDDEN, dtype, (length, hidden_dim))]
+    if store_last:
+        specs.append(TensorSpec(LAST_HIDDEN, dtype, (length, hidden_size)))
+    return specs + [TensorSpec(INPUT_IDS, torch.int32, (length,)), TensorSpec(LOSS_MASK, torch.uint8, (length,))]
 
 
-def sample_metadata(sample_id: int, layer_ids: list[int], num_layers: int) -> dict[str, str]:
+def sample_metadata(sample_id: int, layer_ids: list[int], num_layers: int, hidden_size: int) -> dict[str, str]:
     """The ``__metadata__`` of a sample: self-describing for plain-WebDataset readers."""
     return {
         "format": SAMPLE_FORMAT,
         "sample_id": str(sample_id),
+        "hidden_size": str(hidden_size),
         "final_in_hidden": "1" if final_state_in_ids(layer_ids, num_layers) else "0",
     }
 
@@ -166,16 +165,15 @@ def decode_payload(blob: bytearray | memoryview | bytes) -> tuple[dict[str, torc
 
 
 def assemble_sample(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Rebuild NeMo's per-sample tensors (unpadded) from what a blob stores."""
-    last = tensors[LAST_HIDDEN]
-    hidden = tensors.get(HIDDEN)
+    """NeMo's per-sample tensors (unpadded) from what a blob stores."""
+    hidden = tensors[HIDDEN]
     if metadata.get("final_in_hidden") == "1":
-        target_hidden = last if hidden is None else torch.cat([hidden, last], dim=-1)
+        last = hidden[:, hidden.shape[1] - int(metadata["hidden_size"]) :]
     else:
-        target_hidden = hidden
+        last = tensors[LAST_HIDDEN]
     return {
         "input_ids": tensors[INPUT_IDS],
         "loss_mask": tensors[LOSS_MASK],
-        "target_hidden_states": target_hidden,
+        "target_hidden_states": hidden,
         "target_last_hidden_states": last,
     }

@@ -30,12 +30,12 @@ class NonFiniteError(Exception):
     """The target produced NaN/inf for a sample and the policy is ``error``."""
 
 
-def finite_flags(hidden: torch.Tensor | None, last: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def finite_flags(hidden: torch.Tensor, last: torch.Tensor | None, lengths: list[int]) -> torch.Tensor:
     """Per sample: are all its real positions finite? Computed on the device, no sync."""
-    ok = torch.isfinite(last).all(-1)
-    if hidden is not None:
-        ok &= torch.isfinite(hidden).all(-1)
-    real = torch.arange(last.shape[1], device=last.device)[None, :] < torch.tensor(lengths, device=last.device)[:, None]
+    ok = torch.isfinite(hidden).all(-1)
+    if last is not None:
+        ok &= torch.isfinite(last).all(-1)
+    real = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < torch.tensor(lengths, device=hidden.device)[:, None]
     return (ok | ~real).all(-1)
 
 
@@ -79,7 +79,7 @@ class StageTimes:
 class WriteJob:
     shard: ShardPlan
     samples: list[PlannedSample]
-    tensors: list[tuple[torch.Tensor | None, torch.Tensor]]
+    tensors: list[tuple[torch.Tensor, torch.Tensor | None]]
     finite: torch.Tensor  # bool [B], host
     ready: torch.cuda.Event | None
     nbytes: int
@@ -102,10 +102,10 @@ class Stager:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def stage(self, hidden: torch.Tensor | None, last: torch.Tensor, finite: torch.Tensor, lengths: list[int]
-              ) -> tuple[list[tuple[torch.Tensor | None, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
+    def stage(self, hidden: torch.Tensor, last: torch.Tensor | None, finite: torch.Tensor, lengths: list[int]
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor, torch.cuda.Event | None]:
         if not self.cuda:
-            return [(None if hidden is None else hidden[b, :n], last[b, :n]) for b, n in enumerate(lengths)], finite, None
+            return [(hidden[b, :n], None if last is None else last[b, :n]) for b, n in enumerate(lengths)], finite, None
         assert self.stream is not None
         self.stream.wait_stream(torch.cuda.current_stream(last.device))
         out = []
@@ -176,12 +176,12 @@ class ShardWriterThread(threading.Thread):
                 self._nonfinite.append(sample.sample_id)
                 continue
             tensors = {
-                LAST_HIDDEN: last,
+                HIDDEN: hidden,
                 INPUT_IDS: torch.from_numpy(sample.input_ids),
                 LOSS_MASK: torch.from_numpy(sample.loss_mask),
             }
-            if hidden is not None:
-                tensors[HIDDEN] = hidden
+            if last is not None:
+                tensors[LAST_HIDDEN] = last
             self._writer.append(sample.sample_id, sample.loss_tokens, self.shape.specs(sample.length),
                                 self.shape.metadata(sample.sample_id), tensors)
             self.stats.samples += 1
@@ -216,7 +216,7 @@ def collate(batch: list[PlannedSample], pad_id: int, device: torch.device) -> tu
     return ids, mask
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor]]
+Forward = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def run_pipeline(

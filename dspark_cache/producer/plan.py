@@ -13,7 +13,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from dspark_cache.format.layers import stored_hidden_layer_ids
+from dspark_cache.format.layers import final_state_in_ids
 from dspark_cache.format.sample import TensorSpec, sample_metadata, sample_specs
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.format.tar.writer import predict_shard_bytes
@@ -40,14 +40,19 @@ class SampleShape:
     dtype: torch.dtype
 
     @property
-    def stored_hidden_dim(self) -> int:
-        return len(stored_hidden_layer_ids(self.layer_ids, self.num_layers)) * self.hidden_size
+    def hidden_dim(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    @property
+    def stores_last(self) -> bool:
+        """The final state needs its own tensor only when it is not a feature layer."""
+        return not final_state_in_ids(self.layer_ids, self.num_layers)
 
     def specs(self, length: int) -> list[TensorSpec]:
-        return sample_specs(length, self.stored_hidden_dim, self.hidden_size, self.dtype)
+        return sample_specs(length, self.hidden_dim, self.hidden_size, self.dtype, self.stores_last)
 
     def metadata(self, sample_id: int) -> dict[str, str]:
-        return sample_metadata(sample_id, self.layer_ids, self.num_layers)
+        return sample_metadata(sample_id, self.layer_ids, self.num_layers, self.hidden_size)
 
 
 @dataclass

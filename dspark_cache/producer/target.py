@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dspark_cache.format.layers import EMBEDDING_LAYER, stored_hidden_layer_ids
+from dspark_cache.format.layers import EMBEDDING_LAYER, final_state_in_ids
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,11 @@ class TargetRunner:
         self.base = model.get_decoder()
         self.device = device
         self.cache_dtype = cache_dtype
-        self.stored_ids = stored_hidden_layer_ids(layer_ids, num_layers)
+        self.layer_ids = list(layer_ids)
+        self.final_id = num_layers - 1
+        self.final_in_ids = final_state_in_ids(layer_ids, num_layers)
         self._captured: dict[int, torch.Tensor] = {}
-        self._hooks = [self._hook_module(i) for i in self.stored_ids]
+        self._hooks = [self._hook_module(i) for i in layer_ids if i != self.final_id]
 
     def _hook_module(self, layer_id: int) -> Any:
         module = self.base.get_input_embeddings() if layer_id == EMBEDDING_LAYER else self.base.layers[layer_id]
@@ -113,20 +115,22 @@ class TargetRunner:
         }
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Return ``(hidden [B,T,k*H] or None, last [B,T,H])`` in the cache dtype, on device."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(target_hidden [B,T,len(ids)*H], last [B,T,H] or None)`` in the cache dtype, on device.
+
+        ``last`` is None when the final state is one of the ids: it is then the last H columns.
+        """
         self._captured.clear()
         # Batches are right-padded and the target is causal, so no real token ever attends to a
         # pad: the padding mask changes nothing we keep, and dropping it lets attention take its
         # fused causal path instead of materialising a [B, 1, T, T] mask.
         del attention_mask
         out = self.base(input_ids=input_ids, use_cache=False)
-        last = out.last_hidden_state.to(self.cache_dtype)
-        if not self.stored_ids:
-            return None, last
-        b, t, h = last.shape
-        hidden = torch.empty((b, t, h * len(self.stored_ids)), dtype=self.cache_dtype, device=last.device)
-        for slot, layer_id in enumerate(self.stored_ids):
-            hidden[..., slot * h : (slot + 1) * h].copy_(self._captured[layer_id])
+        final = out.last_hidden_state  # post-final-norm state, HF hidden_states[N]
+        b, t, h = final.shape
+        hidden = torch.empty((b, t, h * len(self.layer_ids)), dtype=self.cache_dtype, device=final.device)
+        for slot, layer_id in enumerate(self.layer_ids):
+            source = final if layer_id == self.final_id else self._captured[layer_id]
+            hidden[..., slot * h : (slot + 1) * h].copy_(source)
         self._captured.clear()
-        return hidden, last
+        return hidden, None if self.final_in_ids else final.to(self.cache_dtype)
