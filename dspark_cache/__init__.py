@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "open_cache": "dspark_cache.loader.cache",
     "Cache": "dspark_cache.loader.cache",
+    "build_dataloader": "dspark_cache.loader.dataloader",
+    "DSparkLoader": "dspark_cache.loader.dataloader",
     "build_cached_dspark_dataloader": "dspark_cache.loader.nemo",
     "read_target_weights": "dspark_cache.loader.nemo",
 }

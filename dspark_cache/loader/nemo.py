@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.loader.cache import Cache, open_cache
-from dspark_cache.loader.collate import collate_padded
-
-
-class CachedDSparkDataset(Dataset):
-    """Map-style view of a complete cache: item ``i`` = the sample with the i-th smallest id."""
-
-    def __init__(self, cache: Cache) -> None:
-        self.cache = cache
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def __getitem__(self, index: int) -> dict:
-        sample = self.cache.read(index)
-        sample.pop("sample_id")
-        return sample
+from dspark_cache.loader.dataloader import DSparkLoader
 
 
 def build_cached_dspark_dataloader(
@@ -35,26 +17,21 @@ def build_cached_dspark_dataloader(
     num_workers: int = 0,
     distributed: bool = False,
     seed: int = 0,
-) -> DataLoader:
-    """NeMo's ``build_cached_dspark_dataloader``: same keys, dtypes and shapes, exact ``len()``.
+) -> DSparkLoader:
+    """NeMo's ``build_cached_dspark_dataloader``, on our loader: same keys, dtypes and shapes.
 
-    Batches hold ``input_ids``/``loss_mask`` (int64 ``[B,S]``) and ``target_hidden_states`` /
-    ``target_last_hidden_states`` (cache dtype, ``[B,S,...]``) zero-padded to the manifest's
-    ``seq_length``. ``shuffle=False`` yields samples in ascending sample id.
+    Batches hold exactly ``input_ids``/``loss_mask`` (int64 ``[B,S]``) and
+    ``target_hidden_states``/``target_last_hidden_states`` (cache dtype, ``[B,S,...]``),
+    zero-padded to the manifest's ``seq_length``; ``len()`` is exact and, with
+    ``distributed=True``, equal on every rank. As in NeMo, the last batch may be smaller, and
+    with several ranks it is shared evenly (at most ``world_size - 1`` repeated samples, as
+    ``DistributedSampler`` pads). ``shuffle=False`` yields samples in ascending sample id.
+    ``num_workers`` sets reader threads (0 = one); it never changes what a rank sees.
     """
-    cache = open_cache(cache_dir)
-    dataset = CachedDSparkDataset(cache)
-    if distributed:
-        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed)
-    elif shuffle:
-        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
-    else:
-        sampler = SequentialSampler(dataset)
-    collate = functools.partial(collate_padded, seq_length=cache.manifest.seq_length,
-                                pad_token_id=cache.manifest.pad_token_id)
-    return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
-        pin_memory=torch.cuda.is_available(), drop_last=False, persistent_workers=num_workers > 0,
+    return DSparkLoader(
+        cache_dir, batch_size, shuffle=shuffle, seed=seed,
+        rank=None if distributed else 0, world_size=None if distributed else 1,
+        num_workers=max(1, num_workers), drop_last=False, partial_last=True, nemo_keys_only=True,
     )
 
 

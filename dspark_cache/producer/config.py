@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NaN/inf hidden states: stop (default) or drop the sample and list it in the manifest")
     p.add_argument("--rank-timeout", type=float, default=300.0,
                    help="seconds without a heartbeat after which a finished rank stops waiting for another")
+    p.add_argument("--tui", action="store_true",
+                   help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
     p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
     return p

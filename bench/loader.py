@@ -1,0 +1,195 @@
+"""Loader benchmark: our reader against the raw disk, plain WebDataset and a NeMo-style reader.
+
+    python bench/loader.py                # ~1 GB cache of ~4 MB samples (H=1024, 5 layers, bf16)
+    python bench/loader.py --samples 400  # bigger
+
+It writes a cache in our format (random tensors through the real shard writer, so the bytes
+are exactly what dspark-produce writes) and the same samples in NeMo's padded safetensors
+layout, warms the page cache, then measures, all in this run:
+  raw        sequential readinto of every shard file (one thread): the ceiling
+  ours       build_dataloader(...) batches materialised (pad_to longest and seq_length)
+  webdataset webdataset.WebDataset(urls).decode(our handler), sample by sample
+  nemo       NeMo's reader: safe_open + get_slice(key)[row] per sample, then torch.stack
+Numbers: GB/s of real-token payload, samples/s, and ratios against raw, medians of --repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from dspark_cache.format.paths import CachePaths  # noqa: E402
+from dspark_cache.format.sample import sample_metadata, sample_specs  # noqa: E402
+from dspark_cache.format.schema import Manifest  # noqa: E402
+from dspark_cache.format.tar.writer import ShardWriter  # noqa: E402
+from dspark_cache.producer.manifest import write_manifest  # noqa: E402
+
+LAYERS, NUM_LAYERS = [1, 8, 14, 20, 27], 28
+
+
+def make_cache(root: str, samples: int, hidden: int, seq: int, shard_size: int, seed: int = 0) -> tuple[str, list[int]]:
+    """A complete cache of random bf16 samples with a realistic, skewed length distribution."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(6.0, 0.5, samples).astype(int), 32, seq).tolist()
+    paths = CachePaths(root)
+    paths.ensure_dirs()
+    dim = hidden * len(LAYERS)
+    for shard in range(-(-samples // shard_size)):
+        writer = ShardWriter(paths, shard, durable=False)
+        for sid in range(shard * shard_size, min(samples, (shard + 1) * shard_size)):
+            n = lengths[sid]
+            tensors = {"target_hidden_states": torch.randn(n, dim).to(torch.bfloat16),
+                       "input_ids": torch.randint(0, 150000, (n,), dtype=torch.int32),
+                       "loss_mask": torch.ones(n, dtype=torch.uint8)}
+            writer.append(sid, n, sample_specs(n, dim, hidden, torch.bfloat16, False), 
+                          sample_metadata(sid, LAYERS, NUM_LAYERS, hidden), tensors)
+        writer.publish()
+    write_manifest(paths, Manifest(
+        complete=True, target_model="bench", target_model_type="qwen3", target_vocab_size=151936,
+        hidden_size=hidden, num_hidden_layers=NUM_LAYERS, seq_length=seq, dtype="bf16", num_samples=samples,
+        planned_samples=samples, shard_size=shard_size, target_hidden_dim=dim, target_last_hidden_dim=hidden,
+        target_layer_ids=LAYERS, train_data_path="bench", num_shards=-(-samples // shard_size)))
+    return root, lengths
+
+
+def make_nemo_shards(cache_root: str, nemo_root: str, seq: int) -> list[str]:
+    """The same samples in NeMo's layout: [n, S, ...] padded tensors per safetensors shard."""
+    import dspark_cache
+    from safetensors.torch import save_file
+
+    os.makedirs(nemo_root, exist_ok=True)
+    cache = dspark_cache.open_cache(cache_root)
+    files = []
+    for shard in cache.shards:
+        rows = [cache.reader(shard).read_sample(e) for e in sorted(shard.samples, key=lambda e: e.sample_id)]
+        batch = {}
+        for key, dtype in (("input_ids", torch.int64), ("loss_mask", torch.int64),
+                           ("target_hidden_states", None), ("target_last_hidden_states", None)):
+            first = rows[0][key]
+            out = torch.zeros((len(rows), seq, *first.shape[1:]), dtype=dtype or first.dtype)
+            for i, r in enumerate(rows):
+                out[i, : r[key].shape[0]] = r[key]
+            batch[key] = out
+        path = os.path.join(nemo_root, f"shard-{shard.shard_id:06d}.safetensors")
+        save_file(batch, path)
+        files.append(path)
+    return files
+
+
+def warm(files: list[str]) -> None:
+    buf = bytearray(64 << 20)
+    for f in files:
+        with open(f, "rb", buffering=0) as h:
+            while h.readinto(buf):
+                pass
+
+
+def bench_raw(files: list[str]) -> float:
+    buf = bytearray(8 << 20)
+    t = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as h:
+            while h.readinto(buf):
+                pass
+    return time.perf_counter() - t
+
+
+def bench_ours(root: str, batch: int, pad_to: str, threads: int) -> float:
+    import dspark_cache
+
+    loader = dspark_cache.build_dataloader(root, batch, shuffle=True, seed=0, pad_to=pad_to, num_workers=threads,
+                                           prefetch=4, pin_memory=False)
+    t = time.perf_counter()
+    for _ in loader:
+        pass
+    seconds = time.perf_counter() - t
+    loader.close()
+    return seconds
+
+
+def bench_webdataset(files: list[str]) -> float:
+    import webdataset as wds
+
+    from dspark_cache.format.wds import decode_dspark_sample
+
+    t = time.perf_counter()
+    for _ in wds.WebDataset(files, shardshuffle=False).decode(decode_dspark_sample):
+        pass
+    return time.perf_counter() - t
+
+
+def bench_nemo(files: list[str], shard_size: int, samples: int, batch: int) -> float:
+    from safetensors import safe_open
+
+    handles = {}
+    keys = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+    order = np.random.default_rng(0).permutation(samples)  # NeMo's RandomSampler
+    t = time.perf_counter()
+    for start in range(0, samples, batch):
+        items = []
+        for i in order[start : start + batch]:
+            f = files[i // shard_size]
+            h = handles.get(f) or handles.setdefault(f, safe_open(f, "pt"))
+            items.append({k: h.get_slice(k)[int(i % shard_size)] for k in keys})
+        {k: torch.stack([it[k] for it in items]) for k in keys}
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=240)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--shard-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--workdir", default=os.path.join(ROOT, ".bench", "loader"))
+    args = p.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    root, lengths = make_cache(os.path.join(args.workdir, "cache"), args.samples, args.hidden, args.seq_length,
+                               args.shard_size)
+    tars = [CachePaths(root).shard_tar(i) for i in range(-(-args.samples // args.shard_size))]
+    nemo_files = make_nemo_shards(root, os.path.join(args.workdir, "nemo"), args.seq_length)
+    payload = sum(n * (args.hidden * len(LAYERS) * 2 + 5) for n in lengths)
+    tar_bytes = sum(os.path.getsize(f) for f in tars)
+    nemo_bytes = sum(os.path.getsize(f) for f in nemo_files)
+    warm(tars)
+    warm(nemo_files)
+    runs: dict[str, list[float]] = {k: [] for k in ("raw", "ours_longest", "ours_seq_length", "webdataset", "nemo")}
+    for _ in range(args.repeat):  # interleaved so that drift hits every reader alike
+        runs["raw"].append(bench_raw(tars))
+        runs["ours_longest"].append(bench_ours(root, args.batch_size, "longest", args.threads))
+        runs["ours_seq_length"].append(bench_ours(root, args.batch_size, "seq_length", args.threads))
+        runs["webdataset"].append(bench_webdataset(tars))
+        runs["nemo"].append(bench_nemo(nemo_files, args.shard_size, args.samples, args.batch_size))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    result = {
+        "samples": args.samples, "mean_tokens": statistics.mean(lengths), "payload_bytes": payload,
+        "tar_bytes": tar_bytes, "nemo_bytes": nemo_bytes, "mb_per_sample": payload / args.samples / 1e6,
+        "seconds": med, "runs": runs,
+        "gb_per_s": {k: payload / v / 1e9 for k, v in med.items()},
+        "samples_per_s": {k: args.samples / v for k, v in med.items()},
+        "vs_raw": {k: med["raw"] / v for k, v in med.items()},
+        "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(),
+    }
+    out = os.path.join(ROOT, ".bench", f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(out, "w") as handle:
+        json.dump(result, handle, indent=2)
+    print(json.dumps(result, indent=2))
+    shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""NeMo's consumer checks: the cache must match the training configuration, field by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.schema import Manifest
+
+# expect key -> manifest field (aliases accepted for the names training configs use)
+_FIELDS = {
+    "target_model_type": "target_model_type",
+    "model_type": "target_model_type",
+    "target_vocab_size": "target_vocab_size",
+    "vocab_size": "target_vocab_size",
+    "hidden_size": "hidden_size",
+    "num_hidden_layers": "num_hidden_layers",
+    "seq_length": "seq_length",
+    "dtype": "dtype",
+    "target_layer_ids": "target_layer_ids",
+    "target_hidden_dim": "target_hidden_dim",
+    "target_last_hidden_dim": "target_last_hidden_dim",
+}
+_FLOAT_DTYPES = ("bf16", "fp16", "fp32")
+
+
+class CacheMismatchError(CacheError):
+    """The cache was produced for another target or configuration than this training run."""
+
+
+def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = "the cache") -> None:
+    """Raise one error listing every field that differs (with both values), NeMo's nine checks.
+
+    ``expect`` may hold ``compute_dtype`` (the trainer's): an fp32 trainer needs an fp32 cache.
+    ``target_layer_ids`` and ``hidden_size`` also imply the two hidden dimensions.
+    """
+    unknown = set(expect) - set(_FIELDS) - {"compute_dtype"}
+    if unknown:
+        raise ValueError(f"unknown expect keys {sorted(unknown)}; known: {sorted(set(_FIELDS) | {'compute_dtype'})}")
+    problems: list[str] = []
+
+    def differ(field: str, want: Any) -> None:
+        have = getattr(manifest, field)
+        if have != want:
+            problems.append(f"{field}: the cache has {have!r}, training expects {want!r}")
+
+    for key, want in expect.items():
+        if key == "compute_dtype":
+            continue
+        differ(_FIELDS[key], list(want) if key == "target_layer_ids" else want)
+    ids = expect.get("target_layer_ids")
+    hidden = expect.get("hidden_size", manifest.hidden_size)
+    if ids is not None and "target_hidden_dim" not in expect:
+        differ("target_hidden_dim", hidden * len(ids))
+    if "hidden_size" in expect and "target_last_hidden_dim" not in expect:
+        differ("target_last_hidden_dim", hidden)
+    if manifest.dtype not in _FLOAT_DTYPES:
+        problems.append(f"dtype: the cache has {manifest.dtype!r}, not one of {_FLOAT_DTYPES}")
+    compute = expect.get("compute_dtype")
+    if compute == "fp32" and manifest.dtype != "fp32":
+        problems.append(f"dtype: the cache is {manifest.dtype!r} but training computes in fp32 (CPU training "
+                        "needs an fp32 cache)")
+    if problems:
+        raise CacheMismatchError(
+            f"{where} does not match this training run:\n  " + "\n  ".join(problems)
+            + "\nProduce a cache with the training run's target and settings, or fix the training config."
+        )

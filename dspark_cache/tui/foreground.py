@@ -1,0 +1,53 @@
+"""``dspark-produce --tui``: run the producer as a child process and watch it in the foreground."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.tui.app import MonitorApp
+
+
+class ForegroundMonitor(MonitorApp):
+    """The monitor, tied to the producer it started: ``q`` stops that producer gracefully."""
+
+    def __init__(self, path: str, child: subprocess.Popen, log_path: str) -> None:
+        super().__init__(path)
+        self.child = child
+        self.log_path = log_path
+
+    def refresh_view(self) -> None:
+        super().refresh_view()
+        code = self.child.poll()
+        if code is not None:
+            self.query_one("#notice").update(
+                f"[b]producer exited with code {code}[/] (log: {self.log_path}); press q to leave")
+
+    def action_quit(self) -> None:
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)  # finish the shard in flight, exit resumable
+        self.exit()
+
+
+def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
+    """Start ``dspark-produce producer_argv`` and show the monitor until the user quits."""
+    paths = CachePaths(output_dir)
+    log_dir = os.path.join(paths.root, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"produce-{time.strftime('%Y%m%d-%H%M%S')}.log")
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer.cli", *producer_argv],
+                                 stdout=log, stderr=subprocess.STDOUT)
+        try:
+            ForegroundMonitor(paths.root, child, log_path).run()
+        finally:
+            code = child.wait()
+    with open(log_path, encoding="utf-8", errors="replace") as log:
+        tail = log.read().splitlines()[-3:]
+    print("\n".join(tail))
+    print(f"(full producer log: {log_path})")
+    return code

@@ -1,0 +1,34 @@
+"""Recent events, newest last; warnings in yellow, errors in red."""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual.widgets import Static
+
+from dspark_cache.tui.watcher import Snapshot
+
+STYLES = {"error": "bold red", "warning": "yellow", "finished": "bold green", "stopped": "yellow",
+          "resumed": "cyan", "skipped_row": "grey50"}
+
+
+class EventLog(Static):
+    DEFAULT_CSS = "EventLog { height: auto; max-height: 12; border: round $primary; padding: 0 1; }"
+
+    def __init__(self, *args, rows: int = 8, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows = rows
+
+    def show(self, snap: Snapshot) -> None:
+        recent = snap.events[-self.rows :]
+        if not recent:
+            self.update("no events yet")
+            return
+        text = Text()
+        for i, e in enumerate(recent):
+            stamp = time.strftime("%H:%M:%S", time.gmtime(e.time))
+            text.append(f"{stamp} r{e.rank} {e.kind:<15} {e.message}", style=STYLES.get(e.kind, ""))
+            if i < len(recent) - 1:
+                text.append("\n")
+        self.update(text)

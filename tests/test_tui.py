@@ -1,0 +1,144 @@
+"""The monitor, driven by Textual's pilot, on hand-made states and on real producer runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from rich.text import Text
+
+import dspark_cache
+from dspark_cache.tui.app import MonitorApp
+from dspark_cache.tui.cli import main as monitor_main
+from dspark_cache.tui.widgets.shardmap import bucketed
+from dspark_cache.verify import verify_cache
+from tests import tui_states
+from tests.conftest import produce_args
+from tests.proc import producer_cmd, published, run, start, wait_for
+
+SNAP_ROOT = os.path.join(tempfile.gettempdir(), "dspark-monitor-snapshot")  # fixed: paths are on screen
+
+
+def plain(widget) -> str:
+    content = widget.content
+    return content.plain if isinstance(content, Text) else Text.from_markup(str(content)).plain
+
+
+def app_for(root: str, free: int = 10**12) -> MonitorApp:
+    return MonitorApp(root, refresh=3600, clock=lambda: tui_states.NOW, disk_free=lambda _: free)
+
+
+@pytest.mark.anyio
+async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
+    root = tui_states.live_run(str(tmp_path / "c"))
+    app = app_for(root, free=500_000_000)
+    async with app.run_test(size=(140, 60)) as pilot:
+        await pilot.pause()
+        header = plain(app.query_one("#header"))
+        assert "Qwen/Qwen3-8B" in header and "[1, 10, 18, 26, 35]" in header and "ranks: 2" in header
+        progress = plain(app.query_one("#progress-text"))
+        assert "shards 22/60" in progress and "samples 220/600" in progress and "ETA" in progress
+        ranks = app.query_one("#ranks")
+        assert ranks.row_count == 2
+        assert "STALE" in str(ranks.get_row_at(1)[1]) and "STALE" not in str(ranks.get_row_at(0)[1])
+        shards = plain(app.query_one("#shards"))
+        assert "22 published  2 writing  35 pending  1 failed" in shards
+        assert "will not fit" in plain(app.query_one("#disk"))
+        events = plain(app.query_one("#events"))
+        assert "disk full while writing shard 23" in events and "non-finite" in events
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert app.screen.__class__.__name__ == "HelpScreen"
+        await pilot.press("escape")
+        await pilot.press("s")
+        await pilot.pause()
+        assert os.path.exists(os.path.join(root, "control", "stop"))
+        assert "stop requested" in plain(app.query_one("#notice"))
+
+
+@pytest.mark.anyio
+async def test_finished_cache_shows_summary(small_cache):
+    app = MonitorApp(small_cache, refresh=3600)
+    async with app.run_test(size=(140, 60)) as pilot:
+        await pilot.pause()
+        m = dspark_cache.open_cache(small_cache).manifest
+        text = plain(app.query_one("#progress-text"))
+        assert text.startswith("complete") and f"{m.num_samples} samples" in text and f"{m.num_shards} shards" in text
+        assert f"{m.num_shards} published" in plain(app.query_one("#shards"))
+        assert "finished" in str(app.query_one("#ranks").get_row_at(0)[1])
+        assert "cache complete" in plain(app.query_one("#events"))
+        assert "will not fit" not in plain(app.query_one("#disk"))
+
+
+@pytest.mark.anyio
+async def test_empty_directory_waits_for_a_producer(tmp_path):
+    app = app_for(str(tmp_path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert "not a dspark cache yet" in plain(app.query_one("#header"))
+        assert plain(app.query_one("#shards")) == "no shards planned yet"
+        await pilot.press("s")  # nothing to stop: no file is written
+        await pilot.pause()
+        assert not os.path.exists(os.path.join(tmp_path, "control"))
+
+
+def test_missing_directory_is_a_clear_message(tmp_path, capsys):
+    assert monitor_main([str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_thousands_of_shards_stay_readable():
+    states = ["published"] * 5000 + ["writing"] + ["pending"] * 4999
+    cells, per = bucketed(states, 800)
+    assert len(cells) <= 800 and per == 13
+    assert "writing" in cells  # one shard in flight is never averaged away
+
+
+def test_snapshot_live_run(snap_compare):
+    tui_states.live_run(SNAP_ROOT)
+    assert snap_compare(app_for(SNAP_ROOT, free=500_000_000), terminal_size=(140, 60))
+
+
+def test_snapshot_finished(snap_compare):
+    tui_states.build(SNAP_ROOT, num_shards=12, published=list(range(12)), complete=True,
+                     ranks=[tui_states.status(0, 1, "finished", 60.0, shards_done=12, shards_owned=12)],
+                     events=[tui_states.event(0, 60, "finished", "cache complete", samples=120)])
+    assert snap_compare(app_for(SNAP_ROOT), terminal_size=(140, 60))
+
+
+def test_monitor_imports_no_torch():
+    code = "import sys, dspark_cache.tui.app, dspark_cache.tui.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+@pytest.mark.anyio
+async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, tmp_path):
+    out = str(tmp_path / "cache")
+    args = produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "1",
+                        "--batch-size", "1")
+    producer = start(producer_cmd(*args))
+    try:
+        wait_for(lambda: published(out) >= 2)
+        app = MonitorApp(out, refresh=0.2)
+        async with app.run_test(size=(140, 60)) as pilot:
+            await pilot.pause()
+            assert app.snapshot.live_ranks
+            await pilot.press("s")
+            await pilot.pause()
+        _, err = producer.communicate(timeout=120)
+    finally:
+        if producer.poll() is None:
+            os.killpg(producer.pid, signal.SIGKILL)
+    assert producer.returncode == 3, err
+    assert "stop requested by the monitor" in err
+    report = verify_cache(out)
+    assert not report.complete and not report.corrupt and report.missing
+    again = run(producer_cmd(*args))  # the stop request does not outlive the run it stopped
+    assert again.returncode == 0, again.stderr
+    assert verify_cache(out).ok
