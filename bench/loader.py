@@ -7,7 +7,8 @@ It writes a cache in our format (random tensors through the real shard writer, s
 are exactly what dspark-produce writes) and the same samples in NeMo's padded safetensors
 layout, warms the page cache, then measures, all in this run:
   raw        sequential readinto of every shard file (one thread): the ceiling
-  ours       build_dataloader(...) batches materialised (pad_to longest and seq_length)
+  ours       build_dataloader(...) batches materialised (pad_to longest and seq_length; fresh
+             batch memory, and reuse_buffers=True, which recycles it instead of faulting in pages)
   webdataset webdataset.WebDataset(urls).decode(our handler), sample by sample
   nemo       NeMo's reader: safe_open + get_slice(key)[row] per sample, then torch.stack
 Numbers: GB/s of real-token payload, samples/s, and ratios against raw, medians of --repeat.
@@ -105,11 +106,11 @@ def bench_raw(files: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def bench_ours(root: str, batch: int, pad_to: str, threads: int) -> float:
+def bench_ours(root: str, batch: int, pad_to: str, threads: int, reuse: bool = False) -> float:
     import dspark_cache
 
     loader = dspark_cache.build_dataloader(root, batch, shuffle=True, seed=0, pad_to=pad_to, num_workers=threads,
-                                           prefetch=4, pin_memory=False)
+                                           prefetch=4, pin_memory=False, reuse_buffers=reuse)
     t = time.perf_counter()
     for _ in loader:
         pass
@@ -156,7 +157,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--workdir", default=os.path.join(ROOT, ".bench", "loader"))
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for this run (threads hand the GIL over sooner)")
     args = p.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     shutil.rmtree(args.workdir, ignore_errors=True)
     root, lengths = make_cache(os.path.join(args.workdir, "cache"), args.samples, args.hidden, args.seq_length,
                                args.shard_size)
@@ -167,11 +172,14 @@ def main() -> None:
     nemo_bytes = sum(os.path.getsize(f) for f in nemo_files)
     warm(tars)
     warm(nemo_files)
-    runs: dict[str, list[float]] = {k: [] for k in ("raw", "ours_longest", "ours_seq_length", "webdataset", "nemo")}
+    runs: dict[str, list[float]] = {k: [] for k in ("raw", "ours_longest", "ours_longest_reuse", "ours_seq_length",
+                                                    "ours_seq_length_reuse", "webdataset", "nemo")}
     for _ in range(args.repeat):  # interleaved so that drift hits every reader alike
         runs["raw"].append(bench_raw(tars))
         runs["ours_longest"].append(bench_ours(root, args.batch_size, "longest", args.threads))
+        runs["ours_longest_reuse"].append(bench_ours(root, args.batch_size, "longest", args.threads, True))
         runs["ours_seq_length"].append(bench_ours(root, args.batch_size, "seq_length", args.threads))
+        runs["ours_seq_length_reuse"].append(bench_ours(root, args.batch_size, "seq_length", args.threads, True))
         runs["webdataset"].append(bench_webdataset(tars))
         runs["nemo"].append(bench_nemo(nemo_files, args.shard_size, args.samples, args.batch_size))
     med = {k: statistics.median(v) for k, v in runs.items()}

@@ -38,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd = ["--target-model", target, "--input-data", data, "--output-dir", output, "--overwrite",
            "--seq-length", "2048", "--batch-size", "16", "--shard-size", "64", "--log-level", "WARNING", *extra]
     print("dspark-produce " + " ".join(cmd))
-    return produce_main(cmd)
+    print(f"watch it live from another terminal: .venv/bin/dspark-monitor {output}   "
+          "(or add --tui to a dspark-produce command to watch in the foreground)")
+    code = produce_main(cmd)
+    if code == 0:
+        print(f"check it: .venv/bin/dspark-verify {output}   read it: dspark_cache.build_dataloader({output!r}, 4)")
+    return code
 
 
 if __name__ == "__main__":

@@ -183,3 +183,14 @@ def test_real_gloo_ranks_take_rank_and_world_from_torch_distributed(small_cache)
     assert len(seen) == len(set(seen))  # no sample twice under drop_last
     n = len(dspark_cache.open_cache(small_cache))
     assert n - len(seen) < 6
+
+
+def test_reused_buffers_give_the_same_batches(small_cache):
+    fresh = [{k: v.clone() for k, v in b.items()} for b in dspark_cache.build_dataloader(small_cache, 3, seed=6)]
+    reused = dspark_cache.build_dataloader(small_cache, 3, seed=6, reuse_buffers=True, prefetch=2)
+    count = 0
+    for want, got in zip(fresh, reused, strict=True):
+        for key in want:
+            assert torch.equal(want[key], got[key]), key
+        count += 1
+    assert count == len(fresh)

@@ -75,7 +75,7 @@ class BatchReader:
     """Turns a rank's batch plan into tensors with NeMo's keys (plus our extras)."""
 
     def __init__(self, catalog: ShardCatalog, layout: BatchLayout, *, num_threads: int, pad_to: str,
-                 pin_memory: bool, nemo_keys_only: bool = False) -> None:
+                 pin_memory: bool, nemo_keys_only: bool = False, ring: int = 0) -> None:
         if pad_to not in ("seq_length", "longest"):
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {pad_to!r}")
         self.catalog = catalog
@@ -84,24 +84,38 @@ class BatchReader:
         self.pin_memory = pin_memory
         self.nemo_keys_only = nemo_keys_only
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
+        # ring > 0: batch i reuses the memory of batch i - ring (no fresh pages, no page faults).
+        self.ring = ring
+        self._slabs: list[list[torch.Tensor | None]] = [[None] * 5 for _ in range(ring)]
+        self._submitted = 0
 
-    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype, slab: list | None, slot: int) -> torch.Tensor:
+        if slab is None:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+        count = 1
+        for dim in shape:
+            count *= dim
+        flat = slab[slot]
+        if flat is None or flat.numel() < count or flat.dtype != dtype:
+            flat = slab[slot] = torch.empty(count, dtype=dtype, pin_memory=self.pin_memory)
+        return flat[:count].view(shape)
 
     def submit(self, batch: RankBatch) -> PendingBatch:
         entries = [self.catalog.require(ref.shard_id).samples[ref.entry] for ref in batch.refs]
         lay = self.layout
         width = lay.seq_length if self.pad_to == "seq_length" else max(e.length for e in entries)
         b = len(entries)
+        slab = self._slabs[self._submitted % self.ring] if self.ring else None
+        self._submitted += 1
         buffers = {
-            "input_ids": self._alloc((b, width), torch.int64),
-            "loss_mask": self._alloc((b, width), torch.int64),
-            "target_hidden_states": self._alloc((b, width, lay.hidden_dim), lay.dtype),
-            "target_last_hidden_states": self._alloc((b, width, lay.hidden_size), lay.dtype),
+            "input_ids": self._alloc((b, width), torch.int64, slab, 0),
+            "loss_mask": self._alloc((b, width), torch.int64, slab, 1),
+            "target_hidden_states": self._alloc((b, width, lay.hidden_dim), lay.dtype, slab, 2),
+            "target_last_hidden_states": self._alloc((b, width, lay.hidden_size), lay.dtype, slab, 3),
         }
         extra: dict[str, torch.Tensor] = {}
         if not self.nemo_keys_only:
-            buffers["attention_mask"] = self._alloc((b, width), torch.int64)
+            buffers["attention_mask"] = self._alloc((b, width), torch.int64, slab, 4)
             extra = {
                 "sample_ids": torch.tensor([e.sample_id for e in entries], dtype=torch.int64),
                 "is_repeat": torch.tensor(batch.repeat, dtype=torch.bool),

@@ -1,0 +1,59 @@
+"""Regenerate docs/monitor.svg: the monitor during a live run of the demo producer.
+
+    .venv/bin/python docs/screenshot.py   (after `make demo` built .demo/)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dspark_cache.demo import ensure_embedded  # noqa: E402
+from dspark_cache.tui.app import MonitorApp  # noqa: E402
+
+
+def published(cache: str) -> int:
+    path = os.path.join(cache, "events", "rank-00000.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as handle:
+        return sum(1 for line in handle if '"shard_published"' in line)
+
+
+async def shoot(cache: str, out: str) -> None:
+    app = MonitorApp(cache, refresh=0.5)
+    async with app.run_test(size=(140, 52)) as pilot:
+        for _ in range(8):  # let the throughput history build up
+            await asyncio.sleep(0.5)
+            await pilot.pause()
+        app.save_screenshot(filename=os.path.basename(out), path=os.path.dirname(out))
+
+
+def main() -> None:
+    workdir = os.path.join(ROOT, ".demo")
+    target, data = ensure_embedded(workdir)
+    cache = os.path.join(workdir, "screenshot-cache")
+    cmd = [sys.executable, "-m", "dspark_cache.producer.cli", "--target-model", target, "--input-data", data,
+           "--output-dir", cache, "--overwrite", "--seq-length", "2048", "--batch-size", "8", "--shard-size", "8",
+           "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        while published(cache) < 6:
+            time.sleep(0.2)
+        asyncio.run(shoot(cache, os.path.join(ROOT, "docs", "monitor.svg")))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+    print(json.dumps({"screenshot": "docs/monitor.svg"}))
+
+
+if __name__ == "__main__":
+    main()
