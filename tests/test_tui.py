@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 from rich.text import Text
@@ -142,3 +141,38 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, tmp_path
     again = run(producer_cmd(*args))  # the stop request does not outlive the run it stopped
     assert again.returncode == 0, again.stderr
     assert verify_cache(out).ok
+
+
+@pytest.mark.anyio
+async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, tmp_path):
+    """``dspark-produce --tui``: the monitor owns the child producer; q stops it gracefully."""
+    from dspark_cache.tui.foreground import ForegroundMonitor
+
+    out = str(tmp_path / "cache")
+    args = produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "1",
+                        "--batch-size", "1")
+    log = tmp_path / "produce.log"
+    with open(log, "wb") as handle:
+        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer.cli", *args], stdout=handle,
+                                 stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: published(out) >= 1)
+            app = ForegroundMonitor(out, child, str(log))
+            async with app.run_test(size=(140, 60)) as pilot:
+                await pilot.pause()
+                assert app.snapshot.live_ranks
+                await pilot.press("q")
+            assert child.wait(timeout=120) == 3
+        finally:
+            if child.poll() is None:
+                child.kill()
+    assert "rerun the same command to resume" in log.read_text()
+    assert not verify_cache(out).corrupt
+
+
+def test_tui_flag_is_refused_cleanly_on_bad_arguments(capsys):
+    from dspark_cache.cli import produce
+
+    with pytest.raises(SystemExit) as exit_info:
+        produce(["--tui", "--input-data", "x"])
+    assert exit_info.value.code == 2 and "--target-model" in capsys.readouterr().err

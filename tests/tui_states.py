@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 
 from dspark_cache.format.atomic import atomic_write_bytes

@@ -16,14 +16,12 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-import msgspec
 import torch
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import RankStatus
+from dspark_cache.format.status import ACTIVE_RANK_STATES, read_rank_statuses
 from dspark_cache.producer.plan import ShardPlan
 
-ACTIVE_STATES = ("planning", "loading", "running", "waiting")
 _PAYLOAD_BYTES = 65536
 
 
@@ -91,21 +89,6 @@ def assign_shards(todo: list[ShardPlan], world_size: int) -> list[list[ShardPlan
     return [sorted(o, key=lambda s: s.shard_id) for o in owned]
 
 
-def read_statuses(paths: CachePaths) -> list[RankStatus]:
-    out = []
-    try:
-        names = sorted(os.listdir(paths.status_dir))
-    except FileNotFoundError:
-        return out
-    for name in names:
-        try:
-            with open(os.path.join(paths.status_dir, name), "rb") as handle:
-                out.append(msgspec.json.decode(handle.read(), type=RankStatus))
-        except (OSError, msgspec.DecodeError):
-            continue
-    return out
-
-
 def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id: str,
                       rank_timeout: float, poll: float = 1.0) -> set[int]:
     """Wait while shards are missing and some other rank of this run is alive; return missing."""
@@ -115,8 +98,9 @@ def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id
             return missing
         now = time.time()
         alive = [
-            s for s in read_statuses(paths)
-            if s.rank != me.rank and s.run_id == run_id and s.state in ACTIVE_STATES and now - s.updated_at < rank_timeout
+            s for s in read_rank_statuses(paths)
+            if s.rank != me.rank and s.run_id == run_id and s.state in ACTIVE_RANK_STATES
+            and now - s.updated_at < rank_timeout
         ]
         if not alive:
             return missing

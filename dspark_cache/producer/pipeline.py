@@ -95,6 +95,7 @@ class WriteJob:
 
 @dataclass
 class PipelineStats:
+    current_shard: int | None = None  # the shard the device is computing
     samples: int = 0
     tokens: int = 0
     bytes: int = 0
@@ -256,6 +257,7 @@ def run_pipeline(
         for shard in shards:
             if should_stop() or writer.error is not None:
                 break
+            stats.current_shard = shard.shard_id
             for i, batch in enumerate(shard.batches):
                 if writer.error is not None:
                     break

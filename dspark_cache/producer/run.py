@@ -222,7 +222,7 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
         status.update(force=True, shards_done=len(published), shard=None)
 
     def on_batch(stats: PipelineStats, budget) -> None:
-        status.update(state="running", samples_done=base["samples"] + stats.samples,
+        status.update(state="running", shard=stats.current_shard, samples_done=base["samples"] + stats.samples,
                       tokens_done=base["tokens"] + stats.tokens, bytes_written=stats.bytes,
                       inflight_bytes=budget.inflight, stage_seconds=stats.times.as_dict(),
                       device_memory_bytes=torch.cuda.memory_allocated(p.device) if p.device.type == "cuda" else None)
@@ -288,7 +288,8 @@ def produce(cfg: ProduceConfig) -> RunResult:
         return _run_rank(p, me, run_id, existing, status, stop, started)
     except BaseException as exc:
         status.update(force=True, state="failed", last_error=str(exc) or type(exc).__name__)
-        status.event("error", f"producer failed: {exc}")
+        shard = status.status.shard  # the shard in flight failed; the monitor marks it
+        status.event("error", f"producer failed: {exc}", **({"shard": shard} if shard is not None else {}))
         raise
     finally:
         stop.uninstall()

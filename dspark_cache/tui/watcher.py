@@ -18,9 +18,9 @@ from typing import Callable
 import msgspec
 
 from dspark_cache.format.paths import PARTIAL_SUFFIX, CachePaths
-from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex, decode_manifest
+from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex, decode_manifest, decode_shard_index
+from dspark_cache.format.status import ACTIVE_RANK_STATES, read_rank_statuses
 
-ACTIVE_STATES = ("planning", "loading", "running", "waiting", "stopping")
 STALE_AFTER = 10.0  # seconds without a heartbeat before a rank that says it is active looks stuck
 
 
@@ -59,10 +59,10 @@ class Snapshot:
 
     @property
     def live_ranks(self) -> list[RankStatus]:
-        return [r for r in self.ranks if r.state in ACTIVE_STATES and not self.is_stale(r)]
+        return [r for r in self.ranks if r.state in ACTIVE_RANK_STATES and not self.is_stale(r)]
 
     def is_stale(self, status: RankStatus) -> bool:
-        return status.state in ACTIVE_STATES and self.now - status.updated_at > STALE_AFTER
+        return status.state in ACTIVE_RANK_STATES and self.now - status.updated_at > STALE_AFTER
 
     @property
     def samples_done(self) -> int:
@@ -121,7 +121,7 @@ class CacheWatcher:
         snap.manifest, snap.manifest_error = self._read_manifest()
         snap.published = self._read_indexes()
         snap.writing = self._partials()
-        snap.ranks = self._read_statuses()
+        snap.ranks = read_rank_statuses(self.paths)
         snap.events = self._read_events()
         snap.failed = {e.data.get("shard") for e in snap.events if e.kind == "error" and "shard" in e.data}
         snap.disk_free = self.disk_free(self.paths.root)
@@ -159,7 +159,7 @@ class CacheWatcher:
         for shard_id in present - set(self._indexes):
             try:
                 with open(self.paths.shard_index(shard_id), "rb") as handle:
-                    self._indexes[shard_id] = msgspec.json.decode(handle.read(), type=ShardIndex)
+                    self._indexes[shard_id] = decode_shard_index(handle.read())
             except (OSError, msgspec.DecodeError):
                 continue  # mid-replace: next poll
         return dict(self._indexes)
@@ -170,22 +170,6 @@ class CacheWatcher:
             name = os.path.basename(path)
             if name.startswith("shard-") and name.endswith(".tar" + PARTIAL_SUFFIX):
                 out.add(int(name[6:12]))
-        return out
-
-    def _read_statuses(self) -> list[RankStatus]:
-        out = []
-        try:
-            names = sorted(os.listdir(self.paths.status_dir))
-        except FileNotFoundError:
-            return out
-        for name in names:
-            if not name.endswith(".json"):
-                continue
-            try:
-                with open(os.path.join(self.paths.status_dir, name), "rb") as handle:
-                    out.append(msgspec.json.decode(handle.read(), type=RankStatus))
-            except (OSError, msgspec.DecodeError):
-                continue
         return out
 
     def _read_events(self) -> list[Event]:

@@ -29,5 +29,6 @@ class ThroughputChart(Vertical):
             f"tokens/s now {human_count(tokens[-1]) if tokens else '-'}   peak {human_count(max(tokens)) if tokens else '-'}")
         self.query_one("#mb-label", Static).update(
             f"written/s now {human_bytes(mbs[-1]) if mbs else '-'}   peak {human_bytes(max(mbs)) if mbs else '-'}")
-        self.query_one("#tok-line", Sparkline).data = tokens or [0.0]
-        self.query_one("#mb-line", Sparkline).data = mbs or [0.0]
+        # No history (a finished or idle cache) draws nothing rather than a misleading full bar.
+        self.query_one("#tok-line", Sparkline).data = tokens
+        self.query_one("#mb-line", Sparkline).data = mbs
