@@ -114,8 +114,7 @@ class SyntheticTarget:
 
 
 def make_device(args, target, info, layer_ids, shape, cfg, seconds_per_token):
-    import torch
-
+    """The device and its forward: the real target (bf16 on CUDA, fp32 on CPU) or the fake one."""
     from dspark_cache.format.sample import CACHE_DTYPES
     from dspark_cache.producer.target import TargetRunner, resolve_device
 
@@ -123,13 +122,7 @@ def make_device(args, target, info, layer_ids, shape, cfg, seconds_per_token):
     if args.synthetic:
         return device, SyntheticTarget(shape, cfg.batch_token_budget, seconds_per_token).forward
     compute = CACHE_DTYPES["bf16" if device.type == "cuda" else "fp32"]
-    runner = TargetRunner(target, layer_ids, info.num_layers, device, compute, shape.dtype)
-    if device.type == "cuda":
-        def forward(ids, mask):
-            return runner.forward(ids, mask)
-        torch.cuda.synchronize()
-        return device, forward
-    return device, runner.forward
+    return device, TargetRunner(target, layer_ids, info.num_layers, device, compute, shape.dtype).forward
 
 
 # ----------------------------------------------------------------------------- measurements

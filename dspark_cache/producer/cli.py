@@ -6,7 +6,9 @@ import logging
 import os
 import sys
 
-from dspark_cache.producer.config import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, parse_config
+from dspark_cache.producer.config import (
+    EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, parse_config,
+)
 
 
 def _summary(result) -> str:
@@ -20,6 +22,11 @@ def _summary(result) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--tui" in argv:  # the monitor is composed in by the dspark-produce entry point
+        print("dspark-produce: --tui needs the dspark-produce command (dspark_cache.cli), not this module",
+              file=sys.stderr)
+        return EXIT_USAGE
     cfg = parse_config(argv)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dspark_cache.producer.run import produce
