@@ -6,7 +6,8 @@
 It writes a cache in our format (random tensors through the real shard writer, so the bytes
 are exactly what dspark-produce writes) and the same samples in NeMo's padded safetensors
 layout, warms the page cache, then measures, all in this run:
-  raw        sequential readinto of every shard file (one thread): the ceiling
+  raw        sequential readinto of every shard file (one thread) into an 8 MiB buffer (cache
+             resident: the kernel-copy ceiling) and into a 256 MiB one (every byte to DRAM)
   ours       build_dataloader(...) batches materialised (pad_to longest and seq_length; fresh
              batch memory, and reuse_buffers=True, which recycles it instead of faulting in pages)
   webdataset webdataset.WebDataset(urls).decode(our handler), sample by sample
@@ -96,13 +97,24 @@ def warm(files: list[str]) -> None:
                 pass
 
 
-def bench_raw(files: list[str]) -> float:
-    buf = bytearray(8 << 20)
+def bench_raw(files: list[str], dest_bytes: int = 8 << 20) -> float:
+    """Sequential ``readinto`` of every shard, 8 MiB at a time, cycling through ``dest_bytes``.
+
+    With the default 8 MiB the destination stays in the CPU cache (the kernel-copy ceiling);
+    with a destination as large as a few batches, every byte lands in DRAM, as a loader's must.
+    """
+    dest = memoryview(bytearray(dest_bytes))
+    chunk, pos = 8 << 20, 0
     t = time.perf_counter()
     for f in files:
         with open(f, "rb", buffering=0) as h:
-            while h.readinto(buf):
-                pass
+            while True:
+                if pos + chunk > dest_bytes:
+                    pos = 0
+                got = h.readinto(dest[pos : pos + chunk])
+                if not got:
+                    break
+                pos += got
     return time.perf_counter() - t
 
 
@@ -172,10 +184,11 @@ def main() -> None:
     nemo_bytes = sum(os.path.getsize(f) for f in nemo_files)
     warm(tars)
     warm(nemo_files)
-    runs: dict[str, list[float]] = {k: [] for k in ("raw", "ours_longest", "ours_longest_reuse", "ours_seq_length",
+    runs: dict[str, list[float]] = {k: [] for k in ("raw", "raw_to_dram", "ours_longest", "ours_longest_reuse", "ours_seq_length",
                                                     "ours_seq_length_reuse", "webdataset", "nemo")}
     for _ in range(args.repeat):  # interleaved so that drift hits every reader alike
         runs["raw"].append(bench_raw(tars))
+        runs["raw_to_dram"].append(bench_raw(tars, 256 << 20))
         runs["ours_longest"].append(bench_ours(root, args.batch_size, "longest", args.threads))
         runs["ours_longest_reuse"].append(bench_ours(root, args.batch_size, "longest", args.threads, True))
         runs["ours_seq_length"].append(bench_ours(root, args.batch_size, "seq_length", args.threads))
@@ -190,6 +203,7 @@ def main() -> None:
         "gb_per_s": {k: payload / v / 1e9 for k, v in med.items()},
         "samples_per_s": {k: args.samples / v for k, v in med.items()},
         "vs_raw": {k: med["raw"] / v for k, v in med.items()},
+        "vs_raw_to_dram": {k: med["raw_to_dram"] / v for k, v in med.items()},
         "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(),
     }
     out = os.path.join(ROOT, ".bench", f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -120,9 +120,14 @@ class BatchReader:
                 "sample_ids": torch.tensor([e.sample_id for e in entries], dtype=torch.int64),
                 "is_repeat": torch.tensor(batch.repeat, dtype=torch.bool),
             }
-        futures = [self.pool.submit(self._read_row, buffers, row, ref.shard_id, entry)
-                   for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
-        return PendingBatch(buffers, futures, extra)
+        # One task per batch: threads work on different (prefetched) batches, and a batch costs
+        # one hand-over between threads instead of one per sample.
+        rows = [(row, ref.shard_id, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
+        return PendingBatch(buffers, [self.pool.submit(self._read_rows, buffers, rows)], extra)
+
+    def _read_rows(self, buffers: dict[str, torch.Tensor], rows: list[tuple[int, int, SampleEntry]]) -> None:
+        for row, shard_id, entry in rows:
+            self._read_row(buffers, row, shard_id, entry)
 
     def _read_row(self, buffers: dict[str, torch.Tensor], row: int, shard_id: int, entry: SampleEntry) -> None:
         lay = self.layout
