@@ -132,12 +132,16 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, long_dat
     producer = start(producer_cmd(*args))
     try:
         wait_for(lambda: published(out) >= 2)
+        # Freeze the producer mid-run so it cannot finish before the key is pressed, however
+        # slow the monitor is to start on a loaded machine.
+        os.killpg(producer.pid, signal.SIGSTOP)
         app = MonitorApp(out, refresh=0.2)
         async with app.run_test(size=(140, 60)) as pilot:
             await pilot.pause()
-            assert app.snapshot.live_ranks
+            assert app.snapshot.is_cache and app.snapshot.ranks[0].state == "running"
             await pilot.press("s")
             await pilot.pause()
+        os.killpg(producer.pid, signal.SIGCONT)
         _, err = producer.communicate(timeout=120)
     finally:
         if producer.poll() is None:
@@ -165,11 +169,13 @@ async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, long_
                                  stderr=subprocess.STDOUT)
         try:
             wait_for(lambda: published(out) >= 1)
+            os.kill(child.pid, signal.SIGSTOP)  # still mid-run when q is pressed, however slow the start
             app = ForegroundMonitor(out, child, str(log))
             async with app.run_test(size=(140, 60)) as pilot:
                 await pilot.pause()
-                assert app.snapshot.live_ranks
-                await pilot.press("q")
+                assert app.snapshot.ranks[0].state == "running"
+                await pilot.press("q")  # SIGTERM stays pending until the child runs again
+            os.kill(child.pid, signal.SIGCONT)
             assert child.wait(timeout=120) == 3
         finally:
             if child.poll() is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import os
 from typing import Iterator
 
@@ -68,12 +67,6 @@ class Cache:
         n, entry = self._entries[position]
         return self.shards[n], entry
 
-    def position_of(self, sample_id: int) -> int:
-        pos = bisect.bisect_left(self._ids, sample_id)
-        if pos == len(self._ids) or self._ids[pos] != sample_id:
-            raise KeyError(f"sample {sample_id} is not in {self.path}")
-        return pos
-
     def reader(self, shard: ShardIndex) -> ShardReader:
         reader = self._readers.get(shard.shard_id)
         if reader is None:
@@ -102,12 +95,6 @@ class Cache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __getstate__(self) -> dict:
-        # DataLoader workers get their own file descriptors.
-        state = dict(self.__dict__)
-        state["_readers"] = {}
-        return state
 
 
 def open_cache(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Cache:
