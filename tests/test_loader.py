@@ -185,12 +185,45 @@ def test_real_gloo_ranks_take_rank_and_world_from_torch_distributed(small_cache)
     assert n - len(seen) < 6
 
 
-def test_reused_buffers_give_the_same_batches(small_cache):
-    fresh = [{k: v.clone() for k, v in b.items()} for b in dspark_cache.build_dataloader(small_cache, 3, seed=6)]
-    reused = dspark_cache.build_dataloader(small_cache, 3, seed=6, reuse_buffers=True, prefetch=2)
-    count = 0
-    for want, got in zip(fresh, reused, strict=True):
-        for key in want:
-            assert torch.equal(want[key], got[key]), key
-        count += 1
-    assert count == len(fresh)
+def expected_rows(cache_path):
+    cache = dspark_cache.open_cache(cache_path)
+    return cache.manifest, {s["sample_id"]: s for s in cache.samples()}
+
+
+def assert_batch_is_exact(batch, manifest, by_id):
+    """Every row equals its sample, and every pad slot is zero (pad id for input_ids)."""
+    for row, sid in enumerate(batch["sample_ids"].tolist()):
+        want = by_id[sid]
+        n = want["input_ids"].shape[0]
+        for key in ("target_hidden_states", "target_last_hidden_states"):
+            assert torch.equal(batch[key][row, :n], want[key]), (sid, key)
+            assert not batch[key][row, n:].any(), (sid, key)
+        assert torch.equal(batch["input_ids"][row, :n], want["input_ids"].long())
+        assert (batch["input_ids"][row, n:] == manifest.pad_token_id).all()
+        assert torch.equal(batch["loss_mask"][row, :n], want["loss_mask"].long()) and not batch["loss_mask"][row, n:].any()
+        assert batch["attention_mask"][row, :n].all() and not batch["attention_mask"][row, n:].any()
+
+
+@pytest.mark.parametrize("pad_to", ["seq_length", "longest"])
+def test_recycled_batch_memory_is_exact_and_never_overwrites_a_kept_batch(small_cache, pad_to):
+    manifest, by_id = expected_rows(small_cache)
+    loader = dspark_cache.build_dataloader(small_cache, 3, seed=6, pad_to=pad_to, prefetch=2)
+    # Streaming (nothing kept): memory is recycled, so pads must be re-zeroed where longer
+    # samples of earlier batches wrote; three epochs mix many lengths into the same rows.
+    addresses = set()
+    for _ in range(3):
+        for batch in loader:
+            assert_batch_is_exact(batch, manifest, by_id)
+            addresses.add(batch["target_hidden_states"].data_ptr())
+    assert len(addresses) <= 4  # prefetch + 2 slabs, reused across 48 batches
+    # Kept (a list of every batch): no batch memory may be handed out again while it is held.
+    kept = list(loader)
+    assert len({b["target_hidden_states"].data_ptr() for b in kept}) == len(kept)
+    for batch in kept:
+        assert_batch_is_exact(batch, manifest, by_id)
+    # A view outside the loader is enough to hold a batch's memory.
+    held = next(iter(loader))["loss_mask"][0]
+    snapshot = held.clone()
+    for _ in loader:
+        pass
+    assert torch.equal(held, snapshot)

@@ -68,7 +68,7 @@ class TensorSpec:
         count = 1
         for dim in self.shape:
             count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -101,29 +101,36 @@ def sample_metadata(sample_id: int, layer_ids: list[int], num_layers: int, hidde
     }
 
 
-def layout_payload(specs: list[TensorSpec], metadata: dict[str, str], file_offset: int) -> PayloadLayout:
-    """Lay out a blob that will start at ``file_offset`` of its file (the tar member's data)."""
-    header: dict[str, Any] = {"__metadata__": metadata}
+def place_tensors(specs: list[TensorSpec]) -> tuple[tuple[str, int, int], ...]:
+    """``(name, start, end)`` of every tensor and ``__padN__`` fill, relative to the data section.
+
+    Placement depends on the specs only (not on the header), so readers can plan a sample's
+    reads from its length alone.
+    """
     placed: list[tuple[str, int, int]] = []
     cursor = 0
     for spec in specs:
         gap = -cursor % TENSOR_ALIGN
         if gap:
-            name = f"{PAD_PREFIX}{len(placed)}__"
-            header[name] = {"dtype": "U8", "shape": [gap], "data_offsets": [cursor, cursor + gap]}
-            placed.append((name, cursor, cursor + gap))
+            placed.append((f"{PAD_PREFIX}{len(placed)}__", cursor, cursor + gap))
             cursor += gap
-        end = cursor + spec.nbytes
-        header[spec.name] = {
-            "dtype": _ST_CODES[spec.dtype],
-            "shape": list(spec.shape),
-            "data_offsets": [cursor, end],
-        }
-        placed.append((spec.name, cursor, end))
-        cursor = end
+        placed.append((spec.name, cursor, cursor + spec.nbytes))
+        cursor += spec.nbytes
+    return tuple(placed)
+
+
+def layout_payload(specs: list[TensorSpec], metadata: dict[str, str], file_offset: int) -> PayloadLayout:
+    """Lay out a blob that will start at ``file_offset`` of its file (the tar member's data)."""
+    by_name = {spec.name: spec for spec in specs}
+    placed = place_tensors(specs)
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for name, start, end in placed:
+        spec = by_name.get(name)
+        dtype, shape = (_ST_CODES[spec.dtype], list(spec.shape)) if spec else ("U8", [end - start])
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
     raw = json.dumps(header, separators=(",", ":")).encode()
     padded = len(raw) + (-(file_offset + 8 + len(raw)) % PAGE_ALIGN)
-    return PayloadLayout(struct.pack("<Q", padded) + raw.ljust(padded, b" "), tuple(placed))
+    return PayloadLayout(struct.pack("<Q", padded) + raw.ljust(padded, b" "), placed)
 
 
 def payload_buffers(layout: PayloadLayout, tensors: dict[str, torch.Tensor]) -> list[memoryview]:

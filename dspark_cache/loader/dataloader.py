@@ -73,7 +73,7 @@ class DSparkLoader:
                  num_workers: int | None = None, pad_to: str = "seq_length", drop_last: bool = False,
                  partial_last: bool = False, follow: bool = False, expect: dict[str, Any] | None = None, window: int = 4, prefetch: int = 2,
                  pin_memory: bool | None = None, nemo_keys_only: bool = False, poll_interval: float = 0.5,
-                 follow_timeout: float | None = None, reuse_buffers: bool = False) -> None:
+                 follow_timeout: float | None = None) -> None:
         if batch_size < 1 or window < 1:
             raise ValueError("batch_size and window must be >= 1")
         path = os.fspath(path)
@@ -95,12 +95,11 @@ class DSparkLoader:
         self._orders: dict[int, EpochOrder] = {}
         threads = num_workers if num_workers is not None else min(4, os.cpu_count() or 1)
         self.reader = BatchReader(self.catalog, BatchLayout.from_manifest(self.catalog.manifest),
-                                  num_threads=threads, pad_to=pad_to,
+                                  batch_size=batch_size, num_threads=threads, pad_to=pad_to,
                                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
                                   nemo_keys_only=nemo_keys_only,
-                                  # A yielded batch stays valid while the next one is taken; its
-                                  # memory is reused two batches later (copy what you keep).
-                                  ring=self.prefetch + 2 if reuse_buffers else 0)
+                                  # In flight, the batch training holds, the one it just dropped.
+                                  keep=self.prefetch + 2)
         self.dataset = _Sized(self)  # NeMo logs len(loader.dataset)
         self.sampler = self  # NeMo calls loader.sampler.set_epoch(epoch)
 

@@ -1,0 +1,143 @@
+"""Batch memory for the reader: recycled once nobody holds it, and zeroed only where needed.
+
+Pad slots must be zeros (finite: ``NaN * 0`` would poison the loss). Zeroing every pad slot of
+a batch padded to ``seq_length`` writes several times more bytes than reading the samples, and
+fresh memory is faulted in page by page, which makes a copy into it more than twice as slow.
+So batch memory the loader owns is recycled, and each slab remembers which token slots an
+earlier batch wrote: only those are zeroed again. A slab is reused only when no tensor outside
+the loader still views it (its storage's use count is back to what the slab alone holds), so
+a batch that training keeps is never overwritten.
+
+Pinned memory is not recycled here: a non-blocking host-to-device copy of a batch may still
+be running when training drops the batch, and only CUDA's caching host allocator knows when
+it has finished. Pinned batches therefore come from that allocator (no page faults once warm)
+and have all their pad slots zeroed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_ALIGN = 4096
+# Per-token int64 fields; they are rewritten whole for every batch (a few bytes per token).
+ID_FIELDS = ("input_ids", "loss_mask", "attention_mask")
+
+
+@dataclass(frozen=True)
+class Field:
+    """A batch tensor of ``[rows, width, per_token]`` elements (``[rows, width]`` when 1)."""
+
+    name: str
+    per_token: int
+    dtype: torch.dtype
+    tracked: bool  # pad slots are zeroed only where an earlier batch wrote (wide fields)
+
+    def nbytes(self, slots: int) -> int:
+        return slots * self.per_token * self.dtype.itemsize
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s bytes as same-width integers (bf16 included), for copies and fills.
+
+    Reader threads copy and zero through numpy rather than torch: numpy's loops run on the
+    calling thread, while torch may start its intra-op thread pool for every large copy, and
+    two reader threads doing that oversubscribe the cores and slow every copy down.
+    """
+    return t.view(_SAME_SIZE_INT[t.dtype.itemsize]).numpy()
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """Tensors (and views) sharing ``t``'s storage, or a huge number where torch cannot say."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:  # never recycle when we cannot prove nobody holds the memory
+        return 1 << 30
+    return counter(t.untyped_storage()._cdata)
+
+
+class Slab:
+    """One allocation holding every field of a batch of up to ``capacity`` token slots."""
+
+    def __init__(self, fields: tuple[Field, ...], capacity: int, *, pinned: bool) -> None:
+        self.fields, self.capacity = fields, capacity
+        offsets, total = {}, 0
+        for f in fields:
+            offsets[f.name] = total
+            total += -(-f.nbytes(capacity) // _ALIGN) * _ALIGN
+        if pinned:
+            raw = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            self.dirty = np.ones(capacity, dtype=bool)  # cached blocks hold stale bytes
+        else:
+            # numpy's zeros is calloc: large blocks are fresh zero pages, touched only when used.
+            # malloc aligns to 16 bytes only; the kernel copies into 16-byte-misaligned memory
+            # 1.4x slower than into page-aligned memory, so start the slab on a page.
+            block = np.zeros(total + _ALIGN, dtype=np.uint8)
+            skip = -block.ctypes.data % _ALIGN
+            raw = torch.from_numpy(block[skip : skip + total])
+            self.dirty = np.zeros(capacity, dtype=bool)
+        self._flat = {f.name: raw[offsets[f.name] : offsets[f.name] + f.nbytes(capacity)].view(f.dtype) for f in fields}
+        self._raw = raw
+        self._baseline = _use_count(raw)
+
+    def idle(self) -> bool:
+        """True when no batch (or view of one) outside this slab is alive."""
+        return _use_count(self._raw) <= self._baseline
+
+    def views(self, rows: int, width: int) -> dict[str, torch.Tensor]:
+        """The batch tensors for ``rows`` rows padded to ``width`` token slots."""
+        out = {}
+        for f in self.fields:
+            flat = self._flat[f.name][: rows * width * f.per_token]
+            out[f.name] = flat.view(rows, width) if f.per_token == 1 else flat.view(rows, width, f.per_token)
+        return out
+
+    def slots(self, name: str) -> np.ndarray:
+        """A field as ``[capacity, per_token]`` token slots, for zeroing ranges of them."""
+        f = next(f for f in self.fields if f.name == name)
+        return as_numpy(self._flat[name].view(self.capacity, f.per_token))
+
+    def claim(self, width: int, lengths: list[int]) -> list[tuple[int, int]]:
+        """Slot ranges of the tracked fields to zero before a batch of these row lengths is read.
+
+        Row ``r`` writes slots ``[r*width, r*width + n)`` and must show zeros in the rest of its
+        row; only pad slots that an earlier batch may have written need zeroing.
+        """
+        zero = []
+        for row, n in enumerate(lengths):
+            start, end = row * width + n, (row + 1) * width
+            written = np.flatnonzero(self.dirty[start:end])
+            if written.size:
+                zero.append((start + int(written[0]), start + int(written[-1]) + 1))
+            self.dirty[row * width : start] = True
+            self.dirty[start:end] = False
+        return zero
+
+
+class BatchMemory:
+    """Hands out a slab per batch: a recycled idle one if any, else a new one."""
+
+    def __init__(self, fields: tuple[Field, ...], max_slots: int, *, pinned: bool, keep: int) -> None:
+        self.fields, self.max_slots, self.pinned, self.keep = fields, max_slots, pinned, keep
+        self._pool: list[Slab] = []
+        self._replaced = 0
+
+    def take(self, rows: int, width: int) -> Slab:
+        if self.pinned:
+            return Slab(self.fields, rows * width, pinned=True)
+        for slab in self._pool:
+            if slab.idle():
+                return slab
+        # Every kept slab is in flight or held by training: allocate. Slabs are sized for the
+        # longest possible batch, so a recycled one always fits.
+        slab = Slab(self.fields, self.max_slots, pinned=False)
+        if len(self._pool) < self.keep:
+            self._pool.append(slab)
+        else:  # the slab dropped from the pool is freed when its holder lets go of it
+            self._pool[self._replaced % self.keep] = slab
+            self._replaced += 1
+        return slab

@@ -1,0 +1,57 @@
+"""Batch memory bookkeeping: only pad slots an earlier batch wrote are zeroed, and that is enough."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dspark_cache.loader.memory import BatchMemory, Field, Slab
+
+FIELDS = (Field("hidden", 3, torch.bfloat16, True), Field("ids", 1, torch.int64, False))
+
+
+def test_claimed_zeroing_leaves_every_pad_slot_zero():
+    rng = np.random.default_rng(0)
+    slab = Slab(FIELDS, 4 * 16, pinned=False)
+    slots = slab.slots("hidden")
+    for _ in range(300):
+        rows = int(rng.integers(1, 5))
+        width = int(rng.integers(1, 17))
+        lengths = rng.integers(0, width + 1, rows).tolist()
+        for start, end in slab.claim(width, lengths):
+            slots[start:end] = 0
+        view = slab.views(rows, width)["hidden"]
+        for row, n in enumerate(lengths):  # a sample writes non-zero data in its own slots
+            view[row, :n] = float(rng.integers(1, 9))
+        for row, n in enumerate(lengths):
+            assert not view[row, n:].any()
+            assert view[row, :n].all()
+
+
+def test_claim_zeroes_only_what_was_written():
+    slab = Slab(FIELDS, 2 * 8, pinned=False)
+    assert slab.claim(8, [8, 3]) == []  # fresh memory is zeros: nothing to zero
+    # The first batch wrote slots 0-7 and 8-10. Width 5 moves the rows: row 0 pads slots 2-4
+    # (written), row 1 holds slots 5-8 and pads slot 9 (written by the first batch's row 1).
+    assert slab.claim(5, [2, 4]) == [(2, 5), (9, 10)]
+    # Slot 10 (beyond the 10 slots of the second batch) still holds the first batch's data;
+    # rows 0 and 1 span first-to-last written pad slot (clean slots inside are zeroed too).
+    assert slab.claim(8, [1, 1]) == [(1, 8), (10, 11)]
+
+
+def test_slab_is_recycled_only_when_nothing_outside_holds_it():
+    memory = BatchMemory(FIELDS, 16, pinned=False, keep=2)
+    first = memory.take(2, 8)
+    held = first.views(2, 8)["ids"][1]  # a view of one row is enough to hold the slab
+    second = memory.take(2, 8)
+    assert second is not first
+    in_flight = second.views(2, 8)
+    third = memory.take(2, 8)  # both kept slabs are busy: a new one, not an overwrite
+    assert third is not first and third is not second
+    assert memory.take(2, 8) is third  # nothing views the third: it is recycled at once
+    # The pool keeps 2 slabs: the third took the held one's place, so once released the held
+    # one is freed, never handed out again (memory stays bounded whatever training keeps).
+    del held
+    assert memory.take(2, 8) is third
+    del in_flight
+    assert memory.take(2, 8) in (second, third)
