@@ -5,12 +5,14 @@ torch state), and the parent prints a Markdown table plus a JSON file under ``.b
 
     python bench/producer.py                      # CPU suite on the embedded target and data
     python bench/producer.py --suite synthetic    # pipeline overlap with a sleeping fake device
+                                                  # (writes to /dev/shm unless --synthetic-dir)
     python bench/producer.py --suite gpu          # the same comparison on CUDA (one command)
 
 Measured per run:
   (a) device-only: forward of the planned batches, nothing written
   (b) write-only:  the same bytes through the writer (a device that returns instantly)
-  (c) pipeline:    ours, overlapped;       efficiency = max(a, b) / c
+  (c) pipeline:    ours, overlapped;       efficiency = max(fastest a, fastest b) / median c
+                   (and overlap = max(a, writer busy time in the same run) / c, per run)
   (d) nemo-style:  pad to seq_length, full causal-LM forward with logits, synchronous copy,
                    whole shard buffered then one synchronous safetensors write; speed-up = d / c
   whole commands:  `dspark-produce` vs the NeMo-style script, start-up included
@@ -160,7 +162,8 @@ def measure_phases(args: argparse.Namespace) -> dict:
         sync()
         return time.perf_counter() - t
 
-    def through_pipeline(fwd, budget: int = args.max_inflight_bytes) -> tuple[float, float]:
+    def through_pipeline(fwd, budget: int = args.max_inflight_bytes) -> tuple[float, int, float]:
+        """Wall seconds, bytes written, and seconds the writer thread spent writing."""
         out = tempfile.mkdtemp(dir=args.workdir)
         paths = CachePaths(out)
         paths.ensure_dirs()
@@ -171,34 +174,47 @@ def measure_phases(args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - t
         shutil.rmtree(out)
         os.sync()  # no dirty pages of this run may slow the next one
-        return seconds, stats.bytes
+        return seconds, stats.bytes, stats.times.write
 
     instant = SyntheticTarget(shape, cfg.batch_token_budget, 0.0).forward
 
     def write_only() -> float:
-        # The same bytes through the writer: an instant device, and a small budget so the main
-        # thread mostly waits instead of spinning (a spinning thread holds the GIL).
-        return through_pipeline(instant, budget=min(args.max_inflight_bytes, 64 << 20))[0]
+        # The same bytes through the writer with an instant device and no byte budget: the main
+        # thread queues every batch (views of one buffer: no memory) within milliseconds and
+        # then sleeps in join(). A budget would wake it on every release, and its Python would
+        # take the GIL from the writer, which is not the write cost we want to measure.
+        return through_pipeline(instant, budget=1 << 50)[0]
 
     if args.synthetic:
         # Calibrate the fake device against this machine's write speed: ratio x write time.
         write_only()  # warm-up: the first write on a fresh process is the slowest
-        write_s = statistics.median(write_only() for _ in range(3))
+        write_s = min(write_only() for _ in range(3))  # the writer's own cost (see below)
         padded = sum(max(s.length for s in b) * len(b) for sh in plan.shards for b in sh.batches)
         forward = SyntheticTarget(shape, cfg.batch_token_budget, args.synthetic_ratio * write_s / padded).forward
-    runs = {"device_s": [], "write_s": [], "pipeline_s": []}
+    runs = {"device_s": [], "write_s": [], "pipeline_s": [], "pipeline_writer_busy_s": []}
     for _ in range(args.repeat):  # interleaved, so drift on a noisy machine hits all three alike
         runs["device_s"].append(device_only(forward))
         runs["write_s"].append(write_only())
-        seconds, nbytes = through_pipeline(forward)
+        seconds, nbytes, busy = through_pipeline(forward)
         runs["pipeline_s"].append(seconds)
+        runs["pipeline_writer_busy_s"].append(busy)
     result = {"tokens": tokens, "samples": plan.num_samples, "shards": len(plan.shards), "bytes": nbytes}
     result.update({k: statistics.median(v) for k, v in runs.items()})
     result["runs"] = runs
-    # Per repetition (adjacent measurements share the machine's mood), then the median.
+    # The device and the writer alone are each taken at their fastest repetition (their own
+    # cost, without a noisy neighbour's interference), the pipeline at its median: a
+    # conservative efficiency. This VM slows a burst of CPU work that follows an idle second
+    # (the device-only phase sleeps) by up to 1.7x, which per-repetition ratios turn into
+    # "efficiencies" above 1. The per-repetition ratios are kept for reference.
     per_rep = [max(d, w) / p for d, w, p in zip(runs["device_s"], runs["write_s"], runs["pipeline_s"])]
     result["efficiency_runs"] = per_rep
-    result["efficiency"] = statistics.median(per_rep)
+    result["efficiency"] = max(min(runs["device_s"]), min(runs["write_s"])) / statistics.median(runs["pipeline_s"])
+    # Overlap inside one run: the slower stage's own time (device, or the writer thread's busy
+    # time in that same run) over the wall time. Immune to a disk whose speed drifts between
+    # runs; 1.0 means the other stage was completely hidden.
+    result["overlap_runs"] = [max(d, b) / p for d, b, p in
+                              zip(runs["device_s"], runs["pipeline_writer_busy_s"], runs["pipeline_s"])]
+    result["overlap"] = statistics.median(result["overlap_runs"])
     result["peak_rss_mb"] = peak_rss_mb()
     return result
 
@@ -366,6 +382,10 @@ def main() -> None:
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--synthetic-rows", type=int, default=600,
+                   help="rows of the sample data in the synthetic suite (more rows: pipeline fill and drain matter less)")
+    p.add_argument("--synthetic-dir", default=None,
+                   help="where the synthetic suite writes (default: /dev/shm, a RAM filesystem, when present)")
     p.add_argument("--synthetic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--synthetic-ratio", type=float, default=1.0, help=argparse.SUPPRESS)
     p.add_argument("--synthetic-hidden", type=int, default=None, help=argparse.SUPPRESS)
@@ -385,21 +405,36 @@ def main() -> None:
         results["whole_command"] = suite_whole(args)
         results["phases_real"] = suite_phases(args)
     if args.suite in ("synthetic", "all"):
-        # A Qwen3-0.6B-width payload (H=1024, 28 layers: 10 KiB/token in bf16) on a 240-row
-        # subset, in shards of 16, so writing matters as much as computing.
+        # A Qwen3-0.6B-width payload (H=1024, 28 layers: 10 KiB/token in bf16) on --synthetic-rows
+        # rows, in shards of 16, so writing matters as much as computing.
         syn = ["--synthetic", "--synthetic-hidden", "1024", "--synthetic-layers", "28"]
-        small = argparse.Namespace(**{**vars(args), "rows": min(args.rows, 240), "shard_size": 16})
+        small = argparse.Namespace(**{**vars(args), "rows": args.synthetic_rows, "shard_size": 16,
+                                      "workdir": synthetic_workdir(args)})
         for label, ratio in (("compute_bound", 2.0), ("balanced", 1.0), ("write_bound", 0.5)):
             results[f"synthetic_{label}"] = suite_phases(small, *syn, "--synthetic-ratio", str(ratio))
     if args.suite in ("rss", "all"):
         results["rss_vs_shard_size"] = suite_rss(args)
     shutil.rmtree(args.workdir, ignore_errors=True)
+    if args.suite in ("synthetic", "all"):
+        shutil.rmtree(small.workdir, ignore_errors=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(BENCH_DIR, f"producer-{args.suite}-{stamp}.json")
     with open(path, "w") as handle:
         json.dump(results, handle, indent=2)
     print(json.dumps(results, indent=2))
     print(f"results: {path}")
+
+
+def synthetic_workdir(args: argparse.Namespace) -> str:
+    """Where the synthetic suite writes: a RAM filesystem unless --synthetic-dir says otherwise.
+
+    The synthetic suite measures how well computing and writing overlap. On a shared VM disk
+    the write speed itself drifts between runs (and dirty-page throttling makes a write-only
+    run slower than the same writes paced by a device), which no overlap ratio survives; on
+    tmpfs the write stage is the writer's own work (encoding, hashing, copying).
+    """
+    base = args.synthetic_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else args.workdir)
+    return tempfile.mkdtemp(prefix="dspark-bench-", dir=base)
 
 
 def machine() -> dict:
