@@ -101,6 +101,14 @@ class Slab:
         f = next(f for f in self.fields if f.name == name)
         return as_numpy(self._flat[name].view(self.capacity, f.per_token))
 
+    def zero(self, ranges: list[tuple[int, int]]) -> None:
+        """Zero these slot ranges of every tracked field (the ranges :meth:`claim` returned)."""
+        for f in self.fields:
+            if f.tracked and ranges:
+                slots = self.slots(f.name)
+                for start, end in ranges:
+                    slots[start:end] = 0
+
     def claim(self, width: int, lengths: list[int]) -> list[tuple[int, int]]:
         """Slot ranges of the tracked fields to zero before a batch of these row lengths is read.
 

@@ -26,7 +26,8 @@ from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.loader.catalog import ShardCatalog
 from dspark_cache.loader.memory import ID_FIELDS, BatchMemory, Field, Slab, as_numpy
 from dspark_cache.loader.planner import RankBatch
-from dspark_cache.loader.rowplan import ROW_FIELDS, RowPlan, row_plan
+from dspark_cache.loader.rowplan import RowPlan, row_plan
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -38,16 +39,14 @@ class BatchLayout:
     dtype: torch.dtype
     final_in_hidden: bool
     pad_token_id: int
-    layer_ids: tuple[int, ...]
-    num_layers: int
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> "BatchLayout":
         return cls(m.seq_length, m.target_hidden_dim, m.hidden_size, CACHE_DTYPES[m.dtype],
-                   final_state_in_ids(m.target_layer_ids, m.num_hidden_layers), m.pad_token_id,
-                   tuple(m.target_layer_ids), m.num_hidden_layers)
+                   final_state_in_ids(m.target_layer_ids, m.num_hidden_layers), m.pad_token_id)
 
     def plan(self, length: int) -> RowPlan:
+        """How a sample of ``length`` tokens is read (cached per length)."""
         return row_plan(length, self.hidden_dim, self.hidden_size, self.dtype, not self.final_in_hidden)
 
 
@@ -85,10 +84,10 @@ class BatchReader:
         lengths = [e.length for e in entries]
         width = self.layout.seq_length if self.pad_to == "seq_length" else max(lengths)
         for ref, entry in zip(batch.refs, entries):
-            if entry.length > width:
+            if entry.length > self.layout.seq_length:
                 raise CorruptShardError(self.catalog.paths.shard_tar(ref.shard_id),
-                                        f"{entry.length} tokens, more than the manifest's seq_length {width}",
-                                        entry.sample_id)
+                                        f"{entry.length} tokens, more than the manifest's seq_length "
+                                        f"{self.layout.seq_length}", entry.sample_id)
         slab = self.memory.take(len(entries), width)
         buffers = slab.views(len(entries), width)
         zero = slab.claim(width, lengths)
@@ -105,10 +104,7 @@ class BatchReader:
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[tuple[int, int, SampleEntry]]) -> None:
-        for name in ROW_FIELDS:
-            slots = slab.slots(name)
-            for start, end in zero:
-                slots[start:end] = 0
+        slab.zero(zero)
         arrays = {name: as_numpy(t) for name, t in buffers.items()}
         for row, shard_id, entry in rows:
             self._read_row(arrays, row, shard_id, entry)
