@@ -17,7 +17,7 @@ import torch
 from dspark_cache.format.sample import HIDDEN, LAST_HIDDEN, place_tensors, sample_specs
 
 # Bytes per read: a chunk must still be in the (1-2 MiB) L2 cache when it is hashed.
-CHUNK = 1048576
+CHUNK = 1 << 20
 ROW_FIELDS = (HIDDEN, LAST_HIDDEN)  # [tokens, dim] tensors, read in whole token rows
 
 # (name, lo, hi, nbytes): token rows lo:hi of a row field; bytes 0:hi of anything else.
