@@ -227,5 +227,9 @@ def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **k
     ``[B,S,len(ids)*H]`` and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded),
     plus ``attention_mask`` ``[B,S]``, ``sample_ids`` ``[B]`` and ``is_repeat`` ``[B]`` (True for
     the repeats that pad the last step when ``drop_last`` is off).
+
+    Batch memory is recycled once nothing references a batch any more; a batch (or any view
+    of it) that the caller keeps is never overwritten. Pinned batches (``pin_memory``, on by
+    default where CUDA exists) come from CUDA's caching host allocator instead.
     """
     return DSparkLoader(cached_target_path, batch_size, **kwargs)
