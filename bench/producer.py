@@ -99,13 +99,14 @@ def load_plan(args: argparse.Namespace, target: str, data: str, workers: int | N
 class SyntheticTarget:
     """A fake device: sleeps ``seconds_per_token`` per padded token, returns right-shaped tensors."""
 
-    def __init__(self, shape, budget_tokens: int, seconds_per_token: float) -> None:
+    def __init__(self, shape, budget_tokens: int, seconds_per_token: float, device="cpu") -> None:
         import torch
 
         self.spt = seconds_per_token
         self.d, self.h = shape.hidden_dim, shape.hidden_size
-        self.hidden = torch.randn(budget_tokens * self.d).to(shape.dtype)
-        self.last = torch.randn(budget_tokens * self.h).to(shape.dtype) if shape.stores_last else None
+        # On the device, like a real target's output (the stager copies it to pinned memory).
+        self.hidden = torch.randn(budget_tokens * self.d, device=device).to(shape.dtype)
+        self.last = torch.randn(budget_tokens * self.h, device=device).to(shape.dtype) if shape.stores_last else None
 
     def forward(self, ids, mask):
         b, t = ids.shape
@@ -122,7 +123,7 @@ def make_device(args, target, info, layer_ids, shape, cfg, seconds_per_token):
 
     device = resolve_device(args.device)
     if args.synthetic:
-        return device, SyntheticTarget(shape, cfg.batch_token_budget, seconds_per_token).forward
+        return device, SyntheticTarget(shape, cfg.batch_token_budget, seconds_per_token, device).forward
     compute = CACHE_DTYPES["bf16" if device.type == "cuda" else "fp32"]
     return device, TargetRunner(target, layer_ids, info.num_layers, device, compute, shape.dtype).forward
 
@@ -156,9 +157,10 @@ def measure_phases(args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         for shard in plan.shards:
             for batch in shard.batches:
-                hidden, last = fwd(*collate(batch, pad, device))
+                ids, mask = collate(batch, pad, device)
+                hidden, last = fwd(ids, mask)
                 if not args.synthetic:
-                    finite_flags(hidden, last, [s.length for s in batch])
+                    finite_flags(hidden, last, mask)
         sync()
         return time.perf_counter() - t
 
@@ -176,7 +178,7 @@ def measure_phases(args: argparse.Namespace) -> dict:
         os.sync()  # no dirty pages of this run may slow the next one
         return seconds, stats.bytes, stats.times.write
 
-    instant = SyntheticTarget(shape, cfg.batch_token_budget, 0.0).forward
+    instant = SyntheticTarget(shape, cfg.batch_token_budget, 0.0, device).forward
 
     def write_only() -> float:
         # The same bytes through the writer with an instant device and no byte budget: the main
@@ -190,7 +192,7 @@ def measure_phases(args: argparse.Namespace) -> dict:
         write_only()  # warm-up: the first write on a fresh process is the slowest
         write_s = min(write_only() for _ in range(3))  # the writer's own cost (see below)
         padded = sum(max(s.length for s in b) * len(b) for sh in plan.shards for b in sh.batches)
-        forward = SyntheticTarget(shape, cfg.batch_token_budget, args.synthetic_ratio * write_s / padded).forward
+        forward = SyntheticTarget(shape, cfg.batch_token_budget, args.synthetic_ratio * write_s / padded, device).forward
     runs = {"device_s": [], "write_s": [], "pipeline_s": [], "pipeline_writer_busy_s": []}
     for _ in range(args.repeat):  # interleaved, so drift on a noisy machine hits all three alike
         runs["device_s"].append(device_only(forward))

@@ -37,13 +37,17 @@ def _positions_finite(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([row.abs().amax(-1).isfinite() for row in x])
 
 
-def finite_flags(hidden: torch.Tensor, last: torch.Tensor | None, lengths: list[int]) -> torch.Tensor:
-    """Per sample: are all its real positions finite? Computed on the device, no sync."""
+def finite_flags(hidden: torch.Tensor, last: torch.Tensor | None, real: torch.Tensor) -> torch.Tensor:
+    """Per sample: are all its real positions finite? Computed on the device, no sync.
+
+    ``real`` is the batch's ``[B, T]`` mask of real tokens, already on the device (collate's
+    attention mask): building it from a list of lengths would copy pageable host memory to
+    the device, which waits for the forward to finish and stalls the host every batch.
+    """
     ok = _positions_finite(hidden)
     if last is not None:
         ok &= _positions_finite(last)
-    real = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < torch.tensor(lengths, device=hidden.device)[:, None]
-    return (ok | ~real).all(-1)
+    return (ok | ~real.bool()).all(-1)
 
 
 class ByteBudget:
@@ -115,7 +119,8 @@ class Stager:
         if not self.cuda:
             return [(hidden[b, :n], None if last is None else last[b, :n]) for b, n in enumerate(lengths)], finite, None
         assert self.stream is not None
-        self.stream.wait_stream(torch.cuda.current_stream(last.device))
+        # hidden, not last: last is None whenever the final state is one of the layer ids.
+        self.stream.wait_stream(torch.cuda.current_stream(hidden.device))
         out = []
         with torch.cuda.stream(self.stream):
             for b, n in enumerate(lengths):
@@ -266,7 +271,8 @@ def run_pipeline(
                 t1 = time.perf_counter()
                 hidden, last = forward(ids, mask)
                 lengths = [s.length for s in batch]
-                finite = finite_flags(hidden, last, lengths) if check_finite else torch.ones(len(batch), dtype=torch.bool)
+                finite = (finite_flags(hidden, last, mask) if check_finite
+                          else torch.ones(len(batch), dtype=torch.bool, device=hidden.device))
                 t2 = time.perf_counter()
                 staged, finite, ready = stager.stage(hidden, last, finite, lengths)
                 del hidden, last
