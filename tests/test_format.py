@@ -139,3 +139,32 @@ def test_plain_webdataset_reads_our_shards(small_cache):
     # And the shard is a normal tar to the standard library too.
     with tarfile.open(urls[0]) as tar:
         assert all(m.name.endswith(".safetensors") and "." not in m.name[:-12] for m in tar.getmembers())
+
+
+def test_atomic_writes_from_many_threads_never_collide(tmp_path):
+    # The producer's heartbeat thread and main loop both rewrite status/rank-N.json; with one
+    # temporary name per process, one thread's rename took the other's file away (ENOENT).
+    import threading
+
+    from dspark_cache.format.atomic import atomic_write_bytes
+
+    path = str(tmp_path / "status.json")
+    payloads = [json.dumps({"writer": i, "pad": "x" * 4096}).encode() for i in range(8)]
+    errors: list[BaseException] = []
+
+    def writer(data: bytes) -> None:
+        try:
+            for _ in range(200):
+                atomic_write_bytes(path, data, durable=False)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(p,)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    with open(path, "rb") as handle:
+        assert handle.read() in payloads  # whole, never a mix of two writers
+    assert os.listdir(tmp_path) == ["status.json"]  # no temporary left behind

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 
 def fsync_dir(path: str) -> None:
@@ -17,9 +18,10 @@ def fsync_dir(path: str) -> None:
 def atomic_write_bytes(path: str, data: bytes, *, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` so that readers see either the old or the new file.
 
-    The temporary name carries the pid so that two processes never share it.
+    The temporary name carries the pid and the thread id, so that neither two processes nor
+    two threads of one process (a heartbeat and the main loop, say) ever share it.
     """
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         with open(tmp, "wb") as handle:
             handle.write(data)

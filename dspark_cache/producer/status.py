@@ -73,9 +73,10 @@ class StatusReporter:
                 return
             self.status.updated_at = now
             self._last_write = now
-            data = encode_json(self.status)
-        os.makedirs(self.paths.status_dir, exist_ok=True)
-        atomic_write_bytes(self.paths.status(self.rank), data, durable=False)
+            # Written under the lock: the heartbeat thread and the main loop both write, and the
+            # file must end up with the newest status, not whichever rename came last.
+            os.makedirs(self.paths.status_dir, exist_ok=True)
+            atomic_write_bytes(self.paths.status(self.rank), encode_json(self.status), durable=False)
 
     def _update_rates(self, now: float) -> None:
         s = self.status
