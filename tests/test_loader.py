@@ -134,7 +134,16 @@ def test_incomplete_cache_needs_follow(small_cache, tmp_path):
         dspark_cache.build_dataloader(str(copy), 2)
 
 
-def test_flipped_byte_names_shard_and_sample(small_cache, tmp_path):
+@pytest.fixture(params=["native", "python"])
+def executor(request, monkeypatch):
+    """Run a test with the native batch filler and with the Python one."""
+    if request.param == "native" and os.environ.get("DSPARK_NATIVE") == "0":
+        pytest.skip("DSPARK_NATIVE=0: testing the Python filler only")
+    monkeypatch.setenv("DSPARK_NATIVE", "1" if request.param == "native" else "0")
+    return request.param
+
+
+def test_flipped_byte_names_shard_and_sample(small_cache, tmp_path, executor):
     copy = tmp_path / "c"
     shutil.copytree(small_cache, copy)
     cache = dspark_cache.open_cache(str(copy))
@@ -205,9 +214,10 @@ def assert_batch_is_exact(batch, manifest, by_id):
 
 
 @pytest.mark.parametrize("pad_to", ["seq_length", "longest"])
-def test_recycled_batch_memory_is_exact_and_never_overwrites_a_kept_batch(small_cache, pad_to):
+def test_recycled_batch_memory_is_exact_and_never_overwrites_a_kept_batch(small_cache, pad_to, executor):
     manifest, by_id = expected_rows(small_cache)
     loader = dspark_cache.build_dataloader(small_cache, 3, seed=6, pad_to=pad_to, prefetch=2)
+    assert loader.reader.native == (executor == "native")
     # Streaming (nothing kept): memory is recycled, so pads must be re-zeroed where longer
     # samples of earlier batches wrote; three epochs mix many lengths into the same rows.
     addresses = set()

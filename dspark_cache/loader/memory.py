@@ -39,17 +39,9 @@ class Field:
         return slots * self.per_token * self.dtype.itemsize
 
 
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``'s bytes as same-width integers (bf16 included), for copies and fills.
-
-    Reader threads copy and zero through numpy rather than torch: numpy's loops run on the
-    calling thread, while torch may start its intra-op thread pool for every large copy, and
-    two reader threads doing that oversubscribe the cores and slow every copy down.
-    """
-    return t.view(_SAME_SIZE_INT[t.dtype.itemsize]).numpy()
+def flat_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's bytes as a flat uint8 numpy view (what the batch program writes)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def page_aligned_zeros(nbytes: int) -> np.ndarray:
@@ -103,18 +95,10 @@ class Slab:
             out[f.name] = flat.view(rows, width) if f.per_token == 1 else flat.view(rows, width, f.per_token)
         return out
 
-    def slots(self, name: str) -> np.ndarray:
-        """A field as ``[capacity, per_token]`` token slots, for zeroing ranges of them."""
-        f = next(f for f in self.fields if f.name == name)
-        return as_numpy(self._flat[name].view(self.capacity, f.per_token))
-
-    def zero(self, ranges: list[tuple[int, int]]) -> None:
-        """Zero these slot ranges of every tracked field (the ranges :meth:`claim` returned)."""
-        for f in self.fields:
-            if f.tracked and ranges:
-                slots = self.slots(f.name)
-                for start, end in ranges:
-                    slots[start:end] = 0
+    def zero_spans(self, ranges: list[tuple[int, int]]) -> list[tuple[str, int, int]]:
+        """``(field, byte offset, nbytes)`` to zero for these slot ranges (from :meth:`claim`)."""
+        return [(f.name, start * f.nbytes(1), f.nbytes(end - start))
+                for f in self.fields if f.tracked for start, end in ranges]
 
     def claim(self, width: int, lengths: list[int]) -> list[tuple[int, int]]:
         """Slot ranges of the tracked fields to zero before a batch of these row lengths is read.

@@ -1,32 +1,35 @@
 """Read each sample once, by offset, straight into its row of a batch buffer.
 
 A sample's ``target_hidden_states`` lie contiguously in the shard, page-aligned, exactly as a
-batch row wants them, so ``preadv`` scatters the header into a scratch buffer and the hidden
-states into the batch (pinned memory where CUDA exists): the only host copy. The checksum is
-computed over the same buffers, in file order, chunk by chunk (:mod:`.rowplan`). Reader
-threads release the GIL in ``preadv``, hashing and numpy copies, so a few of them keep the
-disk or page cache busy. Batch memory comes from :mod:`.memory` (recycled, zeroed only where
-needed).
+batch row wants them, so they are read straight into the batch (pinned memory where CUDA
+exists): the only host copy. The checksum is computed over the same bytes, in file order,
+chunk by chunk while each chunk is in the CPU cache. A batch is described as a program
+(:mod:`.fill`) that the native filler runs in one call without the GIL; reader threads work on
+different prefetched batches. Batch memory comes from :mod:`.memory` (recycled, zeroed only
+where needed).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
-from dspark_cache.format.errors import CorruptShardError
+from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.layers import final_state_in_ids
 from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SampleEntry
+from dspark_cache.loader import fill
 from dspark_cache.loader.catalog import ShardCatalog
-from dspark_cache.loader.memory import ID_FIELDS, BatchMemory, Field, Slab, as_numpy
+from dspark_cache.loader.memory import ID_FIELDS, BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
-from dspark_cache.loader.rowplan import RowPlan, row_plan
+from dspark_cache.loader.rowplan import BUFFERS, RowTemplate, row_template
+
+ATTENTION = "attention_mask"
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,9 @@ class BatchLayout:
         return cls(m.seq_length, m.target_hidden_dim, m.hidden_size, CACHE_DTYPES[m.dtype],
                    final_state_in_ids(m.target_layer_ids, m.num_hidden_layers), m.pad_token_id)
 
-    def plan(self, length: int) -> RowPlan:
-        """How a sample of ``length`` tokens is read (cached per length)."""
-        return row_plan(length, self.hidden_dim, self.hidden_size, self.dtype, not self.final_in_hidden)
+    def template(self, length: int) -> RowTemplate:
+        """Where a sample of ``length`` tokens goes in its batch row (cached per length)."""
+        return row_template(length, self.hidden_dim, self.hidden_size, self.dtype, not self.final_in_hidden)
 
 
 class PendingBatch:
@@ -65,18 +68,22 @@ class BatchReader:
     """Turns a rank's batch plan into tensors with NeMo's keys (plus our extras)."""
 
     def __init__(self, catalog: ShardCatalog, layout: BatchLayout, *, batch_size: int, num_threads: int,
-                 pad_to: str, pin_memory: bool, nemo_keys_only: bool = False, keep: int = 4) -> None:
+                 pad_to: str, pin_memory: bool, nemo_keys_only: bool = False, keep: int = 4,
+                 native: bool | None = None) -> None:
         if pad_to not in ("seq_length", "longest"):
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {pad_to!r}")
         self.catalog = catalog
         self.layout = layout
         self.pad_to = pad_to
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
-        ids = ID_FIELDS if not nemo_keys_only else tuple(f for f in ID_FIELDS if f != "attention_mask")
+        ids = ID_FIELDS if not nemo_keys_only else tuple(f for f in ID_FIELDS if f != ATTENTION)
         fields = (Field(HIDDEN, layout.hidden_dim, layout.dtype, True),
                   Field(LAST_HIDDEN, layout.hidden_size, layout.dtype, True),
                   *(Field(name, 1, torch.int64, False) for name in ids))
         self.extras = not nemo_keys_only
+        self.buffer_names = BUFFERS + ((ATTENTION,) if ATTENTION in ids else ())
+        self.native = fill.use_native_default() if native is None else native
+        self._local = threading.local()
         self.memory = BatchMemory(fields, batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
 
     def submit(self, batch: RankBatch) -> PendingBatch:
@@ -104,57 +111,57 @@ class BatchReader:
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[tuple[int, int, SampleEntry]]) -> None:
-        slab.zero(zero)
-        arrays = {name: as_numpy(t) for name, t in buffers.items()}
-        for row, shard_id, entry in rows:
-            self._read_row(arrays, row, shard_id, entry)
+        program = self._program(slab, zero, buffers, rows)
+        failure = fill.run(program, self._scratch(), native=self.native)
+        if failure is not None:
+            self._raise(failure, rows)
 
-    def _read_row(self, arrays: dict[str, np.ndarray], row: int, shard_id: int, entry: SampleEntry) -> None:
+    def _program(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
+                 rows: list[tuple[int, int, SampleEntry]]) -> fill.BatchProgram:
+        """Zero the stale pads, read every row, then give the per-token fields their pads."""
         lay = self.layout
-        n = entry.length
-        plan = lay.plan(n)
-        header = entry.size - plan.data_size
-        if header < 8:
-            raise CorruptShardError(self.catalog.paths.shard_tar(shard_id),
-                                    f"the index gives {entry.size} bytes for {n} tokens", entry.sample_id)
-        hidden, last = arrays[HIDDEN][row], arrays[LAST_HIDDEN][row]
-        ids, mask = np.empty(n, dtype=np.int32), np.empty(n, dtype=np.uint8)
-        whole = {INPUT_IDS: ids, LOSS_MASK: mask}
-        by_rows = {HIDDEN: hidden, LAST_HIDDEN: last}
-        final = slice(lay.hidden_dim - lay.hidden_size, lay.hidden_dim)
-        fd = self.catalog.fd(shard_id)
-        hasher = xxhash.xxh3_64()
-        offset = entry.offset
-        views = [memoryview(bytearray(header))]
-        for group in plan.groups:
-            for name, lo, hi, _ in group:
-                field = by_rows.get(name)
-                if field is not None:
-                    views.append(memoryview(field[lo:hi]))
-                else:
-                    views.append(memoryview(whole[name]) if name in whole else memoryview(bytearray(hi)))
-            want = sum(view.nbytes for view in views)
-            got = os.preadv(fd, views, offset)
-            if got != want:
+        names = self.buffer_names
+        index = {name: i for i, name in enumerate(names)}
+        program = fill.BatchProgram([flat_bytes(buffers[name]) for name in names])
+        width = buffers[INPUT_IDS].shape[1]
+        stride = np.array([buffers[name][0].nbytes for name in BUFFERS], dtype=np.int64)  # bytes per row
+        for name, offset, nbytes in slab.zero_spans(zero):
+            program.zero(index[name], offset, nbytes)
+        for row, shard_id, entry in rows:
+            template = lay.template(entry.length)
+            header = entry.size - template.data_size
+            if header < 8:
                 raise CorruptShardError(self.catalog.paths.shard_tar(shard_id),
-                                        f"short read ({offset - entry.offset + got} of {entry.size} bytes)",
-                                        entry.sample_id)
-            offset += got
-            for view in views:
-                hasher.update(view)
-            if lay.final_in_hidden:  # copy the final state while the chunk is in the CPU cache
-                for name, lo, hi, _ in group:
-                    if name == HIDDEN:
-                        last[lo:hi] = hidden[lo:hi, final]
-            views = []
-        if hasher.intdigest() != entry.xxh3:
-            raise CorruptShardError(self.catalog.paths.shard_tar(shard_id), "checksum mismatch", entry.sample_id)
-        # Pad slots of the row fields were zeroed by _fill; the per-token fields are rewritten.
-        for name, head, pad in (("input_ids", ids, lay.pad_token_id), ("loss_mask", mask, 0), ("attention_mask", 1, 0)):
-            out = arrays.get(name)
-            if out is not None:
-                out[row, :n] = head
-                out[row, n:] = pad
+                                        f"the index gives {entry.size} bytes for {entry.length} tokens", entry.sample_id)
+            program.sample(self.catalog.fd(shard_id), entry.offset, entry.size, entry.xxh3,
+                           fill.place_row(template.segs, header, row * stride), tag=row)
+            n, pads = entry.length, width - entry.length
+            program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
+            program.fill_int64(index[LOSS_MASK], (row * width + n) * 8, pads, 0)
+            if ATTENTION in index:
+                program.fill_int64(index[ATTENTION], row * width * 8, n, 1)
+                program.fill_int64(index[ATTENTION], (row * width + n) * 8, pads, 0)
+        return program
+
+    def _scratch(self) -> np.ndarray:
+        """This thread's buffer for bytes that go nowhere (header, fill) and for ids to widen."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None:
+            scratch = self._local.scratch = page_aligned_zeros(max(fill.CHUNK, 4 * self.layout.seq_length))
+        return scratch
+
+    def _raise(self, failure: fill.Failure, rows: list[tuple[int, int, SampleEntry]]) -> None:
+        _, shard_id, entry = rows[failure.tag]
+        path = self.catalog.paths.shard_tar(shard_id)
+        if failure.code == fill.RC_CHECKSUM:
+            raise CorruptShardError(path, "checksum mismatch", entry.sample_id)
+        if failure.code == fill.RC_SHORT_READ:
+            raise CorruptShardError(path, f"short read ({failure.detail} of {entry.size} bytes)", entry.sample_id)
+        if failure.code == fill.RC_READ_ERROR:
+            raise OSError(failure.detail, f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
+                          str(path))
+        raise CacheError(f"internal error: the batch program for sample {entry.sample_id} of {path} is invalid "
+                         "(please report it; DSPARK_NATIVE=0 switches to the Python reader)")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

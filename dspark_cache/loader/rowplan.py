@@ -1,10 +1,10 @@
-"""How one sample's bytes are read: in file order, in chunks small enough to hash while hot.
+"""How one sample's payload maps onto its batch row: a segment table, computed once per length.
 
-A sample is read with a few ``preadv`` calls of about ``CHUNK`` bytes rather than one: each
-chunk is hashed (and its final-state columns copied) while it is still in the CPU cache,
-instead of after the whole sample has gone out to DRAM, which would read every byte from DRAM
-twice more. The plan depends on the sample's length only (placement never depends on the
-header), so it is computed once per length.
+Each tensor of the sample's data section becomes a segment of the batch program
+(:mod:`.fill`): the hidden states are read straight into the batch row (and their final-state
+columns copied out, when the final state is stored inside them), token ids and the loss mask
+are widened to int64, and alignment fill is only hashed. Placement depends on the length alone
+(``format.sample.place_tensors``, the same rule the writer uses), so the table is cached.
 """
 
 from __future__ import annotations
@@ -12,48 +12,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
-from dspark_cache.format.sample import HIDDEN, LAST_HIDDEN, place_tensors, sample_specs
+from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK, place_tensors, sample_specs
 
-# Bytes per read: a chunk must still be in the (1-2 MiB) L2 cache when it is hashed.
-CHUNK = 1 << 20
-ROW_FIELDS = (HIDDEN, LAST_HIDDEN)  # [tokens, dim] tensors, read in whole token rows
-
-# (name, lo, hi, nbytes): token rows lo:hi of a row field; bytes 0:hi of anything else.
-Segment = tuple[str, int, int, int]
+# Segment kinds and the columns of a segment row (shared with csrc/batch_fill.c).
+SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8 = 1, 2, 3, 4
+SEG_COLUMNS = 10  # kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst
+# Batch buffers a segment writes to, by index (the program's first buffers, in this order).
+BUFFERS = (HIDDEN, LAST_HIDDEN, INPUT_IDS, LOSS_MASK)
+_BUF = {name: i for i, name in enumerate(BUFFERS)}
 
 
 @dataclass(frozen=True)
-class RowPlan:
-    """The reads of a sample's data section (the header, first, is sized per sample)."""
+class RowTemplate:
+    """A sample's segments with offsets relative to its data section and to its batch row."""
 
-    data_size: int
-    groups: tuple[tuple[Segment, ...], ...]
+    data_size: int  # bytes of the data section (the payload minus its header)
+    segs: np.ndarray  # [n, SEG_COLUMNS] int64
 
 
 @lru_cache(maxsize=16384)
-def row_plan(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dtype, store_last: bool) -> RowPlan:
+def row_template(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dtype, store_last: bool) -> RowTemplate:
+    """The segments of a ``length``-token sample (``store_last``: the final state is its own tensor)."""
+    item = dtype.itemsize
+    rows = []
     placed = place_tensors(sample_specs(length, hidden_dim, hidden_size, dtype, store_last))
-    segments: list[Segment] = []
     for name, start, end in placed:
-        if name in ROW_FIELDS:
-            if length:
-                row_bytes = (end - start) // length
-                step = max(1, CHUNK // row_bytes)
-                segments += [(name, lo, min(length, lo + step), (min(length, lo + step) - lo) * row_bytes)
-                             for lo in range(0, length, step)]
-        else:
-            segments.append((name, 0, end - start, end - start))
-    groups: list[tuple[Segment, ...]] = []
-    group: list[Segment] = []
-    size = 0
-    for segment in segments:
-        if group and size + segment[3] > CHUNK:
-            groups.append(tuple(group))
-            group, size = [], 0
-        group.append(segment)
-        size += segment[3]
-    if group:
-        groups.append(tuple(group))
-    return RowPlan(placed[-1][2] if placed else 0, tuple(groups))
+        size = end - start
+        if name == HIDDEN and not store_last:  # the final state is the last hidden_size columns
+            rows.append((SEG_COPY_COLS, start, size, _BUF[HIDDEN], 0, hidden_dim * item,
+                         (hidden_dim - hidden_size) * item, hidden_size * item, _BUF[LAST_HIDDEN], 0))
+        elif name in (HIDDEN, LAST_HIDDEN):
+            rows.append((SEG_COPY, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
+        elif name == INPUT_IDS:
+            rows.append((SEG_WIDEN_I32, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
+        elif name == LOSS_MASK:
+            rows.append((SEG_WIDEN_U8, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
+        # alignment fill (__padN__) is read and hashed only
+    segs = np.array(rows, dtype=np.int64).reshape(-1, SEG_COLUMNS)
+    segs = segs[segs[:, 2] > 0]  # a zero-token sample has empty tensors: nothing to read
+    segs.setflags(write=False)
+    return RowTemplate(placed[-1][2] if placed else 0, segs)

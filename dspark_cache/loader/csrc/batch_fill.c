@@ -1,0 +1,249 @@
+/*
+ * Fills one batch of the loader in a single call without the GIL: zero the stale pad slots,
+ * read every sample's payload straight into its batch row, hash it (xxh3_64) while each chunk is
+ * still in the CPU cache, copy the final-state columns out of it, widen token ids and masks to
+ * int64, and fill the pads of the per-token fields.
+ *
+ * The work comes as a small "program" built in Python (dspark_cache/loader/fill.py, which also
+ * runs the same program in pure Python when this library is not built):
+ *
+ *   ops  [n_ops][8]   ZERO      {1, buf, off, nbytes}
+ *                     FILL_I64  {2, buf, off, count, value}
+ *                     SAMPLE    {3, fd, file_offset, size, xxh3, seg_first, seg_count}
+ *   segs [n][10]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst}
+ *                     kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
+ *                     WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off)
+ *
+ * Segments of a sample are in file order; payload bytes outside every segment (the JSON header,
+ * alignment fill) are read into the scratch buffer and hashed only. Every write is checked
+ * against its buffer's size, so a wrong program fails with an error instead of corrupting memory.
+ *
+ * Why C: in Python each 1 MiB chunk cost several GIL hand-overs (read, hash, copy), and a
+ * training loop's main thread holding the GIL stalled every reader thread at each of them.
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <Python.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include "xxhash/xxhash.h"
+#ifdef DSPARK_XXH_DISPATCH
+#include "xxhash/xxh_x86dispatch.h" /* AVX2/AVX-512 xxh3 chosen at run time */
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#define DSPARK_STREAM 1
+#endif
+
+enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
+enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4 };
+enum { RC_OK = 0, RC_SHORT_READ = 1, RC_CHECKSUM = 2, RC_INVALID = 3, RC_READ_ERROR = 4 };
+
+typedef struct {
+    const uint64_t *bases, *sizes;
+    uint64_t n_bufs;
+    uint8_t *scratch;
+    uint64_t scratch_size, chunk;
+} context;
+
+/* Batch memory is written once and read later by training (or a DMA engine): stores that
+ * bypass the cache skip reading each destination line from DRAM first. */
+static void store_stream(uint8_t *dst, const uint8_t *src, size_t n) {
+#ifdef DSPARK_STREAM
+    if (n >= 256) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15, i = 0;
+        memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        memcpy(dst + i, src + i, n - i);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+static void zero_stream(uint8_t *dst, size_t n) {
+#ifdef DSPARK_STREAM
+    if (n >= 256) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15, i = 0;
+        const __m128i z = _mm_setzero_si128();
+        memset(dst, 0, head);
+        dst += head, n -= head;
+        for (; i + 64 <= n; i += 64) {
+            _mm_stream_si128((__m128i *)(dst + i), z);
+            _mm_stream_si128((__m128i *)(dst + i + 16), z);
+            _mm_stream_si128((__m128i *)(dst + i + 32), z);
+            _mm_stream_si128((__m128i *)(dst + i + 48), z);
+        }
+        memset(dst + i, 0, n - i);
+        return;
+    }
+#endif
+    memset(dst, 0, n);
+}
+
+/* The address of bytes [off, off + n) of buffer buf, or NULL when they are not all inside it. */
+static uint8_t *span(const context *cx, uint64_t buf, uint64_t off, uint64_t n) {
+    if (buf >= cx->n_bufs || off > cx->sizes[buf] || n > cx->sizes[buf] - off) return NULL;
+    return (uint8_t *)(uintptr_t)cx->bases[buf] + off;
+}
+
+/* Reads exactly n bytes; RC_SHORT_READ at end of file, RC_READ_ERROR with errno in *detail. */
+static int read_exact(int fd, uint8_t *dst, uint64_t n, uint64_t offset, uint64_t *got, uint64_t *detail) {
+    uint64_t done = 0;
+    while (done < n) {
+        ssize_t r = pread(fd, dst + done, (size_t)(n - done), (off_t)(offset + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            *detail = (uint64_t)errno;
+            *got += done;
+            return RC_READ_ERROR;
+        }
+        if (r == 0) {
+            *got += done;
+            return RC_SHORT_READ;
+        }
+        done += (uint64_t)r;
+    }
+    *got += done;
+    return RC_OK;
+}
+
+/* Bytes no tensor wants (header, alignment fill): read into scratch, hashed, dropped. */
+static int read_gap(const context *cx, XXH3_state_t *st, int fd, uint64_t base, uint64_t *pos, uint64_t end,
+                    uint64_t *detail) {
+    while (*pos < end) {
+        uint64_t n = end - *pos < cx->chunk ? end - *pos : cx->chunk;
+        uint64_t before = *pos;
+        int rc = read_exact(fd, cx->scratch, n, base + *pos, pos, detail);
+        if (rc) return rc;
+        XXH3_64bits_update(st, cx->scratch, (size_t)(*pos - before));
+    }
+    return RC_OK;
+}
+
+static int read_rows(const context *cx, XXH3_state_t *st, int fd, uint64_t base, uint64_t *pos,
+                     const uint64_t *g, uint64_t *detail) {
+    uint64_t len = g[2], row_bytes = g[5], col_off = g[6], col_bytes = g[7];
+    uint8_t *dst = span(cx, g[3], g[4], len);
+    uint8_t *cols = NULL;
+    if (!dst) return RC_INVALID;
+    uint64_t step = cx->chunk;
+    if (g[0] == SEG_COPY_COLS) {
+        if (!row_bytes || len % row_bytes || col_off > row_bytes || col_bytes > row_bytes - col_off) return RC_INVALID;
+        cols = span(cx, g[8], g[9], len / row_bytes * col_bytes);
+        if (!cols) return RC_INVALID;
+        step = cx->chunk / row_bytes * row_bytes; /* whole rows per chunk */
+        if (!step) step = row_bytes;
+    }
+    for (uint64_t done = 0; done < len;) {
+        uint64_t n = len - done < step ? len - done : step, before = *pos;
+        int rc = read_exact(fd, dst + done, n, base + *pos, pos, detail);
+        if (rc) return rc;
+        XXH3_64bits_update(st, dst + done, (size_t)n); /* still in cache from the read */
+        if (cols) {
+            for (uint64_t r = done / row_bytes, end = (done + n) / row_bytes; r < end; r++)
+                store_stream(cols + r * col_bytes, dst + r * row_bytes + col_off, (size_t)col_bytes);
+        }
+        done += *pos - before;
+    }
+    return RC_OK;
+}
+
+static int read_widened(const context *cx, XXH3_state_t *st, int fd, uint64_t base, uint64_t *pos,
+                        const uint64_t *g, uint64_t *detail) {
+    uint64_t len = g[2], width = g[0] == SEG_WIDEN_I32 ? 4 : 1, count = len / width;
+    int64_t *dst = (int64_t *)span(cx, g[3], g[4], count * 8);
+    if (!dst || len % width || len > cx->scratch_size || ((uintptr_t)dst & 7)) return RC_INVALID;
+    int rc = read_exact(fd, cx->scratch, len, base + *pos, pos, detail);
+    if (rc) return rc;
+    XXH3_64bits_update(st, cx->scratch, (size_t)len);
+    if (width == 4) {
+        for (uint64_t i = 0; i < count; i++) {
+            int32_t v;
+            memcpy(&v, cx->scratch + 4 * i, 4);
+            dst[i] = v;
+        }
+    } else {
+        for (uint64_t i = 0; i < count; i++) dst[i] = cx->scratch[i];
+    }
+    return RC_OK;
+}
+
+static int run_sample(const context *cx, const uint64_t *op, const uint64_t *segs, uint64_t n_segs,
+                      uint64_t *detail) {
+    int fd = (int)op[1];
+    uint64_t base = op[2], size = op[3], first = op[5], count = op[6], pos = 0;
+    if (first > n_segs || count > n_segs - first) return RC_INVALID;
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    int rc = RC_OK;
+    for (uint64_t s = first; s < first + count && !rc; s++) {
+        const uint64_t *g = segs + 10 * s;
+        if (g[1] < pos || g[1] > size || g[2] > size - g[1]) return RC_INVALID;
+        rc = read_gap(cx, &st, fd, base, &pos, g[1], detail);
+        if (rc) break;
+        switch (g[0]) {
+        case SEG_COPY:
+        case SEG_COPY_COLS: rc = read_rows(cx, &st, fd, base, &pos, g, detail); break;
+        case SEG_WIDEN_I32:
+        case SEG_WIDEN_U8: rc = read_widened(cx, &st, fd, base, &pos, g, detail); break;
+        default: return RC_INVALID;
+        }
+    }
+    if (!rc) rc = read_gap(cx, &st, fd, base, &pos, size, detail);
+    if (rc == RC_SHORT_READ) *detail = pos;
+    if (!rc && XXH3_64bits_digest(&st) != op[4]) rc = RC_CHECKSUM;
+    return rc;
+}
+
+/* Runs the ops in order; on failure returns its code, the op's index in *fail_op and, for a
+ * short read the payload bytes read, for a read error the errno, in *detail. */
+int dspark_fill_batch(const uint64_t *ops, uint64_t n_ops, const uint64_t *segs, uint64_t n_segs,
+                      const uint64_t *bases, const uint64_t *sizes, uint64_t n_bufs, uint8_t *scratch,
+                      uint64_t scratch_size, uint64_t chunk, uint64_t *fail_op, uint64_t *detail) {
+    context cx = {bases, sizes, n_bufs, scratch, scratch_size, chunk < scratch_size ? chunk : scratch_size};
+    int rc = RC_OK;
+    uint64_t i = 0;
+    if (!cx.chunk) return RC_INVALID;
+    for (; i < n_ops && !rc; i++) {
+        const uint64_t *op = ops + 8 * i;
+        uint8_t *dst;
+        switch (op[0]) {
+        case OP_ZERO:
+            if (!(dst = span(&cx, op[1], op[2], op[3]))) rc = RC_INVALID;
+            else zero_stream(dst, (size_t)op[3]);
+            break;
+        case OP_FILL_I64:
+            if (op[3] > UINT64_MAX / 8 || !(dst = span(&cx, op[1], op[2], op[3] * 8)) || ((uintptr_t)dst & 7)) rc = RC_INVALID;
+            else for (uint64_t k = 0; k < op[3]; k++) ((int64_t *)dst)[k] = (int64_t)op[4];
+            break;
+        case OP_SAMPLE: rc = run_sample(&cx, op, segs, n_segs, detail); break;
+        default: rc = RC_INVALID;
+        }
+    }
+#ifdef DSPARK_STREAM
+    _mm_sfence(); /* streamed stores are visible before the batch is handed over */
+#endif
+    *fail_op = rc ? i - 1 : n_ops;
+    return rc;
+}
+
+/* An importable (empty) module, so that Python finds the library through the import system. */
+static struct PyModuleDef batch_fill_module = {PyModuleDef_HEAD_INIT, "_batch_fill",
+                                               "Native batch filler; called through ctypes.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__batch_fill(void) { return PyModule_Create(&batch_fill_module); }

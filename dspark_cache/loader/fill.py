@@ -1,0 +1,226 @@
+"""A batch as a small program, run by the native filler (one call, no GIL) or, failing that, here.
+
+The reader describes a batch as ops over its buffers (the batch tensors' bytes): zero these
+stale pad bytes, fill these int64 slots, and for every sample read ``size`` bytes at ``offset``
+of ``fd`` through a segment table (:mod:`.rowplan`) that says where each tensor goes, checking
+the payload's xxh3 on the way. ``csrc/batch_fill.c`` runs the program without holding the GIL,
+so a training loop's Python never stalls the reader threads (nor they it); :func:`run_python`
+runs the same program with numpy and ``os.preadv`` where the extension is not built. Both check
+every write against its buffer's bounds and report failures the same way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import xxhash
+
+from dspark_cache.loader.rowplan import SEG_COLUMNS, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32
+
+log = logging.getLogger(__name__)
+
+OP_ZERO, OP_FILL_I64, OP_SAMPLE = 1, 2, 3
+OP_COLUMNS = 8
+RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4
+# Bytes per read: a chunk is hashed (and its final-state columns copied) while it is still in
+# the CPU's (1-2 MiB) L2 cache, instead of after the whole sample went out to DRAM.
+CHUNK = 1 << 20
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a program stopped: the code, the failing op's ``tag`` and a detail (see batch_fill.c)."""
+
+    code: int
+    tag: object
+    detail: int
+
+
+@dataclass
+class BatchProgram:
+    """Ops and segments over ``buffers`` (flat uint8 views of the batch tensors)."""
+
+    buffers: list[np.ndarray]
+    _ops: list[tuple[int, ...]] = field(default_factory=list)
+    _segs: list[np.ndarray] = field(default_factory=list)
+    _tags: dict[int, object] = field(default_factory=dict)
+    _nsegs: int = 0
+
+    def zero(self, buf: int, offset: int, nbytes: int) -> None:
+        self._ops.append((OP_ZERO, buf, offset, nbytes, 0, 0, 0, 0))
+
+    def fill_int64(self, buf: int, offset: int, count: int, value: int) -> None:
+        if count:
+            self._ops.append((OP_FILL_I64, buf, offset, count, value & _U64, 0, 0, 0))
+
+    def sample(self, fd: int, offset: int, size: int, xxh3: int, segs: np.ndarray, tag: object) -> None:
+        """Read a payload through ``segs`` (absolute: payload offsets, buffer byte offsets)."""
+        self._tags[len(self._ops)] = tag
+        self._ops.append((OP_SAMPLE, fd, offset, size, xxh3, self._nsegs, len(segs), 0))
+        self._segs.append(segs)
+        self._nsegs += len(segs)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        ops = np.array(self._ops, dtype=np.uint64).reshape(-1, OP_COLUMNS)
+        segs = np.concatenate(self._segs).astype(np.uint64) if self._segs else np.zeros((0, SEG_COLUMNS), np.uint64)
+        return ops, np.ascontiguousarray(segs)
+
+    def tag(self, op: int) -> object:
+        return self._tags.get(op)
+
+
+def place_row(template: np.ndarray, header: int, row_base: np.ndarray) -> np.ndarray:
+    """A row template made absolute: payload offsets after ``header``, buffer offsets at the row."""
+    segs = template.copy()
+    segs[:, 1] += header
+    segs[:, 4] += row_base[segs[:, 3]]
+    cols = segs[:, 0] == SEG_COPY_COLS
+    segs[cols, 9] += row_base[segs[cols, 8]]
+    return segs
+
+
+# -- native -------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _native() -> ctypes.CDLL | None:
+    try:
+        from dspark_cache.loader import _batch_fill
+    except ImportError:
+        log.warning("the native batch filler is not built (no C compiler when dspark-cache was installed?): "
+                    "the loader reads in Python, slower; install gcc and reinstall (make setup) to build it")
+        return None
+    lib = ctypes.CDLL(_batch_fill.__file__)
+    fn = lib.dspark_fill_batch
+    p = ctypes.c_void_p
+    fn.argtypes = [p, ctypes.c_uint64, p, ctypes.c_uint64, p, p, ctypes.c_uint64, p, ctypes.c_uint64,
+                   ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def native_available() -> bool:
+    """True when the C batch filler is built and loads."""
+    return _native() is not None
+
+
+def use_native_default() -> bool:
+    """The native filler unless it is missing or ``DSPARK_NATIVE=0`` asks for the Python one."""
+    return os.environ.get("DSPARK_NATIVE", "1") != "0" and native_available()
+
+
+def run(program: BatchProgram, scratch: np.ndarray, *, native: bool) -> Failure | None:
+    """Run ``program``; ``scratch`` holds payload bytes that go nowhere (header, fill, ids)."""
+    return (run_native if native else run_python)(program, scratch)
+
+
+def run_native(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
+    lib = _native()
+    if lib is None:
+        raise RuntimeError("the native batch filler is not built; reinstall dspark-cache with a C compiler")
+    ops, segs = program.arrays()
+    bases = np.array([b.ctypes.data for b in program.buffers], dtype=np.uint64)
+    sizes = np.array([b.nbytes for b in program.buffers], dtype=np.uint64)
+    fail, detail = ctypes.c_uint64(), ctypes.c_uint64()
+    code = lib.dspark_fill_batch(ops.ctypes.data, len(ops), segs.ctypes.data, len(segs), bases.ctypes.data,
+                                 sizes.ctypes.data, len(bases), scratch.ctypes.data, scratch.nbytes, CHUNK,
+                                 ctypes.byref(fail), ctypes.byref(detail))
+    return None if code == RC_OK else Failure(code, program.tag(fail.value), detail.value)
+
+
+# -- Python ---------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    def __init__(self, code: int, detail: int = 0) -> None:
+        self.code, self.detail = code, detail
+
+
+def _span(buffers: list[np.ndarray], buf: int, offset: int, nbytes: int) -> np.ndarray:
+    if buf >= len(buffers) or offset + nbytes > buffers[buf].nbytes:
+        raise _Stop(RC_INVALID)
+    return buffers[buf][offset : offset + nbytes]
+
+
+def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
+    """The same program in Python (numpy copies and ``os.preadv``; they release the GIL)."""
+    ops, segs = program.arrays()
+    bufs = program.buffers
+    for index, (kind, a, b, c, d, e, f, _) in enumerate(ops.tolist()):
+        try:
+            if kind == OP_ZERO:
+                _span(bufs, a, b, c)[:] = 0
+            elif kind == OP_FILL_I64:
+                _span(bufs, a, b, 8 * c).view(np.int64)[:] = d - (1 << 64) if d >> 63 else d
+            elif kind == OP_SAMPLE:
+                _SampleRead(bufs, scratch, a, b, c).run(segs[e : e + f].tolist(), d)
+            else:
+                raise _Stop(RC_INVALID)
+        except _Stop as stop:
+            return Failure(stop.code, program.tag(index), stop.detail)
+    return None
+
+
+class _SampleRead:
+    """One payload, in file order: bytes outside every segment are read to scratch and hashed."""
+
+    def __init__(self, bufs: list[np.ndarray], scratch: np.ndarray, fd: int, offset: int, size: int) -> None:
+        self.bufs, self.scratch, self.fd, self.offset, self.size = bufs, scratch, fd, offset, size
+        self.pos = 0
+        self.hasher = xxhash.xxh3_64()
+
+    def run(self, segs: list[list[int]], want: int) -> None:
+        for kind, src, length, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst in segs:
+            if src < self.pos or src + length > self.size:
+                raise _Stop(RC_INVALID)
+            self.gap(src)
+            if kind in (SEG_COPY, SEG_COPY_COLS):
+                cols = None
+                if kind == SEG_COPY_COLS:
+                    if not row_bytes or length % row_bytes or col_off + col_bytes > row_bytes:
+                        raise _Stop(RC_INVALID)
+                    cols = _span(self.bufs, col_buf, col_dst, length // row_bytes * col_bytes).reshape(-1, col_bytes)
+                self.rows(_span(self.bufs, buf, off, length), row_bytes, col_off, col_bytes, cols)
+            else:
+                item = 4 if kind == SEG_WIDEN_I32 else 1
+                if length % item or length > self.scratch.nbytes or off % 8:
+                    raise _Stop(RC_INVALID)
+                data = self.read_into(self.scratch[:length])
+                dst = _span(self.bufs, buf, off, length // item * 8).view(np.int64)
+                dst[:] = data.view(np.int32 if item == 4 else np.uint8)
+        self.gap(self.size)
+        if self.hasher.intdigest() != want:
+            raise _Stop(RC_CHECKSUM)
+
+    def rows(self, dst: np.ndarray, row_bytes: int, col_off: int, col_bytes: int, cols: np.ndarray | None) -> None:
+        step = max(row_bytes, CHUNK // row_bytes * row_bytes) if cols is not None else CHUNK
+        for done in range(0, dst.nbytes, step):
+            piece = self.read_into(dst[done : done + step])
+            if cols is not None:  # copied while the chunk is still in the CPU cache
+                first = done // row_bytes
+                part = piece.reshape(-1, row_bytes)[:, col_off : col_off + col_bytes]
+                cols[first : first + len(part)] = part
+
+    def gap(self, end: int) -> None:
+        while self.pos < end:
+            self.read_into(self.scratch[: min(CHUNK, end - self.pos, self.scratch.nbytes)])
+
+    def read_into(self, dst: np.ndarray) -> np.ndarray:
+        view, got = memoryview(dst), 0
+        while got < len(view):
+            try:
+                n = os.preadv(self.fd, [view[got:]], self.offset + self.pos + got)
+            except OSError as err:
+                raise _Stop(RC_READ_ERROR, err.errno or 0) from err
+            if n == 0:
+                raise _Stop(RC_SHORT_READ, self.pos + got)
+            got += n
+        self.pos += got
+        self.hasher.update(view)
+        return dst

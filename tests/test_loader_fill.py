@@ -1,0 +1,138 @@
+"""The batch program: the native filler and the Python one do exactly the same, errors included."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import xxhash
+
+from dspark_cache.loader import fill
+from dspark_cache.loader.memory import page_aligned_zeros
+from dspark_cache.loader.rowplan import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8
+
+EXECUTORS = ["native", "python"]
+
+
+def run(program: fill.BatchProgram, executor: str, scratch_bytes: int = 1 << 20) -> fill.Failure | None:
+    if executor == "native" and not fill.native_available():
+        pytest.fail("the native batch filler is not built: install a C compiler and rerun `make setup`")
+    return fill.run(program, page_aligned_zeros(scratch_bytes), native=executor == "native")
+
+
+def test_native_filler_is_built():
+    if os.environ.get("DSPARK_NATIVE") == "0":
+        pytest.skip("DSPARK_NATIVE=0: testing the Python filler only")
+    assert fill.native_available(), "the native batch filler is not built: install gcc and rerun `make setup`"
+
+
+@pytest.fixture
+def payload(tmp_path):
+    """A file with 100 junk bytes, then a 3 MiB payload laid out like a sample's."""
+    rng = np.random.default_rng(0)
+    rows, row_bytes = 300, 10240  # 300 tokens of 5120 bf16 values: crosses several 1 MiB chunks
+    parts = {
+        "header": rng.integers(0, 256, 4096, dtype=np.uint8),
+        "hidden": rng.integers(0, 256, rows * row_bytes, dtype=np.uint8),
+        "fill": rng.integers(0, 256, 64, dtype=np.uint8),
+        "ids": rng.integers(-2**31, 2**31, rows, dtype=np.int32),
+        "mask": rng.integers(0, 2, rows, dtype=np.uint8),
+    }
+    blob = b"".join(p.tobytes() for p in parts.values())
+    path = tmp_path / "shard.tar"
+    path.write_bytes(b"J" * 100 + blob)
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, parts, blob, rows, row_bytes
+    os.close(fd)
+
+
+def sample_program(payload, *, xxh3=None, size=None, hidden_buf_bytes=None):
+    fd, parts, blob, rows, row_bytes = payload
+    col_off, col_bytes = 8192, 2048
+    hidden = np.full(hidden_buf_bytes or rows * row_bytes + 64, 0xAB, dtype=np.uint8)
+    last = np.full(rows * col_bytes, 0xAB, dtype=np.uint8)
+    ids = np.full(rows * 8 + 16, 0xAB, dtype=np.uint8)
+    mask = np.full(rows * 8, 0xAB, dtype=np.uint8)
+    program = fill.BatchProgram([hidden, last, ids, mask])
+    h = 4096
+    f = h + rows * row_bytes + 64
+    segs = np.array([
+        (SEG_COPY_COLS, h, rows * row_bytes, 0, 0, row_bytes, col_off, col_bytes, 1, 0),
+        (SEG_WIDEN_I32, f, 4 * rows, 2, 8, 0, 0, 0, 0, 0),  # one int64 slot in: a row offset
+        (SEG_WIDEN_U8, f + 4 * rows, rows, 3, 0, 0, 0, 0, 0, 0),
+    ], dtype=np.int64)
+    program.sample(fd, 100, size or len(blob), xxhash.xxh3_64_intdigest(blob) if xxh3 is None else xxh3, segs,
+                   tag="the sample")
+    return program, (hidden, last, ids, mask), (col_off, col_bytes)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_sample_lands_in_every_buffer(payload, executor):
+    _, parts, _, rows, row_bytes = payload
+    program, (hidden, last, ids, mask), (col_off, col_bytes) = sample_program(payload)
+    assert run(program, executor) is None
+    assert np.array_equal(hidden[: rows * row_bytes], parts["hidden"])
+    assert (hidden[rows * row_bytes :] == 0xAB).all()  # nothing written past the segment
+    want_last = parts["hidden"].reshape(rows, row_bytes)[:, col_off : col_off + col_bytes].reshape(-1)
+    assert np.array_equal(last, want_last)
+    assert np.array_equal(ids[8 : 8 + rows * 8].view(np.int64), parts["ids"].astype(np.int64))
+    assert (ids[:8] == 0xAB).all() and (ids[8 + rows * 8 :] == 0xAB).all()
+    assert np.array_equal(mask.view(np.int64), parts["mask"].astype(np.int64))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_zero_and_fill_ops(executor):
+    data = np.full(4096, 7, dtype=np.uint8)
+    program = fill.BatchProgram([data])
+    program.zero(0, 5, 1000)
+    program.fill_int64(0, 2048, 3, -100)  # a negative pad id survives the uint64 encoding
+    program.fill_int64(0, 3000, 2, 1)
+    assert run(program, executor) is None
+    assert (data[5:1005] == 0).all() and data[4] == 7 and data[1005] == 7
+    assert data[2048:2072].view(np.int64).tolist() == [-100, -100, -100]
+    assert data[3000:3016].view(np.int64).tolist() == [1, 1]
+    assert (data[2072:3000] == 7).all() and (data[3016:] == 7).all()
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_checksum_mismatch_names_the_op(payload, executor):
+    program, *_ = sample_program(payload, xxh3=12345)
+    assert run(program, executor) == fill.Failure(fill.RC_CHECKSUM, "the sample", 0)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_payload_past_the_end_of_the_file_is_a_short_read(payload, executor):
+    _, _, blob, _, _ = payload
+    program, *_ = sample_program(payload, size=len(blob) + 5000)
+    failure = run(program, executor)
+    assert failure == fill.Failure(fill.RC_SHORT_READ, "the sample", len(blob))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_segment_too_large_for_its_buffer_writes_nothing_past_it(payload, executor):
+    _, _, _, rows, row_bytes = payload
+    program, (hidden, *_), _ = sample_program(payload, hidden_buf_bytes=rows * row_bytes - 1)
+    assert run(program, executor) == fill.Failure(fill.RC_INVALID, "the sample", 0)
+    assert (hidden == 0xAB).all()
+    program = fill.BatchProgram([np.zeros(64, dtype=np.uint8)])
+    program.zero(0, 60, 8)
+    assert run(program, executor).code == fill.RC_INVALID
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_ids_larger_than_scratch_are_refused(payload, executor):
+    program, *_ = sample_program(payload)
+    assert run(program, executor, scratch_bytes=1024).code == fill.RC_INVALID
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_read_error_reports_errno(tmp_path, executor):
+    fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails with EISDIR
+    try:
+        program = fill.BatchProgram([np.zeros(64, dtype=np.uint8)])
+        program.sample(fd, 0, 64, 0, np.array([(SEG_COPY, 0, 64, 0, 0, 0, 0, 0, 0, 0)], dtype=np.int64), tag=3)
+        assert run(program, executor) == fill.Failure(fill.RC_READ_ERROR, 3, errno.EISDIR)
+    finally:
+        os.close(fd)
