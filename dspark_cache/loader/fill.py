@@ -28,8 +28,9 @@ OP_ZERO, OP_FILL_I64, OP_SAMPLE = 1, 2, 3
 OP_COLUMNS = 8
 RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4
 # Bytes per read: a chunk is hashed (and its final-state columns copied) while it is still in
-# the CPU's (1-2 MiB) L2 cache, instead of after the whole sample went out to DRAM.
-CHUNK = 1 << 20
+# the core's L2 cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks overflowed a
+# 1 MiB L2 and were ~15% slower end to end than 128-512 KiB ones (BENCHMARKS.md).
+CHUNK = 256 << 10
 _U64 = (1 << 64) - 1
 
 
