@@ -10,7 +10,8 @@ layout, warms the page cache, then measures, all in this run:
              resident: the kernel-copy ceiling) and into a page-aligned 256 MiB one (every byte
              to DRAM, as a loader's must; the baseline the ratios use)
   ours       build_dataloader(...) batches materialised (pad_to longest and seq_length), timed
-             over its first epoch (batch memory faulted in) and over a later one (steady state)
+             over its first epoch (batch memory faulted in) and over the next three (steady
+             state, median), with the native batch filler and with the Python one
   webdataset webdataset.WebDataset(urls).decode(our handler), sample by sample
   nemo       NeMo's reader: safe_open + get_slice(key)[row] per sample, then torch.stack
 Numbers: GB/s of real-token payload, samples/s, and ratios against raw, medians of --repeat.
@@ -128,20 +129,25 @@ def bench_raw(files: list[str], dest_bytes: int = 8 << 20) -> float:
     return time.perf_counter() - t
 
 
-def bench_ours(root: str, batch: int, pad_to: str, threads: int) -> tuple[float, float]:
-    """Seconds for the loader's first epoch and for its second (memory recycled, steady state)."""
+def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool, steady_epochs: int = 3) -> tuple[float, float]:
+    """Seconds for the loader's first epoch (batch memory faulted in) and its steady state.
+
+    Steady state is the median of the next ``steady_epochs`` epochs: by then every batch slab
+    has been touched, as for all but the first few hundred batches of a training run.
+    """
     import dspark_cache
 
+    os.environ["DSPARK_NATIVE"] = "1" if native else "0"
     loader = dspark_cache.build_dataloader(root, batch, shuffle=True, seed=0, pad_to=pad_to, num_workers=threads,
                                            prefetch=4, pin_memory=False)
     seconds = []
-    for _ in range(2):
+    for _ in range(1 + steady_epochs):
         t = time.perf_counter()
         for _ in loader:
             pass
         seconds.append(time.perf_counter() - t)
     loader.close()
-    return seconds[0], seconds[1]
+    return seconds[0], statistics.median(seconds[1:])
 
 
 def bench_webdataset(files: list[str]) -> float:
@@ -198,15 +204,20 @@ def main() -> None:
     warm(tars)
     warm(nemo_files)
     runs: dict[str, list[float]] = {k: [] for k in (
-        "raw_cache_resident", "raw", "ours_longest", "ours_longest_first_epoch", "ours_seq_length",
-        "ours_seq_length_first_epoch", "webdataset", "nemo")}
+        "raw_cache_resident", "raw", "ours_longest", "ours_longest_first_epoch", "ours_longest_python_filler",
+        "ours_seq_length", "ours_seq_length_first_epoch", "ours_seq_length_python_filler", "webdataset", "nemo")}
+    from dspark_cache.loader.fill import native_available
+
+    native = native_available()
     for _ in range(args.repeat):  # interleaved so that drift hits every reader alike
         runs["raw_cache_resident"].append(bench_raw(tars))
         runs["raw"].append(bench_raw(tars, 256 << 20))
         for pad_to in ("longest", "seq_length"):
-            first, steady = bench_ours(root, args.batch_size, pad_to, args.threads)
+            first, steady = bench_ours(root, args.batch_size, pad_to, args.threads, native)
             runs[f"ours_{pad_to}_first_epoch"].append(first)
             runs[f"ours_{pad_to}"].append(steady)
+            runs[f"ours_{pad_to}_python_filler"].append(
+                bench_ours(root, args.batch_size, pad_to, args.threads, native=False)[1])
         runs["webdataset"].append(bench_webdataset(tars))
         runs["nemo"].append(bench_nemo(nemo_files, args.shard_size, args.samples, args.batch_size))
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -220,7 +231,7 @@ def main() -> None:
         # The same ratio per repetition (raw and ours measured moments apart), then the median:
         # robust to this VM's memory bandwidth drifting between repetitions.
         "vs_raw_paired": {k: statistics.median(r / o for r, o in zip(runs["raw"], v)) for k, v in runs.items()},
-        "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(),
+        "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(), "native_filler": native,
     }
     out = os.path.join(ROOT, ".bench", f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(out, "w") as handle:

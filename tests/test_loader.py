@@ -158,6 +158,19 @@ def test_flipped_byte_names_shard_and_sample(small_cache, tmp_path, executor):
         list(loader)
 
 
+def test_shard_truncated_while_training_names_shard_and_sample(small_cache, tmp_path, executor):
+    copy = tmp_path / "c"
+    shutil.copytree(small_cache, copy)
+    loader = dspark_cache.build_dataloader(str(copy), 4, shuffle=False)
+    len(loader)  # every index is loaded and checked against its tar now
+    cache = dspark_cache.open_cache(str(copy))
+    victim = cache.shards[0].samples[-1]
+    os.truncate(cache.paths.shard_tar(0), victim.offset + 100)  # cut inside the last sample
+    with pytest.raises(CorruptShardError, match=rf"shard-000000\.tar \(sample {victim.sample_id}\).*short read "
+                                                rf"\(100 of {victim.size} bytes\)"):
+        list(loader)
+
+
 def test_nemo_builder_is_a_thin_layer(small_cache):
     loader = dspark_cache.build_cached_dspark_dataloader(cache_dir=small_cache, batch_size=5, shuffle=True)
     n = len(dspark_cache.open_cache(small_cache))

@@ -151,6 +151,9 @@ class BatchReader:
         return scratch
 
     def _raise(self, failure: fill.Failure, rows: list[tuple[int, int, SampleEntry]]) -> None:
+        if failure.tag is None:  # a zero or fill op: only a bug in the program can fail there
+            raise CacheError("internal error: an invalid batch program (please report it; DSPARK_NATIVE=0 "
+                             "switches to the Python reader)")
         _, shard_id, entry = rows[failure.tag]
         path = self.catalog.paths.shard_tar(shard_id)
         if failure.code == fill.RC_CHECKSUM:
