@@ -151,20 +151,20 @@ class BatchReader:
         return scratch
 
     def _raise(self, failure: fill.Failure, rows: list[tuple[int, int, SampleEntry]]) -> None:
-        if failure.tag is None:  # a zero or fill op: only a bug in the program can fail there
-            raise CacheError("internal error: an invalid batch program (please report it; DSPARK_NATIVE=0 "
-                             "switches to the Python reader)")
-        _, shard_id, entry = rows[failure.tag]
-        path = self.catalog.paths.shard_tar(shard_id)
-        if failure.code == fill.RC_CHECKSUM:
-            raise CorruptShardError(path, "checksum mismatch", entry.sample_id)
-        if failure.code == fill.RC_SHORT_READ:
-            raise CorruptShardError(path, f"short read ({failure.detail} of {entry.size} bytes)", entry.sample_id)
-        if failure.code == fill.RC_READ_ERROR:
-            raise OSError(failure.detail, f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
-                          str(path))
-        raise CacheError(f"internal error: the batch program for sample {entry.sample_id} of {path} is invalid "
-                         "(please report it; DSPARK_NATIVE=0 switches to the Python reader)")
+        where = "a zero or fill op"  # only a bug in the program can make one of those fail
+        if failure.tag is not None:
+            _, shard_id, entry = rows[failure.tag]
+            path = self.catalog.paths.shard_tar(shard_id)
+            where = f"sample {entry.sample_id} of {path}"
+            if failure.code == fill.RC_CHECKSUM:
+                raise CorruptShardError(path, "checksum mismatch", entry.sample_id)
+            if failure.code == fill.RC_SHORT_READ:
+                raise CorruptShardError(path, f"short read ({failure.detail} of {entry.size} bytes)", entry.sample_id)
+            if failure.code == fill.RC_READ_ERROR:
+                raise OSError(failure.detail, f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
+                              str(path))
+        raise CacheError(f"internal error: the batch program is invalid at {where}; please report it "
+                         "(DSPARK_NATIVE=0 switches to the Python filler meanwhile)")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
