@@ -4,9 +4,10 @@ The reader describes a batch as ops over its buffers (the batch tensors' bytes):
 stale pad bytes, fill these int64 slots, and for every sample read ``size`` bytes at ``offset``
 of ``fd`` through a segment table (:mod:`.rowplan`) that says where each tensor goes, checking
 the payload's xxh3 on the way. ``csrc/batch_fill.c`` runs the program without holding the GIL,
-so a training loop's Python never stalls the reader threads (nor they it); :func:`run_python`
-runs the same program with numpy and ``os.preadv`` where the extension is not built. Both check
-every write against its buffer's bounds and report failures the same way.
+so a reader thread needs the GIL a few times per batch instead of several times per chunk, and
+a training loop's Python rarely stalls it; :func:`run_python` runs the same program with numpy
+and ``os.preadv`` where the extension is not built. Both check every write against its
+buffer's bounds and report failures the same way.
 """
 
 from __future__ import annotations
