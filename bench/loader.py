@@ -135,8 +135,8 @@ def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool) -
     """Seconds for the loader's first epoch (batch memory faulted in) and its steady state.
 
     Steady state is the median of epochs 5-7: until then, rows that see a longer sample than
-    before still fault in fresh pages (about the first 250 batches here). A training run's
-    epochs are thousands of batches long, so that is what it sees after its first few minutes.
+    before fault in fresh pages often (the first 250 batches here). A training run's epochs are
+    thousands of batches long, so that is what it sees after its first few minutes.
     """
     import dspark_cache
 
