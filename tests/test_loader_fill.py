@@ -14,20 +14,21 @@ from dspark_cache.loader.memory import page_aligned_zeros
 from dspark_cache.loader.rowplan import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8
 
 EXECUTORS = ["native", "python"]
+NOT_BUILT = "the native batch filler is not built: install gcc, then `rm .venv/.installed && make setup`"
 
 
 def run(program: fill.BatchProgram, executor: str, scratch_bytes: int = 1 << 20) -> fill.Failure | None:
     if executor == "native" and not fill.native_available():
         if os.environ.get("DSPARK_NATIVE") == "0":
             pytest.skip("DSPARK_NATIVE=0 and the native batch filler is not built")
-        pytest.fail("the native batch filler is not built: install a C compiler and rerun `make setup`")
+        pytest.fail(NOT_BUILT)
     return fill.run(program, page_aligned_zeros(scratch_bytes), native=executor == "native")
 
 
 def test_native_filler_is_built():
     if os.environ.get("DSPARK_NATIVE") == "0":
         pytest.skip("DSPARK_NATIVE=0: testing the Python filler only")
-    assert fill.native_available(), "the native batch filler is not built: install gcc and rerun `make setup`"
+    assert fill.native_available(), NOT_BUILT
 
 
 @pytest.fixture

@@ -96,7 +96,8 @@ def _native() -> ctypes.CDLL | None:
         from dspark_cache.loader import _batch_fill
     except ImportError:
         log.warning("the native batch filler is not built (no C compiler when dspark-cache was installed?): "
-                    "the loader reads in Python, slower; install gcc and reinstall (make setup) to build it")
+                    "the loader reads in Python, slower; install gcc, then `pip install -e .` in the checkout "
+                    "(or `rm .venv/.installed && make setup`) to build it")
         return None
     lib = ctypes.CDLL(_batch_fill.__file__)
     fn = lib.dspark_fill_batch
