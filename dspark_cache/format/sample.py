@@ -32,8 +32,8 @@ INPUT_IDS = "input_ids"  # [L] int32
 LOSS_MASK = "loss_mask"  # [L] uint8
 PAD_PREFIX = "__pad"
 
-# NeMo's batch keys, which readers assemble from the stored tensors.
-BATCH_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+# A batch carries NeMo's keys (the four names above) plus this one, 1 on real tokens.
+ATTENTION_MASK = "attention_mask"
 
 CACHE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -179,8 +179,8 @@ def assemble_sample(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) 
     else:
         last = tensors[LAST_HIDDEN]
     return {
-        "input_ids": tensors[INPUT_IDS],
-        "loss_mask": tensors[LOSS_MASK],
-        "target_hidden_states": hidden,
-        "target_last_hidden_states": last,
+        INPUT_IDS: tensors[INPUT_IDS],
+        LOSS_MASK: tensors[LOSS_MASK],
+        HIDDEN: hidden,
+        LAST_HIDDEN: last,
     }

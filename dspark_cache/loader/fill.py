@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -44,15 +44,15 @@ class Failure:
     detail: int
 
 
-@dataclass
 class BatchProgram:
     """Ops and segments over ``buffers`` (flat uint8 views of the batch tensors)."""
 
-    buffers: list[np.ndarray]
-    _ops: list[tuple[int, ...]] = field(default_factory=list)
-    _segs: list[np.ndarray] = field(default_factory=list)
-    _tags: dict[int, object] = field(default_factory=dict)
-    _nsegs: int = 0
+    def __init__(self, buffers: list[np.ndarray]) -> None:
+        self.buffers = buffers
+        self._ops: list[tuple[int, ...]] = []
+        self._segs: list[np.ndarray] = []
+        self._tags: dict[int, object] = {}
+        self._nsegs = 0
 
     def zero(self, buf: int, offset: int, nbytes: int) -> None:
         self._ops.append((OP_ZERO, buf, offset, nbytes, 0, 0, 0, 0))
@@ -75,16 +75,6 @@ class BatchProgram:
 
     def tag(self, op: int) -> object:
         return self._tags.get(op)
-
-
-def place_row(template: np.ndarray, header: int, row_base: np.ndarray) -> np.ndarray:
-    """A row template made absolute: payload offsets after ``header``, buffer offsets at the row."""
-    segs = template.copy()
-    segs[:, 1] += header
-    segs[:, 4] += row_base[segs[:, 3]]
-    cols = segs[:, 0] == SEG_COPY_COLS
-    segs[cols, 9] += row_base[segs[cols, 8]]
-    return segs
 
 
 # -- native -------------------------------------------------------------------------------------

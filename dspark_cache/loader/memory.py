@@ -23,8 +23,6 @@ import numpy as np
 import torch
 
 _ALIGN = 4096
-# Per-token int64 fields; they are rewritten whole for every batch (a few bytes per token).
-ID_FIELDS = ("input_ids", "loss_mask", "attention_mask")
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,13 @@ import torch
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.layers import final_state_in_ids
-from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.format.sample import ATTENTION_MASK, CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.loader import fill
 from dspark_cache.loader.catalog import ShardCatalog
-from dspark_cache.loader.memory import ID_FIELDS, BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
+from dspark_cache.loader.memory import BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
 from dspark_cache.loader.rowplan import BUFFERS, RowTemplate, row_template
-
-ATTENTION = "attention_mask"
 
 
 @dataclass(frozen=True)
@@ -76,12 +74,14 @@ class BatchReader:
         self.layout = layout
         self.pad_to = pad_to
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
-        ids = ID_FIELDS if not nemo_keys_only else tuple(f for f in ID_FIELDS if f != ATTENTION)
+        # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
+        ids = (INPUT_IDS, LOSS_MASK) + (() if nemo_keys_only else (ATTENTION_MASK,))
         fields = (Field(HIDDEN, layout.hidden_dim, layout.dtype, True),
                   Field(LAST_HIDDEN, layout.hidden_size, layout.dtype, True),
                   *(Field(name, 1, torch.int64, False) for name in ids))
         self.extras = not nemo_keys_only
-        self.buffer_names = BUFFERS + ((ATTENTION,) if ATTENTION in ids else ())
+        self.buffer_names = tuple(f.name for f in fields)  # program buffer i; starts with rowplan's BUFFERS
+        assert self.buffer_names[: len(BUFFERS)] == BUFFERS
         self.native = fill.use_native_default() if native is None else native
         self._local = threading.local()
         self.memory = BatchMemory(fields, batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
@@ -134,13 +134,13 @@ class BatchReader:
                 raise CorruptShardError(self.catalog.paths.shard_tar(shard_id),
                                         f"the index gives {entry.size} bytes for {entry.length} tokens", entry.sample_id)
             program.sample(self.catalog.fd(shard_id), entry.offset, entry.size, entry.xxh3,
-                           fill.place_row(template.segs, header, row * stride), tag=row)
+                           template.place(header, row * stride), tag=row)
             n, pads = entry.length, width - entry.length
             program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
             program.fill_int64(index[LOSS_MASK], (row * width + n) * 8, pads, 0)
-            if ATTENTION in index:
-                program.fill_int64(index[ATTENTION], row * width * 8, n, 1)
-                program.fill_int64(index[ATTENTION], (row * width + n) * 8, pads, 0)
+            if ATTENTION_MASK in index:
+                program.fill_int64(index[ATTENTION_MASK], row * width * 8, n, 1)
+                program.fill_int64(index[ATTENTION_MASK], (row * width + n) * 8, pads, 0)
         return program
 
     def _scratch(self) -> np.ndarray:

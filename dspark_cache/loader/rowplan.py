@@ -32,6 +32,16 @@ class RowTemplate:
     data_size: int  # bytes of the data section (the payload minus its header)
     segs: np.ndarray  # [n, SEG_COLUMNS] int64
 
+    def place(self, header: int, row_base: np.ndarray) -> np.ndarray:
+        """The segments made absolute: payload offsets after ``header``, buffer offsets at the
+        row (``row_base[buf]`` bytes into each buffer)."""
+        segs = self.segs.copy()
+        segs[:, 1] += header
+        segs[:, 4] += row_base[segs[:, 3]]
+        cols = segs[:, 0] == SEG_COPY_COLS
+        segs[cols, 9] += row_base[segs[cols, 8]]
+        return segs
+
 
 @lru_cache(maxsize=16384)
 def row_template(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dtype, store_last: bool) -> RowTemplate:
