@@ -16,8 +16,8 @@ _LAZY = {
     "Cache": "dspark_cache.loader.cache",
     "build_dataloader": "dspark_cache.loader.dataloader",
     "DSparkLoader": "dspark_cache.loader.dataloader",
-    "build_cached_dspark_dataloader": "dspark_cache.loader.nemo",
-    "read_target_weights": "dspark_cache.loader.nemo",
+    "build_cached_dspark_dataloader": "dspark_cache.nemo",
+    "read_target_weight_modules": "dspark_cache.nemo",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -10,8 +10,14 @@ from typing import Any
 
 import msgspec
 
-FORMAT_VERSION = 1
-CACHE_FORMAT = "dspark-wds"
+# The manifest's ``format_version`` is a string so that NeMo Automodel's reader, which accepts
+# exactly the integer 1 for its own ``shard-NNNNNN.safetensors`` layout, rejects our caches with
+# its own clear error instead of failing deep inside its dataset. NeMo will never write a string.
+FORMAT_ID = "dspark-wds/2"
+# The first release wrote ``format_version: 1`` plus ``cache_format: "dspark-wds"``: NeMo's
+# reader took such a manifest for its own layout.
+LEGACY_FORMAT = "dspark-wds"
+INDEX_FORMAT_VERSION = 1
 
 # Manifest fields that describe progress or provenance, not what the cache contains. Every
 # other field is identity: resume refuses a cache whose identity differs from the new run's.
@@ -31,8 +37,7 @@ class SkippedRow(msgspec.Struct, frozen=True):
 class Manifest(msgspec.Struct, kw_only=True):
     """Run identity, plan and completion state of a cache (``manifest.json``)."""
 
-    format_version: int = FORMAT_VERSION
-    cache_format: str = CACHE_FORMAT
+    format_version: str = FORMAT_ID
     complete: bool = False
     # NeMo's fields, same names and meaning.
     target_model: str
@@ -51,6 +56,7 @@ class Manifest(msgspec.Struct, kw_only=True):
     train_split: str | None = None
     shuffle_seed: int = 42
     mask_reasoning_content: bool = False
+    mask_generation_prompt: bool = False
     chat_template_sha256: str = ""
     # What NeMo forgets.
     input_sha256: str = ""
@@ -98,7 +104,7 @@ class SampleEntry(msgspec.Struct, array_like=True, frozen=True):
 class ShardIndex(msgspec.Struct, kw_only=True):
     """The ``shard-N.idx`` file: published last; a shard exists only when this matches it."""
 
-    format_version: int = FORMAT_VERSION
+    format_version: int = INDEX_FORMAT_VERSION
     shard_id: int
     tar_bytes: int
     tar_xxh3: int
@@ -156,17 +162,35 @@ def encode_json(obj: Any, *, pretty: bool = False) -> bytes:
     return msgspec.json.format(data, indent=2) + b"\n" if pretty else data
 
 
+class _FormatProbe(msgspec.Struct):
+    format_version: Any = None
+    cache_format: Any = None
+
+
 def decode_manifest(data: bytes, where: str) -> Manifest:
+    """Decode ``manifest.json``; a NeMo-layout or older dspark manifest gets a message saying what to do."""
     try:
-        manifest = msgspec.json.decode(data, type=Manifest)
+        probe = msgspec.json.decode(data, type=_FormatProbe)
     except msgspec.DecodeError as exc:
         raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
-    if manifest.format_version != FORMAT_VERSION or manifest.cache_format != CACHE_FORMAT:
-        raise msgspec.DecodeError(
-            f"{where}: format {manifest.cache_format!r} v{manifest.format_version} is not "
-            f"{CACHE_FORMAT!r} v{FORMAT_VERSION}; upgrade dspark-cache or re-produce the cache"
-        )
-    return manifest
+    if probe.format_version != FORMAT_ID:
+        raise msgspec.DecodeError(f"{where}: {_foreign_format(probe)}")
+    try:
+        return msgspec.json.decode(data, type=Manifest)
+    except msgspec.DecodeError as exc:
+        raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
+
+
+def _foreign_format(probe: _FormatProbe) -> str:
+    if probe.cache_format == LEGACY_FORMAT:
+        return (f"written by dspark-cache 0.1 (format {LEGACY_FORMAT} v{probe.format_version}), which this "
+                f"version ({FORMAT_ID}) no longer reads; re-produce it: rerun dspark-produce with the same "
+                "arguments plus --overwrite")
+    if probe.format_version == 1:
+        return ("a NeMo Automodel cache (shard-NNNNNN.safetensors layout), not a dspark cache; train from it "
+                "through dspark_cache.nemo, or import it with: dspark-convert SRC DST --to dspark")
+    return (f"format_version {probe.format_version!r} is not {FORMAT_ID!r}; upgrade dspark-cache or "
+            "re-produce the cache")
 
 
 def decode_shard_index(data: bytes) -> ShardIndex:

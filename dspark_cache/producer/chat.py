@@ -9,6 +9,8 @@ differently from the same turn in history (think blocks), which makes NeMo raise
 is then aligned on the full render instead (same prefix, same turn ending), which gives the
 mask NeMo's rule means. ``mask_reasoning_content`` clears the supervision of each non-empty
 ``reasoning_content`` span (found by re-rendering without it), as NeMo does.
+``mask_generation_prompt`` clears, in each assistant turn, the tokens the template's generation
+prompt supplies at inference (role header, an inserted empty think block), with NeMo 0.7.0's rule.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ from typing import Any
 import numpy as np
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 class ChatTemplateError(ValueError):
@@ -94,10 +99,25 @@ def _turn_end(turn_render: str, full: str, start: int) -> int:
     return split
 
 
+def _appended_block(base: list[int], prompt: list[int], turn: list[int]) -> int:
+    """Length of the block ``prompt`` appends to ``base`` when ``turn`` opens with all of it, else 0."""
+    if prompt[: len(base)] != base:
+        return 0
+    block = prompt[len(base):]
+    return len(block) if block and turn[: len(block)] == block else 0
+
+
+def _warn_once(what: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning("could not %s; that turn's template-supplied tokens stay supervised (shown once)", what)
+
+
 class ChatEncoder:
     """Turns normalised messages into right-truncated ``input_ids`` and ``loss_mask``."""
 
-    def __init__(self, tokenizer: Any, seq_length: int, mask_reasoning_content: bool = False) -> None:
+    def __init__(self, tokenizer: Any, seq_length: int, mask_reasoning_content: bool = False,
+                 mask_generation_prompt: bool = False) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatTemplateError(
                 "the tokenizer has no chat template and --chat-template was not set; pass one"
@@ -107,6 +127,13 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.seq_length = seq_length
         self.mask_reasoning_content = mask_reasoning_content
+        self.mask_generation_prompt = mask_generation_prompt
+        # A template that reads enable_thinking has two generation prompts; the data cannot say
+        # which one a turn was generated with, so both are tried (NeMo's rule).
+        self.prompt_modes: list[dict[str, bool]] = (
+            [{"enable_thinking": True}, {"enable_thinking": False}]
+            if "enable_thinking" in tokenizer.chat_template else [{}]
+        )
         self.has_generation_blocks = bool(GENERATION_BLOCK.search(tokenizer.chat_template))
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
@@ -143,6 +170,36 @@ class ChatEncoder:
             tail = min(tail, len(ids) - head, len(other) - head)
             mask[head : len(ids) - tail] = 0
 
+    def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any, **kwargs: Any) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+        return self._tokenize(text)["input_ids"]
+
+    def _mask_generation_prompt(self, messages: list[dict[str, Any]], tools: Any, ids: list[int], mask: np.ndarray) -> None:
+        """Unsupervise each assistant turn's opening that ``add_generation_prompt`` would emit.
+
+        A turn counts only when the plain prefix render is an exact token prefix of the full
+        render, the prompt render appends a block to it, and the turn opens with that whole block;
+        anything else leaves the turn supervised (fails closed, as NeMo).
+        """
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            try:
+                base = self._prompt_ids(messages[:k], tools)
+                prompts = [self._prompt_ids(messages[:k], tools, add_generation_prompt=True, **mode)
+                           for mode in self.prompt_modes]
+            except Exception:
+                if k:
+                    raise
+                _warn_once("render the generation prompt of a leading assistant turn")
+                continue
+            if ids[: len(base)] != base:
+                _warn_once("align the generation prompt")
+                continue
+            turn = ids[len(base):]
+            block = max((_appended_block(base, p, turn) for p in prompts), default=0)
+            mask[len(base) : len(base) + block] = 0
+
     def encode(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> EncodedRow:
         """Token ids and loss mask for one conversation (may have zero supervised tokens)."""
         full = self.render(messages, tools)
@@ -159,6 +216,8 @@ class ChatEncoder:
             mask = np.zeros(len(ids), dtype=np.uint8)
             for start, end in self._assistant_spans(messages, tools, full):
                 mask[(starts >= start) & (starts < end)] = 1
+        if self.mask_generation_prompt:
+            self._mask_generation_prompt(messages, tools, ids, mask)
         if self.mask_reasoning_content:
             self._mask_reasoning(messages, tools, full, ids, mask)
         keep = self.seq_length

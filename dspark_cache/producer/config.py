@@ -32,6 +32,7 @@ class ProduceConfig:
     target_layer_ids: list[int] | None = None
     chat_template: str | None = None
     mask_reasoning_content: bool = False
+    mask_generation_prompt: bool = False
     target_attn_implementation: str | None = None
     target_force_hf: bool = False
     trust_remote_code: bool = False
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit layer ids (NeMo convention)")
     p.add_argument("--chat-template", default=None, help="inline Jinja or a file; default: the tokenizer's")
     p.add_argument("--mask-reasoning-content", action="store_true", help="do not supervise reasoning_content")
+    p.add_argument("--mask-generation-prompt", action="store_true",
+                   help="do not supervise the tokens the generation prompt supplies in each assistant turn "
+                   "(role header, template-inserted empty think block), as NeMo 0.7.0")
     p.add_argument("--target-attn-implementation", default=None, help="attn_implementation for the target")
     p.add_argument("--target-force-hf", action="store_true", help="accepted for NeMo compatibility (always HF here)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own Python code")

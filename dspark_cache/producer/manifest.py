@@ -58,10 +58,10 @@ def check_existing(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifes
 
     Refuses a different configuration, naming every differing field.
     """
-    old = read_manifest_file(paths)
-    if overwrite:
+    if overwrite:  # before reading: an unreadable or foreign manifest is what --overwrite is for
         clear_cache(paths)
         return None
+    old = read_manifest_file(paths)
     if old is None:
         if paths.indexed_shard_ids() or paths.partial_files():
             raise CacheError(

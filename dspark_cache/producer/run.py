@@ -89,6 +89,7 @@ def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], p
         target_hidden_dim=info.hidden_size * len(layer_ids), target_last_hidden_dim=info.hidden_size,
         target_layer_ids=layer_ids, train_data_path=str(cfg.input_data), train_split=cfg.split,
         shuffle_seed=cfg.shuffle_seed, mask_reasoning_content=cfg.mask_reasoning_content,
+        mask_generation_prompt=cfg.mask_generation_prompt,
         chat_template_sha256=sha256_text(tokenizer.chat_template), input_sha256=source.content_sha256(),
         tokenizer_sha256=tokenizer_sha256(tokenizer), compute_dtype=compute_dtype,
         attn_implementation=cfg.target_attn_implementation, pad_token_id=int(tokenizer.pad_token_id),
@@ -135,7 +136,7 @@ def prepare(cfg: ProduceConfig) -> Prepared:
     device = resolve_device(cfg.device)
     compute_dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     tokenizer = _load_tokenizer(cfg, template)
-    encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content)
+    encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
     shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype])
     plan = make_plan(cfg, encoder, source, shape)
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk",

@@ -1,0 +1,139 @@
+"""The four cache calls of NeMo 0.7.0's ``train_dspark`` recipe, with NeMo's signatures and types.
+
+Each call looks at the directory it is given: a NeMo-layout cache is handled exactly as NeMo's
+original would handle it (:mod:`.layout`), a dspark cache through our loader. Errors keep NeMo's
+types (``FileNotFoundError`` for a missing cache, ``ValueError`` for an unusable one), so code
+that catches them keeps working; the messages say what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from dspark_cache.format.errors import CacheError, NotACacheError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.loader.cache import read_manifest as read_dspark_manifest
+from dspark_cache.nemo import layout
+from dspark_cache.nemo.dataset import DSparkMapDataset, collate
+
+log = logging.getLogger(__name__)
+
+
+def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, Any]:
+    """NeMo's ``read_manifest``: the manifest as a dict with every field NeMo writes (same names
+    and types; ours come along), refusing an incomplete cache unless ``allow_incomplete``."""
+    cache_dir = os.fspath(cache_dir)
+    if layout.is_nemo_layout(cache_dir):
+        return layout.read_manifest(cache_dir, allow_incomplete=allow_incomplete)
+    with _nemo_errors():
+        manifest = read_dspark_manifest(cache_dir, allow_incomplete=allow_incomplete)
+    return {**layout.MANIFEST_DEFAULTS, **msgspec.to_builtins(manifest)}
+
+
+def read_target_weight_modules(cache_dir: str) -> tuple[SimpleNamespace, SimpleNamespace]:
+    """NeMo's ``read_target_weight_modules``: ``(embed_tokens, lm_head)`` objects exposing ``.weight``."""
+    cache_dir = os.fspath(cache_dir)
+    path = layout.target_weights_path(cache_dir) if layout.is_nemo_layout(cache_dir) \
+        else CachePaths(cache_dir).target_weights
+    embed, head = layout.read_target_weights(path)
+    return SimpleNamespace(weight=embed), SimpleNamespace(weight=head)
+
+
+def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: bool, num_workers: int = 0,
+                                   distributed: bool = False) -> DataLoader:
+    """NeMo's ``build_cached_dspark_dataloader``: the same ``DataLoader`` and sampler NeMo builds,
+    so batches come in NeMo's order and torch's global RNG is drawn exactly as NeMo draws it.
+
+    Batches hold NeMo's four keys, padded to the manifest's ``seq_length`` (``input_ids`` with the
+    pad token, the rest with zeros). A dspark cache is read a whole batch at a time, checksummed.
+    ``num_workers`` are ``DataLoader`` worker processes, as in NeMo.
+    """
+    cache_dir = os.fspath(cache_dir)
+    if layout.is_nemo_layout(cache_dir):
+        dataset: torch.utils.data.Dataset = layout.NemoCacheDataset(cache_dir)
+        collate_fn = layout.stack_samples
+    else:
+        with _nemo_errors():
+            dataset = DSparkMapDataset(cache_dir, batch_size=batch_size)
+        collate_fn = collate
+    sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        shuffle=shuffle and sampler is None,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        collate_fn=collate_fn,
+        drop_last=False,
+    )
+
+
+def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], target_config: Any,
+                                    target_layer_ids: list[int], *, target_model: str, target_model_type: str,
+                                    seq_length: int, compute_dtype: torch.dtype) -> None:
+    """NeMo's ``_validate_cached_dspark_manifest``: the cache must fit the configured target and draft.
+
+    A different ``target_model`` string only warns (paths differ across machines); every
+    structural field raises ``ValueError``. CPU training (fp32) needs an fp32 cache.
+    """
+    if str(manifest["target_model"]) != str(target_model):
+        log.warning("DSpark cache at %s was built for target_model=%r, but this run configured target_model=%r. "
+                    "Continuing because raw paths can differ across machines; structural cache fields will still "
+                    "be validated.", cache_dir, manifest["target_model"], target_model)
+    hidden_size = int(target_config.hidden_size)
+    expected_hidden_dim = hidden_size * len(target_layer_ids)
+    checks = (
+        ("target_model_type", str(manifest["target_model_type"]), str(target_model_type)),
+        ("target_vocab_size", int(manifest["target_vocab_size"]), int(target_config.vocab_size)),
+        ("hidden_size", int(manifest["hidden_size"]), hidden_size),
+        ("num_hidden_layers", int(manifest["num_hidden_layers"]), int(target_config.num_hidden_layers)),
+        ("seq_length", int(manifest["seq_length"]), int(seq_length)),
+    )
+    for field, have, want in checks:
+        if have != want:
+            raise ValueError(f"DSpark cache at {cache_dir} was built for {field}={have!r}, but this run has "
+                             f"{field}={want!r}. Use a cache produced for this target and seq_length, or fix the config.")
+    cache_dtype = layout.DTYPES.get(str(manifest["dtype"]))
+    if cache_dtype is None:
+        raise ValueError(f"DSpark cache at {cache_dir} has unsupported dtype={manifest['dtype']!r}; "
+                         f"produce it with --dtype one of {sorted(layout.DTYPES)}.")
+    if compute_dtype == torch.float32 and cache_dtype != torch.float32:
+        raise ValueError(f"DSpark cache at {cache_dir} stores dtype={manifest['dtype']}, but CPU cached training "
+                         "requires fp32 cache tensors. Regenerate with --dtype fp32 or train on CUDA.")
+    dims = (
+        ("target_hidden_dim", int(manifest["target_hidden_dim"]), expected_hidden_dim),
+        ("target_last_hidden_dim", int(manifest["target_last_hidden_dim"]), hidden_size),
+    )
+    for field, have, want in dims:
+        if have != want:
+            raise ValueError(f"DSpark cache at {cache_dir} has {field}={have}, but the configured target and "
+                             f"layers need {want} (hidden_size {hidden_size} x {len(target_layer_ids)} target "
+                             "layers for the first). Produce the cache with this run's target_layer_ids.")
+    recorded = [int(x) for x in manifest["target_layer_ids"]]
+    if recorded != list(target_layer_ids):
+        raise ValueError(f"DSpark cache at {cache_dir} was built for target_layer_ids={recorded}, but this run "
+                         f"requested target_layer_ids={list(target_layer_ids)}. Set recipe_args.target_layer_ids "
+                         "to the cache's, or produce a cache with this run's.")
+
+
+class _nemo_errors:
+    """Re-raise our cache errors as the exception types NeMo's callers expect."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, NotACacheError):
+            raise FileNotFoundError(str(exc)) from exc
+        if isinstance(exc, CacheError):
+            raise ValueError(str(exc)) from exc
+        return False

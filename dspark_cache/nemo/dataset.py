@@ -1,0 +1,120 @@
+"""A dspark cache as a map-style dataset, so that NeMo's own ``DataLoader`` and sampler drive it.
+
+Index ``i`` is the ``i``-th sample in ascending sample id, which is NeMo's sample ``i`` for a
+cache of the same rows. ``__getitems__`` fills a whole batch with one call into the loader's
+batch filler (one read per sample, checksums verified, zero padding to ``seq_length``), so the
+``DataLoader``'s ``collate_fn`` receives a finished batch; :func:`collate` passes it through.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from dspark_cache.format.errors import CacheError
+from dspark_cache.loader.catalog import ShardCatalog
+from dspark_cache.loader.planner import RankBatch, SampleRef
+from dspark_cache.loader.reader import BatchLayout, BatchReader
+from dspark_cache.nemo.layout import CACHE_KEYS, stack_samples
+
+
+class DSparkMapDataset(torch.utils.data.Dataset):
+    """Samples of a complete dspark cache by position (ascending sample id), batched on request.
+
+    Safe in ``DataLoader`` worker processes: files and reader threads are opened per process.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, *, batch_size: int = 1, native: bool | None = None) -> None:
+        self.cache_dir = os.fspath(cache_dir)
+        self.batch_size = max(1, batch_size)
+        self.native = native
+        catalog = ShardCatalog(self.cache_dir)
+        self.manifest = catalog.manifest
+        self._shard, self._entry = _positions(catalog)
+        self._catalog: ShardCatalog | None = catalog
+        self._reader: BatchReader | None = None
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self._shard)
+
+    @property
+    def sample_ids(self) -> list[int]:
+        """Sample id at each position."""
+        catalog = self._open_catalog()
+        return [catalog.require(int(s)).samples[int(e)].sample_id for s, e in zip(self._shard, self._entry)]
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The samples at ``indices`` as one batch with NeMo's four keys, padded to ``seq_length``."""
+        refs = tuple(SampleRef(int(self._shard[i]), int(self._entry[i])) for i in map(self._position, indices))
+        batch = self._batch_reader(len(refs)).submit(RankBatch(0, refs, (False,) * len(refs))).result()
+        return {key: batch[key] for key in CACHE_KEYS}  # NeMo's key order
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """One sample: each of NeMo's four keys without the batch dimension."""
+        return {key: value[0] for key, value in self.__getitems__([index]).items()}
+
+    def _position(self, index: int) -> int:
+        n = len(self)
+        position = index + n if index < 0 else index
+        if not 0 <= position < n:
+            raise IndexError(f"sample position {index} is out of range for {n} samples in {self.cache_dir}")
+        return position
+
+    def _open_catalog(self) -> ShardCatalog:
+        if self._pid != os.getpid() or self._catalog is None:
+            # A forked DataLoader worker: reader threads and descriptors belong to the parent.
+            self._catalog, self._reader, self._pid = ShardCatalog(self.cache_dir), None, os.getpid()
+            if self._catalog.manifest.identity() != self.manifest.identity():
+                raise CacheError(f"{self.cache_dir} was replaced by a different cache while training read it; "
+                                 "restart training")
+        return self._catalog
+
+    def _batch_reader(self, rows: int) -> BatchReader:
+        catalog = self._open_catalog()
+        if self._reader is None or rows > self.batch_size:
+            if self._reader is not None:
+                self._reader.close()
+            self.batch_size = max(self.batch_size, rows)
+            in_worker = torch.utils.data.get_worker_info() is not None
+            self._reader = BatchReader(
+                catalog, BatchLayout.from_manifest(self.manifest), batch_size=self.batch_size, num_threads=1,
+                pad_to="seq_length", pin_memory=torch.cuda.is_available() and not in_worker,
+                nemo_keys_only=True, native=self.native,
+            )
+        return self._reader
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawned DataLoader workers get the sample positions, never descriptors or threads.
+        state = dict(self.__dict__)
+        state.update(_catalog=None, _reader=None, _pid=-1)
+        return state
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        if self._catalog is not None:
+            self._catalog.close()
+        self._reader = self._catalog = None
+
+
+def _positions(catalog: ShardCatalog) -> tuple[np.ndarray, np.ndarray]:
+    """(shard id, index entry) of every sample, in ascending sample id."""
+    shards: list[int] = []
+    entries: list[int] = []
+    ids: list[int] = []
+    for shard_id in range(catalog.manifest.num_shards):
+        index = catalog.require(shard_id)
+        shards += [shard_id] * index.num_samples
+        entries += range(index.num_samples)
+        ids += (e.sample_id for e in index.samples)
+    order = np.argsort(np.asarray(ids, dtype=np.int64), kind="stable")
+    return np.asarray(shards, dtype=np.int32)[order], np.asarray(entries, dtype=np.int32)[order]
+
+
+def collate(data: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A batch from ``__getitems__`` as it is; per-sample dicts (``__getitem__``) stacked."""
+    return data if isinstance(data, dict) else stack_samples(data)
