@@ -92,3 +92,45 @@ def test_chat_template_argument(tmp_path):
     assert resolve_chat_template(str(j)) == "{{ x }}"
     with pytest.raises(ChatTemplateError, match="neither an existing file"):
         resolve_chat_template(str(tmp_path / "missing.jinja"))
+
+
+NO_REASONING = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "And three plus three?"},
+    {"role": "assistant", "content": "Six."},
+]
+
+
+def _supervised_spans(tok, row) -> list[str]:
+    spans, run = [], []
+    for token, keep in zip(row.input_ids.tolist(), row.loss_mask.tolist()):
+        if keep:
+            run.append(token)
+        elif run:
+            spans.append(tok.decode(run))
+            run = []
+    return spans + ([tok.decode(run)] if run else [])
+
+
+@pytest.mark.parametrize("variant", [0, 1])
+def test_mask_generation_prompt(tokenizers, variant):
+    """NeMo 0.7.0's rule: what add_generation_prompt would emit (role header and, in the Qwen3
+    template's non-thinking mode, the empty think block) leaves each assistant turn's loss; a turn
+    that carries reasoning keeps its think block (the thinking-mode prompt is the header alone)."""
+    tok = tokenizers[variant]
+    plain = ChatEncoder(tok, 4096).encode(NO_REASONING)
+    masked = ChatEncoder(tok, 4096, mask_generation_prompt=True).encode(NO_REASONING)
+    assert masked.input_ids.tolist() == plain.input_ids.tolist()
+    ending = "<|im_end|>\n" if variant == 0 else "<|im_end|>"
+    assert _supervised_spans(tok, masked) == ["Four." + ending, "Six." + ending]
+    assert "<think>\n\n</think>\n\nSix." in _supervised(tok, plain)  # what was removed from the last turn
+    reasoning = ChatEncoder(tok, 4096, mask_generation_prompt=True).encode(MULTI_TURN)
+    assert _supervised_spans(tok, reasoning)[-1] == "<think>\nAgain add them up.\n</think>\n\nSix." + ending
+
+
+def test_mask_generation_prompt_counts_truncated_turns_from_the_full_render(tokenizers):
+    tok, _ = tokenizers
+    full = ChatEncoder(tok, 4096, mask_generation_prompt=True).encode(NO_REASONING)
+    cut = ChatEncoder(tok, 12, mask_generation_prompt=True).encode(NO_REASONING)
+    assert cut.loss_mask.tolist() == full.loss_mask.tolist()[:12]

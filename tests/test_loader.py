@@ -122,6 +122,8 @@ def test_expect_names_every_mismatch(small_cache):
                    "target_layer_ids", "target_hidden_dim: the cache has 320, training expects 384",
                    "fp32"):
         assert needle in text, text
+    with pytest.raises(CacheMismatchError, match="fp32"):  # a torch dtype, as training code holds it
+        dspark_cache.build_dataloader(small_cache, 2, expect={**ok, "compute_dtype": torch.float32})
 
 
 def test_incomplete_cache_needs_follow(small_cache, tmp_path):
@@ -169,16 +171,6 @@ def test_shard_truncated_while_training_names_shard_and_sample(small_cache, tmp_
     with pytest.raises(CorruptShardError, match=rf"shard-000000\.tar \(sample {victim.sample_id}\).*short read "
                                                 rf"\(100 of {victim.size} bytes\)"):
         list(loader)
-
-
-def test_nemo_builder_is_a_thin_layer(small_cache):
-    loader = dspark_cache.build_cached_dspark_dataloader(cache_dir=small_cache, batch_size=5, shuffle=True)
-    n = len(dspark_cache.open_cache(small_cache))
-    batches = list(loader)
-    assert len(batches) == len(loader) == -(-n // 5) and len(loader.dataset) == n
-    assert sum(b["input_ids"].shape[0] for b in batches) == n  # a smaller last batch, as NeMo
-    loader.sampler.set_epoch(1)
-    assert [b["input_ids"][:, :4].tolist() for b in loader] != [b["input_ids"][:, :4].tolist() for b in batches]
 
 
 WORKER = r"""

@@ -85,10 +85,10 @@ def test_mismatch_names_every_field_and_keeps_everything(embedded, tmp_path, cap
     manifest_before = open(os.path.join(out, "manifest.json")).read()
     capsys.readouterr()
     code = run_produce(embedded.stock, embedded.data, out, "--seq-length", "200", "--shard-size", "3",
-                       "--batch-size", "2", "--mask-reasoning-content")
+                       "--batch-size", "2", "--mask-reasoning-content", "--mask-generation-prompt")
     err = capsys.readouterr().err
     assert code == 1
-    for field in ("seq_length", "mask_reasoning_content", "planned_tokens"):
+    for field in ("seq_length", "mask_reasoning_content", "mask_generation_prompt", "planned_tokens"):
         assert field in err
     assert "--overwrite" in err
     assert open(os.path.join(out, "manifest.json")).read() == manifest_before
@@ -115,3 +115,13 @@ def test_shards_without_manifest_are_refused(embedded, tmp_path, capsys):
     (out / "shards" / "shard-000000.idx").write_text("{}")
     assert run_produce(embedded.stock, embedded.data, str(out), *ARGS) == 1
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_an_unreadable_manifest(embedded, tmp_path, capsys):
+    out = tmp_path / "cache"
+    out.mkdir()
+    (out / "manifest.json").write_text("{not json")
+    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS, "--overwrite") == 0
+    assert verify_cache(str(out)).ok

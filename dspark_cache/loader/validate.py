@@ -31,7 +31,8 @@ class CacheMismatchError(CacheError):
 def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = "the cache") -> None:
     """Raise one error listing every field that differs (with both values), NeMo's nine checks.
 
-    ``expect`` may hold ``compute_dtype`` (the trainer's): an fp32 trainer needs an fp32 cache.
+    ``expect`` may hold ``compute_dtype`` (the trainer's, a name like ``"fp32"`` or a torch dtype):
+    an fp32 trainer needs an fp32 cache.
     ``target_layer_ids`` and ``hidden_size`` also imply the two hidden dimensions.
     """
     unknown = set(expect) - set(_FIELDS) - {"compute_dtype"}
@@ -56,7 +57,7 @@ def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = 
         differ("target_last_hidden_dim", hidden)
     if manifest.dtype not in _FLOAT_DTYPES:
         problems.append(f"dtype: the cache has {manifest.dtype!r}, not one of {_FLOAT_DTYPES}")
-    compute = expect.get("compute_dtype")
+    compute = _dtype_name(expect.get("compute_dtype"))
     if compute == "fp32" and manifest.dtype != "fp32":
         problems.append(f"dtype: the cache is {manifest.dtype!r} but training computes in fp32 (CPU training "
                         "needs an fp32 cache)")
@@ -65,3 +66,11 @@ def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = 
             f"{where} does not match this training run:\n  " + "\n  ".join(problems)
             + "\nProduce a cache with the training run's target and settings, or fix the training config."
         )
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    """``"fp32"`` for ``torch.float32``, ``"float32"`` or ``"fp32"``; names pass through."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(name, name)

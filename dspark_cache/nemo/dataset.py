@@ -51,6 +51,8 @@ class DSparkMapDataset(torch.utils.data.Dataset):
         """The samples at ``indices`` as one batch with NeMo's four keys, padded to ``seq_length``."""
         refs = tuple(SampleRef(int(self._shard[i]), int(self._entry[i])) for i in map(self._position, indices))
         batch = self._batch_reader(len(refs)).submit(RankBatch(0, refs, (False,) * len(refs))).result()
+        if torch.utils.data.get_worker_info() is not None:
+            batch = {key: _shared_copy(value) for key, value in batch.items()}
         return {key: batch[key] for key in CACHE_KEYS}  # NeMo's key order
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
@@ -99,6 +101,16 @@ class DSparkMapDataset(torch.utils.data.Dataset):
         if self._catalog is not None:
             self._catalog.close()
         self._reader = self._catalog = None
+
+
+def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in shared memory, for handing a batch from a worker process to the main process.
+
+    Sending the recycled batch memory itself would let torch move its storage into shared memory
+    in place while the reader recycles it for the next batch: a worker returns copies, once.
+    """
+    out = torch.empty_like(tensor).share_memory_()
+    return out.copy_(tensor)
 
 
 def _positions(catalog: ShardCatalog) -> tuple[np.ndarray, np.ndarray]:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.schema import LEGACY_FORMAT
 
 MANIFEST = "manifest.json"
 TARGET_WEIGHTS = "target_weights.safetensors"
@@ -77,7 +78,9 @@ def is_nemo_layout(cache_dir: str) -> bool:
     manifest = _raw_manifest(cache_dir)
     if manifest is not None:
         version = manifest.get("format_version")
-        return version == FORMAT_VERSION and not isinstance(version, bool)
+        # dspark-cache 0.1 also wrote version 1, marked with its cache_format.
+        ours = manifest.get("cache_format") == LEGACY_FORMAT
+        return version == FORMAT_VERSION and not isinstance(version, bool) and not ours
     return not os.path.exists(manifest_path(cache_dir)) and bool(shard_indices(cache_dir))
 
 
