@@ -202,6 +202,17 @@ def test_same_run_as_nemo_cache(small_cache, nemo_cache):
     assert all(torch.equal(x, y) for x, y in zip(our_draws, nemo_draws))
 
 
+def test_reads_one_batch_ahead_without_workers(small_cache):
+    loader = dn.build_cached_dspark_dataloader(cache_dir=small_cache, batch_size=4, shuffle=False)
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    iterator = iter(loader)
+    first = next(iterator)
+    assert iterator._ahead is not None  # the second batch is being read while the first is used
+    dataset = dn.DSparkMapDataset(small_cache)
+    assert torch.equal(next(iterator)["input_ids"], torch.stack([dataset[i]["input_ids"] for i in range(4, 8)]))
+    assert first["input_ids"].shape[0] == 4
+
+
 def test_order_is_torch_dataloaders(small_cache):
     """The position order equals a plain torch DataLoader's over range(n) with the same seed."""
     n = len(dspark_cache.open_cache(small_cache))

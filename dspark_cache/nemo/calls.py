@@ -23,6 +23,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.loader.cache import read_manifest as read_dspark_manifest
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.dataset import DSparkMapDataset, collate
+from dspark_cache.nemo.readahead import ReadAheadDataLoader
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
 
     Batches hold NeMo's four keys, padded to the manifest's ``seq_length`` (``input_ids`` with the
     pad token, the rest with zeros). A dspark cache is read a whole batch at a time, checksummed.
-    ``num_workers`` are ``DataLoader`` worker processes, as in NeMo.
+    ``num_workers`` are ``DataLoader`` worker processes, as in NeMo; without them the next batch
+    is read while training works on the current one.
     """
     cache_dir = os.fspath(cache_dir)
     if layout.is_nemo_layout(cache_dir):
@@ -65,7 +67,7 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
             dataset = DSparkMapDataset(cache_dir, batch_size=batch_size)
         collate_fn = collate
     sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
-    return DataLoader(
+    return ReadAheadDataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,

@@ -49,11 +49,15 @@ class DSparkMapDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The samples at ``indices`` as one batch with NeMo's four keys, padded to ``seq_length``."""
-        refs = tuple(SampleRef(int(self._shard[i]), int(self._entry[i])) for i in map(self._position, indices))
-        batch = self._batch_reader(len(refs)).submit(RankBatch(0, refs, (False,) * len(refs))).result()
+        batch = self.submit(indices).result()
         if torch.utils.data.get_worker_info() is not None:
             batch = {key: _shared_copy(value) for key, value in batch.items()}
-        return {key: batch[key] for key in CACHE_KEYS}  # NeMo's key order
+        return batch
+
+    def submit(self, indices: Sequence[int]) -> "PendingNemoBatch":
+        """Start reading the batch of ``indices`` on the reader thread; ``.result()`` waits for it."""
+        refs = tuple(SampleRef(int(self._shard[i]), int(self._entry[i])) for i in map(self._position, indices))
+        return PendingNemoBatch(self._batch_reader(len(refs)).submit(RankBatch(0, refs, (False,) * len(refs))))
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """One sample: each of NeMo's four keys without the batch dimension."""
@@ -101,6 +105,17 @@ class DSparkMapDataset(torch.utils.data.Dataset):
         if self._catalog is not None:
             self._catalog.close()
         self._reader = self._catalog = None
+
+
+class PendingNemoBatch:
+    """A batch being filled by the reader thread."""
+
+    def __init__(self, pending: Any) -> None:
+        self._pending = pending
+
+    def result(self) -> dict[str, torch.Tensor]:
+        batch = self._pending.result()
+        return {key: batch[key] for key in CACHE_KEYS}  # NeMo's key order
 
 
 def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""``dspark-convert SRC DST --to {dspark,nemo}``: move a cache between NeMo's layout and ours."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import NoReturn
+
+from dspark_cache.nemo.convert.common import ConvertError, ConvertResult, ConvertUsageError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 3
+
+DESCRIPTION = """\
+Convert a DSpark target cache between NVIDIA NeMo Automodel's layout (padded
+shard-NNNNNN.safetensors files) and dspark-cache's (unpadded WebDataset shards).
+
+--to dspark imports a complete NeMo cache: NeMo sample i becomes sample id i and NeMo shard k
+our shard k. Each row keeps its real tokens: the trailing run of pad ids is stripped as NeMo's
+attention mask strips it (one trailing eos is kept when pad == eos), and a pad-id token with
+loss_mask 1 counts as real. The pad id comes from the tokenizer in the manifest's target_model
+directory, or from --pad-token-id. When the last layer id is num_hidden_layers-1, the duplicated
+final state is checked and stored once.
+
+--to nemo exports a dspark cache in NeMo 0.7.0's exact layout and manifest, readable by NeMo's
+unmodified train_dspark. Sample i is the i-th sample in ascending sample id (ids are renumbered
+densely). input_ids are padded with the manifest's pad_token_id and float tensors with zeros;
+NeMo's own producer stores the target's outputs at pad positions instead, which training masks.
+
+Both directions stream one row at a time (memory stays bounded whatever the shard size), publish
+each shard atomically, and resume: rerun the same command after a crash or kill and published
+shards are kept. The manifest says complete only once every shard is in place."""
+
+EPILOG = """\
+exit status: 0 done, 1 bad input or a DST holding another cache (the message names the file and
+what to do; shards already published are kept), 2 usage error, 3 interrupted (rerun to resume)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (exit 2), not argparse's usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="dspark-convert", description=DESCRIPTION, epilog=EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="the cache to read (complete)")
+    p.add_argument("dst", metavar="DST", help="the directory to write (created; resumed when it holds the same "
+                   "conversion)")
+    p.add_argument("--to", required=True, choices=["dspark", "nemo"], help="the layout to write")
+    p.add_argument("--pad-token-id", type=int, default=None, metavar="N",
+                   help="--to dspark: the id NeMo padded rows with (default: the tokenizer's pad token, or its eos "
+                   "when it has none; required when target_model is not a local tokenizer directory)")
+    p.add_argument("--eos-token-id", type=int, default=None, metavar="N",
+                   help="--to dspark: the tokenizer's eos id, when it cannot be loaded (decides NeMo's pad == eos rule)")
+    p.add_argument("--shard-size", type=int, default=None, metavar="N",
+                   help="--to nemo: samples per NeMo shard (default: the source's shard_size)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a different cache in DST (deletes only cache files of either layout)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.to == "nemo" and (args.pad_token_id is not None or args.eos_token_id is not None):
+        p.error("--pad-token-id/--eos-token-id apply to --to dspark (an export pads with the manifest's pad_token_id)")
+    if args.to == "dspark" and args.shard_size is not None:
+        p.error("--shard-size applies to --to nemo (an import keeps NeMo's shards)")
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.shard_size is not None and args.shard_size < 1:
+        p.error("--shard-size must be >= 1")
+
+
+def summary(result: ConvertResult) -> str:
+    """What the run did, and bytes before/after: printed on stdout."""
+    kinds = ("NeMo", "dspark") if result.direction == "dspark" else ("dspark", "NeMo")
+    kept = f", {result.shards_kept} kept from an earlier run" if result.shards_kept else ""
+    change = "smaller" if result.ratio >= 1 else "larger"
+    factor = result.ratio if result.ratio >= 1 else 1 / result.ratio
+    lines = [
+        f"converted {kinds[0]} -> {kinds[1]}: {result.samples} samples in {result.shards} shards{kept}, "
+        f"{result.seconds:.1f} s",
+        f"shard bytes: {result.bytes_before / 1e6:,.1f} MB before, {result.bytes_after / 1e6:,.1f} MB after "
+        f"(ratio {result.ratio:.2f}: {factor:.2f}x {change})",
+    ]
+    if result.direction == "dspark":
+        lines.append(f"pad id {result.pad_token_id}; {result.ambiguous} samples with an ambiguous length (NeMo's "
+                     f"rule decided); {result.skipped} rows skipped (all padding)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        _check_args(parser, args)
+    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
+        return int(exc.code or 0)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from dspark_cache.nemo.convert import convert_to_dspark, convert_to_nemo
+
+    progress = None if args.quiet else sys.stderr
+    try:
+        if args.to == "dspark":
+            result = convert_to_dspark(args.src, args.dst, pad_token_id=args.pad_token_id,
+                                       eos_token_id=args.eos_token_id, overwrite=args.overwrite, progress=progress)
+        else:
+            result = convert_to_nemo(args.src, args.dst, shard_size=args.shard_size, overwrite=args.overwrite,
+                                     progress=progress)
+    except ConvertUsageError as exc:
+        print(f"dspark-convert: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("dspark-convert: interrupted; published shards are kept: rerun the same command to resume",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ConvertError, OSError) as exc:
+        print(f"dspark-convert: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(summary(result))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

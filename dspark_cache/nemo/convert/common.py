@@ -1,0 +1,158 @@
+"""What both directions share: errors, the result, progress lines, atomic copies, cleaning DST."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from dspark_cache.format.atomic import fsync_dir
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.nemo import layout
+
+_COPY_CHUNK = 16 << 20
+# Leftovers of an interrupted conversion into DST's top level (shard partials, weight copies).
+_PARTIAL_RE = re.compile(
+    r"^(shard-\d{6}\.safetensors|target_weights\.safetensors)\.partial$|^manifest\.json\.\d+\.\d+\.tmp$"
+)
+
+
+class ConvertError(CacheError):
+    """Bad input, or a destination that may not be touched: exit status 1."""
+
+
+class ConvertUsageError(ConvertError):
+    """A wrong or missing argument: exit status 2."""
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion did (the CLI prints it; the bench reads it)."""
+
+    direction: str  # "dspark" or "nemo": the layout written
+    samples: int
+    shards: int
+    shards_kept: int  # published by an earlier, interrupted run and kept
+    bytes_before: int  # shard bytes of SRC
+    bytes_after: int  # shard bytes of DST
+    seconds: float
+    pad_token_id: int
+    ambiguous: int = 0  # rows whose true length the pad rule had to decide (--to dspark)
+    skipped: int = 0  # rows without a single real token (--to dspark)
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_before / self.bytes_after if self.bytes_after else float("inf")
+
+
+class Progress:
+    """One stderr line per shard: how far, how fast, how long still."""
+
+    def __init__(self, total_shards: int, total_bytes: int, stream: TextIO | None = sys.stderr) -> None:
+        self.total_shards, self.total_bytes, self.stream = total_shards, total_bytes, stream
+        self.started = time.perf_counter()
+        self.bytes_done = 0  # source bytes of the shards converted in this run
+        self.bytes_todo = total_bytes
+
+    def kept(self, shards: int, nbytes: int) -> None:
+        """Shards an earlier run published: not part of this run's rate."""
+        self.bytes_todo -= nbytes
+        if shards and self.stream is not None:
+            print(f"dspark-convert: keeping {shards} shard(s) published by an earlier run", file=self.stream)
+
+    def shard_done(self, shard: int, samples: int, nbytes: int) -> None:
+        self.bytes_done += nbytes
+        if self.stream is None:
+            return
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        rate = self.bytes_done / elapsed
+        eta = (self.bytes_todo - self.bytes_done) / rate if rate else 0.0
+        print(f"dspark-convert: shard {shard + 1}/{self.total_shards}: {samples} samples, "
+              f"{self.bytes_done / 1e9:.2f}/{self.bytes_todo / 1e9:.2f} GB, {rate / 1e6:.0f} MB/s, "
+              f"ETA {eta:.0f} s", file=self.stream, flush=True)
+
+
+def copy_file_atomic(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` in bounded chunks; ``dst`` appears complete or not at all."""
+    partial = dst + ".partial"
+    try:
+        with open(src, "rb") as reader, open(partial, "wb") as writer:
+            shutil.copyfileobj(reader, writer, _COPY_CHUNK)
+            writer.flush()
+            os.fsync(writer.fileno())
+        os.replace(partial, dst)
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
+def ensure_weights(src: str, dst: str) -> None:
+    """Copy the target weights unless an earlier run already published the same file."""
+    if os.path.exists(dst) and os.path.getsize(dst) == os.path.getsize(src):
+        return  # written atomically, so a file of the right size is the whole copy
+    copy_file_atomic(src, dst)
+
+
+def require_weights(path: str) -> None:
+    """Both layouts need ``target_weights.safetensors``: training initialises the draft from it."""
+    if not os.path.isfile(path):
+        raise ConvertError(f"{path} is missing: a cache needs its target's embed_tokens and lm_head weights. "
+                           "Copy it from the producer's output, or re-run the producer to write it")
+
+
+def remove_partials(root: str) -> None:
+    """Delete what a killed conversion left half-written (never read by anything)."""
+    for leftover in CachePaths(root).partial_files():
+        os.unlink(leftover)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    for name in names:
+        if _PARTIAL_RE.match(name):
+            os.unlink(os.path.join(root, name))
+
+
+def clear_destination(root: str) -> None:
+    """What ``--overwrite`` deletes: the files of either cache layout, nothing else."""
+    paths = CachePaths(root)
+    for sub in (paths.shards_dir, paths.status_dir, paths.events_dir, os.path.dirname(paths.stop_request)):
+        shutil.rmtree(sub, ignore_errors=True)
+    for index in layout.shard_indices(root):
+        os.unlink(layout.shard_path(root, index))
+    remove_partials(root)
+    for file in (paths.manifest, paths.target_weights):
+        if os.path.exists(file):
+            os.unlink(file)
+
+
+def check_paths(src: str, dst: str) -> None:
+    """SRC must be a directory other than DST."""
+    if not os.path.isdir(src):
+        raise ConvertUsageError(f"SRC {src} is not a directory")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise ConvertUsageError(f"DST {dst} exists and is not a directory")
+    if os.path.realpath(src) == os.path.realpath(dst):
+        raise ConvertUsageError("SRC and DST are the same directory; convert into a new one")
+
+
+def lock_destination(root: str) -> int:
+    """Hold an exclusive lock on DST (the directory itself: no file is added) until the process
+    ends; a second conversion into the same directory is refused instead of interleaving."""
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise ConvertError(f"another dspark-convert is writing {root}; wait for it or choose another DST") from exc
+    return fd
+
+
+def file_bytes(paths: list[str]) -> int:
+    return sum(os.path.getsize(p) for p in paths if os.path.exists(p))

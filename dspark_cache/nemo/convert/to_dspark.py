@@ -1,0 +1,231 @@
+"""``--to dspark``: import a NeMo cache as a dspark cache, shard for shard, padding stripped.
+
+NeMo sample ``i`` becomes our sample id ``i`` and NeMo shard ``k`` our shard ``k`` (same
+samples, ascending id), written with the producer's shard writer, so checksums, atomic
+publication and resume are the producer's. Two passes: the first reads only ids and masks to
+find every row's real length (the manifest's planned totals and each shard's exact size need
+them before anything is written); the second moves the real tokens' bytes, one row at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import msgspec
+import numpy as np
+import torch
+
+from dspark_cache.format.errors import CorruptShardError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.format.schema import Manifest, SkippedRow, decode_manifest, identity_diff
+from dspark_cache.format.tar.reader import load_shard_index
+from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
+from dspark_cache.nemo import layout
+from dspark_cache.nemo.convert.common import (
+    ConvertError, ConvertResult, ConvertUsageError, Progress, check_paths, clear_destination, ensure_weights,
+    file_bytes, lock_destination, remove_partials, require_weights,
+)
+from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
+from dspark_cache.nemo.convert.padding import PadRule, real_length, resolve_pad_rule
+from dspark_cache.nemo.convert.stfile import SafetensorsFile
+from dspark_cache.producer.manifest import library_versions, mark_complete, write_manifest
+from dspark_cache.producer.plan import SampleShape
+
+ALL_PADDING = "no real token (all padding)"
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class ImportPlan:
+    """Per NeMo row: real length (0 = skipped) and supervised tokens; per shard: exact tar bytes."""
+
+    lengths: np.ndarray
+    loss_tokens: np.ndarray
+    shard_bytes: list[int] = field(default_factory=list)
+    ambiguous: int = 0
+    skipped: list[SkippedRow] = field(default_factory=list)
+
+    def kept_ids(self, rows: range) -> list[int]:
+        return [sid for sid in rows if self.lengths[sid]]
+
+
+def _check_row(path: str, row: int, sample: int, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ConvertError(f"{path} row {row} (sample {sample}): loss_mask holds values other than 0 and 1")
+    if bool((ids < 0).any()) or bool((ids > _INT32_MAX).any()):
+        raise ConvertError(f"{path} row {row} (sample {sample}): input_ids holds a negative or > 2^31-1 token id")
+
+
+def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> ImportPlan:
+    """First pass: check every shard and row, and size every output shard exactly."""
+    plan = ImportPlan(np.zeros(source.num_samples, np.int64), np.zeros(source.num_samples, np.int64))
+    seq = source.seq_length
+    for shard in range(source.num_shards):
+        laid_out = []
+        with source.open_shard(shard) as handle:
+            for row, sid in enumerate(source.rows(shard)):
+                ids, mask = handle.read("input_ids", row, seq), handle.read("loss_mask", row, seq)
+                _check_row(handle.path, row, sid, ids, mask)
+                length, ambiguous = real_length(ids, mask, rule)
+                plan.ambiguous += ambiguous
+                if not length:
+                    plan.skipped.append(SkippedRow(row=sid, reason=ALL_PADDING,
+                                                   where=f"{os.path.basename(handle.path)} row {row}"))
+                    continue
+                plan.lengths[sid], plan.loss_tokens[sid] = length, int(mask[:length].sum())
+                laid_out.append((shape.specs(length), shape.metadata(sid)))
+        plan.shard_bytes.append(predict_shard_bytes(laid_out))
+    return plan
+
+
+def build_manifest(source: NemoSource, rule: PadRule, plan: ImportPlan) -> Manifest:
+    """NeMo's identity fields as recorded, plus ours (what NeMo never recorded stays empty)."""
+    m = source.manifest
+    kept = int(np.count_nonzero(plan.lengths))
+    return Manifest(
+        complete=False, target_model=m["target_model"], target_model_type=m["target_model_type"],
+        target_vocab_size=m["target_vocab_size"], hidden_size=m["hidden_size"],
+        num_hidden_layers=m["num_hidden_layers"], seq_length=m["seq_length"], dtype=m["dtype"],
+        num_samples=kept, shard_size=m["shard_size"], target_hidden_dim=m["target_hidden_dim"],
+        target_last_hidden_dim=m["target_last_hidden_dim"], target_layer_ids=list(m["target_layer_ids"]),
+        train_data_path=m["train_data_path"], train_split=m.get("train_split"), shuffle_seed=m["shuffle_seed"],
+        mask_reasoning_content=bool(m["mask_reasoning_content"]),
+        mask_generation_prompt=bool(m["mask_generation_prompt"]), chat_template_sha256=m["chat_template_sha256"],
+        compute_dtype="",  # NeMo does not record it (bf16 on CUDA, fp32 on CPU): unknown
+        pad_token_id=rule.pad_id, num_rows=source.num_samples, planned_samples=kept, num_shards=source.num_shards,
+        planned_tokens=int(plan.lengths.sum()), planned_loss_tokens=int(plan.loss_tokens.sum()),
+        planned_bytes=sum(plan.shard_bytes), skipped_rows={ALL_PADDING: len(plan.skipped)} if plan.skipped else {},
+        skipped=plan.skipped, versions=library_versions(), created_at=time.time(),
+    )
+
+
+def _existing_manifest(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifest | None:
+    """The manifest of an earlier run into DST to resume, None for a fresh start; refuses another cache."""
+    if overwrite:
+        clear_destination(paths.root)
+        return None
+    if not os.path.exists(paths.manifest):
+        if paths.indexed_shard_ids() or layout.shard_indices(paths.root):
+            raise ConvertError(f"{paths.root} holds shards but no manifest.json, so they cannot be verified; "
+                               "pass --overwrite to replace them, or choose another DST")
+        return None
+    if layout.is_nemo_layout(paths.root):
+        raise ConvertError(f"{paths.root} holds a NeMo-layout cache; pass --overwrite to replace it, or choose "
+                           "another DST")
+    try:
+        with open(paths.manifest, "rb") as handle:
+            old = decode_manifest(handle.read(), paths.manifest)
+    except msgspec.DecodeError as exc:
+        raise ConvertError(f"{exc}; pass --overwrite to replace it, or choose another DST") from exc
+    diff = identity_diff(old, new)
+    if diff:
+        lines = "\n".join(f"  {name}: DST has {a!r}, this conversion gives {b!r}" for name, a, b in diff)
+        raise ConvertError(f"{paths.root} holds a different cache:\n{lines}\nPass --overwrite to replace it, "
+                           "or choose another DST")
+    return old
+
+
+def _kept_shards(paths: CachePaths, source: NemoSource, plan: ImportPlan) -> set[int]:
+    """Shards an earlier run published that hold exactly the planned samples; others are removed."""
+    kept = set()
+    for shard in paths.indexed_shard_ids():
+        ok = False
+        if shard < source.num_shards:
+            try:
+                index = load_shard_index(paths, shard)
+                ok = ([e.sample_id for e in index.samples] == plan.kept_ids(source.rows(shard))
+                      and index.tar_bytes == plan.shard_bytes[shard] and not index.nonfinite)
+            except CorruptShardError:
+                ok = False
+        if ok:
+            kept.add(shard)
+            continue
+        for file in (paths.shard_index(shard), paths.shard_tar(shard)):  # index first: unpublish, then delete
+            if os.path.exists(file):
+                os.unlink(file)
+    return kept
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _row_tensors(handle: SafetensorsFile, row: int, sid: int, length: int, shape: SampleShape) -> dict[str, torch.Tensor]:
+    hidden = handle.read("target_hidden_states", row, length)
+    last = handle.read("target_last_hidden_states", row, length)
+    tensors = {HIDDEN: hidden, INPUT_IDS: handle.read("input_ids", row, length).to(torch.int32),
+               LOSS_MASK: handle.read("loss_mask", row, length).to(torch.uint8)}
+    if shape.stores_last:
+        tensors[LAST_HIDDEN] = last
+    elif not _same_bits(hidden[:, -shape.hidden_size:], last):
+        # We store the final state once, as those columns: if they differ, one of them would be lost.
+        raise ConvertError(
+            f"{handle.path} row {row} (sample {sid}): target_last_hidden_states differs from the last "
+            f"{shape.hidden_size} columns of target_hidden_states, although target_layer_ids ends at "
+            f"num_hidden_layers - 1 = {shape.num_layers - 1}, where NeMo's precompute writes the same tensor "
+            "twice. The shard is damaged or was not written by NeMo's precompute; nothing of it was published"
+        )
+    return tensors
+
+
+def _write_shard(paths: CachePaths, source: NemoSource, plan: ImportPlan, shape: SampleShape, shard: int) -> None:
+    writer = ShardWriter(paths, shard)
+    try:
+        with source.open_shard(shard) as handle:
+            for row, sid in enumerate(source.rows(shard)):
+                length = int(plan.lengths[sid])
+                if length:
+                    writer.append(sid, int(plan.loss_tokens[sid]), shape.specs(length), shape.metadata(sid),
+                                  _row_tensors(handle, row, sid, length, shape))
+        writer.publish()
+    except BaseException:
+        writer.abort()  # nothing half-written is ever visible; published shards stay
+        raise
+
+
+def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eos_token_id: int | None = None,
+                      overwrite: bool = False, progress: TextIO | None = sys.stderr) -> ConvertResult:
+    """Import the NeMo cache ``src`` into the dspark cache ``dst`` (resumable; see the module doc)."""
+    started = time.perf_counter()
+    check_paths(src, dst)
+    if not layout.is_nemo_layout(src):
+        raise ConvertUsageError(f"{src} is not a NeMo-layout cache (no manifest.json with format_version 1); "
+                                "to export a dspark cache use --to nemo")
+    source = open_nemo_source(src)
+    require_weights(layout.target_weights_path(src))
+    rule = resolve_pad_rule(source.manifest["target_model"], source.manifest_path, pad_token_id, eos_token_id)
+    shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, source.dtype)
+    plan = plan_import(source, rule, shape)
+    manifest = build_manifest(source, rule, plan)
+    paths = CachePaths(dst)
+    lock = lock_destination(dst)
+    try:
+        existing = _existing_manifest(paths, manifest, overwrite)
+        paths.ensure_dirs()
+        remove_partials(dst)
+        kept = _kept_shards(paths, source, plan) if existing is not None else set()
+        if existing is not None:
+            manifest.created_at = existing.created_at
+        finished = existing is not None and existing.complete and len(kept) == source.num_shards
+        if not finished:
+            write_manifest(paths, manifest)  # complete: false, before the first shard
+        ensure_weights(layout.target_weights_path(src), paths.target_weights)
+        progress_log = Progress(source.num_shards, source.shard_bytes(), progress)
+        progress_log.kept(len(kept), sum(os.path.getsize(source.shard_file(k)) for k in kept))
+        for shard in range(source.num_shards):
+            if shard not in kept:
+                _write_shard(paths, source, plan, shape, shard)
+                progress_log.shard_done(shard, len(plan.kept_ids(source.rows(shard))),
+                                        os.path.getsize(source.shard_file(shard)))
+        if not finished:
+            mark_complete(paths, manifest)
+    finally:
+        os.close(lock)
+    after = file_bytes([p for k in range(source.num_shards) for p in (paths.shard_tar(k), paths.shard_index(k))])
+    return ConvertResult("dspark", manifest.num_samples, source.num_shards, len(kept), source.shard_bytes(), after,
+                         time.perf_counter() - started, rule.pad_id, plan.ambiguous, len(plan.skipped))

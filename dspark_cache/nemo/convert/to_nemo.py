@@ -1,0 +1,194 @@
+"""``--to nemo``: export a dspark cache in NeMo Automodel 0.7.0's own layout.
+
+NeMo's reader needs every row padded to ``seq_length``: ``input_ids`` with the manifest's
+``pad_token_id``, the other tensors with zeros. (NeMo's own producer stores the target's outputs
+at pad positions instead; training masks them, so zeros train the same.) Sample ``i`` of the
+export is the ``i``-th sample in ascending sample id: ids are renumbered densely, because NeMo
+addresses samples by position. Each shard is streamed to ``shard-NNNNNN.safetensors.partial``
+row by row at computed offsets (the bytes ``safetensors.torch.save_file`` would write, without
+ever holding a shard in memory), fsynced and renamed; the manifest says ``complete: false``
+until the last one is in place.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TextIO
+
+import msgspec
+import torch
+
+from dspark_cache.format.atomic import fsync_dir
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.faults import crash_point
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.loader.cache import Cache, open_cache
+from dspark_cache.nemo import layout
+from dspark_cache.nemo.convert.common import (
+    ConvertError, ConvertResult, ConvertUsageError, Progress, check_paths, clear_destination, ensure_weights,
+    file_bytes, lock_destination, remove_partials, require_weights,
+)
+from dspark_cache.nemo.convert.stfile import SafetensorsFile, TensorRange, file_size, header_bytes, pwrite_all
+
+Spec = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def nemo_manifest(cache: Cache, shard_size: int) -> dict:
+    """Exactly NeMo's manifest fields (``layout.MANIFEST_FIELDS``) for the export of ``cache``."""
+    ours = msgspec.structs.asdict(cache.manifest)
+    fields = {name: ours[name] for name in layout.MANIFEST_FIELDS}
+    fields.update(num_samples=len(cache), shard_size=shard_size)
+    return fields
+
+
+def shard_specs(manifest: dict, rows: int) -> list[Spec]:
+    """The four tensors of a shard of ``rows`` samples, in the order ``save_file`` writes them."""
+    seq, dtype = manifest["seq_length"], layout.DTYPES[manifest["dtype"]]
+    return [("input_ids", torch.int64, (rows, seq)), ("loss_mask", torch.int64, (rows, seq)),
+            ("target_hidden_states", dtype, (rows, seq, manifest["target_hidden_dim"])),
+            ("target_last_hidden_states", dtype, (rows, seq, manifest["target_last_hidden_dim"]))]
+
+
+def _shard_is_complete(path: str, specs: list[Spec]) -> bool:
+    """An earlier run renamed this shard into place only when whole: its header must fit ``specs``."""
+    _, ranges = header_bytes(specs)
+    try:
+        with SafetensorsFile(path) as handle:
+            found = {name: (t.dtype, t.shape, t.start) for name, t in handle.tensors.items()}
+    except ConvertError:
+        return False
+    expected = {name: (r.dtype, r.shape, r.start) for name, r in ranges.items()}
+    return found == expected and os.path.getsize(path) == file_size(specs)
+
+
+def _existing_manifest(dst: str, new: dict, overwrite: bool) -> dict | None:
+    """DST's NeMo manifest to resume from (None: fresh); refuses a different cache, naming the fields."""
+    if overwrite:
+        clear_destination(dst)
+        return None
+    path = layout.manifest_path(dst)
+    if not os.path.exists(path):
+        if layout.shard_indices(dst) or CachePaths(dst).indexed_shard_ids():
+            raise ConvertError(f"{dst} holds shards but no manifest.json, so they cannot be verified; pass "
+                               "--overwrite to replace them, or choose another DST")
+        return None
+    if not layout.is_nemo_layout(dst):
+        raise ConvertError(f"{path} is not a NeMo manifest (a dspark cache, or unreadable); pass --overwrite to "
+                           "replace that cache, or choose another DST")
+    old = layout.read_manifest(dst, allow_incomplete=True)
+    # NeMo's own resume rule: every field but the bookkeeping ones must match.
+    diff = [k for k in sorted(old.keys() | new.keys())
+            if k not in ("format_version", "complete") and old.get(k) != new.get(k)]
+    if diff:
+        lines = "\n".join(f"  {k}: DST has {old.get(k)!r}, this conversion gives {new.get(k)!r}" for k in diff)
+        raise ConvertError(f"{dst} holds a different cache:\n{lines}\nPass --overwrite to replace it, or choose "
+                           "another DST")
+    return old
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_row(fd: int, ranges: dict[str, TensorRange], row: int, sample: dict, pad_id: int,
+               zeros: memoryview) -> None:
+    """One sample as row ``row`` of each tensor: real tokens, then the padding."""
+    length = int(sample[INPUT_IDS].shape[0])
+    seq = ranges["input_ids"].shape[1]
+    ids = torch.full((seq,), pad_id, dtype=torch.int64)
+    ids[:length] = sample[INPUT_IDS]
+    mask = torch.zeros(seq, dtype=torch.int64)
+    mask[:length] = sample[LOSS_MASK]
+    for name, tensor in (("input_ids", ids), ("loss_mask", mask)):
+        pwrite_all(fd, [_tensor_bytes(tensor)], ranges[name].row_offset(row))
+    for name in (HIDDEN, LAST_HIDDEN):
+        target = ranges[name]
+        padding = zeros[: (seq - length) * target.position_bytes]
+        pwrite_all(fd, [_tensor_bytes(sample[name]), padding], target.row_offset(row))
+
+
+def _write_shard(cache: Cache, positions: range, path: str, specs: list[Spec], pad_id: int,
+                 zeros: memoryview) -> None:
+    header, ranges = header_bytes(specs)
+    seq = specs[0][2][1]
+    partial = path + ".partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pwrite_all(fd, [memoryview(header)], 0)
+        for row, position in enumerate(positions):
+            sample = cache.read(position)  # checksum-verified
+            if sample[INPUT_IDS].shape[0] > seq:
+                raise ConvertError(f"{cache.path}: sample {sample['sample_id']} has {sample[INPUT_IDS].shape[0]} "
+                                   f"tokens, more than the manifest's seq_length {seq}")
+            _write_row(fd, ranges, row, sample, pad_id, zeros)
+            crash_point("nemo_mid_shard")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(partial)
+        raise
+    os.close(fd)
+    os.replace(partial, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    crash_point("nemo_after_rename")
+
+
+def _open_source(src: str) -> Cache:
+    if layout.is_nemo_layout(src):
+        raise ConvertUsageError(f"{src} is already a NeMo-layout cache; to import it use --to dspark")
+    try:
+        return open_cache(src)
+    except CacheError as exc:
+        raise ConvertError(str(exc)) from exc
+
+
+def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwrite: bool = False,
+                    progress: TextIO | None = sys.stderr) -> ConvertResult:
+    """Export the dspark cache ``src`` to a NeMo-layout cache in ``dst`` (resumable; see the module doc)."""
+    started = time.perf_counter()
+    check_paths(src, dst)
+    cache = _open_source(src)
+    require_weights(CachePaths(src).target_weights)
+    manifest = nemo_manifest(cache, shard_size or cache.manifest.shard_size)
+    size, total = manifest["shard_size"], len(cache)
+    shards = [range(start, min(total, start + size)) for start in range(0, total, size)]
+    lock = lock_destination(dst)
+    try:
+        existing = _existing_manifest(dst, manifest, overwrite)
+        remove_partials(dst)
+        for stale in layout.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
+            if stale >= len(shards):
+                os.unlink(layout.shard_path(dst, stale))
+        kept = {k for k, rows in enumerate(shards)
+                if os.path.exists(layout.shard_path(dst, k)) and _shard_is_complete(layout.shard_path(dst, k),
+                                                                                  shard_specs(manifest, len(rows)))}
+        finished = existing is not None and existing.get("complete") is True and len(kept) == len(shards)
+        if not finished:
+            layout.write_manifest(dst, {**manifest, "complete": False})
+        ensure_weights(CachePaths(src).target_weights, layout.target_weights_path(dst))
+        out_bytes = [file_size(shard_specs(manifest, len(rows))) for rows in shards]
+        progress_log = Progress(len(shards), sum(out_bytes), progress)
+        progress_log.kept(len(kept), sum(out_bytes[k] for k in kept))
+        item = layout.DTYPES[manifest["dtype"]].itemsize
+        zeros = memoryview(bytearray(manifest["seq_length"] * manifest["target_hidden_dim"] * item))
+        for k, rows in enumerate(shards):
+            if k not in kept:
+                try:
+                    _write_shard(cache, rows, layout.shard_path(dst, k), shard_specs(manifest, len(rows)),
+                                 cache.manifest.pad_token_id, zeros)
+                except CorruptShardError as exc:  # names the shard and sample; published shards stay
+                    raise ConvertError(str(exc)) from exc
+                progress_log.shard_done(k, len(rows), out_bytes[k])
+        if not finished:
+            layout.write_manifest(dst, {**manifest, "complete": True})
+    finally:
+        os.close(lock)
+        cache.close()
+    paths = CachePaths(src)
+    before = file_bytes([p for s in cache.shards for p in (paths.shard_tar(s.shard_id), paths.shard_index(s.shard_id))])
+    after = file_bytes([layout.shard_path(dst, k) for k in range(len(shards))])
+    return ConvertResult("nemo", total, len(shards), len(kept), before, after, time.perf_counter() - started,
+                         cache.manifest.pad_token_id)
