@@ -31,3 +31,9 @@ def verify(argv: list[str] | None = None) -> int:
     from dspark_cache.verify import main
 
     return main(argv)
+
+
+def convert(argv: list[str] | None = None) -> int:
+    from dspark_cache.nemo.convert.cli import main
+
+    return main(argv)

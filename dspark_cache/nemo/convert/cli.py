@@ -80,17 +80,15 @@ def summary(result: ConvertResult) -> str:
     """What the run did, and bytes before/after: printed on stdout."""
     kinds = ("NeMo", "dspark") if result.direction == "dspark" else ("dspark", "NeMo")
     kept = f", {result.shards_kept} kept from an earlier run" if result.shards_kept else ""
-    change = "smaller" if result.ratio >= 1 else "larger"
-    factor = result.ratio if result.ratio >= 1 else 1 / result.ratio
     lines = [
         f"converted {kinds[0]} -> {kinds[1]}: {result.samples} samples in {result.shards} shards{kept}, "
         f"{result.seconds:.1f} s",
-        f"shard bytes: {result.bytes_before / 1e6:,.1f} MB before, {result.bytes_after / 1e6:,.1f} MB after "
-        f"(ratio {result.ratio:.2f}: {factor:.2f}x {change})",
+        f"shard bytes: {result.bytes_before / 1e6:,.1f} MB before, {result.bytes_after / 1e6:,.1f} MB after, "
+        f"ratio before/after {result.ratio:.2f}",
     ]
     if result.direction == "dspark":
-        lines.append(f"pad id {result.pad_token_id}; {result.ambiguous} samples with an ambiguous length (NeMo's "
-                     f"rule decided); {result.skipped} rows skipped (all padding)")
+        lines.append(f"pad id {result.pad_token_id} (from {result.pad_source}); {result.ambiguous} samples with an "
+                     f"ambiguous length (NeMo's rule decided); {result.skipped} rows skipped (all padding)")
     return "\n".join(lines)
 
 

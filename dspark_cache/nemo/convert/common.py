@@ -45,6 +45,7 @@ class ConvertResult:
     pad_token_id: int
     ambiguous: int = 0  # rows whose true length the pad rule had to decide (--to dspark)
     skipped: int = 0  # rows without a single real token (--to dspark)
+    pad_source: str = ""  # where the pad id came from (--to dspark)
 
     @property
     def ratio(self) -> float:

@@ -228,4 +228,4 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
         os.close(lock)
     after = file_bytes([p for k in range(source.num_shards) for p in (paths.shard_tar(k), paths.shard_index(k))])
     return ConvertResult("dspark", manifest.num_samples, source.num_shards, len(kept), source.shard_bytes(), after,
-                         time.perf_counter() - started, rule.pad_id, plan.ambiguous, len(plan.skipped))
+                         time.perf_counter() - started, rule.pad_id, plan.ambiguous, len(plan.skipped), rule.source)
