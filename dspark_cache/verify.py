@@ -1,4 +1,8 @@
-"""``dspark-verify CACHE_DIR``: check a cache byte for byte against its manifest and indexes."""
+"""``dspark-verify CACHE_DIR``: check a cache byte for byte, with the same checks the loader relies on.
+
+Exit codes: 0 the cache is complete and every byte checks out; 1 problems were found (each is
+reported with its file and reason); 2 the directory is not a dspark cache, or a usage error.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,15 @@ from dataclasses import asdict, dataclass, field
 
 import msgspec
 
-from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.manifest import load_manifest
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Manifest, decode_manifest
+from dspark_cache.format.schema import FORMAT_ID, Manifest, ShardIndex, encode_json
+from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.tar.reader import ShardReader, load_shard_index
+from dspark_cache.format.tar.rebuild import rebuild_index
+from dspark_cache.format.validate import InvalidManifestError, check_catalog
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_NOT_A_CACHE = 0, 1, 2
 
@@ -26,51 +35,79 @@ class Report:
     samples_ok: int = 0
     missing: list[int] = field(default_factory=list)
     corrupt: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # about the cache as a whole (manifest, shard set)
     leftovers: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.complete and not self.missing and not self.corrupt
+        return self.complete and not self.missing and not self.corrupt and not self.problems
 
 
 def verify_cache(path: str) -> Report:
-    """Check every planned shard: index present, tar present with the indexed size, checksums."""
+    """Check every planned shard: index valid for the manifest, tar intact, every sample's checksum
+    and header. Raises :class:`NotACacheError` (or another ``CacheError``) only when the
+    directory holds no readable dspark manifest; everything else is reported."""
     paths = CachePaths(path)
-    try:
-        with open(paths.manifest, "rb") as handle:
-            manifest: Manifest = decode_manifest(handle.read(), paths.manifest)
-    except FileNotFoundError as exc:
-        raise CacheError(f"{path} is not a dspark cache (no manifest.json)") from exc
-    except msgspec.DecodeError as exc:
-        raise CacheError(str(exc)) from exc
+    manifest = load_manifest(path)
     report = Report(cache=path, complete=manifest.complete, shards_total=manifest.num_shards,
                     leftovers=paths.partial_files())
-    indexed = set(paths.indexed_shard_ids())
+    indexed = paths.indexed_shard_ids()
+    report.problems += [f"{paths.shard_index(s)} is published but the manifest plans {manifest.num_shards} shards"
+                        for s in indexed if s >= manifest.num_shards]
+    present = set(indexed)
+    indexes: dict[int, ShardIndex] = {}
     for shard_id in range(manifest.num_shards):
-        if shard_id not in indexed:
+        if shard_id not in present:
             report.missing.append(shard_id)
             if os.path.exists(paths.shard_tar(shard_id)):  # renamed, killed before its index: unpublished
                 report.leftovers.append(paths.shard_tar(shard_id))
             continue
-        try:
-            index = load_shard_index(paths, shard_id)
-            with ShardReader(paths, shard_id, index) as reader:
-                reader.verify()
-            report.shards_ok += 1
-            report.samples_ok += index.num_samples
-        except CorruptShardError as exc:
-            report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc)})
+        index = _verify_shard(paths, shard_id, manifest, report)
+        if index is not None:
+            indexes[shard_id] = index
+    try:
+        check_catalog(manifest, indexes, path)
+    except CacheError as exc:
+        report.problems.append(str(exc))
     return report
 
 
+def _verify_shard(paths: CachePaths, shard_id: int, manifest: Manifest, report: Report) -> ShardIndex | None:
+    try:
+        index = load_shard_index(paths, shard_id, manifest)
+        with ShardReader(paths, shard_id, index, SampleShape.from_manifest(manifest)) as reader:
+            reader.verify()
+    except CorruptShardError as exc:
+        report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc)})
+        return None
+    except (CacheError, OSError) as exc:
+        report.corrupt.append({"shard": shard_id, "path": paths.shard_tar(shard_id), "sample": None,
+                               "reason": f"{paths.shard_tar(shard_id)}: {exc}"})
+        return None
+    report.shards_ok += 1
+    report.samples_ok += index.num_samples
+    return index
+
+
 def repair(path: str, report: Report) -> None:
-    """Unpublish corrupt shards: index first (readers stop seeing it), then the tar."""
+    """Rebuild the index of a shard whose tar is provably intact; unpublish the others (index first,
+    so readers stop seeing it, then the tar) so that a producer rerun recomputes them."""
     paths = CachePaths(path)
+    if os.path.islink(paths.shards_dir):
+        raise CacheError(f"{paths.shards_dir} is a symlink: dspark-verify --repair never deletes through one; "
+                         "replace it with a real directory first")
+    manifest = load_manifest(path)
     for problem in report.corrupt:
-        for file in (paths.shard_index(problem["shard"]), paths.shard_tar(problem["shard"])):
-            if os.path.exists(file):
-                os.unlink(file)
-        problem["repaired"] = True
+        shard_id = problem["shard"]
+        index = rebuild_index(paths, shard_id, manifest)
+        if index is not None:
+            atomic_write_bytes(paths.shard_index(shard_id), encode_json(index))
+            problem["repaired"] = "rebuilt"
+            continue
+        for file in (paths.shard_index(shard_id), paths.shard_tar(shard_id)):
+            if os.path.lexists(file):
+                os.unlink(file)  # a symlink itself, never its target
+        problem["repaired"] = "deleted"
 
 
 def format_ranges(ids: list[int]) -> str:
@@ -84,41 +121,54 @@ def format_ranges(ids: list[int]) -> str:
     return ", ".join(parts)
 
 
+_REPAIRED = {"rebuilt": " (index rebuilt from the intact tar)",
+             "deleted": " (deleted: rerun dspark-produce to recompute it)"}
+
+
 def _print_human(report: Report) -> None:
     state = "complete" if report.complete else "INCOMPLETE"
     print(f"{report.cache}: {state}, {report.shards_ok}/{report.shards_total} shards verified, "
           f"{report.samples_ok} samples")
+    for problem in report.problems:
+        print(f"problem: {problem}")
     if report.missing:
         print(f"missing shards: {format_ranges(report.missing)}")
     for problem in report.corrupt:
-        done = " (deleted: rerun dspark-produce to recompute it)" if problem.get("repaired") else ""
-        print(f"corrupt shard {problem['shard']}: {problem['reason']}{done}")
+        print(f"corrupt shard {problem['shard']}: {problem['reason']}{_REPAIRED.get(problem.get('repaired'), '')}")
     for leftover in report.leftovers:
         print(f"leftover from an interrupted run (deleted by the next dspark-produce): {leftover}")
     if report.ok:
         print("OK")
     elif report.corrupt and not all(p.get("repaired") for p in report.corrupt):
-        print("Run dspark-verify --repair to unpublish the corrupt shards, then rerun dspark-produce with the "
-              "cache's original arguments: it recomputes exactly those shards.")
+        print("Run dspark-verify --repair to rebuild damaged indexes and unpublish corrupt shards, then rerun "
+              "dspark-produce with the cache's original arguments: it recomputes exactly those shards.")
     else:
         print("Rerun dspark-produce with the cache's original arguments to compute the missing shards "
               "(or wait, if a producer is still running).")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dspark-verify", description="Verify a dspark cache: manifest, "
-                                     "every shard index, every shard and sample checksum.")
+    parser = argparse.ArgumentParser(prog="dspark-verify", description=f"Verify a dspark cache ({FORMAT_ID}): "
+                                     "manifest, every shard index, every shard, sample checksum and header. "
+                                     "Exit 0 = OK, 1 = problems found, 2 = not a dspark cache or usage error.")
     parser.add_argument("cache_dir")
     parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
     parser.add_argument("--repair", action="store_true",
-                        help="delete corrupt shards (tar and index) so that a dspark-produce rerun recomputes them")
+                        help="rebuild a damaged index from its intact tar; delete other corrupt shards (tar and "
+                        "index) so that a dspark-produce rerun recomputes them")
     args = parser.parse_args(argv)
     try:
         report = verify_cache(args.cache_dir)
         if args.repair:
             repair(args.cache_dir, report)
-    except CacheError as exc:
+    except InvalidManifestError as exc:  # a cache, but its manifest is damaged: a problem found
+        print(f"dspark-verify: {exc}", file=sys.stderr)
+        return EXIT_PROBLEMS
+    except (NotACacheError, CacheError) as exc:
         print(f"dspark-verify: error: {exc}", file=sys.stderr)
+        return EXIT_NOT_A_CACHE
+    except OSError as exc:
+        print(f"dspark-verify: error: {exc}; check the path and its permissions", file=sys.stderr)
         return EXIT_NOT_A_CACHE
     if args.json:
         print(msgspec.json.encode({**asdict(report), "ok": report.ok}).decode())

@@ -21,8 +21,9 @@ class CorruptShardError(CacheError):
     def __init__(self, path: str, reason: str, sample_id: int | None = None) -> None:
         where = f"{path}" if sample_id is None else f"{path} (sample {sample_id})"
         super().__init__(
-            f"corrupt shard {where}: {reason}. Delete this shard and its .idx file, then rerun "
-            "dspark-produce with the same arguments: resume recomputes exactly the missing shards."
+            f"corrupt shard {where}: {reason}. Run dspark-verify --repair on the cache (it rebuilds a damaged "
+            "index from an intact tar and unpublishes what cannot be trusted), then rerun dspark-produce with "
+            "the same arguments: resume recomputes exactly the missing shards."
         )
         self.path = path
         self.sample_id = sample_id

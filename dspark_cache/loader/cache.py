@@ -5,27 +5,20 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-import msgspec
 import torch
 
-from dspark_cache.format.errors import CacheError, IncompleteCacheError, NotACacheError
+from dspark_cache.format.errors import CacheError, IncompleteCacheError
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.manifest import load_manifest
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex, decode_manifest
+from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex
+from dspark_cache.format.validate import check_catalog
 from dspark_cache.format.tar.reader import ShardReader, load_shard_index
 
 
 def read_manifest(path: str, *, allow_incomplete: bool = False) -> Manifest:
-    """Read ``manifest.json``; an incomplete cache is refused unless ``allow_incomplete``."""
-    paths = CachePaths(path)
-    try:
-        with open(paths.manifest, "rb") as handle:
-            manifest = decode_manifest(handle.read(), paths.manifest)
-    except FileNotFoundError as exc:
-        raise NotACacheError(
-            f"{path} is not a dspark cache (no manifest.json); run dspark-produce --output-dir {path} first"
-        ) from exc
-    except msgspec.DecodeError as exc:
-        raise CacheError(str(exc)) from exc
+    """Read and check ``manifest.json``; an incomplete cache is refused unless ``allow_incomplete``."""
+    manifest = load_manifest(path)
     if not manifest.complete and not allow_incomplete:
         raise IncompleteCacheError(
             f"{path} is incomplete: the producer has not finished (or was stopped). Rerun "
@@ -42,7 +35,10 @@ class Cache:
         self.path = os.fspath(path)
         self.paths = CachePaths(self.path)
         self.manifest = read_manifest(self.path, allow_incomplete=allow_incomplete)
-        self.shards: list[ShardIndex] = [load_shard_index(self.paths, i) for i in self.paths.indexed_shard_ids()]
+        self.shape = SampleShape.from_manifest(self.manifest)
+        self.shards: list[ShardIndex] = [load_shard_index(self.paths, i, self.manifest)
+                                         for i in self.paths.indexed_shard_ids()]
+        check_catalog(self.manifest, {s.shard_id: s for s in self.shards}, self.path)
         if self.manifest.complete and len(self.shards) != self.manifest.num_shards:
             missing = sorted(set(range(self.manifest.num_shards)) - {s.shard_id for s in self.shards})
             raise CacheError(
@@ -70,7 +66,7 @@ class Cache:
     def reader(self, shard: ShardIndex) -> ShardReader:
         reader = self._readers.get(shard.shard_id)
         if reader is None:
-            reader = self._readers[shard.shard_id] = ShardReader(self.paths, shard.shard_id, shard)
+            reader = self._readers[shard.shard_id] = ShardReader(self.paths, shard.shard_id, shard, self.shape)
         return reader
 
     def read(self, position: int) -> dict[str, torch.Tensor | int]:

@@ -1,4 +1,9 @@
-"""What a reader may read: the manifest and the shards published so far (indexes loaded once)."""
+"""What a reader may read: the manifest and the shards published so far (indexes loaded once).
+
+Open shard files are shared by reader threads through a bounded pool. A batch program pins the
+descriptors it uses (:meth:`ShardCatalog.pin`) until it has run: the pool never closes a pinned
+descriptor, so its number can never be reused for another file under a running read.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,13 @@ import time
 from collections import OrderedDict
 
 from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
+from dspark_cache.format.files import open_regular
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.loader.cache import read_manifest
 
-_MAX_OPEN_FILES = 128
+_MAX_OPEN_FILES = 128  # idle descriptors kept open; pinned ones may exceed it for a while
 
 
 class ShardCatalog:
@@ -24,15 +30,27 @@ class ShardCatalog:
         self.follow = follow
         self.manifest = read_manifest(path, allow_incomplete=follow)
         self._indexes: dict[int, ShardIndex] = {}
-        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._fds: OrderedDict[int, int] = OrderedDict()  # shard id -> fd, least recently used first
+        self._pins: dict[int, int] = {}  # shard id -> batch programs using its fd now
         self._lock = threading.Lock()
+        self._check_shard_files()
+
+    def _check_shard_files(self) -> None:
+        """Published shards the manifest does not plan mean a tampered manifest or directory."""
+        extra = [s for s in self.paths.indexed_shard_ids() if s >= self.manifest.num_shards]
+        if extra:
+            raise CacheError(
+                f"{self.paths.root}: shards {extra[:5]} are published but {self.paths.manifest} plans "
+                f"{self.manifest.num_shards} shards; the manifest or the shard directory was changed by hand: "
+                f"run dspark-verify {self.paths.root}"
+            )
 
     def published(self, shard_id: int) -> ShardIndex | None:
         """The shard's index if it is published (index present, tar of the indexed size)."""
         index = self._indexes.get(shard_id)
         if index is None and os.path.exists(self.paths.shard_index(shard_id)):
             try:
-                index = load_shard_index(self.paths, shard_id)
+                index = load_shard_index(self.paths, shard_id, self.manifest)
             except CorruptShardError:
                 if not self.follow:
                     raise
@@ -60,27 +78,46 @@ class ShardCatalog:
         self.manifest = fresh
         return fresh
 
-    def fd(self, shard_id: int) -> int:
-        """An open descriptor for a shard (LRU-bounded, shared by reader threads: pread only)."""
+    def pin(self, shard_ids: set[int]) -> dict[int, int]:
+        """Open descriptors for ``shard_ids`` (pread only), held open until :meth:`unpin`."""
         with self._lock:
-            fd = self._fds.get(shard_id)
-            if fd is not None:
+            fds = {}
+            for shard_id in shard_ids:
+                fd = self._fds.get(shard_id)
+                if fd is None:
+                    try:
+                        fd = open_regular(self.paths.shard_tar(shard_id))
+                    except CacheError as exc:
+                        raise CorruptShardError(self.paths.shard_tar(shard_id), str(exc)) from exc
+                    self._fds[shard_id] = fd
                 self._fds.move_to_end(shard_id)
-                return fd
-            fd = os.open(self.paths.shard_tar(shard_id), os.O_RDONLY)
-            self._fds[shard_id] = fd
-            if len(self._fds) > _MAX_OPEN_FILES:
-                # Closing under a reader still using it would be a bug; the pool is far larger
-                # than the handful of shards a window reads at once.
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
-            return fd
+                self._pins[shard_id] = self._pins.get(shard_id, 0) + 1
+                fds[shard_id] = fd
+            self._evict()
+            return fds
+
+    def unpin(self, shard_ids: set[int]) -> None:
+        with self._lock:
+            for shard_id in shard_ids:
+                left = self._pins[shard_id] - 1
+                if left:
+                    self._pins[shard_id] = left
+                else:
+                    del self._pins[shard_id]
+            self._evict()
+
+    def _evict(self) -> None:
+        """Close idle descriptors beyond the bound, least recently used first; never a pinned one."""
+        idle = [s for s in self._fds if s not in self._pins]
+        for shard_id in idle[: max(0, len(self._fds) - _MAX_OPEN_FILES)]:
+            os.close(self._fds.pop(shard_id))
 
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._pins.clear()
 
 
 def wait_for_manifest(path: str, poll: float, timeout: float | None) -> None:

@@ -20,14 +20,16 @@ import numpy as np
 import torch
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import final_state_in_ids
 from dspark_cache.format.sample import ATTENTION_MASK, CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SampleEntry
+from dspark_cache.format.validate import MAX_HEADER, check_header
 from dspark_cache.loader import fill
 from dspark_cache.loader.catalog import ShardCatalog
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
-from dspark_cache.loader.rowplan import BUFFERS, RowTemplate, row_template
+from dspark_cache.loader.rowplan import BUFFERS, SEG_COLUMNS, SEG_COPY, RowTemplate, row_template
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class BatchReader:
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {pad_to!r}")
         self.catalog = catalog
         self.layout = layout
+        self.shape = SampleShape.from_manifest(catalog.manifest)
         self.pad_to = pad_to
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
         # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
@@ -81,6 +84,8 @@ class BatchReader:
                   *(Field(name, 1, torch.int64, False) for name in ids))
         self.extras = not nemo_keys_only
         self.buffer_names = tuple(f.name for f in fields)  # program buffer i; starts with rowplan's BUFFERS
+        self.header_buffer = len(self.buffer_names)  # then each row's sample header, checked after the fill
+        self.batch_size = batch_size
         assert self.buffer_names[: len(BUFFERS)] == BUFFERS
         self.native = fill.use_native_default() if native is None else native
         self._local = threading.local()
@@ -111,30 +116,32 @@ class BatchReader:
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[tuple[int, int, SampleEntry]]) -> None:
-        program = self._program(slab, zero, buffers, rows)
-        failure = fill.run(program, self._scratch(), native=self.native)
+        shards = {shard_id for _, shard_id, _ in rows}
+        fds = self.catalog.pin(shards)  # no descriptor of this batch is closed before it has run
+        try:
+            program = self._program(slab, zero, buffers, rows, fds)
+            failure = fill.run(program, self._scratch(), native=self.native)
+        finally:
+            self.catalog.unpin(shards)
         if failure is not None:
             self._raise(failure, rows)
+        self._check_headers(rows)
 
     def _program(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
-                 rows: list[tuple[int, int, SampleEntry]]) -> fill.BatchProgram:
+                 rows: list[tuple[int, int, SampleEntry]], fds: dict[int, int]) -> fill.BatchProgram:
         """Zero the stale pads, read every row, then give the per-token fields their pads."""
         lay = self.layout
         names = self.buffer_names
         index = {name: i for i, name in enumerate(names)}
-        program = fill.BatchProgram([flat_bytes(buffers[name]) for name in names])
+        program = fill.BatchProgram([flat_bytes(buffers[name]) for name in names] + [self._headers()])
         width = buffers[INPUT_IDS].shape[1]
         stride = np.array([buffers[name][0].nbytes for name in BUFFERS], dtype=np.int64)  # bytes per row
         for name, offset, nbytes in slab.zero_spans(zero):
             program.zero(index[name], offset, nbytes)
         for row, shard_id, entry in rows:
-            template = lay.template(entry.length)
-            header = entry.size - template.data_size
-            if header < 8:
-                raise CorruptShardError(self.catalog.paths.shard_tar(shard_id),
-                                        f"the index gives {entry.size} bytes for {entry.length} tokens", entry.sample_id)
-            program.sample(self.catalog.fd(shard_id), entry.offset, entry.size, entry.xxh3,
-                           template.place(header, row * stride), tag=row)
+            header = entry.size - lay.template(entry.length).data_size
+            segs = np.concatenate([self._header_segment(row, header), lay.template(entry.length).place(header, row * stride)])
+            program.sample(fds[shard_id], entry.offset, entry.size, entry.xxh3, segs, tag=row)
             n, pads = entry.length, width - entry.length
             program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
             program.fill_int64(index[LOSS_MASK], (row * width + n) * 8, pads, 0)
@@ -142,6 +149,28 @@ class BatchReader:
                 program.fill_int64(index[ATTENTION_MASK], row * width * 8, n, 1)
                 program.fill_int64(index[ATTENTION_MASK], (row * width + n) * 8, pads, 0)
         return program
+
+    def _header_segment(self, row: int, header: int) -> np.ndarray:
+        """Copy the sample's header into its row of the header buffer, to compare after the fill."""
+        seg = np.zeros((1, SEG_COLUMNS), dtype=np.int64)
+        seg[0, :5] = (SEG_COPY, 0, header, self.header_buffer, row * MAX_HEADER)
+        return seg
+
+    def _headers(self) -> np.ndarray:
+        """This thread's buffer for the headers of one batch (``MAX_HEADER`` bytes per row)."""
+        headers = getattr(self._local, "headers", None)
+        if headers is None or len(headers) < self.batch_size * MAX_HEADER:
+            headers = self._local.headers = np.zeros(self.batch_size * MAX_HEADER, dtype=np.uint8)
+        return headers
+
+    def _check_headers(self, rows: list[tuple[int, int, SampleEntry]]) -> None:
+        """Each header read must be the one the writer derives from the index entry: a checksum
+        proves the bytes, this proves the index describes them (length, id, shape)."""
+        headers = self._headers()
+        for row, shard_id, entry in rows:
+            header = entry.size - self.layout.template(entry.length).data_size
+            actual = headers[row * MAX_HEADER : row * MAX_HEADER + header]
+            check_header(actual, entry, self.shape, self.catalog.paths.shard_tar(shard_id))
 
     def _scratch(self) -> np.ndarray:
         """This thread's buffer for bytes that go nowhere (header, fill) and for ids to widen."""

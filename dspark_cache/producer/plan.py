@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
-import torch
 
-from dspark_cache.format.layers import final_state_in_ids
-from dspark_cache.format.sample import TensorSpec, sample_metadata, sample_specs
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.format.tar.writer import predict_shard_bytes
 from dspark_cache.producer.chat import EncodedRow
@@ -28,31 +26,6 @@ NO_SUPERVISED_TOKEN = "no supervised token"
 
 class InvalidInputError(Exception):
     """A row is invalid and the policy is ``error``; raised while planning, before device work."""
-
-
-@dataclass(frozen=True)
-class SampleShape:
-    """What the sample layout depends on besides the token count."""
-
-    layer_ids: list[int]
-    num_layers: int
-    hidden_size: int
-    dtype: torch.dtype
-
-    @property
-    def hidden_dim(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
-
-    @property
-    def stores_last(self) -> bool:
-        """The final state needs its own tensor only when it is not a feature layer."""
-        return not final_state_in_ids(self.layer_ids, self.num_layers)
-
-    def specs(self, length: int) -> list[TensorSpec]:
-        return sample_specs(length, self.hidden_dim, self.hidden_size, self.dtype, self.stores_last)
-
-    def metadata(self, sample_id: int) -> dict[str, str]:
-        return sample_metadata(sample_id, self.layer_ids, self.num_layers, self.hidden_size)
 
 
 @dataclass

@@ -8,39 +8,58 @@ import msgspec
 import torch
 import xxhash
 
-from dspark_cache.format.errors import CorruptShardError
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.files import open_regular, read_regular, regular_size
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import assemble_sample, decode_payload
-from dspark_cache.format.schema import SampleEntry, ShardIndex, decode_shard_index
+from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex, decode_shard_index
+from dspark_cache.format.validate import MAX_INDEX_BYTES, check_header, check_index
 
 _HASH_CHUNK = 8 << 20
 
 
-def load_shard_index(paths: CachePaths, shard_id: int) -> ShardIndex:
-    """Load a shard's index and check that its tar exists with exactly the indexed size."""
+def load_shard_index(paths: CachePaths, shard_id: int, manifest: Manifest | None = None) -> ShardIndex:
+    """Load a shard's index and check that its tar is a regular file of exactly the indexed size.
+
+    With the cache's ``manifest``, every entry is also checked against its geometry and the tar's
+    real layout (:func:`~dspark_cache.format.validate.check_index`), so nothing read through
+    the index can land outside its sample.
+    """
     idx_path = paths.shard_index(shard_id)
     try:
-        with open(idx_path, "rb") as handle:
-            index = decode_shard_index(handle.read())
+        index = decode_shard_index(read_regular(idx_path, MAX_INDEX_BYTES))
     except msgspec.DecodeError as exc:
         raise CorruptShardError(idx_path, f"unreadable index ({exc})") from exc
+    except CacheError as exc:
+        raise CorruptShardError(idx_path, str(exc)) from exc
     tar_path = paths.shard_tar(shard_id)
     try:
-        size = os.stat(tar_path).st_size
+        size = regular_size(tar_path)
     except FileNotFoundError as exc:
         raise CorruptShardError(tar_path, "the tar is missing although its index exists") from exc
+    except CacheError as exc:
+        raise CorruptShardError(tar_path, str(exc)) from exc
     if size != index.tar_bytes:
         raise CorruptShardError(tar_path, f"size {size} bytes, index says {index.tar_bytes} (truncated?)")
+    if manifest is not None:
+        check_index(index, shard_id, SampleShape.from_manifest(manifest), manifest.seq_length, idx_path)
     return index
 
 
 class ShardReader:
     """Random access to the samples of one published shard."""
 
-    def __init__(self, paths: CachePaths, shard_id: int, index: ShardIndex | None = None) -> None:
+    def __init__(self, paths: CachePaths, shard_id: int, index: ShardIndex | None = None,
+                 shape: SampleShape | None = None) -> None:
+        """``shape`` (the cache's geometry) makes every sample's header checked against its entry."""
         self.index = index if index is not None else load_shard_index(paths, shard_id)
         self.path = paths.shard_tar(shard_id)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self.shape = shape
+        try:
+            self._fd = open_regular(self.path)
+        except CacheError as exc:
+            raise CorruptShardError(self.path, str(exc)) from exc
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -65,16 +84,50 @@ class ShardReader:
 
     def read_sample(self, entry: SampleEntry) -> dict[str, torch.Tensor]:
         """NeMo's unpadded per-sample tensors for one index entry."""
-        tensors, metadata = decode_payload(self.read_blob(entry))
-        return assemble_sample(tensors, metadata)
+        blob = self.read_blob(entry)
+        if self.shape is not None:
+            header = entry.size - self.shape.data_size(entry.length)
+            check_header(memoryview(blob)[:header], entry, self.shape, self.path)
+        try:
+            tensors, metadata = decode_payload(blob)
+            return assemble_sample(tensors, metadata)
+        except (ValueError, KeyError, TypeError, RuntimeError, UnicodeDecodeError, OverflowError) as exc:
+            raise CorruptShardError(self.path, f"undecodable sample ({type(exc).__name__}: {exc})",
+                                    entry.sample_id) from exc
 
     def verify(self) -> None:
-        """Hash the whole tar against the index (what ``dspark-verify`` runs per shard)."""
-        hasher = xxhash.xxh3_64()
-        with open(self.path, "rb") as handle:
-            while chunk := handle.read(_HASH_CHUNK):
-                hasher.update(chunk)
-        if hasher.intdigest() != self.index.tar_xxh3:
-            raise CorruptShardError(self.path, "whole-shard checksum mismatch")
+        """One sequential pass over the tar: the whole-file checksum, every sample's checksum and,
+        with a ``shape``, every sample's header; memory stays at one chunk whatever the samples."""
+        whole = xxhash.xxh3_64()
+        position = 0
         for entry in self.index.samples:
-            self.read_blob(entry)
+            position = self._hash_span(whole, None, position, entry.offset)
+            sample = xxhash.xxh3_64()
+            header = entry.size - self.shape.data_size(entry.length) if self.shape is not None else 0
+            head = self._read_exact(entry.offset, header, entry) if header else b""
+            sample.update(head)
+            whole.update(head)
+            position = self._hash_span(whole, sample, entry.offset + header, entry.offset + entry.size, entry)
+            if sample.intdigest() != entry.xxh3:
+                raise CorruptShardError(self.path, "checksum mismatch", entry.sample_id)
+            if header:
+                check_header(head, entry, self.shape, self.path)
+        self._hash_span(whole, None, position, self.index.tar_bytes)
+        if whole.intdigest() != self.index.tar_xxh3:
+            raise CorruptShardError(self.path, "whole-shard checksum mismatch")
+
+    def _hash_span(self, whole, sample, start: int, end: int, entry: SampleEntry | None = None) -> int:
+        while start < end:
+            chunk = self._read_exact(start, min(_HASH_CHUNK, end - start), entry)
+            whole.update(chunk)
+            if sample is not None:
+                sample.update(chunk)
+            start += len(chunk)
+        return end
+
+    def _read_exact(self, offset: int, size: int, entry: SampleEntry | None) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
+            raise CorruptShardError(self.path, f"short read at byte {offset} ({len(data)} of {size} bytes)",
+                                    entry.sample_id if entry is not None else None)
+        return data

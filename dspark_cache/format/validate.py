@@ -1,0 +1,140 @@
+"""Everything read from a cache is checked before it shapes anything: manifest, indexes, headers.
+
+A checksum proves that a blob holds the bytes the writer wrote, not that the index describes it
+right: a wrong ``length`` in an index would lay the right bytes out as the wrong tensors. So
+every index field is checked against the manifest's geometry and against the shard's real size
+(members tile the tar exactly as the writer places them), and each sample's header, which the
+writer derives from the same fields, must be byte-identical to what the index implies.
+Limits bound what a damaged or crafted file can make a reader allocate.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.layers import validate_target_layer_ids
+from dspark_cache.format.sample import CACHE_DTYPES
+from dspark_cache.format.schema import Manifest, ShardIndex
+from dspark_cache.format.tar.layout import END_OF_ARCHIVE, TAR_BLOCK, block_padding
+
+MAX_MANIFEST_BYTES = 256 << 20  # the skipped-row list of a huge input stays far below
+MAX_INDEX_BYTES = 256 << 20  # ~60 bytes per sample
+MAX_SHARDS = 10_000_000
+MAX_SEQ_LENGTH = 1 << 24
+MAX_HIDDEN_SIZE = 1 << 20
+MAX_LAYERS = 1 << 16
+# A writer's header is 8 bytes, ~1 KiB of JSON and under 4 KiB of alignment spaces.
+MAX_HEADER = 16 << 10
+PAGE_ALIGN = 4096
+_U64 = 1 << 64
+
+
+class InvalidManifestError(CacheError):
+    """The manifest's fields contradict each other or are out of range."""
+
+
+def check_manifest(m: Manifest, where: str) -> None:
+    """Raise one error listing every field of ``m`` that is out of range or contradicts another."""
+    problems = list(_manifest_problems(m))
+    if problems:
+        raise InvalidManifestError(
+            f"{where} is not a valid dspark-cache manifest:\n  " + "\n  ".join(problems)
+            + "\nIt was damaged or edited: re-produce the cache (dspark-produce ... --overwrite)."
+        )
+
+
+def _manifest_problems(m: Manifest) -> Iterable[str]:
+    if m.dtype not in CACHE_DTYPES:
+        yield f"dtype {m.dtype!r} is not one of {sorted(CACHE_DTYPES)}"
+    for name, value, top in (("seq_length", m.seq_length, MAX_SEQ_LENGTH), ("hidden_size", m.hidden_size, MAX_HIDDEN_SIZE),
+                             ("num_hidden_layers", m.num_hidden_layers, MAX_LAYERS), ("shard_size", m.shard_size, _U64)):
+        if not 1 <= value <= top:
+            yield f"{name} {value} is not in [1, {top}]"
+    try:
+        validate_target_layer_ids(list(m.target_layer_ids), m.num_hidden_layers)
+    except ValueError as exc:
+        yield f"target_layer_ids: {exc}".replace("--target-layer-ids ", "")
+    if m.target_hidden_dim != m.hidden_size * len(m.target_layer_ids):
+        yield (f"target_hidden_dim {m.target_hidden_dim} is not hidden_size {m.hidden_size} x "
+               f"{len(m.target_layer_ids)} layer ids")
+    if m.target_last_hidden_dim != m.hidden_size:
+        yield f"target_last_hidden_dim {m.target_last_hidden_dim} is not hidden_size {m.hidden_size}"
+    if not 0 <= m.num_shards <= MAX_SHARDS:
+        yield f"num_shards {m.num_shards} is not in [0, {MAX_SHARDS}]"
+    if not 0 <= m.num_samples <= m.planned_samples:
+        yield f"num_samples {m.num_samples} is not in [0, planned_samples {m.planned_samples}]"
+    least = -(-m.planned_samples // m.shard_size) if m.shard_size >= 1 else 0
+    if m.planned_samples >= 0 and not least <= m.num_shards <= max(m.planned_samples, least):
+        yield (f"num_shards {m.num_shards} does not fit planned_samples {m.planned_samples} in shards of at most "
+               f"shard_size {m.shard_size}")
+    if m.pad_token_id < 0:
+        yield f"pad_token_id {m.pad_token_id} is negative"
+
+
+def check_index(index: ShardIndex, shard_id: int, shape: SampleShape, seq_length: int, path: str) -> None:
+    """Every entry in range, members tiling the tar exactly as the writer places them, ids unique."""
+    if index.shard_id != shard_id:
+        raise CorruptShardError(path, f"the index says it belongs to shard {index.shard_id}")
+    if not 0 <= index.tar_xxh3 < _U64:
+        raise CorruptShardError(path, f"tar_xxh3 {index.tar_xxh3} is not a 64-bit checksum")
+    cursor = 0
+    seen: set[int] = set()
+    for entry in index.samples:
+        _check_entry(entry, shape, seq_length, cursor, path)
+        if entry.sample_id in seen:
+            raise CorruptShardError(path, "the index lists this sample twice", entry.sample_id)
+        seen.add(entry.sample_id)
+        cursor = entry.offset + entry.size + block_padding(entry.size)
+    if cursor + END_OF_ARCHIVE != index.tar_bytes:
+        raise CorruptShardError(path, f"the indexed samples end at byte {cursor}, but the tar has {index.tar_bytes} "
+                                      "bytes: entries are missing or sizes are wrong")
+    if any(not 0 <= sid for sid in index.nonfinite):
+        raise CorruptShardError(path, "a dropped (non-finite) sample id is negative")
+
+
+def _check_entry(entry, shape: SampleShape, seq_length: int, cursor: int, path: str) -> None:
+    def bad(reason: str) -> CorruptShardError:
+        return CorruptShardError(path, f"index entry: {reason}", entry.sample_id)
+
+    if entry.sample_id < 0:
+        raise bad("negative sample id")
+    if not 1 <= entry.length <= seq_length:
+        raise bad(f"length {entry.length} is not in [1, seq_length {seq_length}]")
+    if not 0 <= entry.loss_tokens <= entry.length:
+        raise bad(f"loss_tokens {entry.loss_tokens} is not in [0, length {entry.length}]")
+    if entry.offset != cursor + TAR_BLOCK:
+        raise bad(f"offset {entry.offset} is not where the writer puts it ({cursor + TAR_BLOCK})")
+    header = entry.size - shape.data_size(entry.length)
+    if not 8 <= header <= MAX_HEADER or (entry.offset + header) % PAGE_ALIGN:
+        raise bad(f"size {entry.size} does not fit a {entry.length}-token sample of this cache's shape")
+    if not 0 <= entry.xxh3 < _U64:
+        raise bad(f"xxh3 {entry.xxh3} is not a 64-bit checksum")
+
+
+def check_header(actual: bytes | memoryview, entry, shape: SampleShape, path: str) -> None:
+    """The sample's header must be exactly what the writer derives from its index entry."""
+    if bytes(actual) != shape.header(entry.length, entry.sample_id, entry.offset):
+        raise CorruptShardError(path, "the sample's header does not match its index entry (length, id or shape)",
+                                entry.sample_id)
+
+
+def check_catalog(manifest: Manifest, indexes: dict[int, ShardIndex], where: str) -> None:
+    """Across shards of a complete cache: the listed shards, unique ids, the manifest's sample count."""
+    extra = sorted(s for s in indexes if not 0 <= s < manifest.num_shards)
+    if extra:
+        raise CacheError(f"{where}: shards {extra[:5]} are published but the manifest plans {manifest.num_shards} "
+                         "shards; the manifest or the shard directory was tampered with: run dspark-verify")
+    seen: set[int] = set()
+    total = 0
+    for shard_id, index in indexes.items():
+        for entry in index.samples:
+            if entry.sample_id in seen:
+                raise CorruptShardError(where, f"sample {entry.sample_id} is listed by two shards (one is shard "
+                                               f"{shard_id}); run dspark-verify --repair", entry.sample_id)
+            seen.add(entry.sample_id)
+        total += index.num_samples
+    if manifest.complete and len(indexes) == manifest.num_shards and total != manifest.num_samples:
+        raise CacheError(f"{where}: the shards hold {total} samples but the manifest says {manifest.num_samples}; "
+                         "run dspark-verify, then rerun dspark-produce to repair")

@@ -1,0 +1,238 @@
+"""A valid cache is never reported corrupt; a damaged or crafted one is refused, naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import torch
+
+import dspark_cache
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.schema import ShardIndex, encode_json
+from dspark_cache.verify import main as verify_main
+from tests.conftest import run_produce
+
+
+@pytest.fixture(params=["native", "python"])
+def executor(request, monkeypatch):
+    if request.param == "native" and os.environ.get("DSPARK_NATIVE") == "0":
+        pytest.skip("DSPARK_NATIVE=0: testing the Python filler only")
+    monkeypatch.setenv("DSPARK_NATIVE", "1" if request.param == "native" else "0")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def one_sample_shards(embedded, tmp_path_factory) -> str:
+    """More one-sample shards than the loader keeps descriptors open (128)."""
+    from dspark_cache.embedded.data import write_sample_data
+
+    root = tmp_path_factory.mktemp("many")
+    data = write_sample_data(str(root / "rows.jsonl"), num_rows=170, seed=5)
+    out = str(root / "cache")
+    assert run_produce(embedded.stock, data, out, "--seq-length", "96", "--shard-size", "1", "--dtype", "fp32") == 0
+    return out
+
+
+def _expected(cache_dir: str) -> dict[int, dict[str, torch.Tensor]]:
+    return {s["sample_id"]: s for s in dspark_cache.open_cache(cache_dir).samples()}
+
+
+def _check_batches(loader, expected) -> int:
+    seen = 0
+    for batch in loader:
+        for row, sample_id in enumerate(batch["sample_ids"].tolist()):
+            want = expected[sample_id]
+            n = want["input_ids"].shape[0]
+            assert torch.equal(batch["input_ids"][row, :n], want["input_ids"].long())
+            assert torch.equal(batch["target_hidden_states"][row, :n], want["target_hidden_states"])
+            seen += 1
+    return seen
+
+
+def test_batch_wider_than_the_descriptor_pool(one_sample_shards, executor):
+    expected = _expected(one_sample_shards)
+    assert len(expected) > 130
+    loader = dspark_cache.build_dataloader(one_sample_shards, batch_size=130, drop_last=True)
+    assert _check_batches(loader, expected) == 130 * len(loader)
+
+
+def test_many_threads_and_epochs_over_many_shards(one_sample_shards, executor):
+    expected = _expected(one_sample_shards)
+    loader = dspark_cache.build_dataloader(one_sample_shards, batch_size=50, num_workers=3, prefetch=3)
+    for _ in range(10):
+        assert _check_batches(loader, expected) >= len(expected)
+
+
+def _edit_index(cache_dir: str, shard_id: int, change) -> None:
+    paths = CachePaths(cache_dir)
+    index = msgspec.json.decode(open(paths.shard_index(shard_id), "rb").read(), type=ShardIndex)
+    change(index)
+    with open(paths.shard_index(shard_id), "wb") as handle:
+        handle.write(encode_json(index))
+
+
+def _entry(index: ShardIndex, k: int, **fields) -> None:
+    index.samples[k] = msgspec.structs.replace(index.samples[k], **fields)
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+def test_a_wrong_length_in_the_index_names_shard_and_sample(small_cache, tmp_path, executor, delta):
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    victim = dspark_cache.open_cache(copy).shards[1].samples[2]
+    _edit_index(copy, 1, lambda index: _entry(index, 2, length=victim.length + delta))
+    with pytest.raises(CorruptShardError, match=rf"shard-000001\.idx \(sample {victim.sample_id}\)"):
+        list(dspark_cache.build_dataloader(copy, batch_size=4))
+    with pytest.raises(CorruptShardError, match=rf"sample {victim.sample_id}"):
+        dspark_cache.open_cache(copy)
+    assert verify_main([copy]) == 1
+
+
+def test_a_swapped_sample_id_is_caught_by_the_header(small_cache, tmp_path, executor):
+    """The index stays self-consistent (unique ids, exact tiling): only the header disagrees."""
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    index = dspark_cache.open_cache(copy).shards[0]
+    a, b = index.samples[0].sample_id, index.samples[1].sample_id
+
+    def swap(index):
+        _entry(index, 0, sample_id=b)
+        _entry(index, 1, sample_id=a)
+
+    _edit_index(copy, 0, swap)
+    with pytest.raises(CorruptShardError, match="header does not match"):
+        list(dspark_cache.build_dataloader(copy, batch_size=4, shuffle=False))
+    with pytest.raises(CorruptShardError, match="header does not match"):
+        list(dspark_cache.open_cache(copy).samples())
+    assert verify_main([copy]) == 1
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda index: _entry(index, 1, offset=index.samples[1].offset + 512), "offset"),
+    (lambda index: index.samples.pop(1), "offset"),
+    (lambda index: index.samples.pop(), "entries are missing"),
+    (lambda index: index.samples.insert(1, index.samples[1]), "offset"),
+    (lambda index: _entry(index, 0, size=2_000_000_000), "size"),
+    (lambda index: _entry(index, 0, size=-5), "size"),
+    (lambda index: _entry(index, 0, offset=10**30), "offset"),
+    (lambda index: _entry(index, 0, loss_tokens=10**6), "loss_tokens"),
+    (lambda index: setattr(index, "shard_id", 7), "belongs to shard 7"),
+])
+def test_index_damage_is_named(small_cache, tmp_path, damage, needle, capsys):
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    _edit_index(copy, 0, damage)
+    with pytest.raises(CorruptShardError, match=needle) as err:
+        dspark_cache.open_cache(copy)
+    assert "shard-000000.idx" in str(err.value)
+    with pytest.raises(CorruptShardError, match=needle):
+        list(dspark_cache.build_dataloader(copy, batch_size=4))
+    assert verify_main([copy, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [p["shard"] for p in report["corrupt"]] == [0] and needle in report["corrupt"][0]["reason"]
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"num_shards": 2, "planned_samples": 16, "num_samples": 16}, "published but"),  # consistent, but a lie
+    ({"num_shards": 2}, "num_shards"),
+    ({"num_shards": -1}, "num_shards"),
+    ({"num_shards": 10**9}, "num_shards"),
+    ({"dtype": "int4"}, "dtype"),
+    ({"target_hidden_dim": 8}, "target_hidden_dim"),
+    ({"num_hidden_layers": 3}, "target_layer_ids"),
+    ({"hidden_size": 32}, "hidden_size"),
+    ({"num_samples": 10**6}, "num_samples"),
+])
+def test_manifest_damage_is_named(small_cache, tmp_path, change, needle, capsys):
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    path = os.path.join(copy, "manifest.json")
+    data = json.load(open(path))
+    data.update(change)
+    json.dump(data, open(path, "w"))
+    with pytest.raises(CacheError, match=needle) as err:
+        list(dspark_cache.build_dataloader(copy, batch_size=4))
+    assert "manifest.json" in str(err.value) or copy in str(err.value)
+    with pytest.raises(CacheError, match=needle):
+        dspark_cache.open_cache(copy)
+    capsys.readouterr()
+    assert verify_main([copy]) == 1
+    captured = capsys.readouterr()
+    assert needle in captured.out + captured.err
+
+
+HANG_PROBE = r"""
+import sys, dspark_cache
+from dspark_cache.format.errors import CacheError
+from dspark_cache.verify import main
+try:
+    list(dspark_cache.build_dataloader(sys.argv[1], batch_size=4))
+except CacheError as exc:
+    print("loader:", exc)
+try:
+    list(dspark_cache.open_cache(sys.argv[1]).samples())
+except CacheError as exc:
+    print("open_cache:", exc)
+print("verify:", main([sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory"])
+def test_special_files_never_hang_or_stream_forever(small_cache, tmp_path, kind):
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    tar = CachePaths(copy).shard_tar(2)
+    os.unlink(tar)
+    {"fifo": lambda: os.mkfifo(tar), "dev_zero": lambda: os.symlink("/dev/zero", tar),
+     "directory": lambda: os.mkdir(tar)}[kind]()
+    out = subprocess.run([sys.executable, "-c", HANG_PROBE, copy], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "verify: 1" in out.stdout
+    for who in ("loader:", "open_cache:"):
+        line = next(line for line in out.stdout.splitlines() if line.startswith(who))
+        assert "shard-000002.tar" in line and "not a regular file" in line or "is a directory" in line
+
+
+def test_repair_rebuilds_an_index_when_the_tar_is_intact(small_cache, tmp_path, capsys):
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    original = open(CachePaths(copy).shard_index(3), "rb").read()
+    _edit_index(copy, 3, lambda index: _entry(index, 1, length=index.samples[1].length + 1))
+    assert verify_main([copy, "--repair"]) == 1
+    assert "index rebuilt" in capsys.readouterr().out
+    assert open(CachePaths(copy).shard_index(3), "rb").read() == original
+    assert verify_main([copy]) == 0
+
+
+def test_repair_deletes_a_shard_whose_tar_is_damaged(small_cache, tmp_path):
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    paths = CachePaths(copy)
+    with open(paths.shard_tar(4), "r+b") as handle:
+        handle.seek(6000)
+        byte = handle.read(1)
+        handle.seek(6000)
+        handle.write(bytes([byte[0] ^ 1]))
+    assert verify_main([copy, "--repair"]) == 1
+    assert not os.path.exists(paths.shard_tar(4)) and not os.path.exists(paths.shard_index(4))
+
+
+def test_repair_never_deletes_through_a_symlinked_shard_dir(small_cache, tmp_path):
+    elsewhere = str(tmp_path / "elsewhere")
+    shutil.copytree(os.path.join(small_cache, "shards"), elsewhere)
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy, ignore=shutil.ignore_patterns("shards"))
+    os.symlink(elsewhere, os.path.join(copy, "shards"))
+    with open(os.path.join(elsewhere, "shard-000000.tar"), "r+b") as handle:
+        handle.seek(6000)
+        handle.write(b"\x00\x01")
+    before = sorted(os.listdir(elsewhere))
+    assert verify_main([copy, "--repair"]) == 2
+    assert sorted(os.listdir(elsewhere)) == before
