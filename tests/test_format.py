@@ -168,3 +168,20 @@ def test_atomic_writes_from_many_threads_never_collide(tmp_path):
     with open(path, "rb") as handle:
         assert handle.read() in payloads  # whole, never a mix of two writers
     assert os.listdir(tmp_path) == ["status.json"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("layer_ids, num_layers", [((1, 8, 14, 20, 27), 28), ((1, 2), 8)])
+def test_reader_headers_equal_the_writers(layer_ids, num_layers):
+    """Readers check each sample's header against the one derived from its index entry."""
+    import random
+
+    from dspark_cache.format.geometry import SampleShape
+    from dspark_cache.format.sample import layout_payload
+
+    rng = random.Random(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        shape = SampleShape(layer_ids, num_layers, 1024, dtype)
+        for _ in range(200):
+            length, sample_id, offset = rng.randint(1, 5000), rng.randint(0, 10**9), rng.randint(1, 10**7) * 512
+            want = layout_payload(shape.specs(length), shape.metadata(sample_id), offset).header
+            assert shape.header(length, sample_id, offset) == want
