@@ -33,6 +33,8 @@ def load_shard_index(paths: CachePaths, shard_id: int, manifest: Manifest | None
         raise CorruptShardError(idx_path, f"unreadable index ({exc})") from exc
     except CacheError as exc:
         raise CorruptShardError(idx_path, str(exc)) from exc
+    except FileNotFoundError as exc:  # listed a moment ago: removed since, or a dangling symlink
+        raise CorruptShardError(idx_path, "the index vanished or is a dangling link") from exc
     tar_path = paths.shard_tar(shard_id)
     try:
         size = regular_size(tar_path)

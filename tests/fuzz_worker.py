@@ -1,0 +1,234 @@
+"""Runs fuzz cases against a pristine cache in one process; the test watches it from outside.
+
+Usage: ``python -m tests.fuzz_worker PRISTINE WORKDIR SEED FIRST COUNT``. For each case it copies
+the pristine cache, applies one seeded mutation, reads the copy through ``open_cache``, the
+loader (native and Python fillers) and ``verify_cache``, and prints one JSON line:
+``{"case", "mutation", "outcome"}`` with outcome ``same`` (exactly the original samples),
+``rejected`` (a ``CacheError`` naming a file of the cache) or ``FAIL: ...``. A ``start`` line is
+printed before each case, so a hang or a signal is pinned on its case by the watcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import sys
+import traceback
+
+MEMORY_LIMIT = 6 << 30  # address space: a runaway allocation fails here instead of hurting the machine
+
+
+def main(pristine: str, workdir: str, seed: int, first: int, count: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    import dspark_cache
+
+    original = {s["sample_id"]: s for s in dspark_cache.open_cache(pristine).samples()}
+    for case in range(first, first + count):
+        rng = random.Random(seed * 1_000_003 + case)
+        target = os.path.join(workdir, f"case-{case}")
+        shutil.copytree(pristine, target)
+        mutation = mutate(target, rng)
+        print(json.dumps({"start": case, "mutation": mutation}), flush=True)
+        outcome = run_case(target, original)
+        print(json.dumps({"case": case, "mutation": mutation, "outcome": outcome}), flush=True)
+        shutil.rmtree(target, ignore_errors=True)
+
+
+# -- mutations --------------------------------------------------------------------------------
+
+_VALUES = [0, -1, 1, 7, 4096, 2**31, 2**63, -(2**63), 10**30, "x", None, 1.5, [], {}]
+
+
+def _nudge(value, rng: random.Random):
+    if isinstance(value, bool) or not isinstance(value, int):
+        return rng.choice(_VALUES)
+    return rng.choice([value + 1, value - 1, value * 2, -value, value + 512, value + 4096, rng.choice(_VALUES)])
+
+
+def _json_files(root: str, rng: random.Random, kind: str) -> str:
+    if kind == "manifest":
+        return os.path.join(root, "manifest.json")
+    shards = sorted(n for n in os.listdir(os.path.join(root, "shards")) if n.endswith(".idx"))
+    return os.path.join(root, "shards", rng.choice(shards))
+
+
+def mutate(root: str, rng: random.Random) -> str:
+    kind = rng.choice(["index", "index", "index", "manifest", "manifest", "tar", "tar", "header", "special"])
+    return {"index": _mutate_index, "manifest": _mutate_manifest, "tar": _mutate_tar,
+            "header": _mutate_header, "special": _mutate_special}[kind](root, rng)
+
+
+def _mutate_index(root: str, rng: random.Random) -> str:
+    path = _json_files(root, rng, "index")
+    data = json.load(open(path))
+    how = rng.choice(["field", "field", "field", "drop", "duplicate", "swap", "top", "bytes"])
+    entries = data["samples"]
+    k = rng.randrange(len(entries))
+    if how == "field":
+        column = rng.randrange(6)  # sample_id, length, loss_tokens, offset, size, xxh3
+        entries[k][column] = _nudge(entries[k][column], rng)
+    elif how == "drop":
+        entries.pop(k)
+    elif how == "duplicate":
+        entries.insert(k, list(entries[k]))
+    elif how == "swap" and len(entries) > 1:
+        j = (k + 1) % len(entries)
+        entries[k][0], entries[j][0] = entries[j][0], entries[k][0]
+    elif how == "top":
+        key = rng.choice(["shard_id", "tar_bytes", "tar_xxh3", "nonfinite", "format_version"])
+        data[key] = _nudge(data.get(key), rng)
+    else:
+        raw = bytearray(json.dumps(data).encode())
+        raw[rng.randrange(len(raw))] = rng.randrange(256)
+        open(path, "wb").write(bytes(raw))
+        return f"index: {os.path.basename(path)} byte flip"
+    json.dump(data, open(path, "w"))
+    return f"index: {os.path.basename(path)} {how} (entry {k})"
+
+
+def _mutate_manifest(root: str, rng: random.Random) -> str:
+    path = _json_files(root, rng, "manifest")
+    data = json.load(open(path))
+    key = rng.choice(sorted(data))
+    how = rng.choice(["nudge", "nudge", "nudge", "delete", "truncate"])
+    if how == "delete":
+        del data[key]
+    elif how == "truncate":
+        raw = open(path, "rb").read()
+        open(path, "wb").write(raw[: rng.randrange(len(raw))])
+        return "manifest: truncated"
+    elif key == "target_layer_ids":
+        data[key] = rng.choice([[], [0], [-2, 1], [1, 1], [1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 1]])
+    elif key == "dtype":
+        data[key] = rng.choice(["fp16", "fp32", "int4", "", None])
+    else:
+        data[key] = _nudge(data[key], rng)
+    json.dump(data, open(path, "w"))
+    return f"manifest: {how} {key}"
+
+
+def _tars(root: str) -> list[str]:
+    shards = os.path.join(root, "shards")
+    return sorted(os.path.join(shards, n) for n in os.listdir(shards) if n.endswith(".tar"))
+
+
+def _mutate_tar(root: str, rng: random.Random) -> str:
+    path = rng.choice(_tars(root))
+    size = os.path.getsize(path)
+    how = rng.choice(["flip", "flip", "flip", "truncate", "append"])
+    if how == "flip":
+        with open(path, "r+b") as handle:
+            at = rng.randrange(size)
+            handle.seek(at)
+            byte = handle.read(1)
+            handle.seek(at)
+            handle.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+        return f"tar: {os.path.basename(path)} bit flip at {at}"
+    if how == "truncate":
+        os.truncate(path, rng.randrange(size))
+    else:
+        with open(path, "ab") as handle:
+            handle.write(os.urandom(rng.choice([1, 512, 5000])))
+    return f"tar: {os.path.basename(path)} {how}"
+
+
+def _mutate_header(root: str, rng: random.Random) -> str:
+    """A byte of a sample's safetensors header (its JSON), where a lie would shape the tensors."""
+    path = rng.choice(_tars(root))
+    index = json.load(open(path[: -len(".tar")] + ".idx"))
+    entry = rng.choice(index["samples"])
+    with open(path, "r+b") as handle:
+        handle.seek(entry[3] + 8)
+        text = handle.read(600)
+        at = rng.randrange(len(text))
+        handle.seek(entry[3] + 8 + at)
+        handle.write(bytes([rng.choice(b'0123456789",:{}[]x ')]))
+    return f"header: sample {entry[0]} in {os.path.basename(path)} at {at}"
+
+
+def _mutate_special(root: str, rng: random.Random) -> str:
+    path = rng.choice(_tars(root) + [p[: -len(".tar")] + ".idx" for p in _tars(root)] + [os.path.join(root, "manifest.json")])
+    os.unlink(path)
+    how = rng.choice(["fifo", "dev_zero", "directory", "dangling"])
+    {"fifo": lambda: os.mkfifo(path), "dev_zero": lambda: os.symlink("/dev/zero", path),
+     "directory": lambda: os.mkdir(path), "dangling": lambda: os.symlink(path + ".gone", path)}[how]()
+    return f"special: {os.path.basename(path)} replaced by {how}"
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def run_case(root: str, original: dict) -> str:
+    from dspark_cache.format.errors import CacheError
+    from dspark_cache.verify import verify_cache
+
+    outcomes = {}
+    for name, read in (("open_cache", _read_open_cache), ("loader-native", _read_loader(True)),
+                       ("loader-python", _read_loader(False))):
+        try:
+            outcomes[name] = "same" if read(root, original) else "FAIL: different data"
+        except CacheError as exc:
+            outcomes[name] = "rejected" if root in str(exc) else f"FAIL: error without the file: {exc}"
+        except Exception as exc:  # any other type is a defect: report it with its traceback
+            outcomes[name] = f"FAIL: {type(exc).__name__}: {exc} | {traceback.format_exc(limit=3)[-400:]}"
+    try:
+        verified = verify_cache(root).ok
+    except CacheError:
+        verified = False
+    except Exception as exc:
+        return f"FAIL: verify raised {type(exc).__name__}: {exc}"
+    failures = [f"{k}: {v}" for k, v in outcomes.items() if v.startswith("FAIL")]
+    if failures:
+        return "FAIL: " + " / ".join(failures)
+    if verified and any(v == "rejected" for v in outcomes.values()):
+        return f"FAIL: verify says OK but a reader rejected it ({outcomes})"
+    return "rejected" if "rejected" in outcomes.values() else "same"
+
+
+_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+
+
+def _same(sample: dict, want: dict) -> bool:
+    import torch
+
+    return all(torch.equal(sample[k], want[k]) for k in _KEYS)
+
+
+def _read_open_cache(root: str, original: dict) -> bool:
+    import dspark_cache
+
+    with dspark_cache.open_cache(root) as cache:
+        samples = {s["sample_id"]: s for s in cache.samples()}
+    return samples.keys() == original.keys() and all(_same(samples[i], original[i]) for i in original)
+
+
+def _read_loader(native: bool):
+    def read(root: str, original: dict) -> bool:
+        import dspark_cache
+
+        os.environ["DSPARK_NATIVE"] = "1" if native else "0"
+        loader = dspark_cache.build_dataloader(root, batch_size=3, shuffle=False, num_workers=1, prefetch=1)
+        seen = set()
+        try:
+            for batch in loader:
+                for row, sample_id in enumerate(batch["sample_ids"].tolist()):
+                    want = original.get(sample_id)
+                    n = int(batch["attention_mask"][row].sum())
+                    if want is None or n != want["input_ids"].shape[0]:
+                        return False
+                    got = {k: batch[k][row, :n] for k in _KEYS}
+                    if not _same(got, {k: want[k].to(got[k].dtype) for k in _KEYS}):
+                        return False
+                    seen.add(sample_id)
+        finally:
+            loader.close()
+        return seen == original.keys()
+
+    return read
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
