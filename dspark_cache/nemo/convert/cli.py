@@ -89,6 +89,9 @@ def summary(result: ConvertResult) -> str:
     if result.direction == "dspark":
         lines.append(f"pad id {result.pad_token_id} (from {result.pad_source}); {result.ambiguous} samples with an "
                      f"ambiguous length (NeMo's rule decided); {result.skipped} rows skipped (all padding)")
+    else:
+        lines.append(f"{result.allocated_after / 1e6:,.1f} MB of it allocated on disk: the zero padding is left as "
+                     "holes (sparse), which read as zeros")
     return "\n".join(lines)
 
 

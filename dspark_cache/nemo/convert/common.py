@@ -46,6 +46,7 @@ class ConvertResult:
     ambiguous: int = 0  # rows whose true length the pad rule had to decide (--to dspark)
     skipped: int = 0  # rows without a single real token (--to dspark)
     pad_source: str = ""  # where the pad id came from (--to dspark)
+    allocated_after: int = 0  # disk blocks of DST's shards (--to nemo: the zero padding is sparse)
 
     @property
     def ratio(self) -> float:

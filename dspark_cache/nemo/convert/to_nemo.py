@@ -4,10 +4,14 @@ NeMo's reader needs every row padded to ``seq_length``: ``input_ids`` with the m
 ``pad_token_id``, the other tensors with zeros. (NeMo's own producer stores the target's outputs
 at pad positions instead; training masks them, so zeros train the same.) Sample ``i`` of the
 export is the ``i``-th sample in ascending sample id: ids are renumbered densely, because NeMo
-addresses samples by position. Each shard is streamed to ``shard-NNNNNN.safetensors.partial``
-row by row at computed offsets (the bytes ``safetensors.torch.save_file`` would write, without
-ever holding a shard in memory), fsynced and renamed; the manifest says ``complete: false``
-until the last one is in place.
+addresses samples by position.
+
+Each shard is streamed to ``shard-NNNNNN.safetensors.partial`` row by row at computed offsets
+(the bytes ``safetensors.torch.save_file`` would write, without ever holding a shard in memory),
+fsynced and renamed; the manifest says ``complete: false`` until the last one is in place. The
+file is sized first and only real tokens (and the ids' pad run) are written: the zero padding is
+left as holes, which read as zeros and, where the filesystem has sparse files, take no disk and
+no write bandwidth (padding is most of a NeMo cache).
 """
 
 from __future__ import annotations
@@ -93,37 +97,31 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_row(fd: int, ranges: dict[str, TensorRange], row: int, sample: dict, pad_id: int,
-               zeros: memoryview) -> None:
-    """One sample as row ``row`` of each tensor: real tokens, then the padding."""
-    length = int(sample[INPUT_IDS].shape[0])
-    seq = ranges["input_ids"].shape[1]
-    ids = torch.full((seq,), pad_id, dtype=torch.int64)
-    ids[:length] = sample[INPUT_IDS]
-    mask = torch.zeros(seq, dtype=torch.int64)
-    mask[:length] = sample[LOSS_MASK]
-    for name, tensor in (("input_ids", ids), ("loss_mask", mask)):
-        pwrite_all(fd, [_tensor_bytes(tensor)], ranges[name].row_offset(row))
+def _write_row(fd: int, ranges: dict[str, TensorRange], row: int, sample: dict, pad_id: int) -> None:
+    """One sample as row ``row`` of each tensor. The file was sized up front, so what is not
+    written (every pad position but the ids') is a hole: zeros."""
+    ids = torch.full((ranges["input_ids"].shape[1],), pad_id, dtype=torch.int64)
+    ids[: sample[INPUT_IDS].shape[0]] = sample[INPUT_IDS]
+    pwrite_all(fd, [_tensor_bytes(ids)], ranges["input_ids"].row_offset(row))
+    pwrite_all(fd, [_tensor_bytes(sample[LOSS_MASK].to(torch.int64))], ranges["loss_mask"].row_offset(row))
     for name in (HIDDEN, LAST_HIDDEN):
-        target = ranges[name]
-        padding = zeros[: (seq - length) * target.position_bytes]
-        pwrite_all(fd, [_tensor_bytes(sample[name]), padding], target.row_offset(row))
+        pwrite_all(fd, [_tensor_bytes(sample[name])], ranges[name].row_offset(row))
 
 
-def _write_shard(cache: Cache, positions: range, path: str, specs: list[Spec], pad_id: int,
-                 zeros: memoryview) -> None:
+def _write_shard(cache: Cache, positions: range, path: str, specs: list[Spec], pad_id: int) -> None:
     header, ranges = header_bytes(specs)
     seq = specs[0][2][1]
     partial = path + ".partial"
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         pwrite_all(fd, [memoryview(header)], 0)
+        os.ftruncate(fd, file_size(specs))
         for row, position in enumerate(positions):
             sample = cache.read(position)  # checksum-verified
             if sample[INPUT_IDS].shape[0] > seq:
                 raise ConvertError(f"{cache.path}: sample {sample['sample_id']} has {sample[INPUT_IDS].shape[0]} "
                                    f"tokens, more than the manifest's seq_length {seq}")
-            _write_row(fd, ranges, row, sample, pad_id, zeros)
+            _write_row(fd, ranges, row, sample, pad_id)
             crash_point("nemo_mid_shard")
         os.fsync(fd)
     except BaseException:
@@ -145,6 +143,18 @@ def _open_source(src: str) -> Cache:
         raise ConvertError(str(exc)) from exc
 
 
+def _reconcile(dst: str, manifest: dict, shards: list[range], overwrite: bool) -> tuple[set[int], bool]:
+    """Prepare DST: refuse another cache, clear leftovers; returns (shards to keep, already complete)."""
+    existing = _existing_manifest(dst, manifest, overwrite)
+    remove_partials(dst)
+    for stale in layout.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
+        if stale >= len(shards):
+            os.unlink(layout.shard_path(dst, stale))
+    kept = {k for k, rows in enumerate(shards) if os.path.exists(layout.shard_path(dst, k))
+            and _shard_is_complete(layout.shard_path(dst, k), shard_specs(manifest, len(rows)))}
+    return kept, existing is not None and existing.get("complete") is True and len(kept) == len(shards)
+
+
 def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwrite: bool = False,
                     progress: TextIO | None = sys.stderr) -> ConvertResult:
     """Export the dspark cache ``src`` to a NeMo-layout cache in ``dst`` (resumable; see the module doc)."""
@@ -157,31 +167,20 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
     shards = [range(start, min(total, start + size)) for start in range(0, total, size)]
     lock = lock_destination(dst)
     try:
-        existing = _existing_manifest(dst, manifest, overwrite)
-        remove_partials(dst)
-        for stale in layout.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
-            if stale >= len(shards):
-                os.unlink(layout.shard_path(dst, stale))
-        kept = {k for k, rows in enumerate(shards)
-                if os.path.exists(layout.shard_path(dst, k)) and _shard_is_complete(layout.shard_path(dst, k),
-                                                                                  shard_specs(manifest, len(rows)))}
-        finished = existing is not None and existing.get("complete") is True and len(kept) == len(shards)
+        kept, finished = _reconcile(dst, manifest, shards, overwrite)
         if not finished:
             layout.write_manifest(dst, {**manifest, "complete": False})
         ensure_weights(CachePaths(src).target_weights, layout.target_weights_path(dst))
         out_bytes = [file_size(shard_specs(manifest, len(rows))) for rows in shards]
         progress_log = Progress(len(shards), sum(out_bytes), progress)
         progress_log.kept(len(kept), sum(out_bytes[k] for k in kept))
-        item = layout.DTYPES[manifest["dtype"]].itemsize
-        zeros = memoryview(bytearray(manifest["seq_length"] * manifest["target_hidden_dim"] * item))
-        for k, rows in enumerate(shards):
-            if k not in kept:
-                try:
-                    _write_shard(cache, rows, layout.shard_path(dst, k), shard_specs(manifest, len(rows)),
-                                 cache.manifest.pad_token_id, zeros)
-                except CorruptShardError as exc:  # names the shard and sample; published shards stay
-                    raise ConvertError(str(exc)) from exc
-                progress_log.shard_done(k, len(rows), out_bytes[k])
+        for k in (k for k in range(len(shards)) if k not in kept):
+            try:
+                _write_shard(cache, shards[k], layout.shard_path(dst, k), shard_specs(manifest, len(shards[k])),
+                             cache.manifest.pad_token_id)
+            except CorruptShardError as exc:  # names the source shard and sample; published shards stay
+                raise ConvertError(str(exc)) from exc
+            progress_log.shard_done(k, len(shards[k]), out_bytes[k])
         if not finished:
             layout.write_manifest(dst, {**manifest, "complete": True})
     finally:
@@ -189,6 +188,7 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         cache.close()
     paths = CachePaths(src)
     before = file_bytes([p for s in cache.shards for p in (paths.shard_tar(s.shard_id), paths.shard_index(s.shard_id))])
-    after = file_bytes([layout.shard_path(dst, k) for k in range(len(shards))])
-    return ConvertResult("nemo", total, len(shards), len(kept), before, after, time.perf_counter() - started,
-                         cache.manifest.pad_token_id)
+    written = [layout.shard_path(dst, k) for k in range(len(shards))]
+    return ConvertResult("nemo", total, len(shards), len(kept), before, file_bytes(written),
+                         time.perf_counter() - started, cache.manifest.pad_token_id,
+                         allocated_after=sum(os.stat(p).st_blocks * 512 for p in written))
