@@ -11,6 +11,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Static
 
 from dspark_cache.tui.help import HelpScreen
+from dspark_cache.tui.safe_io import Refused
 from dspark_cache.tui.watcher import CacheWatcher, Snapshot
 from dspark_cache.tui.widgets.disk import DiskPanel
 from dspark_cache.tui.widgets.events import EventLog
@@ -20,6 +21,7 @@ from dspark_cache.tui.widgets.ranks import RankTable
 from dspark_cache.tui.widgets.shardmap import ShardMap
 from dspark_cache.tui.widgets.stages import StageBreakdown
 from dspark_cache.tui.widgets.throughput import ThroughputChart
+from dspark_cache.tui.widgets.warnings import FileWarnings
 
 
 class MonitorApp(App[None]):
@@ -46,6 +48,7 @@ class MonitorApp(App[None]):
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
+        yield FileWarnings(id="warnings")
         with VerticalScroll():
             yield OverallProgress(id="progress")
             with Horizontal(id="middle"):
@@ -64,7 +67,7 @@ class MonitorApp(App[None]):
 
     def refresh_view(self) -> None:
         snap = self.snapshot = self.watcher.poll()
-        for widget in (RunHeader, OverallProgress, ThroughputChart, DiskPanel, RankTable, ShardMap,
+        for widget in (RunHeader, FileWarnings, OverallProgress, ThroughputChart, DiskPanel, RankTable, ShardMap,
                        StageBreakdown, EventLog):
             self.query_one(widget).show(snap)
         notice = ""
@@ -76,7 +79,11 @@ class MonitorApp(App[None]):
         if self.snapshot is None or not self.snapshot.is_cache:
             self.notify("nothing to stop: no producer writes here", severity="warning")
             return
-        self.watcher.request_stop()
+        try:
+            self.watcher.request_stop()
+        except (OSError, Refused) as exc:
+            self.notify(f"could not ask the producer to stop: {exc}", severity="error", markup=False)
+            return
         self.notify("asked the producer to stop after the shard in flight (rerun dspark-produce to resume)")
         self.refresh_view()
 

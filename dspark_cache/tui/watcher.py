@@ -4,11 +4,17 @@ The cache directory is the interface: the manifest (identity and plan), shard in
 (what is published), ``.partial`` files (what is being written), per-rank status heartbeats,
 and the append-only event logs. Reading only files makes the monitor work on a live run, a
 finished cache, a shared filesystem and across producer restarts alike.
+
+Nothing in the directory is trusted: files that are not regular files inside the cache are
+skipped with a warning (see :mod:`~dspark_cache.tui.safe_io`), every read is bounded, and
+nothing is kept per planned shard, so a hostile or corrupt cache cannot hang the monitor or
+grow it without bound.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections import deque
@@ -17,11 +23,20 @@ from typing import Callable
 
 import msgspec
 
-from dspark_cache.format.paths import PARTIAL_SUFFIX, CachePaths
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex, decode_manifest, decode_shard_index
-from dspark_cache.format.status import ACTIVE_RANK_STATES, read_rank_statuses
+from dspark_cache.format.status import ACTIVE_RANK_STATES
+from dspark_cache.tui.format import as_float, clip
+from dspark_cache.tui.safe_io import Refused, check_dir, open_regular, read_capped, write_regular
+from dspark_cache.tui.tail import LogTail
 
 STALE_AFTER = 10.0  # seconds without a heartbeat before a rank that says it is active looks stuck
+MANIFEST_LIMIT = 64 << 20  # a real manifest, even listing many skipped rows, is far smaller
+INDEX_LIMIT = 64 << 20  # a shard index lists its samples: tens of bytes each
+STATUS_LIMIT = 1 << 20  # a heartbeat is a few hundred bytes
+MAX_EVENTS = 500  # events kept in memory, newest last
+EVENT_TEXT = 500  # characters of an event's kind and message kept (a line may be 256 KiB)
+_DIGITS = re.compile(r"[0-9]+")
 
 
 @dataclass
@@ -29,6 +44,21 @@ class Throughput:
     time: float
     tokens_per_s: float
     bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    """What the monitor needs of a published shard's index (its sample list is not kept)."""
+
+    samples: int  # planned samples covered: stored plus dropped as non-finite
+    tokens: int
+    bytes: int
+
+    @classmethod
+    def of(cls, index: ShardIndex) -> ShardSummary:
+        """The summary of a decoded ``shard-N.idx``."""
+        return cls(index.num_samples + len(index.nonfinite), sum(e.length for e in index.samples),
+                   index.tar_bytes)
 
 
 @dataclass
@@ -40,7 +70,7 @@ class Snapshot:
     exists: bool = True
     manifest: Manifest | None = None
     manifest_error: str | None = None
-    published: dict[int, ShardIndex] = field(default_factory=dict)
+    published: dict[int, ShardSummary] = field(default_factory=dict)
     writing: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
     ranks: list[RankStatus] = field(default_factory=list)
@@ -48,6 +78,7 @@ class Snapshot:
     history: list[Throughput] = field(default_factory=list)
     disk_free: int | None = None
     stop_requested: bool = False
+    warnings: list[str] = field(default_factory=list)  # files skipped this poll, and why
 
     @property
     def is_cache(self) -> bool:
@@ -66,15 +97,15 @@ class Snapshot:
 
     @property
     def samples_done(self) -> int:
-        return sum(i.num_samples + len(i.nonfinite) for i in self.published.values())
+        return sum(s.samples for s in self.published.values())
 
     @property
     def tokens_done(self) -> int:
-        return sum(e.length for i in self.published.values() for e in i.samples)
+        return sum(s.tokens for s in self.published.values())
 
     @property
     def bytes_done(self) -> int:
-        return sum(i.tar_bytes for i in self.published.values())
+        return sum(s.bytes for s in self.published.values())
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,11 +116,14 @@ class Snapshot:
         return sum(r.bytes_per_s for r in self.live_ranks)
 
     def eta_seconds(self) -> float | None:
+        """Seconds left at the current rate; inf for a vanishing rate, None when unknown."""
         if not self.manifest or self.complete:
             return None
-        rate = self.tokens_per_s
-        left = self.manifest.planned_tokens - self.tokens_done
-        return left / rate if rate > 0 else None
+        rate = as_float(self.tokens_per_s)
+        left = as_float(self.manifest.planned_tokens - self.tokens_done)
+        if rate is None or rate <= 0 or left is None:
+            return None
+        return max(0.0, left) / rate
 
     def stage_totals(self) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -107,23 +141,27 @@ class CacheWatcher:
         self.paths = CachePaths(path)
         self.clock = clock
         self.disk_free = disk_free or _free_bytes
-        self._indexes: dict[int, ShardIndex] = {}
-        self._event_offsets: dict[str, int] = {}
-        self._events: deque[Event] = deque(maxlen=500)
+        self._root_real = os.path.realpath(path)
+        self._indexes: dict[int, ShardSummary] = {}
+        self._tails: dict[str, LogTail] = {}
+        self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
         self._history: deque[Throughput] = deque(maxlen=history)
-        self._manifest_key: tuple[float, int] | None = None
-        self._manifest: Manifest | None = None
+        self._manifest_key: tuple[int, int, int] | None = None
+        self._manifest: tuple[Manifest | None, str | None] = (None, None)
 
     def poll(self) -> Snapshot:
         snap = Snapshot(now=self.clock(), path=self.paths.root, exists=os.path.isdir(self.paths.root))
         if not snap.exists:
             return snap
+        self._root_real = os.path.realpath(self.paths.root)  # the root itself may be a symlink
+        warn = snap.warnings
         snap.manifest, snap.manifest_error = self._read_manifest()
-        snap.published = self._read_indexes()
-        snap.writing = self._partials()
-        snap.ranks = read_rank_statuses(self.paths)
-        snap.events = self._read_events()
-        snap.failed = {e.data.get("shard") for e in snap.events if e.kind == "error" and "shard" in e.data}
+        if self._dir_ok(self.paths.shards_dir, warn):
+            snap.published = self._read_indexes(warn)
+            snap.writing = self._partials()
+        snap.ranks = self._read_statuses(warn)
+        snap.events = self._read_events(warn)
+        snap.failed = {e.data["shard"] for e in snap.events if e.kind == "error" and "shard" in e.data}
         snap.disk_free = self.disk_free(self.paths.root)
         snap.stop_requested = os.path.exists(self.paths.stop_request)
         if snap.live_ranks:
@@ -132,70 +170,156 @@ class CacheWatcher:
         return snap
 
     def request_stop(self) -> None:
-        """Ask the producer to finish the shard in flight and exit, resumable."""
-        os.makedirs(os.path.dirname(self.paths.stop_request), exist_ok=True)
-        with open(self.paths.stop_request, "w") as handle:
-            handle.write(f"requested by dspark-monitor at {self.clock():.0f}\n")
+        """Ask the producer to finish the shard in flight and exit, resumable.
+
+        Raises :class:`Refused` or ``OSError`` when the request cannot be written safely (its
+        directory leads out of the cache, or the request file is a FIFO, a device or a symlink).
+        """
+        control = os.path.dirname(self.paths.stop_request)
+        os.makedirs(control, exist_ok=True)
+        check_dir(control, os.path.realpath(self.paths.root))
+        write_regular(self.paths.stop_request, f"requested by dspark-monitor at {self.clock():.0f}\n".encode())
 
     def _read_manifest(self) -> tuple[Manifest | None, str | None]:
+        """The manifest, or why it cannot be shown; read again only when the file changes."""
         try:
             st = os.stat(self.paths.manifest)
         except FileNotFoundError:
+            self._manifest_key = None
             return None, None
-        key = (st.st_mtime, st.st_size)
+        except OSError as exc:
+            return None, f"{self.paths.manifest}: {exc.strerror or exc}"
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
         if key != self._manifest_key:
-            try:
-                with open(self.paths.manifest, "rb") as handle:
-                    self._manifest = decode_manifest(handle.read(), self.paths.manifest)
-            except (OSError, msgspec.DecodeError) as exc:
-                return None, str(exc)
+            self._manifest = self._decode_manifest()
             self._manifest_key = key
-        return self._manifest, None
+        return self._manifest
 
-    def _read_indexes(self) -> dict[int, ShardIndex]:
+    def _decode_manifest(self) -> tuple[Manifest | None, str | None]:
+        where = self.paths.manifest
+        try:
+            data = read_capped(where, self._root_real, MANIFEST_LIMIT, "manifest")
+            return decode_manifest(data, where), None
+        except Refused as exc:
+            return None, f"{where}: {exc}"
+        except OSError as exc:
+            return None, f"{where}: {exc.strerror or exc}"
+        except msgspec.DecodeError as exc:  # garbage, or a NeMo or older dspark layout: says which
+            return None, str(exc)
+
+    def _read_indexes(self, warn: list[str]) -> dict[int, ShardSummary]:
         present = set(self.paths.indexed_shard_ids())
         for gone in set(self._indexes) - present:  # --overwrite or repair removed it
             del self._indexes[gone]
-        for shard_id in present - set(self._indexes):
+        for shard_id in sorted(present - set(self._indexes)):
+            data = self._read_file(self.paths.shard_index(shard_id), INDEX_LIMIT, "shard index", warn)
             try:
-                with open(self.paths.shard_index(shard_id), "rb") as handle:
-                    self._indexes[shard_id] = decode_shard_index(handle.read())
-            except (OSError, msgspec.DecodeError):
+                if data is not None:
+                    self._indexes[shard_id] = ShardSummary.of(decode_shard_index(data))
+            except msgspec.DecodeError:
                 continue  # mid-replace: next poll
         return dict(self._indexes)
 
     def _partials(self) -> set[int]:
+        """Shards being written: ``.partial`` files named exactly as the producer names them."""
         out = set()
         for path in self.paths.partial_files():
-            name = os.path.basename(path)
-            if name.startswith("shard-") and name.endswith(".tar" + PARTIAL_SUFFIX):
-                out.add(int(name[6:12]))
+            digits = _DIGITS.search(os.path.basename(path))
+            if digits and self.paths.shard_partial(int(digits.group())) == path:
+                out.add(int(digits.group()))
         return out
 
-    def _read_events(self) -> list[Event]:
-        try:
-            names = sorted(os.listdir(self.paths.events_dir))
-        except FileNotFoundError:
-            return list(self._events)
+    def _read_statuses(self, warn: list[str]) -> list[RankStatus]:
+        """Every readable ``status/rank-N.json``, in rank order (a file mid-replace is skipped)."""
+        out = []
+        for name in self._listing(self.paths.status_dir, warn):
+            if not name.endswith(".json"):
+                continue
+            data = self._read_file(os.path.join(self.paths.status_dir, name), STATUS_LIMIT, "status", warn)
+            try:
+                if data is not None:
+                    out.append(msgspec.json.decode(data, type=RankStatus))
+            except msgspec.DecodeError:
+                continue
+        return out
+
+    def _read_events(self, warn: list[str]) -> list[Event]:
+        """New lines of every event log, from a bounded tail of each; the newest events are kept."""
+        names = self._listing(self.paths.events_dir, warn)
+        for gone in set(self._tails) - set(names):
+            del self._tails[gone]
         fresh: list[Event] = []
         for name in names:
-            path = os.path.join(self.paths.events_dir, name)
-            offset = self._event_offsets.get(name, 0)
-            try:
-                with open(path, "rb") as handle:
-                    handle.seek(offset)
-                    data = handle.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1  # a line cut by a crash is skipped until it is whole
-            for line in data[:end].splitlines():
-                try:
-                    fresh.append(msgspec.json.decode(line, type=Event))
-                except msgspec.DecodeError:
-                    continue
-            self._event_offsets[name] = offset + end
-        self._events.extend(sorted(fresh, key=lambda e: e.time))
+            lines = self._tail_lines(name, warn)
+            fresh = sorted(fresh + _decode_events(lines[-MAX_EVENTS:]), key=lambda e: e.time)[-MAX_EVENTS:]
+        self._events.extend(fresh)
         return list(self._events)
+
+    def _tail_lines(self, name: str, warn: list[str]) -> list[bytes]:
+        path = os.path.join(self.paths.events_dir, name)
+        try:
+            handle, st = open_regular(path, self._root_real)
+            with handle:
+                return self._tails.setdefault(name, LogTail()).read(handle, st)
+        except FileNotFoundError:
+            return []
+        except (Refused, OSError) as exc:
+            warn.append(f"skipped {self._relative(path)}: {_reason(exc)}")
+            return []
+
+    def _listing(self, directory: str, warn: list[str]) -> list[str]:
+        """Sorted names in a cache subdirectory; none when it is missing or not a directory of the cache."""
+        if not self._dir_ok(directory, warn):
+            return []
+        try:
+            return sorted(os.listdir(directory))
+        except OSError as exc:
+            warn.append(f"skipped {self._relative(directory)}/: {_reason(exc)}")
+            return []
+
+    def _dir_ok(self, directory: str, warn: list[str]) -> bool:
+        try:
+            check_dir(directory, self._root_real)
+        except FileNotFoundError:
+            return False
+        except (Refused, OSError) as exc:
+            warn.append(f"skipped {self._relative(directory)}/: {_reason(exc)}")
+            return False
+        return True
+
+    def _read_file(self, path: str, limit: int, what: str, warn: list[str]) -> bytes | None:
+        """A whole small file, or None (gone: silently; refused or unreadable: with a warning)."""
+        try:
+            return read_capped(path, self._root_real, limit, what)
+        except FileNotFoundError:
+            return None
+        except (Refused, OSError) as exc:
+            warn.append(f"skipped {self._relative(path)}: {_reason(exc)}")
+            return None
+
+    def _relative(self, path: str) -> str:
+        return os.path.relpath(path, self.paths.root)
+
+
+def _decode_events(lines: list[bytes]) -> list[Event]:
+    """The valid events among ``lines``, trimmed to what the monitor shows (a line may be huge)."""
+    out = []
+    for line in lines:
+        try:
+            event = msgspec.json.decode(line, type=Event)
+        except msgspec.DecodeError:
+            continue
+        shard = event.data.get("shard")
+        data = {"shard": shard} if type(shard) is int else {}  # only a real shard id can mark a shard failed
+        out.append(Event(time=event.time, rank=event.rank, kind=clip(event.kind, EVENT_TEXT),
+                         message=clip(event.message, EVENT_TEXT), data=data))
+    return out
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc)
 
 
 def _free_bytes(path: str) -> int | None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from textual.content import Content
 from textual.widgets import Static
 
+from dspark_cache.format.schema import Manifest
+from dspark_cache.tui.format import clip, integer, markup
 from dspark_cache.tui.watcher import Snapshot
+
+MAX_LAYER_IDS = 16  # a manifest may list any number; the header stays one line
 
 
 class RunHeader(Static):
@@ -12,16 +17,36 @@ class RunHeader(Static):
 
     def show(self, snap: Snapshot) -> None:
         m = snap.manifest
+        path = clip(snap.path, 300)
         if not snap.exists:
-            self.update(f"[b red]{snap.path} does not exist[/]")
+            self.update(markup("[b red]$path does not exist[/]", path=path))
+        elif snap.manifest_error:
+            # A manifest is there but is not ours (a NeMo cache, an older format) or is damaged:
+            # say so plainly rather than pretending to wait for a producer.
+            self.update(markup("[b]$path[/]: [b red]cannot show this cache:[/] $why", path=path,
+                               why=clip(snap.manifest_error, 600)))
         elif m is None:
-            why = snap.manifest_error or "no manifest.json yet"
-            self.update(f"[b]{snap.path}[/]: [yellow]not a dspark cache yet ({why}). Waiting for dspark-produce "
-                        "to plan; start it with --output-dir pointing here.[/]")
+            self.update(markup("[b]$path[/]: [yellow]not a dspark cache yet (no manifest.json yet). Waiting for "
+                               "dspark-produce to plan; start it with --output-dir pointing here.[/]", path=path))
         else:
-            world = max((r.world_size for r in snap.ranks), default=0)
-            self.update(
-                f"[b]{m.target_model}[/] ({m.target_model_type}, {m.num_hidden_layers} layers, H={m.hidden_size})  "
-                f"layers {m.target_layer_ids}  {m.dtype} cache / {m.compute_dtype} compute  seq {m.seq_length}\n"
-                f"{snap.path}  ranks: {world or '-'}  input: {m.train_data_path}"
-            )
+            self.update(identity(m, snap, path))
+
+
+def identity(m: Manifest, snap: Snapshot, path: str) -> Content:
+    """The two header lines of a readable cache."""
+    world = max((r.world_size for r in snap.ranks), default=0)
+    return markup(
+        "[b]$model[/] ($kind, $layers layers, H=$hidden)  layers $ids  $dtype cache / $compute compute  "
+        "seq $seq\n$path  ranks: $world  input: $data",
+        model=clip(m.target_model, 200), kind=clip(m.target_model_type, 40), layers=integer(m.num_hidden_layers),
+        hidden=integer(m.hidden_size), ids=layer_ids(m), dtype=clip(m.dtype, 20), compute=clip(m.compute_dtype, 20),
+        seq=integer(m.seq_length), path=path, world=integer(world) if world > 0 else "-",
+        data=clip(m.train_data_path, 200),
+    )
+
+
+def layer_ids(m: Manifest) -> str:
+    """``[1, 10, 18]`` as the manifest lists them, shortened when there are many."""
+    ids = [integer(i) for i in m.target_layer_ids[:MAX_LAYER_IDS]]
+    more = ", …" if len(m.target_layer_ids) > MAX_LAYER_IDS else ""
+    return "[" + ", ".join(ids) + more + "]"
