@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import resource
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
+from dspark_cache.tui.format import clock_time, human_bytes, human_count, human_duration, integer
 from dspark_cache.tui.tail import TAIL_WINDOW
 from tests import tui_states
 
@@ -247,7 +249,7 @@ async def test_oversized_status_file_is_refused_not_read(tmp_path):
     assert [row[0] for row in shown["ranks"]] == ["0"]
 
 
-# --- 3. crashes: names ---------------------------------------------------------------
+# --- 3. crashes: names and numbers ---------------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -258,3 +260,112 @@ async def test_partial_files_with_foreign_names_are_ignored(tmp_path):
         open(os.path.join(paths.shards_dir, name), "wb").close()
     shown = await show(paths.root)
     assert "22 published  2 writing  35 pending  1 failed" in shown["shards"]
+
+
+@pytest.mark.anyio
+async def test_event_times_out_of_range_show_a_question_mark(tmp_path):
+    paths = live(tmp_path / "c")
+    with open(paths.events(0), "ab") as handle:
+        handle.write(event_line(0, "from the far future", time=1e300))
+        handle.write(event_line(0, "from before time", time=-1e300))
+        handle.write(event_line(0, "huge rank, bad shard id", kind="error", shard=[1], rank=10**30))
+    shown = await show(paths.root)
+    lines = shown["events"].splitlines()
+    assert any(line.startswith("? r0 warning") and "far future" in line for line in lines)
+    assert any(line.startswith("? r0 warning") and "before time" in line for line in lines)
+    assert any("r>999T" in line and "bad shard id" in line for line in lines)
+    assert "1 failed" in shown["shards"]  # only the real failure from live_run
+
+
+@pytest.mark.anyio
+async def test_stage_seconds_that_sum_to_infinity(tmp_path):
+    paths = live(tmp_path / "c")
+    for rank in (0, 1):
+        write_json(paths.status(rank), status_dict(rank, stage_seconds={"device": 1.7e308, "data": -2.0,
+                                                                           "copy": 5e-324, "write": 3e7}))
+    shown = await show(paths.root)
+    stages = {line.split()[0]: line for line in shown["stages"].splitlines()}
+    assert stages["device"].endswith("█" * 24 + "          ∞")
+    assert stages["data"].endswith(" —") and "█" not in stages["data"]
+    assert stages["copy"].endswith(" 0.0 s")
+    assert stages["write"].endswith("█" * 24 + "    694d10h")
+
+
+@pytest.mark.anyio
+async def test_vanishing_rate_gives_an_infinite_eta(tmp_path):
+    paths = live(tmp_path / "c")
+    for rank in (0, 1):
+        write_json(paths.status(rank), status_dict(rank, tokens_per_s=5e-324))
+    shown = await show(paths.root)
+    assert "ETA ∞" in shown["progress"]
+
+
+@pytest.mark.anyio
+async def test_negative_and_huge_numbers_show_placeholders(tmp_path):
+    paths = live(tmp_path / "c")
+    write_json(paths.status(0), status_dict(0, samples_done=-3, inflight_bytes=-1, tokens_per_s=-5.0,
+                                            shards_done=-1, pid=10**30, updated_at=tui_states.NOW + 60))
+    write_json(paths.status(1), status_dict(1, state="finished", updated_at=-1.7e308, shard=-4))
+    write_json(paths.manifest, manifest_dict(planned_tokens=10**400, planned_samples=-1, num_shards=-5,
+                                             created_at=-1.7e308))
+    shown = await show(paths.root)
+    rank0, rank1 = shown["ranks"]
+    assert rank0[3] == "node-a/>999T" and rank0[4] == "—/10" and rank0[5] == "—" and rank0[6] == "—"
+    assert rank0[7] == "—" and rank0[8] == "— ago"  # a heartbeat from the future: no age to show
+    assert rank1[2] == "—" and rank1[8] == ">999d ago"
+    assert "samples 220/—" in shown["progress"] and "/∞" in shown["progress"] and "/—" in shown["progress"]
+    assert shown["shards"] == "no shards planned yet"
+
+
+@pytest.mark.anyio
+async def test_markup_and_dollars_in_file_strings_are_shown_literally(tmp_path):
+    paths = live(tmp_path / "c")
+    write_json(paths.manifest, manifest_dict(target_model="[/]evil [b]$model", train_data_path="x\\"))
+    write_json(paths.status(0), status_dict(0, host="[/][red]", state="[@click=app.quit]", last_error="[/b]"))
+    with open(paths.events(0), "ab") as handle:
+        handle.write(event_line(0, "message [/] with $dollar"))
+    shown = await show(paths.root)
+    assert shown["header"].startswith("[/]evil [b]$model (qwen3") and "input: x\\" in shown["header"]
+    assert shown["ranks"][0][3] == "[/][red]/1000" and shown["ranks"][0][9] == "[/b]"
+    assert "message [/] with $dollar" in shown["events"]
+
+
+# --- 4. corrupt or foreign manifests -------------------------------------------------------------
+
+
+NEMO_MANIFEST = json.dumps({k: v for k, v in manifest_dict(format_version=1).items()
+                            if k in ("format_version", "target_model", "hidden_size", "num_samples", "dtype")})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("content, says", [
+    (NEMO_MANIFEST.encode(), "a NeMo Automodel cache"),
+    (b"\x00\xff{ not json", "not a valid dspark-cache manifest"),
+    (b"[1, 2, 3]", "not a valid dspark-cache manifest"),
+    (json.dumps(manifest_dict(format_version="[/]")).encode(), "format_version '[/]' is not"),
+    (json.dumps(manifest_dict(num_shards="many")).encode(), "Expected `int`, got `str`"),
+], ids=["nemo", "garbage", "list", "markup-version", "wrong-type"])
+async def test_foreign_or_corrupt_manifest_is_a_clear_message(tmp_path, content, says):
+    paths = live(tmp_path / "c")
+    with open(paths.manifest, "wb") as handle:
+        handle.write(content)
+    shown = await show(paths.root)
+    assert "cannot show this cache:" in shown["header"] and says in shown["header"]
+    assert "Waiting for dspark-produce" not in shown["header"]
+    assert shown["progress"] == "no plan yet"
+
+
+# --- the formatters themselves -------------------------------------------------------------------
+
+
+def test_formatters_never_raise_and_use_placeholders():
+    nan, inf = math.nan, math.inf
+    assert [human_duration(x) for x in (nan, inf, -1, 1e300, 10**400, 65)] == [
+        "?", "∞", "—", ">999d", "∞", "1m05s"]
+    assert [human_count(x) for x in (nan, inf, -inf, -1, 5e-324, 1e300, 10**400, 20_000)] == [
+        "?", "∞", "—", "—", "0", ">999T", "∞", "20.0k"]
+    assert [human_bytes(x) for x in (nan, inf, -1, 1e300, 10**400, 512, 40e6)] == [
+        "?", "∞", "—", ">999 PB", "∞", "512 B", "40.0 MB"]
+    assert [integer(x) for x in (-1, -(10**4000), 10**4000, 42)] == ["—", "—", "∞", "42"]
+    assert [human_count(x) for x in (-(10**400), 10**16)] == ["—", ">999T"]
+    assert [clock_time(x) for x in (nan, inf, -1.0, 1e300, 1e18, 0.0)] == ["?", "?", "?", "?", "?", "00:00:00"]

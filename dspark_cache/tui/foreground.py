@@ -10,6 +10,7 @@ import time
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
+from dspark_cache.tui.format import markup
 
 
 class ForegroundMonitor(MonitorApp):
@@ -24,8 +25,8 @@ class ForegroundMonitor(MonitorApp):
         super().refresh_view()
         code = self.child.poll()
         if code is not None:
-            self.query_one("#notice").update(
-                f"[b]producer exited with code {code}[/] (log: {self.log_path}); press q to leave")
+            self.query_one("#notice").update(markup(  # the log path may hold brackets: never parsed as markup
+                "[b]producer exited with code $code[/] (log: $log); press q to leave", code=code, log=self.log_path))
 
     def action_quit(self) -> None:
         if self.child.poll() is None:

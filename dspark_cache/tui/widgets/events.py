@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 from rich.text import Text
 from textual.widgets import Static
 
+from dspark_cache.tui.format import clip, clock_time, integer
 from dspark_cache.tui.watcher import Snapshot
 
 STYLES = {"error": "bold red", "warning": "yellow", "finished": "bold green", "stopped": "yellow",
@@ -27,8 +26,8 @@ class EventLog(Static):
             return
         text = Text()
         for i, e in enumerate(recent):
-            stamp = time.strftime("%H:%M:%S", time.gmtime(e.time))
-            text.append(f"{stamp} r{e.rank} {e.kind:<15} {e.message}", style=STYLES.get(e.kind, ""))
+            text.append(f"{clock_time(e.time)} r{integer(e.rank)} {clip(e.kind, 24):<15} {clip(e.message, 300)}",
+                        style=STYLES.get(e.kind, ""))
             if i < len(recent) - 1:
                 text.append("\n")
         self.update(text)

@@ -6,7 +6,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import ProgressBar, Static
 
-from dspark_cache.tui.format import human_bytes, human_count, human_duration
+from dspark_cache.format.schema import Manifest
+from dspark_cache.tui.format import as_float, human_bytes, human_count, human_duration, integer
 from dspark_cache.tui.watcher import Snapshot
 
 
@@ -28,20 +29,39 @@ class OverallProgress(Vertical):
             text.update("no plan yet")
             bar.update(total=1, progress=0)
             return
-        tokens = snap.tokens_done
-        bar.update(total=max(m.planned_tokens, 1), progress=min(tokens, m.planned_tokens))
-        if snap.complete:
-            elapsed = (m.completed_at or snap.now) - m.created_at if m.created_at else None
-            text.update(
-                f"[b green]complete[/]: {m.num_samples} samples, {human_count(m.planned_tokens)} tokens, "
-                f"{m.num_shards} shards, {human_bytes(snap.bytes_done)} "
-                f"({snap.bytes_done / max(m.planned_tokens, 1):.0f} B/token) in {human_duration(elapsed)}; "
-                f"{len(m.skipped)} rows skipped, {len(m.nonfinite_samples)} non-finite"
-            )
-            return
-        rate = snap.tokens_per_s
-        text.update(
-            f"samples {snap.samples_done}/{m.planned_samples}   tokens {human_count(tokens)}/{human_count(m.planned_tokens)}"
-            f"   shards {len(snap.published)}/{m.num_shards}   "
-            f"{human_count(rate)} tok/s   ETA {human_duration(snap.eta_seconds()) if rate else '?'}"
-        )
+        bar.update(**bar_position(snap.tokens_done, m.planned_tokens))
+        text.update(summary(m, snap) if snap.complete else running(m, snap))
+
+
+def bar_position(done: int, planned: int) -> dict[str, float]:
+    """Total and progress for the bar, both finite and in order whatever the files claim."""
+    total = as_float(planned)
+    total = total if total is not None and 1 <= total < float("inf") else 1.0
+    progress = as_float(done)
+    progress = min(max(progress, 0.0), total) if progress is not None else 0.0
+    return {"total": total, "progress": progress}
+
+
+def summary(m: Manifest, snap: Snapshot) -> str:
+    """The one line of a complete cache."""
+    elapsed = (m.completed_at or snap.now) - m.created_at if m.created_at else None
+    return (f"[b green]complete[/]: {integer(m.num_samples)} samples, {human_count(m.planned_tokens)} tokens, "
+            f"{integer(m.num_shards)} shards, {human_bytes(snap.bytes_done)} "
+            f"({bytes_per_token(snap.bytes_done, m.planned_tokens)} B/token) in {human_duration(elapsed)}; "
+            f"{integer(len(m.skipped))} rows skipped, {integer(len(m.nonfinite_samples))} non-finite")
+
+
+def bytes_per_token(written: int, tokens: int) -> str:
+    """Whole bytes per planned token (a plan of no tokens counts as one)."""
+    ratio = as_float(written)
+    ratio = ratio / max(as_float(tokens) or 1.0, 1.0) if ratio is not None else None
+    return integer(round(ratio)) if ratio is not None and 0 <= ratio < 1e15 else human_count(ratio)
+
+
+def running(m: Manifest, snap: Snapshot) -> str:
+    """Where a run stands: done out of planned, the current rate and the time left."""
+    rate = snap.tokens_per_s
+    return (f"samples {integer(snap.samples_done)}/{integer(m.planned_samples)}   "
+            f"tokens {human_count(snap.tokens_done)}/{human_count(m.planned_tokens)}"
+            f"   shards {integer(len(snap.published))}/{integer(m.num_shards)}   "
+            f"{human_count(rate)} tok/s   ETA {human_duration(snap.eta_seconds()) if rate else '?'}")

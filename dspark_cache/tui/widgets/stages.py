@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 from textual.widgets import Static
 
+from dspark_cache.tui.format import human_duration
 from dspark_cache.tui.watcher import Snapshot
 
 LABELS = {"data": "data", "device": "device", "copy": "copy", "backpressure": "waiting on writer",
           "write": "write (overlapped)"}
+BAR = 24
+PLAIN_SECONDS = 1e6  # up to here seconds are shown as such; beyond, as a capped duration
 
 
 class StageBreakdown(Static):
@@ -18,10 +23,25 @@ class StageBreakdown(Static):
         if not totals:
             self.update("stage times: none yet")
             return
-        scale = max(totals.values()) or 1.0
-        lines = []
-        for key, label in LABELS.items():
-            seconds = totals.get(key, 0.0)
-            bar = "█" * int(24 * seconds / scale)
-            lines.append(f"{label:>18} {bar:<24} {seconds:8.1f} s")
+        shown = {key: totals.get(key, 0.0) for key in LABELS}
+        # Bars are scaled to the largest sane total: one infinite or NaN total must not blank the rest.
+        scale = max((s for s in shown.values() if _sane(s)), default=0.0) or 1.0
+        lines = [f"{label:>18} {bar(shown[key], scale):<{BAR}} {seconds(shown[key]):>10}"
+                 for key, label in LABELS.items()]
         self.update("\n".join(lines))
+
+
+def _sane(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+def bar(value: float, scale: float) -> str:
+    """A bar ``value / scale`` of full width; full for an infinite total, empty for nonsense."""
+    if value == math.inf:
+        return "█" * BAR
+    return "█" * int(BAR * min(1.0, value / scale)) if _sane(value) else ""
+
+
+def seconds(value: float) -> str:
+    """``12.5 s``, or a capped duration (or placeholder) for what does not fit."""
+    return f"{value:.1f} s" if _sane(value) and value < PLAIN_SECONDS else human_duration(value)

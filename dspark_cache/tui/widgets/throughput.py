@@ -6,8 +6,10 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
-from dspark_cache.tui.format import human_bytes, human_count
+from dspark_cache.tui.format import as_float, human_bytes, human_count
 from dspark_cache.tui.watcher import Snapshot
+
+MAX_RATE = 1e300  # a whole history of these still sums to a finite number
 
 
 class ThroughputChart(Vertical):
@@ -26,9 +28,21 @@ class ThroughputChart(Vertical):
         tokens = [h.tokens_per_s for h in snap.history]
         mbs = [h.bytes_per_s for h in snap.history]
         self.query_one("#tok-label", Static).update(
-            f"tokens/s now {human_count(tokens[-1]) if tokens else '-'}   peak {human_count(max(tokens)) if tokens else '-'}")
+            f"tokens/s now {human_count(tokens[-1]) if tokens else '-'}   "
+            f"peak {human_count(peak(tokens)) if tokens else '-'}")
         self.query_one("#mb-label", Static).update(
-            f"written/s now {human_bytes(mbs[-1]) if mbs else '-'}   peak {human_bytes(max(mbs)) if mbs else '-'}")
+            f"written/s now {human_bytes(mbs[-1]) if mbs else '-'}   peak {human_bytes(peak(mbs)) if mbs else '-'}")
         # No history (a finished or idle cache) draws nothing rather than a misleading full bar.
-        self.query_one("#tok-line", Sparkline).data = tokens
-        self.query_one("#mb-line", Sparkline).data = mbs
+        self.query_one("#tok-line", Sparkline).data = [plottable(v) for v in tokens]
+        self.query_one("#mb-line", Sparkline).data = [plottable(v) for v in mbs]
+
+
+def peak(rates: list[float]) -> float | None:
+    """The largest rate that is a number (NaN would make ``max`` depend on the order)."""
+    return max((v for v in rates if as_float(v) is not None), default=None)
+
+
+def plottable(rate: float) -> float:
+    """A rate the sparkline can scale: negative or NaN is 0, infinity the largest float that sums safely."""
+    value = as_float(rate)
+    return 0.0 if value is None or value < 0 else min(value, MAX_RATE)
