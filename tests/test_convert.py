@@ -99,8 +99,11 @@ def test_round_trip_dspark_nemo_dspark(small_cache, exported, tmp_path, capsys):
     code, out, err = _convert(capsys, exported, back, "--to", "dspark")
     assert code == 0, err
     assert "0 samples with an ambiguous length" in out and "0 rows skipped" in out
+    assert "(from the tokenizer in " in out  # the manifest's target_model is a local directory
     original = dspark_cache.open_cache(small_cache)
-    _assert_same_as_padded(back, list(original.samples()))  # ids renumbered densely: 0..n-1
+    in_id_order = sorted(original.samples(), key=lambda s: s["sample_id"])
+    assert [s["sample_id"] for s in in_id_order] != list(range(len(original)))  # the source has gaps
+    _assert_same_as_padded(back, in_id_order)  # ids renumbered densely: 0..n-1
     a, b = original.manifest, dspark_cache.open_cache(back).manifest
     for name in layout.MANIFEST_FIELDS:
         if name != "shard_size":
@@ -147,6 +150,23 @@ def test_real_lengths_and_ambiguous_count_when_pad_is_eos(tmp_path, capsys):
     assert "3 samples with an ambiguous length" in out
     lengths = [int(s["input_ids"].shape[0]) for s in dspark_cache.open_cache(dst).samples()]
     assert lengths == [4, 3, 8, 1, 4]
+
+
+def test_pad_is_eos_when_the_tokenizer_has_no_pad_token(embedded, tmp_path, capsys):
+    """NeMo pads with eos when the tokenizer has no pad token: the tokenizer decides both ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.stock)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(str(tmp_path / "tok"))
+    eos = tokenizer.eos_token_id
+    ids = [[eos if t == P else t for t in row] for row in TINY_IDS]
+    src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
+    write_tiny_nemo(src, ids, TINY_MASKS, target_model=str(tmp_path / "tok"))
+    code, out, err = _convert(capsys, src, dst, "--to", "dspark")
+    assert code == 0, err
+    assert f"pad id {eos} (from the tokenizer in" in out and "3 samples with an ambiguous length" in out
+    assert [int(s["input_ids"].shape[0]) for s in dspark_cache.open_cache(dst).samples()] == [4, 3, 8, 1, 4]
 
 
 def test_layer_ids_without_final_state_keep_both_tensors(tmp_path, capsys):
@@ -242,6 +262,18 @@ def test_different_cache_in_dst_needs_overwrite(small_cache, tmp_path, capsys):
     assert code == 1 and "holds a different cache" in err and "hidden_size: DST has 4" in err
     assert _convert(capsys, dst, ours, "--to", "dspark", "--overwrite")[0] == 0
     assert verify_cache(ours).ok
+
+
+def test_overwrite_never_deletes_through_a_symlink(tmp_path, capsys):
+    src, dst, elsewhere = str(tmp_path / "nemo"), tmp_path / "ours", tmp_path / "elsewhere"
+    write_tiny_nemo(src, TINY_IDS, TINY_MASKS)
+    elsewhere.mkdir()
+    (elsewhere / "precious.tar").write_bytes(b"keep me")
+    dst.mkdir()
+    os.symlink(elsewhere, dst / "shards")
+    code, _, err = _convert(capsys, src, str(dst), "--to", "dspark", "--pad-token-id", str(P), "--overwrite")
+    assert code == 1 and "refusing to delete files through it" in err
+    assert (elsewhere / "precious.tar").read_bytes() == b"keep me"
 
 
 def _cmd(*argv: str) -> list[str]:

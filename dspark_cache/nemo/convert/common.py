@@ -120,16 +120,33 @@ def remove_partials(root: str) -> None:
             os.unlink(os.path.join(root, name))
 
 
+def _empty_cache_dir(path: str) -> None:
+    """Delete the files directly in one of the cache's own directories, never through a link."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        raise ConvertError(f"{path} is not a real directory (a symlink?); refusing to delete files through it. "
+                           "Remove it yourself, or choose another DST")
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        entry = os.path.join(path, name)
+        if os.path.islink(entry) or os.path.isfile(entry):  # unlinking a link removes the link only
+            os.unlink(entry)
+    try:
+        os.rmdir(path)
+    except OSError:  # something we did not write is in there: leave it
+        pass
+
+
 def clear_destination(root: str) -> None:
     """What ``--overwrite`` deletes: the files of either cache layout, nothing else."""
     paths = CachePaths(root)
     for sub in (paths.shards_dir, paths.status_dir, paths.events_dir, os.path.dirname(paths.stop_request)):
-        shutil.rmtree(sub, ignore_errors=True)
+        _empty_cache_dir(sub)
     for index in layout.shard_indices(root):
         os.unlink(layout.shard_path(root, index))
     remove_partials(root)
     for file in (paths.manifest, paths.target_weights):
-        if os.path.exists(file):
+        if os.path.lexists(file):
             os.unlink(file)
 
 

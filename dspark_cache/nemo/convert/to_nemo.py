@@ -108,7 +108,7 @@ def _write_row(fd: int, ranges: dict[str, TensorRange], row: int, sample: dict, 
         pwrite_all(fd, [_tensor_bytes(sample[name])], ranges[name].row_offset(row))
 
 
-def _write_shard(cache: Cache, positions: range, path: str, specs: list[Spec], pad_id: int) -> None:
+def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec], pad_id: int) -> None:
     header, ranges = header_bytes(specs)
     seq = specs[0][2][1]
     partial = path + ".partial"
@@ -143,7 +143,7 @@ def _open_source(src: str) -> Cache:
         raise ConvertError(str(exc)) from exc
 
 
-def _reconcile(dst: str, manifest: dict, shards: list[range], overwrite: bool) -> tuple[set[int], bool]:
+def _reconcile(dst: str, manifest: dict, shards: list[list[int]], overwrite: bool) -> tuple[set[int], bool]:
     """Prepare DST: refuse another cache, clear leftovers; returns (shards to keep, already complete)."""
     existing = _existing_manifest(dst, manifest, overwrite)
     remove_partials(dst)
@@ -164,7 +164,10 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
     require_weights(CachePaths(src).target_weights)
     manifest = nemo_manifest(cache, shard_size or cache.manifest.shard_size)
     size, total = manifest["shard_size"], len(cache)
-    shards = [range(start, min(total, start + size)) for start in range(0, total, size)]
+    # Positions in ascending sample id, whatever order the shards hold them in: NeMo's sample i.
+    ids = cache.sample_ids
+    order = sorted(range(total), key=ids.__getitem__)
+    shards = [order[start : start + size] for start in range(0, total, size)]
     lock = lock_destination(dst)
     try:
         kept, finished = _reconcile(dst, manifest, shards, overwrite)
