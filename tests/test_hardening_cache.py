@@ -236,3 +236,18 @@ def test_repair_never_deletes_through_a_symlinked_shard_dir(small_cache, tmp_pat
     before = sorted(os.listdir(elsewhere))
     assert verify_main([copy, "--repair"]) == 2
     assert sorted(os.listdir(elsewhere)) == before
+
+
+def test_rank_statuses_skip_fifos_and_huge_files(tmp_path):
+    from dspark_cache.format.status import MAX_STATUS_BYTES
+
+    paths = CachePaths(str(tmp_path))
+    os.makedirs(paths.status_dir)
+    os.mkfifo(paths.status(0))
+    with open(paths.status(1), "wb") as handle:
+        handle.write(b" " * (MAX_STATUS_BYTES + 1))
+    done = subprocess.run([sys.executable, "-c", "import sys; from dspark_cache.format.paths import CachePaths; "
+                           "from dspark_cache.format.status import read_rank_statuses; "
+                           "print(len(read_rank_statuses(CachePaths(sys.argv[1]))))", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "0", done.stderr
