@@ -34,3 +34,15 @@ bench: setup
 
 clean:
 	rm -rf .demo .bench .pytest_cache
+
+# Opt-in parity check against NVIDIA's real nemo-automodel (unedited), in its own venv: NeMo pins
+# transformers==5.18, so it never shares .venv. First run creates .venv-nemo (a few minutes, ~3 GB).
+NEMO_VENV := .venv-nemo
+NEMO_AUTOMODEL_VERSION ?= 0.7.0
+NEMO_PARITY_ARGS ?=
+
+.PHONY: test-nemo
+test-nemo: setup
+	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX="$(TORCH_INDEX)" NEMO_AUTOMODEL_VERSION="$(NEMO_AUTOMODEL_VERSION)" \
+		bash tests/nemo_parity/setup_venv.sh $(NEMO_VENV)
+	$(PY) tests/nemo_parity/run.py --nemo-python $(NEMO_VENV)/bin/python $(NEMO_PARITY_ARGS)

@@ -49,6 +49,10 @@ def _hash(t: torch.Tensor) -> str:
     return hashlib.sha1(t.detach().to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:12]
 
 
+def _real_sum(hidden: torch.Tensor, real: torch.Tensor) -> float:
+    return float((hidden.double() * real.unsqueeze(-1)).sum())
+
+
 def _rng_hash() -> str:
     return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12]
 
@@ -80,12 +84,16 @@ def _train(mode: str, seed: int, record_path: str, recipe_argv: list[str]) -> in
         }
 
     def forward_batch(self, batch):
+        pad_id = self.tokenizer.pad_token_id
+        real = batch["input_ids"] != (pad_id if pad_id is not None else -1)
         entry = {
             "rng": _rng_hash(),
             "rows": [_hash(row) for row in batch["input_ids"]],
             "loss_mask": [_hash(row) for row in batch["loss_mask"]],
-            "hidden_sum": float(batch["target_hidden_states"].double().sum()),
-            "last_hidden_sum": float(batch["target_last_hidden_states"].double().sum()),
+            # over the real (non-pad) tokens: NeMo's cache stores the target's states at pad
+            # positions too, dspark's loader zero-fills them; neither reaches the loss
+            "hidden_sum": _real_sum(batch["target_hidden_states"], real),
+            "last_hidden_sum": _real_sum(batch["target_last_hidden_states"], real),
             "shapes": {k: list(v.shape) for k, v in batch.items()},
             "dtypes": {k: str(v.dtype) for k, v in batch.items()},
         }
