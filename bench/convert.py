@@ -121,13 +121,16 @@ def run_child(direction: str, src: str, dst: str, cold: bool, shard_size: int | 
     cmd = [sys.executable, os.path.abspath(__file__), "--child", direction, src, dst]
     if shard_size:
         cmd += ["--shard-size", str(shard_size)]
+    load = os.getloadavg()[0]  # other tenants' work on a 2-core VM shows up here
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
+    result["load_before"] = load
     nemo, ours = (result["after"], result["before"]) if direction == "export" else (result["before"], result["after"])
     result.update(nemo_gbps=nemo / result["seconds"] / 1e9, ours_gbps=ours / result["seconds"] / 1e9,
                   nemo_bytes=nemo, ours_bytes=ours)
     print(f"  {direction} {label}: {result['seconds']:.2f} s, {result['nemo_gbps']:.2f} GB/s "
-          f"NeMo bytes, {result['ours_gbps']:.3f} GB/s our bytes, peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+          f"NeMo bytes, {result['ours_gbps']:.3f} GB/s our bytes, peak RSS {result['peak_rss_mb']:.0f} MB, "
+          f"load before {load:.1f}", flush=True)
     return result
 
 

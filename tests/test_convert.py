@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -218,6 +220,36 @@ def test_bad_shard_names_file_and_reason(tmp_path, capsys):
     assert code == 1 and "shard-000002.safetensors" in err and "truncated" in err
 
 
+def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cache, tmp_path, capsys):
+    src, dst = str(tmp_path / "ours"), str(tmp_path / "nemo")
+    shutil.copytree(small_cache, src)
+    cache = dspark_cache.open_cache(src)
+    entry = min(cache.shards[1].samples, key=lambda e: e.sample_id)  # position 8: NeMo shard 1 of 5-row shards
+    with open(CachePaths(src).shard_tar(1), "r+b") as handle:
+        handle.seek(entry.offset + entry.size - 1)
+        last = handle.read(1)
+        handle.seek(entry.offset + entry.size - 1)
+        handle.write(bytes([last[0] ^ 0xFF]))
+    code, _, err = _convert(capsys, src, dst, "--to", "nemo", "--shard-size", "5")
+    assert code == 1 and "shard-000001.tar" in err and f"sample {entry.sample_id}" in err and "checksum" in err
+    assert layout.shard_indices(dst) == [0] and not [n for n in os.listdir(dst) if n.endswith(".partial")]
+    assert layout.read_manifest(dst, allow_incomplete=True)["complete"] is False
+
+
+def test_late_manifest_fields_default_as_nemo_reads_them(tmp_path, capsys):
+    src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
+    write_tiny_nemo(src, TINY_IDS, TINY_MASKS, mask_reasoning_content=True)
+    manifest_path = os.path.join(src, "manifest.json")
+    with open(manifest_path) as handle:
+        manifest = json.load(handle)
+    del manifest["mask_generation_prompt"]  # written by a NeMo older than the field
+    with open(manifest_path, "w") as handle:
+        json.dump(manifest, handle)
+    assert _convert(capsys, src, dst, "--to", "dspark", "--pad-token-id", str(P))[0] == 0
+    m = dspark_cache.open_cache(dst).manifest
+    assert (m.mask_reasoning_content, m.mask_generation_prompt) == (True, False)
+
+
 def test_pad_id_needed_when_tokenizer_is_not_local(tmp_path, capsys):
     src = str(tmp_path / "nemo")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS)
@@ -247,9 +279,10 @@ def test_wrong_direction_and_same_directory(small_cache, exported, capsys):
 
 def test_different_cache_in_dst_needs_overwrite(small_cache, tmp_path, capsys):
     dst = str(tmp_path / "nemo")
-    assert _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "5")[0] == 0
+    assert _convert(capsys, small_cache, dst, "--to", "nemo")[0] == 0
+    assert layout.read_manifest(dst)["shard_size"] == 8  # the source's
     code, _, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "7")
-    assert code == 1 and "shard_size: DST has 5, this conversion gives 7" in err and "--overwrite" in err
+    assert code == 1 and "shard_size: DST has 8, this conversion gives 7" in err and "--overwrite" in err
     assert len(layout.NemoCacheDataset(dst)) > 0  # refused: the cache there is untouched
     code, _, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "7", "--overwrite")
     assert code == 0, err

@@ -9,7 +9,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from dspark_cache.format.atomic import fsync_dir
 from dspark_cache.format.errors import CacheError
@@ -80,12 +80,26 @@ class Progress:
               f"ETA {eta:.0f} s", file=self.stream, flush=True)
 
 
+def _copy_contents(reader: BinaryIO, writer: BinaryIO) -> None:
+    """In the kernel when it can (``copy_file_range``: no trip through user memory, a reflink on
+    filesystems that have them), else in bounded chunks."""
+    try:
+        while os.copy_file_range(reader.fileno(), writer.fileno(), _COPY_CHUNK):
+            pass
+        return
+    except OSError:  # not supported between these files: start over the plain way
+        reader.seek(0)
+        writer.seek(0)
+        writer.truncate()
+    shutil.copyfileobj(reader, writer, _COPY_CHUNK)
+
+
 def copy_file_atomic(src: str, dst: str) -> None:
-    """Copy ``src`` to ``dst`` in bounded chunks; ``dst`` appears complete or not at all."""
+    """Copy ``src`` to ``dst``; ``dst`` appears complete or not at all."""
     partial = dst + ".partial"
     try:
         with open(src, "rb") as reader, open(partial, "wb") as writer:
-            shutil.copyfileobj(reader, writer, _COPY_CHUNK)
+            _copy_contents(reader, writer)
             writer.flush()
             os.fsync(writer.fileno())
         os.replace(partial, dst)

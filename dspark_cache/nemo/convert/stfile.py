@@ -14,6 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark_cache.nemo.convert.common import ConvertError
@@ -149,6 +150,17 @@ class SafetensorsFile:
                 raise ConvertError(f"{self.path}: short read of {name} row {row} ({got} of {want} bytes); "
                                    "the file changed or is truncated")
         return out
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's bytes in C order, copied only when it is strided. The copy goes through numpy:
+    torch (2.13, CPU) copies a strided column slice such as the final-state columns of
+    ``target_hidden_states`` ~100x slower (8 ms against 0.05 ms for 1 MB)."""
+    same_width = tensor.view(_SAME_WIDTH_INT[tensor.dtype.itemsize]).numpy()
+    return memoryview(np.ascontiguousarray(same_width).reshape(-1).view(np.uint8))
 
 
 def pwrite_all(fd: int, buffers: list[memoryview], offset: int) -> int:

@@ -35,7 +35,9 @@ from dspark_cache.nemo.convert.common import (
     ConvertError, ConvertResult, ConvertUsageError, Progress, check_paths, clear_destination, ensure_weights,
     file_bytes, lock_destination, remove_partials, require_weights,
 )
-from dspark_cache.nemo.convert.stfile import SafetensorsFile, TensorRange, file_size, header_bytes, pwrite_all
+from dspark_cache.nemo.convert.stfile import (
+    SafetensorsFile, TensorRange, file_size, header_bytes, pwrite_all, raw_bytes,
+)
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -93,19 +95,15 @@ def _existing_manifest(dst: str, new: dict, overwrite: bool) -> dict | None:
     return old
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
 def _write_row(fd: int, ranges: dict[str, TensorRange], row: int, sample: dict, pad_id: int) -> None:
     """One sample as row ``row`` of each tensor. The file was sized up front, so what is not
     written (every pad position but the ids') is a hole: zeros."""
     ids = torch.full((ranges["input_ids"].shape[1],), pad_id, dtype=torch.int64)
     ids[: sample[INPUT_IDS].shape[0]] = sample[INPUT_IDS]
-    pwrite_all(fd, [_tensor_bytes(ids)], ranges["input_ids"].row_offset(row))
-    pwrite_all(fd, [_tensor_bytes(sample[LOSS_MASK].to(torch.int64))], ranges["loss_mask"].row_offset(row))
+    pwrite_all(fd, [raw_bytes(ids)], ranges["input_ids"].row_offset(row))
+    pwrite_all(fd, [raw_bytes(sample[LOSS_MASK].to(torch.int64))], ranges["loss_mask"].row_offset(row))
     for name in (HIDDEN, LAST_HIDDEN):
-        pwrite_all(fd, [_tensor_bytes(sample[name])], ranges[name].row_offset(row))
+        pwrite_all(fd, [raw_bytes(sample[name])], ranges[name].row_offset(row))
 
 
 def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec], pad_id: int) -> None:
