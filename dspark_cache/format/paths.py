@@ -12,6 +12,7 @@ SHARDS_DIR = "shards"
 STATUS_DIR = "status"
 EVENTS_DIR = "events"
 STOP_REQUEST = "control/stop"
+LOCK = "control/lock"  # flock-ed by the producer job that owns the directory
 PARTIAL_SUFFIX = ".partial"
 
 _SHARD_INDEX_RE = re.compile(r"^shard-(\d{6})\.idx$")
@@ -51,6 +52,10 @@ class CachePaths:
     @property
     def stop_request(self) -> str:
         return os.path.join(self.root, STOP_REQUEST)
+
+    @property
+    def lock(self) -> str:
+        return os.path.join(self.root, LOCK)
 
     def shard_tar(self, shard_id: int) -> str:
         return os.path.join(self.shards_dir, f"shard-{shard_id:06d}.tar")

@@ -46,12 +46,16 @@ def _init_group(info: RankInfo) -> None:
         dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size, timeout=timedelta(minutes=60))
 
 
-def share_setup(info: RankInfo, error: str | None) -> tuple[str | None, str]:
-    """Rank 0's set-up outcome and a run id, known to every rank; then the group is released.
+def new_run_id() -> str:
+    return secrets.token_hex(8)
 
-    Returns ``(error or None, run_id)``. Other ranks pass ``error=None``.
+
+def share_setup(info: RankInfo, error: str | None, run_id: str) -> tuple[str | None, str]:
+    """Rank 0's set-up outcome and run id, known to every rank; then the group is released.
+
+    Returns ``(error or None, run_id)``. Other ranks pass ``error=None``; their ``run_id`` is replaced.
     """
-    payload = {"error": error, "run_id": secrets.token_hex(8)}
+    payload = {"error": error, "run_id": run_id}
     if info.world_size == 1:
         return payload["error"], payload["run_id"]
     import torch.distributed as dist

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 
 import msgspec
@@ -16,6 +15,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex, decode_manifest, encode_json, identity_diff
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import predict_shard_bytes
+from dspark_cache.producer.layout import CLAIM_PREFIX, check_layout, control_dir, remove_files, written_files
 from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -45,12 +45,12 @@ def write_manifest(paths: CachePaths, manifest: Manifest) -> None:
 
 
 def clear_cache(paths: CachePaths) -> None:
-    """What ``--overwrite`` deletes: everything this tool writes, nothing else."""
-    for sub in (paths.shards_dir, paths.status_dir, paths.events_dir, os.path.dirname(paths.stop_request)):
-        shutil.rmtree(sub, ignore_errors=True)
-    for file in (paths.manifest, paths.target_weights):
-        if os.path.exists(file):
-            os.unlink(file)
+    """What ``--overwrite`` deletes: the files this tool writes, one by one; not the lock, nothing else.
+
+    The caller holds the lock and has checked that the cache's directories are real ones.
+    """
+    check_layout(paths)
+    remove_files(written_files(paths))
 
 
 def check_existing(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifest | None:
@@ -116,9 +116,9 @@ def published_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[i
 
 def claim_completion(paths: CachePaths, run_id: str) -> bool:
     """True for exactly one rank of a run: the one that creates the claim file first."""
-    os.makedirs(os.path.dirname(paths.stop_request), exist_ok=True)
+    os.makedirs(control_dir(paths), exist_ok=True)
     try:
-        fd = os.open(os.path.join(os.path.dirname(paths.stop_request), f"complete-{run_id}"),
+        fd = os.open(os.path.join(control_dir(paths), f"{CLAIM_PREFIX}{run_id}"),
                      os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False

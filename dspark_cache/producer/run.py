@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -21,9 +22,11 @@ from dspark_cache.format.schema import Manifest
 from dspark_cache.producer.chat import ChatEncoder, resolve_chat_template, sha256_text, tokenizer_sha256
 from dspark_cache.producer.config import ProduceConfig, validate_config
 from dspark_cache.producer.distributed import (
-    RankInfo, assign_shards, await_other_ranks, barrier_before_setup, rank_info, share_setup,
+    RankInfo, assign_shards, await_other_ranks, barrier_before_setup, new_run_id, rank_info, share_setup,
 )
 from dspark_cache.producer.inputs import InputError, InputSource, RawRow
+from dspark_cache.producer.layout import check_layout, control_dir, heartbeat_files, remove_files
+from dspark_cache.producer.lock import DirectoryLock, lock_exclusive, lock_shared
 from dspark_cache.producer.manifest import (
     check_existing, claim_completion, library_versions, mark_complete, published_shards, read_manifest_file,
     write_manifest,
@@ -124,8 +127,12 @@ class Prepared:
     compute_dtype: str
 
 
-def prepare(cfg: ProduceConfig) -> Prepared:
-    """Validate and plan (identical on every rank); nothing is written yet."""
+def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | None = None) -> Prepared:
+    """Validate and plan (identical on every rank); nothing is written yet.
+
+    ``before_planning`` runs once the cheap checks have passed and before the input is read
+    (rank 0 takes the directory's lock there, so that a second producer is refused at once).
+    """
     validate_config(cfg)
     template = resolve_chat_template(cfg.chat_template) if cfg.chat_template else None
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
@@ -135,6 +142,9 @@ def prepare(cfg: ProduceConfig) -> Prepared:
     source = InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed)
     device = resolve_device(cfg.device)
     compute_dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    paths = CachePaths(cfg.output_dir)
+    if before_planning is not None:
+        before_planning(paths)
     tokenizer = _load_tokenizer(cfg, template)
     encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
     shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype])
@@ -144,11 +154,12 @@ def prepare(cfg: ProduceConfig) -> Prepared:
              len(plan.shards), plan.num_bytes / 1e6)
     manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, source, compute_dtype)
     crash_point("planned")
-    return Prepared(cfg, info, layer_ids, shape, plan, manifest, CachePaths(cfg.output_dir), device, compute_dtype)
+    return Prepared(cfg, info, layer_ids, shape, plan, manifest, paths, device, compute_dtype)
 
 
 def setup_directory(p: Prepared) -> Manifest | None:
-    """Rank 0 only: refuse a mismatch, clean leftovers, check space; returns the existing manifest."""
+    """Rank 0 only, holding the lock: refuse a mismatch, clean leftovers, check space; returns the existing manifest."""
+    check_layout(p.paths)  # again: planning may have taken hours
     os.makedirs(p.paths.root, exist_ok=True)
     existing = check_existing(p.paths, p.manifest, p.cfg.overwrite)
     p.paths.ensure_dirs()
@@ -165,11 +176,15 @@ def setup_directory(p: Prepared) -> Manifest | None:
 
 
 def _forget_other_runs(paths: CachePaths) -> None:
-    """Earlier runs' heartbeats and completion claims describe no live process."""
-    for directory in (paths.status_dir, os.path.dirname(paths.stop_request)):
-        if os.path.isdir(directory):
-            for name in os.listdir(directory):
-                os.unlink(os.path.join(directory, name))
+    """Earlier runs' heartbeats, stop requests and completion claims describe no live process (we hold the lock)."""
+    remove_files(heartbeat_files(paths))
+
+
+def take_directory(paths: CachePaths, run_id: str, me: RankInfo, overwrite: bool) -> DirectoryLock | None:
+    """Rank 0, before reading the input: refuse a linked-out layout, then lock the directory."""
+    check_layout(paths)
+    os.makedirs(control_dir(paths), exist_ok=True)
+    return lock_exclusive(paths, run_id, me.world_size, overwrite)
 
 
 def ensure_target_weights(p: Prepared, runner: TargetRunner | None) -> None:
@@ -265,22 +280,40 @@ def produce(cfg: ProduceConfig) -> RunResult:
     """Run this rank of the producer; bad input or configuration raises before device work."""
     started = time.time()
     me = rank_info()
-    p = prepare(cfg)
-    barrier_before_setup(me)
-    error, existing = None, None
-    if me.is_leader:
-        try:
-            existing = setup_directory(p)
-        except Exception as exc:
-            error = str(exc)
-            if me.world_size == 1:
-                raise
-    error, run_id = share_setup(me, error)
-    if error:
-        raise CacheError(error if me.is_leader else f"rank 0 could not prepare {p.paths.root}: {error}")
-    if not me.is_leader:
-        existing = read_manifest_file(p.paths)
+    run_id = new_run_id()  # rank 0's is the job's: share_setup hands it to every rank
+    lock: DirectoryLock | None = None
 
+    def take(paths: CachePaths) -> None:
+        nonlocal lock
+        if me.is_leader:
+            lock = take_directory(paths, run_id, me, cfg.overwrite)
+
+    try:
+        p = prepare(cfg, take)
+        barrier_before_setup(me)
+        error, existing = None, None
+        if me.is_leader:
+            try:
+                existing = setup_directory(p)
+                if lock is not None and me.world_size > 1:
+                    lock.share()  # the job's other ranks join it from here on
+            except Exception as exc:
+                error = str(exc)
+                if me.world_size == 1:
+                    raise
+        error, run_id = share_setup(me, error, run_id)
+        if error:
+            raise CacheError(error if me.is_leader else f"rank 0 could not prepare {p.paths.root}: {error}")
+        if not me.is_leader:
+            lock = lock_shared(p.paths)
+            existing = read_manifest_file(p.paths)
+        return _run_locked(p, me, run_id, existing, started)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(p: Prepared, me: RankInfo, run_id: str, existing: Manifest | None, started: float) -> RunResult:
     status = StatusReporter(p.paths, me.rank, me.world_size, run_id)
     status.start_heartbeat()
     stop = StopFlag(p.paths)

@@ -50,11 +50,11 @@ class StatusReporter:
             self._beat.join()
 
     def event(self, kind: str, message: str, **data: Any) -> None:
-        """Append one event line (O_APPEND keeps lines whole across restarts)."""
+        """Append one event line (O_APPEND keeps lines whole across restarts; a symlinked log is not followed)."""
         line = encode_json(Event(time=time.time(), rank=self.rank, kind=kind, message=message, data=data)) + b"\n"
         os.makedirs(self.paths.events_dir, exist_ok=True)
         with self._lock:
-            fd = os.open(self.paths.events(self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.paths.events(self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 os.write(fd, line)
             finally:

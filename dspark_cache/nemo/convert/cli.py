@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--to dspark: the id NeMo padded rows with (default: the tokenizer's pad token, or its eos "
                    "when it has none; required when target_model is not a local tokenizer directory)")
     p.add_argument("--eos-token-id", type=int, default=None, metavar="N",
-                   help="--to dspark: the tokenizer's eos id, when it cannot be loaded (decides NeMo's pad == eos rule)")
+                   help="--to dspark: the tokenizer's eos id, when it cannot be loaded (decides NeMo's pad == eos "
+                   "rule)")
     p.add_argument("--shard-size", type=int, default=None, metavar="N",
                    help="--to nemo: samples per NeMo shard (default: the source's shard_size)")
     p.add_argument("--overwrite", action="store_true",

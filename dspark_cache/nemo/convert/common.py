@@ -59,7 +59,7 @@ class Progress:
     def __init__(self, total_shards: int, total_bytes: int, stream: TextIO | None = sys.stderr) -> None:
         self.total_shards, self.total_bytes, self.stream = total_shards, total_bytes, stream
         self.started = time.perf_counter()
-        self.bytes_done = 0  # source bytes of the shards converted in this run
+        self.bytes_done = 0  # NeMo-layout (padded) bytes of the shards converted in this run, either way
         self.bytes_todo = total_bytes
 
     def kept(self, shards: int, nbytes: int) -> None:

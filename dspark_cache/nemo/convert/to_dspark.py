@@ -171,7 +171,8 @@ def _versions() -> dict[str, str]:
             "tokenizers": version("tokenizers")}
 
 
-def _row_tensors(handle: SafetensorsFile, row: int, sid: int, length: int, shape: SampleShape) -> dict[str, torch.Tensor]:
+def _row_tensors(handle: SafetensorsFile, row: int, sid: int, length: int,
+                 shape: SampleShape) -> dict[str, torch.Tensor]:
     hidden = handle.read("target_hidden_states", row, length)
     last = handle.read("target_last_hidden_states", row, length)
     tensors = {HIDDEN: hidden, INPUT_IDS: handle.read("input_ids", row, length).to(torch.int32),

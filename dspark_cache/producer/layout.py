@@ -1,0 +1,116 @@
+"""The cache's own directories: refuse symlinks, and know which files this tool wrote.
+
+The producer deletes files in ``shards/``, ``status/``, ``events/`` and ``control/`` (leftovers
+on resume, earlier runs' heartbeats, everything it wrote on ``--overwrite``). Through a symlink
+that would delete files outside the cache, so a cache whose sub-directories are not real
+directories is refused before anything is deleted or written. Deletion is file by file, of
+names this tool writes (as :class:`CachePaths` spells them), never a tree and never through a link.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable, Iterator
+
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.paths import CachePaths
+
+_NUMBER = re.compile(r"\d+")
+_TMP_SUFFIX = ".tmp"  # format.atomic's temporaries: f"{path}.{pid}.{thread}.tmp"
+CLAIM_PREFIX = "complete-"  # control/complete-<run id>: the rank that marks a run's cache complete
+
+
+class CacheLayoutError(CacheError):
+    """A directory of the cache is a symlink or not a directory at all."""
+
+
+def control_dir(paths: CachePaths) -> str:
+    return os.path.dirname(paths.stop_request)
+
+
+def cache_dirs(paths: CachePaths) -> list[str]:
+    return [paths.shards_dir, paths.status_dir, paths.events_dir, control_dir(paths)]
+
+
+def check_layout(paths: CachePaths) -> None:
+    """Refuse a cache whose own directories are symlinks or other non-directories.
+
+    The output directory itself may be a symlink (the user chose where the cache lives); its
+    sub-directories may not: the producer deletes files in them.
+    """
+    if os.path.lexists(paths.root) and not os.path.isdir(paths.root):
+        raise CacheLayoutError(f"--output-dir {paths.root} exists and is not a directory; choose another --output-dir")
+    for sub in cache_dirs(paths):
+        if os.path.islink(sub):
+            raise CacheLayoutError(
+                f"{sub} is a symbolic link (to {os.readlink(sub)}); dspark-produce deletes and replaces files in "
+                "this directory, so it refuses to follow a link out of the cache. Replace the link with a real "
+                "directory (moving in the files that belong to this cache), or choose another --output-dir"
+            )
+        if os.path.lexists(sub) and not os.path.isdir(sub):
+            raise CacheLayoutError(
+                f"{sub} is not a directory; the cache needs a directory there. Remove or rename it, "
+                "or choose another --output-dir"
+            )
+    if os.path.islink(paths.lock) or (os.path.lexists(paths.lock) and not os.path.isfile(paths.lock)):
+        raise CacheLayoutError(
+            f"{paths.lock} is not a regular file; it is the cache's lock file. Remove it (no producer can be "
+            "holding it), or choose another --output-dir"
+        )
+
+
+def _made_by(name: str, makers: list[Callable[[int], str]]) -> bool:
+    """``name`` is ``basename(make(n))`` for some number in it, or an atomic-write temporary of one."""
+    for digits in set(_NUMBER.findall(name)):
+        for make in makers:
+            base = os.path.basename(make(int(digits)))
+            if name == base or (name.startswith(base + ".") and name.endswith(_TMP_SUFFIX)):
+                return True
+    return False
+
+
+def _entries(directory: str) -> Iterator[tuple[str, str]]:
+    """(name, path) of the non-directory entries of a real directory (links listed, not followed)."""
+    if os.path.islink(directory) or not os.path.isdir(directory):
+        return
+    for entry in os.scandir(directory):
+        if not entry.is_dir(follow_symlinks=False):
+            yield entry.name, entry.path
+
+
+def _is_temporary_of(name: str, path: str) -> bool:
+    base = os.path.basename(path)
+    return name.startswith(base + ".") and name.endswith(_TMP_SUFFIX)
+
+
+def heartbeat_files(paths: CachePaths) -> list[str]:
+    """Status files and completion claims of earlier runs (never the lock, never events)."""
+    out = [p for n, p in _entries(paths.status_dir) if _made_by(n, [paths.status])]
+    stop = os.path.basename(paths.stop_request)
+    out += [p for n, p in _entries(control_dir(paths)) if n == stop or n.startswith(CLAIM_PREFIX)]
+    return out
+
+
+def written_files(paths: CachePaths) -> list[str]:
+    """Every file this tool writes in the cache, except the lock: what ``--overwrite`` deletes."""
+    out = [p for n, p in _entries(paths.shards_dir)
+           if _made_by(n, [paths.shard_index, paths.shard_tar, paths.shard_partial])]
+    out += paths.partial_files() if not os.path.islink(paths.shards_dir) else []
+    out += [p for n, p in _entries(paths.events_dir) if _made_by(n, [paths.events])]
+    out += heartbeat_files(paths)
+    for n, p in _entries(paths.root):
+        if any(n == os.path.basename(f) or _is_temporary_of(n, f) for f in (paths.manifest, paths.target_weights)):
+            out.append(p)
+    return sorted(set(out))
+
+
+def remove_files(files: list[str]) -> None:
+    """Unlink each path (a symlink is removed itself, its target never touched)."""
+    for path in files:
+        if os.path.isdir(path) and not os.path.islink(path):
+            continue  # a directory where a file of ours would be is not ours
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
