@@ -27,6 +27,12 @@ BAD_ROWS = [
     (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "invalid UTF-8", "invalid UTF-8"),
     (b"\x89PNG\x1a\x00\x00\x00\rIHDR\xff\xfe\x00", "invalid UTF-8", "invalid UTF-8"),  # binary garbage
     ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown role", "unknown 'from'"),
+    # Hostile rows: nesting deep enough to overflow a recursive decoder (in a field nobody reads),
+    # and a JSON escape that decodes to a lone UTF-16 surrogate no tokenizer accepts.
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "meta": '
+     + "[" * 5000 + "]" * 5000 + "}", "nested too deeply", "more than 100 levels deep"),
+    ('{"messages": [{"role": "user", "content": "bad \\ud800"}, {"role": "assistant", "content": "yo"}]}',
+     "lone surrogate", "message 0 content holds a lone UTF-16 surrogate"),
 ]
 
 

@@ -1,7 +1,9 @@
-"""Adversarial inputs to dspark-produce: linked-out cache directories, concurrent producers."""
+"""Adversarial inputs to dspark-produce: linked-out cache directories, concurrent producers,
+rows that are too long or too big, and the memory a huge row costs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -10,9 +12,12 @@ import subprocess
 import sys
 
 import pytest
+from transformers import AutoTokenizer
 
 from dspark_cache.embedded.data import sample_rows
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.producer.chat import ChatEncoder
+from dspark_cache.producer.messages import normalise_row
 from dspark_cache.verify import verify_cache
 from tests.conftest import produce_args, run_produce, write_jsonl
 from tests.proc import producer_cmd, run, start, wait_for
@@ -170,3 +175,106 @@ def test_every_rank_of_a_job_holds_the_lock(tmp_path):
         for proc in ranks:
             proc.kill()
             proc.wait()
+
+
+# --- 3. Hostile rows: invalid rows with file:line, under both policies ------------------------
+
+def test_a_row_over_max_row_bytes_is_an_invalid_row(embedded, tmp_path, capsys):
+    long = {"messages": [{"role": "user", "content": "word " * 2000}, {"role": "assistant", "content": "ok"}]}
+    data = write_jsonl(tmp_path / "d.jsonl", [GOOD, long, GOOD])
+    out = str(tmp_path / "out")
+    assert run_produce(embedded.stock, data, out, *ARGS, "--max-row-bytes", "4096") == 1
+    err = capsys.readouterr().err
+    assert "d.jsonl:2: the row is 10" in err and "over --max-row-bytes 4096" in err and "--on-invalid skip" in err
+    assert run_produce(embedded.stock, data, out, *ARGS, "--max-row-bytes", "4096", "--on-invalid", "skip") == 0
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert m["skipped_rows"] == {"row too long": 1} and m["skipped"][0]["where"] == f"{data}:2"
+    assert m["num_samples"] == 2
+
+
+def test_a_row_the_chat_template_refuses_is_an_invalid_row(embedded, tmp_path, capsys):
+    template = ("{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    boom = {"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "ok"}]}
+    data = write_jsonl(tmp_path / "d.jsonl", [GOOD, boom, GOOD])
+    out = str(tmp_path / "out")
+    assert run_produce(embedded.stock, data, out, *ARGS, "--chat-template", template) == 1
+    err = capsys.readouterr().err
+    assert "d.jsonl:2: the chat template or tokenizer failed on this row" in err and "no boom here" in err
+    assert run_produce(embedded.stock, data, out, *ARGS, "--chat-template", template, "--on-invalid", "skip") == 0
+    m = json.load(open(os.path.join(out, "manifest.json")))
+    assert m["skipped_rows"] == {"cannot encode": 1} and m["num_samples"] == 2
+
+
+# --- 4. Memory per row follows --seq-length, not the row ---------------------------------------
+
+MEASURE = """
+import json, sys
+from transformers import AutoTokenizer
+from dspark_cache.producer.chat import ChatEncoder
+from dspark_cache.producer.inputs import InputSource
+from dspark_cache.producer.messages import normalise_row
+
+def rss(field):
+    with open("/proc/self/status") as handle:
+        return next(int(l.split()[1]) * 1024 for l in handle if l.startswith(field))
+
+encoder = ChatEncoder(AutoTokenizer.from_pretrained(sys.argv[1]), 2048, True, True)
+with open("/proc/self/clear_refs", "w") as handle:
+    handle.write("5")  # reset the peak (VmHWM) to what is resident now
+base = rss("VmRSS:")
+rows = [encoder.encode(*normalise_row(row.value)) for row in InputSource(sys.argv[2]).rows()]
+print(json.dumps({"grew": rss("VmHWM:") - base, "lengths": [len(r.input_ids) for r in rows],
+                  "exact": [getattr(r, "full_length_exact", None) for r in rows]}))
+"""
+
+
+def test_a_huge_row_costs_memory_for_seq_length_tokens_not_for_the_row(embedded, tmp_path):
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux /proc/self/clear_refs to measure peak memory")
+    words = " ".join(itertools.islice(itertools.cycle("the model reads a shard of cached states".split()), 2_000_000))
+    row = {"messages": [{"role": "user", "content": "summarise"},
+                        {"role": "assistant", "content": words, "reasoning_content": "think " * 50}]}
+    data = write_jsonl(tmp_path / "big.jsonl", [row])
+    size = os.path.getsize(data)  # ~10 MB on one line
+    proc = run([sys.executable, "-c", MEASURE, embedded.stock, data], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Tokenising the whole row took ~127 bytes per input byte; the row itself is held a few times.
+    assert result["grew"] < 10 * size, f"peak grew by {result['grew'] / 1e6:.0f} MB for a {size / 1e6:.0f} MB row"
+    assert result["lengths"] == [2048] and result["exact"] == [False]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(embedded):
+    return {"stock": AutoTokenizer.from_pretrained(embedded.stock),
+            "generation": AutoTokenizer.from_pretrained(embedded.generation)}
+
+
+@pytest.mark.parametrize("variant", ["stock", "generation"])
+def test_prefix_tokenisation_gives_the_whole_rows_ids_and_mask(tokenizers, variant):
+    """Forced onto the bounded path (tiny prefixes, many growth steps), every row of the sample
+    data, truncated anywhere, with each masking rule, encodes exactly as the whole render does."""
+    rows = []
+    for raw in sample_rows(40, seed=11):
+        try:
+            rows.append(normalise_row(raw))
+        except Exception:
+            continue
+    tok = tokenizers[variant]
+    bounded_rows = 0
+    for seq, reasoning, prompt in itertools.product((12, 96, 700), (False, True), (False, True)):
+        whole = ChatEncoder(tok, seq, reasoning, prompt)
+        whole.exact_chars = 1 << 40
+        cut = ChatEncoder(tok, seq, reasoning, prompt)
+        cut.exact_chars, cut.chars_per_token_guess = 0, 1
+        for messages, tools in rows:
+            a, b = whole.encode(messages, tools), cut.encode(messages, tools)
+            assert b.input_ids.tolist() == a.input_ids.tolist(), (seq, reasoning, prompt, messages)
+            assert b.loss_mask.tolist() == a.loss_mask.tolist(), (seq, reasoning, prompt, messages)
+            if b.full_length_exact:
+                assert b.full_length == a.full_length
+            else:
+                assert a.full_length >= b.full_length > seq
+                bounded_rows += 1
+    assert bounded_rows > 100  # the bounded path was the one tested

@@ -11,6 +11,14 @@ mask NeMo's rule means. ``mask_reasoning_content`` clears the supervision of eac
 ``reasoning_content`` span (found by re-rendering without it), as NeMo does.
 ``mask_generation_prompt`` clears, in each assistant turn, the tokens the template's generation
 prompt supplies at inference (role header, an inserted empty think block), with NeMo 0.7.0's rule.
+
+Memory per row is bounded by ``seq_length``, not by the row: a render longer than
+``EXACT_CHARS`` (and than ``seq_length`` tokens could span) is tokenised only as far as the
+kept tokens need. A cut text's tokens are the full text's except in its last few pre-tokenizer
+words (byte-level BPE merges never cross a word), so the prefix grows until ``seq_length``
+tokens lie before those words; ids and mask are then the ones the whole text gives. The rules
+that compare two renders token by token (reasoning, generation prompt) do the same on prefixes
+and, for the reasoning rule's common suffix, on windows cut where both renders re-align.
 """
 
 from __future__ import annotations
@@ -26,9 +34,17 @@ from typing import Any
 
 import numpy as np
 
+from dspark_cache.producer.messages import InvalidRow
+
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
+
+EXACT_CHARS = 1 << 16  # renders up to this many characters are tokenised whole (exact length)
+CHARS_PER_TOKEN_GUESS = 8  # first prefix: this many characters per wanted token
+MAX_CHARS_PER_TOKEN = 64  # the prefix stops growing here (an unbroken "word" longer than that at the cut)
+UNSTABLE_WORDS = 3  # a cut can change the tokens of its last few pre-tokenizer words, never earlier ones
 
 
 class ChatTemplateError(ValueError):
@@ -71,13 +87,98 @@ def tokenizer_sha256(tokenizer: Any) -> str:
 class EncodedRow:
     input_ids: np.ndarray  # int32 [L], L <= seq_length
     loss_mask: np.ndarray  # uint8 [L]
-    full_length: int  # tokens before truncation
+    full_length: int  # tokens before truncation; a lower bound (> seq_length) when not full_length_exact
+    full_length_exact: bool = True  # False: the row was too long to tokenise whole
+
+
+@dataclass
+class Tokens:
+    """The first tokens of a text: all of them (``complete``) or a prefix known to equal the full text's."""
+
+    ids: list[int]
+    starts: list[int]
+    ends: list[int]
+    complete: bool
+    word_ids: list[int | None] | None = None
+    stable: int = 0  # of a cut text's tokens, how many lead the whole text's too
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _stable_count(word_ids: list[int | None], ends: list[int] | None = None, guard: int | None = None) -> int:
+    """Leading tokens of a cut text that the whole text shares: all but its last few words'.
+
+    ``guard``: the first character an added (special) token cut by the end of the text could
+    start at; the partial token is ordinary text in the cut, so the words from there are unstable too.
+    """
+    words = [w for w in word_ids if w is not None]
+    if not words:
+        return 0
+    last_word = words[-1]
+    if guard is not None and ends is not None:
+        last_word = min(last_word, next((w for w, e in zip(word_ids, ends) if w is not None and e > guard), last_word))
+    last_stable = last_word - UNSTABLE_WORDS
+    for i in range(len(word_ids) - 1, -1, -1):
+        if word_ids[i] is not None and word_ids[i] <= last_stable:
+            return i + 1
+    return 0
+
+
+def _kept_end(toks: Tokens, keep: int) -> int:
+    """The character where the first ``keep`` tokens end."""
+    return toks.ends[min(keep, len(toks)) - 1] if len(toks) else 0
+
+
+def _realign(a: Tokens, b: Tokens, same_from: int, shift: int) -> tuple[int, int] | None:
+    """Token indices ``(i, j)`` where ``a`` and ``b`` both start a word at the same place of their
+    common text (``a``'s character ``p >= same_from``, ``b``'s ``p - shift``), both among their
+    stable tokens; from there on both texts tokenise alike. Complete texts re-align at their ends.
+    """
+    wa, wb = a.word_ids or [], b.word_ids or []
+    sa, sb = a.stable, b.stable
+    starts_b = {b.starts[j]: j for j in range(min(sb, len(wb)))
+                if wb[j] is not None and (j == 0 or wb[j] != wb[j - 1])}
+    for i in range(min(sa, len(wa))):
+        if a.starts[i] < same_from or wa[i] is None or (i and wa[i] == wa[i - 1]):
+            continue
+        j = starts_b.get(a.starts[i] - shift)
+        if j is not None:
+            return i, j
+    return (len(a), len(b)) if a.complete and b.complete else None
+
+
+def _find_surrogate(messages: list[dict[str, Any]], text: str) -> str:
+    """Where the first lone surrogate is: a message's content if it is there, else the render."""
+    where, m = "the rendered conversation", _SURROGATE.search(text)
+    for i, message in enumerate(messages):
+        found = [(key, hit) for key in ("content", "reasoning_content")
+                 if isinstance(message.get(key), str) and (hit := _SURROGATE.search(message[key]))]
+        if found:
+            where, m = f"message {i} {found[0][0]}", found[0][1]
+            break
+    assert m is not None
+    return f"{where} holds a lone UTF-16 surrogate (\\u{ord(m.group()):04x}) at character {m.start()}"
 
 
 def _common_prefix(a: str | list[int], b: str | list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
+    if isinstance(a, str) and isinstance(b, str):  # long renders: compare in blocks first
+        block = 4096
+        while i + block <= n and a[i : i + block] == b[i : i + block]:
+            i += block
     while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _common_suffix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i, block = 0, 4096
+    while i + block <= n and a[len(a) - i - block : len(a) - i] == b[len(b) - i - block : len(b) - i]:
+        i += block
+    while i < n and a[len(a) - 1 - i] == b[len(b) - 1 - i]:
         i += 1
     return i
 
@@ -135,6 +236,11 @@ class ChatEncoder:
             if "enable_thinking" in tokenizer.chat_template else [{}]
         )
         self.has_generation_blocks = bool(GENERATION_BLOCK.search(tokenizer.chat_template))
+        # An added token cut by the end of a prefix is text there: no token from that far back is certain.
+        self.guard_chars = max((len(t) for t in tokenizer.get_added_vocab()), default=0)
+        # Bounds of the prefix tokenisation (attributes, so that tests can force the bounded path).
+        self.exact_chars = EXACT_CHARS
+        self.chars_per_token_guess = CHARS_PER_TOKEN_GUESS
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
         if not messages:
@@ -144,18 +250,106 @@ class ChatEncoder:
     def _tokenize(self, text: str, offsets: bool = False) -> Any:
         return self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
 
-    def _assistant_spans(self, messages: list[dict[str, Any]], tools: Any, full: str) -> list[tuple[int, int]]:
+    def _encode_text(self, text: str) -> Tokens:
+        enc = self._tokenize(text, offsets=True)
+        starts = [a for a, _ in enc["offset_mapping"]]
+        ends = [b for _, b in enc["offset_mapping"]]
+        return Tokens(list(enc["input_ids"]), starts, ends, complete=True, word_ids=enc.word_ids())
+
+    def _cut_tokens(self, text: str, n: int) -> Tokens:
+        """Tokens of ``text[:n]``, with how many of them lead ``text``'s own tokens (``stable``)."""
+        if n >= len(text):
+            toks = self._encode_text(text)
+            toks.stable = len(toks)
+            return toks
+        toks = self._encode_text(text[:n])
+        toks.complete = False
+        toks.stable = _stable_count(toks.word_ids or [], toks.ends, n - self.guard_chars)
+        return toks
+
+    def tokens(self, text: str, limit: int) -> Tokens:
+        """At least the first ``limit`` tokens of ``text`` (all, when it has no more), bounded memory.
+
+        Short texts are tokenised whole. A longer one is tokenised by prefixes, doubled until
+        ``limit`` tokens precede its last ``UNSTABLE_WORDS`` words; those tokens are the whole
+        text's. Past ``(limit + 1) * MAX_CHARS_PER_TOKEN`` characters (a single unbroken word
+        that long at the cut) the prefix's first tokens are taken as they are.
+        """
+        n = max(self.exact_chars, limit * self.chars_per_token_guess)
+        cap = max(n, (limit + 1) * MAX_CHARS_PER_TOKEN)
+        while True:
+            cut = self._cut_tokens(text, n)
+            if cut.complete:
+                return cut
+            if cut.stable >= limit or n >= cap:
+                keep = cut.stable if cut.stable >= limit else min(limit, len(cut))
+                return Tokens(cut.ids[:keep], cut.starts[:keep], cut.ends[:keep], complete=False,
+                              word_ids=(cut.word_ids or [])[:keep], stable=keep)
+            n = min(2 * n, cap)
+
+    def _assistant_spans(self, messages: list[dict[str, Any]], tools: Any, full: str,
+                         until: int | None = None) -> list[tuple[int, int]]:
+        """Character spans of the assistant turns in ``full``; those starting at ``until`` or later are left out."""
         spans = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:k], tools)
             start = len(before) if full.startswith(before) else _common_prefix(before, full)
+            if until is not None and start >= until:
+                continue  # supervises no kept token
             end = _turn_end(self.render(messages[: k + 1], tools), full, start)
             spans.append((start, end))
         return spans
 
-    def _mask_reasoning(self, messages: list[dict[str, Any]], tools: Any, full: str, ids: list[int], mask: np.ndarray) -> None:
+    def _render_with_generation_spans(self, messages: list[dict[str, Any]], tools: Any) -> tuple[str, list] | None:
+        """What ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders, and its spans."""
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+        except ImportError:  # pragma: no cover - other transformers versions
+            return None
+        tok = self.tokenizer
+        rendered, indices = render_jinja_template(
+            conversations=[[{k: v for k, v in m.items() if v is not None} for m in messages]],
+            tools=tools, documents=None, chat_template=tok.get_chat_template(None, tools),
+            return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
+            **tok.special_tokens_map,
+        )
+        return rendered[0], indices[0]
+
+    def _generation_mask(self, messages: list[dict[str, Any]], tools: Any, full: str,
+                         limit: int) -> tuple[Tokens, np.ndarray]:
+        """Tokens inside ``{% generation %}`` blocks, as transformers marks them (a token overlapping a block)."""
+        if len(full) <= self.exact_chars:
+            enc = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids = list(enc["input_ids"])
+            return Tokens(ids, [], [], complete=True), np.asarray(enc["assistant_masks"], dtype=np.uint8)
+        rendered = self._render_with_generation_spans(messages, tools)
+        if rendered is None or rendered[0] != full:
+            _warn_once("render generation blocks of a long row by prefix")
+            enc = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            mask = np.asarray(enc["assistant_masks"], dtype=np.uint8)
+            return Tokens(list(enc["input_ids"]), [], [], complete=True), mask
+        spans = rendered[1]
+        toks = self.tokens(full, limit)
+        mask = np.zeros(len(toks), dtype=np.uint8)
+        span = 0
+        for i, (start, end) in enumerate(zip(toks.starts, toks.ends)):
+            while span < len(spans) and start >= spans[span][1]:
+                span += 1
+            if span == len(spans):
+                break
+            if end > spans[span][0]:
+                mask[i] = 1
+        return toks, mask
+
+    def _mask_reasoning(self, messages: list[dict[str, Any]], tools: Any, full: str, toks: Tokens,
+                        mask: np.ndarray, keep: int) -> None:
+        """Unsupervise each non-empty ``reasoning_content``: the tokens that differ from the render without it."""
         for k, message in enumerate(messages):
             if message["role"] != "assistant" or not message.get("reasoning_content"):
                 continue
@@ -164,28 +358,75 @@ class ChatEncoder:
             other_text = self.render(cleared, tools)
             if other_text == full:  # the template does not render this turn's reasoning
                 continue
-            other = self._tokenize(other_text)["input_ids"]
-            head = _common_prefix(ids, other)
-            tail = _common_prefix(ids[::-1], other[::-1])
-            tail = min(tail, len(ids) - head, len(other) - head)
-            mask[head : len(ids) - tail] = 0
+            if toks.complete:
+                head, end = self._reasoning_range(toks.ids, self._tokenize(other_text)["input_ids"])
+            else:
+                head, end = self._reasoning_range_bounded(full, other_text, toks, keep)
+            mask[head:end] = 0
+
+    @staticmethod
+    def _reasoning_range(ids: list[int], other: list[int]) -> tuple[int, int]:
+        """The tokens of ``ids`` outside the longest common token prefix and suffix with ``other``."""
+        head = _common_prefix(ids, other)
+        tail = _common_prefix(ids[::-1], other[::-1])
+        tail = min(tail, len(ids) - head, len(other) - head)
+        return head, len(ids) - tail
+
+    def _reasoning_range_bounded(self, full: str, other: str, toks: Tokens, keep: int) -> tuple[int, int]:
+        """``_reasoning_range`` of the whole texts' tokens, within the kept ones, from bounded tokenisations."""
+        kept_end = _kept_end(toks, keep)  # character where the kept tokens end
+        suffix = _common_suffix(full, other)
+        same_from = len(full) - suffix  # full[same_from:] == other[same_from - shift:]
+        if same_from >= kept_end:
+            # The common token suffix covers only text from same_from on: no kept token is in it.
+            other_toks = self.tokens(other, keep)
+            return _common_prefix(toks.ids[:keep], other_toks.ids[:keep]), keep
+        # The renders differ inside the kept text: tokenise both up to the same point past the
+        # difference and find a word boundary where both tokenisations re-align; from there on
+        # both are the tokens of the same text.
+        shift = len(full) - len(other)
+        margin = max(4096, self.chars_per_token_guess * 64)
+        cap = max(margin, keep * MAX_CHARS_PER_TOKEN)
+        while True:
+            z = min(len(full), kept_end + margin)
+            a = self._cut_tokens(full, z)
+            b = self._cut_tokens(other, z - shift)
+            found = _realign(a, b, same_from, shift)
+            if found is not None:
+                # full = a[:i] + T and other = b[:j] + T token-wise, T the tokens of full[start_i:].
+                i, j = found
+                head = _common_prefix(a.ids[: a.stable], b.ids[: b.stable])
+                xa, xb = a.ids[:i], b.ids[:j]
+                tail = min(_common_prefix(xa[::-1], xb[::-1]), len(xa) - head, len(xb) - head)
+                return head, len(xa) - tail
+            if z == len(full) or margin >= cap:
+                _warn_once("align the reasoning of a long row on a word boundary (masked by characters)")
+                after = [t for t, start in enumerate(toks.starts) if start >= same_from]
+                other_toks = self.tokens(other, keep)
+                return _common_prefix(toks.ids[:keep], other_toks.ids[:keep]), (after[0] if after else len(toks))
+            margin *= 2
 
     def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any, **kwargs: Any) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
         return self._tokenize(text)["input_ids"]
 
-    def _mask_generation_prompt(self, messages: list[dict[str, Any]], tools: Any, ids: list[int], mask: np.ndarray) -> None:
-        """Unsupervise each assistant turn's opening that ``add_generation_prompt`` would emit.
+    def _generation_prompt_turns(self, messages: list[dict[str, Any]], tools: Any,
+                                 keep: int) -> list[tuple[list[int], list[list[int]]]]:
+        """(plain prefix ids, generation-prompt ids per mode) of each assistant turn opening among the kept tokens.
 
-        A turn counts only when the plain prefix render is an exact token prefix of the full
-        render, the prompt render appends a block to it, and the turn opens with that whole block;
-        anything else leaves the turn supervised (fails closed, as NeMo).
+        A turn whose prefix render has ``keep`` tokens or more opens past the kept tokens: what
+        the rule would unsupervise there is cut anyway, so it is left out (and its prefix is
+        never tokenised further than ``keep`` tokens).
         """
+        turns = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             try:
-                base = self._prompt_ids(messages[:k], tools)
+                base_text = self.tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False)
+                base = self.tokens(base_text, keep)
+                if not base.complete or len(base) >= keep:
+                    continue
                 prompts = [self._prompt_ids(messages[:k], tools, add_generation_prompt=True, **mode)
                            for mode in self.prompt_modes]
             except Exception:
@@ -193,6 +434,19 @@ class ChatEncoder:
                     raise
                 _warn_once("render the generation prompt of a leading assistant turn")
                 continue
+            turns.append((base.ids, prompts))
+        return turns
+
+    @staticmethod
+    def _mask_generation_prompt(turns: list[tuple[list[int], list[list[int]]]], ids: list[int],
+                                mask: np.ndarray) -> None:
+        """Unsupervise each assistant turn's opening that ``add_generation_prompt`` would emit.
+
+        A turn counts only when the plain prefix render is an exact token prefix of the full
+        render, the prompt render appends a block to it, and the turn opens with that whole block;
+        anything else leaves the turn supervised (fails closed, as NeMo).
+        """
+        for base, prompts in turns:
             if ids[: len(base)] != base:
                 _warn_once("align the generation prompt")
                 continue
@@ -200,29 +454,36 @@ class ChatEncoder:
             block = max((_appended_block(base, p, turn) for p in prompts), default=0)
             mask[len(base) : len(base) + block] = 0
 
+    def check_text(self, messages: list[dict[str, Any]], text: str) -> None:
+        """Refuse text that no tokenizer can take (lone surrogates from JSON escapes like \\ud800)."""
+        if not text.isascii() and _SURROGATE.search(text):
+            raise InvalidRow("lone surrogate", _find_surrogate(messages, text) + ", which is not valid Unicode text")
+
     def encode(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> EncodedRow:
         """Token ids and loss mask for one conversation (may have zero supervised tokens)."""
+        keep = self.seq_length
         full = self.render(messages, tools)
+        self.check_text(messages, full)
+        turns = self._generation_prompt_turns(messages, tools, keep) if self.mask_generation_prompt else []
+        # The generation-prompt rule compares a turn's whole opening block, which may reach past keep.
+        limit = max([keep] + [len(base) + max((len(p) - len(base) for p in prompts), default=0)
+                              for base, prompts in turns])
         if self.has_generation_blocks and full:
-            enc = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            ids = list(enc["input_ids"])
-            mask = np.asarray(enc["assistant_masks"], dtype=np.uint8)
+            toks, mask = self._generation_mask(messages, tools, full, limit)
         else:
-            enc = self._tokenize(full, offsets=True)
-            ids = list(enc["input_ids"])
-            starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-            mask = np.zeros(len(ids), dtype=np.uint8)
-            for start, end in self._assistant_spans(messages, tools, full):
+            toks = self.tokens(full, limit)
+            starts = np.asarray(toks.starts, dtype=np.int64)
+            mask = np.zeros(len(toks), dtype=np.uint8)
+            until = None if toks.complete else _kept_end(toks, keep)
+            for start, end in self._assistant_spans(messages, tools, full, until):
                 mask[(starts >= start) & (starts < end)] = 1
         if self.mask_generation_prompt:
-            self._mask_generation_prompt(messages, tools, ids, mask)
+            self._mask_generation_prompt(turns, toks.ids, mask)
         if self.mask_reasoning_content:
-            self._mask_reasoning(messages, tools, full, ids, mask)
-        keep = self.seq_length
+            self._mask_reasoning(messages, tools, full, toks, mask, keep)
         return EncodedRow(
-            input_ids=np.asarray(ids[:keep], dtype=np.int32),
+            input_ids=np.asarray(toks.ids[:keep], dtype=np.int32),
             loss_mask=(mask[:keep] > 0).astype(np.uint8),
-            full_length=len(ids),
+            full_length=len(toks) if toks.complete else len(toks) + 1,
+            full_length_exact=toks.complete,
         )

@@ -43,6 +43,7 @@ class ProduceConfig:
     max_batch_tokens: int | None = None
     max_inflight_bytes: int = 1 << 30
     on_invalid: str = "error"
+    max_row_bytes: int = 1 << 28
     on_nonfinite: str = "error"
     rank_timeout: float = 300.0
     overwrite: bool = False
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host bytes staged between device and writer before the device waits")
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows: stop during planning (default) or skip and count them")
+    p.add_argument("--max-row-bytes", type=int, default=1 << 28,
+                   help="a JSONL row longer than this is an invalid row (default 256 MiB; memory per row is a few "
+                   "times its size, the tokens of a row are bounded by --seq-length)")
     p.add_argument("--on-nonfinite", choices=["error", "skip"], default="error",
                    help="NaN/inf hidden states: stop (default) or drop the sample and list it in the manifest")
     p.add_argument("--rank-timeout", type=float, default=300.0,
@@ -118,7 +122,8 @@ def parse_config(argv: list[str] | None = None) -> ProduceConfig:
 
 def validate_config(cfg: ProduceConfig) -> None:
     """Cheap checks that run before anything is loaded."""
-    for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes"):
+    for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes",
+                 "max_row_bytes"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.max_batch_tokens is not None and cfg.max_batch_tokens < 1:

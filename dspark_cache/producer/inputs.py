@@ -3,6 +3,10 @@
 Every row carries its location (``file:line`` or ``file row N``) so that any error names it.
 Row indices count every row, valid or not, so sample ids do not depend on the invalid-row
 policy: sample id = 0-based index of the row in the input.
+
+Hostile rows are invalid rows like any other, never a crash: a JSONL line longer than
+``max_row_bytes`` is skipped without being read into memory, and a row nested deeper than
+``MAX_NESTING`` levels (anywhere, used or not) is refused before anything recurses over it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Any, Iterator
 from dspark_cache.producer.messages import InvalidRow
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+MAX_ROW_BYTES = 1 << 28  # default --max-row-bytes (256 MiB)
+MAX_NESTING = 100  # a chat row needs ~10 levels; tool schemas a few dozen
 PARQUET_SUFFIXES = (".parquet",)
 _SLICE = re.compile(r"^(\w+)\[(\d*):(\d*)\]$")
 
@@ -31,6 +37,28 @@ class RawRow:
     where: str
     value: Any = None
     error: InvalidRow | None = None
+
+
+def _too_deep(value: Any, limit: int = MAX_NESTING) -> bool:
+    """True when lists/objects nest more than ``limit`` levels (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _nesting_error(limit: int = MAX_NESTING) -> InvalidRow:
+    return InvalidRow("nested too deeply", f"the row nests lists/objects more than {limit} levels deep")
+
+
+def _checked(index: int, where: str, value: Any) -> RawRow:
+    if isinstance(value, (dict, list)) and _too_deep(value):
+        return RawRow(index, where, error=_nesting_error())
+    return RawRow(index, where, value)
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -66,8 +94,10 @@ def _split_slice(split: str | None) -> tuple[str, slice | None]:
 class InputSource:
     """The rows of ``--input-data`` in a fixed order, with a content hash for the manifest."""
 
-    def __init__(self, path: str, split: str | None = None, shuffle_seed: int | None = 42) -> None:
+    def __init__(self, path: str, split: str | None = None, shuffle_seed: int | None = 42,
+                 max_row_bytes: int = MAX_ROW_BYTES) -> None:
         self.path = str(path)
+        self.max_row_bytes = max_row_bytes
         self.split = split
         self.shuffle_seed = shuffle_seed
         self.is_hub = _looks_like_hub_id(self.path)
@@ -100,23 +130,53 @@ class InputSource:
         if parquet:
             yield from self._hf_rows(counter, parquet)
 
+    def _read_line(self, handle) -> bytes | int:
+        """The next line, or the size of a line over ``max_row_bytes`` (skipped unread); b"" at the end."""
+        limit = self.max_row_bytes
+        raw = handle.readline(limit + 1)
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            return raw
+        size = len(raw)
+        del raw
+        while chunk := handle.readline(1 << 20):
+            size += len(chunk)
+            if chunk.endswith(b"\n"):
+                break
+        return size
+
     def _jsonl_rows(self, file: str, counter: Iterator[int]) -> Iterator[RawRow]:
+        # Nothing of a line but its parsed value stays referenced while the row is processed.
         with open(file, "rb") as handle:
-            for line_no, raw in enumerate(handle, start=1):
+            line_no = 0
+            while (raw := self._read_line(handle)) != b"":
+                line_no += 1
+                where = f"{file}:{line_no}"
+                if isinstance(raw, int):
+                    yield RawRow(next(counter), where, error=InvalidRow(
+                        "row too long", f"the row is {raw} bytes, over --max-row-bytes {self.max_row_bytes}"))
+                    continue
                 if not raw.strip():
                     continue
-                where = f"{file}:{line_no}"
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     yield RawRow(next(counter), where, error=InvalidRow("invalid UTF-8", f"invalid UTF-8 ({exc.reason} at byte {exc.start})"))
                     continue
+                finally:
+                    del raw
                 try:
                     value = json.loads(text)
                 except json.JSONDecodeError as exc:
                     yield RawRow(next(counter), where, error=InvalidRow("malformed JSON", f"malformed JSON ({exc.msg} at column {exc.colno})"))
                     continue
-                yield RawRow(next(counter), where, value)
+                except RecursionError:
+                    yield RawRow(next(counter), where, error=_nesting_error())
+                    continue
+                finally:
+                    del text
+                row = _checked(next(counter), where, value)
+                del value
+                yield row
 
     def _json_rows(self, file: str, counter: Iterator[int]) -> Iterator[RawRow]:
         try:
@@ -124,9 +184,12 @@ class InputSource:
                 data = json.load(handle)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InputError(f"{file}: not a valid JSON document ({exc}); use JSONL for one row per line") from exc
+        except RecursionError:
+            raise InputError(f"{file}: a JSON document nested too deeply to read; use JSONL (one row per line), "
+                             "where such a row is reported and can be skipped") from None
         rows = data if isinstance(data, list) else [data]
         for i, value in enumerate(rows):
-            yield RawRow(next(counter), f"{file} row {i}", value)
+            yield _checked(next(counter), f"{file} row {i}", value)
 
     def _hf_rows(self, counter: Iterator[int], parquet: list[str] | None) -> Iterator[RawRow]:
         """Parquet files and hub ids go through ``datasets``: shuffle the base split, then slice."""
@@ -147,4 +210,4 @@ class InputSource:
         positions = range(len(ds))[cut] if cut else range(len(ds))
         name = ", ".join(parquet) if parquet else f"{self.path}[{base}]"
         for pos in positions:
-            yield RawRow(next(counter), f"{name} row {pos}", ds[pos])
+            yield _checked(next(counter), f"{name} row {pos}", ds[pos])

@@ -139,7 +139,7 @@ def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | 
     layer_ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else \
         build_target_layer_ids(info.num_layers, cfg.draft_num_hidden_layers)
     validate_target_layer_ids(layer_ids, info.num_layers)
-    source = InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed)
+    source = InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed, cfg.max_row_bytes)
     device = resolve_device(cfg.device)
     compute_dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     paths = CachePaths(cfg.output_dir)

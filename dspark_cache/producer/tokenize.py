@@ -8,7 +8,7 @@ import signal
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
-from dspark_cache.producer.chat import EncodedRow
+from dspark_cache.producer.chat import ChatTemplateError, EncodedRow
 from dspark_cache.producer.inputs import RawRow
 from dspark_cache.producer.messages import InvalidRow
 
@@ -19,12 +19,21 @@ _worker_encode: Encode | None = None  # set in the parent before forking the poo
 
 
 def _encode_one(encode: Encode, row: RawRow) -> Result:
+    """A row's sample, or why it is invalid: whatever a row holds, it never aborts the run."""
     try:
         if row.error is not None:
             return row.error
         return encode(row)
     except InvalidRow as exc:
         return exc
+    except RecursionError:
+        return InvalidRow("nested too deeply", "the row is nested too deeply to render")
+    except (MemoryError, ChatTemplateError):
+        raise
+    except Exception as exc:  # the template or tokenizer refused this row's content
+        detail = f"{type(exc).__name__}: {exc}"
+        return InvalidRow("cannot encode", "the chat template or tokenizer failed on this row "
+                          f"({detail[:300]}{'...' if len(detail) > 300 else ''})")
 
 
 def _worker_init() -> None:
