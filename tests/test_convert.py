@@ -296,6 +296,11 @@ def test_different_cache_in_dst_needs_overwrite(small_cache, tmp_path, capsys):
     assert code == 1 and "holds a different cache" in err and "hidden_size: DST has 4" in err
     assert _convert(capsys, dst, ours, "--to", "dspark", "--overwrite")[0] == 0
     assert verify_cache(ours).ok
+    code, _, err = _convert(capsys, small_cache, ours, "--to", "nemo")  # a dspark cache is in the way
+    assert code == 1 and "is not a NeMo manifest" in err
+    assert _convert(capsys, small_cache, ours, "--to", "nemo", "--overwrite")[0] == 0
+    assert len(layout.NemoCacheDataset(ours)) == len(dspark_cache.open_cache(small_cache))
+    assert not os.path.exists(CachePaths(ours).shards_dir)  # our layout's files are gone
 
 
 def test_overwrite_never_deletes_through_a_symlink(tmp_path, capsys):
@@ -305,9 +310,27 @@ def test_overwrite_never_deletes_through_a_symlink(tmp_path, capsys):
     (elsewhere / "precious.tar").write_bytes(b"keep me")
     dst.mkdir()
     os.symlink(elsewhere, dst / "shards")
-    code, _, err = _convert(capsys, src, str(dst), "--to", "dspark", "--pad-token-id", str(P), "--overwrite")
-    assert code == 1 and "refusing to delete files through it" in err
-    assert (elsewhere / "precious.tar").read_bytes() == b"keep me"
+    for extra in ((), ("--overwrite",)):
+        code, _, err = _convert(capsys, src, str(dst), "--to", "dspark", "--pad-token-id", str(P), *extra)
+        assert code == 1 and "is a symbolic link" in err
+    assert os.listdir(elsewhere) == ["precious.tar"] and (elsewhere / "precious.tar").read_bytes() == b"keep me"
+
+
+def test_a_running_producer_or_conversion_holds_dst(tmp_path, capsys):
+    """The producer's lock on control/lock: a conversion into a directory in use is refused."""
+    from dspark_cache.producer.lock import lock_exclusive
+
+    src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
+    write_tiny_nemo(src, TINY_IDS, TINY_MASKS)
+    os.makedirs(os.path.join(dst, "control"))
+    held = lock_exclusive(CachePaths(dst), "a-live-run", 1)
+    try:
+        code, _, err = _convert(capsys, src, dst, "--to", "dspark", "--pad-token-id", str(P), "--overwrite")
+        assert code == 1 and "a-live-run" in err
+    finally:
+        held.release()
+    assert _convert(capsys, src, dst, "--to", "dspark", "--pad-token-id", str(P))[0] == 0
+    assert os.path.exists(CachePaths(dst).lock)  # the lock file stays: deleting it would break the lock
 
 
 def _cmd(*argv: str) -> list[str]:

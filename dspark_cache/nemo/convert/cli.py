@@ -7,7 +7,8 @@ import logging
 import sys
 from typing import NoReturn
 
-from dspark_cache.nemo.convert.common import ConvertError, ConvertResult, ConvertUsageError
+from dspark_cache.format.errors import CacheError
+from dspark_cache.nemo.convert.common import ConvertResult, ConvertUsageError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 3
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dspark-convert: interrupted; published shards are kept: rerun the same command to resume",
               file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (ConvertError, OSError) as exc:
+    except (CacheError, OSError) as exc:  # ConvertError, and the producer lock's and layout checks' errors
         print(f"dspark-convert: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print(summary(result))

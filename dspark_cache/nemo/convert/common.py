@@ -15,6 +15,8 @@ from dspark_cache.format.atomic import fsync_dir
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.nemo import layout
+from dspark_cache.producer.layout import check_layout, remove_files, written_files
+from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
 
 _COPY_CHUNK = 16 << 20
 # Leftovers of an interrupted conversion into DST's top level (shard partials, weight copies).
@@ -134,34 +136,31 @@ def remove_partials(root: str) -> None:
             os.unlink(os.path.join(root, name))
 
 
-def _empty_cache_dir(path: str) -> None:
-    """Delete the files directly in one of the cache's own directories, never through a link."""
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
-        raise ConvertError(f"{path} is not a real directory (a symlink?); refusing to delete files through it. "
-                           "Remove it yourself, or choose another DST")
-    if not os.path.isdir(path):
-        return
-    for name in os.listdir(path):
-        entry = os.path.join(path, name)
-        if os.path.islink(entry) or os.path.isfile(entry):  # unlinking a link removes the link only
-            os.unlink(entry)
-    try:
-        os.rmdir(path)
-    except OSError:  # something we did not write is in there: leave it
-        pass
-
-
 def clear_destination(root: str) -> None:
-    """What ``--overwrite`` deletes: the files of either cache layout, nothing else."""
+    """What ``--overwrite`` deletes: the files of either cache layout, one by one, nothing else
+    (never the producer's lock file, never through a symlinked directory)."""
     paths = CachePaths(root)
-    for sub in (paths.shards_dir, paths.status_dir, paths.events_dir, os.path.dirname(paths.stop_request)):
-        _empty_cache_dir(sub)
+    check_layout(paths)
+    remove_files(written_files(paths))
     for index in layout.shard_indices(root):
         os.unlink(layout.shard_path(root, index))
     remove_partials(root)
-    for file in (paths.manifest, paths.target_weights):
-        if os.path.lexists(file):
-            os.unlink(file)
+    for sub in (paths.shards_dir, paths.status_dir, paths.events_dir):
+        try:
+            os.rmdir(sub)
+        except OSError:  # absent, or holding something we did not write: leave it
+            pass
+
+
+def lock_cache(paths: CachePaths, required: bool) -> DirectoryLock | None:
+    """Take the producer's own lock (``control/lock``): no dspark-produce, and no other conversion,
+    writes DST meanwhile. Only where DST is (or will be) in our layout unless ``required``: a NeMo
+    directory gets no ``control/`` of ours."""
+    if not required and not os.path.isdir(os.path.dirname(paths.stop_request)):
+        return None
+    check_layout(paths)
+    os.makedirs(os.path.dirname(paths.stop_request), exist_ok=True)
+    return lock_exclusive(paths, f"dspark-convert-{os.getpid()}", 1)
 
 
 def check_paths(src: str, dst: str) -> None:

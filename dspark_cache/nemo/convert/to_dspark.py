@@ -29,7 +29,7 @@ from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.convert.common import (
     ConvertError, ConvertResult, ConvertUsageError, Progress, check_paths, clear_destination, ensure_weights,
-    file_bytes, lock_destination, remove_partials, require_weights,
+    file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
 )
 from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
 from dspark_cache.nemo.convert.padding import PadRule, real_length, resolve_pad_rule
@@ -234,7 +234,9 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     manifest = build_manifest(source, rule, plan)
     paths = CachePaths(dst)
     lock = lock_destination(dst)
+    producer_lock = None
     try:
+        producer_lock = lock_cache(paths, required=True)
         kept, finished = _reconcile(paths, source, plan, manifest, overwrite)
         if not finished:
             write_manifest(paths, manifest)  # complete: false, before the first shard
@@ -248,6 +250,8 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
         if not finished:
             mark_complete(paths, manifest)
     finally:
+        if producer_lock is not None:
+            producer_lock.release()
         os.close(lock)
     after = file_bytes([p for k in range(source.num_shards) for p in (paths.shard_tar(k), paths.shard_index(k))])
     return ConvertResult("dspark", manifest.num_samples, source.num_shards, len(kept), source.shard_bytes(), after,

@@ -33,7 +33,7 @@ from dspark_cache.loader.cache import Cache, open_cache
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.convert.common import (
     ConvertError, ConvertResult, ConvertUsageError, Progress, check_paths, clear_destination, ensure_weights,
-    file_bytes, lock_destination, remove_partials, require_weights,
+    file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
 )
 from dspark_cache.nemo.convert.stfile import (
     SafetensorsFile, TensorRange, file_size, header_bytes, pwrite_all, raw_bytes,
@@ -167,7 +167,9 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
     order = sorted(range(total), key=ids.__getitem__)
     shards = [order[start : start + size] for start in range(0, total, size)]
     lock = lock_destination(dst)
+    producer_lock = None
     try:
+        producer_lock = lock_cache(CachePaths(dst), required=False)  # DST may hold our layout (--overwrite)
         kept, finished = _reconcile(dst, manifest, shards, overwrite)
         if not finished:
             layout.write_manifest(dst, {**manifest, "complete": False})
@@ -185,6 +187,8 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         if not finished:
             layout.write_manifest(dst, {**manifest, "complete": True})
     finally:
+        if producer_lock is not None:
+            producer_lock.release()
         os.close(lock)
         cache.close()
     paths = CachePaths(src)
