@@ -25,8 +25,9 @@ final state is checked and stored once.
 
 --to nemo exports a dspark cache in NeMo 0.7.0's exact layout and manifest, readable by NeMo's
 unmodified train_dspark. Sample i is the i-th sample in ascending sample id (ids are renumbered
-densely). input_ids are padded with the manifest's pad_token_id and float tensors with zeros;
-NeMo's own producer stores the target's outputs at pad positions instead, which training masks.
+densely). input_ids are padded with the manifest's pad_token_id and float tensors with zeros,
+left as holes in sparse files (they read as zeros and take no disk); NeMo's own producer stores
+the target's outputs at pad positions instead, which training masks.
 
 Both directions stream one row at a time (memory stays bounded whatever the shard size), publish
 each shard atomically, and resume: rerun the same command after a crash or kill and published
