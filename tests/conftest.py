@@ -58,3 +58,12 @@ def write_jsonl(path, rows) -> str:
         for row in rows:
             handle.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return str(path)
+
+
+@pytest.fixture(params=["native", "python"])
+def executor(request, monkeypatch):
+    """Run a test with the native batch filler and with the Python one."""
+    if request.param == "native" and os.environ.get("DSPARK_NATIVE") == "0":
+        pytest.skip("DSPARK_NATIVE=0: testing the Python filler only")
+    monkeypatch.setenv("DSPARK_NATIVE", "1" if request.param == "native" else "0")
+    return request.param

@@ -20,14 +20,6 @@ from dspark_cache.verify import main as verify_main
 from tests.conftest import run_produce
 
 
-@pytest.fixture(params=["native", "python"])
-def executor(request, monkeypatch):
-    if request.param == "native" and os.environ.get("DSPARK_NATIVE") == "0":
-        pytest.skip("DSPARK_NATIVE=0: testing the Python filler only")
-    monkeypatch.setenv("DSPARK_NATIVE", "1" if request.param == "native" else "0")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def one_sample_shards(embedded, tmp_path_factory) -> str:
     """More one-sample shards than the loader keeps descriptors open (128)."""

@@ -136,15 +136,6 @@ def test_incomplete_cache_needs_follow(small_cache, tmp_path):
         dspark_cache.build_dataloader(str(copy), 2)
 
 
-@pytest.fixture(params=["native", "python"])
-def executor(request, monkeypatch):
-    """Run a test with the native batch filler and with the Python one."""
-    if request.param == "native" and os.environ.get("DSPARK_NATIVE") == "0":
-        pytest.skip("DSPARK_NATIVE=0: testing the Python filler only")
-    monkeypatch.setenv("DSPARK_NATIVE", "1" if request.param == "native" else "0")
-    return request.param
-
-
 def test_flipped_byte_names_shard_and_sample(small_cache, tmp_path, executor):
     copy = tmp_path / "c"
     shutil.copytree(small_cache, copy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import BinaryIO, Callable
 
 
 def fsync_dir(path: str) -> None:
@@ -16,7 +17,13 @@ def fsync_dir(path: str) -> None:
 
 
 def atomic_write_bytes(path: str, data: bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` so that readers see either the old or the new file.
+    """Replace ``path`` with ``data`` so that readers see either the old or the new file."""
+    atomic_write_with(path, lambda handle: handle.write(data), durable=durable)
+
+
+def atomic_write_with(path: str, fill: Callable[[BinaryIO], object], *, durable: bool = True) -> None:
+    """Replace ``path`` with what ``fill`` writes into a temporary file; readers see either the old
+    or the complete new file.
 
     The temporary name carries the pid and the thread id, so that neither two processes nor
     two threads of one process (a heartbeat and the main loop, say) ever share it.
@@ -24,7 +31,7 @@ def atomic_write_bytes(path: str, data: bytes, *, durable: bool = True) -> None:
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         with open(tmp, "wb") as handle:
-            handle.write(data)
+            fill(handle)
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())

@@ -32,14 +32,20 @@ def as_float(n: float | int | None) -> float | None:
     return None if math.isnan(value) else value
 
 
-def _scaled(n: float | int | None, units: tuple[str, ...], step: float, fmt: str) -> str:
-    value = as_float(n)
+def _placeholder(value: float | None) -> str | None:
+    """The placeholder for a value no count, size or duration can be; None for a real one."""
     if value is None:
         return UNKNOWN
     if value < 0:
         return INVALID
-    if math.isinf(value):
-        return INFINITE
+    return INFINITE if math.isinf(value) else None
+
+
+def _scaled(n: float | int | None, units: tuple[str, ...], step: float, fmt: str) -> str:
+    value = as_float(n)
+    placeholder = _placeholder(value)
+    if placeholder is not None:
+        return placeholder
     for unit in units:
         if value < step or unit == units[-1]:
             break
@@ -79,12 +85,9 @@ def integer(n: int | None) -> str:
 def human_duration(seconds: float | int | None) -> str:
     """``3m05s``, ``2h10m``, ``4d03h``; capped at 999 days, ``∞`` for never."""
     value = as_float(seconds)
-    if value is None:
-        return UNKNOWN
-    if value < 0:
-        return INVALID
-    if math.isinf(value):
-        return INFINITE
+    placeholder = _placeholder(value)
+    if placeholder is not None:
+        return placeholder
     if value >= MAX_DURATION:
         return ">999d"
     d, rem = divmod(int(value), 86400)

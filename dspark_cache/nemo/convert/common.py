@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
-from dspark_cache.format.atomic import fsync_dir
+from dspark_cache.format.atomic import atomic_write_with
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.nemo import layout
@@ -98,18 +98,8 @@ def _copy_contents(reader: BinaryIO, writer: BinaryIO) -> None:
 
 def copy_file_atomic(src: str, dst: str) -> None:
     """Copy ``src`` to ``dst``; ``dst`` appears complete or not at all."""
-    partial = dst + ".partial"
-    try:
-        with open(src, "rb") as reader, open(partial, "wb") as writer:
-            _copy_contents(reader, writer)
-            writer.flush()
-            os.fsync(writer.fileno())
-        os.replace(partial, dst)
-    except BaseException:
-        if os.path.exists(partial):
-            os.unlink(partial)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    with open(src, "rb") as reader:
+        atomic_write_with(dst, lambda writer: _copy_contents(reader, writer))
 
 
 def ensure_weights(src: str, dst: str) -> None:
