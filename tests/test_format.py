@@ -185,3 +185,11 @@ def test_reader_headers_equal_the_writers(layer_ids, num_layers):
             length, sample_id, offset = rng.randint(1, 5000), rng.randint(0, 10**9), rng.randint(1, 10**7) * 512
             want = layout_payload(shape.specs(length), shape.metadata(sample_id), offset).header
             assert shape.header(length, sample_id, offset) == want
+
+
+def test_shard_ids_past_a_million_are_listed(tmp_path):
+    paths = CachePaths(str(tmp_path))
+    os.makedirs(paths.shards_dir)
+    for shard_id in (5, 1_234_567):
+        open(paths.shard_index(shard_id), "w").close()
+    assert paths.indexed_shard_ids() == [5, 1_234_567]

@@ -15,7 +15,7 @@ STOP_REQUEST = "control/stop"
 LOCK = "control/lock"  # flock-ed by the producer job that owns the directory
 PARTIAL_SUFFIX = ".partial"
 
-_SHARD_INDEX_RE = re.compile(r"^shard-(\d{6})\.idx$")
+_SHARD_INDEX_RE = re.compile(r"^shard-(\d{6,})\.idx$")  # ids past 999999 take more digits
 
 
 def sample_key(sample_id: int) -> str:
