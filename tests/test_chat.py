@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from dspark_cache.producer.chat import ChatEncoder, ChatTemplateError, resolve_chat_template
+from dspark_cache.producer.chat import ChatEncoder
+from dspark_cache.producer.template import ChatTemplateError, resolve_chat_template
 from tests.reference import chatml_mask, generation_mask
 
 MULTI_TURN = [

@@ -24,10 +24,7 @@ and, for the reasoning rule's common suffix, on windows cut where both renders r
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -35,52 +32,15 @@ from typing import Any
 import numpy as np
 
 from dspark_cache.producer.messages import InvalidRow
+from dspark_cache.producer.template import GENERATION_BLOCK, ChatTemplateError
+from dspark_cache.producer.tokens import (
+    CHARS_PER_TOKEN_GUESS, EXACT_CHARS, MAX_CHARS_PER_TOKEN, Tokens, kept_end, realign, stable_count,
+)
 
-GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
-EXACT_CHARS = 1 << 16  # renders up to this many characters are tokenised whole (exact length)
-CHARS_PER_TOKEN_GUESS = 8  # first prefix: this many characters per wanted token
-MAX_CHARS_PER_TOKEN = 64  # the prefix stops growing here (an unbroken "word" longer than that at the cut)
-UNSTABLE_WORDS = 3  # a cut can change the tokens of its last few pre-tokenizer words, never earlier ones
-
-
-class ChatTemplateError(ValueError):
-    """The chat template argument or the tokenizer's template is unusable."""
-
-
-def resolve_chat_template(arg: str) -> str:
-    """Inline Jinja is used as is; otherwise ``arg`` must be a file (raw Jinja or JSON)."""
-    if "{%" in arg or "{{" in arg:
-        return arg
-    if not os.path.isfile(arg):
-        raise ChatTemplateError(
-            f"--chat-template {arg!r} is neither an existing file nor an inline Jinja template "
-            "(no '{%' or '{{' in it); fix the path or pass the template text"
-        )
-    with open(arg, encoding="utf-8") as handle:
-        text = handle.read()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return text
-    if isinstance(data, dict) and isinstance(data.get("chat_template"), str):
-        return data["chat_template"]
-    return text
-
-
-def sha256_text(text: str | None) -> str:
-    return hashlib.sha256((text or "").encode()).hexdigest()
-
-
-def tokenizer_sha256(tokenizer: Any) -> str:
-    """Identity of the tokenizer's vocabulary, merges, normaliser and special tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
-    return hashlib.sha256((body + specials).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -89,63 +49,6 @@ class EncodedRow:
     loss_mask: np.ndarray  # uint8 [L]
     full_length: int  # tokens before truncation; a lower bound (> seq_length) when not full_length_exact
     full_length_exact: bool = True  # False: the row was too long to tokenise whole
-
-
-@dataclass
-class Tokens:
-    """The first tokens of a text: all of them (``complete``) or a prefix known to equal the full text's."""
-
-    ids: list[int]
-    starts: list[int]
-    ends: list[int]
-    complete: bool
-    word_ids: list[int | None] | None = None
-    stable: int = 0  # of a cut text's tokens, how many lead the whole text's too
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-def _stable_count(word_ids: list[int | None], ends: list[int] | None = None, guard: int | None = None) -> int:
-    """Leading tokens of a cut text that the whole text shares: all but its last few words'.
-
-    ``guard``: the first character an added (special) token cut by the end of the text could
-    start at; the partial token is ordinary text in the cut, so the words from there are unstable too.
-    """
-    words = [w for w in word_ids if w is not None]
-    if not words:
-        return 0
-    last_word = words[-1]
-    if guard is not None and ends is not None:
-        last_word = min(last_word, next((w for w, e in zip(word_ids, ends) if w is not None and e > guard), last_word))
-    last_stable = last_word - UNSTABLE_WORDS
-    for i in range(len(word_ids) - 1, -1, -1):
-        if word_ids[i] is not None and word_ids[i] <= last_stable:
-            return i + 1
-    return 0
-
-
-def _kept_end(toks: Tokens, keep: int) -> int:
-    """The character where the first ``keep`` tokens end."""
-    return toks.ends[min(keep, len(toks)) - 1] if len(toks) else 0
-
-
-def _realign(a: Tokens, b: Tokens, same_from: int, shift: int) -> tuple[int, int] | None:
-    """Token indices ``(i, j)`` where ``a`` and ``b`` both start a word at the same place of their
-    common text (``a``'s character ``p >= same_from``, ``b``'s ``p - shift``), both among their
-    stable tokens; from there on both texts tokenise alike. Complete texts re-align at their ends.
-    """
-    wa, wb = a.word_ids or [], b.word_ids or []
-    sa, sb = a.stable, b.stable
-    starts_b = {b.starts[j]: j for j in range(min(sb, len(wb)))
-                if wb[j] is not None and (j == 0 or wb[j] != wb[j - 1])}
-    for i in range(min(sa, len(wa))):
-        if a.starts[i] < same_from or wa[i] is None or (i and wa[i] == wa[i - 1]):
-            continue
-        j = starts_b.get(a.starts[i] - shift)
-        if j is not None:
-            return i, j
-    return (len(a), len(b)) if a.complete and b.complete else None
 
 
 def _find_surrogate(messages: list[dict[str, Any]], text: str) -> str:
@@ -264,7 +167,7 @@ class ChatEncoder:
             return toks
         toks = self._encode_text(text[:n])
         toks.complete = False
-        toks.stable = _stable_count(toks.word_ids or [], toks.ends, n - self.guard_chars)
+        toks.stable = stable_count(toks.word_ids or [], toks.ends, n - self.guard_chars)
         return toks
 
     def tokens(self, text: str, limit: int) -> Tokens:
@@ -374,10 +277,10 @@ class ChatEncoder:
 
     def _reasoning_range_bounded(self, full: str, other: str, toks: Tokens, keep: int) -> tuple[int, int]:
         """``_reasoning_range`` of the whole texts' tokens, within the kept ones, from bounded tokenisations."""
-        kept_end = _kept_end(toks, keep)  # character where the kept tokens end
+        kept_chars = kept_end(toks, keep)  # character where the kept tokens end
         suffix = _common_suffix(full, other)
         same_from = len(full) - suffix  # full[same_from:] == other[same_from - shift:]
-        if same_from >= kept_end:
+        if same_from >= kept_chars:
             # The common token suffix covers only text from same_from on: no kept token is in it.
             other_toks = self.tokens(other, keep)
             return _common_prefix(toks.ids[:keep], other_toks.ids[:keep]), keep
@@ -388,10 +291,10 @@ class ChatEncoder:
         margin = max(4096, self.chars_per_token_guess * 64)
         cap = max(margin, keep * MAX_CHARS_PER_TOKEN)
         while True:
-            z = min(len(full), kept_end + margin)
+            z = min(len(full), kept_chars + margin)
             a = self._cut_tokens(full, z)
             b = self._cut_tokens(other, z - shift)
-            found = _realign(a, b, same_from, shift)
+            found = realign(a, b, same_from, shift)
             if found is not None:
                 # full = a[:i] + T and other = b[:j] + T token-wise, T the tokens of full[start_i:].
                 i, j = found
@@ -474,7 +377,7 @@ class ChatEncoder:
             toks = self.tokens(full, limit)
             starts = np.asarray(toks.starts, dtype=np.int64)
             mask = np.zeros(len(toks), dtype=np.uint8)
-            until = None if toks.complete else _kept_end(toks, keep)
+            until = None if toks.complete else kept_end(toks, keep)
             for start, end in self._assistant_spans(messages, tools, full, until):
                 mask[(starts >= start) & (starts < end)] = 1
         if self.mask_generation_prompt:

@@ -19,7 +19,8 @@ from dspark_cache.format.layers import build_target_layer_ids, validate_target_l
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import Manifest
-from dspark_cache.producer.chat import ChatEncoder, resolve_chat_template, sha256_text, tokenizer_sha256
+from dspark_cache.producer.chat import ChatEncoder
+from dspark_cache.producer.template import resolve_chat_template, sha256_text, tokenizer_sha256
 from dspark_cache.producer.config import ProduceConfig, validate_config
 from dspark_cache.producer.distributed import (
     RankInfo, assign_shards, await_other_ranks, barrier_before_setup, new_run_id, rank_info, share_setup,

@@ -8,7 +8,8 @@ import signal
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
-from dspark_cache.producer.chat import ChatTemplateError, EncodedRow
+from dspark_cache.producer.chat import EncodedRow
+from dspark_cache.producer.template import ChatTemplateError
 from dspark_cache.producer.inputs import RawRow
 from dspark_cache.producer.messages import InvalidRow
 
