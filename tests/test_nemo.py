@@ -321,3 +321,15 @@ def test_install_without_nemo_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "nemo_automodel", None)
     with pytest.raises(ImportError, match="pip install nemo-automodel==0.7.0"):
         dn.install()
+
+
+def test_a_sample_listed_by_two_shards_is_refused(small_cache, tmp_path):
+    """A crafted cache whose shards 0 and 1 both hold shard 0's samples (tar and index copied)."""
+    copy = _copy(small_cache, tmp_path)
+    paths = CachePaths(copy)
+    index = json.load(open(paths.shard_index(0)))
+    index["shard_id"] = 1
+    shutil.copy(paths.shard_tar(0), paths.shard_tar(1))
+    json.dump(index, open(paths.shard_index(1), "w"))
+    with pytest.raises(ValueError, match="two shards list the same sample"):
+        dn.build_cached_dspark_dataloader(cache_dir=copy, batch_size=2, shuffle=False)

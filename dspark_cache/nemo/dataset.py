@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from dspark_cache.format.errors import CacheError
+from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.loader.catalog import ShardCatalog
 from dspark_cache.loader.planner import RankBatch, SampleRef
 from dspark_cache.loader.reader import BatchLayout, BatchReader
@@ -138,7 +138,13 @@ def _positions(catalog: ShardCatalog) -> tuple[np.ndarray, np.ndarray]:
         shards += [shard_id] * index.num_samples
         entries += range(index.num_samples)
         ids += (e.sample_id for e in index.samples)
-    order = np.argsort(np.asarray(ids, dtype=np.int64), kind="stable")
+    ids_array = np.asarray(ids, dtype=np.int64)
+    order = np.argsort(ids_array, kind="stable")
+    repeated = np.flatnonzero(np.diff(ids_array[order]) == 0)
+    if repeated.size:  # positions must name one sample each
+        sample_id = int(ids_array[order][repeated[0]])
+        raise CorruptShardError(catalog.paths.root, "two shards list the same sample; run dspark-verify --repair",
+                                sample_id)
     return np.asarray(shards, dtype=np.int32)[order], np.asarray(entries, dtype=np.int32)[order]
 
 
