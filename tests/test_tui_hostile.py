@@ -21,7 +21,7 @@ import pytest
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
-from dspark_cache.tui.format import clock_time, human_bytes, human_count, human_duration, integer
+from dspark_cache.tui.display import clock_time, human_bytes, human_count, human_duration, integer
 from dspark_cache.tui.tail import TAIL_WINDOW
 from tests import tui_states
 

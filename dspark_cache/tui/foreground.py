@@ -10,7 +10,7 @@ import time
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
-from dspark_cache.tui.format import markup
+from dspark_cache.tui.display import markup
 
 
 class ForegroundMonitor(MonitorApp):

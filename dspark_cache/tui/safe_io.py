@@ -13,7 +13,7 @@ import os
 import stat
 from typing import BinaryIO
 
-from dspark_cache.tui.format import human_bytes
+from dspark_cache.tui.display import human_bytes
 
 _CHUNK = 1 << 16  # read size once a file turns out larger than its fstat said
 

@@ -26,7 +26,7 @@ import msgspec
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex, decode_manifest, decode_shard_index
 from dspark_cache.format.status import ACTIVE_RANK_STATES
-from dspark_cache.tui.format import as_float, clip
+from dspark_cache.tui.display import as_float, clip
 from dspark_cache.tui.safe_io import Refused, check_dir, open_regular, read_capped, write_regular
 from dspark_cache.tui.tail import LogTail
 

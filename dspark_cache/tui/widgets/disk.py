@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from dspark_cache.tui.format import human_bytes
+from dspark_cache.tui.display import human_bytes
 from dspark_cache.tui.watcher import Snapshot
 
 

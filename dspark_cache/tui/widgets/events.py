@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from dspark_cache.tui.format import clip, clock_time, integer
+from dspark_cache.tui.display import clip, clock_time, integer
 from dspark_cache.tui.watcher import Snapshot
 
 STYLES = {"error": "bold red", "warning": "yellow", "finished": "bold green", "stopped": "yellow",

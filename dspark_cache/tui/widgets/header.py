@@ -6,7 +6,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from dspark_cache.format.schema import Manifest
-from dspark_cache.tui.format import clip, integer, markup
+from dspark_cache.tui.display import clip, integer, markup
 from dspark_cache.tui.watcher import Snapshot
 
 MAX_LAYER_IDS = 16  # a manifest may list any number; the header stays one line

@@ -7,7 +7,7 @@ from textual.containers import Vertical
 from textual.widgets import ProgressBar, Static
 
 from dspark_cache.format.schema import Manifest
-from dspark_cache.tui.format import as_float, human_bytes, human_count, human_duration, integer
+from dspark_cache.tui.display import as_float, human_bytes, human_count, human_duration, integer
 from dspark_cache.tui.watcher import Snapshot
 
 

@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterable
 from rich.text import Text
 from textual.widgets import Static
 
-from dspark_cache.tui.format import integer
+from dspark_cache.tui.display import integer
 from dspark_cache.tui.watcher import Snapshot
 
 # state -> (glyph, style); a bucket shows its most urgent state, in this order

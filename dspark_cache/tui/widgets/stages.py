@@ -6,7 +6,7 @@ import math
 
 from textual.widgets import Static
 
-from dspark_cache.tui.format import human_duration
+from dspark_cache.tui.display import human_duration
 from dspark_cache.tui.watcher import Snapshot
 
 LABELS = {"data": "data", "device": "device", "copy": "copy", "backpressure": "waiting on writer",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from dspark_cache.tui.format import clip
+from dspark_cache.tui.display import clip
 from dspark_cache.tui.watcher import Snapshot
 
 MAX_SHOWN = 5  # a directory full of junk must not push the rest of the view off screen
