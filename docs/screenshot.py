@@ -31,9 +31,10 @@ def published(cache: str) -> int:
 async def shoot(cache: str, out: str) -> None:
     app = MonitorApp(cache, refresh=0.5)
     async with app.run_test(size=(140, 52)) as pilot:
-        for _ in range(8):  # let the throughput history build up
+        for _ in range(8):  # let the producer run and the watcher thread build the throughput history
             await asyncio.sleep(0.5)
-            await pilot.pause()
+        await app.refreshed()  # the newest snapshot, rendered
+        await pilot.pause()
         app.save_screenshot(filename=os.path.basename(out), path=os.path.dirname(out))
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 from rich.text import Text
@@ -45,7 +46,7 @@ async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
     root = tui_states.live_run(str(tmp_path / "c"))
     app = app_for(root, free=500_000_000)
     async with app.run_test(size=(140, 60)) as pilot:
-        await pilot.pause()
+        await app.first_snapshot()
         header = plain(app.query_one("#header"))
         assert "Qwen/Qwen3-8B" in header and "[1, 10, 18, 26, 35]" in header and "ranks: 2" in header
         progress = plain(app.query_one("#progress-text"))
@@ -63,7 +64,7 @@ async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
         assert app.screen.__class__.__name__ == "HelpScreen"
         await pilot.press("escape")
         await pilot.press("s")
-        await pilot.pause()
+        await app.refreshed()
         assert os.path.exists(os.path.join(root, "control", "stop"))
         assert "stop requested" in plain(app.query_one("#notice"))
 
@@ -71,8 +72,8 @@ async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
 @pytest.mark.anyio
 async def test_finished_cache_shows_summary(small_cache):
     app = MonitorApp(small_cache, refresh=3600)
-    async with app.run_test(size=(140, 60)) as pilot:
-        await pilot.pause()
+    async with app.run_test(size=(140, 60)):
+        await app.first_snapshot()
         m = dspark_cache.open_cache(small_cache).manifest
         text = plain(app.query_one("#progress-text"))
         assert text.startswith("complete") and f"{m.num_samples} samples" in text and f"{m.num_shards} shards" in text
@@ -86,12 +87,37 @@ async def test_finished_cache_shows_summary(small_cache):
 async def test_empty_directory_waits_for_a_producer(tmp_path):
     app = app_for(str(tmp_path))
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+        await app.first_snapshot()
         assert "not a dspark cache yet" in plain(app.query_one("#header"))
         assert plain(app.query_one("#shards")) == "no shards planned yet"
         await pilot.press("s")  # nothing to stop: no file is written
         await pilot.pause()
         assert not os.path.exists(os.path.join(tmp_path, "control"))
+
+
+@pytest.mark.anyio
+async def test_a_slow_read_never_freezes_the_screen(tmp_path):
+    root = tui_states.live_run(str(tmp_path / "c"))
+    release, readers = threading.Event(), []
+
+    def slow_disk_free(_: str) -> int:  # stands for any read that hangs: a shared filesystem, a huge file
+        readers.append(threading.get_ident())
+        release.wait(60)
+        return 10**12
+
+    app = MonitorApp(root, refresh=3600, clock=lambda: tui_states.NOW, disk_free=slow_disk_free)
+    try:
+        async with app.run_test(size=(140, 60)) as pilot:
+            await pilot.press("question_mark")  # answered while the watcher thread is stuck
+            await pilot.pause()
+            assert app.screen.__class__.__name__ == "HelpScreen" and app.snapshot is None
+            await pilot.press("escape")
+            release.set()
+            await app.refreshed()
+            assert "22 published" in plain(app.query_one("#shards"))
+    finally:
+        release.set()
+    assert readers and threading.get_ident() not in readers
 
 
 def test_missing_directory_is_a_clear_message(tmp_path, capsys):
@@ -106,16 +132,21 @@ def test_thousands_of_shards_stay_readable():
     assert "writing" in cells  # one shard in flight is never averaged away
 
 
+async def first_snapshot(pilot) -> None:
+    """Before a screenshot: wait until the watcher thread's snapshot is on screen."""
+    await pilot.app.first_snapshot()
+
+
 def test_snapshot_live_run(snap_compare):
     tui_states.live_run(SNAP_ROOT)
-    assert snap_compare(app_for(SNAP_ROOT, free=500_000_000), terminal_size=(140, 60))
+    assert snap_compare(app_for(SNAP_ROOT, free=500_000_000), terminal_size=(140, 60), run_before=first_snapshot)
 
 
 def test_snapshot_finished(snap_compare):
     tui_states.build(SNAP_ROOT, num_shards=12, published=list(range(12)), complete=True,
                      ranks=[tui_states.status(0, 1, "finished", 60.0, shards_done=12, shards_owned=12)],
                      events=[tui_states.event(0, 60, "finished", "cache complete", samples=120)])
-    assert snap_compare(app_for(SNAP_ROOT), terminal_size=(140, 60))
+    assert snap_compare(app_for(SNAP_ROOT), terminal_size=(140, 60), run_before=first_snapshot)
 
 
 def test_monitor_imports_no_torch():
@@ -137,8 +168,8 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, long_dat
         os.killpg(producer.pid, signal.SIGSTOP)
         app = MonitorApp(out, refresh=0.2)
         async with app.run_test(size=(140, 60)) as pilot:
-            await pilot.pause()
-            assert app.snapshot.is_cache and app.snapshot.ranks[0].state == "running"
+            snap = await app.first_snapshot()
+            assert snap.is_cache and snap.ranks[0].state == "running"
             await pilot.press("s")
             await pilot.pause()
         os.killpg(producer.pid, signal.SIGCONT)
@@ -172,8 +203,7 @@ async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, long_
             os.kill(child.pid, signal.SIGSTOP)  # still mid-run when q is pressed, however slow the start
             app = ForegroundMonitor(out, child, str(log))
             async with app.run_test(size=(140, 60)) as pilot:
-                await pilot.pause()
-                assert app.snapshot.ranks[0].state == "running"
+                assert (await app.first_snapshot()).ranks[0].state == "running"
                 await pilot.press("q")  # SIGTERM stays pending until the child runs again
             os.kill(child.pid, signal.SIGCONT)
             assert child.wait(timeout=120) == 3

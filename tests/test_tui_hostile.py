@@ -66,10 +66,10 @@ async def show(root: str, keys: str = "") -> dict:
     notify = app.notify
     app.notify = lambda message, **kw: (notes.append(message), notify(message, **kw))[1]
     async with app.run_test(size=(160, 70)) as pilot:
-        await pilot.pause()
+        await app.first_snapshot()
         for key in keys:
             await pilot.press(key)
-        await pilot.pause()
+        await app.refreshed()
         return {**screen_text(app), "notes": notes}
 
 
@@ -228,14 +228,13 @@ async def test_event_log_is_read_from_a_bounded_tail_as_it_grows(tmp_path):
     with open(paths.events(0), "wb") as handle:  # newest first: shown if the whole log were read
         handle.write(event_line(0, "written first, timed last") + line * (4 * TAIL_WINDOW // len(line)))
     app = app_for(paths.root)
-    async with app.run_test(size=(160, 70)) as pilot:
-        await pilot.pause()
+    async with app.run_test(size=(160, 70)):
+        await app.first_snapshot()
         assert "filler" in plain(app.query_one("#events"))
         assert "written first, timed last" not in plain(app.query_one("#events"))  # beyond the window
         with open(paths.events(0), "ab") as handle:
             handle.write(event_line(-1, "appended while watching"))
-        app.refresh_view()
-        await pilot.pause()
+        await app.refreshed()
         assert "appended while watching" in plain(app.query_one("#events"))
 
 

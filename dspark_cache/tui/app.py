@@ -1,9 +1,10 @@
-"""The monitor application: polls the cache directory and refreshes one widget per concern."""
+"""The monitor application: a watcher thread reads the cache, the UI thread renders its snapshots."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Callable
+from typing import Callable, cast
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -11,8 +12,10 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Static
 
 from dspark_cache.tui.help import HelpScreen
+from dspark_cache.tui.poller import Poller, SnapshotPolled
 from dspark_cache.tui.safe_io import Refused
 from dspark_cache.tui.watcher import CacheWatcher, Snapshot
+from dspark_cache.tui.widgets import VIEW, SnapshotView
 from dspark_cache.tui.widgets.disk import DiskPanel
 from dspark_cache.tui.widgets.events import EventLog
 from dspark_cache.tui.widgets.header import RunHeader
@@ -23,9 +26,16 @@ from dspark_cache.tui.widgets.stages import StageBreakdown
 from dspark_cache.tui.widgets.throughput import ThroughputChart
 from dspark_cache.tui.widgets.warnings import FileWarnings
 
+STOP_NOTICE = "[yellow]stop requested: the producer finishes the shard in flight, then exits[/]"
+
 
 class MonitorApp(App[None]):
-    """``dspark-monitor``: everything about a run at a glance."""
+    """``dspark-monitor``: everything about a run at a glance.
+
+    A :class:`~dspark_cache.tui.poller.Poller` on a thread worker reads the cache every
+    ``refresh`` seconds and posts a :class:`SnapshotPolled`; the UI thread reads no cache file,
+    it renders the snapshot in every widget of the class :data:`~dspark_cache.tui.widgets.VIEW`.
+    """
 
     TITLE = "dspark-monitor"
     BINDINGS = [
@@ -43,8 +53,10 @@ class MonitorApp(App[None]):
                  disk_free: Callable[[str], int | None] | None = None) -> None:
         super().__init__()
         self.watcher = CacheWatcher(path, clock=clock, disk_free=disk_free)
-        self.refresh_seconds = refresh
-        self.snapshot: Snapshot | None = None
+        self.poller = Poller(self.watcher, refresh, self.post_message)
+        self.snapshot: Snapshot | None = None  # the one on screen
+        self._shown_ticket = 0  # the refresh requests the snapshot on screen answers
+        self._shown = asyncio.Event()  # set, and replaced, whenever a snapshot is rendered
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -62,18 +74,41 @@ class MonitorApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.refresh_view()
-        self.set_interval(self.refresh_seconds, self.refresh_view)
+        self.run_worker(self.poller.run, name="cache watcher", thread=True)
+
+    def on_unmount(self) -> None:
+        self.poller.stop()  # else the thread would wait out its period before the app can end
+
+    def on_snapshot_polled(self, message: SnapshotPolled) -> None:
+        self.snapshot = message.snapshot
+        self.show_snapshot(message.snapshot)
+        self._shown_ticket = message.ticket
+        self._shown.set()
+        self._shown = asyncio.Event()
+
+    def show_snapshot(self, snap: Snapshot) -> None:
+        """Render ``snap`` in every view, and the stop notice (on the UI thread: no file is read)."""
+        for view in self.query(f".{VIEW}"):
+            cast(SnapshotView, view).show(snap)
+        self.query_one("#notice", Static).update(STOP_NOTICE if snap.stop_requested and snap.live_ranks else "")
 
     def refresh_view(self) -> None:
-        snap = self.snapshot = self.watcher.poll()
-        for widget in (RunHeader, FileWarnings, OverallProgress, ThroughputChart, DiskPanel, RankTable, ShardMap,
-                       StageBreakdown, EventLog):
-            self.query_one(widget).show(snap)
-        notice = ""
-        if snap.stop_requested and snap.live_ranks:
-            notice = "[yellow]stop requested: the producer finishes the shard in flight, then exits[/]"
-        self.query_one("#notice", Static).update(notice)
+        """Ask the watcher thread for a snapshot now rather than at the end of its period."""
+        self.poller.request()
+
+    async def first_snapshot(self) -> Snapshot:
+        """The first snapshot, once it is rendered (for tests and scripts)."""
+        while self.snapshot is None:
+            await self._shown.wait()
+        return self.snapshot
+
+    async def refreshed(self) -> Snapshot:
+        """Ask for a snapshot now and return it once it is rendered (for tests and scripts)."""
+        ticket = self.poller.request()
+        while self._shown_ticket < ticket:
+            await self._shown.wait()
+        assert self.snapshot is not None
+        return self.snapshot
 
     def action_request_stop(self) -> None:
         if self.snapshot is None or not self.snapshot.is_cache:

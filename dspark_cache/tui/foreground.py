@@ -11,6 +11,7 @@ import time
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.display import markup
+from dspark_cache.tui.watcher import Snapshot
 
 
 class ForegroundMonitor(MonitorApp):
@@ -21,8 +22,9 @@ class ForegroundMonitor(MonitorApp):
         self.child = child
         self.log_path = log_path
 
-    def refresh_view(self) -> None:
-        super().refresh_view()
+    def show_snapshot(self, snap: Snapshot) -> None:
+        """The monitor's view, and once the producer has exited, its exit code instead of the notice."""
+        super().show_snapshot(snap)
         code = self.child.poll()
         if code is not None:
             self.query_one("#notice").update(markup(  # the log path may hold brackets: never parsed as markup

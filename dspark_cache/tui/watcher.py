@@ -9,6 +9,9 @@ Nothing in the directory is trusted: files that are not regular files inside the
 skipped with a warning (see :mod:`~dspark_cache.tui.safe_io`), every read is bounded, and
 nothing is kept per planned shard, so a hostile or corrupt cache cannot hang the monitor or
 grow it without bound.
+
+:class:`CacheWatcher` runs on the monitor's watcher thread (:mod:`~dspark_cache.tui.poller`),
+never on the UI thread, so a slow read delays the next snapshot but never freezes the screen.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import re
 import shutil
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Callable
 
 import msgspec
@@ -39,8 +44,10 @@ EVENT_TEXT = 500  # characters of an event's kind and message kept (a line may b
 _DIGITS = re.compile(r"[0-9]+")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Throughput:
+    """The summed rate of the live ranks at one poll."""
+
     time: float
     tokens_per_s: float
     bytes_per_s: float
@@ -61,24 +68,29 @@ class ShardSummary:
                    index.tar_bytes)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Snapshot:
-    """One consistent view of a cache directory at time ``now``."""
+    """One view of a cache directory at time ``now``, immutable once made.
+
+    The watcher thread makes it and the UI thread renders it, so nothing in it is shared with
+    the watcher's own state: the collections are tuples, frozensets and a read-only mapping, and
+    the decoded structs in them are never modified after a poll returns them.
+    """
 
     now: float
     path: str
     exists: bool = True
     manifest: Manifest | None = None
     manifest_error: str | None = None
-    published: dict[int, ShardSummary] = field(default_factory=dict)
-    writing: set[int] = field(default_factory=set)
-    failed: set[int] = field(default_factory=set)
-    ranks: list[RankStatus] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    history: list[Throughput] = field(default_factory=list)
+    published: Mapping[int, ShardSummary] = field(default_factory=lambda: MappingProxyType({}))
+    writing: frozenset[int] = frozenset()
+    failed: frozenset[int] = frozenset()
+    ranks: tuple[RankStatus, ...] = ()
+    events: tuple[Event, ...] = ()  # newest last
+    history: tuple[Throughput, ...] = ()  # oldest first
     disk_free: int | None = None
     stop_requested: bool = False
-    warnings: list[str] = field(default_factory=list)  # files skipped this poll, and why
+    warnings: tuple[str, ...] = ()  # files skipped this poll, and why
 
     @property
     def is_cache(self) -> bool:
@@ -134,7 +146,12 @@ class Snapshot:
 
 
 class CacheWatcher:
-    """Polls a cache directory; each :meth:`poll` reads only what changed since the last one."""
+    """Reads a cache directory; each :meth:`poll` reads only what changed since the last one.
+
+    It keeps state between polls (decoded shard indexes, log positions, recent events, the
+    throughput history), so only one thread may poll it (the watcher thread); :meth:`request_stop`
+    keeps no state and may be called from any thread.
+    """
 
     def __init__(self, path: str, clock: Callable[[], float] = time.time,
                  disk_free: Callable[[str], int | None] | None = None, history: int = 120) -> None:
@@ -150,24 +167,29 @@ class CacheWatcher:
         self._manifest: tuple[Manifest | None, str | None] = (None, None)
 
     def poll(self) -> Snapshot:
-        snap = Snapshot(now=self.clock(), path=self.paths.root, exists=os.path.isdir(self.paths.root))
-        if not snap.exists:
-            return snap
-        self._root_real = os.path.realpath(self.paths.root)  # the root itself may be a symlink
-        warn = snap.warnings
-        snap.manifest, snap.manifest_error = self._read_manifest()
-        if self._dir_ok(self.paths.shards_dir, warn):
-            snap.published = self._read_indexes(warn)
-            snap.writing = self._partials()
-        snap.ranks = self._read_statuses(warn)
-        snap.events = self._read_events(warn)
-        snap.failed = {e.data["shard"] for e in snap.events if e.kind == "error" and "shard" in e.data}
-        snap.disk_free = self.disk_free(self.paths.root)
-        snap.stop_requested = os.path.exists(self.paths.stop_request)
+        """A snapshot of the directory now, with the throughput history of the polls so far."""
+        now, root = self.clock(), self.paths.root
+        if not os.path.isdir(root):
+            return Snapshot(now=now, path=root, exists=False)
+        self._root_real = os.path.realpath(root)  # the root itself may be a symlink
+        snap = self._read(now)
         if snap.live_ranks:
-            self._history.append(Throughput(snap.now, snap.tokens_per_s, snap.bytes_per_s))
-        snap.history = list(self._history)
-        return snap
+            self._history.append(Throughput(now, snap.tokens_per_s, snap.bytes_per_s))
+        return replace(snap, history=tuple(self._history))
+
+    def _read(self, now: float) -> Snapshot:
+        """Everything but the history, read from the files."""
+        warn: list[str] = []
+        manifest, manifest_error = self._read_manifest()
+        published, writing = self._read_shards(warn)
+        ranks = tuple(self._read_statuses(warn))
+        events = tuple(self._read_events(warn))
+        return Snapshot(
+            now=now, path=self.paths.root, manifest=manifest, manifest_error=manifest_error,
+            published=MappingProxyType(published), writing=frozenset(writing), failed=_failed_shards(events),
+            ranks=ranks, events=events, disk_free=self.disk_free(self.paths.root),
+            stop_requested=os.path.exists(self.paths.stop_request), warnings=tuple(warn),
+        )
 
     def request_stop(self) -> None:
         """Ask the producer to finish the shard in flight and exit, resumable.
@@ -207,7 +229,14 @@ class CacheWatcher:
         except msgspec.DecodeError as exc:  # garbage, or a NeMo or older dspark layout: says which
             return None, str(exc)
 
+    def _read_shards(self, warn: list[str]) -> tuple[dict[int, ShardSummary], set[int]]:
+        """Published shards (a copy) and shards being written; none while ``shards/`` is unusable."""
+        if not self._dir_ok(self.paths.shards_dir, warn):
+            return {}, set()
+        return self._read_indexes(warn), self._partials()
+
     def _read_indexes(self, warn: list[str]) -> dict[int, ShardSummary]:
+        """Summaries of the published shards: new index files are read, removed ones forgotten."""
         present = set(self.paths.indexed_shard_ids())
         for gone in set(self._indexes) - present:  # --overwrite or repair removed it
             del self._indexes[gone]
@@ -299,6 +328,11 @@ class CacheWatcher:
 
     def _relative(self, path: str) -> str:
         return os.path.relpath(path, self.paths.root)
+
+
+def _failed_shards(events: tuple[Event, ...]) -> frozenset[int]:
+    """Shards an error event names (the event kept only a real integer shard id)."""
+    return frozenset(e.data["shard"] for e in events if e.kind == "error" and "shard" in e.data)
 
 
 def _decode_events(lines: list[bytes]) -> list[Event]:

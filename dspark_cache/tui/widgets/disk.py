@@ -6,9 +6,11 @@ from textual.widgets import Static
 
 from dspark_cache.tui.display import human_bytes
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 
 class DiskPanel(Static):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "DiskPanel { height: auto; border: round $primary; padding: 0 1; }"
 
     def show(self, snap: Snapshot) -> None:

@@ -7,12 +7,14 @@ from textual.widgets import Static
 
 from dspark_cache.tui.display import clip, clock_time, integer
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 STYLES = {"error": "bold red", "warning": "yellow", "finished": "bold green", "stopped": "yellow",
           "resumed": "cyan", "skipped_row": "grey50"}
 
 
 class EventLog(Static):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "EventLog { height: auto; max-height: 12; border: round $primary; padding: 0 1; }"
 
     def __init__(self, *args, rows: int = 8, **kwargs) -> None:

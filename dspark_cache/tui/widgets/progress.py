@@ -9,9 +9,11 @@ from textual.widgets import ProgressBar, Static
 from dspark_cache.format.schema import Manifest
 from dspark_cache.tui.display import as_float, human_bytes, human_count, human_duration, integer
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 
 class OverallProgress(Vertical):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = """
     OverallProgress { height: auto; border: round $primary; padding: 0 1; }
     OverallProgress ProgressBar { width: 100%; }

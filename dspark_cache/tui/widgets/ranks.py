@@ -9,11 +9,13 @@ from dspark_cache.format.schema import RankStatus
 from dspark_cache.format.status import ACTIVE_RANK_STATES
 from dspark_cache.tui.display import clip, human_bytes, human_count, human_duration, integer
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 COLUMNS = ("rank", "state", "shard", "host/pid", "shards", "samples", "tok/s", "inflight", "heartbeat", "last error")
 
 
 class RankTable(DataTable):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "RankTable { height: auto; max-height: 12; border: round $primary; }"
 
     def on_mount(self) -> None:

@@ -10,6 +10,7 @@ from textual.widgets import Static
 
 from dspark_cache.tui.display import integer
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 # state -> (glyph, style); a bucket shows its most urgent state, in this order
 STATES = {
@@ -65,6 +66,7 @@ def bucketed(states: list[str], cells: int) -> tuple[list[str], int]:
 
 
 class ShardMap(Static):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "ShardMap { height: auto; max-height: 14; border: round $primary; padding: 0 1; }"
 
     def show(self, snap: Snapshot) -> None:

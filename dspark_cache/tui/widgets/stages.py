@@ -8,6 +8,7 @@ from textual.widgets import Static
 
 from dspark_cache.tui.display import human_duration
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 LABELS = {"data": "data", "device": "device", "copy": "copy", "backpressure": "waiting on writer",
           "write": "write (overlapped)"}
@@ -16,6 +17,7 @@ PLAIN_SECONDS = 1e6  # up to here seconds are shown as such; beyond, as a capped
 
 
 class StageBreakdown(Static):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "StageBreakdown { height: auto; border: round $primary; padding: 0 1; }"
 
     def show(self, snap: Snapshot) -> None:

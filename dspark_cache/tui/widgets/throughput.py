@@ -8,11 +8,13 @@ from textual.widgets import Sparkline, Static
 
 from dspark_cache.tui.display import as_float, human_bytes, human_count
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 MAX_RATE = 1e300  # a whole history of these still sums to a finite number
 
 
 class ThroughputChart(Vertical):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = """
     ThroughputChart { height: 8; border: round $primary; padding: 0 1; }
     ThroughputChart Sparkline { height: 2; }

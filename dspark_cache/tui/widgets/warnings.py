@@ -7,11 +7,13 @@ from textual.widgets import Static
 
 from dspark_cache.tui.display import clip
 from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.widgets import VIEW
 
 MAX_SHOWN = 5  # a directory full of junk must not push the rest of the view off screen
 
 
 class FileWarnings(Static):
+    DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "FileWarnings { height: auto; padding: 0 1; color: $warning; }"
 
     def show(self, snap: Snapshot) -> None:
