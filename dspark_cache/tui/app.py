@@ -74,12 +74,15 @@ class MonitorApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        """Start the watcher thread; its first snapshot is read at once."""
         self.run_worker(self.poller.run, name="cache watcher", thread=True)
 
     def on_unmount(self) -> None:
+        """End the watcher thread after the poll in progress, if any."""
         self.poller.stop()  # else the thread would wait out its period before the app can end
 
     def on_snapshot_polled(self, message: SnapshotPolled) -> None:
+        """Render a snapshot posted by the watcher thread, then wake whoever awaits it."""
         self.snapshot = message.snapshot
         self.show_snapshot(message.snapshot)
         self._shown_ticket = message.ticket
@@ -111,6 +114,7 @@ class MonitorApp(App[None]):
         return self.snapshot
 
     def action_request_stop(self) -> None:
+        """``s``: write the stop request the producer checks between shards, then refresh."""
         if self.snapshot is None or not self.snapshot.is_cache:
             self.notify("nothing to stop: no producer writes here", severity="warning")
             return
@@ -123,4 +127,5 @@ class MonitorApp(App[None]):
         self.refresh_view()
 
     def action_help(self) -> None:
+        """``?``: the help screen."""
         self.push_screen(HelpScreen())

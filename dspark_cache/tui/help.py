@@ -21,6 +21,8 @@ A rank is [b red]STALE[/] when its heartbeat is older than 10 s while it claims 
 
 
 class HelpScreen(ModalScreen[None]):
+    """The keys and the shard map's legend, over the monitor; escape, ``?`` or ``q`` closes it."""
+
     BINDINGS = [Binding("escape,question_mark,q", "dismiss", "close")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }

@@ -273,7 +273,7 @@ class CacheWatcher:
         return out
 
     def _read_events(self, warn: list[str]) -> list[Event]:
-        """New lines of every event log, from a bounded tail of each; the newest events are kept."""
+        """The newest events (at most ``MAX_EVENTS``), with the new lines of every log read from a bounded tail."""
         names = self._listing(self.paths.events_dir, warn)
         for gone in set(self._tails) - set(names):
             del self._tails[gone]
@@ -285,6 +285,7 @@ class CacheWatcher:
         return list(self._events)
 
     def _tail_lines(self, name: str, warn: list[str]) -> list[bytes]:
+        """The complete lines added to ``events/name`` since the last poll (see :class:`LogTail`)."""
         path = os.path.join(self.paths.events_dir, name)
         try:
             handle, st = open_regular(path, self._root_real)
@@ -307,6 +308,7 @@ class CacheWatcher:
             return []
 
     def _dir_ok(self, directory: str, warn: list[str]) -> bool:
+        """Whether a cache subdirectory exists and may be read (a refusal is warned about)."""
         try:
             check_dir(directory, self._root_real)
         except FileNotFoundError:

@@ -10,6 +10,8 @@ from dspark_cache.tui.widgets import VIEW
 
 
 class DiskPanel(Static):
+    """Bytes written, projected and free; a warning when the rest of the plan will not fit."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "DiskPanel { height: auto; border: round $primary; padding: 0 1; }"
 

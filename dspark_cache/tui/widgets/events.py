@@ -14,6 +14,8 @@ STYLES = {"error": "bold red", "warning": "yellow", "finished": "bold green", "s
 
 
 class EventLog(Static):
+    """The newest ``rows`` events, one line each."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "EventLog { height: auto; max-height: 12; border: round $primary; padding: 0 1; }"
 

@@ -14,6 +14,8 @@ MAX_LAYER_IDS = 16  # a manifest may list any number; the header stays one line
 
 
 class RunHeader(Static):
+    """Who the run is for, from the manifest; or why the directory cannot be shown."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "RunHeader { height: auto; padding: 0 1; background: $boost; }"
 

@@ -13,6 +13,8 @@ from dspark_cache.tui.widgets import VIEW
 
 
 class OverallProgress(Vertical):
+    """Samples, tokens and shards done of the plan, with a bar of the tokens; the summary once complete."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = """
     OverallProgress { height: auto; border: round $primary; padding: 0 1; }

@@ -15,6 +15,8 @@ COLUMNS = ("rank", "state", "shard", "host/pid", "shards", "samples", "tok/s", "
 
 
 class RankTable(DataTable):
+    """One row per rank status file."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "RankTable { height: auto; max-height: 12; border: round $primary; }"
 

@@ -66,6 +66,8 @@ def bucketed(states: list[str], cells: int) -> tuple[list[str], int]:
 
 
 class ShardMap(Static):
+    """Counts per shard state, then one cell per shard (or bucket of shards)."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "ShardMap { height: auto; max-height: 14; border: round $primary; padding: 0 1; }"
 

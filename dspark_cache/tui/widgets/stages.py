@@ -17,6 +17,8 @@ PLAIN_SECONDS = 1e6  # up to here seconds are shown as such; beyond, as a capped
 
 
 class StageBreakdown(Static):
+    """Seconds per stage, summed over ranks, as bars scaled to the largest."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "StageBreakdown { height: auto; border: round $primary; padding: 0 1; }"
 

@@ -14,6 +14,8 @@ MAX_RATE = 1e300  # a whole history of these still sums to a finite number
 
 
 class ThroughputChart(Vertical):
+    """Tokens/s and bytes/s of the live ranks, now, at peak, and as sparklines over the history."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = """
     ThroughputChart { height: 8; border: round $primary; padding: 0 1; }

@@ -13,6 +13,8 @@ MAX_SHOWN = 5  # a directory full of junk must not push the rest of the view off
 
 
 class FileWarnings(Static):
+    """The files skipped by the last poll, and why; hidden when there are none."""
+
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "FileWarnings { height: auto; padding: 0 1; color: $warning; }"
 
