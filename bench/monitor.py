@@ -24,6 +24,7 @@ t_import = time.perf_counter() - t0
 async def main():
     app = MonitorApp(sys.argv[1], refresh=3600)
     async with app.run_test(size=(140, 50)) as pilot:
+        await app.first_snapshot()  # files read off the UI thread: wait for them to be on screen
         await pilot.pause()
     return time.perf_counter() - t0
 
