@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 import pytest
-import xxhash
 
 from dspark_cache.loader import fill
 from dspark_cache.loader.memory import page_aligned_zeros
@@ -51,7 +50,7 @@ def payload(tmp_path):
     os.close(fd)
 
 
-def sample_program(payload, *, xxh3=None, size=None, hidden_buf_bytes=None):
+def sample_program(payload, *, size=None, hidden_buf_bytes=None):
     fd, parts, blob, rows, row_bytes = payload
     col_off, col_bytes = 8192, 2048
     hidden = np.full(hidden_buf_bytes or rows * row_bytes + 64, 0xAB, dtype=np.uint8)
@@ -66,8 +65,7 @@ def sample_program(payload, *, xxh3=None, size=None, hidden_buf_bytes=None):
         (SEG_WIDEN_I32, f, 4 * rows, 2, 8, 0, 0, 0, 0, 0),  # one int64 slot in: a row offset
         (SEG_WIDEN_U8, f + 4 * rows, rows, 3, 0, 0, 0, 0, 0, 0),
     ], dtype=np.int64)
-    program.sample(fd, 100, size or len(blob), xxhash.xxh3_64_intdigest(blob) if xxh3 is None else xxh3, segs,
-                   tag="the sample")
+    program.sample(fd, 100, size or len(blob), segs, tag="the sample")
     return program, (hidden, last, ids, mask), (col_off, col_bytes)
 
 
@@ -100,12 +98,6 @@ def test_zero_and_fill_ops(executor):
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
-def test_checksum_mismatch_names_the_op(payload, executor):
-    program, *_ = sample_program(payload, xxh3=12345)
-    assert run(program, executor) == fill.Failure(fill.RC_CHECKSUM, "the sample", 0)
-
-
-@pytest.mark.parametrize("executor", EXECUTORS)
 def test_payload_past_the_end_of_the_file_is_a_short_read(payload, executor):
     _, _, blob, _, _ = payload
     program, *_ = sample_program(payload, size=len(blob) + 5000)
@@ -135,7 +127,7 @@ def test_read_error_reports_errno(tmp_path, executor):
     fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails with EISDIR
     try:
         program = fill.BatchProgram([np.zeros(64, dtype=np.uint8)])
-        program.sample(fd, 0, 64, 0, np.array([(SEG_COPY, 0, 64, 0, 0, 0, 0, 0, 0, 0)], dtype=np.int64), tag=3)
+        program.sample(fd, 0, 64, np.array([(SEG_COPY, 0, 64, 0, 0, 0, 0, 0, 0, 0)], dtype=np.int64), tag=3)
         assert run(program, executor) == fill.Failure(fill.RC_READ_ERROR, 3, errno.EISDIR)
     finally:
         os.close(fd)

@@ -2,7 +2,9 @@
 
 Open shard files are shared by reader threads through a bounded pool. A batch program pins the
 descriptors it uses (:meth:`ShardCatalog.pin`) until it has run: the pool never closes a pinned
-descriptor, so its number can never be reused for another file under a running read.
+descriptor, so its number can never be reused for another file under a running read. Each
+descriptor's file identity is recorded when it is opened (:func:`.verify.file_identity`): the
+checksums a process has checked hold for that file only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.loader.cache import read_manifest
+from dspark_cache.loader.verify import FileIdentity, file_identity
 
 _MAX_OPEN_FILES = 128  # idle descriptors kept open; pinned ones may exceed it for a while
 
@@ -32,6 +35,7 @@ class ShardCatalog:
         self._indexes: dict[int, ShardIndex] = {}
         self._fds: OrderedDict[int, int] = OrderedDict()  # shard id -> fd, least recently used first
         self._pins: dict[int, int] = {}  # shard id -> batch programs using its fd now
+        self._identity: dict[int, FileIdentity] = {}  # shard id -> its open file's identity
         self._lock = threading.Lock()
         self._check_shard_files()
 
@@ -89,12 +93,22 @@ class ShardCatalog:
                         fd = open_regular(self.paths.shard_tar(shard_id))
                     except CacheError as exc:
                         raise CorruptShardError(self.paths.shard_tar(shard_id), str(exc)) from exc
+                    try:
+                        self._identity[shard_id] = file_identity(fd)
+                    except OSError:
+                        os.close(fd)
+                        raise
                     self._fds[shard_id] = fd
                 self._fds.move_to_end(shard_id)
                 self._pins[shard_id] = self._pins.get(shard_id, 0) + 1
                 fds[shard_id] = fd
             self._evict()
             return fds
+
+    def identity(self, shard_id: int) -> FileIdentity:
+        """The identity of the shard's open file (recorded at open); ask only while it is pinned."""
+        with self._lock:
+            return self._identity[shard_id]
 
     def unpin(self, shard_ids: set[int]) -> None:
         with self._lock:
@@ -111,6 +125,7 @@ class ShardCatalog:
         idle = [s for s in self._fds if s not in self._pins]
         for shard_id in idle[: max(0, len(self._fds) - _MAX_OPEN_FILES)]:
             os.close(self._fds.pop(shard_id))
+            del self._identity[shard_id]
 
     def close(self) -> None:
         with self._lock:
@@ -118,6 +133,7 @@ class ShardCatalog:
                 os.close(fd)
             self._fds.clear()
             self._pins.clear()
+            self._identity.clear()
 
 
 def wait_for_manifest(path: str, poll: float, timeout: float | None) -> None:

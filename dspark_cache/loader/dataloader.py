@@ -73,7 +73,7 @@ class DSparkLoader:
                  num_workers: int | None = None, pad_to: str = "seq_length", drop_last: bool = False,
                  partial_last: bool = False, follow: bool = False, expect: dict[str, Any] | None = None, window: int = 4, prefetch: int = 2,
                  pin_memory: bool | None = None, nemo_keys_only: bool = False, poll_interval: float = 0.5,
-                 follow_timeout: float | None = None) -> None:
+                 follow_timeout: float | None = None, verify: str = "once") -> None:
         if batch_size < 1 or window < 1:
             raise ValueError("batch_size and window must be >= 1")
         path = os.fspath(path)
@@ -97,7 +97,7 @@ class DSparkLoader:
         self.reader = BatchReader(self.catalog, BatchLayout.from_manifest(self.catalog.manifest),
                                   batch_size=batch_size, num_threads=threads, pad_to=pad_to,
                                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-                                  nemo_keys_only=nemo_keys_only,
+                                  nemo_keys_only=nemo_keys_only, verify_mode=verify,
                                   # In flight, the batch training holds, the one it just dropped.
                                   keep=self.prefetch + 2)
         self.dataset = _Sized(self)  # NeMo logs len(loader.dataset)
@@ -227,6 +227,10 @@ def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **k
     ``[B,S,len(ids)*H]`` and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded),
     plus ``attention_mask`` ``[B,S]``, ``sample_ids`` ``[B]`` and ``is_repeat`` ``[B]`` (True for
     the repeats that pad the last step when ``drop_last`` is off).
+
+    Every sample's xxh3 is checked the first time this process reads it (``verify="once"``, the
+    default: later epochs re-read checked bytes from the page cache without hashing them);
+    ``verify="always"`` checks every read. Each sample's header is checked on every read.
 
     Batch memory is recycled once nothing references a batch any more; a batch (or any view
     of it) that the caller keeps is never overwritten. Pinned batches (``pin_memory``, on by

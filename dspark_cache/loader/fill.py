@@ -2,8 +2,9 @@
 
 The reader describes a batch as ops over its buffers (the batch tensors' bytes): zero these
 stale pad bytes, fill these int64 slots, and for every sample read ``size`` bytes at ``offset``
-of ``fd`` through a segment table (:mod:`.rowplan`) that says where each tensor goes, checking
-the payload's xxh3 on the way. ``csrc/batch_fill.c`` runs the program without holding the GIL,
+of ``fd`` through a segment table (:mod:`.rowplan`) that says where each tensor goes. Checksums
+are not the program's: :mod:`.verify` checks them before it runs. ``csrc/batch_fill.c`` runs the
+program without holding the GIL,
 so a reader thread needs the GIL a few times per batch instead of several times per chunk, and
 a training loop's Python rarely stalls it; :func:`run_python` runs the same program with numpy
 and ``os.preadv`` where the extension is not built. Both check every write against its
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-import xxhash
 
 from dspark_cache.loader.rowplan import SEG_COLUMNS, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32
 
@@ -27,17 +27,19 @@ log = logging.getLogger(__name__)
 
 OP_ZERO, OP_FILL_I64, OP_SAMPLE = 1, 2, 3
 OP_COLUMNS = 8
-RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4
-# Bytes per read: a chunk is hashed (and its final-state columns copied) while it is still in
-# the core's L2 cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks overflowed a
-# 1 MiB L2 and were ~15% slower end to end than 128-512 KiB ones (BENCHMARKS.md).
+RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4  # RC_CHECKSUM: verify.py's
+# Bytes per read: a chunk's final-state columns are copied while it is still in the core's L2
+# cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks (when the filler also hashed
+# each chunk) overflowed a 1 MiB L2 and were ~15% slower end to end than 128-512 KiB ones
+# (BENCHMARKS.md).
 CHUNK = 256 << 10
 _U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a program stopped: the code, the failing op's ``tag`` and a detail (see batch_fill.c)."""
+    """Why a program (or a checksum, :mod:`.verify`) failed: the code, the failing op's ``tag`` and a
+    detail (see batch_fill.c)."""
 
     code: int
     tag: object
@@ -61,10 +63,10 @@ class BatchProgram:
         if count:
             self._ops.append((OP_FILL_I64, buf, offset, count, value & _U64, 0, 0, 0))
 
-    def sample(self, fd: int, offset: int, size: int, xxh3: int, segs: np.ndarray, tag: object) -> None:
+    def sample(self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object) -> None:
         """Read a payload through ``segs`` (absolute: payload offsets, buffer byte offsets)."""
         self._tags[len(self._ops)] = tag
-        self._ops.append((OP_SAMPLE, fd, offset, size, xxh3, self._nsegs, len(segs), 0))
+        self._ops.append((OP_SAMPLE, fd, offset, size, 0, self._nsegs, len(segs), 0))
         self._segs.append(segs)
         self._nsegs += len(segs)
 
@@ -152,7 +154,7 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
             elif kind == OP_FILL_I64:
                 _span(bufs, a, b, 8 * c).view(np.int64)[:] = d - (1 << 64) if d >> 63 else d
             elif kind == OP_SAMPLE:
-                _SampleRead(bufs, scratch, a, b, c).run(segs[e : e + f].tolist(), d)
+                _SampleRead(bufs, scratch, a, b, c).run(segs[e : e + f].tolist())
             else:
                 raise _Stop(RC_INVALID)
         except _Stop as stop:
@@ -161,14 +163,13 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
 
 
 class _SampleRead:
-    """One payload, in file order: bytes outside every segment are read to scratch and hashed."""
+    """One payload, in file order: bytes outside every segment are read to scratch and dropped."""
 
     def __init__(self, bufs: list[np.ndarray], scratch: np.ndarray, fd: int, offset: int, size: int) -> None:
         self.bufs, self.scratch, self.fd, self.offset, self.size = bufs, scratch, fd, offset, size
         self.pos = 0
-        self.hasher = xxhash.xxh3_64()
 
-    def run(self, segs: list[list[int]], want: int) -> None:
+    def run(self, segs: list[list[int]]) -> None:
         for kind, src, length, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst in segs:
             if src < self.pos or src + length > self.size:
                 raise _Stop(RC_INVALID)
@@ -188,8 +189,6 @@ class _SampleRead:
                 dst = _span(self.bufs, buf, off, length // item * 8).view(np.int64)
                 dst[:] = data.view(np.int32 if item == 4 else np.uint8)
         self.gap(self.size)
-        if self.hasher.intdigest() != want:
-            raise _Stop(RC_CHECKSUM)
 
     def rows(self, dst: np.ndarray, row_bytes: int, col_off: int, col_bytes: int, cols: np.ndarray | None) -> None:
         step = max(row_bytes, CHUNK // row_bytes * row_bytes) if cols is not None else CHUNK
@@ -215,5 +214,4 @@ class _SampleRead:
                 raise _Stop(RC_SHORT_READ, self.pos + got)
             got += n
         self.pos += got
-        self.hasher.update(view)
         return dst

@@ -2,8 +2,9 @@
 
 A sample's ``target_hidden_states`` lie contiguously in the shard, page-aligned, exactly as a
 batch row wants them, so they are read straight into the batch (pinned memory where CUDA
-exists): the only host copy. The checksum is computed over the same bytes, in file order,
-chunk by chunk while each chunk is in the CPU cache. A batch is described as a program
+exists): the only host copy. A sample's checksum is checked (:mod:`.verify`) before the batch
+is filled, the first time this process reads the sample (or every time, ``verify="always"``);
+its header is compared with its index entry after every fill. A batch is described as a program
 (:mod:`.fill`) that the native filler runs in one call without the GIL; reader threads work on
 different prefetched batches. Batch memory comes from :mod:`.memory` (recycled, zeroed only
 where needed).
@@ -25,11 +26,15 @@ from dspark_cache.format.layers import final_state_in_ids
 from dspark_cache.format.sample import ATTENTION_MASK, CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.format.validate import MAX_HEADER, check_header
-from dspark_cache.loader import fill
+from dspark_cache.loader import fill, verify
 from dspark_cache.loader.catalog import ShardCatalog
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
 from dspark_cache.loader.rowplan import BUFFERS, SEG_COLUMNS, SEG_COPY, RowTemplate, row_template
+
+
+# A batch row: its index in the batch, the shard, the entry's position in the shard's index, the entry.
+Row = tuple[int, int, int, SampleEntry]
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class BatchReader:
 
     def __init__(self, catalog: ShardCatalog, layout: BatchLayout, *, batch_size: int, num_threads: int,
                  pad_to: str, pin_memory: bool, nemo_keys_only: bool = False, keep: int = 4,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, verify_mode: str = "once") -> None:
         if pad_to not in ("seq_length", "longest"):
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {pad_to!r}")
         self.catalog = catalog
@@ -89,6 +94,7 @@ class BatchReader:
         assert self.buffer_names[: len(BUFFERS)] == BUFFERS
         self.native = fill.use_native_default() if native is None else native
         self._local = threading.local()
+        self.verified = verify.VerifiedSamples(verify_mode)
         self.memory = BatchMemory(fields, batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
 
     def submit(self, batch: RankBatch) -> PendingBatch:
@@ -111,24 +117,42 @@ class BatchReader:
             }
         # One task per batch: threads work on different (prefetched) batches, and a batch costs
         # one hand-over between threads instead of one per sample.
-        rows = [(row, ref.shard_id, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
+        rows = [(row, ref.shard_id, ref.entry, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
         return PendingBatch(buffers, self.pool.submit(self._fill, slab, zero, buffers, rows), extra)
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
-              rows: list[tuple[int, int, SampleEntry]]) -> None:
-        shards = {shard_id for _, shard_id, _ in rows}
+              rows: list[Row]) -> None:
+        shards = {shard_id for _, shard_id, _, _ in rows}
         fds = self.catalog.pin(shards)  # no descriptor of this batch is closed before it has run
         try:
-            program = self._program(slab, zero, buffers, rows, fds)
-            failure = fill.run(program, self._scratch(), native=self.native)
+            identity = {shard_id: self.catalog.identity(shard_id) for shard_id in shards}
+            count = {shard_id: self.catalog.require(shard_id).num_samples for shard_id in shards}
+            unchecked = [r for r in rows if self.verified.needed(r[1], identity[r[1]], count[r[1]], r[2])]
+            failure = self._verify(unchecked, fds)
+            if failure is None:
+                program = self._program(slab, zero, buffers, rows, fds)
+                failure = fill.run(program, self._scratch(), native=self.native)
+            if failure is not None:
+                self._raise(failure, rows)
+            self._check_headers(rows)
+            for _, shard_id, k, _ in unchecked:  # while pinned: these descriptors are the files checked
+                self.verified.mark(shard_id, identity[shard_id], count[shard_id], k)
         finally:
             self.catalog.unpin(shards)
-        if failure is not None:
-            self._raise(failure, rows)
-        self._check_headers(rows)
+
+    def _verify(self, rows: list[Row], fds: dict[int, int]) -> fill.Failure | None:
+        """Hash these rows' payloads from their files; the first failure, if any."""
+        buf = getattr(self._local, "verify", None)
+        if buf is None and rows:
+            buf = self._local.verify = page_aligned_zeros(verify.CHUNK)
+        for row, shard_id, _, entry in rows:
+            failure = verify.check_payload(fds[shard_id], entry.offset, entry.size, entry.xxh3, buf, row)
+            if failure is not None:
+                return failure
+        return None
 
     def _program(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
-                 rows: list[tuple[int, int, SampleEntry]], fds: dict[int, int]) -> fill.BatchProgram:
+                 rows: list[Row], fds: dict[int, int]) -> fill.BatchProgram:
         """Zero the stale pads, read every row, then give the per-token fields their pads."""
         lay = self.layout
         names = self.buffer_names
@@ -138,10 +162,10 @@ class BatchReader:
         stride = np.array([buffers[name][0].nbytes for name in BUFFERS], dtype=np.int64)  # bytes per row
         for name, offset, nbytes in slab.zero_spans(zero):
             program.zero(index[name], offset, nbytes)
-        for row, shard_id, entry in rows:
+        for row, shard_id, _, entry in rows:
             header = entry.size - lay.template(entry.length).data_size
             segs = np.concatenate([self._header_segment(row, header), lay.template(entry.length).place(header, row * stride)])
-            program.sample(fds[shard_id], entry.offset, entry.size, entry.xxh3, segs, tag=row)
+            program.sample(fds[shard_id], entry.offset, entry.size, segs, tag=row)
             n, pads = entry.length, width - entry.length
             program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
             program.fill_int64(index[LOSS_MASK], (row * width + n) * 8, pads, 0)
@@ -163,11 +187,11 @@ class BatchReader:
             headers = self._local.headers = np.zeros(self.batch_size * MAX_HEADER, dtype=np.uint8)
         return headers
 
-    def _check_headers(self, rows: list[tuple[int, int, SampleEntry]]) -> None:
+    def _check_headers(self, rows: list[Row]) -> None:
         """Each header read must be the one the writer derives from the index entry: a checksum
         proves the bytes, this proves the index describes them (length, id, shape)."""
         headers = self._headers()
-        for row, shard_id, entry in rows:
+        for row, shard_id, _, entry in rows:
             header = entry.size - self.layout.template(entry.length).data_size
             actual = headers[row * MAX_HEADER : row * MAX_HEADER + header]
             check_header(actual, entry, self.shape, self.catalog.paths.shard_tar(shard_id))
@@ -179,10 +203,10 @@ class BatchReader:
             scratch = self._local.scratch = page_aligned_zeros(max(fill.CHUNK, 4 * self.layout.seq_length))
         return scratch
 
-    def _raise(self, failure: fill.Failure, rows: list[tuple[int, int, SampleEntry]]) -> None:
+    def _raise(self, failure: fill.Failure, rows: list[Row]) -> None:
         where = "a zero or fill op"  # only a bug in the program can make one of those fail
         if failure.tag is not None:
-            _, shard_id, entry = rows[failure.tag]
+            _, shard_id, _, entry = rows[failure.tag]
             path = self.catalog.paths.shard_tar(shard_id)
             where = f"sample {entry.sample_id} of {path}"
             if failure.code == fill.RC_CHECKSUM:

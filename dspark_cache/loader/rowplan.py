@@ -3,8 +3,8 @@
 Each tensor of the sample's data section becomes a segment of the batch program
 (:mod:`.fill`): the hidden states are read straight into the batch row (and their final-state
 columns copied out, when the final state is stored inside them), token ids and the loss mask
-are widened to int64, and alignment fill is only hashed. Placement depends on the length alone
-(``format.sample.place_tensors``, the same rule the writer uses), so the table is cached.
+are widened to int64, and alignment fill is read and dropped. Placement depends on the length
+alone (``format.sample.place_tensors``, the same rule the writer uses), so the table is cached.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def row_template(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dt
             rows.append((SEG_WIDEN_I32, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
         elif name == LOSS_MASK:
             rows.append((SEG_WIDEN_U8, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
-        # alignment fill (__padN__) is read and hashed only
+        # alignment fill (__padN__) is read and dropped
     segs = np.array(rows, dtype=np.int64).reshape(-1, SEG_COLUMNS)
     segs = segs[segs[:, 2] > 0]  # a zero-token sample has empty tensors: nothing to read
     segs.setflags(write=False)

@@ -1,24 +1,27 @@
 /*
  * Fills one batch of the loader in a single call without the GIL: zero the stale pad slots,
- * read every sample's payload straight into its batch row, hash it (xxh3_64) while each chunk is
- * still in the CPU cache, copy the final-state columns out of it, widen token ids and masks to
- * int64, and fill the pads of the per-token fields.
+ * read every sample's payload straight into its batch row, copy the final-state columns out of
+ * each chunk while it is still in the CPU cache, widen token ids and masks to int64, and fill
+ * the pads of the per-token fields. Checksums are not computed here: the loader checks a
+ * sample's xxh3 in Python (dspark_cache/loader/verify.py, the `xxhash` package) the first time
+ * a process reads it, or on every read with verify="always".
  *
  * The work comes as a small "program" built in Python (dspark_cache/loader/fill.py, which also
  * runs the same program in pure Python when this library is not built):
  *
  *   ops  [n_ops][8]   ZERO      {1, buf, off, nbytes}
  *                     FILL_I64  {2, buf, off, count, value}
- *                     SAMPLE    {3, fd, file_offset, size, xxh3, seg_first, seg_count}
+ *                     SAMPLE    {3, fd, file_offset, size, 0, seg_first, seg_count}
  *   segs [n][10]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst}
  *                     kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
  *                     WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off)
  *
  * Segments of a sample are in file order; payload bytes outside every segment (the JSON header,
- * alignment fill) are read into the scratch buffer and hashed only. Every write is checked
- * against its buffer's size, so a wrong program fails with an error instead of corrupting memory.
+ * alignment fill) are read into the scratch buffer and dropped (so a truncated payload is still
+ * a short read). Every write is checked against its buffer's size, so a wrong program fails with
+ * an error instead of corrupting memory.
  *
- * Why C: in Python each 1 MiB chunk cost several GIL hand-overs (read, hash, copy), and a
+ * Why C: in Python each 1 MiB chunk cost several GIL hand-overs (read, copy), and a
  * training loop's main thread holding the GIL stalled every reader thread at each of them.
  */
 #include <errno.h>
@@ -28,12 +31,6 @@
 
 #include <Python.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
-#include "xxhash/xxhash.h"
-#ifdef DSPARK_XXH_DISPATCH
-#include "xxhash/xxh_x86dispatch.h" /* AVX2/AVX-512 xxh3 chosen at run time */
-#endif
-
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
 #define DSPARK_STREAM 1
@@ -41,7 +38,7 @@
 
 enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
 enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4 };
-enum { RC_OK = 0, RC_SHORT_READ = 1, RC_CHECKSUM = 2, RC_INVALID = 3, RC_READ_ERROR = 4 };
+enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4 }; /* 2: checksum, verify.py's */
 
 typedef struct {
     const uint64_t *bases, *sizes;
@@ -122,20 +119,18 @@ static int read_exact(int fd, uint8_t *dst, uint64_t n, uint64_t offset, uint64_
     return RC_OK;
 }
 
-/* Bytes no tensor wants (header, alignment fill): read into scratch, hashed, dropped. */
-static int read_gap(const context *cx, XXH3_state_t *st, int fd, uint64_t base, uint64_t *pos, uint64_t end,
+/* Bytes no tensor wants (alignment fill): read into scratch and dropped. */
+static int read_gap(const context *cx, int fd, uint64_t base, uint64_t *pos, uint64_t end,
                     uint64_t *detail) {
     while (*pos < end) {
         uint64_t n = end - *pos < cx->chunk ? end - *pos : cx->chunk;
-        uint64_t before = *pos;
         int rc = read_exact(fd, cx->scratch, n, base + *pos, pos, detail);
         if (rc) return rc;
-        XXH3_64bits_update(st, cx->scratch, (size_t)(*pos - before));
     }
     return RC_OK;
 }
 
-static int read_rows(const context *cx, XXH3_state_t *st, int fd, uint64_t base, uint64_t *pos,
+static int read_rows(const context *cx, int fd, uint64_t base, uint64_t *pos,
                      const uint64_t *g, uint64_t *detail) {
     uint64_t len = g[2], row_bytes = g[5], col_off = g[6], col_bytes = g[7];
     uint8_t *dst = span(cx, g[3], g[4], len);
@@ -153,8 +148,7 @@ static int read_rows(const context *cx, XXH3_state_t *st, int fd, uint64_t base,
         uint64_t n = len - done < step ? len - done : step, before = *pos;
         int rc = read_exact(fd, dst + done, n, base + *pos, pos, detail);
         if (rc) return rc;
-        XXH3_64bits_update(st, dst + done, (size_t)n); /* still in cache from the read */
-        if (cols) {
+        if (cols) { /* still in cache from the read */
             for (uint64_t r = done / row_bytes, end = (done + n) / row_bytes; r < end; r++)
                 store_stream(cols + r * col_bytes, dst + r * row_bytes + col_off, (size_t)col_bytes);
         }
@@ -163,14 +157,13 @@ static int read_rows(const context *cx, XXH3_state_t *st, int fd, uint64_t base,
     return RC_OK;
 }
 
-static int read_widened(const context *cx, XXH3_state_t *st, int fd, uint64_t base, uint64_t *pos,
+static int read_widened(const context *cx, int fd, uint64_t base, uint64_t *pos,
                         const uint64_t *g, uint64_t *detail) {
     uint64_t len = g[2], width = g[0] == SEG_WIDEN_I32 ? 4 : 1, count = len / width;
     int64_t *dst = (int64_t *)span(cx, g[3], g[4], count * 8);
     if (!dst || len % width || len > cx->scratch_size || ((uintptr_t)dst & 7)) return RC_INVALID;
     int rc = read_exact(fd, cx->scratch, len, base + *pos, pos, detail);
     if (rc) return rc;
-    XXH3_64bits_update(st, cx->scratch, (size_t)len);
     if (width == 4) {
         for (uint64_t i = 0; i < count; i++) {
             int32_t v;
@@ -188,25 +181,22 @@ static int run_sample(const context *cx, const uint64_t *op, const uint64_t *seg
     int fd = (int)op[1];
     uint64_t base = op[2], size = op[3], first = op[5], count = op[6], pos = 0;
     if (first > n_segs || count > n_segs - first) return RC_INVALID;
-    XXH3_state_t st;
-    XXH3_64bits_reset(&st);
     int rc = RC_OK;
     for (uint64_t s = first; s < first + count && !rc; s++) {
         const uint64_t *g = segs + 10 * s;
         if (g[1] < pos || g[1] > size || g[2] > size - g[1]) return RC_INVALID;
-        rc = read_gap(cx, &st, fd, base, &pos, g[1], detail);
+        rc = read_gap(cx, fd, base, &pos, g[1], detail);
         if (rc) break;
         switch (g[0]) {
         case SEG_COPY:
-        case SEG_COPY_COLS: rc = read_rows(cx, &st, fd, base, &pos, g, detail); break;
+        case SEG_COPY_COLS: rc = read_rows(cx, fd, base, &pos, g, detail); break;
         case SEG_WIDEN_I32:
-        case SEG_WIDEN_U8: rc = read_widened(cx, &st, fd, base, &pos, g, detail); break;
+        case SEG_WIDEN_U8: rc = read_widened(cx, fd, base, &pos, g, detail); break;
         default: return RC_INVALID;
         }
     }
-    if (!rc) rc = read_gap(cx, &st, fd, base, &pos, size, detail);
+    if (!rc) rc = read_gap(cx, fd, base, &pos, size, detail);
     if (rc == RC_SHORT_READ) *detail = pos;
-    if (!rc && XXH3_64bits_digest(&st) != op[4]) rc = RC_CHECKSUM;
     return rc;
 }
 
