@@ -10,8 +10,9 @@ layout, warms the page cache, then measures, all in this run:
              resident: the kernel-copy ceiling) and into a page-aligned 256 MiB one (every byte
              to DRAM, as a loader's must; the baseline the ratios use)
   ours       build_dataloader(...) batches materialised (pad_to longest and seq_length), timed
-             over its first epoch (batch memory faulted in) and in steady state (median of
-             epochs 5-7), with the native batch filler and with the Python one
+             over its first epoch (batch memory faulted in, every sample's checksum checked)
+             and in steady state (median of epochs 5-7; verify="once": no re-hashing), with the
+             native batch filler and with the Python one, and with verify="always"
   webdataset webdataset.WebDataset(urls).decode(our handler), sample by sample
   nemo       NeMo's reader: safe_open + get_slice(key)[row] per sample, then torch.stack
 Numbers: GB/s of real-token payload, samples/s, and ratios against raw, medians of --repeat.
@@ -131,7 +132,8 @@ def bench_raw(files: list[str], dest_bytes: int = 8 << 20) -> float:
     return time.perf_counter() - t
 
 
-def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool) -> tuple[float, float]:
+def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool,
+               verify: str = "once") -> tuple[float, float]:
     """Seconds for the loader's first epoch (batch memory faulted in) and its steady state.
 
     Steady state is the median of epochs 5-7: until then, rows that see a longer sample than
@@ -142,7 +144,7 @@ def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool) -
 
     os.environ["DSPARK_NATIVE"] = "1" if native else "0"
     loader = dspark_cache.build_dataloader(root, batch, shuffle=True, seed=0, pad_to=pad_to, num_workers=threads,
-                                           prefetch=4, pin_memory=False)
+                                           prefetch=4, pin_memory=False, verify=verify)
     seconds = []
     for _ in range(8):
         t = time.perf_counter()
@@ -208,7 +210,8 @@ def main() -> None:
     warm(nemo_files)
     runs: dict[str, list[float]] = {k: [] for k in (
         "raw_cache_resident", "raw", "ours_longest", "ours_longest_first_epoch", "ours_longest_python_filler",
-        "ours_seq_length", "ours_seq_length_first_epoch", "ours_seq_length_python_filler", "webdataset", "nemo")}
+        "ours_seq_length", "ours_seq_length_first_epoch", "ours_seq_length_python_filler",
+        "ours_longest_verify_always", "ours_seq_length_verify_always", "webdataset", "nemo")}
     from dspark_cache.loader.fill import native_available
 
     native = native_available()
@@ -221,6 +224,8 @@ def main() -> None:
             runs[f"ours_{pad_to}"].append(steady)
             runs[f"ours_{pad_to}_python_filler"].append(
                 bench_ours(root, args.batch_size, pad_to, args.threads, native=False)[1])
+            runs[f"ours_{pad_to}_verify_always"].append(
+                bench_ours(root, args.batch_size, pad_to, args.threads, native, verify="always")[1])
         runs["webdataset"].append(bench_webdataset(tars))
         runs["nemo"].append(bench_nemo(nemo_files, args.shard_size, args.samples, args.batch_size))
     med = {k: statistics.median(v) for k, v in runs.items()}
