@@ -11,8 +11,11 @@ TARGET_WEIGHTS = "target_weights.safetensors"
 SHARDS_DIR = "shards"
 STATUS_DIR = "status"
 EVENTS_DIR = "events"
-STOP_REQUEST = "control/stop"
-LOCK = "control/lock"  # flock-ed by the producer job that owns the directory
+CONTROL_DIR = "control"
+STOP_REQUEST = f"{CONTROL_DIR}/stop"
+LOCK = f"{CONTROL_DIR}/lock"  # flock-ed by the producer job that owns the directory
+CLAIM_PREFIX = "complete-"  # control/complete-<run id>: the one rank that marks a run's cache complete
+LOGS_DIR = "logs"  # the producer's own log when it runs under the monitor (--tui)
 PARTIAL_SUFFIX = ".partial"
 
 _SHARD_INDEX_RE = re.compile(r"^shard-(\d{6,})\.idx$")  # ids past 999999 take more digits
@@ -50,8 +53,23 @@ class CachePaths:
         return os.path.join(self.root, EVENTS_DIR)
 
     @property
+    def control_dir(self) -> str:
+        return os.path.join(self.root, CONTROL_DIR)
+
+    @property
+    def logs_dir(self) -> str:
+        return os.path.join(self.root, LOGS_DIR)
+
+    @property
     def stop_request(self) -> str:
         return os.path.join(self.root, STOP_REQUEST)
+
+    def completion_claim(self, run_id: str) -> str:
+        return os.path.join(self.control_dir, f"{CLAIM_PREFIX}{run_id}")
+
+    @staticmethod
+    def is_completion_claim(name: str) -> bool:
+        return name.startswith(CLAIM_PREFIX)
 
     @property
     def lock(self) -> str:

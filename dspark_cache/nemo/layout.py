@@ -28,6 +28,11 @@ MANIFEST = "manifest.json"
 TARGET_WEIGHTS = "target_weights.safetensors"
 FORMAT_VERSION = 1
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
+PARTIAL_SUFFIX = ".partial"
+# Shard partials, and format.atomic's temporaries of the manifest and the copied weights.
+_LEFTOVER_RE = re.compile(
+    r"^shard-\d{6,}\.safetensors\.partial$|^(manifest\.json|target_weights\.safetensors)\.\d+\.\d+\.tmp$"
+)
 CACHE_KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Fields NeMo added after its first release, with the value older producers effectively used.
@@ -52,6 +57,16 @@ def target_weights_path(cache_dir: str) -> str:
 
 def shard_path(cache_dir: str, shard_index: int) -> str:
     return os.path.join(cache_dir, f"shard-{shard_index:06d}.safetensors")
+
+
+def partial_path(path: str) -> str:
+    """Where a file of this layout is written before it is renamed into place (never read)."""
+    return path + PARTIAL_SUFFIX
+
+
+def is_leftover(name: str) -> bool:
+    """A half-written file of this layout (a shard or the weights) or an atomic manifest write."""
+    return bool(_LEFTOVER_RE.match(name))
 
 
 def shard_indices(cache_dir: str) -> list[int]:

@@ -18,19 +18,14 @@ from dspark_cache.format.paths import CachePaths
 
 _NUMBER = re.compile(r"\d+")
 _TMP_SUFFIX = ".tmp"  # format.atomic's temporaries: f"{path}.{pid}.{thread}.tmp"
-CLAIM_PREFIX = "complete-"  # control/complete-<run id>: the rank that marks a run's cache complete
 
 
 class CacheLayoutError(CacheError):
     """A directory of the cache is a symlink or not a directory at all."""
 
 
-def control_dir(paths: CachePaths) -> str:
-    return os.path.dirname(paths.stop_request)
-
-
 def cache_dirs(paths: CachePaths) -> list[str]:
-    return [paths.shards_dir, paths.status_dir, paths.events_dir, control_dir(paths)]
+    return [paths.shards_dir, paths.status_dir, paths.events_dir, paths.control_dir]
 
 
 def check_layout(paths: CachePaths) -> None:
@@ -88,7 +83,7 @@ def heartbeat_files(paths: CachePaths) -> list[str]:
     """Status files and completion claims of earlier runs (never the lock, never events)."""
     out = [p for n, p in _entries(paths.status_dir) if _made_by(n, [paths.status])]
     stop = os.path.basename(paths.stop_request)
-    out += [p for n, p in _entries(control_dir(paths)) if n == stop or n.startswith(CLAIM_PREFIX)]
+    out += [p for n, p in _entries(paths.control_dir) if n == stop or paths.is_completion_claim(n)]
     return out
 
 

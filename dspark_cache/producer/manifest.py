@@ -15,7 +15,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex, decode_manifest, encode_json, identity_diff
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import predict_shard_bytes
-from dspark_cache.producer.layout import CLAIM_PREFIX, check_layout, control_dir, remove_files, written_files
+from dspark_cache.producer.layout import check_layout, remove_files, written_files
 from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -116,9 +116,9 @@ def published_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[i
 
 def claim_completion(paths: CachePaths, run_id: str) -> bool:
     """True for exactly one rank of a run: the one that creates the claim file first."""
-    os.makedirs(control_dir(paths), exist_ok=True)
+    os.makedirs(paths.control_dir, exist_ok=True)
     try:
-        fd = os.open(os.path.join(control_dir(paths), f"{CLAIM_PREFIX}{run_id}"),
+        fd = os.open(paths.completion_claim(run_id),
                      os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False

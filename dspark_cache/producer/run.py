@@ -26,7 +26,7 @@ from dspark_cache.producer.distributed import (
     RankInfo, assign_shards, await_other_ranks, barrier_before_setup, new_run_id, rank_info, share_setup,
 )
 from dspark_cache.producer.inputs import InputError, InputSource, RawRow
-from dspark_cache.producer.layout import check_layout, control_dir, heartbeat_files, remove_files
+from dspark_cache.producer.layout import check_layout, heartbeat_files, remove_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive, lock_shared
 from dspark_cache.producer.manifest import (
     check_existing, claim_completion, library_versions, mark_complete, published_shards, read_manifest_file,
@@ -184,7 +184,7 @@ def _forget_other_runs(paths: CachePaths) -> None:
 def take_directory(paths: CachePaths, run_id: str, me: RankInfo, overwrite: bool) -> DirectoryLock | None:
     """Rank 0, before reading the input: refuse a linked-out layout, then lock the directory."""
     check_layout(paths)
-    os.makedirs(control_dir(paths), exist_ok=True)
+    os.makedirs(paths.control_dir, exist_ok=True)
     return lock_exclusive(paths, run_id, me.world_size, overwrite)
 
 

@@ -39,7 +39,7 @@ class ForegroundMonitor(MonitorApp):
 def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
     """Start ``dspark-produce producer_argv`` and show the monitor until the user quits."""
     paths = CachePaths(output_dir)
-    log_dir = os.path.join(paths.root, "logs")
+    log_dir = paths.logs_dir
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"produce-{time.strftime('%Y%m%d-%H%M%S')}.log")
     with open(log_path, "ab") as log:

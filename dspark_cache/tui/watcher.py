@@ -197,7 +197,7 @@ class CacheWatcher:
         Raises :class:`Refused` or ``OSError`` when the request cannot be written safely (its
         directory leads out of the cache, or the request file is a FIFO, a device or a symlink).
         """
-        control = os.path.dirname(self.paths.stop_request)
+        control = self.paths.control_dir
         os.makedirs(control, exist_ok=True)
         check_dir(control, os.path.realpath(self.paths.root))
         write_regular(self.paths.stop_request, f"requested by dspark-monitor at {self.clock():.0f}\n".encode())

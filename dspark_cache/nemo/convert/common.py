@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shutil
 import sys
 import time
@@ -19,10 +18,6 @@ from dspark_cache.producer.layout import check_layout, remove_files, written_fil
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
 
 _COPY_CHUNK = 16 << 20
-# Leftovers of an interrupted conversion into DST's top level (shard partials, weight copies).
-_PARTIAL_RE = re.compile(
-    r"^(shard-\d{6}\.safetensors|target_weights\.safetensors)\.partial$|^manifest\.json\.\d+\.\d+\.tmp$"
-)
 
 
 class ConvertError(CacheError):
@@ -122,7 +117,7 @@ def remove_partials(root: str) -> None:
         os.unlink(leftover)
     names = os.listdir(root) if os.path.isdir(root) else []
     for name in names:
-        if _PARTIAL_RE.match(name):
+        if layout.is_leftover(name):  # an interrupted conversion's, in DST's top level
             os.unlink(os.path.join(root, name))
 
 
@@ -146,10 +141,10 @@ def lock_cache(paths: CachePaths, required: bool) -> DirectoryLock | None:
     """Take the producer's own lock (``control/lock``): no dspark-produce, and no other conversion,
     writes DST meanwhile. Only where DST is (or will be) in our layout unless ``required``: a NeMo
     directory gets no ``control/`` of ours."""
-    if not required and not os.path.isdir(os.path.dirname(paths.stop_request)):
+    if not required and not os.path.isdir(paths.control_dir):
         return None
     check_layout(paths)
-    os.makedirs(os.path.dirname(paths.stop_request), exist_ok=True)
+    os.makedirs(paths.control_dir, exist_ok=True)
     return lock_exclusive(paths, f"dspark-convert-{os.getpid()}", 1)
 
 

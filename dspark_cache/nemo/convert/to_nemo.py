@@ -109,7 +109,7 @@ def _write_row(fd: int, ranges: dict[str, TensorRange], row: int, sample: dict, 
 def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec], pad_id: int) -> None:
     header, ranges = header_bytes(specs)
     seq = specs[0][2][1]
-    partial = path + ".partial"
+    partial = layout.partial_path(path)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         pwrite_all(fd, [memoryview(header)], 0)
