@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+
+def add_version_argument(parser: Any) -> None:
+    """``--version`` on a console script's ``argparse`` parser (one wording for all of them)."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
 _LAZY = {
     "open_cache": "dspark_cache.loader.cache",

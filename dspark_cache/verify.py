@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import msgspec
 
+from dspark_cache import add_version_argument
 from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.manifest import load_manifest
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dspark-verify", description=f"Verify a dspark cache ({FORMAT_ID}): "
                                      "manifest, every shard index, every shard, sample checksum and header. "
                                      "Exit 0 = OK, 1 = problems found, 2 = not a dspark cache or usage error.")
+    add_version_argument(parser)
     parser.add_argument("cache_dir")
     parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
     parser.add_argument("--repair", action="store_true",

@@ -71,3 +71,12 @@ def test_console_script_exit_code(embedded, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD), "not json"])
     bad = subprocess.run([exe, *produce_args(embedded.stock, data, str(tmp_path / "o"))], capture_output=True, text=True)
     assert bad.returncode == 1 and "d.jsonl:2" in bad.stderr
+
+
+@pytest.mark.parametrize("script", ["dspark-produce", "dspark-monitor", "dspark-verify", "dspark-convert"])
+def test_every_console_script_has_version(script):
+    import dspark_cache
+
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), script), "--version"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"{script} {dspark_cache.__version__}", done.stderr

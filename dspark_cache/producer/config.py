@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from dspark_cache import add_version_argument
 from dspark_cache.format.sample import CACHE_DTYPES
 
 EXIT_OK = 0
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compact, resumable WebDataset shards for DSpark drafter training. NeMo's "
         "precompute_dspark command lines work unchanged.",
     )
+    add_version_argument(p)
     p.add_argument("--target-model", required=True, help="HF checkpoint directory or hub id")
     p.add_argument("--input-data", required=True, help="JSONL/JSON/Parquet file, a directory of them, or an HF dataset id")
     p.add_argument("--output-dir", required=True, help="cache directory (resumed when it matches)")

@@ -91,7 +91,7 @@ def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape) -> bo
     return index.tar_bytes == expected
 
 
-def published_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[int]:
+def reconcile_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[int]:
     """Shards whose index and tar match the plan; partial, damaged or foreign ones are removed."""
     for leftover in paths.partial_files():
         log.info("removing leftover %s from an interrupted run", leftover)

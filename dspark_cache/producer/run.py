@@ -29,7 +29,7 @@ from dspark_cache.producer.inputs import InputError, InputSource, RawRow
 from dspark_cache.producer.layout import check_layout, heartbeat_files, remove_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive, lock_shared
 from dspark_cache.producer.manifest import (
-    check_existing, claim_completion, library_versions, mark_complete, published_shards, read_manifest_file,
+    check_existing, claim_completion, library_versions, mark_complete, reconcile_shards, read_manifest_file,
     write_manifest,
 )
 from dspark_cache.producer.messages import normalise_row
@@ -167,7 +167,7 @@ def setup_directory(p: Prepared) -> Manifest | None:
     _forget_other_runs(p.paths)
     if existing is not None:
         p.manifest.created_at = existing.created_at
-        published_shards(p.paths, p.plan, p.shape)  # removes partials and damaged shards
+        reconcile_shards(p.paths, p.plan, p.shape)  # removes partials and damaged shards
     done = set(p.paths.indexed_shard_ids())
     preflight_disk(p.paths, sum(s.num_bytes for s in p.plan.shards if s.shard_id not in done), p.cfg.force)
     if existing is None or not existing.complete or done != {s.shard_id for s in p.plan.shards}:

@@ -6,10 +6,13 @@ import argparse
 import os
 import sys
 
+from dspark_cache import add_version_argument
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dspark-monitor", description="Watch a dspark cache: a live "
                                      "producer run, a finished cache, or one on a shared filesystem.")
+    add_version_argument(parser)
     parser.add_argument("cache_dir")
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between refreshes (default 1)")
     args = parser.parse_args(argv)

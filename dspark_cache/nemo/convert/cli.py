@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import NoReturn
 
+from dspark_cache import add_version_argument
 from dspark_cache.format.errors import CacheError
 from dspark_cache.nemo.convert.common import ConvertResult, ConvertUsageError
 
@@ -49,6 +50,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dspark-convert", description=DESCRIPTION, epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version_argument(p)
     p.add_argument("src", metavar="SRC", help="the cache to read (complete)")
     p.add_argument("dst", metavar="DST", help="the directory to write (created; resumed when it holds the same "
                    "conversion)")
