@@ -189,7 +189,7 @@ def test_special_files_never_hang_or_stream_forever(small_cache, tmp_path, kind)
     assert "verify: 1" in out.stdout
     for who in ("loader:", "open_cache:"):
         line = next(line for line in out.stdout.splitlines() if line.startswith(who))
-        assert "shard-000002.tar" in line and "not a regular file" in line or "is a directory" in line
+        assert "shard-000002.tar" in line and ("not a regular file" in line or "is a directory" in line), line
 
 
 def test_repair_rebuilds_an_index_when_the_tar_is_intact(small_cache, tmp_path, capsys):

@@ -163,8 +163,9 @@ class BatchReader:
         for name, offset, nbytes in slab.zero_spans(zero):
             program.zero(index[name], offset, nbytes)
         for row, shard_id, _, entry in rows:
-            header = entry.size - lay.template(entry.length).data_size
-            segs = np.concatenate([self._header_segment(row, header), lay.template(entry.length).place(header, row * stride)])
+            template = lay.template(entry.length)
+            header = entry.size - template.data_size
+            segs = np.concatenate([self._header_segment(row, header), template.place(header, row * stride)])
             program.sample(fds[shard_id], entry.offset, entry.size, segs, tag=row)
             n, pads = entry.length, width - entry.length
             program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
