@@ -1,33 +1,35 @@
 """The producer's overlapped pipeline: device forward | device->host copy | shard writing.
 
 The main thread runs the target on batch i+1 while batch i is trimmed to its real tokens on
-the device and copied to pinned host memory on a side stream, and a writer thread encodes and
-appends earlier batches to their shard. Host memory is bounded by a byte budget: the main
-thread blocks before staging a batch that would exceed it, whatever the shard size.
+the device and copied into the staging ring (pinned host memory) on a side stream, and a writer
+thread (:mod:`~dspark_cache.producer.writer`) appends earlier batches to their shard. Host
+memory is the ring: the main thread claims a batch's region before it queues the copies and
+waits while the ring is full, so staged bytes never exceed ``--max-inflight-bytes`` (or one
+batch, when a single batch is larger). Nothing in the loop waits for the device: the model's
+masks are built without a host sync (:mod:`~dspark_cache.producer.masks`) and the non-finite
+check stays on the device until the writer reads it.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
-from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
+from dspark_cache.producer.staging import Region, StagingRing, region_bytes, ring_capacity
+from dspark_cache.producer.tensors import torch_dtype
+from dspark_cache.producer.timing import BatchClock
+from dspark_cache.producer.writer import NonFiniteError, PipelineStats, ShardWriterThread, WriteJob
+
+__all__ = ["NonFiniteError", "PipelineStats", "collate", "finite_flags", "run_pipeline"]
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteError(Exception):
-    """The target produced NaN/inf for a sample and the policy is ``error``."""
 
 
 def _positions_finite(x: torch.Tensor) -> torch.Tensor:
@@ -50,170 +52,49 @@ def finite_flags(hidden: torch.Tensor, last: torch.Tensor | None, real: torch.Te
     return (ok | ~real.bool()).all(-1)
 
 
-class ByteBudget:
-    """Blocks producers while more than ``limit`` bytes are in flight (one item always passes)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.inflight = 0
-        self.peak = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int, abort: Callable[[], bool] = lambda: False) -> None:
-        with self._cond:
-            while self.inflight and self.inflight + nbytes > self.limit and not abort():
-                self._cond.wait(0.1)
-            self.inflight += nbytes
-            self.peak = max(self.peak, self.inflight)
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.inflight -= nbytes
-            self._cond.notify_all()
-
-
-@dataclass
-class StageTimes:
-    """Seconds spent per stage (what the monitor's breakdown shows)."""
-
-    data: float = 0.0
-    device: float = 0.0
-    copy: float = 0.0
-    backpressure: float = 0.0
-    write: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 3) for k, v in self.__dict__.items()}
-
-
-@dataclass
-class WriteJob:
-    shard: ShardPlan
-    samples: list[PlannedSample]
-    tensors: list[tuple[torch.Tensor, torch.Tensor | None]]
-    finite: torch.Tensor  # bool [B], host
-    ready: torch.cuda.Event | None
-    nbytes: int
-    closes_shard: bool
-
-
-@dataclass
-class PipelineStats:
-    current_shard: int | None = None  # the shard the device is computing
-    samples: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    shards: int = 0
-    times: StageTimes = field(default_factory=StageTimes)
+def _staged_shapes(shape: SampleShape, batch: list[PlannedSample]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Views a batch takes in the ring: each sample's hidden (and final) state, then the flags."""
+    shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+    dtype = torch_dtype(shape.dtype)
+    for sample in batch:
+        shapes.append(((sample.length, shape.hidden_dim), dtype))
+        if shape.stores_last:
+            shapes.append(((sample.length, shape.hidden_size), dtype))
+    return shapes + [((len(batch),), torch.bool)]
 
 
 class Stager:
-    """Trims a batch to real tokens and brings it to host memory (async on CUDA)."""
+    """Copies a batch's real tokens into its ring region (asynchronously on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def stage(self, hidden: torch.Tensor, last: torch.Tensor | None, finite: torch.Tensor, lengths: list[int]
+    def stage(self, region: Region, shapes: list, hidden: torch.Tensor, last: torch.Tensor | None,
+              finite: torch.Tensor, lengths: list[int], clock: BatchClock
               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor, torch.cuda.Event | None]:
-        if not self.cuda:
-            return [(hidden[b, :n], None if last is None else last[b, :n]) for b, n in enumerate(lengths)], finite, None
-        assert self.stream is not None
-        # hidden, not last: last is None whenever the final state is one of the layer ids.
-        self.stream.wait_stream(torch.cuda.current_stream(hidden.device))
-        out = []
-        with torch.cuda.stream(self.stream):
-            for b, n in enumerate(lengths):
-                pair = []
-                for src in (hidden, last):
-                    if src is None:
-                        pair.append(None)
-                        continue
-                    dst = torch.empty((n, src.shape[-1]), dtype=src.dtype, pin_memory=True)
-                    dst.copy_(src[b, :n], non_blocking=True)
-                    pair.append(dst)
-                out.append((pair[0], pair[1]))
-            finite_host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
-            finite_host.copy_(finite, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
+        views = iter(region.views(shapes))
+        pairs = [(next(views), next(views) if last is not None else None) for _ in lengths]
+        finite_host = next(views)
+        if self.stream is not None:
+            # Copies wait for the forward on the device, not on the host.
+            self.stream.wait_stream(torch.cuda.current_stream(hidden.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            clock.mark("copy", self.stream)
+            for b, (n, (dst_hidden, dst_last)) in enumerate(zip(lengths, pairs)):
+                dst_hidden.copy_(hidden[b, :n], non_blocking=self.cuda)
+                if dst_last is not None:
+                    dst_last.copy_(last[b, :n], non_blocking=self.cuda)
+            finite_host.copy_(finite, non_blocking=self.cuda)
+            clock.mark("copy_done", self.stream)
+        if self.stream is None:
+            return pairs, finite_host, None
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
         for src in (hidden, last, finite):
             if src is not None:
                 src.record_stream(self.stream)  # keep device memory alive until the copy ends
-        return out, finite_host, ready
-
-
-class ShardWriterThread(threading.Thread):
-    """Appends staged batches to shards in plan order and publishes each finished shard."""
-
-    def __init__(self, paths: CachePaths, shape: SampleShape, budget: ByteBudget, stats: PipelineStats,
-                 on_published: Callable[[ShardPlan, ShardIndex], None], on_nonfinite: str = "error",
-                 durable: bool = True) -> None:
-        super().__init__(name="dspark-writer", daemon=True)
-        self.paths, self.shape, self.budget, self.stats = paths, shape, budget, stats
-        self.on_published = on_published
-        self.on_nonfinite = on_nonfinite
-        self.durable = durable
-        self._nonfinite: list[int] = []
-        self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
-        self.error: BaseException | None = None
-        self._writer: ShardWriter | None = None
-
-    def run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            try:
-                if self.error is None:
-                    self._write(job)
-            except BaseException as exc:  # surfaced to the main thread, which stops cleanly
-                self.error = exc
-                self.abandon()
-            finally:
-                self.budget.release(job.nbytes)
-
-    def _write(self, job: WriteJob) -> None:
-        if job.ready is not None:
-            job.ready.synchronize()
-        started = time.perf_counter()
-        if self._writer is None:
-            self._writer = ShardWriter(self.paths, job.shard.shard_id, durable=self.durable)
-        for sample, (hidden, last), finite in zip(job.samples, job.tensors, job.finite.tolist()):
-            if not finite:
-                if self.on_nonfinite == "error":
-                    raise NonFiniteError(
-                        f"the target produced non-finite hidden states for sample {sample.sample_id} (input "
-                        f"row {sample.sample_id}); nothing was written for shard {job.shard.shard_id}. Check the "
-                        "target and --compute-dtype, or pass --on-nonfinite skip to drop such samples (listed "
-                        "in the manifest)"
-                    )
-                log.warning("sample %d has non-finite hidden states: dropped", sample.sample_id)
-                self._nonfinite.append(sample.sample_id)
-                continue
-            tensors = {
-                HIDDEN: hidden,
-                INPUT_IDS: torch.from_numpy(sample.input_ids),
-                LOSS_MASK: torch.from_numpy(sample.loss_mask),
-            }
-            if last is not None:
-                tensors[LAST_HIDDEN] = last
-            self._writer.append(sample.sample_id, sample.loss_tokens, self.shape.specs(sample.length),
-                                self.shape.metadata(sample.sample_id), tensors)
-            self.stats.samples += 1
-            self.stats.tokens += sample.length
-        if job.closes_shard:
-            index = self._writer.publish(nonfinite=self._nonfinite)
-            self._nonfinite = []
-            self.stats.bytes += index.tar_bytes
-            self.stats.shards += 1
-            self._writer = None
-            self.on_published(job.shard, index)
-        self.stats.times.write += time.perf_counter() - started
-
-    def abandon(self) -> None:
-        """Drop an unfinished shard (its .partial is removed; a rerun recomputes it)."""
-        if self._writer is not None:
-            self._writer.abort()
-            self._writer = None
-        self._nonfinite = []
+        return pairs, finite_host, ready
 
 
 def collate(batch: list[PlannedSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +124,7 @@ def run_pipeline(
     max_inflight_bytes: int,
     on_published: Callable[[ShardPlan, ShardIndex], None] = lambda shard, index: None,
     should_stop: Callable[[], bool] = lambda: False,
-    on_batch: Callable[[PipelineStats, ByteBudget], None] = lambda stats, budget: None,
+    on_batch: Callable[[PipelineStats, StagingRing], None] = lambda stats, ring: None,
     on_nonfinite: str = "error",
     durable: bool = True,
     check_finite: bool = True,
@@ -252,11 +133,13 @@ def run_pipeline(
 
     A stop request is honoured at shard boundaries, so the shard in flight is finished.
     ``check_finite=False`` is for benchmarks with a fake device that has no NaN to find.
+    ``on_batch`` sees the ring (``inflight``, ``peak``, ``capacity`` bytes) after each batch.
     """
+    sizes = [region_bytes(_staged_shapes(shape, batch)) for shard in shards for batch in shard.batches]
+    ring = StagingRing(ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes)), device.type == "cuda")
     stats = PipelineStats()
-    budget = ByteBudget(max_inflight_bytes)
-    writer = ShardWriterThread(paths, shape, budget, stats, on_published, on_nonfinite, durable)
-    stager = Stager(device)
+    writer = ShardWriterThread(paths, shape, ring, stats, on_published, on_nonfinite, durable)
+    step = _Step(forward, shape, device, pad_id, check_finite, ring, writer, stats)
     writer.start()
     try:
         for shard in shards:
@@ -264,33 +147,51 @@ def run_pipeline(
                 break
             stats.current_shard = shard.shard_id
             for i, batch in enumerate(shard.batches):
-                if writer.error is not None:
+                if writer.error is not None or not step.run(shard, batch, i == len(shard.batches) - 1):
                     break
-                t0 = time.perf_counter()
-                ids, mask = collate(batch, pad_id, device)
-                t1 = time.perf_counter()
-                hidden, last = forward(ids, mask)
-                lengths = [s.length for s in batch]
-                finite = (finite_flags(hidden, last, mask) if check_finite
-                          else torch.ones(len(batch), dtype=torch.bool, device=hidden.device))
-                t2 = time.perf_counter()
-                staged, finite, ready = stager.stage(hidden, last, finite, lengths)
-                del hidden, last
-                t3 = time.perf_counter()
-                nbytes = sum(sum(t.nbytes for t in pair if t is not None) for pair in staged)
-                budget.acquire(nbytes, abort=lambda: writer.error is not None)
-                t4 = time.perf_counter()
-                writer.jobs.put(WriteJob(shard, batch, staged, finite, ready, nbytes, i == len(shard.batches) - 1))
-                times = stats.times
-                times.data += t1 - t0
-                times.device += t2 - t1
-                times.copy += t3 - t2
-                times.backpressure += t4 - t3
-                on_batch(stats, budget)
+                on_batch(stats, ring)
     finally:
         writer.jobs.put(None)
         writer.join()
         writer.abandon()
+        ring.close()
     if writer.error is not None:
         raise writer.error
     return stats
+
+
+class _Step:
+    """One batch through the main thread: collate, forward, claim ring space, queue the copies."""
+
+    def __init__(self, forward: Forward, shape: SampleShape, device: torch.device, pad_id: int,
+                 check_finite: bool, ring: StagingRing, writer: ShardWriterThread, stats: PipelineStats) -> None:
+        self.forward, self.shape, self.device, self.pad_id = forward, shape, device, pad_id
+        self.check_finite, self.ring, self.writer, self.stats = check_finite, ring, writer, stats
+        self.cuda = device.type == "cuda"
+        self.stager = Stager(device)
+
+    def run(self, shard: ShardPlan, batch: list[PlannedSample], closes_shard: bool) -> bool:
+        """Queue the batch for the writer; False when the writer failed while we waited."""
+        times = self.stats.times
+        clock = BatchClock(self.cuda)
+        t0 = time.perf_counter()
+        ids, mask = collate(batch, self.pad_id, self.device)
+        times.data += time.perf_counter() - t0
+        clock.mark("forward")
+        hidden, last = self.forward(ids, mask)
+        finite = (finite_flags(hidden, last, mask) if self.check_finite
+                  else torch.ones(len(batch), dtype=torch.bool, device=hidden.device))
+        clock.mark("forward_done")
+        shapes = _staged_shapes(self.shape, batch)
+        t1 = time.perf_counter()
+        region = self.ring.claim(region_bytes(shapes), abort=lambda: self.writer.error is not None)
+        times.backpressure += time.perf_counter() - t1
+        if region is None:
+            return False
+        staged, finite_host, ready = self.stager.stage(region, shapes, hidden, last, finite,
+                                                       [s.length for s in batch], clock)
+        if not self.cuda:  # on a CPU the stages ran on this thread: host times are exact
+            times.device += clock.seconds("forward", "forward_done")
+            times.copy += clock.seconds("copy", "copy_done")
+        self.writer.jobs.put(WriteJob(shard, batch, staged, finite_host, ready, region, clock, closes_shard))
+        return True

@@ -1,0 +1,151 @@
+"""Host memory between the device and the writer: one fixed ring, claimed before staging.
+
+Every staged batch lives in a region of one block of host memory (pinned when the device is a
+GPU), allocated once and sized by ``--max-inflight-bytes`` (never more than the run needs). The
+main thread claims a region *before* it queues the device-to-host copies and waits while the
+ring is full; the writer releases it once the bytes are in the shard file. So pinned memory is
+the budget, exactly, for the whole run: no per-sample ``cudaHostAlloc`` (slow, and it waits
+for the device), and no power-of-two size classes of CUDA's caching host allocator filling up
+one after another. The same ring runs unpinned on a CPU, where the tests exercise it.
+
+Regions are claimed and released in the same order (the writer works in plan order), so the
+ring is a FIFO: free space is the gap after the newest region, or the start of the block when
+that gap is too small (the tail end is then skipped until the ring wraps).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ALIGN = 256  # every view starts here-aligned: dtype views need it, copy engines like it
+PAGE = 4096
+
+
+def aligned(nbytes: int) -> int:
+    return nbytes + (-nbytes % ALIGN)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A claimed byte range of the ring; ``carve`` hands out aligned views in order."""
+
+    ring: "StagingRing"
+    start: int
+    size: int
+
+    def views(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """One tensor per ``(shape, dtype)``, back to back (aligned) from the region's start."""
+        out = []
+        cursor = self.start
+        for shape, dtype in shapes:
+            count = 1
+            for dim in shape:
+                count *= dim
+            nbytes = count * dtype.itemsize
+            out.append(self.ring.block[cursor : cursor + nbytes].view(dtype).view(shape))
+            cursor += aligned(nbytes)
+        if cursor > self.start + self.size:
+            raise ValueError(f"views need {cursor - self.start} bytes, the region has {self.size}")
+        return out
+
+
+def region_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes a region needs for these views (what :meth:`Region.views` will carve)."""
+    total = 0
+    for shape, dtype in shapes:
+        count = 1
+        for dim in shape:
+            count *= dim
+        total += aligned(count * dtype.itemsize)
+    return total
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory starting on a page (region offsets are then aligned in memory)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes]
+
+
+def _pinned_block(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """``nbytes`` of page-locked host memory and whether we registered it ourselves.
+
+    ``pin_memory=True`` goes through CUDA's caching host allocator, which rounds every block up
+    to a power of two (a 1.1 GB budget would pin 2 GiB): registering a plain block pins exactly
+    what the budget says. The allocator is the fallback where registration is refused.
+    """
+    block = _page_aligned(nbytes)
+    if int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)) == 0:
+        return block, True
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
+
+
+class StagingRing:
+    """``capacity`` bytes of host memory handed out as FIFO regions (thread-safe).
+
+    ``pinned`` (a CUDA device is in use): the block is page-locked, so copies into it are truly
+    asynchronous. Call :meth:`close` once no copy into the ring can still be running.
+    """
+
+    def __init__(self, capacity: int, pinned: bool) -> None:
+        self.capacity = aligned(max(ALIGN, capacity))
+        self.pinned = pinned
+        if pinned:
+            self.block, self._registered = _pinned_block(self.capacity)
+        else:
+            self.block, self._registered = _page_aligned(self.capacity), False
+        self._regions: deque[tuple[int, int]] = deque()  # (start, end) in claim order
+        self._cond = threading.Condition()
+        self.inflight = 0  # bytes claimed and not yet released (skipped tail ends not counted)
+        self.peak = 0
+
+    def claim(self, nbytes: int, abort: Callable[[], bool] = lambda: False) -> Region | None:
+        """Wait for ``nbytes`` of free ring; ``None`` when ``abort()`` turns true while waiting."""
+        size = aligned(max(1, nbytes))
+        if size > self.capacity:
+            raise ValueError(f"a batch of {size} bytes does not fit a staging ring of {self.capacity} bytes")
+        with self._cond:
+            while (start := self._place(size)) is None:
+                if abort():
+                    return None
+                self._cond.wait(0.1)
+            self._regions.append((start, start + size))
+            self.inflight += size
+            self.peak = max(self.peak, self.inflight)
+        return Region(self, start, size)
+
+    def release(self, region: Region) -> None:
+        """Give back the oldest region (regions are released in the order they were claimed)."""
+        with self._cond:
+            if not self._regions or self._regions[0][0] != region.start:
+                raise RuntimeError("staging regions must be released in the order they were claimed")
+            self._regions.popleft()
+            self.inflight -= region.size
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Unpin the block (the ring must not be used afterwards)."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.block.data_ptr())
+            self._registered = False
+
+    def _place(self, size: int) -> int | None:
+        if not self._regions:
+            return 0
+        first, last_end = self._regions[0][0], self._regions[-1][1]
+        wrapped = self._regions[-1][0] < first
+        if wrapped:  # used: [first, capacity) and [0, last_end)
+            return last_end if first - last_end >= size else None
+        if self.capacity - last_end >= size:  # used: [first, last_end)
+            return last_end
+        return 0 if first >= size else None
+
+
+def ring_capacity(budget: int, largest_batch: int, total: int) -> int:
+    """The budget, but never more than the whole run stages nor less than its largest batch."""
+    return max(largest_batch, min(budget, total))
