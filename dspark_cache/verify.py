@@ -14,13 +14,12 @@ from dataclasses import asdict, dataclass, field
 import msgspec
 
 from dspark_cache import add_version_argument
+from dspark_cache.format.cache import CacheDir, unpublish_shard
 from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
-from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.manifest import load_manifest
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import FORMAT_ID, Manifest, ShardIndex, encode_json
+from dspark_cache.format.schema import FORMAT_ID, ShardIndex, encode_json
 from dspark_cache.format.atomic import atomic_write_bytes
-from dspark_cache.format.tar.reader import ShardReader, load_shard_index
+from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
 from dspark_cache.format.validate import InvalidManifestError, check_catalog
 
@@ -48,14 +47,13 @@ def verify_cache(path: str) -> Report:
     """Check every planned shard: index valid for the manifest, tar intact, every sample's checksum
     and header. Raises :class:`NotACacheError` (or another ``CacheError``) only when the
     directory holds no readable dspark manifest; everything else is reported."""
-    paths = CachePaths(path)
-    manifest = load_manifest(path)
+    cache = CacheDir(path, allow_incomplete=True, strict=False)  # unplanned shards are reported, not raised
+    paths, manifest = cache.paths, cache.manifest
     report = Report(cache=path, complete=manifest.complete, shards_total=manifest.num_shards,
                     leftovers=paths.partial_files())
-    indexed = paths.indexed_shard_ids()
     report.problems += [f"{paths.shard_index(s)} is published but the manifest plans {manifest.num_shards} shards"
-                        for s in indexed if s >= manifest.num_shards]
-    present = set(indexed)
+                        for s in cache.extra_shards()]
+    present = set(cache.indexed_ids())
     indexes: dict[int, ShardIndex] = {}
     for shard_id in range(manifest.num_shards):
         if shard_id not in present:
@@ -63,7 +61,7 @@ def verify_cache(path: str) -> Report:
             if os.path.exists(paths.shard_tar(shard_id)):  # renamed, killed before its index: unpublished
                 report.leftovers.append(paths.shard_tar(shard_id))
             continue
-        index = _verify_shard(paths, shard_id, manifest, report)
+        index = _verify_shard(cache, shard_id, report)
         if index is not None:
             indexes[shard_id] = index
     try:
@@ -73,10 +71,11 @@ def verify_cache(path: str) -> Report:
     return report
 
 
-def _verify_shard(paths: CachePaths, shard_id: int, manifest: Manifest, report: Report) -> ShardIndex | None:
+def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex | None:
+    paths = cache.paths
     try:
-        index = load_shard_index(paths, shard_id, manifest)
-        with ShardReader(paths, shard_id, index, SampleShape.from_manifest(manifest)) as reader:
+        index = cache.require(shard_id)
+        with ShardReader(paths, shard_id, index, cache.shape) as reader:
             reader.verify()
     except CorruptShardError as exc:
         report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc)})
@@ -97,7 +96,7 @@ def repair(path: str, report: Report) -> None:
     if os.path.islink(paths.shards_dir):
         raise CacheError(f"{paths.shards_dir} is a symlink: dspark-verify --repair never deletes through one; "
                          "replace it with a real directory first")
-    manifest = load_manifest(path)
+    manifest = CacheDir(path, allow_incomplete=True, strict=False).manifest
     for problem in report.corrupt:
         shard_id = problem["shard"]
         index = rebuild_index(paths, shard_id, manifest)
@@ -105,9 +104,7 @@ def repair(path: str, report: Report) -> None:
             atomic_write_bytes(paths.shard_index(shard_id), encode_json(index))
             problem["repaired"] = "rebuilt"
             continue
-        for file in (paths.shard_index(shard_id), paths.shard_tar(shard_id)):
-            if os.path.lexists(file):
-                os.unlink(file)  # a symlink itself, never its target
+        unpublish_shard(paths, shard_id)
         problem["repaired"] = "deleted"
 
 

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dspark_cache.loader.dataloader import EpochOrder
-from dspark_cache.loader.planner import epoch_steps, rank_batch
+from dspark_cache.loader.planner import EpochOrder, epoch_steps, rank_batch
 
 
 @dataclass
@@ -28,8 +27,6 @@ class _Index:
 class FakeCatalog:
     """Shards of the given sizes; sample ids ascend across shards, as the producer writes them."""
 
-    follow = False
-
     def __init__(self, sizes: list[int]) -> None:
         self.indexes, next_id = {}, 0
         for shard, size in enumerate(sizes):
@@ -37,20 +34,14 @@ class FakeCatalog:
             ids = list(range(next_id, next_id + size))[::-1]
             self.indexes[shard] = _Index([_Entry(i) for i in ids])
             next_id += size
-        self.manifest = type("M", (), {"num_shards": len(sizes)})()
-
-    def published(self, shard_id):
-        return self.indexes.get(shard_id)
-
-    def require(self, shard_id):
-        return self.indexes[shard_id]
 
 
 def epoch_order(sizes, seed=0, epoch=0, shuffle=True, window=2):
-    order = EpochOrder(FakeCatalog(sizes), seed, epoch, shuffle, window, streaming=False)
-    while order.extend():
-        pass
-    catalog = order.catalog
+    catalog = FakeCatalog(sizes)
+    order = EpochOrder(len(sizes), seed, epoch, shuffle, window, streaming=False)
+    while not order.complete:
+        order.add_window({s: catalog.indexes[s] for s in order.next_shards()})
+    order.catalog = catalog  # for rank_view's lookups
     ids = [catalog.indexes[r.shard_id].samples[r.entry].sample_id for r in order.refs]
     return order, ids
 

@@ -118,7 +118,7 @@ def test_a_replaced_file_is_checked_again(small_cache, tmp_path, executor, hashe
     shutil.copyfile(path, path + ".new")
     flip(path + ".new", at)
     os.replace(path + ".new", path)  # another inode
-    loader.catalog.close()  # the descriptors are reopened, as after an eviction
+    loader.cache.close()  # the descriptors are reopened, as after an eviction
     with pytest.raises(CorruptShardError, match=rf"sample {victim.sample_id}\).*checksum mismatch"):
         epoch(loader)
     loader.close()
@@ -127,7 +127,7 @@ def test_a_replaced_file_is_checked_again(small_cache, tmp_path, executor, hashe
 def test_a_reopened_unchanged_file_stays_checked(small_cache, tmp_path, executor, hashes):
     loader = dspark_cache.build_dataloader(copy_cache(small_cache, tmp_path), 4, shuffle=False)
     epoch(loader)
-    loader.catalog.close()
+    loader.cache.close()
     epoch(loader)
     assert len(hashes) == loader.manifest.num_samples
     loader.close()

@@ -1,4 +1,8 @@
-"""``open_cache``: a cache directory as a manifest plus its published, verified samples."""
+"""``open_cache``: a cache directory's samples one by one, as torch tensors, in ascending sample id.
+
+The directory itself (manifest, indexes, their checks) is :class:`~dspark_cache.format.cache.CacheDir`;
+this module adds only the conversion of a sample blob to tensors.
+"""
 
 from __future__ import annotations
 
@@ -7,70 +11,50 @@ from typing import Iterator
 
 import torch
 
-from dspark_cache.format.errors import CacheError, IncompleteCacheError
-from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.manifest import load_manifest
-from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex
-from dspark_cache.format.validate import check_catalog
-from dspark_cache.format.tar.reader import ShardReader, load_shard_index
+from dspark_cache.format.cache import CacheDir, read_manifest
+from dspark_cache.format.schema import SampleEntry, ShardIndex
+from dspark_cache.format.tar.reader import ShardReader
 
-
-def read_manifest(path: str, *, allow_incomplete: bool = False) -> Manifest:
-    """Read and check ``manifest.json``; an incomplete cache is refused unless ``allow_incomplete``."""
-    manifest = load_manifest(path)
-    if not manifest.complete and not allow_incomplete:
-        raise IncompleteCacheError(
-            f"{path} is incomplete: the producer has not finished (or was stopped). Rerun "
-            "dspark-produce with the same arguments to finish it, or read it while it grows "
-            "with follow=True"
-        )
-    return manifest
+__all__ = ["Cache", "open_cache", "read_manifest"]
 
 
 class Cache:
-    """A cache directory: manifest, published shard indexes, and random access to samples."""
+    """A complete (or, with ``allow_incomplete``, growing) cache: manifest, every published shard
+    index (loaded and checked when opened), and random access to samples by position."""
 
-    def __init__(self, path: str, *, allow_incomplete: bool = False) -> None:
-        self.path = os.fspath(path)
-        self.paths = CachePaths(self.path)
-        self.manifest = read_manifest(self.path, allow_incomplete=allow_incomplete)
-        self.shape = SampleShape.from_manifest(self.manifest)
-        self.shards: list[ShardIndex] = [load_shard_index(self.paths, i, self.manifest)
-                                         for i in self.paths.indexed_shard_ids()]
-        check_catalog(self.manifest, {s.shard_id: s for s in self.shards}, self.path)
-        if self.manifest.complete and len(self.shards) != self.manifest.num_shards:
-            missing = sorted(set(range(self.manifest.num_shards)) - {s.shard_id for s in self.shards})
-            raise CacheError(
-                f"{self.path}: manifest says complete with {self.manifest.num_shards} shards but shards "
-                f"{missing[:10]} have no index; run dspark-verify {self.path}, then rerun dspark-produce to repair"
-            )
-        # Ascending sample id across the cache: shards hold ascending id ranges.
-        self._entries: list[tuple[int, SampleEntry]] = [
-            (n, e) for n, shard in enumerate(self.shards) for e in sorted(shard.samples, key=lambda e: e.sample_id)
-        ]
-        self._ids = [e.sample_id for _, e in self._entries]
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False) -> None:
+        self.dir = CacheDir(path, allow_incomplete=allow_incomplete)
+        self.path, self.paths, self.manifest, self.shape = self.dir.root, self.dir.paths, self.dir.manifest, self.dir.shape
+        self.shards: list[ShardIndex] = self.dir.load_all()
+        self._order = self.dir.sample_order()  # (shard id, entry position), ascending sample id
         self._readers: dict[int, ShardReader] = {}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._order)
 
     @property
     def sample_ids(self) -> list[int]:
-        return list(self._ids)
+        """The sample id at each position."""
+        return [self.entry(position)[1].sample_id for position in range(len(self))]
 
     def entry(self, position: int) -> tuple[ShardIndex, SampleEntry]:
-        n, entry = self._entries[position]
-        return self.shards[n], entry
+        """The shard index and index entry of the sample at ``position``."""
+        shard_id, k = self._order[position]
+        shard = self.dir.require(shard_id)
+        return shard, shard.samples[k]
 
     def reader(self, shard: ShardIndex) -> ShardReader:
-        reader = self._readers.get(shard.shard_id)
+        """An open reader of ``shard``; at most ``max_open_files`` stay open (oldest closed first)."""
+        reader = self._readers.pop(shard.shard_id, None)
         if reader is None:
-            reader = self._readers[shard.shard_id] = ShardReader(self.paths, shard.shard_id, shard, self.shape)
+            if len(self._readers) >= self.dir.max_open_files:
+                self._readers.pop(next(iter(self._readers))).close()
+            reader = ShardReader(self.paths, shard.shard_id, shard, self.shape)
+        self._readers[shard.shard_id] = reader  # most recently used last
         return reader
 
     def read(self, position: int) -> dict[str, torch.Tensor | int]:
-        """The unpadded tensors of the sample at ``position`` (ascending id order)."""
+        """The unpadded tensors of the sample at ``position`` (ascending id order), checksum-verified."""
         shard, entry = self.entry(position)
         sample: dict[str, torch.Tensor | int] = {"sample_id": entry.sample_id}
         sample.update(self.reader(shard).read_sample(entry))
@@ -85,6 +69,7 @@ class Cache:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        self.dir.close()
 
     def __enter__(self) -> "Cache":
         return self

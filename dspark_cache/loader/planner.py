@@ -11,6 +11,7 @@ every rank gets the same number of batches whatever the shard sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -49,6 +50,56 @@ def window_order(shards: list[int], order_ids: dict[int, list[int]], seed: int, 
     if not shuffle:
         return refs
     return [refs[i] for i in _rng(seed, epoch, index + 1).permutation(len(refs))]
+
+
+class _Entry(Protocol):
+    sample_id: int
+
+
+class IndexLike(Protocol):
+    """What the order needs of a shard index: its entries' sample ids, in index order."""
+
+    @property
+    def samples(self) -> Sequence[_Entry]: ...
+
+
+class EpochOrder:
+    """One epoch's sample order, extended window by window as their shards are published.
+
+    Pure: the caller looks the shards of :meth:`next_shards` up (waiting for them while it
+    follows a producer) and hands their indexes to :meth:`add_window`.
+    """
+
+    def __init__(self, num_shards: int, seed: int, epoch: int, shuffle: bool, window: int, streaming: bool) -> None:
+        shard_ids = list(range(num_shards))
+        # While following a producer, visit shards in id order (the order they are produced in);
+        # otherwise in the permuted order. Either way the order depends on shard ids only.
+        sequence = shard_ids if streaming else shard_sequence(shard_ids, seed, epoch, shuffle)
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.windows = windows(sequence, window)
+        self.refs: list[SampleRef] = []
+        self.loaded = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.loaded == len(self.windows)
+
+    @property
+    def total(self) -> int | None:
+        """The epoch's size once every window is in."""
+        return len(self.refs) if self.complete else None
+
+    def next_shards(self) -> list[int]:
+        """The shards of the window to add next (none once the order is complete)."""
+        return [] if self.complete else self.windows[self.loaded]
+
+    def add_window(self, indexes: Mapping[int, IndexLike]) -> None:
+        """Add the next window, given the index of each of its shards."""
+        shards = self.next_shards()
+        by_id = {s: sorted(range(len(indexes[s].samples)), key=lambda k, i=indexes[s]: i.samples[k].sample_id)
+                 for s in shards}
+        self.refs += window_order(shards, by_id, self.seed, self.epoch, self.loaded, self.shuffle)
+        self.loaded += 1
 
 
 @dataclass(frozen=True)

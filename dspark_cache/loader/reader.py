@@ -27,7 +27,7 @@ from dspark_cache.format.sample import ATTENTION_MASK, CACHE_DTYPES, HIDDEN, INP
 from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.format.validate import MAX_HEADER, check_header
 from dspark_cache.loader import fill, verify
-from dspark_cache.loader.catalog import ShardCatalog
+from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
 from dspark_cache.loader.rowplan import BUFFERS, SEG_COLUMNS, SEG_COPY, RowTemplate, row_template
@@ -72,7 +72,7 @@ class PendingBatch:
 class BatchReader:
     """Turns a rank's batch plan into tensors with NeMo's keys (plus our extras)."""
 
-    def __init__(self, catalog: ShardCatalog, layout: BatchLayout, *, batch_size: int, num_threads: int,
+    def __init__(self, catalog: CacheDir, layout: BatchLayout, *, batch_size: int, num_threads: int,
                  pad_to: str, pin_memory: bool, nemo_keys_only: bool = False, keep: int = 4,
                  native: bool | None = None, verify_mode: str = "once") -> None:
         if pad_to not in ("seq_length", "longest"):

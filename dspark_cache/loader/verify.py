@@ -10,7 +10,7 @@ without hashing: the batch filler then only reads, copies and zeroes. ``verify="
 hashes every read, as ``dspark-verify`` does.
 
 What ``"once"`` trusts: bytes this process checked, in a file it still has open (or reopened
-as the same file). A shard's bits are dropped when its file is opened again and is not the
+as the same file: ``CacheDir.identity``). A shard's bits are dropped when its file is opened again and is not the
 same file as before (device, inode, size, mtime or ctime differ: replaced, or written, since),
 and every bit is dropped in a forked child: a DataLoader worker checks what it reads itself,
 since its parent's checks were another process's reads and the worker may reopen the files. A
@@ -27,20 +27,13 @@ import threading
 import numpy as np
 import xxhash
 
+from dspark_cache.format.cache import FileIdentity
 from dspark_cache.loader.fill import RC_CHECKSUM, RC_READ_ERROR, RC_SHORT_READ, Failure
 
 VERIFY_MODES = ("once", "always")
 # Bytes per read while hashing: the chunk is hashed while it is still in the core's L2 cache,
 # and a chunk costs two GIL hand-overs (preadv, hash).
 CHUNK = 1 << 20
-
-FileIdentity = tuple[int, ...]
-
-
-def file_identity(fd: int) -> FileIdentity:
-    """What says that a descriptor opened later is the same file with the same bytes."""
-    st = os.fstat(fd)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def check_payload(fd: int, offset: int, size: int, want: int, buf: np.ndarray, tag: object) -> Failure | None:

@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.loader.cache import read_manifest as read_dspark_manifest
+from dspark_cache.format.cache import read_manifest as read_dspark_manifest
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.dataset import DSparkMapDataset, collate
 from dspark_cache.nemo.readahead import ReadAheadDataLoader

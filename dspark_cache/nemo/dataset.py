@@ -14,8 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from dspark_cache.format.errors import CacheError, CorruptShardError
-from dspark_cache.loader.catalog import ShardCatalog
+from dspark_cache.format.cache import CacheDir
+from dspark_cache.format.errors import CacheError
 from dspark_cache.loader.planner import RankBatch, SampleRef
 from dspark_cache.loader.reader import BatchLayout, BatchReader
 from dspark_cache.nemo.layout import CACHE_KEYS, stack_samples
@@ -31,10 +31,10 @@ class DSparkMapDataset(torch.utils.data.Dataset):
         self.cache_dir = os.fspath(cache_dir)
         self.batch_size = max(1, batch_size)
         self.native = native
-        catalog = ShardCatalog(self.cache_dir)
+        catalog = CacheDir(self.cache_dir)
         self.manifest = catalog.manifest
         self._shard, self._entry = _positions(catalog)
-        self._catalog: ShardCatalog | None = catalog
+        self._catalog: CacheDir | None = catalog
         self._reader: BatchReader | None = None
         self._pid = os.getpid()
 
@@ -70,10 +70,10 @@ class DSparkMapDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample position {index} is out of range for {n} samples in {self.cache_dir}")
         return position
 
-    def _open_catalog(self) -> ShardCatalog:
+    def _open_catalog(self) -> CacheDir:
         if self._pid != os.getpid() or self._catalog is None:
             # A forked DataLoader worker: reader threads and descriptors belong to the parent.
-            self._catalog, self._reader, self._pid = ShardCatalog(self.cache_dir), None, os.getpid()
+            self._catalog, self._reader, self._pid = CacheDir(self.cache_dir), None, os.getpid()
             if self._catalog.manifest.identity() != self.manifest.identity():
                 raise CacheError(f"{self.cache_dir} was replaced by a different cache while training read it; "
                                  "restart training")
@@ -128,24 +128,11 @@ def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
     return out.copy_(tensor)
 
 
-def _positions(catalog: ShardCatalog) -> tuple[np.ndarray, np.ndarray]:
-    """(shard id, index entry) of every sample, in ascending sample id."""
-    shards: list[int] = []
-    entries: list[int] = []
-    ids: list[int] = []
-    for shard_id in range(catalog.manifest.num_shards):
-        index = catalog.require(shard_id)
-        shards += [shard_id] * index.num_samples
-        entries += range(index.num_samples)
-        ids += (e.sample_id for e in index.samples)
-    ids_array = np.asarray(ids, dtype=np.int64)
-    order = np.argsort(ids_array, kind="stable")
-    repeated = np.flatnonzero(np.diff(ids_array[order]) == 0)
-    if repeated.size:  # positions must name one sample each
-        sample_id = int(ids_array[order][repeated[0]])
-        raise CorruptShardError(catalog.paths.root, "two shards list the same sample; run dspark-verify --repair",
-                                sample_id)
-    return np.asarray(shards, dtype=np.int32)[order], np.asarray(entries, dtype=np.int32)[order]
+def _positions(catalog: CacheDir) -> tuple[np.ndarray, np.ndarray]:
+    """(shard id, index entry) of every sample, in ascending sample id (every shard checked, no
+    sample listed twice: positions must name one sample each)."""
+    order = catalog.sample_order()
+    return np.asarray([s for s, _ in order], dtype=np.int32), np.asarray([k for _, k in order], dtype=np.int32)
 
 
 def collate(data: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ import msgspec
 
 from dspark_cache import __version__
 from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.cache import unpublish_shard
 from dspark_cache.format.errors import CacheError, CorruptShardError, ManifestMismatchError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex, decode_manifest, encode_json, identity_diff
@@ -108,9 +109,7 @@ def reconcile_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[i
         if ok:
             done.add(shard_id)
         else:
-            for file in (paths.shard_index(shard_id), paths.shard_tar(shard_id)):
-                if os.path.exists(file):
-                    os.unlink(file)
+            unpublish_shard(paths, shard_id)
     return done
 
 

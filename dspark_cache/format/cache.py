@@ -1,0 +1,240 @@
+"""A cache directory opened for reading: one class for every reader of published shards.
+
+:class:`CacheDir` is what the loader (batches), ``open_cache`` (samples one by one),
+``dspark-verify`` and the NeMo dataset read a cache through, and what the monitor can use to
+read indexes only. It imports no torch. API:
+
+* ``CacheDir(root, *, allow_incomplete=False, follow=False, strict=True)`` reads and checks
+  ``manifest.json`` (an incomplete cache is refused unless ``allow_incomplete`` or ``follow``);
+  ``strict`` refuses published shards the manifest does not plan (``dspark-verify`` reports them).
+* ``manifest``, ``shape`` (:class:`SampleShape`), ``paths``, ``root``, ``follow``.
+* ``indexed_ids()`` lists shard ids whose index file exists; ``extra_shards()`` those the
+  manifest does not plan.
+* ``published(id)`` loads a shard's index on first use (checked against the manifest), or
+  ``None`` while it is not published; ``require(id)`` raises instead. Following a producer, an
+  index that does not check out yet reads as not published (its tar may still be settling).
+* ``load_all()`` loads every published index at once and checks them together (unique ids, a
+  complete cache has every shard and the manifest's sample count); ``sample_order()`` is then
+  every sample as ``(shard id, entry position)`` in ascending sample id.
+* ``refresh()`` re-reads the manifest while following (a changed identity is an error).
+* ``pin(ids)`` / ``unpin(ids)`` hold shard files open for a batch filler: at most
+  ``max_open_files`` idle descriptors stay open (least recently used closed first), and a pinned
+  one is never closed, so its number cannot be reused under a running read. ``identity(id)``
+  says which file a pinned descriptor is (:func:`file_identity`). Nothing is opened unless
+  ``pin`` is called.
+* ``close()`` (or ``with``) closes every descriptor.
+
+:func:`unpublish_shard` removes a shard (index first, so readers stop seeing it, then its tar):
+what ``dspark-verify --repair`` and the producer's resume do with a shard they cannot trust.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+from dspark_cache.format.errors import CacheError, CorruptShardError, IncompleteCacheError
+from dspark_cache.format.files import open_regular
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.manifest import load_manifest
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.schema import Manifest, ShardIndex
+from dspark_cache.format.tar.reader import load_shard_index
+from dspark_cache.format.validate import check_catalog
+
+MAX_OPEN_FILES = 128  # idle descriptors kept open; pinned ones may exceed it for a while
+
+FileIdentity = tuple[int, ...]
+
+
+def file_identity(fd: int) -> FileIdentity:
+    """What says that a descriptor opened later is the same file with the same bytes."""
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def read_manifest(root: str, *, allow_incomplete: bool = False) -> Manifest:
+    """Read and check ``manifest.json``; an incomplete cache is refused unless ``allow_incomplete``."""
+    manifest = load_manifest(root)
+    if not manifest.complete and not allow_incomplete:
+        raise IncompleteCacheError(
+            f"{root} is incomplete: the producer has not finished (or was stopped). Rerun "
+            "dspark-produce with the same arguments to finish it, or read it while it grows "
+            "with follow=True"
+        )
+    return manifest
+
+
+def unpublish_shard(paths: CachePaths, shard_id: int) -> None:
+    """Remove a shard's index, then its tar: readers stop seeing it first, and a producer rerun
+    recomputes it. A symlink is removed itself, never its target."""
+    for file in (paths.shard_index(shard_id), paths.shard_tar(shard_id)):
+        if os.path.lexists(file):
+            os.unlink(file)
+
+
+class CacheDir:
+    """A cache directory for reading: manifest, published shard indexes (loaded lazily, once) and
+    a bounded pool of open shard files. See the module docstring for the whole API."""
+
+    def __init__(self, root: str | os.PathLike, *, allow_incomplete: bool = False, follow: bool = False,
+                 strict: bool = True, max_open_files: int = MAX_OPEN_FILES) -> None:
+        self.root = os.fspath(root)
+        self.paths = CachePaths(self.root)
+        self.follow = follow
+        self.manifest = read_manifest(self.root, allow_incomplete=allow_incomplete or follow)
+        self.shape = SampleShape.from_manifest(self.manifest)
+        self.max_open_files = max_open_files
+        self._indexes: dict[int, ShardIndex] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()  # shard id -> fd, least recently used first
+        self._pins: dict[int, int] = {}  # shard id -> batch programs using its fd now
+        self._identity: dict[int, FileIdentity] = {}  # shard id -> its open file's identity
+        self._lock = threading.Lock()
+        if strict:
+            self.check_shard_set()
+
+    # -- which shards -------------------------------------------------------------------------
+
+    def indexed_ids(self) -> list[int]:
+        """Shard ids whose index file exists (published, unless damaged since)."""
+        return self.paths.indexed_shard_ids()
+
+    def extra_shards(self) -> list[int]:
+        """Published shard ids the manifest does not plan."""
+        return [s for s in self.indexed_ids() if not 0 <= s < self.manifest.num_shards]
+
+    def check_shard_set(self) -> None:
+        """Published shards the manifest does not plan mean a tampered manifest or directory."""
+        extra = self.extra_shards()
+        if extra:
+            raise CacheError(
+                f"{self.root}: shards {extra[:5]} are published but {self.paths.manifest} plans "
+                f"{self.manifest.num_shards} shards; the manifest or the shard directory was changed by hand: "
+                f"run dspark-verify {self.root}"
+            )
+
+    def _missing(self, shard_ids: list[int]) -> CacheError:
+        return CacheError(
+            f"{self.root}: {self.paths.manifest} says the cache is complete with {self.manifest.num_shards} "
+            f"shards, but shards {shard_ids[:10]} are not published (no index); run dspark-verify {self.root}, "
+            "then rerun dspark-produce to repair it"
+        )
+
+    # -- indexes ------------------------------------------------------------------------------
+
+    def published(self, shard_id: int) -> ShardIndex | None:
+        """The shard's index if it is published (index present, tar of the indexed size)."""
+        index = self._indexes.get(shard_id)
+        if index is None and os.path.exists(self.paths.shard_index(shard_id)):
+            try:
+                index = load_shard_index(self.paths, shard_id, self.manifest)
+            except CorruptShardError:
+                if not self.follow:
+                    raise
+                return None  # an index can appear a moment before the tar is fully visible
+            self._indexes[shard_id] = index
+        return index
+
+    def require(self, shard_id: int) -> ShardIndex:
+        """The shard's index; a complete cache missing it is an error."""
+        index = self.published(shard_id)
+        if index is None:
+            raise self._missing([shard_id])
+        return index
+
+    def load_all(self) -> list[ShardIndex]:
+        """Every published shard's index, in shard id order, checked together: no sample listed
+        twice, and a complete cache has every planned shard and the manifest's sample count."""
+        indexes = {s: self.published(s) for s in self.indexed_ids()}
+        loaded = {s: index for s, index in indexes.items() if index is not None}
+        check_catalog(self.manifest, loaded, self.root)
+        if self.manifest.complete and len(loaded) != self.manifest.num_shards:
+            raise self._missing(sorted(set(range(self.manifest.num_shards)) - set(loaded)))
+        return [loaded[s] for s in sorted(loaded)]
+
+    def sample_order(self) -> list[tuple[int, int]]:
+        """``(shard id, entry position)`` of every published sample, in ascending sample id."""
+        keyed = [(entry.sample_id, index.shard_id, k)
+                 for index in self.load_all() for k, entry in enumerate(index.samples)]
+        keyed.sort()
+        return [(shard_id, k) for _, shard_id, k in keyed]
+
+    def refresh(self) -> Manifest:
+        """Re-read the manifest (follow mode); a different run in the same directory is an error."""
+        fresh = read_manifest(self.root, allow_incomplete=True)
+        if fresh.identity() != self.manifest.identity():
+            raise CacheError(
+                f"{self.paths.manifest} changed identity while reading (the producer was restarted with "
+                "other settings or --overwrite); restart training on the new cache"
+            )
+        self.manifest = fresh
+        return fresh
+
+    # -- open files ---------------------------------------------------------------------------
+
+    def pin(self, shard_ids: set[int]) -> dict[int, int]:
+        """Open descriptors for ``shard_ids`` (read-only, for ``pread``), held open until :meth:`unpin`."""
+        with self._lock:
+            fds = {}
+            for shard_id in shard_ids:
+                fd = self._fds.get(shard_id)
+                if fd is None:
+                    fd = self._fds[shard_id] = self._open(shard_id)
+                self._fds.move_to_end(shard_id)
+                self._pins[shard_id] = self._pins.get(shard_id, 0) + 1
+                fds[shard_id] = fd
+            self._evict()
+            return fds
+
+    def _open(self, shard_id: int) -> int:
+        """Open the shard's tar and record which file it is; under the lock."""
+        path = self.paths.shard_tar(shard_id)
+        try:
+            fd = open_regular(path)
+        except CacheError as exc:
+            raise CorruptShardError(path, str(exc)) from exc
+        try:
+            self._identity[shard_id] = file_identity(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def identity(self, shard_id: int) -> FileIdentity:
+        """The identity of the shard's open file (recorded at open); ask only while it is pinned."""
+        with self._lock:
+            return self._identity[shard_id]
+
+    def unpin(self, shard_ids: set[int]) -> None:
+        """Release descriptors taken by :meth:`pin`; idle ones beyond the bound are closed."""
+        with self._lock:
+            for shard_id in shard_ids:
+                left = self._pins[shard_id] - 1
+                if left:
+                    self._pins[shard_id] = left
+                else:
+                    del self._pins[shard_id]
+            self._evict()
+
+    def _evict(self) -> None:
+        """Close idle descriptors beyond the bound, least recently used first; never a pinned one."""
+        idle = [s for s in self._fds if s not in self._pins]
+        for shard_id in idle[: max(0, len(self._fds) - self.max_open_files)]:
+            os.close(self._fds.pop(shard_id))
+            del self._identity[shard_id]
+
+    def close(self) -> None:
+        """Close every descriptor (indexes stay loaded; a later :meth:`pin` reopens files)."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._pins.clear()
+            self._identity.clear()
+
+    def __enter__(self) -> "CacheDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,87 @@
+"""The loader's options, checked once when the loader is built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dspark_cache.loader.verify import VERIFY_MODES
+
+PAD_MODES = ("seq_length", "longest")
+# Options that shape the global order: a resume state must have been made with the same ones
+# (world size may change; the global order does not depend on it).
+ORDER_OPTIONS = ("seed", "shuffle", "window", "drop_last", "partial_last", "batch_size", "follow")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Every option of :class:`~.dataloader.DSparkLoader`.
+
+    ``batch_size`` samples per rank and step; ``shuffle``/``seed``/``window``: the order
+    (:mod:`.planner`); ``epoch`` to start at; ``rank``/``world_size`` (default: torch.distributed's,
+    or 0 of 1); ``num_workers`` reader threads (default ``min(4, cpus)``); ``pad_to``
+    ``"seq_length"`` or ``"longest"``; ``drop_last``/``partial_last``: the epoch's last step;
+    ``follow`` a growing cache, polling every ``poll_interval`` s and giving up after
+    ``follow_timeout`` s without a new shard; ``expect``: training-config fields the manifest must
+    match; ``prefetch`` batches read ahead; ``pin_memory`` (default: where CUDA exists);
+    ``nemo_keys_only`` drops our extra keys; ``verify`` ``"once"`` or ``"always"``.
+    """
+
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    epoch: int = 0
+    rank: int | None = None
+    world_size: int | None = None
+    num_workers: int | None = None
+    pad_to: str = "seq_length"
+    drop_last: bool = False
+    partial_last: bool = False
+    follow: bool = False
+    expect: dict[str, Any] | None = None
+    window: int = 4
+    prefetch: int = 2
+    pin_memory: bool | None = None
+    nemo_keys_only: bool = False
+    poll_interval: float = 0.5
+    follow_timeout: float | None = None
+    verify: str = "once"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.window < 1:
+            raise ValueError("batch_size and window must be >= 1")
+        if self.pad_to not in PAD_MODES:
+            raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {self.pad_to!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, not {self.verify!r}")
+
+    @property
+    def read_ahead(self) -> int:
+        """Batches in flight: at least one."""
+        return max(1, self.prefetch)
+
+    @property
+    def threads(self) -> int:
+        return self.num_workers if self.num_workers is not None else min(4, os.cpu_count() or 1)
+
+    @property
+    def pinned(self) -> bool:
+        return torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
+
+    def ranks(self) -> tuple[int, int]:
+        """``(rank, world_size)``: the given ones, else torch.distributed's; checked."""
+        dist_rank, dist_world = _distributed_defaults()
+        rank = dist_rank if self.rank is None else self.rank
+        world = dist_world if self.world_size is None else self.world_size
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, {world})")
+        return rank, world
+
+
+def _distributed_defaults() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
