@@ -66,12 +66,14 @@ def build_target(
     template: str = "stock",
     vocab_size: int = 2048,
     model_vocab_size: int | None = None,
+    head_dim: int | None = None,
     seed: int = 0,
 ) -> str:
     """Write a random-init Qwen3 checkpoint + tokenizer into ``out_dir`` and return it.
 
     ``model_vocab_size`` widens the embedding and LM head beyond the tokenizer (real Qwen3 has
-    151,936 rows for 151,669 tokens), which matters when benchmarking LM-head cost.
+    151,936 rows for 151,669 tokens), which matters when benchmarking LM-head cost. ``head_dim``
+    defaults to ``hidden_size // num_heads``; real Qwen3 models use 128 whatever their width.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -84,7 +86,7 @@ def build_target(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=max(8, hidden_size // num_heads),
+        head_dim=head_dim or max(8, hidden_size // num_heads),
         max_position_embeddings=32768,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,

@@ -8,10 +8,12 @@ earlier batch wrote: only those are zeroed again. A slab is reused only when no 
 the loader still views it (its storage's use count is back to what the slab alone holds), so
 a batch that training keeps is never overwritten.
 
-Pinned memory is not recycled here: a non-blocking host-to-device copy of a batch may still
-be running when training drops the batch, and only CUDA's caching host allocator knows when
-it has finished. Pinned batches therefore come from that allocator (no page faults once warm)
-and have all their pad slots zeroed.
+Pinned memory (CUDA) is recycled too, with one more condition: a non-blocking copy of a batch
+to the GPU may still be running when training drops the batch. When a pinned slab is first
+seen unheld, a CUDA event is recorded on the stream that is current for the thread asking for
+the next batch (the training thread: where its copies were queued); the slab is handed out
+again only once that event has completed, i.e. once every copy queued before it has finished.
+A copy queued on another stream must be waited for by the caller before it drops the batch.
 """
 
 from __future__ import annotations
@@ -94,10 +96,27 @@ class Slab:
         self._flat = {f.name: raw[offsets[f.name] : offsets[f.name] + f.nbytes(capacity)].view(f.dtype) for f in fields}
         self._raw = raw
         self._baseline = _use_count(raw)
+        self.pinned = pinned
+        self._fence: torch.cuda.Event | None = None
 
     def idle(self) -> bool:
         """True when no batch (or view of one) outside this slab is alive."""
         return _use_count(self._raw) <= self._baseline
+
+    def reusable(self) -> bool:
+        """Idle, and (pinned) every copy queued from it before it became idle has finished."""
+        if not self.idle():
+            self._fence = None
+            return False
+        if not self.pinned:
+            return True
+        if self._fence is None:  # first seen unheld: fence the copies queued until now
+            self._fence = torch.cuda.Event()
+            self._fence.record(torch.cuda.current_stream())
+        return self._fence.query()
+
+    def handed_out(self) -> None:
+        self._fence = None
 
     def views(self, rows: int, width: int) -> dict[str, torch.Tensor]:
         """The batch tensors for ``rows`` rows padded to ``width`` token slots."""
@@ -138,14 +157,13 @@ class BatchMemory:
         self._replaced = 0
 
     def take(self, rows: int, width: int) -> Slab:
-        if self.pinned:
-            return Slab(self.fields, rows * width, pinned=True)
         for slab in self._pool:
-            if slab.idle():
+            if slab.reusable():
+                slab.handed_out()
                 return slab
-        # Every kept slab is in flight or held by training: allocate. Slabs are sized for the
-        # longest possible batch, so a recycled one always fits.
-        slab = Slab(self.fields, self.max_slots, pinned=False)
+        # Every kept slab is in flight, held by training or (pinned) still being copied from:
+        # allocate. Slabs are sized for the longest possible batch, so a recycled one always fits.
+        slab = Slab(self.fields, self.max_slots, pinned=self.pinned)
         if len(self._pool) < self.keep:
             self._pool.append(slab)
         else:  # the slab dropped from the pool is freed when its holder lets go of it
