@@ -10,7 +10,7 @@ import pytest
 
 from dspark_cache.loader import fill
 from dspark_cache.loader.memory import page_aligned_zeros
-from dspark_cache.loader.rowplan import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8
+from dspark_cache.loader.records import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments
 
 EXECUTORS = ["native", "python"]
 NOT_BUILT = "the native batch filler is not built: install gcc, then `rm .venv/.installed && make setup`"
@@ -60,11 +60,12 @@ def sample_program(payload, *, size=None, hidden_buf_bytes=None):
     program = fill.BatchProgram([hidden, last, ids, mask])
     h = 4096
     f = h + rows * row_bytes + 64
-    segs = np.array([
-        (SEG_COPY_COLS, h, rows * row_bytes, 0, 0, row_bytes, col_off, col_bytes, 1, 0),
-        (SEG_WIDEN_I32, f, 4 * rows, 2, 8, 0, 0, 0, 0, 0),  # one int64 slot in: a row offset
-        (SEG_WIDEN_U8, f + 4 * rows, rows, 3, 0, 0, 0, 0, 0, 0),
-    ], dtype=np.int64)
+    segs = segments([
+        segment(SEG_COPY_COLS, h, rows * row_bytes, 0, 0, row_bytes=row_bytes, col_off=col_off, col_bytes=col_bytes,
+                col_buf=1),
+        segment(SEG_WIDEN_I32, f, 4 * rows, 2, 8),  # one int64 slot in: a row offset
+        segment(SEG_WIDEN_U8, f + 4 * rows, rows, 3, 0),
+    ])
     program.sample(fd, 100, size or len(blob), segs, tag="the sample")
     return program, (hidden, last, ids, mask), (col_off, col_bytes)
 
@@ -127,7 +128,18 @@ def test_read_error_reports_errno(tmp_path, executor):
     fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails with EISDIR
     try:
         program = fill.BatchProgram([np.zeros(64, dtype=np.uint8)])
-        program.sample(fd, 0, 64, np.array([(SEG_COPY, 0, 64, 0, 0, 0, 0, 0, 0, 0)], dtype=np.int64), tag=3)
+        program.sample(fd, 0, 64, segments([segment(SEG_COPY, 0, 64, 0, 0)]), tag=3)
         assert run(program, executor) == fill.Failure(fill.RC_READ_ERROR, 3, errno.EISDIR)
     finally:
         os.close(fd)
+
+
+def test_records_match_the_c_layout():
+    """records.OP / SEGMENT are csrc/batch_fill.c's op_t / segment_t: named uint64 fields, in order."""
+    from dspark_cache.loader import records
+
+    assert records.OP.names == records.OpRecord._fields and records.SEGMENT.names == records.SegmentRecord._fields
+    assert {records.OP[n].str for n in records.OP.names} == {records.SEGMENT[n].str for n in records.SEGMENT.names} == {"<u8"}
+    source = open(os.path.join(os.path.dirname(fill.__file__), "csrc", "batch_fill.c")).read()
+    assert f"uint64_t {', '.join(records.OP.names)};" in source
+    assert f"uint64_t {', '.join(records.SEGMENT.names)};" in source

@@ -1,6 +1,6 @@
 """A batch as a small program, run by the native filler (one call, no GIL) or, failing that, here.
 
-The reader describes a batch as ops over its buffers (the batch tensors' bytes): zero these
+The reader describes a batch as ops (records named in :mod:`.records`) over its buffers (the batch tensors' bytes): zero these
 stale pad bytes, fill these int64 slots, and for every sample read ``size`` bytes at ``offset``
 of ``fd`` through a segment table (:mod:`.rowplan`) that says where each tensor goes. Checksums
 are not the program's: :mod:`.verify` checks them before it runs. ``csrc/batch_fill.c`` runs the
@@ -18,15 +18,15 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Iterable
 
 import numpy as np
 
-from dspark_cache.loader.rowplan import SEG_COLUMNS, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32
+from dspark_cache.loader.records import (
+    OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEGMENT, OpRecord, SegmentRecord,
+)
 
 log = logging.getLogger(__name__)
-
-OP_ZERO, OP_FILL_I64, OP_SAMPLE = 1, 2, 3
-OP_COLUMNS = 8
 RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4  # RC_CHECKSUM: verify.py's
 # Bytes per read: a chunk's final-state columns are copied while it is still in the core's L2
 # cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks (when the filler also hashed
@@ -51,28 +51,32 @@ class BatchProgram:
 
     def __init__(self, buffers: list[np.ndarray]) -> None:
         self.buffers = buffers
-        self._ops: list[tuple[int, ...]] = []
+        self._ops: list[OpRecord] = []
         self._segs: list[np.ndarray] = []
         self._tags: dict[int, object] = {}
         self._nsegs = 0
 
     def zero(self, buf: int, offset: int, nbytes: int) -> None:
-        self._ops.append((OP_ZERO, buf, offset, nbytes, 0, 0, 0, 0))
+        self._ops.append(OpRecord(OP_ZERO, buf, offset, nbytes, 0, 0, 0, 0))
 
     def fill_int64(self, buf: int, offset: int, count: int, value: int) -> None:
         if count:
-            self._ops.append((OP_FILL_I64, buf, offset, count, value & _U64, 0, 0, 0))
+            self._ops.append(OpRecord(OP_FILL_I64, buf, offset, count, value & _U64, 0, 0, 0))
 
     def sample(self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object) -> None:
-        """Read a payload through ``segs`` (absolute: payload offsets, buffer byte offsets)."""
+        """Read a payload through ``segs`` (:data:`~.records.SEGMENT` records, absolute: payload
+        offsets, buffer byte offsets)."""
+        if segs.dtype != SEGMENT:
+            raise TypeError(f"segments must be records of dtype records.SEGMENT, not {segs.dtype}")
         self._tags[len(self._ops)] = tag
-        self._ops.append((OP_SAMPLE, fd, offset, size, 0, self._nsegs, len(segs), 0))
+        self._ops.append(OpRecord(OP_SAMPLE, fd, offset, size, 0, self._nsegs, len(segs), 0))
         self._segs.append(segs)
         self._nsegs += len(segs)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        ops = np.array(self._ops, dtype=np.uint64).reshape(-1, OP_COLUMNS)
-        segs = np.concatenate(self._segs).astype(np.uint64) if self._segs else np.zeros((0, SEG_COLUMNS), np.uint64)
+        """The ops and the segments as contiguous :data:`~.records.OP` and ``SEGMENT`` arrays."""
+        ops = np.array(self._ops, dtype=OP)
+        segs = np.concatenate(self._segs) if self._segs else np.zeros(0, SEGMENT)
         return ops, np.ascontiguousarray(segs)
 
     def tag(self, op: int) -> object:
@@ -147,14 +151,16 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
     """The same program in Python (numpy copies and ``os.preadv``; they release the GIL)."""
     ops, segs = program.arrays()
     bufs = program.buffers
-    for index, (kind, a, b, c, d, e, f, _) in enumerate(ops.tolist()):
+    for index, op in enumerate(map(OpRecord._make, ops.tolist())):
         try:
-            if kind == OP_ZERO:
-                _span(bufs, a, b, c)[:] = 0
-            elif kind == OP_FILL_I64:
-                _span(bufs, a, b, 8 * c).view(np.int64)[:] = d - (1 << 64) if d >> 63 else d
-            elif kind == OP_SAMPLE:
-                _SampleRead(bufs, scratch, a, b, c).run(segs[e : e + f].tolist())
+            if op.kind == OP_ZERO:
+                _span(bufs, op.target, op.offset, op.count)[:] = 0
+            elif op.kind == OP_FILL_I64:
+                value = op.value - (1 << 64) if op.value >> 63 else op.value  # two's complement
+                _span(bufs, op.target, op.offset, 8 * op.count).view(np.int64)[:] = value
+            elif op.kind == OP_SAMPLE:
+                chosen = segs[op.seg_first : op.seg_first + op.seg_count].tolist()
+                _SampleRead(bufs, scratch, op.target, op.offset, op.count).run(map(SegmentRecord._make, chosen))
             else:
                 raise _Stop(RC_INVALID)
         except _Stop as stop:
@@ -169,26 +175,33 @@ class _SampleRead:
         self.bufs, self.scratch, self.fd, self.offset, self.size = bufs, scratch, fd, offset, size
         self.pos = 0
 
-    def run(self, segs: list[list[int]]) -> None:
-        for kind, src, length, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst in segs:
-            if src < self.pos or src + length > self.size:
+    def run(self, segs: Iterable[SegmentRecord]) -> None:
+        for seg in segs:
+            if seg.src_off < self.pos or seg.src_off + seg.len > self.size:
                 raise _Stop(RC_INVALID)
-            self.gap(src)
-            if kind in (SEG_COPY, SEG_COPY_COLS):
-                cols = None
-                if kind == SEG_COPY_COLS:
-                    if not row_bytes or length % row_bytes or col_off + col_bytes > row_bytes:
-                        raise _Stop(RC_INVALID)
-                    cols = _span(self.bufs, col_buf, col_dst, length // row_bytes * col_bytes).reshape(-1, col_bytes)
-                self.rows(_span(self.bufs, buf, off, length), row_bytes, col_off, col_bytes, cols)
+            self.gap(seg.src_off)
+            if seg.kind in (SEG_COPY, SEG_COPY_COLS):
+                self.copy(seg)
             else:
-                item = 4 if kind == SEG_WIDEN_I32 else 1
-                if length % item or length > self.scratch.nbytes or off % 8:
-                    raise _Stop(RC_INVALID)
-                data = self.read_into(self.scratch[:length])
-                dst = _span(self.bufs, buf, off, length // item * 8).view(np.int64)
-                dst[:] = data.view(np.int32 if item == 4 else np.uint8)
+                self.widen(seg)
         self.gap(self.size)
+
+    def copy(self, seg: SegmentRecord) -> None:
+        cols = None
+        if seg.kind == SEG_COPY_COLS:
+            if not seg.row_bytes or seg.len % seg.row_bytes or seg.col_off + seg.col_bytes > seg.row_bytes:
+                raise _Stop(RC_INVALID)
+            rows = seg.len // seg.row_bytes
+            cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(-1, seg.col_bytes)
+        self.rows(_span(self.bufs, seg.buf, seg.off, seg.len), seg.row_bytes, seg.col_off, seg.col_bytes, cols)
+
+    def widen(self, seg: SegmentRecord) -> None:
+        item = 4 if seg.kind == SEG_WIDEN_I32 else 1
+        if seg.len % item or seg.len > self.scratch.nbytes or seg.off % 8:
+            raise _Stop(RC_INVALID)
+        data = self.read_into(self.scratch[: seg.len])
+        dst = _span(self.bufs, seg.buf, seg.off, seg.len // item * 8).view(np.int64)
+        dst[:] = data.view(np.int32 if item == 4 else np.uint8)
 
     def rows(self, dst: np.ndarray, row_bytes: int, col_off: int, col_bytes: int, cols: np.ndarray | None) -> None:
         step = max(row_bytes, CHUNK // row_bytes * row_bytes) if cols is not None else CHUNK

@@ -30,7 +30,8 @@ from dspark_cache.loader import fill, verify
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
-from dspark_cache.loader.rowplan import BUFFERS, SEG_COLUMNS, SEG_COPY, RowTemplate, row_template
+from dspark_cache.loader.records import SEG_COPY, segment, segments
+from dspark_cache.loader.rowplan import BUFFERS, RowTemplate, row_template
 
 
 # A batch row: its index in the batch, the shard, the entry's position in the shard's index, the entry.
@@ -177,9 +178,7 @@ class BatchReader:
 
     def _header_segment(self, row: int, header: int) -> np.ndarray:
         """Copy the sample's header into its row of the header buffer, to compare after the fill."""
-        seg = np.zeros((1, SEG_COLUMNS), dtype=np.int64)
-        seg[0, :5] = (SEG_COPY, 0, header, self.header_buffer, row * MAX_HEADER)
-        return seg
+        return segments([segment(SEG_COPY, 0, header, self.header_buffer, row * MAX_HEADER)])
 
     def _headers(self) -> np.ndarray:
         """This thread's buffer for the headers of one batch (``MAX_HEADER`` bytes per row)."""

@@ -17,9 +17,8 @@ import torch
 
 from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK, place_tensors, sample_specs
 
-# Segment kinds and the columns of a segment row (shared with csrc/batch_fill.c).
-SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8 = 1, 2, 3, 4
-SEG_COLUMNS = 10  # kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst
+from dspark_cache.loader.records import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments
+
 # Batch buffers a segment writes to, by index (the program's first buffers, in this order).
 BUFFERS = (HIDDEN, LAST_HIDDEN, INPUT_IDS, LOSS_MASK)
 _BUF = {name: i for i, name in enumerate(BUFFERS)}
@@ -30,16 +29,17 @@ class RowTemplate:
     """A sample's segments with offsets relative to its data section and to its batch row."""
 
     data_size: int  # bytes of the data section (the payload minus its header)
-    segs: np.ndarray  # [n, SEG_COLUMNS] int64
+    segs: np.ndarray  # [n] records.SEGMENT
 
     def place(self, header: int, row_base: np.ndarray) -> np.ndarray:
         """The segments made absolute: payload offsets after ``header``, buffer offsets at the
         row (``row_base[buf]`` bytes into each buffer)."""
         segs = self.segs.copy()
-        segs[:, 1] += header
-        segs[:, 4] += row_base[segs[:, 3]]
-        cols = segs[:, 0] == SEG_COPY_COLS
-        segs[cols, 9] += row_base[segs[cols, 8]]
+        base = np.asarray(row_base, dtype=np.uint64)
+        segs["src_off"] += np.uint64(header)
+        segs["off"] += base[segs["buf"]]
+        cols = segs["kind"] == SEG_COPY_COLS
+        segs["col_dst"][cols] += base[segs["col_buf"][cols]]
         return segs
 
 
@@ -52,16 +52,17 @@ def row_template(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dt
     for name, start, end in placed:
         size = end - start
         if name == HIDDEN and not store_last:  # the final state is the last hidden_size columns
-            rows.append((SEG_COPY_COLS, start, size, _BUF[HIDDEN], 0, hidden_dim * item,
-                         (hidden_dim - hidden_size) * item, hidden_size * item, _BUF[LAST_HIDDEN], 0))
+            rows.append(segment(SEG_COPY_COLS, start, size, _BUF[HIDDEN], 0, row_bytes=hidden_dim * item,
+                                col_off=(hidden_dim - hidden_size) * item, col_bytes=hidden_size * item,
+                                col_buf=_BUF[LAST_HIDDEN]))
         elif name in (HIDDEN, LAST_HIDDEN):
-            rows.append((SEG_COPY, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
+            rows.append(segment(SEG_COPY, start, size, _BUF[name], 0))
         elif name == INPUT_IDS:
-            rows.append((SEG_WIDEN_I32, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
+            rows.append(segment(SEG_WIDEN_I32, start, size, _BUF[name], 0))
         elif name == LOSS_MASK:
-            rows.append((SEG_WIDEN_U8, start, size, _BUF[name], 0, 0, 0, 0, 0, 0))
+            rows.append(segment(SEG_WIDEN_U8, start, size, _BUF[name], 0))
         # alignment fill (__padN__) is read and dropped
-    segs = np.array(rows, dtype=np.int64).reshape(-1, SEG_COLUMNS)
-    segs = segs[segs[:, 2] > 0]  # a zero-token sample has empty tensors: nothing to read
+    segs = segments(rows)
+    segs = segs[segs["len"] > 0]  # a zero-token sample has empty tensors: nothing to read
     segs.setflags(write=False)
     return RowTemplate(placed[-1][2] if placed else 0, segs)

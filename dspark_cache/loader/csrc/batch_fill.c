@@ -9,12 +9,17 @@
  * The work comes as a small "program" built in Python (dspark_cache/loader/fill.py, which also
  * runs the same program in pure Python when this library is not built):
  *
- *   ops  [n_ops][8]   ZERO      {1, buf, off, nbytes}
- *                     FILL_I64  {2, buf, off, count, value}
- *                     SAMPLE    {3, fd, file_offset, size, 0, seg_first, seg_count}
- *   segs [n][10]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst}
- *                     kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
- *                     WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off)
+ *   ops  op_t[n_ops]       {kind, target, offset, count, value, seg_first, seg_count, reserved}
+ *                          ZERO 1: count bytes at offset of buffer target
+ *                          FILL_I64 2: value into count int64 slots at offset of buffer target
+ *                          SAMPLE 3: the count-byte payload at file offset of fd target,
+ *                          through segments seg_first .. seg_first + seg_count
+ *   segs segment_t[n]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst}
+ *                          kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
+ *                          WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off)
+ *
+ * Both are arrays of uint64 fields; dspark_cache/loader/records.py names the same fields in the
+ * same order (numpy structured dtypes OP and SEGMENT), so the two sides share one layout.
  *
  * Segments of a sample are in file order; payload bytes outside every segment (the JSON header,
  * alignment fill) are read into the scratch buffer and dropped (so a truncated payload is still
@@ -39,6 +44,18 @@
 enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
 enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4 };
 enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4 }; /* 2: checksum, verify.py's */
+
+/* records.py's OP: one op of the program. */
+typedef struct {
+    uint64_t kind, target, offset, count, value, seg_first, seg_count, reserved;
+} op_t;
+
+/* records.py's SEGMENT: where a byte range of a sample's payload goes. */
+typedef struct {
+    uint64_t kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst;
+} segment_t;
+
+_Static_assert(sizeof(op_t) == 64 && sizeof(segment_t) == 80, "records.py's OP and SEGMENT layouts");
 
 typedef struct {
     const uint64_t *bases, *sizes;
@@ -131,15 +148,15 @@ static int read_gap(const context *cx, int fd, uint64_t base, uint64_t *pos, uin
 }
 
 static int read_rows(const context *cx, int fd, uint64_t base, uint64_t *pos,
-                     const uint64_t *g, uint64_t *detail) {
-    uint64_t len = g[2], row_bytes = g[5], col_off = g[6], col_bytes = g[7];
-    uint8_t *dst = span(cx, g[3], g[4], len);
+                     const segment_t *g, uint64_t *detail) {
+    uint64_t len = g->len, row_bytes = g->row_bytes, col_off = g->col_off, col_bytes = g->col_bytes;
+    uint8_t *dst = span(cx, g->buf, g->off, len);
     uint8_t *cols = NULL;
     if (!dst) return RC_INVALID;
     uint64_t step = cx->chunk;
-    if (g[0] == SEG_COPY_COLS) {
+    if (g->kind == SEG_COPY_COLS) {
         if (!row_bytes || len % row_bytes || col_off > row_bytes || col_bytes > row_bytes - col_off) return RC_INVALID;
-        cols = span(cx, g[8], g[9], len / row_bytes * col_bytes);
+        cols = span(cx, g->col_buf, g->col_dst, len / row_bytes * col_bytes);
         if (!cols) return RC_INVALID;
         step = cx->chunk / row_bytes * row_bytes; /* whole rows per chunk */
         if (!step) step = row_bytes;
@@ -158,9 +175,9 @@ static int read_rows(const context *cx, int fd, uint64_t base, uint64_t *pos,
 }
 
 static int read_widened(const context *cx, int fd, uint64_t base, uint64_t *pos,
-                        const uint64_t *g, uint64_t *detail) {
-    uint64_t len = g[2], width = g[0] == SEG_WIDEN_I32 ? 4 : 1, count = len / width;
-    int64_t *dst = (int64_t *)span(cx, g[3], g[4], count * 8);
+                        const segment_t *g, uint64_t *detail) {
+    uint64_t len = g->len, width = g->kind == SEG_WIDEN_I32 ? 4 : 1, count = len / width;
+    int64_t *dst = (int64_t *)span(cx, g->buf, g->off, count * 8);
     if (!dst || len % width || len > cx->scratch_size || ((uintptr_t)dst & 7)) return RC_INVALID;
     int rc = read_exact(fd, cx->scratch, len, base + *pos, pos, detail);
     if (rc) return rc;
@@ -176,18 +193,18 @@ static int read_widened(const context *cx, int fd, uint64_t base, uint64_t *pos,
     return RC_OK;
 }
 
-static int run_sample(const context *cx, const uint64_t *op, const uint64_t *segs, uint64_t n_segs,
+static int run_sample(const context *cx, const op_t *op, const segment_t *segs, uint64_t n_segs,
                       uint64_t *detail) {
-    int fd = (int)op[1];
-    uint64_t base = op[2], size = op[3], first = op[5], count = op[6], pos = 0;
+    int fd = (int)op->target;
+    uint64_t base = op->offset, size = op->count, first = op->seg_first, count = op->seg_count, pos = 0;
     if (first > n_segs || count > n_segs - first) return RC_INVALID;
     int rc = RC_OK;
     for (uint64_t s = first; s < first + count && !rc; s++) {
-        const uint64_t *g = segs + 10 * s;
-        if (g[1] < pos || g[1] > size || g[2] > size - g[1]) return RC_INVALID;
-        rc = read_gap(cx, fd, base, &pos, g[1], detail);
+        const segment_t *g = segs + s;
+        if (g->src_off < pos || g->src_off > size || g->len > size - g->src_off) return RC_INVALID;
+        rc = read_gap(cx, fd, base, &pos, g->src_off, detail);
         if (rc) break;
-        switch (g[0]) {
+        switch (g->kind) {
         case SEG_COPY:
         case SEG_COPY_COLS: rc = read_rows(cx, fd, base, &pos, g, detail); break;
         case SEG_WIDEN_I32:
@@ -202,7 +219,7 @@ static int run_sample(const context *cx, const uint64_t *op, const uint64_t *seg
 
 /* Runs the ops in order; on failure returns its code, the op's index in *fail_op and, for a
  * short read the payload bytes read, for a read error the errno, in *detail. */
-int dspark_fill_batch(const uint64_t *ops, uint64_t n_ops, const uint64_t *segs, uint64_t n_segs,
+int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, uint64_t n_segs,
                       const uint64_t *bases, const uint64_t *sizes, uint64_t n_bufs, uint8_t *scratch,
                       uint64_t scratch_size, uint64_t chunk, uint64_t *fail_op, uint64_t *detail) {
     context cx = {bases, sizes, n_bufs, scratch, scratch_size, chunk < scratch_size ? chunk : scratch_size};
@@ -210,16 +227,18 @@ int dspark_fill_batch(const uint64_t *ops, uint64_t n_ops, const uint64_t *segs,
     uint64_t i = 0;
     if (!cx.chunk) return RC_INVALID;
     for (; i < n_ops && !rc; i++) {
-        const uint64_t *op = ops + 8 * i;
+        const op_t *op = ops + i;
         uint8_t *dst;
-        switch (op[0]) {
+        switch (op->kind) {
         case OP_ZERO:
-            if (!(dst = span(&cx, op[1], op[2], op[3]))) rc = RC_INVALID;
-            else zero_stream(dst, (size_t)op[3]);
+            if (!(dst = span(&cx, op->target, op->offset, op->count))) rc = RC_INVALID;
+            else zero_stream(dst, (size_t)op->count);
             break;
         case OP_FILL_I64:
-            if (op[3] > UINT64_MAX / 8 || !(dst = span(&cx, op[1], op[2], op[3] * 8)) || ((uintptr_t)dst & 7)) rc = RC_INVALID;
-            else for (uint64_t k = 0; k < op[3]; k++) ((int64_t *)dst)[k] = (int64_t)op[4];
+            if (op->count > UINT64_MAX / 8 || !(dst = span(&cx, op->target, op->offset, op->count * 8)) ||
+                ((uintptr_t)dst & 7))
+                rc = RC_INVALID;
+            else for (uint64_t k = 0; k < op->count; k++) ((int64_t *)dst)[k] = (int64_t)op->value;
             break;
         case OP_SAMPLE: rc = run_sample(&cx, op, segs, n_segs, detail); break;
         default: rc = RC_INVALID;

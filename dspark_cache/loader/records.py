@@ -1,0 +1,77 @@
+"""The records of a batch program, named once for Python and for ``csrc/batch_fill.c``.
+
+A program is two arrays of little-endian uint64 records that the C filler reads as the structs
+``op_t`` and ``segment_t`` (same fields, same order, 64 and 80 bytes): :data:`OP` and
+:data:`SEGMENT` are those layouts as numpy structured dtypes, so Python reads and writes them by
+field name (``segs["off"]``), and :class:`OpRecord` / :class:`SegmentRecord` name the fields of
+one record in the Python filler's loops.
+
+An op is one of (unused fields are 0):
+
+* ``OP_ZERO``: zero ``count`` bytes at ``offset`` of buffer ``target``;
+* ``OP_FILL_I64``: write ``value`` (two's complement) into ``count`` int64 slots at ``offset``
+  of buffer ``target``;
+* ``OP_SAMPLE``: read the ``count``-byte payload at file ``offset`` of descriptor ``target``
+  through segments ``seg_first .. seg_first + seg_count``.
+
+A segment says where a byte range of the payload goes: ``len`` bytes from payload offset
+``src_off`` to ``off`` of buffer ``buf``, as they are (``SEG_COPY``), as they are plus the
+``col_bytes`` bytes at ``col_off`` of each ``row_bytes`` row copied to ``col_dst`` of buffer
+``col_buf`` (``SEG_COPY_COLS``), or widened to int64 from int32 (``SEG_WIDEN_I32``) or uint8
+(``SEG_WIDEN_U8``). Payload bytes outside every segment are read and dropped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+OP_ZERO, OP_FILL_I64, OP_SAMPLE = 1, 2, 3
+SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8 = 1, 2, 3, 4
+
+_U64 = "<u8"
+
+
+class OpRecord(NamedTuple):
+    """One op, as the Python filler reads it (field order = :data:`OP` = ``op_t``)."""
+
+    kind: int
+    target: int  # buffer index, or the file descriptor of OP_SAMPLE
+    offset: int  # byte offset in the buffer, or in the file
+    count: int  # bytes (ZERO, SAMPLE) or int64 slots (FILL_I64)
+    value: int  # FILL_I64's value, as uint64
+    seg_first: int
+    seg_count: int
+    reserved: int
+
+
+class SegmentRecord(NamedTuple):
+    """One segment, as the Python filler reads it (field order = :data:`SEGMENT` = ``segment_t``)."""
+
+    kind: int
+    src_off: int  # payload offset of the first byte
+    len: int  # payload bytes
+    buf: int
+    off: int  # byte offset in ``buf``
+    row_bytes: int  # SEG_COPY_COLS: bytes per row of the copy
+    col_off: int  # ... the columns' offset within a row
+    col_bytes: int  # ... and their width
+    col_buf: int  # ... copied to this buffer
+    col_dst: int  # ... at this byte offset, one row after the other
+
+
+OP = np.dtype([(name, _U64) for name in OpRecord._fields])
+SEGMENT = np.dtype([(name, _U64) for name in SegmentRecord._fields])
+assert OP.itemsize == 64 and SEGMENT.itemsize == 80  # sizeof(op_t), sizeof(segment_t)
+
+
+def segment(kind: int, src_off: int, length: int, buf: int, off: int, *, row_bytes: int = 0, col_off: int = 0,
+            col_bytes: int = 0, col_buf: int = 0, col_dst: int = 0) -> tuple[int, ...]:
+    """One segment's fields in :data:`SEGMENT` order (for ``np.array([...], dtype=SEGMENT)``)."""
+    return tuple(SegmentRecord(kind, src_off, length, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst))
+
+
+def segments(rows: list[tuple[int, ...]]) -> np.ndarray:
+    """A segment table from :func:`segment` tuples."""
+    return np.array(rows, dtype=SEGMENT)
