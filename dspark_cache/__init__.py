@@ -19,6 +19,7 @@ def add_version_argument(parser: Any) -> None:
 _LAZY = {
     "open_cache": "dspark_cache.loader.cache",
     "Cache": "dspark_cache.loader.cache",
+    "CacheDir": "dspark_cache.format.cache",  # torch-free: manifest, indexes, open shard files
     "build_dataloader": "dspark_cache.loader.dataloader",
     "DSparkLoader": "dspark_cache.loader.dataloader",
     "build_cached_dspark_dataloader": "dspark_cache.nemo",
