@@ -57,6 +57,13 @@ class DSparkLoader:
 
     # -- plan ---------------------------------------------------------------------------------
 
+    def __getattr__(self, name: str) -> Any:
+        """Options read as attributes (``loader.seed``, ``loader.follow``), as before they moved to ``config``."""
+        config = self.__dict__.get("config")
+        if config is not None and name in LoaderConfig.__dataclass_fields__:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def manifest(self) -> Manifest:
         return self.cache.manifest
