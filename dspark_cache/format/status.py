@@ -1,4 +1,11 @@
-"""Reading the producer ranks' heartbeat files (shared by the producer's waiters and the TUI)."""
+"""The producer ranks' heartbeat files: reading them, and the one rule for when a rank is live.
+
+A working rank rewrites ``status/rank-N.json`` every :data:`HEARTBEAT_EVERY_S`. Whoever asks
+whether it is still there (the monitor's STALE mark, a finished rank waiting for the others)
+asks :func:`rank_is_live`, each with its own patience: the monitor flags a rank after
+:data:`STALE_AFTER_S`, a waiting rank gives up after ``--rank-timeout`` (default
+:data:`RANK_TIMEOUT_S`), since giving up early costs a rerun while a flag costs nothing.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,31 @@ from dspark_cache.format.schema import RankStatus
 # States in which a rank claims to be working: silence in one of them means it died or hangs.
 ACTIVE_RANK_STATES = ("planning", "loading", "running", "waiting", "stopping")
 MAX_STATUS_BYTES = 1 << 20  # a heartbeat is a few hundred bytes
+HEARTBEAT_EVERY_S = 1.0  # a working rank rewrites its status this often, even during a long step
+STALE_AFTER_S = 10.0  # ten missed heartbeats: the monitor shows the rank as STALE
+RANK_TIMEOUT_S = 300.0  # default --rank-timeout: a finished rank stops waiting for a silent one
+
+
+def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S) -> bool:
+    """Whether the rank claims to be working and its heartbeat is at most ``timeout`` s old.
+
+    A heartbeat from the future (clocks of two hosts disagree) counts as fresh.
+    """
+    return status.state in ACTIVE_RANK_STATES and now - status.updated_at <= timeout
+
+
+def rank_is_stale(status: RankStatus, now: float, timeout: float = STALE_AFTER_S) -> bool:
+    """Whether the rank claims to be working but has been silent for more than ``timeout`` s."""
+    return status.state in ACTIVE_RANK_STATES and not rank_is_live(status, now, timeout)
+
+
+def read_rank_status(path: str, within: str | None = None) -> RankStatus:
+    """One heartbeat file: a small regular file (``within``: refused if it leads out of that directory).
+
+    Raises ``OSError`` (``FileNotFoundError`` when it is gone), :class:`CacheError` (not a small
+    regular file) or ``msgspec.DecodeError`` (mid-replace or damaged).
+    """
+    return msgspec.json.decode(read_regular(path, MAX_STATUS_BYTES, within), type=RankStatus)
 
 
 def read_rank_statuses(paths: CachePaths) -> list[RankStatus]:
@@ -28,8 +60,7 @@ def read_rank_statuses(paths: CachePaths) -> list[RankStatus]:
         if not name.endswith(".json"):
             continue
         try:
-            data = read_regular(os.path.join(paths.status_dir, name), MAX_STATUS_BYTES)
-            out.append(msgspec.json.decode(data, type=RankStatus))
+            out.append(read_rank_status(os.path.join(paths.status_dir, name)))
         except (OSError, CacheError, msgspec.DecodeError):
             continue
     return out
