@@ -39,6 +39,8 @@ from dspark_cache.loader.memory import page_aligned_zeros  # noqa: E402
 from dspark_cache.format.sample import sample_metadata, sample_specs  # noqa: E402
 from dspark_cache.format.schema import Manifest  # noqa: E402
 from dspark_cache.format.tar.writer import ShardWriter  # noqa: E402
+from dspark_cache.loader.tensors import sample_to_torch  # noqa: E402
+from dspark_cache.producer.tensors import byte_views  # noqa: E402
 from dspark_cache.producer.manifest import write_manifest  # noqa: E402
 
 LAYERS, NUM_LAYERS = [1, 8, 14, 20, 27], 28
@@ -58,8 +60,8 @@ def make_cache(root: str, samples: int, hidden: int, seq: int, shard_size: int, 
             tensors = {"target_hidden_states": torch.randn(n, dim).to(torch.bfloat16),
                        "input_ids": torch.randint(0, 150000, (n,), dtype=torch.int32),
                        "loss_mask": torch.ones(n, dtype=torch.uint8)}
-            writer.append(sid, n, sample_specs(n, dim, hidden, torch.bfloat16, False), 
-                          sample_metadata(sid, LAYERS, NUM_LAYERS, hidden), tensors)
+            writer.append(sid, n, sample_specs(n, dim, hidden, "BF16", False),
+                          sample_metadata(sid, LAYERS, NUM_LAYERS, hidden), byte_views(tensors))
         writer.publish()
     write_manifest(paths, Manifest(
         complete=True, target_model="bench", target_model_type="qwen3", target_vocab_size=151936,
@@ -78,7 +80,7 @@ def make_nemo_shards(cache_root: str, nemo_root: str, seq: int) -> list[str]:
     cache = dspark_cache.open_cache(cache_root)
     files = []
     for shard in cache.shards:
-        rows = [cache.reader(shard).read_sample(e) for e in sorted(shard.samples, key=lambda e: e.sample_id)]
+        rows = [sample_to_torch(cache.reader(shard).read_sample(e)) for e in sorted(shard.samples, key=lambda e: e.sample_id)]
         batch = {}
         for key, dtype in (("input_ids", torch.int64), ("loss_mask", torch.int64),
                            ("target_hidden_states", None), ("target_last_hidden_states", None)):
@@ -158,7 +160,7 @@ def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool,
 def bench_webdataset(files: list[str]) -> float:
     import webdataset as wds
 
-    from dspark_cache.format.wds import decode_dspark_sample
+    from dspark_cache.loader.tensors import decode_dspark_sample
 
     t = time.perf_counter()
     for _ in wds.WebDataset(files, shardshuffle=False).decode(decode_dspark_sample):

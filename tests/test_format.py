@@ -18,32 +18,34 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES, sample_metadata, sample_specs
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
-from dspark_cache.format.wds import decode_dspark_sample
+from dspark_cache.format.wds import decode_dspark_arrays
+from dspark_cache.loader.tensors import decode_dspark_sample, sample_to_torch, torch_dtype
+from dspark_cache.producer.tensors import byte_views
 
 
-def _tensors(length, k, h, dtype, seed, store_last):
-    g = torch.Generator().manual_seed(seed)
+def _tensors(length, k, h, code, seed, stores_last):
+    g, dtype = torch.Generator().manual_seed(seed), torch_dtype(code)
     t = {
         "target_hidden_states": torch.randn(length, k * h, generator=g).to(dtype),
         "input_ids": torch.randint(0, 50000, (length,), generator=g, dtype=torch.int32),
         "loss_mask": torch.randint(0, 2, (length,), generator=g, dtype=torch.uint8),
     }
-    if store_last:
+    if stores_last:
         t["target_last_hidden_states"] = torch.randn(length, h, generator=g).to(dtype)
     return t
 
 
-def _write_shard(root, dtype, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=24):
+def _write_shard(root, code, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=24):
     paths = CachePaths(str(root))
     paths.ensure_dirs()
     writer = ShardWriter(paths, 0)
-    k, store_last = len(layer_ids), layer_ids[-1] != num_layers - 1
+    k, stores_last = len(layer_ids), layer_ids[-1] != num_layers - 1
     written, layout = {}, []
     for sid, length in enumerate(lengths):
-        t = _tensors(length, k, h, dtype, sid, store_last)
-        specs = sample_specs(length, k * h, h, dtype, store_last)
+        t = _tensors(length, k, h, code, sid, stores_last)
+        specs = sample_specs(length, k * h, h, code, stores_last)
         md = sample_metadata(sid, list(layer_ids), num_layers, h)
-        writer.append(sid * 3, int(t["loss_mask"].sum()), specs, md, t)
+        writer.append(sid * 3, int(t["loss_mask"].sum()), specs, md, byte_views(t))
         written[sid * 3] = t
         layout.append((specs, md))
     index = writer.publish()
@@ -54,14 +56,16 @@ def _write_shard(root, dtype, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=2
 @pytest.mark.parametrize("dtype_name", sorted(CACHE_DTYPES))
 @pytest.mark.parametrize("layer_ids", [(1, 2, 3, 4), (-1, 2)], ids=["final-in-ids", "final-apart"])
 def test_round_trip_every_dtype(tmp_path, dtype_name, layer_ids):
-    dtype = CACHE_DTYPES[dtype_name]
-    paths, index, written = _write_shard(tmp_path, dtype, [1, 7, 300, 64], layer_ids=layer_ids)
+    code = CACHE_DTYPES[dtype_name]
+    paths, index, written = _write_shard(tmp_path, code, [1, 7, 300, 64], layer_ids=layer_ids)
     with ShardReader(paths, 0) as reader:
         reader.verify()
         for entry in index.samples:
-            got = reader.read_sample(entry)
+            stored = reader.read_sample(entry)  # numpy views tagged with their code: no torch in format
+            assert stored["target_hidden_states"].code == code and stored["input_ids"].code == "I32"
+            got = sample_to_torch(stored)
             t = written[entry.sample_id]
-            assert got["target_hidden_states"].dtype == dtype
+            assert got["target_hidden_states"].dtype == torch_dtype(code)
             assert torch.equal(got["target_hidden_states"], t["target_hidden_states"])
             # The final state is stored once: as the last H columns, or on its own.
             last = t.get("target_last_hidden_states", t["target_hidden_states"][:, -24:])
@@ -70,7 +74,7 @@ def test_round_trip_every_dtype(tmp_path, dtype_name, layer_ids):
 
 
 def test_tensor_data_is_page_aligned_and_64_byte_aligned(tmp_path):
-    paths, index, _ = _write_shard(tmp_path, torch.bfloat16, [5, 33, 129], h=20)
+    paths, index, _ = _write_shard(tmp_path, "BF16", [5, 33, 129], h=20)
     with open(paths.shard_tar(0), "rb") as handle:
         data = handle.read()
     for entry in index.samples:
@@ -84,7 +88,7 @@ def test_tensor_data_is_page_aligned_and_64_byte_aligned(tmp_path):
 
 
 def test_flipped_byte_is_named(tmp_path):
-    paths, index, _ = _write_shard(tmp_path, torch.bfloat16, [50, 60])
+    paths, index, _ = _write_shard(tmp_path, "BF16", [50, 60])
     victim = index.samples[1]
     with open(paths.shard_tar(0), "r+b") as handle:
         handle.seek(victim.offset + victim.size - 10)
@@ -100,7 +104,7 @@ def test_flipped_byte_is_named(tmp_path):
 
 
 def test_truncated_shard_is_named(tmp_path):
-    paths, _, _ = _write_shard(tmp_path, torch.bfloat16, [50, 60])
+    paths, _, _ = _write_shard(tmp_path, "BF16", [50, 60])
     with open(paths.shard_tar(0), "r+b") as handle:
         handle.truncate(os.path.getsize(paths.shard_tar(0)) - 700)
     with pytest.raises(CorruptShardError, match=r"shard-000000\.tar.*truncated"):
@@ -136,6 +140,14 @@ def test_plain_webdataset_reads_our_shards(small_cache):
             assert torch.equal(got[key], want[key])
         seen += 1
     assert seen == len(expected)
+    # The torch-free handler gives the same bytes as numpy views tagged with their dtype code.
+    for sample in wds.WebDataset(urls[:1], shardshuffle=False).decode(decode_dspark_arrays):
+        got = sample["safetensors"]
+        want = expected[got["sample_id"]]
+        codes = {"input_ids": "I32", "loss_mask": "U8"}
+        for key in ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"):
+            assert got[key].code == codes.get(key, CACHE_DTYPES[cache.manifest.dtype])
+            assert got[key].array.tobytes() == want[key].contiguous().view(torch.uint8).numpy().tobytes()
     # And the shard is a normal tar to the standard library too.
     with tarfile.open(urls[0]) as tar:
         assert all(m.name.endswith(".safetensors") and "." not in m.name[:-12] for m in tar.getmembers())
@@ -179,7 +191,7 @@ def test_reader_headers_equal_the_writers(layer_ids, num_layers):
     from dspark_cache.format.sample import layout_payload
 
     rng = random.Random(0)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in ("BF16", "F32"):
         shape = SampleShape(layer_ids, num_layers, 1024, dtype)
         for _ in range(200):
             length, sample_id, offset = rng.randint(1, 5000), rng.randint(0, 10**9), rng.randint(1, 10**7) * 512
@@ -193,3 +205,39 @@ def test_shard_ids_past_a_million_are_listed(tmp_path):
     for shard_id in (5, 1_234_567):
         open(paths.shard_index(shard_id), "w").close()
     assert paths.indexed_shard_ids() == [5, 1_234_567]
+
+
+# sha256[:16] of tar + index, as written before the format stopped importing torch (v0.2.0):
+# the buffers-in writer must keep every byte (headers, padding, fills) identical.
+GOLDEN = {("bf16", (1, 2, 3, 4)): "f97af11857d112f7", ("bf16", (-1, 2)): "f028efe267ec0131",
+          ("fp16", (1, 2, 3, 4)): "77f12aae0c53e564", ("fp16", (-1, 2)): "6aa97d618f11debc",
+          ("fp32", (1, 2, 3, 4)): "6fb32bc26abdcdfd", ("fp32", (-1, 2)): "d488ef27ae4b814d"}
+
+
+@pytest.mark.parametrize("dtype_name, layer_ids", sorted(GOLDEN))
+def test_shard_bytes_equal_the_golden_ones(tmp_path, dtype_name, layer_ids):
+    import hashlib
+
+    import numpy as np
+
+    paths = CachePaths(str(tmp_path))
+    paths.ensure_dirs()
+    writer = ShardWriter(paths, 0, durable=False)
+    k, h, num_layers, code = len(layer_ids), 24, 5, CACHE_DTYPES[dtype_name]
+    stores_last = layer_ids[-1] != num_layers - 1
+    rng = np.random.default_rng(7)
+    for sid, n in enumerate([1, 7, 300, 64, 2]):
+        t = {"target_hidden_states": torch.from_numpy(rng.standard_normal((n, k * h), dtype=np.float32)),
+             "input_ids": torch.from_numpy(rng.integers(0, 50000, n, dtype=np.int32)),
+             "loss_mask": torch.from_numpy(rng.integers(0, 2, n, dtype=np.uint8))}
+        if stores_last:
+            t["target_last_hidden_states"] = torch.from_numpy(rng.standard_normal((n, h), dtype=np.float32))
+        for key in ("target_hidden_states", "target_last_hidden_states"):
+            if key in t:
+                t[key] = t[key].to(torch_dtype(code))
+        writer.append(sid, n, sample_specs(n, k * h, h, code, stores_last),
+                      sample_metadata(sid, list(layer_ids), num_layers, h), byte_views(t))
+    writer.publish()
+    with open(paths.shard_tar(0), "rb") as tar, open(paths.shard_index(0), "rb") as idx:
+        digest = hashlib.sha256(tar.read() + idx.read()).hexdigest()[:16]
+    assert digest == GOLDEN[(dtype_name, layer_ids)]

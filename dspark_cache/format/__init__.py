@@ -1,6 +1,7 @@
 """The on-disk contract (format v1) that producer, loader and TUI all import.
 
-This package imports neither torch nor transformers at module level except in the tensor
-codec (``sample``) and the shard reader/writer, so the TUI can use ``schema`` and ``paths``
-cheaply.
+This package never imports torch or transformers (numpy at most): dtypes are safetensors codes,
+the shard writer takes buffers and decoding gives numpy views, so the monitor and
+``dspark-verify`` use it cheaply. Torch tensors are made by the loader (``loader/tensors.py``)
+and the producer (``producer/tensors.py``).
 """

@@ -1,7 +1,8 @@
 """The shape of a sample: what its byte layout depends on besides its token count.
 
 One object for the writer (sizes, headers), the planner (exact bytes before computing) and the
-readers (what an index entry and a sample's header must say): they can never disagree.
+readers (what an index entry and a sample's header must say): they can never disagree. The
+loader's batch rows (``loader/rowplan.py``) and the producer's target are described by it too.
 """
 
 from __future__ import annotations
@@ -10,28 +11,37 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
-from dspark_cache.format.layers import final_state_in_ids
+from dspark_cache.format.layers import stores_last
 from dspark_cache.format.sample import (
-    CACHE_DTYPES, PAGE_ALIGN, TensorSpec, layout_payload, place_tensors, sample_metadata, sample_specs,
+    CACHE_DTYPES, DTYPE_SIZES, PAGE_ALIGN, TensorSpec, layout_payload, place_tensors, sample_metadata, sample_specs,
 )
 from dspark_cache.format.schema import Manifest
 
 
 @dataclass(frozen=True)
 class SampleShape:
-    """Layer ids, model size and dtype of a cache's samples."""
+    """Layer ids, model size and dtype of a cache's samples (hashable: ids are kept as a tuple)."""
 
-    layer_ids: tuple[int, ...] | list[int]
+    layer_ids: tuple[int, ...]
     num_layers: int
     hidden_size: int
-    dtype: torch.dtype
+    dtype: str  # the hidden states' safetensors code, e.g. "BF16" (``CACHE_DTYPES[manifest.dtype]``)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))  # callers may pass a list
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype code {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> "SampleShape":
+        """The shape of every sample of the cache that ``manifest`` describes."""
         return cls(tuple(manifest.target_layer_ids), manifest.num_hidden_layers, manifest.hidden_size,
                    CACHE_DTYPES[manifest.dtype])
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the hidden states."""
+        return DTYPE_SIZES[self.dtype]
 
     @property
     def hidden_dim(self) -> int:
@@ -40,17 +50,19 @@ class SampleShape:
     @property
     def stores_last(self) -> bool:
         """The final state needs its own tensor only when it is not a feature layer."""
-        return not final_state_in_ids(list(self.layer_ids), self.num_layers)
+        return stores_last(self.layer_ids, self.num_layers)
 
     def specs(self, length: int) -> list[TensorSpec]:
+        """The tensors of a ``length``-token sample, in storage order."""
         return sample_specs(length, self.hidden_dim, self.hidden_size, self.dtype, self.stores_last)
 
     def metadata(self, sample_id: int) -> dict[str, str]:
+        """The ``__metadata__`` of sample ``sample_id``'s header."""
         return sample_metadata(sample_id, list(self.layer_ids), self.num_layers, self.hidden_size)
 
     def data_size(self, length: int) -> int:
         """Bytes of a ``length``-token sample's data section (its blob minus the header)."""
-        return _data_size(length, self.hidden_dim, self.hidden_size, self.dtype, self.stores_last)
+        return _data_size(length, self)
 
     def header(self, length: int, sample_id: int, offset: int) -> bytes:
         """The exact header the writer puts before the data of this sample at file ``offset``
@@ -61,17 +73,15 @@ class SampleShape:
         return struct.pack("<Q", padded) + raw.ljust(padded, b" ")
 
     def _header_json(self, length: int) -> tuple[bytes, bytes]:
-        return _header_template(length, tuple(self.layer_ids), self.num_layers, self.hidden_size, self.dtype)
+        return _header_template(length, self)
 
 
 _SAMPLE_ID = "@@sample-id@@"
 
 
 @lru_cache(maxsize=16384)
-def _header_template(length: int, layer_ids: tuple[int, ...], num_layers: int, hidden_size: int,
-                     dtype: torch.dtype) -> tuple[bytes, bytes]:
+def _header_template(length: int, shape: SampleShape) -> tuple[bytes, bytes]:
     """The header JSON of a ``length``-token sample, split where its sample id goes."""
-    shape = SampleShape(layer_ids, num_layers, hidden_size, dtype)
     metadata = {**shape.metadata(0), "sample_id": _SAMPLE_ID}
     raw = layout_payload(shape.specs(length), metadata, 0).header[8:].rstrip(b" ")
     before, after = raw.split(_SAMPLE_ID.encode())
@@ -79,6 +89,6 @@ def _header_template(length: int, layer_ids: tuple[int, ...], num_layers: int, h
 
 
 @lru_cache(maxsize=16384)
-def _data_size(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dtype, stores_last: bool) -> int:
-    placed = place_tensors(sample_specs(length, hidden_dim, hidden_size, dtype, stores_last))
+def _data_size(length: int, shape: SampleShape) -> int:
+    placed = place_tensors(shape.specs(length))
     return placed[-1][2] if placed else 0

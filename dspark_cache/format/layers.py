@@ -37,7 +37,8 @@ def validate_target_layer_ids(layer_ids: list[int], num_layers: int) -> None:
         raise ValueError(f"--target-layer-ids {layer_ids} must be strictly increasing")
 
 
-def final_state_in_ids(layer_ids: list[int], num_layers: int) -> bool:
-    """Whether the post-norm state is one of the feature layers (then it is stored once)."""
-    return bool(layer_ids) and layer_ids[-1] == num_layers - 1
+def stores_last(layer_ids: list[int] | tuple[int, ...], num_layers: int) -> bool:
+    """Whether the post-norm state needs its own tensor: only when ``N - 1`` is not the last id
+    (otherwise it is one of the feature layers and is stored once, inside the hidden states)."""
+    return not layer_ids or layer_ids[-1] != num_layers - 1
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-import torch
 
-from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK, place_tensors, sample_specs
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK, place_tensors
 
 from dspark_cache.loader.records import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments
 
@@ -44,14 +44,15 @@ class RowTemplate:
 
 
 @lru_cache(maxsize=16384)
-def row_template(length: int, hidden_dim: int, hidden_size: int, dtype: torch.dtype, store_last: bool) -> RowTemplate:
-    """The segments of a ``length``-token sample (``store_last``: the final state is its own tensor)."""
-    item = dtype.itemsize
+def row_template(length: int, shape: SampleShape) -> RowTemplate:
+    """The segments of a ``length``-token sample of ``shape`` (``shape.stores_last``: the final
+    state is its own tensor, else the last ``hidden_size`` columns of the hidden states)."""
+    hidden_dim, hidden_size, item, stores_last = shape.hidden_dim, shape.hidden_size, shape.itemsize, shape.stores_last
     rows = []
-    placed = place_tensors(sample_specs(length, hidden_dim, hidden_size, dtype, store_last))
+    placed = place_tensors(shape.specs(length))
     for name, start, end in placed:
         size = end - start
-        if name == HIDDEN and not store_last:  # the final state is the last hidden_size columns
+        if name == HIDDEN and not stores_last:  # the final state is the last hidden_size columns
             rows.append(segment(SEG_COPY_COLS, start, size, _BUF[HIDDEN], 0, row_bytes=hidden_dim * item,
                                 col_off=(hidden_dim - hidden_size) * item, col_bytes=hidden_size * item,
                                 col_buf=_BUF[LAST_HIDDEN]))

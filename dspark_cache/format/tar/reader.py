@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 
 import msgspec
-import torch
 import xxhash
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.files import open_regular, read_regular, regular_size
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.sample import assemble_sample, decode_payload
+from dspark_cache.format.sample import StoredTensor, assemble_sample, decode_payload
 from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex, decode_shard_index
 from dspark_cache.format.validate import MAX_INDEX_BYTES, check_header, check_index
 
@@ -84,8 +83,9 @@ class ShardReader:
             raise CorruptShardError(self.path, "checksum mismatch", entry.sample_id)
         return blob
 
-    def read_sample(self, entry: SampleEntry) -> dict[str, torch.Tensor]:
-        """NeMo's unpadded per-sample tensors for one index entry."""
+    def read_sample(self, entry: SampleEntry) -> dict[str, StoredTensor]:
+        """NeMo's unpadded per-sample tensors for one index entry, as numpy views tagged with their
+        dtype code (``loader.tensors.sample_to_torch`` makes them torch tensors)."""
         blob = self.read_blob(entry)
         if self.shape is not None:
             header = entry.size - self.shape.data_size(entry.length)

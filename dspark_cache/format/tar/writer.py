@@ -5,8 +5,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from typing import Any, Mapping
 
-import torch
 import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
@@ -79,9 +79,13 @@ class ShardWriter:
         loss_tokens: int,
         specs: list[TensorSpec],
         metadata: dict[str, str],
-        tensors: dict[str, torch.Tensor],
+        tensors: Mapping[str, Any],
     ) -> SampleEntry:
-        """Write one sample blob as a tar member and remember where it lies."""
+        """Write one sample blob as a tar member and remember where it lies.
+
+        ``tensors`` maps each spec's name to a C-contiguous buffer of its stored bytes (a numpy
+        array or memoryview; ``producer.tensors.byte_views`` makes them from torch tensors).
+        """
         data_offset, layout = self._cursor.place(specs, metadata)
         self._write(member_header(member_name(sample_id), layout.size))
         sample_hash = xxhash.xxh3_64()
