@@ -14,6 +14,7 @@ import torch
 from dspark_cache.format.cache import CacheDir, read_manifest
 from dspark_cache.format.schema import SampleEntry, ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
+from dspark_cache.loader.tensors import sample_to_torch
 
 __all__ = ["Cache", "open_cache", "read_manifest"]
 
@@ -57,7 +58,7 @@ class Cache:
         """The unpadded tensors of the sample at ``position`` (ascending id order), checksum-verified."""
         shard, entry = self.entry(position)
         sample: dict[str, torch.Tensor | int] = {"sample_id": entry.sample_id}
-        sample.update(self.reader(shard).read_sample(entry))
+        sample.update(sample_to_torch(self.reader(shard).read_sample(entry)))
         return sample
 
     def samples(self) -> Iterator[dict[str, torch.Tensor | int]]:

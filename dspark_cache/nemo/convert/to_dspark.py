@@ -36,6 +36,7 @@ from dspark_cache.nemo.convert.padding import PadRule, real_length, resolve_pad_
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
 from dspark_cache.producer.manifest import mark_complete, write_manifest
 from dspark_cache.producer.plan import SampleShape
+from dspark_cache.producer.tensors import byte_views, dtype_code
 
 ALL_PADDING = "no real token (all padding)"
 _INT32_MAX = 2**31 - 1
@@ -198,7 +199,7 @@ def _write_shard(paths: CachePaths, source: NemoSource, plan: ImportPlan, shape:
                 length = int(plan.lengths[sid])
                 if length:
                     writer.append(sid, int(plan.loss_tokens[sid]), shape.specs(length), shape.metadata(sid),
-                                  _row_tensors(handle, row, sid, length, shape))
+                                  byte_views(_row_tensors(handle, row, sid, length, shape)))
         writer.publish()
     except BaseException:
         writer.abort()  # nothing half-written is ever visible; published shards stay
@@ -229,7 +230,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     source = open_nemo_source(src)
     require_weights(layout.target_weights_path(src))
     rule = resolve_pad_rule(source.manifest["target_model"], source.manifest_path, pad_token_id, eos_token_id)
-    shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, source.dtype)
+    shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, dtype_code(source.dtype))
     plan = plan_import(source, rule, shape)  # everything is checked before DST is touched
     manifest = build_manifest(source, rule, plan)
     paths = CachePaths(dst)
