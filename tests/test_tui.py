@@ -220,3 +220,25 @@ def test_tui_flag_is_refused_cleanly_on_bad_arguments(capsys):
     with pytest.raises(SystemExit) as exit_info:
         produce(["--tui", "--input-data", "x"])
     assert exit_info.value.code == 2 and "--target-model" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_no_cache_file_is_touched_on_the_ui_thread(tmp_path):
+    """Opening, listing and creating files under the cache (the stop request included) happen on
+    the watcher thread only; the UI thread renders what it is posted."""
+    root = tui_states.live_run(str(tmp_path / "c"))
+    seen: list[tuple[str, int]] = []
+
+    def hook(event: str, args: tuple) -> None:  # audit hooks cannot be removed: only record this root
+        if event in ("open", "os.listdir", "os.scandir", "os.mkdir") and args and str(args[0]).startswith(root):
+            seen.append((event, threading.get_ident()))
+
+    sys.addaudithook(hook)
+    app = app_for(root)
+    async with app.run_test(size=(140, 60)) as pilot:
+        await app.first_snapshot()
+        await pilot.press("s")
+        await app.refreshed()
+    assert os.path.exists(os.path.join(root, "control", "stop"))
+    assert {event for event, _ in seen} >= {"open", "os.listdir", "os.mkdir"}
+    assert threading.get_ident() not in {thread for _, thread in seen}

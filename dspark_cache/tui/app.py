@@ -12,9 +12,9 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Static
 
 from dspark_cache.tui.help import HelpScreen
-from dspark_cache.tui.poller import Poller, SnapshotPolled
-from dspark_cache.tui.safe_io import Refused
-from dspark_cache.tui.watcher import CacheWatcher, Snapshot
+from dspark_cache.tui.poller import Poller, SnapshotPolled, StopRequested
+from dspark_cache.tui.snapshot import Snapshot
+from dspark_cache.tui.watcher import CacheWatcher
 from dspark_cache.tui.widgets import VIEW, SnapshotView
 from dspark_cache.tui.widgets.disk import DiskPanel
 from dspark_cache.tui.widgets.events import EventLog
@@ -33,8 +33,9 @@ class MonitorApp(App[None]):
     """``dspark-monitor``: everything about a run at a glance.
 
     A :class:`~dspark_cache.tui.poller.Poller` on a thread worker reads the cache every
-    ``refresh`` seconds and posts a :class:`SnapshotPolled`; the UI thread reads no cache file,
-    it renders the snapshot in every widget of the class :data:`~dspark_cache.tui.widgets.VIEW`.
+    ``refresh`` seconds and posts a :class:`SnapshotPolled`; the UI thread reads and writes no
+    cache file (the stop request is written by the watcher thread too), it renders the snapshot
+    in every widget of the class :data:`~dspark_cache.tui.widgets.VIEW`.
     """
 
     TITLE = "dspark-monitor"
@@ -114,17 +115,18 @@ class MonitorApp(App[None]):
         return self.snapshot
 
     def action_request_stop(self) -> None:
-        """``s``: write the stop request the producer checks between shards, then refresh."""
+        """``s``: have the watcher thread write the stop request the producer checks between shards."""
         if self.snapshot is None or not self.snapshot.is_cache:
             self.notify("nothing to stop: no producer writes here", severity="warning")
             return
-        try:
-            self.watcher.request_stop()
-        except (OSError, Refused) as exc:
-            self.notify(f"could not ask the producer to stop: {exc}", severity="error", markup=False)
-            return
-        self.notify("asked the producer to stop after the shard in flight (rerun dspark-produce to resume)")
-        self.refresh_view()
+        self.poller.request(stop_producer=True)
+
+    def on_stop_requested(self, message: StopRequested) -> None:
+        """Say whether the stop request was written (the snapshot that follows shows the notice)."""
+        if message.refused is not None:
+            self.notify(f"could not ask the producer to stop: {message.refused}", severity="error", markup=False)
+        else:
+            self.notify("asked the producer to stop after the shard in flight (rerun dspark-produce to resume)")
 
     def action_help(self) -> None:
         """``?``: the help screen."""

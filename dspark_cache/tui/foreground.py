@@ -11,7 +11,7 @@ import time
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.display import markup
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 
 
 class ForegroundMonitor(MonitorApp):

@@ -8,7 +8,9 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-HELP = """[b]dspark-monitor[/] shows a dspark cache directory, live or finished, read from its files.
+from dspark_cache.format.status import STALE_AFTER_S
+
+HELP = f"""[b]dspark-monitor[/] shows a dspark cache directory, live or finished, read from its files.
 
   [b]q[/]  quit (the producer keeps running)
   [b]s[/]  ask the producer to stop gracefully: it finishes the shard in flight and exits
@@ -16,7 +18,7 @@ HELP = """[b]dspark-monitor[/] shows a dspark cache directory, live or finished,
   [b]?[/]  this help (escape closes it)
 
 Shard map: [green]█[/] published  [yellow]▒[/] being written  · pending  [red]✖[/] failed
-A rank is [b red]STALE[/] when its heartbeat is older than 10 s while it claims to be working.
+A rank is [b red]STALE[/] when its heartbeat is older than {STALE_AFTER_S:.0f} s while it claims to be working.
 """
 
 

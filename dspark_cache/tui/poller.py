@@ -3,9 +3,9 @@
 Reading a cache can be slow (a huge file, a shared filesystem), so :meth:`Poller.run` runs as a
 Textual thread worker: it calls :meth:`~dspark_cache.tui.watcher.CacheWatcher.poll` every
 period, or at once when asked, and hands the immutable
-:class:`~dspark_cache.tui.watcher.Snapshot` to the UI thread with ``post_message`` (the model of
-Textualize/toolong's watcher thread). Only this thread touches the watcher's state; the UI
-thread only renders what it is posted.
+:class:`~dspark_cache.tui.snapshot.Snapshot` to the UI thread with ``post_message`` (the model of
+Textualize/toolong's watcher thread). Only this thread touches the cache, the stop request
+included; the UI thread only renders what it is posted.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Callable
 
 from textual.message import Message
 
-from dspark_cache.tui.watcher import CacheWatcher, Snapshot
+from dspark_cache.tui.snapshot import Snapshot
+from dspark_cache.tui.watcher import CacheWatcher
 
 
 class SnapshotPolled(Message):
@@ -25,6 +26,14 @@ class SnapshotPolled(Message):
         super().__init__()
         self.snapshot = snapshot
         self.ticket = ticket
+
+
+class StopRequested(Message):
+    """The stop request was written (``refused`` is None) or why it could not be; a snapshot follows."""
+
+    def __init__(self, refused: str | None) -> None:
+        super().__init__()
+        self.refused = refused
 
 
 class Poller:
@@ -37,31 +46,55 @@ class Poller:
         self._wake = threading.Condition()
         self._asked = 1  # the first poll is asked for from the start
         self._answered = 0
+        self._stop_asked = False  # the user asked for the producer to stop: write the request first
+        self._stop_writing = False  # taken by the thread, not written yet
         self._stopped = False
 
-    def request(self) -> int:
-        """Ask for a poll now; returns the ticket that the snapshot of that poll will carry (or a later one)."""
+    def request(self, stop_producer: bool = False) -> int:
+        """Ask for a poll now (after writing the stop request, with ``stop_producer``); returns the
+        ticket that the snapshot of that poll will carry (or a later one)."""
         with self._wake:
             self._asked += 1
-            self._wake.notify()
+            self._stop_asked |= stop_producer
+            self._wake.notify_all()
             return self._asked
 
-    def stop(self) -> None:
-        """Make :meth:`run` return once the poll in progress, if any, is done."""
+    def stop(self, grace: float = 2.0) -> None:
+        """Make :meth:`run` return once the poll in progress, if any, is done.
+
+        A stop request asked for but not yet written is waited for, up to ``grace`` seconds: the
+        user who presses ``s`` then ``q`` expects the producer to stop (the thread may not outlive
+        the app). Without one pending this returns at once.
+        """
         with self._wake:
             self._stopped = True
-            self._wake.notify()
+            self._wake.notify_all()
+            self._wake.wait_for(lambda: not (self._stop_asked or self._stop_writing), timeout=grace)
 
     def run(self) -> None:
         """Poll and post snapshots until :meth:`stop` (run on a worker thread, never the UI thread)."""
-        while (ticket := self._next_ticket()) is not None:
+        while True:
+            ticket, stop_producer, stopped = self._next()
+            if stop_producer:  # written even when the app is ending: the user pressed the key before
+                self.post(StopRequested(self._write_stop_request()))
+            if stopped:
+                return
             self.post(SnapshotPolled(self.watcher.poll(), ticket))
 
-    def _next_ticket(self) -> int | None:
-        """Wait for a request or the end of the period: the requests the next poll answers, or None once stopped."""
+    def _write_stop_request(self) -> str | None:
+        """Write the stop request; None, or why not. Whoever waits in :meth:`stop` is woken after."""
+        try:
+            return self.watcher.request_stop()
+        finally:
+            with self._wake:
+                self._stop_writing = False
+                self._wake.notify_all()
+
+    def _next(self) -> tuple[int, bool, bool]:
+        """Wait for a request, the end of the period or :meth:`stop`: the requests the next poll
+        answers, whether to write the stop request first, and whether to end after that."""
         with self._wake:
             self._wake.wait_for(lambda: self._stopped or self._asked > self._answered, timeout=self.every)
-            if self._stopped:
-                return None
-            self._answered = self._asked
-            return self._answered
+            self._answered, stop_producer, self._stop_asked = self._asked, self._stop_asked, False
+            self._stop_writing = stop_producer
+            return self._answered, stop_producer, self._stopped

@@ -1,4 +1,4 @@
-"""One widget per file, each rendering a part of a :class:`~dspark_cache.tui.watcher.Snapshot`.
+"""One widget per file, each rendering a part of a :class:`~dspark_cache.tui.snapshot.Snapshot`.
 
 Each such widget has the CSS class :data:`VIEW` and a ``show(snapshot)`` method: the app lists
 the widgets once, in its layout, and renders every snapshot in whatever carries the class.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from dspark_cache.tui.watcher import Snapshot
+    from dspark_cache.tui.snapshot import Snapshot
 
 VIEW = "snapshot-view"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.widgets import Static
 
 from dspark_cache.tui.display import human_bytes
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 

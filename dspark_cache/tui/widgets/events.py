@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from dspark_cache.tui.display import clip, clock_time, integer
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 STYLES = {"error": "bold red", "warning": "yellow", "finished": "bold green", "stopped": "yellow",

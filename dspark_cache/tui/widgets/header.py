@@ -7,7 +7,7 @@ from textual.widgets import Static
 
 from dspark_cache.format.schema import Manifest
 from dspark_cache.tui.display import clip, integer, markup
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 MAX_LAYER_IDS = 16  # a manifest may list any number; the header stays one line

@@ -8,7 +8,7 @@ from textual.widgets import ProgressBar, Static
 
 from dspark_cache.format.schema import Manifest
 from dspark_cache.tui.display import as_float, human_bytes, human_count, human_duration, integer
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 

@@ -8,7 +8,7 @@ from textual.widgets import DataTable
 from dspark_cache.format.schema import RankStatus
 from dspark_cache.format.status import ACTIVE_RANK_STATES
 from dspark_cache.tui.display import clip, human_bytes, human_count, human_duration, integer
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 COLUMNS = ("rank", "state", "shard", "host/pid", "shards", "samples", "tok/s", "inflight", "heartbeat", "last error")

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from dspark_cache.tui.display import integer
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 # state -> (glyph, style); a bucket shows its most urgent state, in this order

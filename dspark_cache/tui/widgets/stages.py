@@ -7,7 +7,7 @@ import math
 from textual.widgets import Static
 
 from dspark_cache.tui.display import human_duration
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 LABELS = {"data": "data", "device": "device", "copy": "copy", "backpressure": "waiting on writer",

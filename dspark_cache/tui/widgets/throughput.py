@@ -7,7 +7,7 @@ from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
 from dspark_cache.tui.display import as_float, human_bytes, human_count
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 MAX_RATE = 1e300  # a whole history of these still sums to a finite number

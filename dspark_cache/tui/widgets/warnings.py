@@ -1,4 +1,5 @@
-"""Files the monitor skipped this refresh (a FIFO, a device, a symlink out of the cache, too large)."""
+"""Files the monitor skipped this refresh (a FIFO, a device, a symlink out of the cache, too large),
+and the problems of a damaged manifest."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from dspark_cache.tui.display import clip
-from dspark_cache.tui.watcher import Snapshot
+from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
 MAX_SHOWN = 5  # a directory full of junk must not push the rest of the view off screen

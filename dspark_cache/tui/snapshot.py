@@ -1,0 +1,115 @@
+"""What the monitor shows: one immutable view of a cache directory, made on the watcher thread.
+
+The watcher thread makes a :class:`Snapshot` and the UI thread renders it, so nothing in it is
+shared with the watcher's own state: the collections are tuples, frozensets and a read-only
+mapping, and the decoded structs in them are never modified after a poll returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex
+from dspark_cache.format.status import rank_is_live, rank_is_stale
+from dspark_cache.tui.display import as_float
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The summed rate of the live ranks at one poll."""
+
+    time: float
+    tokens_per_s: float
+    bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    """What the monitor needs of a published shard's index (its sample list is not kept)."""
+
+    samples: int  # planned samples covered: stored plus dropped as non-finite
+    tokens: int
+    bytes: int
+
+    @classmethod
+    def of(cls, index: ShardIndex) -> ShardSummary:
+        """The summary of a decoded ``shard-N.idx``."""
+        return cls(index.num_samples + len(index.nonfinite), sum(e.length for e in index.samples),
+                   index.tar_bytes)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One view of a cache directory at time ``now``, immutable once made."""
+
+    now: float
+    path: str
+    exists: bool = True
+    manifest: Manifest | None = None
+    manifest_error: str | None = None
+    published: Mapping[int, ShardSummary] = field(default_factory=lambda: MappingProxyType({}))
+    writing: frozenset[int] = frozenset()
+    failed: frozenset[int] = frozenset()
+    ranks: tuple[RankStatus, ...] = ()
+    events: tuple[Event, ...] = ()  # newest last
+    history: tuple[Throughput, ...] = ()  # oldest first
+    disk_free: int | None = None
+    stop_requested: bool = False
+    warnings: tuple[str, ...] = ()  # files skipped this poll and why, and the manifest's problems
+
+    @property
+    def is_cache(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest and self.manifest.complete)
+
+    @property
+    def live_ranks(self) -> list[RankStatus]:
+        """Ranks working with a fresh heartbeat (format's liveness rule, the monitor's patience)."""
+        return [r for r in self.ranks if rank_is_live(r, self.now)]
+
+    def is_stale(self, status: RankStatus) -> bool:
+        """Whether ``status`` claims to be working but its heartbeat is too old (shown as STALE)."""
+        return rank_is_stale(status, self.now)
+
+    @property
+    def samples_done(self) -> int:
+        return sum(s.samples for s in self.published.values())
+
+    @property
+    def tokens_done(self) -> int:
+        return sum(s.tokens for s in self.published.values())
+
+    @property
+    def bytes_done(self) -> int:
+        return sum(s.bytes for s in self.published.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.tokens_per_s for r in self.live_ranks)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return sum(r.bytes_per_s for r in self.live_ranks)
+
+    def eta_seconds(self) -> float | None:
+        """Seconds left at the current rate; inf for a vanishing rate, None when unknown."""
+        if not self.manifest or self.complete:
+            return None
+        rate = as_float(self.tokens_per_s)
+        left = as_float(self.manifest.planned_tokens - self.tokens_done)
+        if rate is None or rate <= 0 or left is None:
+            return None
+        return max(0.0, left) / rate
+
+    def stage_totals(self) -> dict[str, float]:
+        """Seconds spent per pipeline stage, summed over the ranks."""
+        totals: dict[str, float] = {}
+        for r in self.ranks:
+            for stage, seconds in r.stage_seconds.items():
+                totals[stage] = totals.get(stage, 0.0) + seconds
+        return totals
