@@ -14,6 +14,7 @@ with their code. The loader turns those into torch tensors (``loader/tensors.py`
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -201,6 +202,8 @@ def decode_payload(blob: bytearray | memoryview | bytes) -> tuple[dict[str, Stor
         start, end = info["data_offsets"]
         if base + end > len(view):
             raise ValueError(f"tensor {name} ends at byte {base + end}, blob has {len(view)}")
+        if math.prod(shape) * dtype.itemsize != end - start:  # checked before anything is allocated
+            raise ValueError(f"tensor {name} of shape {list(shape)} does not fill bytes {start}..{end}")
         if end == start:
             tensors[name] = StoredTensor(code, np.empty(shape, dtype=dtype))
             continue
