@@ -125,6 +125,18 @@ def test_missing_directory_is_a_clear_message(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
 
 
+def test_stale_is_formats_liveness_rule():
+    """The monitor marks a rank STALE by format's rule, the one a waiting producer rank uses too."""
+    from dspark_cache.format.status import STALE_AFTER_S, rank_is_live, rank_is_stale
+
+    now = tui_states.NOW
+    fresh, silent = (tui_states.status(0, 1, "running", age) for age in (STALE_AFTER_S, STALE_AFTER_S + 0.1))
+    done = tui_states.status(0, 1, "finished", 10 * STALE_AFTER_S)
+    assert rank_is_live(fresh, now) and not rank_is_stale(fresh, now)
+    assert rank_is_stale(silent, now) and not rank_is_live(silent, now) and rank_is_live(silent, now, timeout=300)
+    assert not rank_is_live(done, now) and not rank_is_stale(done, now)  # a finished rank is neither
+
+
 def test_thousands_of_shards_stay_readable():
     states = ["published"] * 5000 + ["writing"] + ["pending"] * 4999
     cells, per = bucketed(states, 800)

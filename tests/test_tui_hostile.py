@@ -150,6 +150,7 @@ def test_fifos_directories_and_outside_symlinks_are_skipped_with_a_warning(tmp_p
     os.symlink(outside / "events.jsonl", junk.events(4))
     os.symlink(outside / "status.json", junk.status(5))
     os.mkfifo(junk.shard_index(30))
+    os.symlink(outside / "status.json", junk.shard_index(31))  # any file out of the cache: not followed
     os.symlink(junk.events(0), junk.events(6))  # inside the cache: followed
 
     fifo_manifest = live(tmp_path / "fifo-manifest")
@@ -168,9 +169,10 @@ def test_fifos_directories_and_outside_symlinks_are_skipped_with_a_warning(tmp_p
     skipped = "\n".join(junk_shown["skipped"])
     for expected in ("events/rank-00001.jsonl: a FIFO", "status/rank-00002.json: a FIFO",
                      "status/rank-00003.json: a directory", "events/rank-00004.jsonl: a symlink to outside",
-                     "status/rank-00005.json: a symlink to outside", "shards/shard-000030.idx: a FIFO"):
+                     "status/rank-00005.json: a symlink to outside", "shards/shard-000030.idx: a FIFO",
+                     "shards/shard-000031.idx: a symlink to outside"):
         assert expected in skipped
-    assert "⚠" in junk_shown["warnings"] and "1 more skipped" in junk_shown["warnings"]
+    assert "⚠" in junk_shown["warnings"] and "2 more skipped" in junk_shown["warnings"]
     assert [row[0] for row in junk_shown["ranks"]] == ["0", "1"]
     assert "OUTSIDE EVENT" not in junk_shown["events"] and "shard 19 published" in junk_shown["events"]
     assert "22 published" in junk_shown["shards"]
@@ -218,6 +220,7 @@ def test_huge_event_log_and_billion_shard_plan_stay_bounded(tmp_path):
     assert "22 published  2 writing  999999975 pending  1 failed   (one cell = 1250000 shards)" in shards
     assert len(shards.splitlines()[-1]) <= 800
     assert "shards 22/1000000000" in billion_shown["progress"]
+    assert "manifest.json: num_shards 1000000000 is not in [0, " in billion_shown["warnings"]  # shown, and flagged
     assert billion_shown["peak"] < MEMORY_BOUND, f"{billion_shown['peak'] / 2**20:.0f} MiB for 1e9 shards"
 
 
