@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.status import ACTIVE_RANK_STATES, read_rank_statuses
+from dspark_cache.format.status import rank_is_live, read_rank_statuses
 from dspark_cache.producer.plan import ShardPlan
 
 _PAYLOAD_BYTES = 65536
@@ -103,8 +103,7 @@ def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id
         now = time.time()
         alive = [
             s for s in read_rank_statuses(paths)
-            if s.rank != me.rank and s.run_id == run_id and s.state in ACTIVE_RANK_STATES
-            and now - s.updated_at < rank_timeout
+            if s.rank != me.rank and s.run_id == run_id and rank_is_live(s, now, rank_timeout)
         ]
         if not alive:
             return missing
