@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -80,3 +82,42 @@ def test_every_console_script_has_version(script):
     done = subprocess.run([os.path.join(os.path.dirname(sys.executable), script), "--version"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == f"{script} {dspark_cache.__version__}", done.stderr
+
+
+SCRIPTS = ["dspark-produce", "dspark-monitor", "dspark-verify", "dspark-convert"]
+
+
+def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    exe = os.path.join(os.path.dirname(sys.executable), name)
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_console_script_shares_the_conventions(script):
+    """One module's conventions: a usage error is one line and exit 2; --log-level is checked; --help exits 0."""
+    from dspark_cache.cli.conventions import EXIT_USAGE
+
+    bad = _script(script, "--no-such-option")
+    assert bad.returncode == EXIT_USAGE and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith(f"{script}: error: ") and f"see {script} --help" in bad.stderr
+    level = _script(script, "--log-level", "chatty")
+    assert level.returncode == EXIT_USAGE and "--log-level" in level.stderr, level.stderr
+    helped = _script(script, "--help")
+    assert helped.returncode == 0 and "--log-level" in helped.stdout and "exit status: 0 " in helped.stdout
+
+
+def test_readme_exit_codes_are_the_code_table():
+    """The README's exit-code table lists exactly the codes the scripts share, in order."""
+    from dspark_cache.cli.conventions import EXIT_CODES
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = [int(code) for code in re.findall(r"^\| `(\d+)` \| .+ \|$", readme, re.M)]
+    assert rows == sorted(EXIT_CODES)
+
+
+def test_tui_flag_only_on_the_console_script(tmp_path):
+    """The torchrun module refuses --tui (its child would start another monitor) with one usage line."""
+    done = subprocess.run([sys.executable, "-m", "dspark_cache.producer.cli", "--tui", "--target-model", "x",
+                           "--input-data", "y", "--output-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--tui" in done.stderr, done.stderr

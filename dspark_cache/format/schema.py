@@ -26,6 +26,36 @@ NON_IDENTITY_FIELDS = frozenset(
 )
 
 
+class RankState:
+    """``RankStatus.state``: what a producer rank is doing. The producer writes only these."""
+
+    PLANNING = "planning"  # reading and tokenising the input (the heartbeat starts after it)
+    LOADING = "loading"  # loading the target onto the device
+    RUNNING = "running"  # computing and publishing its shards
+    WAITING = "waiting"  # its shards are done; waiting for the other ranks' (multi-rank runs)
+    FINISHED = "finished"  # the cache is complete (or was already)
+    STOPPED = "stopped"  # stopped on request after the shard in flight: rerun to resume
+    INCOMPLETE = "incomplete"  # done, but shards of a rank that died are missing: rerun
+    FAILED = "failed"  # raised an error (``last_error`` says which)
+    ALL = (PLANNING, LOADING, RUNNING, WAITING, FINISHED, STOPPED, INCOMPLETE, FAILED)
+    ACTIVE = (PLANNING, LOADING, RUNNING, WAITING)  # a live rank refreshes its heartbeat
+
+
+class EventKind:
+    """``Event.kind``: one line of a rank's event log. The producer writes only these."""
+
+    RESUMED = "resumed"  # rank 0: shards already published by an earlier run
+    PLAN = "plan"  # rank 0: the plan's totals
+    SKIPPED_ROW = "skipped_row"  # rank 0: one input row that gives no sample, and why
+    STARTED = "started"  # the target is loaded; computing this rank's shards
+    SHARD_PUBLISHED = "shard_published"  # data: shard, samples, bytes
+    WARNING = "warning"  # e.g. a sample dropped for non-finite hidden states
+    STOPPED = "stopped"  # stopped on request
+    ERROR = "error"  # the run failed (data.shard: the shard in flight), or shards are missing
+    FINISHED = "finished"  # the rank that completed the cache
+    ALL = (RESUMED, PLAN, SKIPPED_ROW, STARTED, SHARD_PUBLISHED, WARNING, STOPPED, ERROR, FINISHED)
+
+
 class SkippedRow(msgspec.Struct, frozen=True):
     """An input row that produced no sample, and why."""
 
@@ -124,7 +154,7 @@ class RankStatus(msgspec.Struct, kw_only=True):
     run_id: str = ""
     pid: int
     host: str
-    state: str  # planning | loading | running | stopping | finished | failed
+    state: str  # one of RankState.ALL
     updated_at: float
     started_at: float
     shard: int | None = None
@@ -148,7 +178,7 @@ class Event(msgspec.Struct, kw_only=True):
 
     time: float
     rank: int
-    kind: str  # started | plan | resumed | shard_published | skipped_row | warning | error | finished
+    kind: str  # one of EventKind.ALL
     message: str
     data: dict[str, Any] = msgspec.field(default_factory=dict)
 

@@ -1,1 +1,50 @@
-"""``dspark-produce``: chat rows -> target forward -> compact WebDataset shards."""
+"""``dspark-produce``: chat rows -> target forward -> compact WebDataset shards.
+
+The public API, for tools such as ``bench/`` (everything else in this package is internal and
+may change with the producer):
+
+* ``ProduceConfig``: every setting, by the command line's option names (``config``).
+* ``load_tokenizer(cfg, template=None)``, ``plan_input(cfg, encoder, source, shape)``: the
+  tokenizer and the plan exactly as ``dspark-produce`` makes them (``prepare``).
+* ``ChatEncoder`` (``chat``), ``InputSource`` (``inputs``), ``SampleShape`` (``plan``).
+* ``read_target_info``, ``resolve_device``, ``TargetRunner``: the target (``target``).
+* ``run_pipeline``, ``collate``, ``finite_flags``: the device-to-writer pipeline (``pipeline``).
+* ``write_manifest``: publish a manifest as the producer does (``manifest``).
+* ``torch_dtype``, ``byte_views``: torch dtypes of the format's codes, tensors as writer bytes (``tensors``).
+* ``produce(cfg)``: one rank's whole run (``run``); the command line is ``dspark_cache.cli``.
+
+Names are imported on first use, so ``import dspark_cache.producer`` costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_API = {
+    "ProduceConfig": "config",
+    "load_tokenizer": "prepare",
+    "plan_input": "prepare",
+    "ChatEncoder": "chat",
+    "InputSource": "inputs",
+    "SampleShape": "plan",
+    "read_target_info": "target",
+    "resolve_device": "target",
+    "TargetRunner": "target",
+    "run_pipeline": "pipeline",
+    "collate": "pipeline",
+    "finite_flags": "pipeline",
+    "write_manifest": "manifest",
+    "torch_dtype": "tensors",
+    "byte_views": "tensors",
+    "produce": "run",
+}
+
+__all__ = list(_API)
+
+
+def __getattr__(name: str) -> Any:
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dspark_cache.producer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dspark_cache.producer.{module}"), name)

@@ -1,4 +1,10 @@
-"""The producer's settings: NeMo's flag names and defaults, plus ours."""
+"""The producer's settings: NeMo's flag names and defaults, plus ours.
+
+Parsing imports no torch (``dspark-produce --help`` and usage errors stay instant); dtypes and
+devices are resolved into torch objects later, where the run needs them. The command line's
+shared conventions (``--version``, ``--log-level``, usage errors, exit codes) come from
+``dspark_cache.cli``, which builds the parser and calls :func:`add_arguments`.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +12,17 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from dspark_cache import add_version_argument
-from dspark_cache.format.sample import CACHE_DTYPES
+from dspark_cache.format.sample import CACHE_DTYPES  # names -> safetensors codes: no torch
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_STOPPED = 3  # stopped on request (SIGINT/SIGTERM/monitor): the cache is resumable
-EXIT_INCOMPLETE = 4  # this rank finished, but shards of a rank that died are missing: rerun
+DESCRIPTION = ("Run a frozen target once over chat data and write its hidden states as compact, resumable "
+               "WebDataset shards for DSpark drafter training. NeMo's precompute_dspark command lines work "
+               "unchanged.")
 
 
 @dataclass
 class ProduceConfig:
+    """Every ``dspark-produce`` setting (the command line's options, by their dest names)."""
+
     target_model: str
     input_data: str
     output_dir: str
@@ -52,6 +57,7 @@ class ProduceConfig:
 
     @property
     def tokenize_workers(self) -> int:
+        """Encoding processes: ``--num-workers``, else this rank's share of the node's cores (at most 16)."""
         if self.num_workers is not None:
             return self.num_workers
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -59,17 +65,12 @@ class ProduceConfig:
 
     @property
     def batch_token_budget(self) -> int:
+        """Padded tokens per forward batch: ``--max-batch-tokens``, else batch size x sequence length."""
         return self.max_batch_tokens or self.batch_size * self.seq_length
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dspark-produce",
-        description="Run a frozen target once over chat data and write its hidden states as "
-        "compact, resumable WebDataset shards for DSpark drafter training. NeMo's "
-        "precompute_dspark command lines work unchanged.",
-    )
-    add_version_argument(p)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The producer's options (``--log-level`` and ``--version`` come with the shared parser)."""
     p.add_argument("--target-model", required=True, help="HF checkpoint directory or hub id")
     p.add_argument("--input-data", required=True, help="JSONL/JSON/Parquet file, a directory of them, or an HF dataset id")
     p.add_argument("--output-dir", required=True, help="cache directory (resumed when it matches)")
@@ -93,7 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-force-hf", action="store_true", help="accepted for NeMo compatibility (always HF here)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own Python code")
     p.add_argument("--resume", action="store_true", help="accepted for NeMo compatibility: resume is automatic")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--compute-dtype", choices=["auto", *sorted(CACHE_DTYPES)], default="auto",
                    help="target compute dtype; auto = bf16 on CUDA, fp32 on CPU (as NeMo)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
@@ -109,15 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NaN/inf hidden states: stop (default) or drop the sample and list it in the manifest")
     p.add_argument("--rank-timeout", type=float, default=300.0,
                    help="seconds without a heartbeat after which a finished rank stops waiting for another")
-    p.add_argument("--tui", action="store_true",
-                   help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
     p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
-    return p
 
 
-def parse_config(argv: list[str] | None = None) -> ProduceConfig:
-    args = build_parser().parse_args(argv)
+def config_from_args(args: argparse.Namespace) -> ProduceConfig:
+    """The settings from parsed options (options that are not settings, such as ``--tui``, are left out)."""
     names = {f.name for f in fields(ProduceConfig)}
     return ProduceConfig(**{k: v for k, v in vars(args).items() if k in names})
 

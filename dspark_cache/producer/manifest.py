@@ -1,28 +1,38 @@
-"""Build, compare and publish the manifest; reconcile an existing cache directory for resume."""
+"""Build, compare, publish and complete the manifest (a cache directory's shards: ``reconcile.py``).
+
+The manifest is read through ``dspark_cache.format.manifest.load_manifest``, the one reader every
+part uses (bounded, regular files only, fields checked against each other).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-
-import msgspec
+from typing import TYPE_CHECKING, Any
 
 from dspark_cache import __version__
 from dspark_cache.format.atomic import atomic_write_bytes
-from dspark_cache.format.cache import unpublish_shard
-from dspark_cache.format.errors import CacheError, CorruptShardError, ManifestMismatchError
+from dspark_cache.format.errors import CacheError, ManifestMismatchError, NotACacheError
+from dspark_cache.format.manifest import load_manifest
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Manifest, ShardIndex, decode_manifest, encode_json, identity_diff
+from dspark_cache.format.schema import Manifest, encode_json, identity_diff
 from dspark_cache.format.tar.reader import load_shard_index
-from dspark_cache.format.tar.writer import predict_shard_bytes
+from dspark_cache.format.validate import InvalidManifestError
 from dspark_cache.producer.layout import check_layout, remove_files, written_files
-from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan
+from dspark_cache.producer.plan import Plan
+from dspark_cache.producer.template import sha256_text, tokenizer_sha256
+
+if TYPE_CHECKING:  # types only: the convert tool imports this module without the producer's run
+    from dspark_cache.producer.config import ProduceConfig
+    from dspark_cache.producer.inputs import InputSource
+    from dspark_cache.producer.target import TargetInfo
 
 log = logging.getLogger(__name__)
 
 
 def library_versions() -> dict[str, str]:
+    """The versions that shaped the cache's bytes (recorded, not compared on resume)."""
     import tokenizers
     import torch
     import transformers
@@ -31,13 +41,36 @@ def library_versions() -> dict[str, str]:
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
+def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], plan: Plan, tokenizer: Any,
+                   source: InputSource, compute_dtype: str) -> Manifest:
+    """The manifest of the cache this run makes: its identity (what resume compares) and its plan's totals."""
+    return Manifest(
+        target_model=cfg.target_model, target_model_type=info.model_type, target_vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size, num_hidden_layers=info.num_layers, seq_length=cfg.seq_length,
+        dtype=cfg.dtype, num_samples=plan.num_samples, shard_size=cfg.shard_size,
+        target_hidden_dim=info.hidden_size * len(layer_ids), target_last_hidden_dim=info.hidden_size,
+        target_layer_ids=layer_ids, train_data_path=str(cfg.input_data), train_split=cfg.split,
+        shuffle_seed=cfg.shuffle_seed, mask_reasoning_content=cfg.mask_reasoning_content,
+        mask_generation_prompt=cfg.mask_generation_prompt,
+        chat_template_sha256=sha256_text(tokenizer.chat_template), input_sha256=source.content_sha256(),
+        tokenizer_sha256=tokenizer_sha256(tokenizer), compute_dtype=compute_dtype,
+        attn_implementation=cfg.target_attn_implementation, pad_token_id=int(tokenizer.pad_token_id),
+        num_rows=plan.num_rows, planned_samples=plan.num_samples, num_shards=len(plan.shards),
+        planned_tokens=plan.num_tokens, planned_loss_tokens=plan.num_loss_tokens, planned_bytes=plan.num_bytes,
+        skipped_rows=plan.skipped_counts(), skipped=plan.skipped, versions=library_versions(),
+        created_at=time.time(),
+    )
+
+
 def read_manifest_file(paths: CachePaths) -> Manifest | None:
+    """The manifest in ``paths.root`` (through format's reader), or None when there is none yet."""
     try:
-        with open(paths.manifest, "rb") as handle:
-            return decode_manifest(handle.read(), paths.manifest)
-    except FileNotFoundError:
+        return load_manifest(paths.root)
+    except NotACacheError:
         return None
-    except msgspec.DecodeError as exc:
+    except InvalidManifestError:  # its message already says what to do
+        raise
+    except CacheError as exc:
         raise CacheError(f"{exc}. Use --overwrite to replace it, or another --output-dir") from exc
 
 
@@ -79,50 +112,6 @@ def check_existing(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifes
             "or choose another --output-dir."
         )
     return old
-
-
-def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape) -> bool:
-    """The index lists exactly the planned samples (minus dropped non-finite ones) and sizes."""
-    dropped = set(index.nonfinite)
-    kept = [s for s in shard.samples if s.sample_id not in dropped]
-    if [e.sample_id for e in index.samples] != [s.sample_id for s in kept]:
-        return False
-    expected = shard.num_bytes if not dropped else \
-        predict_shard_bytes([(shape.specs(s.length), shape.metadata(s.sample_id)) for s in kept])
-    return index.tar_bytes == expected
-
-
-def reconcile_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[int]:
-    """Shards whose index and tar match the plan; partial, damaged or foreign ones are removed."""
-    for leftover in paths.partial_files():
-        log.info("removing leftover %s from an interrupted run", leftover)
-        os.unlink(leftover)
-    planned = {s.shard_id: s for s in plan.shards}
-    done = set()
-    for shard_id in paths.indexed_shard_ids():
-        shard = planned.get(shard_id)
-        try:
-            ok = shard is not None and _matches_plan(load_shard_index(paths, shard_id), shard, shape)
-        except CorruptShardError as exc:
-            log.warning("%s; it will be recomputed", exc)
-            ok = False
-        if ok:
-            done.add(shard_id)
-        else:
-            unpublish_shard(paths, shard_id)
-    return done
-
-
-def claim_completion(paths: CachePaths, run_id: str) -> bool:
-    """True for exactly one rank of a run: the one that creates the claim file first."""
-    os.makedirs(paths.control_dir, exist_ok=True)
-    try:
-        fd = os.open(paths.completion_claim(run_id),
-                     os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.close(fd)
-    return True
 
 
 def mark_complete(paths: CachePaths, manifest: Manifest) -> None:

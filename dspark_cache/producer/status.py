@@ -1,4 +1,8 @@
-"""What the producer tells the world: a per-rank heartbeat file and an append-only event log."""
+"""What the producer tells the world: a per-rank heartbeat file, an append-only event log, the plan's announcement.
+
+State and event-kind strings come from ``format.schema`` (``RankState``, ``EventKind``): the monitor
+reads what is written here.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from typing import Any
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Event, RankStatus, encode_json
+from dspark_cache.format.schema import Event, EventKind, Manifest, RankState, RankStatus, encode_json
+from dspark_cache.producer.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +31,7 @@ class StatusReporter:
         now = time.time()
         self.status = RankStatus(
             rank=rank, world_size=world_size, run_id=run_id, pid=os.getpid(), host=socket.gethostname(),
-            state="planning", updated_at=now, started_at=now,
+            state=RankState.PLANNING, updated_at=now, started_at=now,
         )
         self._last_write = 0.0
         self._lock = threading.Lock()
@@ -59,7 +64,7 @@ class StatusReporter:
                 os.write(fd, line)
             finally:
                 os.close(fd)
-        if kind == "warning":  # errors reach the user once, through the exception the run raises
+        if kind == EventKind.WARNING:  # errors reach the user once, through the exception the run raises
             log.warning(message)
 
     def update(self, force: bool = False, **fields: Any) -> None:
@@ -80,7 +85,7 @@ class StatusReporter:
 
     def _update_rates(self, now: float) -> None:
         s = self.status
-        if self._rate_anchor is None or s.state != "running":
+        if self._rate_anchor is None or s.state != RankState.RUNNING:
             self._rate_anchor = (now, s.tokens_done, s.bytes_written)
             return
         t0, tokens0, bytes0 = self._rate_anchor
@@ -88,3 +93,14 @@ class StatusReporter:
             s.tokens_per_s = (s.tokens_done - tokens0) / (now - t0)
             s.bytes_per_s = (s.bytes_written - bytes0) / (now - t0)
             self._rate_anchor = (now, s.tokens_done, s.bytes_written)
+
+
+def announce(status: StatusReporter, plan: Plan, existing: Manifest | None, done: set[int]) -> None:
+    """Rank 0's account of the run ahead: what is resumed, the plan's totals, every skipped row."""
+    if existing is not None:
+        status.event(EventKind.RESUMED, f"resuming: {len(done)} of {len(plan.shards)} shards already published",
+                     published=len(done), total=len(plan.shards))
+    status.event(EventKind.PLAN, "planned", rows=plan.num_rows, samples=plan.num_samples, shards=len(plan.shards),
+                 tokens=plan.num_tokens, bytes=plan.num_bytes, skipped=plan.skipped_counts())
+    for row in plan.skipped:
+        status.event(EventKind.SKIPPED_ROW, f"{row.where}: skipped ({row.reason})", row=row.row, reason=row.reason)

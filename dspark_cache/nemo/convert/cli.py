@@ -1,17 +1,21 @@
-"""``dspark-convert SRC DST --to {dspark,nemo}``: move a cache between NeMo's layout and ours."""
+"""``dspark-convert SRC DST --to {dspark,nemo}``: move a cache between NeMo's layout and ours.
+
+The options and the run are defined here; the parser's conventions and the exit codes come from
+``dspark_cache.cli`` (which dispatches the console script to :func:`run`).
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-from typing import NoReturn
 
-from dspark_cache import add_version_argument
+from dspark_cache.cli.conventions import (
+    EXIT_ERROR, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, exit_codes_epilog,
+)
 from dspark_cache.format.errors import CacheError
 from dspark_cache.nemo.convert.common import ConvertResult, ConvertUsageError
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 3
+PROG = "dspark-convert"
 
 DESCRIPTION = """\
 Convert a DSpark target cache between NVIDIA NeMo Automodel's layout (padded
@@ -34,23 +38,12 @@ Both directions stream one row at a time (memory stays bounded whatever the shar
 each shard atomically, and resume: rerun the same command after a crash or kill and published
 shards are kept. The manifest says complete only once every shard is in place."""
 
-EPILOG = """\
-exit status: 0 done, 1 bad input or a DST holding another cache (the message names the file and
-what to do; shards already published are kept), 2 usage error, 3 interrupted (rerun to resume)."""
+EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED) + (
+    ". Bad input or a DST holding another cache exits 1; shards already published are kept.")
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (exit 2), not argparse's usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dspark-convert", description=DESCRIPTION, epilog=EPILOG,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_version_argument(p)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``SRC DST --to`` and the direction's options."""
     p.add_argument("src", metavar="SRC", help="the cache to read (complete)")
     p.add_argument("dst", metavar="DST", help="the directory to write (created; resumed when it holds the same "
                    "conversion)")
@@ -66,19 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different cache in DST (deletes only cache files of either layout)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    return p
 
 
-def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_args(args: argparse.Namespace) -> None:
     if args.to == "nemo" and (args.pad_token_id is not None or args.eos_token_id is not None):
-        p.error("--pad-token-id/--eos-token-id apply to --to dspark (an export pads with the manifest's pad_token_id)")
+        raise UsageError("--pad-token-id/--eos-token-id apply to --to dspark (an export pads with the manifest's "
+                         "pad_token_id)")
     if args.to == "dspark" and args.shard_size is not None:
-        p.error("--shard-size applies to --to nemo (an import keeps NeMo's shards)")
+        raise UsageError("--shard-size applies to --to nemo (an import keeps NeMo's shards)")
     for name in ("pad_token_id", "eos_token_id"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
     if args.shard_size is not None and args.shard_size < 1:
-        p.error("--shard-size must be >= 1")
+        raise UsageError("--shard-size must be >= 1")
 
 
 def summary(result: ConvertResult) -> str:
@@ -100,14 +93,9 @@ def summary(result: ConvertResult) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        _check_args(parser, args)
-    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
-        return int(exc.code or 0)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def run(args: argparse.Namespace) -> int:
+    """Convert as ``args`` say; prints the summary on stdout, progress (unless ``--quiet``) on stderr."""
+    _check_args(args)
     from dspark_cache.nemo.convert import convert_to_dspark, convert_to_nemo
 
     progress = None if args.quiet else sys.stderr
@@ -119,17 +107,26 @@ def main(argv: list[str] | None = None) -> int:
             result = convert_to_nemo(args.src, args.dst, shard_size=args.shard_size, overwrite=args.overwrite,
                                      progress=progress)
     except ConvertUsageError as exc:
-        print(f"dspark-convert: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("dspark-convert: interrupted; published shards are kept: rerun the same command to resume",
-              file=sys.stderr)
-        return EXIT_INTERRUPTED
+        print(f"{PROG}: interrupted; published shards are kept: rerun the same command to resume", file=sys.stderr)
+        return EXIT_STOPPED
     except (CacheError, OSError) as exc:  # ConvertError, and the producer lock's and layout checks' errors
-        print(f"dspark-convert: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print(summary(result))
     return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dspark-convert`` as a function: returns the exit code, also for ``--help`` and usage errors."""
+    from dspark_cache.cli import convert
+
+    try:
+        return convert(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
+        return int(exc.code or 0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""Row -> (input_ids, loss_mask), in process or across worker processes, in input order."""
+"""Run the row encoder over every input row, in input order: in process, or across forked worker processes.
+
+A row whose content cannot be encoded becomes an :class:`InvalidRow` result rather than an
+exception, so that one bad row cannot abort a pool of workers; the planner applies the
+``--on-invalid`` policy. (A bad chat template or running out of memory still raises.)
+"""
 
 from __future__ import annotations
 

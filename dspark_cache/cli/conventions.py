@@ -1,0 +1,93 @@
+"""What every dspark console script shares: the exit codes, the parser's conventions, logging.
+
+Each part defines its own options next to its code; this module is the one place for the rest,
+so ``dspark-produce``, ``dspark-monitor``, ``dspark-verify`` and ``dspark-convert`` behave alike:
+``--version`` and ``--log-level`` on every script, a usage error is one line on stderr and exit
+code 2, ``--help`` exits 0, and every exit code means what :data:`EXIT_CODES` says (the README's
+table). It imports nothing heavy: a usage error or ``--help`` costs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, NoReturn
+
+from dspark_cache import add_version_argument
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_STOPPED = 3
+EXIT_INCOMPLETE = 4
+EXIT_NOT_A_CACHE = EXIT_USAGE  # dspark-verify: nothing there to check, like a wrong argument
+
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "done (or nothing to do; dspark-verify: every byte checks out)",
+    EXIT_ERROR: "failed, or problems found: the message names the file and says what to do next",
+    EXIT_USAGE: "usage error (one line on stderr), or a path that is not the cache the command needs",
+    EXIT_STOPPED: "stopped on request or interrupted: rerun the same command to resume",
+    EXIT_INCOMPLETE: "this rank finished but shards of a rank that died are missing: rerun (any number of "
+                     "ranks) to complete them",
+}
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class UsageError(Exception):
+    """Arguments that parse but do not make sense together: one line on stderr, exit 2."""
+
+
+class UsageParser(argparse.ArgumentParser):
+    """``argparse`` with usage errors as one line (exit 2), not argparse's usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def exit_codes_epilog(*codes: int) -> str:
+    """``--help``'s exit-status paragraph for a script that uses ``codes`` (from the one table)."""
+    return "exit status: " + "; ".join(f"{code} {EXIT_CODES[code]}" for code in codes)
+
+
+def new_parser(prog: str, description: str, *, log_level: str = "WARNING", epilog: str | None = None,
+               raw_description: bool = False) -> UsageParser:
+    """A script's parser with the shared options: ``--version`` and ``--log-level``."""
+    formatter = argparse.RawDescriptionHelpFormatter if raw_description else argparse.HelpFormatter
+    parser = UsageParser(prog=prog, description=description, epilog=epilog, formatter_class=formatter)
+    add_version_argument(parser)
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=log_level,
+                        metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (default {log_level})")
+    return parser
+
+
+def usage_error(prog: str, message: str) -> int:
+    """Report a usage error found after parsing; returns :data:`EXIT_USAGE`."""
+    print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
+    """Report a failure (one message that says what to do next); returns ``code``."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return code
+
+
+def run_script(parser: UsageParser, run: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
+    """Parse ``argv`` (``sys.argv[1:]`` when None), set up logging, call the part's ``run``.
+
+    ``--help``, ``--version`` and usage errors raise ``SystemExit`` (0, 0, 2) as argparse does;
+    a :class:`UsageError` from ``run`` exits 2 with one line, an interrupt exits 3.
+    """
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    try:
+        return run(args)
+    except UsageError as exc:
+        return usage_error(parser.prog, str(exc))
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return EXIT_STOPPED

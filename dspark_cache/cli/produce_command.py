@@ -1,0 +1,86 @@
+"""``dspark-produce``: the producer's options, ``--tui``, the one-line summary and the exit code.
+
+The same command runs under torchrun as ``python -m dspark_cache.producer.cli`` (one process per
+rank); ``--tui`` is for the console script only, which then runs that module as a child under
+the monitor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from dspark_cache.cli.conventions import (
+    EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, error, exit_codes_epilog,
+    new_parser, run_script,
+)
+
+if TYPE_CHECKING:
+    from dspark_cache.producer.run import RunResult
+
+PROG = "dspark-produce"
+
+
+def summary(result: RunResult) -> str:
+    """Rank 0's last line: what the cache holds and what it cost."""
+    m, plan = result.manifest, result.plan
+    tokens = max(plan.num_tokens, 1)
+    return (
+        f"cache {'complete' if m.complete else 'incomplete'}: {plan.num_samples} samples "
+        f"({len(plan.skipped)} rows skipped), {plan.num_tokens} tokens, {len(plan.shards)} shards, "
+        f"{plan.num_bytes / 1e6:.1f} MB ({plan.num_bytes / tokens:.0f} bytes/token), {result.seconds:.1f} s"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The producer's options (``producer/config.py``) on the shared parser, plus ``--tui``."""
+    from dspark_cache.producer.config import DESCRIPTION, add_arguments
+
+    parser = new_parser(PROG, DESCRIPTION, log_level="INFO", epilog=exit_codes_epilog(
+        EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED, EXIT_INCOMPLETE))
+    add_arguments(parser)
+    parser.add_argument("--tui", action="store_true",
+                        help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)")
+    return parser
+
+
+def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
+    """Produce with parsed ``args`` (``argv``: the same arguments, for the child under ``--tui``)."""
+    from dspark_cache.producer.config import config_from_args
+
+    cfg = config_from_args(args)
+    if args.tui:
+        if not allow_tui:  # the child would start another monitor, and so on
+            raise UsageError("--tui needs the dspark-produce command, not python -m dspark_cache.producer.cli")
+        from dspark_cache.tui.foreground import run_with_monitor
+
+        return run_with_monitor([a for a in argv if a != "--tui"], cfg.output_dir)
+    from dspark_cache.producer.run import produce
+
+    try:
+        result = produce(cfg)
+    except KeyboardInterrupt:
+        print(f"{PROG}: aborted; rerun the same command to resume", file=sys.stderr)
+        return EXIT_STOPPED
+    except Exception as exc:  # every expected failure carries a message that says what to do
+        logging.getLogger("dspark_cache").debug("failure", exc_info=True)
+        return error(PROG, str(exc))
+    rank = int(os.environ.get("RANK", "0"))
+    print(summary(result) if rank == 0 else f"rank {rank}: done")
+    if result.missing:
+        print(f"{PROG}: shards {result.missing} were not published because the rank that owned them "
+              "stopped; rerun the same command (any number of ranks) to complete the cache", file=sys.stderr)
+        return EXIT_INCOMPLETE
+    if result.stopped:
+        print(f"{PROG}: stopped before completion; rerun the same command to resume", file=sys.stderr)
+        return EXIT_STOPPED
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None, allow_tui: bool = True) -> int:
+    """``dspark-produce`` (``allow_tui``) or one rank under torchrun (not)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_script(build_parser(), lambda args: run(args, argv, allow_tui), argv)

@@ -1,0 +1,60 @@
+"""``dspark-verify CACHE_DIR [--json] [--repair]``: the options and the exit code; the checks are ``dspark_cache.verify``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+
+import msgspec
+
+from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_USAGE, exit_codes_epilog
+from dspark_cache.format.errors import CacheError, NotACacheError
+from dspark_cache.format.schema import FORMAT_ID
+from dspark_cache.format.validate import InvalidManifestError
+
+PROG = "dspark-verify"
+DESCRIPTION = (f"Verify a dspark cache ({FORMAT_ID}): manifest, every shard index, every shard, sample checksum "
+               "and header.")
+EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``CACHE_DIR``, ``--json``, ``--repair``."""
+    parser.add_argument("cache_dir")
+    parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    parser.add_argument("--repair", action="store_true",
+                        help="rebuild a damaged index from its intact tar; delete other corrupt shards (tar and "
+                        "index) so that a dspark-produce rerun recomputes them")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Verify (and repair), print the report; 0 when the cache is complete and intact, 1 when not."""
+    from dspark_cache.verify import print_report, repair, verify_cache
+
+    try:
+        report = verify_cache(args.cache_dir)
+        if args.repair:
+            repair(args.cache_dir, report)
+    except InvalidManifestError as exc:  # a cache, but its manifest is damaged: a problem found
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except (NotACacheError, CacheError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_NOT_A_CACHE
+    except OSError as exc:
+        print(f"{PROG}: error: {exc}; check the path and its permissions", file=sys.stderr)
+        return EXIT_NOT_A_CACHE
+    if args.json:
+        print(msgspec.json.encode({**asdict(report), "ok": report.ok}).decode())
+    else:
+        print_report(report)
+    return EXIT_OK if report.ok else EXIT_ERROR
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dspark-verify``: parse ``argv`` with the shared conventions and run."""
+    from dspark_cache.cli import verify
+
+    return verify(argv)

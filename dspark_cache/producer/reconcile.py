@@ -1,0 +1,110 @@
+"""The cache directory before computing: lock it, then make what is on disk agree with the plan.
+
+Rank 0 does this, holding the directory's lock, before any rank computes: a different
+configuration is refused, earlier runs' heartbeats and claims are forgotten, leftovers and shards
+that do not match the plan are deleted (``reconcile_shards``), and the free space is checked
+against what the missing shards will take.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+from dspark_cache.format.cache import unpublish_shard
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.schema import Manifest, ShardIndex
+from dspark_cache.format.tar.reader import load_shard_index
+from dspark_cache.format.tar.writer import predict_shard_bytes
+from dspark_cache.producer.distributed import RankInfo
+from dspark_cache.producer.layout import check_layout, heartbeat_files, remove_files
+from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
+from dspark_cache.producer.manifest import check_existing, write_manifest
+from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan
+from dspark_cache.producer.prepare import Prepared
+
+log = logging.getLogger(__name__)
+
+
+def take_directory(paths: CachePaths, run_id: str, me: RankInfo, overwrite: bool) -> DirectoryLock | None:
+    """Rank 0, before reading the input: refuse a linked-out layout, then lock the directory."""
+    check_layout(paths)
+    os.makedirs(paths.control_dir, exist_ok=True)
+    return lock_exclusive(paths, run_id, me.world_size, overwrite)
+
+
+def bytes_missing(paths: CachePaths, plan: Plan) -> int:
+    """What the shards not yet published will take on disk."""
+    done = set(paths.indexed_shard_ids())
+    return sum(s.num_bytes for s in plan.shards if s.shard_id not in done)
+
+
+def preflight_disk(paths: CachePaths, needed: int, force: bool) -> None:
+    """Refuse to start when ``needed`` bytes exceed the free space (unless ``--force``)."""
+    free = shutil.disk_usage(paths.root).free
+    if needed > free and not force:
+        raise CacheError(
+            f"the cache needs {needed / 1e9:.2f} GB more but {paths.root} has {free / 1e9:.2f} GB free; "
+            "free space or choose another --output-dir (or pass --force to start anyway)"
+        )
+
+
+def reconcile_directory(p: Prepared) -> Manifest | None:
+    """Rank 0 only, holding the lock: refuse a mismatch, clean leftovers, check space.
+
+    Returns the existing manifest (None for a fresh cache). The manifest on disk says
+    ``complete: false`` from here on unless the cache is already complete and whole.
+    """
+    check_layout(p.paths)  # again: planning may have taken hours
+    os.makedirs(p.paths.root, exist_ok=True)
+    existing = check_existing(p.paths, p.manifest, p.cfg.overwrite)
+    p.paths.ensure_dirs()
+    _forget_other_runs(p.paths)
+    if existing is not None:
+        p.manifest.created_at = existing.created_at
+        reconcile_shards(p.paths, p.plan, p.shape)  # removes partials and damaged shards
+    preflight_disk(p.paths, bytes_missing(p.paths, p.plan), p.cfg.force)
+    done = set(p.paths.indexed_shard_ids())
+    if existing is None or not existing.complete or done != {s.shard_id for s in p.plan.shards}:
+        p.manifest.complete = False
+        write_manifest(p.paths, p.manifest)
+    return existing
+
+
+def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape) -> bool:
+    """The index lists exactly the planned samples (minus dropped non-finite ones) and sizes."""
+    dropped = set(index.nonfinite)
+    kept = [s for s in shard.samples if s.sample_id not in dropped]
+    if [e.sample_id for e in index.samples] != [s.sample_id for s in kept]:
+        return False
+    expected = shard.num_bytes if not dropped else \
+        predict_shard_bytes([(shape.specs(s.length), shape.metadata(s.sample_id)) for s in kept])
+    return index.tar_bytes == expected
+
+
+def reconcile_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[int]:
+    """Shards whose index and tar match the plan; partial, damaged or foreign ones are removed."""
+    for leftover in paths.partial_files():
+        log.info("removing leftover %s from an interrupted run", leftover)
+        os.unlink(leftover)
+    planned = {s.shard_id: s for s in plan.shards}
+    done = set()
+    for shard_id in paths.indexed_shard_ids():
+        shard = planned.get(shard_id)
+        try:
+            ok = shard is not None and _matches_plan(load_shard_index(paths, shard_id), shard, shape)
+        except CorruptShardError as exc:
+            log.warning("%s; it will be recomputed", exc)
+            ok = False
+        if ok:
+            done.add(shard_id)
+        else:
+            unpublish_shard(paths, shard_id)
+    return done
+
+
+def _forget_other_runs(paths: CachePaths) -> None:
+    """Earlier runs' heartbeats, stop requests and completion claims describe no live process (we hold the lock)."""
+    remove_files(heartbeat_files(paths))
