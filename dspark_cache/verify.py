@@ -2,28 +2,23 @@
 
 Exit codes: 0 the cache is complete and every byte checks out; 1 problems were found (each is
 reported with its file and reason); 2 the directory is not a dspark cache, or a usage error.
+The command line (options, output, exit codes) is ``dspark_cache.cli.verify_command``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-import msgspec
-
-from dspark_cache import add_version_argument
 from dspark_cache.format.cache import CacheDir, unpublish_shard
-from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
+from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import FORMAT_ID, ShardIndex, encode_json
+from dspark_cache.format.schema import ShardIndex, encode_json
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
-from dspark_cache.format.validate import InvalidManifestError, check_catalog
-
-EXIT_OK, EXIT_PROBLEMS, EXIT_NOT_A_CACHE = 0, 1, 2
+from dspark_cache.format.validate import check_catalog
 
 
 @dataclass
@@ -123,7 +118,8 @@ _REPAIRED = {"rebuilt": " (index rebuilt from the intact tar)",
              "deleted": " (deleted: rerun dspark-produce to recompute it)"}
 
 
-def _print_human(report: Report) -> None:
+def print_report(report: Report) -> None:
+    """The report for people: what is wrong, file by file, and what to do about it."""
     state = "complete" if report.complete else "INCOMPLETE"
     print(f"{report.cache}: {state}, {report.shards_ok}/{report.shards_total} shards verified, "
           f"{report.samples_ok} samples")
@@ -146,34 +142,10 @@ def _print_human(report: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dspark-verify", description=f"Verify a dspark cache ({FORMAT_ID}): "
-                                     "manifest, every shard index, every shard, sample checksum and header. "
-                                     "Exit 0 = OK, 1 = problems found, 2 = not a dspark cache or usage error.")
-    add_version_argument(parser)
-    parser.add_argument("cache_dir")
-    parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
-    parser.add_argument("--repair", action="store_true",
-                        help="rebuild a damaged index from its intact tar; delete other corrupt shards (tar and "
-                        "index) so that a dspark-produce rerun recomputes them")
-    args = parser.parse_args(argv)
-    try:
-        report = verify_cache(args.cache_dir)
-        if args.repair:
-            repair(args.cache_dir, report)
-    except InvalidManifestError as exc:  # a cache, but its manifest is damaged: a problem found
-        print(f"dspark-verify: {exc}", file=sys.stderr)
-        return EXIT_PROBLEMS
-    except (NotACacheError, CacheError) as exc:
-        print(f"dspark-verify: error: {exc}", file=sys.stderr)
-        return EXIT_NOT_A_CACHE
-    except OSError as exc:
-        print(f"dspark-verify: error: {exc}; check the path and its permissions", file=sys.stderr)
-        return EXIT_NOT_A_CACHE
-    if args.json:
-        print(msgspec.json.encode({**asdict(report), "ok": report.ok}).decode())
-    else:
-        _print_human(report)
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    """``dspark-verify``: options, output and exit codes live with the other scripts' in ``dspark_cache.cli``."""
+    from dspark_cache.cli.verify_command import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

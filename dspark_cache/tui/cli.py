@@ -6,27 +6,36 @@ import argparse
 import os
 import sys
 
-from dspark_cache import add_version_argument
+from dspark_cache.cli.conventions import EXIT_OK, EXIT_USAGE, UsageError, exit_codes_epilog
+
+PROG = "dspark-monitor"
+DESCRIPTION = "Watch a dspark cache: a live producer run, a finished cache, or one on a shared filesystem."
+EPILOG = exit_codes_epilog(EXIT_OK, EXIT_USAGE)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dspark-monitor", description="Watch a dspark cache: a live "
-                                     "producer run, a finished cache, or one on a shared filesystem.")
-    add_version_argument(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The monitor's options (``--version``, ``--log-level`` come from the shared parser in ``dspark_cache.cli``)."""
     parser.add_argument("cache_dir")
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Show the monitor until the user quits."""
     if not os.path.isdir(args.cache_dir):
-        print(f"dspark-monitor: {args.cache_dir} is not a directory; pass the --output-dir of a "
-              "dspark-produce run", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.cache_dir} is not a directory; pass the --output-dir of a dspark-produce run")
     if args.refresh <= 0:
-        print("dspark-monitor: --refresh must be > 0", file=sys.stderr)
-        return 2
+        raise UsageError("--refresh must be > 0")
     from dspark_cache.tui.app import MonitorApp
 
     MonitorApp(args.cache_dir, refresh=args.refresh).run()
-    return 0
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``dspark-monitor``: parsed with the shared conventions (``dspark_cache.cli``)."""
+    from dspark_cache.cli import monitor
+
+    return monitor(argv)
 
 
 if __name__ == "__main__":
