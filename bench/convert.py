@@ -50,7 +50,7 @@ def make_source(root: str, samples: int, hidden: int, seq: int, shard_size: int)
     from dspark_cache.format.sample import sample_metadata, sample_specs
     from dspark_cache.format.schema import Manifest
     from dspark_cache.format.tar.writer import ShardWriter
-    from dspark_cache.producer.manifest import write_manifest
+    from dspark_cache.producer import byte_views, write_manifest
 
     lengths = chat_lengths(samples, seq)
     paths = CachePaths(root)
@@ -65,8 +65,8 @@ def make_source(root: str, samples: int, hidden: int, seq: int, shard_size: int)
             mask[n // 3 :] = 1
             tensors = {"target_hidden_states": torch.randn(n, dim).to(torch.bfloat16),
                        "input_ids": torch.randint(1, 150000, (n,), dtype=torch.int32), "loss_mask": mask}
-            writer.append(sid, int(mask.sum()), sample_specs(n, dim, hidden, torch.bfloat16, False),
-                          sample_metadata(sid, LAYERS, NUM_LAYERS, hidden), tensors)
+            writer.append(sid, int(mask.sum()), sample_specs(n, dim, hidden, "BF16", False),
+                          sample_metadata(sid, LAYERS, NUM_LAYERS, hidden), byte_views(tensors))
         writer.publish()
     weights = {"embed_tokens.weight": torch.randn(151936, hidden).to(torch.bfloat16),
                "lm_head.weight": torch.randn(151936, hidden).to(torch.bfloat16)}

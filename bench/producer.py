@@ -74,12 +74,9 @@ def load_plan(args: argparse.Namespace, target: str, data: str, workers: int | N
     """Tokenise and plan exactly as dspark-produce does."""
     from dspark_cache.format.layers import build_target_layer_ids
     from dspark_cache.format.sample import CACHE_DTYPES
-    from dspark_cache.producer.chat import ChatEncoder
-    from dspark_cache.producer.config import ProduceConfig
-    from dspark_cache.producer.inputs import InputSource
-    from dspark_cache.producer.plan import SampleShape
-    from dspark_cache.producer.run import _load_tokenizer, make_plan
-    from dspark_cache.producer.target import read_target_info
+    from dspark_cache.producer import (
+        ChatEncoder, InputSource, ProduceConfig, SampleShape, load_tokenizer, plan_input, read_target_info,
+    )
 
     cfg = ProduceConfig(target_model=target, input_data=data, output_dir="", seq_length=args.seq_length,
                         batch_size=args.batch_size, shard_size=args.shard_size, dtype=args.dtype,
@@ -89,8 +86,8 @@ def load_plan(args: argparse.Namespace, target: str, data: str, workers: int | N
     layers = args.synthetic_layers or info.num_layers
     layer_ids = build_target_layer_ids(layers, 5)
     shape = SampleShape(layer_ids, layers, hidden, CACHE_DTYPES[args.dtype])
-    tokenizer = _load_tokenizer(cfg, None)
-    plan = make_plan(cfg, ChatEncoder(tokenizer, cfg.seq_length), InputSource(data), shape)
+    tokenizer = load_tokenizer(cfg)
+    plan = plan_input(cfg, ChatEncoder(tokenizer, cfg.seq_length), InputSource(data), shape)
     return cfg, info, layer_ids, shape, plan, tokenizer
 
 
@@ -102,11 +99,14 @@ class SyntheticTarget:
     def __init__(self, shape, budget_tokens: int, seconds_per_token: float, device="cpu") -> None:
         import torch
 
+        from dspark_cache.producer import torch_dtype
+
         self.spt = seconds_per_token
         self.d, self.h = shape.hidden_dim, shape.hidden_size
         # On the device, like a real target's output (the stager copies it to pinned memory).
-        self.hidden = torch.randn(budget_tokens * self.d, device=device).to(shape.dtype)
-        self.last = torch.randn(budget_tokens * self.h, device=device).to(shape.dtype) if shape.stores_last else None
+        self.hidden = torch.randn(budget_tokens * self.d, device=device).to(torch_dtype(shape.dtype))
+        self.last = (torch.randn(budget_tokens * self.h, device=device).to(torch_dtype(shape.dtype))
+                     if shape.stores_last else None)
 
     def forward(self, ids, mask):
         b, t = ids.shape
@@ -119,7 +119,7 @@ class SyntheticTarget:
 def make_device(args, target, info, layer_ids, shape, cfg, seconds_per_token):
     """The device and its forward: the real target (bf16 on CUDA, fp32 on CPU) or the fake one."""
     from dspark_cache.format.sample import CACHE_DTYPES
-    from dspark_cache.producer.target import TargetRunner, resolve_device
+    from dspark_cache.producer import TargetRunner, resolve_device
 
     device = resolve_device(args.device)
     if args.synthetic:
@@ -135,7 +135,7 @@ def measure_phases(args: argparse.Namespace) -> dict:
     import torch
 
     from dspark_cache.format.paths import CachePaths
-    from dspark_cache.producer.pipeline import collate, finite_flags, run_pipeline
+    from dspark_cache.producer import collate, finite_flags, run_pipeline
 
     target, data = ensure_inputs(args)
     cfg, info, layer_ids, shape, plan, tok = load_plan(args, target, data)
@@ -223,7 +223,7 @@ def measure_phases(args: argparse.Namespace) -> dict:
 
 def measure_ours(args: argparse.Namespace) -> dict:
     """The whole `dspark-produce` command, in this process (the parent times the process)."""
-    from dspark_cache.producer.cli import main
+    from dspark_cache.cli import produce as main
 
     target, data = ensure_inputs(args)
     out = os.path.join(args.workdir, "ours")
@@ -239,13 +239,13 @@ def measure_nemo(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
     from dspark_cache.format.sample import CACHE_DTYPES
-    from dspark_cache.producer.target import resolve_device
+    from dspark_cache.producer import resolve_device, torch_dtype
 
     target, data = ensure_inputs(args)
     cfg, info, layer_ids, _, plan, tok = load_plan(args, target, data, workers=0)  # NeMo tokenises in-loop
     device = resolve_device(args.device)
-    compute = CACHE_DTYPES["bf16" if device.type == "cuda" else "fp32"]
-    cache_dtype = CACHE_DTYPES[args.dtype]
+    compute = torch_dtype(CACHE_DTYPES["bf16" if device.type == "cuda" else "fp32"])
+    cache_dtype = torch_dtype(CACHE_DTYPES[args.dtype])
     model = AutoModelForCausalLM.from_pretrained(target, dtype=compute).to(device).eval()
     n = info.num_layers
     base = model.get_decoder()
