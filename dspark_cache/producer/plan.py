@@ -1,4 +1,9 @@
-"""Tokenise everything first, then plan: samples, shards, batches, exact bytes on disk.
+"""The plan: which samples go in which shard, in which batches, and the exact bytes on disk.
+
+Names, one per idea: a row is *encoded* into a sample (``chat.ChatEncoder``, run over the input
+by ``encode_pool``); :func:`collect_samples` gathers the encoded rows (and the skipped ones);
+:func:`build_plan` turns the samples into the :class:`Plan` (``ShardPlan`` per shard,
+``PlannedSample`` per sample); ``prepare.plan_input`` does both for an input source.
 
 The plan is a pure function of the input and the settings, so every rank (and every rerun)
 computes the same one: same shards, same batches, same bytes.
@@ -30,6 +35,8 @@ class InvalidInputError(Exception):
 
 @dataclass
 class PlannedSample:
+    """One sample of the plan: its id (the input row's index), token ids and loss mask."""
+
     sample_id: int
     input_ids: np.ndarray
     loss_mask: np.ndarray
@@ -45,6 +52,8 @@ class PlannedSample:
 
 @dataclass
 class ShardPlan:
+    """One shard of the plan: its samples, batched in write order, and its exact size on disk."""
+
     shard_id: int
     batches: list[list[PlannedSample]]  # in write order
     num_bytes: int = 0
@@ -60,6 +69,8 @@ class ShardPlan:
 
 @dataclass
 class Plan:
+    """The whole run: the shards, the rows that give no sample, and the totals the manifest records."""
+
     num_rows: int
     shards: list[ShardPlan]
     skipped: list[SkippedRow] = field(default_factory=list)
