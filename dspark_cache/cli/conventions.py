@@ -32,7 +32,7 @@ EXIT_CODES: dict[int, str] = {
                      "ranks) to complete them",
 }
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")  # WARN: logging's alias, as before
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
