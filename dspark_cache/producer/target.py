@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from dspark_cache.format.layers import EMBEDDING_LAYER, final_state_in_ids
+from dspark_cache.format.layers import EMBEDDING_LAYER, stores_last
+from dspark_cache.producer.tensors import torch_dtype
+from dspark_cache.producer.masks import CausalMasks, masks_match
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +31,34 @@ class TargetInfo:
 
 
 def resolve_device(arg: str) -> torch.device:
-    """``auto`` = CUDA when present; under torchrun each rank takes ``cuda:LOCAL_RANK``."""
+    """``auto`` = CUDA when present; under torchrun each rank takes ``cuda:LOCAL_RANK``.
+
+    The chosen CUDA device is made current (``torch.cuda.set_device``), so anything that asks for
+    "the current device" (streams, events, pinned-memory bookkeeping) lands on this rank's GPU
+    and not on GPU 0.
+    """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if arg == "auto":
         arg = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(arg)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TargetError("--device cuda was given but no CUDA device is visible; use --device cpu")
-        if device.index is None:
-            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    try:
+        device = torch.device(arg)
+    except RuntimeError:
+        raise TargetError(f"--device {arg!r} is not a device name; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise TargetError(f"--device {arg!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if device.type != "cuda":
+        return device
+    if device.index is not None and under_torchrun:
+        raise TargetError(f"--device {arg} under torchrun would put every rank on GPU {device.index}; pass "
+                          "--device cuda (or auto) and each rank takes cuda:LOCAL_RANK")
+    if not torch.cuda.is_available():
+        raise TargetError(f"--device {arg} was given but no CUDA device is visible; use --device cpu")
+    if device.index is None:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    if device.index >= torch.cuda.device_count():
+        raise TargetError(f"--device {arg}: only {torch.cuda.device_count()} CUDA devices are visible")
+    torch.cuda.set_device(device)
     return device
 
 
@@ -73,27 +93,34 @@ class TargetRunner:
         layer_ids: list[int],
         num_layers: int,
         device: torch.device,
-        compute_dtype: torch.dtype,
-        cache_dtype: torch.dtype,
+        compute_dtype: torch.dtype | str,
+        cache_dtype: torch.dtype | str,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM
+        # The format names dtypes by safetensors code ("BF16", CACHE_DTYPES' values); torch needs its own.
+        compute_dtype, cache_dtype = torch_dtype(compute_dtype), torch_dtype(cache_dtype)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # our own progress lines say more, in fewer lines
-        kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
+        # Weights go straight to this rank's device: no full copy of the model in host RAM per rank.
+        kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code,
+                                  "device_map": {"": device}}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        model.to(device).eval().requires_grad_(False)
+        model.eval().requires_grad_(False)
         self.model = model
         self.base = model.get_decoder()
+        self.masks = CausalMasks(model.config.get_text_config() if hasattr(model.config, "get_text_config")
+                                 else model.config, compute_dtype)
+        self.sync_free = masks_match(self.base, self.masks, int(model.get_input_embeddings().weight.shape[0]), device)
         self.device = device
         self.cache_dtype = cache_dtype
         self.layer_ids = list(layer_ids)
         self.final_id = num_layers - 1
-        self.final_in_ids = final_state_in_ids(layer_ids, num_layers)
+        self.stores_last = stores_last(layer_ids, num_layers)
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [self._hook_module(i) for i in layer_ids if i != self.final_id]
 
@@ -123,9 +150,11 @@ class TargetRunner:
         self._captured.clear()
         # Batches are right-padded and the target is causal, so no real token ever attends to a
         # pad: the padding mask changes nothing we keep, and dropping it lets attention take its
-        # fused causal path instead of materialising a [B, 1, T, T] mask.
+        # fused causal path instead of materialising a [B, 1, T, T] mask. The causal masks are
+        # ours (see masks.py) so that the forward never waits for the device.
         del attention_mask
-        out = self.base(input_ids=input_ids, use_cache=False)
+        masks = self.masks.mapping(*input_ids.shape, input_ids.device) if self.sync_free else None
+        out = self.base(input_ids=input_ids, attention_mask=masks, use_cache=False)
         final = out.last_hidden_state  # post-final-norm state, HF hidden_states[N]
         b, t, h = final.shape
         hidden = torch.empty((b, t, h * len(self.layer_ids)), dtype=self.cache_dtype, device=final.device)
@@ -133,4 +162,4 @@ class TargetRunner:
             source = final if layer_id == self.final_id else self._captured[layer_id]
             hidden[..., slot * h : (slot + 1) * h].copy_(source)
         self._captured.clear()
-        return hidden, None if self.final_in_ids else final.to(self.cache_dtype)
+        return hidden, final.to(self.cache_dtype) if self.stores_last else None
