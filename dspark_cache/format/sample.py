@@ -44,22 +44,20 @@ ATTENTION_MASK = "attention_mask"
 # ("1") or is stored as its own tensor ("0"). Written into every header: never rename it.
 FINAL_IN_HIDDEN = "final_in_hidden"
 
-# Safetensors dtype codes and their item sizes: the only dtype names in the format.
-DTYPE_SIZES: dict[str, int] = {
-    "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+# Safetensors dtype codes (the only dtype names in the format) as numpy dtypes. numpy has no
+# bfloat16: BF16 is viewed as same-width int16 bits (the code says what they are).
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    code: np.dtype(name) for code, name in
+    {"BF16": "<i2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+     "I8": "i1", "U8": "u1", "BOOL": "?"}.items()
 }
+DTYPE_SIZES: dict[str, int] = {code: dtype.itemsize for code, dtype in NUMPY_DTYPES.items()}
 # The manifest's cache dtype names.
 CACHE_DTYPES: dict[str, str] = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 # torch's name of each code, one table for the torch-side modules (loader, producer, nemo).
 TORCH_NAMES: dict[str, str] = {
     "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}
-# numpy has no bfloat16: BF16 is viewed as same-width int16 bits (the code says what they are).
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    code: np.dtype(name) for code, name in
-    {"BF16": "<i2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2",
-     "I8": "i1", "U8": "u1", "BOOL": "?"}.items()
 }
 
 
