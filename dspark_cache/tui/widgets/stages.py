@@ -1,4 +1,4 @@
-"""Where the time goes: waiting for data, device, copy, backpressure, writing (all ranks)."""
+"""Where the time goes: data, device, copy, backpressure, the writer's wait for copies, writing (all ranks)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from dspark_cache.tui.display import human_duration
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
+# On CUDA, device and copy are GPU time from CUDA events; wait is the writer waiting for a copy.
 LABELS = {"data": "data", "device": "device", "copy": "copy", "backpressure": "waiting on writer",
-          "write": "write (overlapped)"}
+          "wait": "writer waits on copy", "write": "write (overlapped)"}
 BAR = 24
 PLAIN_SECONDS = 1e6  # up to here seconds are shown as such; beyond, as a capped duration
 
