@@ -64,15 +64,40 @@ def sample_row(rng: random.Random, index: int) -> dict[str, Any]:
     return {"messages": messages}
 
 
-def sample_rows(num_rows: int, seed: int = 0) -> list[dict[str, Any]]:
+# Words per token of the embedded tokenizer on this text, measured: turns word counts into
+# token lengths for the long-tail profile.
+_TOKENS_PER_WORD = 1.6
+LONG_TAIL_MEAN_TOKENS = 400
+LONG_TAIL_FRACTION = 0.10  # rows at or past seq_length (truncated there)
+
+
+def long_tail_row(rng: random.Random, index: int, seq_length: int = 2048) -> dict[str, Any]:
+    """One chat whose token length follows users' data: a log-normal body (median ~150 tokens,
+    mean ~400 over all rows) and ``LONG_TAIL_FRACTION`` of rows at or past ``seq_length``."""
+    if rng.random() < LONG_TAIL_FRACTION:
+        tokens = rng.randint(int(seq_length * 1.1), int(seq_length * 1.5))
+    else:
+        tokens = int(min(seq_length * 0.9, rng.lognormvariate(5.1, 0.8)))
+    prompt = max(4, int(tokens * rng.uniform(0.1, 0.4)))
+    messages = [{"role": "user", "content": _text(rng, int(prompt / _TOKENS_PER_WORD))},
+                {"role": "assistant", "content": _text(rng, int((tokens - prompt) / _TOKENS_PER_WORD))}]
+    return {"messages": messages}
+
+
+def sample_rows(num_rows: int, seed: int = 0, profile: str = "default") -> list[dict[str, Any]]:
+    """``profile``: ``default`` (mixed forms and turn counts) or ``long-tail`` (see :func:`long_tail_row`)."""
     rng = random.Random(seed)
+    if profile == "long-tail":
+        return [long_tail_row(rng, i) for i in range(num_rows)]
+    if profile != "default":
+        raise ValueError(f"unknown sample data profile {profile!r}: use 'default' or 'long-tail'")
     return [sample_row(rng, i) for i in range(num_rows)]
 
 
-def write_sample_data(path: str, num_rows: int = 600, seed: int = 0) -> str:
+def write_sample_data(path: str, num_rows: int = 600, seed: int = 0, profile: str = "default") -> str:
     """Write the sample dataset as JSONL and return its path."""
     with open(path, "w", encoding="utf-8") as handle:
-        for row in sample_rows(num_rows, seed):
+        for row in sample_rows(num_rows, seed, profile):
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
 
