@@ -9,7 +9,7 @@ alone (``format.sample.place_tensors``, the same rule the writer uses), so the t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -30,16 +30,26 @@ class RowTemplate:
 
     data_size: int  # bytes of the data section (the payload minus its header)
     segs: np.ndarray  # [n] records.SEGMENT
+    # place()'s lookups, taken from segs once (it runs for every sample of every batch).
+    _bufs: np.ndarray = field(init=False, repr=False, compare=False)
+    _cols: np.ndarray = field(init=False, repr=False, compare=False)
+    _col_bufs: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        cols = np.flatnonzero(self.segs["kind"] == SEG_COPY_COLS)
+        object.__setattr__(self, "_bufs", self.segs["buf"].astype(np.intp))
+        object.__setattr__(self, "_cols", cols)
+        object.__setattr__(self, "_col_bufs", self.segs["col_buf"][cols].astype(np.intp))
 
     def place(self, header: int, row_base: np.ndarray) -> np.ndarray:
         """The segments made absolute: payload offsets after ``header``, buffer offsets at the
         row (``row_base[buf]`` bytes into each buffer)."""
         segs = self.segs.copy()
-        base = np.asarray(row_base, dtype=np.uint64)
+        base = np.asarray(row_base).astype(np.uint64)
         segs["src_off"] += np.uint64(header)
-        segs["off"] += base[segs["buf"]]
-        cols = segs["kind"] == SEG_COPY_COLS
-        segs["col_dst"][cols] += base[segs["col_buf"][cols]]
+        segs["off"] += base[self._bufs]
+        if len(self._cols):
+            segs["col_dst"][self._cols] += base[self._col_bufs]
         return segs
 
 
