@@ -22,14 +22,14 @@ import torch
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.layers import final_state_in_ids
-from dspark_cache.format.sample import ATTENTION_MASK, CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.format.sample import ATTENTION_MASK, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.format.validate import MAX_HEADER, check_header
 from dspark_cache.loader import fill, verify
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
+from dspark_cache.loader.tensors import torch_dtype
 from dspark_cache.loader.records import SEG_COPY, segment, segments
 from dspark_cache.loader.rowplan import BUFFERS, RowTemplate, row_template
 
@@ -40,23 +40,20 @@ Row = tuple[int, int, int, SampleEntry]
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Shapes of a batch, from the manifest."""
+    """A batch: its samples' geometry (the format's one :class:`SampleShape`) plus its padding."""
 
+    shape: SampleShape
     seq_length: int
-    hidden_dim: int
-    hidden_size: int
-    dtype: torch.dtype
-    final_in_hidden: bool
     pad_token_id: int
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> "BatchLayout":
-        return cls(m.seq_length, m.target_hidden_dim, m.hidden_size, CACHE_DTYPES[m.dtype],
-                   final_state_in_ids(m.target_layer_ids, m.num_hidden_layers), m.pad_token_id)
+        """The batches of the cache that ``m`` describes."""
+        return cls(SampleShape.from_manifest(m), m.seq_length, m.pad_token_id)
 
     def template(self, length: int) -> RowTemplate:
         """Where a sample of ``length`` tokens goes in its batch row (cached per length)."""
-        return row_template(length, self.hidden_dim, self.hidden_size, self.dtype, not self.final_in_hidden)
+        return row_template(length, self.shape)
 
 
 class PendingBatch:
@@ -80,13 +77,14 @@ class BatchReader:
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {pad_to!r}")
         self.catalog = catalog
         self.layout = layout
-        self.shape = SampleShape.from_manifest(catalog.manifest)
+        self.shape = layout.shape
         self.pad_to = pad_to
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
         # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
         ids = (INPUT_IDS, LOSS_MASK) + (() if nemo_keys_only else (ATTENTION_MASK,))
-        fields = (Field(HIDDEN, layout.hidden_dim, layout.dtype, True),
-                  Field(LAST_HIDDEN, layout.hidden_size, layout.dtype, True),
+        dtype = torch_dtype(self.shape.dtype)
+        fields = (Field(HIDDEN, self.shape.hidden_dim, dtype, True),
+                  Field(LAST_HIDDEN, self.shape.hidden_size, dtype, True),
                   *(Field(name, 1, torch.int64, False) for name in ids))
         self.extras = not nemo_keys_only
         self.buffer_names = tuple(f.name for f in fields)  # program buffer i; starts with rowplan's BUFFERS
@@ -116,6 +114,8 @@ class BatchReader:
                 "sample_ids": torch.tensor([e.sample_id for e in entries], dtype=torch.int64),
                 "is_repeat": torch.tensor(batch.repeat, dtype=torch.bool),
             }
+            if self.memory.pinned:  # else their non_blocking copies to the GPU would be synchronous
+                extra = {name: t.pin_memory() for name, t in extra.items()}
         # One task per batch: threads work on different (prefetched) batches, and a batch costs
         # one hand-over between threads instead of one per sample.
         rows = [(row, ref.shard_id, ref.entry, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
