@@ -16,10 +16,10 @@ import msgspec
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import RankStatus
+from dspark_cache.format.schema import RankState, RankStatus
 
 # States in which a rank claims to be working: silence in one of them means it died or hangs.
-ACTIVE_RANK_STATES = ("planning", "loading", "running", "waiting", "stopping")
+ACTIVE_RANK_STATES = RankState.ACTIVE  # states whose heartbeat a live rank keeps fresh
 MAX_STATUS_BYTES = 1 << 20  # a heartbeat is a few hundred bytes
 HEARTBEAT_EVERY_S = 1.0  # a working rank rewrites its status this often, even during a long step
 STALE_AFTER_S = 10.0  # ten missed heartbeats: the monitor shows the rank as STALE

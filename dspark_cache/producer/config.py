@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, fields
 
 from dspark_cache.format.sample import CACHE_DTYPES  # names -> safetensors codes: no torch
+from dspark_cache.format.status import RANK_TIMEOUT_S
 
 DESCRIPTION = ("Run a frozen target once over chat data and write its hidden states as compact, resumable "
                "WebDataset shards for DSpark drafter training. NeMo's precompute_dspark command lines work "
@@ -51,7 +52,7 @@ class ProduceConfig:
     on_invalid: str = "error"
     max_row_bytes: int = 1 << 28
     on_nonfinite: str = "error"
-    rank_timeout: float = 300.0
+    rank_timeout: float = RANK_TIMEOUT_S
     overwrite: bool = False
     force: bool = False
 
@@ -107,7 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "times its size, the tokens of a row are bounded by --seq-length)")
     p.add_argument("--on-nonfinite", choices=["error", "skip"], default="error",
                    help="NaN/inf hidden states: stop (default) or drop the sample and list it in the manifest")
-    p.add_argument("--rank-timeout", type=float, default=300.0,
+    p.add_argument("--rank-timeout", type=float, default=RANK_TIMEOUT_S,
                    help="seconds without a heartbeat after which a finished rank stops waiting for another")
     p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
     p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
