@@ -78,7 +78,7 @@ def make_shards(lengths: list[int], vocab: int, batch_size: int, seq_length: int
     rng = np.random.default_rng(seed)
     samples = [PlannedSample(i, rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=np.uint8))
                for i, n in enumerate(lengths)]
-    batches = length_grouped_batches(samples, batch_size, batch_size * seq_length)
+    batches = length_grouped_batches(samples, batch_size * seq_length, batch_size)
     return [ShardPlan(i // batches_per_shard, batches[i : i + batches_per_shard])
             for i in range(0, len(batches), batches_per_shard)]
 

@@ -225,14 +225,18 @@ def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cac
     src, dst = str(tmp_path / "ours"), str(tmp_path / "nemo")
     shutil.copytree(small_cache, src)
     cache = dspark_cache.open_cache(src)
-    entry = min(cache.shards[1].samples, key=lambda e: e.sample_id)  # position 8: NeMo shard 1 of 5-row shards
-    with open(CachePaths(src).shard_tar(1), "r+b") as handle:
+    # The sample at position 6 in ascending id: NeMo shard 1 of 5-row shards, whichever of our
+    # shards holds it (ours group samples by length, not by id).
+    located = sorted(((e.sample_id, shard.shard_id, e) for shard in cache.shards for e in shard.samples),
+                     key=lambda item: item[0])
+    _, shard_id, entry = located[6]
+    with open(CachePaths(src).shard_tar(shard_id), "r+b") as handle:
         handle.seek(entry.offset + entry.size - 1)
         last = handle.read(1)
         handle.seek(entry.offset + entry.size - 1)
         handle.write(bytes([last[0] ^ 0xFF]))
     code, _, err = _convert(capsys, src, dst, "--to", "nemo", "--shard-size", "5")
-    assert code == 1 and "shard-000001.tar" in err and f"sample {entry.sample_id}" in err and "checksum" in err
+    assert code == 1 and f"shard-{shard_id:06d}.tar" in err and f"sample {entry.sample_id}" in err and "checksum" in err
     assert layout.shard_indices(dst) == [0] and not [n for n in os.listdir(dst) if n.endswith(".partial")]
     assert layout.read_manifest(dst, allow_incomplete=True)["complete"] is False
 

@@ -100,6 +100,8 @@ class Manifest(msgspec.Struct, kw_only=True):
     planned_tokens: int = 0
     planned_loss_tokens: int = 0
     planned_bytes: int = 0
+    planned_padded_tokens: int = 0  # tokens the device computes, padding included
+    plan_sha256: str = ""  # which samples each shard holds (a resume must plan the same)
     skipped_rows: dict[str, int] = msgspec.field(default_factory=dict)
     skipped: list[SkippedRow] = msgspec.field(default_factory=list)
     nonfinite_samples: list[int] = msgspec.field(default_factory=list)

@@ -78,7 +78,7 @@ def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, sh
         reasons = ", ".join(f"{n} {r}" for r, n in Plan(num_rows, [], skipped).skipped_counts().items())
         raise InputError(f"none of the {num_rows} rows of {cfg.input_data} gives a supervised sample ({reasons})")
     return build_plan(num_rows, samples, skipped, shape, shard_size=cfg.shard_size,
-                      batch_size=cfg.batch_size, max_batch_tokens=cfg.batch_token_budget)
+                      max_batch_tokens=cfg.batch_token_budget)
 
 
 def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | None = None) -> Prepared:
@@ -103,9 +103,9 @@ def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | 
     encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
     shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype])
     plan = plan_input(cfg, encoder, source, shape)
-    log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk",
-             plan.num_rows, plan.num_samples, len(plan.skipped), plan.num_tokens, plan.num_loss_tokens,
-             len(plan.shards), plan.num_bytes / 1e6)
+    log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
+             "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
+             plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)
     manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, source, compute_dtype)
     crash_point("planned")
     return Prepared(cfg, info, layer_ids, shape, plan, manifest, paths, device, compute_dtype)
