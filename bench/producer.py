@@ -6,7 +6,8 @@ torch state), and the parent prints a Markdown table plus a JSON file under ``.b
     python bench/producer.py                      # CPU suite on the embedded target and data
     python bench/producer.py --suite synthetic    # pipeline overlap with a sleeping fake device
                                                   # (writes to /dev/shm unless --synthetic-dir)
-    python bench/producer.py --suite gpu          # the same comparison on CUDA (one command)
+    python bench/producer.py --suite gpu          # the same comparison on CUDA (Qwen3-0.6B shape, one command)
+    python bench/producer.py --data-profile long-tail   # data shaped like users' chats (see embedded/data.py)
 
 Measured per run:
   (a) device-only: forward of the planned batches, nothing written
@@ -51,15 +52,17 @@ def ensure_inputs(args: argparse.Namespace) -> tuple[str, str]:
     from dspark_cache.embedded.data import write_sample_data
     from dspark_cache.embedded.target import build_target
 
-    name = f"target-h{args.hidden}-l{args.layers}-v{args.model_vocab}"
+    heads = args.heads or max(1, args.hidden // 64)
+    head_dim = args.head_dim or args.hidden // heads
+    name = f"target-h{args.hidden}-l{args.layers}-v{args.model_vocab}-a{heads}x{head_dim}"
     target = args.target or os.path.join(BENCH_DIR, name)
     if not os.path.exists(os.path.join(target, "config.json")):
-        heads = max(1, args.hidden // 64)
         build_target(target, hidden_size=args.hidden, num_layers=args.layers, intermediate_size=args.hidden * 3,
-                     num_heads=heads, num_kv_heads=max(1, heads // 2), model_vocab_size=args.model_vocab)
-    data = args.data or os.path.join(BENCH_DIR, f"data-{args.rows}.jsonl")
+                     num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=head_dim,
+                     model_vocab_size=args.model_vocab)
+    data = args.data or os.path.join(BENCH_DIR, f"data-{args.data_profile}-{args.rows}.jsonl")
     if not os.path.exists(data):
-        write_sample_data(data, num_rows=args.rows)
+        write_sample_data(data, num_rows=args.rows, profile=args.data_profile)
     return target, data
 
 
@@ -181,11 +184,9 @@ def measure_phases(args: argparse.Namespace) -> dict:
     instant = SyntheticTarget(shape, cfg.batch_token_budget, 0.0, device).forward
 
     def write_only() -> float:
-        # The same bytes through the writer with an instant device and no byte budget: the main
-        # thread queues every batch (views of one buffer: no memory) within milliseconds and
-        # then sleeps in join(). A budget would wake it on every release, and its Python would
-        # take the GIL from the writer, which is not the write cost we want to measure.
-        return through_pipeline(instant, budget=1 << 50)[0]
+        # The same bytes through the writer with an instant device, under the same staging
+        # budget as the pipeline (an unbounded one would stage, and pin, the whole plan).
+        return through_pipeline(instant)[0]
 
     if args.synthetic:
         # Calibrate the fake device against this machine's write speed: ratio x write time.
@@ -319,7 +320,8 @@ def run_measure(args: argparse.Namespace, mode: str, *extra: str) -> dict:
 
 
 def forwarded(args: argparse.Namespace) -> list[str]:
-    keep = ["target", "data", "rows", "hidden", "layers", "model_vocab", "seq_length", "batch_size", "shard_size",
+    keep = ["target", "data", "data_profile", "rows", "hidden", "layers", "heads", "head_dim", "model_vocab",
+            "seq_length", "batch_size", "shard_size",
             "dtype", "device", "max_inflight_bytes", "workdir", "synthetic_hidden", "synthetic_layers"]
     out = []
     for name in keep:
@@ -373,6 +375,10 @@ def main() -> None:
     p.add_argument("--target")
     p.add_argument("--data")
     p.add_argument("--rows", type=int, default=600)
+    p.add_argument("--data-profile", choices=["default", "long-tail"], default="default",
+                   help="embedded data: 'long-tail' has users' length shape (log-normal body, ~10%% at seq_length)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default hidden/heads; real Qwen3: 128)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--model-vocab", type=int, default=2048)
@@ -401,7 +407,9 @@ def main() -> None:
 
     results: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "measure"}}
     if args.suite == "gpu":
+        # Qwen3-0.6B's shape: 16 heads of 128 (8 KV heads), 28 layers, hidden 1024, vocab 151,936.
         args.device, args.hidden, args.layers, args.model_vocab = "cuda", 1024, 28, 151936
+        args.heads, args.head_dim = 16, 128
         args.dtype = "bf16"
     if args.suite in ("cpu", "gpu", "all"):
         results["whole_command"] = suite_whole(args)
