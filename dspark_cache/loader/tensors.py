@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from dspark_cache.format.sample import TORCH_NAMES, StoredTensor, assemble_sample, decode_payload
+from dspark_cache.format.sample import TORCH_NAMES, StoredTensor
+from dspark_cache.format.wds import decode_dspark_arrays
 
 
 def torch_dtype(code: str) -> torch.dtype:
@@ -43,9 +44,8 @@ def decode_dspark_sample(key: str, data: bytes) -> Any:
 
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
-    if not key.lower().endswith("safetensors"):
+    arrays = decode_dspark_arrays(key, data)
+    if arrays is None:
         return None
-    tensors, metadata = decode_payload(bytearray(data))
-    sample: dict[str, Any] = sample_to_torch(assemble_sample(tensors, metadata))
-    sample["sample_id"] = int(metadata.get("sample_id", -1))
-    return sample
+    sample_id = arrays.pop("sample_id")
+    return {**sample_to_torch(arrays), "sample_id": sample_id}
