@@ -35,6 +35,40 @@ def summary(result: RunResult) -> str:
     )
 
 
+def plan_report(plan, manifest, output_dir: str) -> str:
+    """What ``--dry-run`` prints: enough to size a job before renting devices."""
+    import shutil
+
+    skipped = ", ".join(f"{n} {reason}" for reason, n in plan.skipped_counts().items()) or "none"
+    batches = sum(len(s.batches) for s in plan.shards)
+    probe = output_dir
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = f"{shutil.disk_usage(probe or '.').free / 1e9:.1f} GB free" if probe or output_dir else ""
+    return "\n".join([
+        f"dry run: {plan.num_rows} rows -> {plan.num_samples} samples (skipped: {skipped})",
+        f"  tokens: {plan.num_tokens} ({plan.num_loss_tokens} supervised), seq_length {manifest.seq_length}",
+        f"  batches: {batches}, {plan.padded_tokens} tokens computed (padding {100 * plan.padding_waste:.1f}%)",
+        f"  shards: {len(plan.shards)} of at most {manifest.shard_size} samples, {plan.num_bytes} bytes "
+        f"({plan.num_bytes / 1e9:.3f} GB, {plan.num_bytes / max(1, plan.num_tokens):.0f} bytes/token)",
+        f"  stored per token: layers {manifest.target_layer_ids} x {manifest.hidden_size} in {manifest.dtype}; "
+        f"{output_dir}: {free}",
+    ])
+
+
+def dry_run(cfg) -> int:
+    """Encode and plan, print the plan, write nothing (no lock either: the directory is not touched)."""
+    from dspark_cache.producer.prepare import prepare
+
+    try:
+        p = prepare(cfg)
+    except Exception as exc:
+        return error(PROG, str(exc))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(plan_report(p.plan, p.manifest, cfg.output_dir))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The producer's options (``producer/config.py``) on the shared parser, plus ``--tui``."""
     from dspark_cache.producer.config import DESCRIPTION, add_arguments
@@ -52,6 +86,8 @@ def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
     from dspark_cache.producer.config import config_from_args
 
     cfg = config_from_args(args)
+    if cfg.dry_run:
+        return dry_run(cfg)
     if args.tui:
         if not allow_tui:  # the child would start another monitor, and so on
             raise UsageError("--tui needs the dspark-produce command, not python -m dspark_cache.producer.cli")

@@ -55,6 +55,7 @@ class ProduceConfig:
     rank_timeout: float = RANK_TIMEOUT_S
     overwrite: bool = False
     force: bool = False
+    dry_run: bool = False
 
     @property
     def tokenize_workers(self) -> int:
@@ -112,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a heartbeat after which a finished rank stops waiting for another")
     p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
     p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
+    p.add_argument("--dry-run", action="store_true",
+                   help="encode and plan the input, print what the cache would hold (samples, tokens, padding, "
+                   "shards, exact bytes) and exit without loading the target or writing anything")
 
 
 def config_from_args(args: argparse.Namespace) -> ProduceConfig:

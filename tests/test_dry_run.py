@@ -1,0 +1,24 @@
+"""--dry-run: the plan a real run would make (same shards, same exact bytes), and nothing written."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import dspark_cache
+from tests.conftest import run_produce
+
+
+def test_dry_run_prints_the_plan_of_the_real_run_and_writes_nothing(embedded, tmp_path, capsys):
+    out = str(tmp_path / "cache")
+    args = ("--seq-length", "512", "--shard-size", "8", "--batch-size", "4")
+    assert run_produce(embedded.stock, embedded.data, out, *args, "--dry-run") == 0
+    report = capsys.readouterr().out
+    assert not os.path.exists(out)  # not even the lock directory
+    assert run_produce(embedded.stock, embedded.data, out, *args) == 0
+    m = dspark_cache.open_cache(out).manifest
+    assert f"-> {m.planned_samples} samples" in report
+    assert f"shards: {m.num_shards} of at most 8 samples, {m.planned_bytes} bytes" in report
+    assert f"{m.planned_padded_tokens} tokens computed" in report
+    padding = float(re.search(r"padding ([0-9.]+)%", report).group(1))
+    assert abs(padding - 100 * (m.planned_padded_tokens / m.planned_tokens - 1)) < 0.06
