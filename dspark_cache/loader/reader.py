@@ -27,7 +27,7 @@ from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.format.validate import MAX_HEADER, check_header
 from dspark_cache.loader import fill, verify
 from dspark_cache.format.cache import CacheDir
-from dspark_cache.loader.memory import BatchMemory, Field, Slab, flat_bytes, page_aligned_zeros
+from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_zeros
 from dspark_cache.loader.planner import RankBatch
 from dspark_cache.loader.tensors import torch_dtype
 from dspark_cache.loader.records import SEG_COPY, segment, segments
@@ -158,15 +158,19 @@ class BatchReader:
         lay = self.layout
         names = self.buffer_names
         index = {name: i for i, name in enumerate(names)}
-        program = fill.BatchProgram([flat_bytes(buffers[name]) for name in names] + [self._headers()])
+        program = fill.BatchProgram([slab.field_bytes(name, buffers[name].nbytes) for name in names]
+                                    + [self._headers()])
         width = buffers[INPUT_IDS].shape[1]
-        stride = np.array([buffers[name][0].nbytes for name in BUFFERS], dtype=np.int64)  # bytes per row
+        stride = np.array([buffers[name].nbytes // buffers[name].shape[0] for name in BUFFERS], dtype=np.int64)  # bytes per row
         for name, offset, nbytes in slab.zero_spans(zero):
             program.zero(index[name], offset, nbytes)
         for row, shard_id, _, entry in rows:
             template = lay.template(entry.length)
             header = entry.size - template.data_size
-            segs = np.concatenate([self._header_segment(row, header), template.place(header, row * stride)])
+            placed = template.place(header, row * stride)
+            segs = np.empty(len(placed) + 1, dtype=placed.dtype)  # not np.concatenate: it re-promotes the record dtype
+            segs[0] = self._header_segment(row, header)[0]
+            segs[1:] = placed
             program.sample(fds[shard_id], entry.offset, entry.size, segs, tag=row)
             n, pads = entry.length, width - entry.length
             program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
