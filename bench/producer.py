@@ -167,6 +167,17 @@ def measure_phases(args: argparse.Namespace) -> dict:
         sync()
         return time.perf_counter() - t
 
+    def device_one_by_one(fwd) -> float:
+        """The same real tokens, one sample per forward: no padding at all (the floor batching
+        is measured against; on a GPU it is slower for other reasons)."""
+        t = time.perf_counter()
+        for shard in plan.shards:
+            for sample in shard.samples:
+                ids, mask = collate([sample], pad, device)
+                fwd(ids, mask)
+        sync()
+        return time.perf_counter() - t
+
     def through_pipeline(fwd, budget: int = args.max_inflight_bytes) -> tuple[float, int, float]:
         """Wall seconds, bytes written, and seconds the writer thread spent writing."""
         out = tempfile.mkdtemp(dir=args.workdir)
@@ -195,13 +206,19 @@ def measure_phases(args: argparse.Namespace) -> dict:
         padded = sum(max(s.length for s in b) * len(b) for sh in plan.shards for b in sh.batches)
         forward = SyntheticTarget(shape, cfg.batch_token_budget, args.synthetic_ratio * write_s / padded, device).forward
     runs = {"device_s": [], "write_s": [], "pipeline_s": [], "pipeline_writer_busy_s": []}
+    if not args.synthetic:
+        runs["device_one_by_one_s"] = []
     for _ in range(args.repeat):  # interleaved, so drift on a noisy machine hits all three alike
         runs["device_s"].append(device_only(forward))
+        if not args.synthetic:
+            runs["device_one_by_one_s"].append(device_one_by_one(forward))
         runs["write_s"].append(write_only())
         seconds, nbytes, busy = through_pipeline(forward)
         runs["pipeline_s"].append(seconds)
         runs["pipeline_writer_busy_s"].append(busy)
-    result = {"tokens": tokens, "samples": plan.num_samples, "shards": len(plan.shards), "bytes": nbytes}
+    padded = sum(max(s.length for s in b) * len(b) for sh in plan.shards for b in sh.batches)
+    result = {"tokens": tokens, "samples": plan.num_samples, "shards": len(plan.shards), "bytes": nbytes,
+              "padded_tokens": padded, "padding_waste": padded / tokens - 1}
     result.update({k: statistics.median(v) for k, v in runs.items()})
     result["runs"] = runs
     # The device and the writer alone are each taken at their fastest repetition (their own

@@ -43,11 +43,16 @@ def ensure_target_weights(p: Prepared, runner: TargetRunner | None) -> None:
     atomic_write_bytes(p.paths.target_weights, save(runner.target_weights()))
 
 
-def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag) -> PipelineStats:
-    """Load the target and run the pipeline over this rank's shards, reporting as each batch and shard lands."""
+def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag,
+                   leader: bool = True) -> PipelineStats:
+    """Load the target and run the pipeline over this rank's shards, reporting as each batch and shard lands.
+
+    Only the ``leader`` (rank 0) writes the target weights: one extraction and one file per job.
+    """
     status.update(force=True, state=RankState.LOADING)
     runner = load_runner(p)
-    ensure_target_weights(p, runner)
+    if leader:
+        ensure_target_weights(p, runner)
     status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device}",
                  shards=[s.shard_id for s in owned], device=str(p.device))
     done_before = set(p.paths.indexed_shard_ids())

@@ -113,7 +113,7 @@ def _run_rank(p: Prepared, me: RankInfo, run_id: str, existing: Manifest | None,
         log.info("%s is already complete: nothing to do", p.paths.root)
         status.update(force=True, state=RankState.FINISHED)
         return RunResult(existing, p.plan, None, time.time() - started)
-    stats = compute_shards(p, owned, status, stop) if owned else None
+    stats = compute_shards(p, owned, status, stop, leader=me.is_leader) if owned else None
     if me.is_leader:
         ensure_target_weights(p, None)
     if stop():
