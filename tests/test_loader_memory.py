@@ -63,3 +63,22 @@ def test_slab_is_recycled_only_when_nothing_outside_holds_it():
     assert memory.take(2, 8) is third
     del in_flight
     assert memory.take(2, 8) in (second, third)
+
+
+def test_batch_memory_is_allocated_off_the_training_thread(small_cache, monkeypatch):
+    import threading
+
+    import dspark_cache
+    from dspark_cache.loader import memory
+
+    made_on: list[str] = []
+    original = memory.Slab.__init__
+
+    def recording(self, *args, **kwargs):
+        made_on.append(threading.current_thread().name)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(memory.Slab, "__init__", recording)
+    for _ in dspark_cache.build_dataloader(small_cache, 3, seed=1, num_workers=2):
+        pass
+    assert made_on and all(name.startswith("dspark-read") for name in made_on), made_on

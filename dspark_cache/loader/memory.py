@@ -10,8 +10,8 @@ a batch that training keeps is never overwritten.
 
 Pinned memory (CUDA) is recycled too, with one more condition: a non-blocking copy of a batch
 to the GPU may still be running when training drops the batch. When a pinned slab is first
-seen unheld, a CUDA event is recorded on the stream that is current for the thread asking for
-the next batch (the training thread: where its copies were queued); the slab is handed out
+seen unheld, a CUDA event is recorded on the stream that was current for the training thread
+when it asked for the batch being read (where its copies were queued); the slab is handed out
 again only once that event has completed, i.e. once every copy queued before it has finished.
 A copy queued on another stream must be waited for by the caller before it drops the batch.
 """
@@ -19,6 +19,7 @@ A copy queued on another stream must be waited for by the caller before it drops
 from __future__ import annotations
 
 import mmap
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,8 +102,9 @@ class Slab:
         """True when no batch (or view of one) outside this slab is alive."""
         return _use_count(self._raw) <= self._baseline
 
-    def reusable(self) -> bool:
-        """Idle, and (pinned) every copy queued from it before it became idle has finished."""
+    def reusable(self, stream: "torch.cuda.Stream | None" = None) -> bool:
+        """Idle, and (pinned) every copy queued on ``stream`` (the training thread's stream; the
+        current one when None) before it became idle has finished."""
         if not self.idle():
             self._fence = None
             return False
@@ -110,7 +112,7 @@ class Slab:
             return True
         if self._fence is None:  # first seen unheld: fence the copies queued until now
             self._fence = torch.cuda.Event()
-            self._fence.record(torch.cuda.current_stream())
+            self._fence.record(stream if stream is not None else torch.cuda.current_stream())
         return self._fence.query()
 
     def handed_out(self) -> None:
@@ -157,10 +159,20 @@ class BatchMemory:
         self.fields, self.max_slots, self.pinned, self.keep = fields, max_slots, pinned, keep
         self._pool: list[Slab] = []
         self._replaced = 0
+        self._lock = threading.Lock()
 
-    def take(self, rows: int, width: int) -> Slab:
+    def checkout(self, rows: int, width: int, lengths: list[int], stream: "torch.cuda.Stream | None" = None
+                 ) -> tuple[Slab, dict[str, torch.Tensor], list[tuple[int, int]]]:
+        """A slab for a batch of these row ``lengths`` padded to ``width``, its batch tensors and the
+        slot ranges to zero. Thread-safe: reader threads check slabs out (allocating off the
+        training thread); ``stream`` is where the training thread queues its copies (pinned)."""
+        with self._lock:  # the views make the slab busy before another thread can look at it
+            slab = self.take(rows, width, stream)
+            return slab, slab.views(rows, width), slab.claim(width, lengths)
+
+    def take(self, rows: int, width: int, stream: "torch.cuda.Stream | None" = None) -> Slab:
         for slab in self._pool:
-            if slab.reusable():
+            if slab.reusable(stream):
                 slab.handed_out()
                 return slab
         # Every kept slab is in flight, held by training or (pinned) still being copied from:

@@ -59,12 +59,11 @@ class BatchLayout:
 class PendingBatch:
     """A batch whose samples are being read by the pool; ``result()`` waits and returns it."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], future: Future, extra: dict[str, torch.Tensor]) -> None:
-        self.buffers, self.future, self.extra = buffers, future, extra
+    def __init__(self, future: Future) -> None:
+        self.future = future
 
     def result(self) -> dict[str, torch.Tensor]:
-        self.future.result()  # re-raises a checksum or read error, naming shard and sample
-        return {**self.buffers, **self.extra}
+        return self.future.result()  # re-raises a checksum or read error, naming shard and sample
 
 
 class BatchReader:
@@ -105,21 +104,29 @@ class BatchReader:
                 raise CorruptShardError(self.catalog.paths.shard_tar(ref.shard_id),
                                         f"{entry.length} tokens, more than the manifest's seq_length "
                                         f"{self.layout.seq_length}", entry.sample_id)
-        slab = self.memory.take(len(entries), width)
-        buffers = slab.views(len(entries), width)
-        zero = slab.claim(width, lengths)
-        extra: dict[str, torch.Tensor] = {}
-        if self.extras:
-            extra = {
-                "sample_ids": torch.tensor([e.sample_id for e in entries], dtype=torch.int64),
-                "is_repeat": torch.tensor(batch.repeat, dtype=torch.bool),
-            }
-            if self.memory.pinned:  # else their non_blocking copies to the GPU would be synchronous
-                extra = {name: t.pin_memory() for name, t in extra.items()}
+        # Batch memory is checked out by the reader thread (a new slab, pinned or not, is never
+        # allocated on the training thread); pinned slabs are fenced on the training thread's
+        # stream, captured here.
+        stream = torch.cuda.current_stream() if self.memory.pinned else None
+        rows = [(row, ref.shard_id, ref.entry, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
         # One task per batch: threads work on different (prefetched) batches, and a batch costs
         # one hand-over between threads instead of one per sample.
-        rows = [(row, ref.shard_id, ref.entry, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
-        return PendingBatch(buffers, self.pool.submit(self._fill, slab, zero, buffers, rows), extra)
+        return PendingBatch(self.pool.submit(self._read, rows, width, stream, batch.repeat))
+
+    def _read(self, rows: list[Row], width: int, stream: "torch.cuda.Stream | None",
+              repeat: list[bool]) -> dict[str, torch.Tensor]:
+        """On a reader thread: check out memory, fill the batch, add the extras."""
+        slab, buffers, zero = self.memory.checkout(len(rows), width, [r[3].length for r in rows], stream)
+        self._fill(slab, zero, buffers, rows)
+        if not self.extras:
+            return buffers
+        extra = {
+            "sample_ids": torch.tensor([r[3].sample_id for r in rows], dtype=torch.int64),
+            "is_repeat": torch.tensor(repeat, dtype=torch.bool),
+        }
+        if self.memory.pinned:  # else their non_blocking copies to the GPU would be synchronous
+            extra = {name: t.pin_memory() for name, t in extra.items()}
+        return {**buffers, **extra}
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[Row]) -> None:
