@@ -369,7 +369,7 @@ def check_slab_fence(device: torch.device, trials: int = 20) -> dict:
 
     result = {"trials": trials, "wrong": trial_run()}
     original = memory.Slab.reusable
-    memory.Slab.reusable = memory.Slab.idle  # the control: recycle as soon as nobody holds it
+    memory.Slab.reusable = lambda self, stream=None: self.idle()  # the control: recycle once unheld
     try:
         result["control_wrong"] = trial_run()
     finally:
