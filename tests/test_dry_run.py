@@ -12,8 +12,8 @@ from tests.conftest import run_produce
 def test_dry_run_prints_the_plan_of_the_real_run_and_writes_nothing(embedded, tmp_path, capsys):
     out = str(tmp_path / "cache")
     args = ("--seq-length", "512", "--shard-size", "8", "--batch-size", "4")
-    assert run_produce(embedded.stock, embedded.data, out, *args, "--dry-run") == 0
-    report = capsys.readouterr().out
+    assert run_produce(embedded.stock, embedded.data, out, *args, "--dry-run", "--device", "cuda") == 0
+    report = capsys.readouterr().out  # planning a GPU job needs no GPU
     assert not os.path.exists(out)  # not even the lock directory
     assert run_produce(embedded.stock, embedded.data, out, *args) == 0
     m = dspark_cache.open_cache(out).manifest

@@ -223,3 +223,23 @@ def test_device_choices_are_checked(monkeypatch):
     with pytest.raises(TargetError, match="not supported|not a device"):
         resolve_device("tpu")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_the_mask_check_sees_a_wrong_sliding_window(monkeypatch):
+    from transformers import Qwen3Config, Qwen3Model
+
+    from dspark_cache.producer import masks
+
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_sliding_window=True,
+                         sliding_window=16, max_window_layers=0, layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = Qwen3Model(config).eval()
+    checker = masks.CausalMasks(config, torch.float32)
+    assert checker.probe_length() > 16 and masks.masks_match(base, checker, 64, torch.device("cpu"))
+    # A sliding layer given a full causal mask differs only past the window: the probe must see it.
+    builders = masks._mask_builders()
+    monkeypatch.setattr(masks, "_mask_builders", lambda: {masks.FULL: builders[masks.FULL],
+                                                          masks.SLIDING: builders[masks.FULL]})
+    assert not masks.masks_match(base, masks.CausalMasks(config, torch.float32), 64, torch.device("cpu"))

@@ -58,10 +58,12 @@ def plan_report(plan, manifest, output_dir: str) -> str:
 
 def dry_run(cfg) -> int:
     """Encode and plan, print the plan, write nothing (no lock either: the directory is not touched)."""
+    import dataclasses
+
     from dspark_cache.producer.prepare import prepare
 
-    try:
-        p = prepare(cfg)
+    try:  # planning needs no device: a login node without a GPU can size a GPU job
+        p = prepare(dataclasses.replace(cfg, device="cpu"))
     except Exception as exc:
         return error(PROG, str(exc))
     if int(os.environ.get("RANK", "0")) == 0:

@@ -13,7 +13,8 @@ to the GPU may still be running when training drops the batch. When a pinned sla
 seen unheld, a CUDA event is recorded on the stream that was current for the training thread
 when it asked for the batch being read (where its copies were queued); the slab is handed out
 again only once that event has completed, i.e. once every copy queued before it has finished.
-A copy queued on another stream must be waited for by the caller before it drops the batch.
+A copy queued on another stream (or on another device's stream: call ``torch.cuda.set_device``
+per rank, as training scripts do) must be waited for by the caller before it drops the batch.
 """
 
 from __future__ import annotations

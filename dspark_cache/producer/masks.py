@@ -57,6 +57,12 @@ class CausalMasks:
         layer_types = getattr(config, "layer_types", None) or [FULL]
         self.kinds = sorted(set(layer_types))
 
+    def probe_length(self) -> int:
+        """Tokens for the one-time check: past the sliding window when the model has sliding
+        layers (shorter, a sliding mask equals a full causal one and a wrong one would pass)."""
+        window = getattr(self.config, "sliding_window", None) if SLIDING in self.kinds else None
+        return 12 if not window else min(int(window) + 8, 1 << 13)
+
     @property
     def usable(self) -> bool:
         return self.builders is not None and all(kind in self.builders for kind in self.kinds)
@@ -72,15 +78,17 @@ class CausalMasks:
 
 def masks_match(base: torch.nn.Module, masks: CausalMasks, vocab_size: int, device: torch.device) -> bool:
     """One small forward with the model's own masks and one with ours: equal outputs mean the
-    mapping is taken and means what we think (for every layer type and attention kernel)."""
+    mapping is taken and means what we think (for every layer type and attention kernel; with
+    sliding layers the probe is longer than the window, up to 8,192 tokens)."""
     if not masks.usable:
         return False
+    length = masks.probe_length()
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, max(1, vocab_size), (2, 12), generator=generator).to(device)
+    ids = torch.randint(0, max(1, vocab_size), (2, length), generator=generator).to(device)
     try:
         with torch.inference_mode():
             theirs = base(input_ids=ids, use_cache=False).last_hidden_state
-            ours = base(input_ids=ids, attention_mask=masks.mapping(2, 12, device), use_cache=False).last_hidden_state
+            ours = base(input_ids=ids, attention_mask=masks.mapping(2, length, device), use_cache=False).last_hidden_state
     except Exception as exc:  # a model whose forward refuses a dict mask
         log.info("the target does not take a mask mapping (%s): using its own masks", exc)
         return False

@@ -70,6 +70,11 @@ class Stager:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
+    def synchronize(self) -> None:
+        """Wait for every copy queued on the side stream."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def stage(self, region: Region, shapes: list, hidden: torch.Tensor, last: torch.Tensor | None,
               finite: torch.Tensor, lengths: list[int], clock: BatchClock
               ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor, torch.cuda.Event | None]:
@@ -139,9 +144,10 @@ def run_pipeline(
     ring = StagingRing(ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes)), device.type == "cuda")
     stats = PipelineStats()
     writer = ShardWriterThread(paths, shape, ring, stats, on_published, on_nonfinite, durable)
-    step = _Step(forward, shape, device, pad_id, check_finite, ring, writer, stats)
+    step: _Step | None = None
     writer.start()
     try:
+        step = _Step(forward, shape, device, pad_id, check_finite, ring, writer, stats)
         for shard in shards:
             if should_stop() or writer.error is not None:
                 break
@@ -152,9 +158,15 @@ def run_pipeline(
                 on_batch(stats, ring)
     finally:
         writer.jobs.put(None)
-        writer.join()
-        writer.abandon()
-        ring.close()
+        try:
+            writer.join()
+            writer.abandon()
+        finally:
+            # A batch claimed but never queued (an exception between claim and put) may still
+            # be copying into the ring: no copy may run into memory being unpinned.
+            if step is not None:
+                step.stager.synchronize()
+            ring.close()
     if writer.error is not None:
         raise writer.error
     return stats

@@ -82,6 +82,12 @@ def _pinned_block(nbytes: int) -> tuple[torch.Tensor, bool]:
     block = _page_aligned(nbytes)
     if int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)) == 0:
         return block, True
+    # A refused registration leaves its error pending on this thread, and the next kernel launch
+    # would report it (torch binds no cudaGetLastError): let a throwaway launch take it.
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
 
 
