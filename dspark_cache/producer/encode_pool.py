@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import signal
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 from dspark_cache.producer.chat import EncodedRow
@@ -21,6 +22,7 @@ from dspark_cache.producer.messages import InvalidRow
 Encode = Callable[[RawRow], EncodedRow]
 Result = EncodedRow | InvalidRow
 _CHUNK = 64
+_AHEAD = 4  # chunks in flight per worker: enough to keep every worker busy
 _worker_encode: Encode | None = None  # set in the parent before forking the pool
 
 
@@ -65,13 +67,23 @@ def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) ->
         return
     global _worker_encode
     _worker_encode = encode
-    chunks = list(iter(lambda it=iter(rows): list(itertools.islice(it, _CHUNK)), []))
+    # Chunks are read as the workers need them, a few per worker ahead: never the whole input
+    # (parsed rows) in memory at once.
+    chunks = iter(lambda it=iter(rows): list(itertools.islice(it, _CHUNK)), [])
+    window = num_workers * _AHEAD
     # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of
     # leaving the planner waiting forever for a lost chunk.
     context = multiprocessing.get_context("fork")
     try:
         with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init) as pool:
-            for chunk, results in zip(chunks, pool.map(_encode_chunk, chunks)):
-                yield from zip(chunk, results)
+            pending: deque[tuple[list[RawRow], Future]] = deque()
+            for chunk in chunks:
+                pending.append((chunk, pool.submit(_encode_chunk, chunk)))
+                if len(pending) >= window:
+                    done, future = pending.popleft()
+                    yield from zip(done, future.result())
+            while pending:
+                done, future = pending.popleft()
+                yield from zip(done, future.result())
     finally:
         _worker_encode = None

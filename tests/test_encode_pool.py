@@ -1,0 +1,32 @@
+"""The encoding pool reads the input as its workers need it: never every parsed row at once."""
+
+from __future__ import annotations
+
+from dspark_cache.producer import encode_pool
+from dspark_cache.producer.chat import EncodedRow
+from dspark_cache.producer.inputs import RawRow
+
+
+def _encode(row: RawRow) -> EncodedRow:
+    import numpy as np
+
+    n = 3 + row.index % 5
+    return EncodedRow(np.full(n, row.index, np.int32), np.ones(n, np.uint8), n)
+
+
+def test_rows_are_read_a_few_chunks_ahead_and_results_keep_input_order():
+    pulled = []
+
+    def rows():
+        for i in range(5000):
+            pulled.append(i)
+            yield RawRow(i, f"data.jsonl:{i + 1}")
+
+    results = encode_pool.encode_rows(rows(), _encode, num_workers=2)
+    first_row, first = next(results)
+    ahead = 2 * encode_pool._AHEAD * encode_pool._CHUNK
+    assert first_row.index == 0 and int(first.input_ids[0]) == 0
+    assert len(pulled) <= ahead + encode_pool._CHUNK  # not the whole input
+    rest = list(results)
+    assert [row.index for row, _ in rest] == list(range(1, 5000))
+    assert all(int(result.input_ids[0]) == row.index for row, result in rest)
