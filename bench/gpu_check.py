@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import itertools
 import json
 import os
@@ -196,7 +195,7 @@ class SyncRecorder:
                 warnings.showwarning = previous
 
 
-def check_efficiency(device: torch.device, work: str, budget: int, rows: int, seq: int) -> tuple[dict, dict, dict, str]:
+def check_efficiency(device: torch.device, work: str, budget: int, rows: int, seq: int) -> tuple[dict, dict, dict]:
     from dspark_cache.format.layers import build_target_layer_ids
     from dspark_cache.producer.target import TargetRunner, read_target_info
 
@@ -292,7 +291,7 @@ def check_efficiency(device: torch.device, work: str, budget: int, rows: int, se
     else:
         pinned["host_allocator"] = "skipped: CUDA only"
         pinned["ok"] = ring_capacity <= budget + pinned["largest_batch_staged"] and ring_peak <= ring_capacity
-    return efficiency, host_syncs, pinned, target
+    return efficiency, host_syncs, pinned
 
 
 def max_batch_bytes(shards: list[ShardPlan], shape: SampleShape) -> int:
@@ -308,7 +307,6 @@ def check_loader(device: torch.device, work: str) -> dict:
     import dspark_cache
     from dspark_cache.embedded.data import write_sample_data
     from dspark_cache.embedded.target import build_target
-    from dspark_cache.loader import memory
 
     target, data = os.path.join(work, "loader-target"), os.path.join(work, "loader-data.jsonl")
     build_target(target)
@@ -404,7 +402,7 @@ def main() -> int:
     started = time.perf_counter()
     report["a_stream_safety"] = check_stream_safety(device, work, budget)
     print(json.dumps({"a_stream_safety": report["a_stream_safety"]}), flush=True)
-    efficiency, syncs, pinned, _ = check_efficiency(device, work, budget, args.rows or (1024 if cuda else 48),
+    efficiency, syncs, pinned = check_efficiency(device, work, budget, args.rows or (1024 if cuda else 48),
                                                     args.seq_length or (2048 if cuda else 256))
     report["b_host_syncs"], report["c_pinned_memory"], report["e_efficiency"] = syncs, pinned, efficiency
     print(json.dumps({"b_host_syncs": syncs, "c_pinned_memory": pinned}), flush=True)

@@ -3,7 +3,6 @@ stage times, and no operation in the main loop that would wait for a device."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random

@@ -15,6 +15,7 @@ that gap is too small (the tail end is then skipped until the ring wraps).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -43,10 +44,7 @@ class Region:
         out = []
         cursor = self.start
         for shape, dtype in shapes:
-            count = 1
-            for dim in shape:
-                count *= dim
-            nbytes = count * dtype.itemsize
+            nbytes = _nbytes(shape, dtype)
             out.append(self.ring.block[cursor : cursor + nbytes].view(dtype).view(shape))
             cursor += aligned(nbytes)
         if cursor > self.start + self.size:
@@ -54,15 +52,13 @@ class Region:
         return out
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def region_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     """Bytes a region needs for these views (what :meth:`Region.views` will carve)."""
-    total = 0
-    for shape, dtype in shapes:
-        count = 1
-        for dim in shape:
-            count *= dim
-        total += aligned(count * dtype.itemsize)
-    return total
+    return sum(aligned(_nbytes(shape, dtype)) for shape, dtype in shapes)
 
 
 def _page_aligned(nbytes: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
 from dspark_cache.producer.staging import Region, StagingRing
-from dspark_cache.producer.tensors import byte_views
+from dspark_cache.producer.tensors import byte_view
 from dspark_cache.producer.timing import BatchClock, StageTimes
 
 log = logging.getLogger(__name__)
@@ -102,15 +102,12 @@ class ShardWriterThread(threading.Thread):
             if not finite:
                 self._drop_nonfinite(sample, job.shard)
                 continue
-            tensors = {
-                HIDDEN: hidden,
-                INPUT_IDS: torch.from_numpy(sample.input_ids),
-                LOSS_MASK: torch.from_numpy(sample.loss_mask),
-            }
+            # The writer takes buffers: the staged states as byte views, ids and mask as they are.
+            buffers = {HIDDEN: byte_view(hidden), INPUT_IDS: sample.input_ids, LOSS_MASK: sample.loss_mask}
             if last is not None:
-                tensors[LAST_HIDDEN] = last
+                buffers[LAST_HIDDEN] = byte_view(last)
             self._writer.append(sample.sample_id, sample.loss_tokens, self.shape.specs(sample.length),
-                                self.shape.metadata(sample.sample_id), byte_views(tensors))
+                                self.shape.metadata(sample.sample_id), buffers)
             self.stats.samples += 1
             self.stats.tokens += sample.length
         if job.closes_shard:
