@@ -16,6 +16,8 @@ STOP_REQUEST = f"{CONTROL_DIR}/stop"
 LOCK = f"{CONTROL_DIR}/lock"  # flock-ed by the producer job that owns the directory
 CLAIM_PREFIX = "complete-"  # control/complete-<run id>: the one rank that marks a run's cache complete
 LOGS_DIR = "logs"  # the producer's own log when it runs under the monitor (--tui)
+PLAN_DIR = "plan"  # the tokenised input and its batching, kept for reruns (producer/plan_store.py)
+PLAN_HEADER = f"{PLAN_DIR}/plan.json"
 PARTIAL_SUFFIX = ".partial"
 
 _SHARD_INDEX_RE = re.compile(r"^shard-(\d{6,})\.idx$")  # ids past 999999 take more digits
@@ -74,6 +76,23 @@ class CachePaths:
     @property
     def lock(self) -> str:
         return os.path.join(self.root, LOCK)
+
+    @property
+    def plan_dir(self) -> str:
+        return os.path.join(self.root, PLAN_DIR)
+
+    @property
+    def plan_header(self) -> str:
+        """The saved plan's header: its identity, totals and the checksum of every plan file."""
+        return os.path.join(self.root, PLAN_HEADER)
+
+    def plan_array(self, name: str) -> str:
+        """One of the merged plan's arrays (``samples``, ``batches``, ``shards``), a ``.npy`` file."""
+        return os.path.join(self.plan_dir, f"{name}.npy")
+
+    def plan_part(self, part: int, kind: str) -> str:
+        """Part ``part`` of the tokenised input (one per encoding rank): ``ids``, ``mask`` or ``rows``."""
+        return os.path.join(self.plan_dir, f"part-{part:05d}.{kind}.npy")
 
     def shard_tar(self, shard_id: int) -> str:
         return os.path.join(self.shards_dir, f"shard-{shard_id:06d}.tar")
