@@ -83,7 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda, cuda:N or cpu")
     p.add_argument("--num-workers", type=int, default=None,
                    help="tokenisation processes (default: the cores of this rank's share of the node; 0 = in process)")
-    p.add_argument("--split", default=None, help="dataset split, slice syntax name[a:b] allowed")
+    p.add_argument("--split", default=None,
+                   help="HF split syntax: NAME, NAME[a:b] (negative counts from the end) or NAME[a%%:b%%], taken "
+                   "after the --shuffle-seed shuffle (JSON/JSONL files are shuffled only when --split is given); "
+                   "a plain file's one split is 'train'")
     p.add_argument("--shuffle-seed", type=int, default=42, help="shuffle before slicing (Parquet / hub only)")
     p.add_argument("--draft-num-hidden-layers", type=int, default=5, help="feature layers for the default spread")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit layer ids (NeMo convention)")
