@@ -19,6 +19,7 @@ from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
 from dspark_cache.format.validate import check_catalog
+from dspark_cache.format.wids_index import write_wids_index
 
 
 @dataclass
@@ -101,6 +102,7 @@ def repair(path: str, report: Report) -> None:
             continue
         unpublish_shard(paths, shard_id)
         problem["repaired"] = "deleted"
+    write_wids_index(paths)  # wids' shard list names exactly the shards still published
 
 
 def format_ranges(ids: list[int]) -> str:

@@ -19,6 +19,7 @@ LOGS_DIR = "logs"  # the producer's own log when it runs under the monitor (--tu
 PLAN_DIR = "plan"  # the tokenised input and its batching, kept for reruns (producer/plan_store.py)
 PLAN_HEADER = f"{PLAN_DIR}/plan.json"
 PARTIAL_SUFFIX = ".partial"
+WIDS_INDEX = f"{SHARDS_DIR}/wids-index.json"  # wids' shard list (format/wids_index.py)
 
 _SHARD_INDEX_RE = re.compile(r"^shard-(\d{6,})\.idx$")  # ids past 999999 take more digits
 
@@ -102,6 +103,11 @@ class CachePaths:
 
     def shard_index(self, shard_id: int) -> str:
         return os.path.join(self.shards_dir, f"shard-{shard_id:06d}.idx")
+
+    @property
+    def wids_index(self) -> str:
+        """The ``wids-shard-index-v1`` JSON that ``wids.ShardListDataset`` opens (next to the shards)."""
+        return os.path.join(self.root, WIDS_INDEX)
 
     def status(self, rank: int) -> str:
         return os.path.join(self.status_dir, f"rank-{rank:05d}.json")

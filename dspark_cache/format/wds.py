@@ -1,4 +1,4 @@
-"""A torch-free WebDataset decoder handler, so plain ``webdataset.WebDataset`` reads our shards.
+"""Torch-free decoders so plain ``webdataset.WebDataset`` and ``wids.ShardListDataset`` read our shards.
 
 Usage::
 
@@ -7,15 +7,29 @@ Usage::
     for sample in wds.WebDataset(urls, shardshuffle=False).decode(decode_dspark_arrays):
         sample["safetensors"]["target_hidden_states"].array  # [L, len(ids) * H], numpy
 
+    import wids
+    from dspark_cache.format.wds import decode_wids_sample
+    dataset = wids.ShardListDataset("CACHE/shards/wids-index.json", transformations=[decode_wids_sample])
+    dataset[0][".safetensors"]["target_last_hidden_states"].array  # [L, H]
+
+A decoded sample holds NeMo's four per-sample tensors, unpadded, plus ``sample_id``. What a
+generic safetensors reader (``safetensors.torch.load``) returns differs in two ways, both on
+purpose: the blob's ``__padN__`` uint8 tensors (the fill that keeps every tensor 64-byte aligned)
+are dropped, and ``target_last_hidden_states`` is always present although it is stored only
+when ``N - 1`` is not among the layer ids; otherwise it is a view (no copy) of the last ``H``
+columns of ``target_hidden_states`` (:mod:`.layers`).
+
 For torch tensors use ``dspark_cache.loader.tensors.decode_dspark_sample`` (the format never
 imports torch).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from dspark_cache.format.sample import assemble_sample, decode_payload
+
+SAMPLE_EXTENSION = "safetensors"  # the one member of each sample: <key>.safetensors
 
 
 def decode_dspark_arrays(key: str, data: bytes) -> Any:
@@ -24,9 +38,19 @@ def decode_dspark_arrays(key: str, data: bytes) -> Any:
 
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
-    if not key.lower().endswith("safetensors"):
+    if not key.lower().endswith(SAMPLE_EXTENSION):
         return None
     tensors, metadata = decode_payload(bytearray(data))
     sample: dict[str, Any] = dict(assemble_sample(tensors, metadata))
     sample["sample_id"] = int(metadata.get("sample_id", -1))
     return sample
+
+
+def decode_wids_sample(sample: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``wids.ShardListDataset`` transformation: its ``.safetensors`` entry (a stream) decoded as
+    :func:`decode_dspark_arrays` decodes it; ``__key__``, ``__shard__`` and the rest pass through."""
+    out = dict(sample)
+    for name, value in sample.items():
+        if not name.startswith("__") and name.lower().endswith(SAMPLE_EXTENSION):
+            out[name] = decode_dspark_arrays(name, value.read() if hasattr(value, "read") else value)
+    return out

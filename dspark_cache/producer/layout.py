@@ -94,6 +94,8 @@ def written_files(paths: CachePaths) -> list[str]:
     out += paths.partial_files() if not os.path.islink(paths.shards_dir) else []
     out += [p for n, p in _entries(paths.events_dir) if _made_by(n, [paths.events])]
     out += heartbeat_files(paths)
+    out += [p for n, p in _entries(paths.shards_dir)
+            if n == os.path.basename(paths.wids_index) or _is_temporary_of(n, paths.wids_index)]
     for n, p in _entries(paths.root):
         if any(n == os.path.basename(f) or _is_temporary_of(n, f) for f in (paths.manifest, paths.target_weights)):
             out.append(p)

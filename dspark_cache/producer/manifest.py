@@ -19,6 +19,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, encode_json, identity_diff
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.validate import InvalidManifestError
+from dspark_cache.format.wids_index import write_wids_index
 from dspark_cache.producer.layout import check_layout, remove_files, written_files
 from dspark_cache.producer.plan import Plan
 from dspark_cache.producer.template import sha256_text, tokenizer_sha256
@@ -122,4 +123,5 @@ def mark_complete(paths: CachePaths, manifest: Manifest) -> None:
     manifest.num_samples = manifest.planned_samples - len(nonfinite)
     manifest.complete = True
     manifest.completed_at = time.time()
+    write_wids_index(paths)  # exact now that every shard is published (ranks' updates could race)
     write_manifest(paths, manifest)

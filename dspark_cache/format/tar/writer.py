@@ -21,6 +21,7 @@ from dspark_cache.format.tar.layout import (
     member_header,
     member_name,
 )
+from dspark_cache.format.wids_index import add_shard
 
 
 WRITEBACK_CHUNK = 32 << 20
@@ -125,6 +126,8 @@ class ShardWriter:
         )
         atomic_write_bytes(self.paths.shard_index(self.shard_id), encode_json(index), durable=self.durable)
         crash_point("after_index")
+        # After the index: wids' shard list only ever names published shards (exact at completion).
+        add_shard(self.paths, index)
         return index
 
     def abort(self) -> None:
