@@ -15,8 +15,8 @@ NeMo reads them in file order and sample ids must then match NeMo's. A plain fil
 Hostile rows are invalid rows like any other, never a crash: a JSONL line longer than
 ``max_row_bytes`` is skipped without being read into memory, and a row nested deeper than
 ``MAX_NESTING`` levels (anywhere, used or not) is refused before anything recurses over it.
-A shuffled or sliced JSONL file is never held in memory: one byte offset per row is (a fast
-scan), and lines are read by offset in the selected order.
+A shuffled or sliced JSONL file is never held in memory, only two int64 per row (its byte
+offset, found by a fast scan, and the permutation); lines are read by offset in the selected order.
 """
 
 from __future__ import annotations
