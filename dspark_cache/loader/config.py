@@ -22,7 +22,8 @@ class LoaderConfig:
 
     ``batch_size`` samples per rank and step; ``shuffle``/``seed``/``window``: the order
     (:mod:`.planner`); ``epoch`` to start at; ``rank``/``world_size`` (default: torch.distributed's,
-    or 0 of 1); ``num_workers`` reader threads (default ``min(4, cpus)``); ``pad_to``
+    or 0 of 1); ``num_workers`` reader threads in this process (default ``min(4, cpus)``; 0 means
+    one: batches are always read off the training thread, never in worker processes); ``pad_to``
     ``"seq_length"`` or ``"longest"``; ``drop_last``/``partial_last``: the epoch's last step;
     ``follow`` a growing cache, polling every ``poll_interval`` s and giving up after
     ``follow_timeout`` s without a new shard; ``expect``: training-config fields the manifest must
@@ -53,6 +54,9 @@ class LoaderConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.window < 1:
             raise ValueError("batch_size and window must be >= 1")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"num_workers={self.num_workers}: it is the number of reader threads, 0 or more "
+                             "(0 and 1 both mean one thread); leave it unset for min(4, cpus)")
         if self.pad_to not in PAD_MODES:
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {self.pad_to!r}")
         if self.verify not in VERIFY_MODES:

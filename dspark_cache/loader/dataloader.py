@@ -161,6 +161,10 @@ def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **k
     plus ``attention_mask`` ``[B,S]``, ``sample_ids`` ``[B]`` and ``is_repeat`` ``[B]`` (True for
     the repeats that pad the last step when ``drop_last`` is off).
 
+    ``num_workers`` is the number of reader threads of this process (default ``min(4, cpus)``; 0
+    means one): batches are always read ahead off the training thread, and no worker processes
+    are started. A negative value raises ``ValueError``.
+
     Every sample's xxh3 is checked the first time this process reads it (``verify="once"``, the
     default: later epochs re-read checked bytes from the page cache without hashing them);
     ``verify="always"`` checks every read. Each sample's header is checked on every read.

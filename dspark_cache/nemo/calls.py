@@ -55,9 +55,14 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
 
     Batches hold NeMo's four keys, padded to the manifest's ``seq_length`` (``input_ids`` with the
     pad token, the rest with zeros). A dspark cache is read a whole batch at a time, checksummed.
-    ``num_workers`` are ``DataLoader`` worker processes, as in NeMo; without them the next batch
-    is read while training works on the current one.
+    ``num_workers`` are ``DataLoader`` worker processes, as in NeMo. With 0 (NeMo's default) batches
+    are read in the training process, the next one by the dataset's reader thread while training
+    works on the current one; with ``n > 0`` torch forks ``n`` workers, each opening the cache with
+    its own reader thread. A negative value raises ``ValueError`` before the cache is opened.
     """
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers}: it is the number of DataLoader worker processes, 0 or "
+                         "more (0 reads in the training process, the next batch ahead on a thread)")
     cache_dir = os.fspath(cache_dir)
     if layout.is_nemo_layout(cache_dir):
         dataset: torch.utils.data.Dataset = layout.NemoCacheDataset(cache_dir)
