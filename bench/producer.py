@@ -81,7 +81,9 @@ def load_plan(args: argparse.Namespace, target: str, data: str, workers: int | N
         ChatEncoder, InputSource, ProduceConfig, SampleShape, load_tokenizer, plan_input, read_target_info,
     )
 
-    cfg = ProduceConfig(target_model=target, input_data=data, output_dir="", seq_length=args.seq_length,
+    # The plan is saved where dspark-produce saves it: in an output directory (a scratch one here).
+    cfg = ProduceConfig(target_model=target, input_data=data, output_dir=tempfile.mkdtemp(prefix="plan-", dir=args.workdir),
+                        overwrite=True, seq_length=args.seq_length,
                         batch_size=args.batch_size, shard_size=args.shard_size, dtype=args.dtype,
                         num_workers=workers)
     info = read_target_info(target)

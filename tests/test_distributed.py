@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 
+import msgspec
+import numpy as np
 import pytest
 
 import dspark_cache
@@ -39,6 +41,14 @@ def test_two_ranks_equal_one(embedded, tmp_path, reference):
         assert '"state":"finished"' in status and '"shards_owned":0' not in status  # both ranks worked
     claims = [n for n in os.listdir(os.path.join(out, "control")) if n.startswith("complete-")]
     assert len(claims) == 1  # completion claimed exactly once (next to the directory's lock file)
+    # Each rank encoded its own rows (row % 2 == rank), so every row was tokenised exactly once.
+    parts = [msgspec.json.decode(open(os.path.join(out, "plan", f"part-{r:05d}.json"), "rb").read()) for r in (0, 1)]
+    manifest = dspark_cache.open_cache(out).manifest
+    assert sum(p["rows"] for p in parts) == manifest.num_rows and all(p["rows"] > 0 for p in parts)
+    for rank in (0, 1):
+        ids = np.load(os.path.join(out, "plan", f"part-{rank:05d}.rows.npy"))["sample_id"]
+        skipped = [row["row"] for row in parts[rank]["skipped"]]
+        assert sorted(ids.tolist() + skipped) == list(range(rank, manifest.num_rows, 2))
 
 
 def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):

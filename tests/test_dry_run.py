@@ -1,4 +1,5 @@
-"""--dry-run: the plan a real run would make (same shards, same exact bytes), and nothing written."""
+"""--dry-run: the plan a real run would make (same shards, same exact bytes), and nothing written
+but that plan, which the real run then reuses."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import dspark_cache
 from tests.conftest import run_produce
 
 
-def test_dry_run_prints_the_plan_of_the_real_run_and_writes_nothing(embedded, tmp_path, capsys):
+def test_dry_run_prints_the_plan_of_the_real_run_and_writes_only_the_plan(embedded, tmp_path, capsys, caplog):
     out = str(tmp_path / "cache")
     args = ("--seq-length", "512", "--shard-size", "8", "--batch-size", "4")
     assert run_produce(embedded.stock, embedded.data, out, *args, "--dry-run", "--device", "cuda") == 0
     report = capsys.readouterr().out  # planning a GPU job needs no GPU
-    assert not os.path.exists(out)  # not even the lock directory
+    assert set(os.listdir(out)) <= {"plan", "control"}  # the saved plan (and the lock it was written under)
+    assert not os.listdir(os.path.join(out, "control")) or os.listdir(os.path.join(out, "control")) == ["lock"]
+    caplog.set_level("INFO", logger="dspark_cache")
     assert run_produce(embedded.stock, embedded.data, out, *args) == 0
+    assert "reusing the saved plan" in caplog.text  # the real run tokenised nothing
     m = dspark_cache.open_cache(out).manifest
     assert f"-> {m.planned_samples} samples" in report
     assert f"shards: {m.num_shards} of at most 8 samples, {m.planned_bytes} bytes" in report

@@ -18,6 +18,8 @@ CLAIM_PREFIX = "complete-"  # control/complete-<run id>: the one rank that marks
 LOGS_DIR = "logs"  # the producer's own log when it runs under the monitor (--tui)
 PLAN_DIR = "plan"  # the tokenised input and its batching, kept for reruns (producer/plan_store.py)
 PLAN_HEADER = f"{PLAN_DIR}/plan.json"
+PLAN_ARRAYS = ("samples", "batches", "shards", "shard_bytes")  # the merged plan's arrays
+PLAN_PART_KINDS = ("ids", "mask", "rows")  # a part's arrays
 PARTIAL_SUFFIX = ".partial"
 WIDS_INDEX = f"{SHARDS_DIR}/wids-index.json"  # wids' shard list (format/wids_index.py)
 
@@ -94,6 +96,10 @@ class CachePaths:
     def plan_part(self, part: int, kind: str) -> str:
         """Part ``part`` of the tokenised input (one per encoding rank): ``ids``, ``mask`` or ``rows``."""
         return os.path.join(self.plan_dir, f"part-{part:05d}.{kind}.npy")
+
+    def plan_part_header(self, part: int) -> str:
+        """Part ``part``'s header: its rows, checksums and skipped rows (written after its arrays)."""
+        return os.path.join(self.plan_dir, f"part-{part:05d}.json")
 
     def shard_tar(self, shard_id: int) -> str:
         return os.path.join(self.shards_dir, f"shard-{shard_id:06d}.tar")

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 from dspark_cache.format.paths import CachePaths
@@ -39,7 +40,7 @@ def rank_info() -> RankInfo:
     return RankInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def _init_group(info: RankInfo) -> None:
+def init_group(info: RankInfo) -> None:
     import torch.distributed as dist
 
     if info.world_size > 1 and not dist.is_initialized():
@@ -55,22 +56,45 @@ def share_setup(info: RankInfo, error: str | None, run_id: str) -> tuple[str | N
 
     Returns ``(error or None, run_id)``. Other ranks pass ``error=None``; their ``run_id`` is replaced.
     """
-    payload = {"error": error, "run_id": run_id}
+    payload = json.dumps({"error": error, "run_id": run_id})
     if info.world_size == 1:
-        return payload["error"], payload["run_id"]
+        return error, run_id
     import torch.distributed as dist
 
-    _init_group(info)
-    buf = torch.zeros(_PAYLOAD_BYTES, dtype=torch.uint8)
-    if info.is_leader:
-        raw = json.dumps(payload).encode()[: _PAYLOAD_BYTES - 8]
-        buf[:8] = torch.tensor(list(len(raw).to_bytes(8, "little")), dtype=torch.uint8)
-        buf[8 : 8 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    dist.broadcast(buf, src=0)
+    shared = json.loads(all_texts(info, payload if info.is_leader else "")[0])
     dist.destroy_process_group()
-    size = int.from_bytes(bytes(buf[:8].tolist()), "little")
-    shared = json.loads(bytes(buf[8 : 8 + size].tolist()))
     return shared["error"], shared["run_id"]
+
+
+def all_true(info: RankInfo, flag: bool) -> bool:
+    """True when ``flag`` is true on every rank (a collective: every rank must call it)."""
+    if info.world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    init_group(info)
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def all_texts(info: RankInfo, text: str) -> list[str]:
+    """Every rank's ``text`` (at most ~64 KiB each), in rank order (a collective)."""
+    if info.world_size == 1:
+        return [text]
+    import torch.distributed as dist
+
+    init_group(info)
+    raw = text.encode()[: _PAYLOAD_BYTES - 8]
+    mine = torch.zeros(_PAYLOAD_BYTES, dtype=torch.uint8)
+    mine.numpy()[: 8 + len(raw)] = np.frombuffer(len(raw).to_bytes(8, "little") + raw, dtype=np.uint8)
+    bufs = [torch.zeros_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(bufs, mine)
+    out = []
+    for buf in bufs:
+        data = buf.numpy().tobytes()
+        out.append(data[8 : 8 + int.from_bytes(data[:8], "little")].decode(errors="replace"))
+    return out
 
 
 def barrier_before_setup(info: RankInfo) -> None:
@@ -78,7 +102,7 @@ def barrier_before_setup(info: RankInfo) -> None:
     if info.world_size > 1:
         import torch.distributed as dist
 
-        _init_group(info)
+        init_group(info)
         dist.barrier()
 
 

@@ -14,7 +14,7 @@ import re
 from typing import Callable, Iterator
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
 
 _NUMBER = re.compile(r"\d+")
 _TMP_SUFFIX = ".tmp"  # format.atomic's temporaries: f"{path}.{pid}.{thread}.tmp"
@@ -25,7 +25,7 @@ class CacheLayoutError(CacheError):
 
 
 def cache_dirs(paths: CachePaths) -> list[str]:
-    return [paths.shards_dir, paths.status_dir, paths.events_dir, paths.control_dir]
+    return [paths.shards_dir, paths.status_dir, paths.events_dir, paths.control_dir, paths.plan_dir]
 
 
 def check_layout(paths: CachePaths) -> None:
@@ -100,6 +100,15 @@ def written_files(paths: CachePaths) -> list[str]:
         if any(n == os.path.basename(f) or _is_temporary_of(n, f) for f in (paths.manifest, paths.target_weights)):
             out.append(p)
     return sorted(set(out))
+
+
+def plan_files(paths: CachePaths) -> list[str]:
+    """The saved plan's files and their temporaries (``plan_store`` replaces them; ``--overwrite``
+    leaves them to it: they are rebuilt before the cache is cleared)."""
+    fixed = [os.path.basename(p) for p in (paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS))]
+    parts = [paths.plan_part_header] + [lambda k, kind=kind: paths.plan_part(k, kind) for kind in PLAN_PART_KINDS]
+    return sorted(p for n, p in _entries(paths.plan_dir)
+                  if _made_by(n, parts) or any(n == f or (n.startswith(f + ".") and n.endswith(_TMP_SUFFIX)) for f in fixed))
 
 
 def remove_files(files: list[str]) -> None:

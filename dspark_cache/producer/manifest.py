@@ -26,7 +26,6 @@ from dspark_cache.producer.template import sha256_text, tokenizer_sha256
 
 if TYPE_CHECKING:  # types only: the convert tool imports this module without the producer's run
     from dspark_cache.producer.config import ProduceConfig
-    from dspark_cache.producer.inputs import InputSource
     from dspark_cache.producer.target import TargetInfo
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ def library_versions() -> dict[str, str]:
 
 
 def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], plan: Plan, tokenizer: Any,
-                   source: InputSource, compute_dtype: str) -> Manifest:
+                   input_sha256: str, compute_dtype: str) -> Manifest:
     """The manifest of the cache this run makes: its identity (what resume compares) and its plan's totals."""
     return Manifest(
         target_model=cfg.target_model, target_model_type=info.model_type, target_vocab_size=info.vocab_size,
@@ -53,7 +52,7 @@ def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], p
         target_layer_ids=layer_ids, train_data_path=str(cfg.input_data), train_split=cfg.split,
         shuffle_seed=cfg.shuffle_seed, mask_reasoning_content=cfg.mask_reasoning_content,
         mask_generation_prompt=cfg.mask_generation_prompt,
-        chat_template_sha256=sha256_text(tokenizer.chat_template), input_sha256=source.content_sha256(),
+        chat_template_sha256=sha256_text(tokenizer.chat_template), input_sha256=input_sha256,
         tokenizer_sha256=tokenizer_sha256(tokenizer), compute_dtype=compute_dtype,
         attn_implementation=cfg.target_attn_implementation, pad_token_id=int(tokenizer.pad_token_id),
         num_rows=plan.num_rows, planned_samples=plan.num_samples, num_shards=len(plan.shards),

@@ -1,41 +1,37 @@
 """The plan: which samples go in which shard, in which batches, and the exact bytes on disk.
 
 Names, one per idea: a row is *encoded* into a sample (``chat.ChatEncoder``, run over the input
-by ``encode_pool``); :func:`collect_samples` gathers the encoded rows (and the skipped ones);
-:func:`build_plan` turns the samples into the :class:`Plan` (``ShardPlan`` per shard,
-``PlannedSample`` per sample); ``prepare.plan_input`` does both for an input source.
+by ``encode_pool`` into the parts of ``plan_parts``); :func:`plan_from_rows` orders the samples,
+cuts batches and shards and sizes every shard; the :class:`Plan` holds the result as a few flat
+arrays (a few tens of bytes per sample, memory-mapped from ``plan/`` by ``plan_store``) and
+hands out :class:`ShardPlan` / :class:`PlannedSample` views one shard at a time.
 
 The plan is a pure function of the input and the settings, so every rank (and every rerun)
-computes the same one: same shards, same batches, same bytes.
+gets the same one: same shards, same batches, same bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable
 
 import numpy as np
 
 from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.plan import PLAN_SAMPLE
 from dspark_cache.format.schema import SkippedRow
-from dspark_cache.format.tar.writer import predict_shard_bytes
-from dspark_cache.producer.chat import EncodedRow
-from dspark_cache.producer.inputs import RawRow
-from dspark_cache.producer.messages import InvalidRow
+from dspark_cache.format.tar.layout import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
-log = logging.getLogger(__name__)
+__all__ = ["MAX_PAD_FRACTION", "Plan", "PlannedSample", "SampleShape", "ShardPlan", "TokenStore",
+           "build_plan", "length_grouped_batches", "padding_waste", "plan_from_rows", "whole_batch_shards"]
 
-NO_SUPERVISED_TOKEN = "no supervised token"
 # A sample joins a batch only if padding it to the batch's width costs at most this fraction of
 # the width: a large budget over a small dataset would otherwise batch lengths 60..30 together
 # (measured: 20% padding for 500 long-tail samples at 16k tokens; 3% with this rule).
 MAX_PAD_FRACTION = 1 / 16
-
-
-class InvalidInputError(Exception):
-    """A row is invalid and the policy is ``error``; raised while planning, before device work."""
 
 
 @dataclass
@@ -55,51 +51,138 @@ class PlannedSample:
         return int(self.loss_mask.sum())
 
 
+class TokenStore:
+    """Where the samples' tokens are: one ``(ids, mask)`` pair of flat arrays per part
+    (memory-mapped plan files, or arrays in memory for a plan built from samples)."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.parts = parts
+
+    def sample(self, record: np.void) -> PlannedSample:
+        """The sample a ``PLAN_SAMPLE`` record points at (views, no copy)."""
+        ids, mask = self.parts[int(record["part"])]
+        start = int(record["offset"])
+        end = start + int(record["length"])
+        return PlannedSample(int(record["sample_id"]), ids[start:end], mask[start:end])
+
+
+class ShardBatches(Sequence):
+    """A shard's batches, made from the plan's arrays when asked for (one shard at a time in memory)."""
+
+    def __init__(self, store: TokenStore, records: np.ndarray, starts: np.ndarray) -> None:
+        self.store, self.records, self.starts = store, records, starts  # starts: len(batches) + 1, shard-relative
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return [self.store.sample(r) for r in self.records[self.starts[i]:self.starts[i + 1]]]
+
+
+def _records_of(batches: Sequence[list[PlannedSample]]) -> np.ndarray:
+    if isinstance(batches, ShardBatches):
+        return batches.records
+    samples = [s for batch in batches for s in batch]
+    out = np.zeros(len(samples), dtype=PLAN_SAMPLE)
+    out["sample_id"] = [s.sample_id for s in samples]
+    out["length"] = [s.length for s in samples]
+    out["loss_tokens"] = [s.loss_tokens for s in samples]
+    return out
+
+
 @dataclass
 class ShardPlan:
-    """One shard of the plan: its samples, batched in write order, and its exact size on disk."""
+    """One shard of the plan: its samples, batched in write order, and its exact size on disk.
+
+    ``batches`` is a list (plans built in tests and benches) or the plan's lazy
+    :class:`ShardBatches`; the totals come from the plan's arrays without making samples.
+    """
 
     shard_id: int
-    batches: list[list[PlannedSample]]  # in write order
+    batches: Sequence[list[PlannedSample]]  # in write order
     num_bytes: int = 0
+
+    @cached_property
+    def records(self) -> np.ndarray:
+        """``PLAN_SAMPLE`` records of the shard's samples, in write order."""
+        return _records_of(self.batches)
+
+    @property
+    def sample_ids(self) -> np.ndarray:
+        return self.records["sample_id"]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.records["length"]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.records.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
 
     @property
     def samples(self) -> list[PlannedSample]:
         return [s for batch in self.batches for s in batch]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.length for s in self.samples)
-
 
 @dataclass
 class Plan:
-    """The whole run: the shards, the rows that give no sample, and the totals the manifest records."""
+    """The whole run as flat arrays: samples in write order, batch and shard boundaries, sizes.
+
+    ``samples`` holds ``PLAN_SAMPLE`` records; batch ``b`` is ``samples[batch_starts[b]:
+    batch_starts[b + 1]]`` and shard ``s`` is batches ``shard_starts[s]:shard_starts[s + 1]``.
+    """
 
     num_rows: int
-    shards: list[ShardPlan]
+    samples: np.ndarray
+    batch_starts: np.ndarray
+    shard_starts: np.ndarray
+    shard_bytes: np.ndarray
+    store: TokenStore
     skipped: list[SkippedRow] = field(default_factory=list)
+
+    @cached_property
+    def shards(self) -> list[ShardPlan]:
+        out = []
+        for s in range(len(self.shard_bytes)):
+            first, last = int(self.shard_starts[s]), int(self.shard_starts[s + 1])
+            starts = np.asarray(self.batch_starts[first:last + 1])
+            records = self.samples[starts[0]:starts[-1]]
+            out.append(ShardPlan(s, ShardBatches(self.store, records, starts - starts[0]), int(self.shard_bytes[s])))
+        return out
 
     @property
     def num_samples(self) -> int:
-        return sum(len(s.samples) for s in self.shards)
+        return int(self.samples.shape[0])
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.shards)
+        return int(self.samples["length"].sum(dtype=np.int64))
 
     @property
     def num_loss_tokens(self) -> int:
-        return sum(x.loss_tokens for s in self.shards for x in s.samples)
+        return int(self.samples["loss_tokens"].sum(dtype=np.int64))
 
     @property
     def num_bytes(self) -> int:
-        return sum(s.num_bytes for s in self.shards)
+        return int(self.shard_bytes.sum(dtype=np.int64))
 
     @property
     def padded_tokens(self) -> int:
         """Tokens the device computes, padding included (the real ones are ``num_tokens``)."""
-        return padding_waste(b for s in self.shards for b in s.batches)[1]
+        if not self.num_samples:
+            return 0
+        lengths = self.samples["length"].astype(np.int64)
+        starts = np.asarray(self.batch_starts[:-1], dtype=np.int64)
+        return int((np.maximum.reduceat(lengths, starts) * np.diff(self.batch_starts)).sum())
 
     @property
     def padding_waste(self) -> float:
@@ -111,7 +194,7 @@ class Plan:
         the new plan puts exactly the same samples in it (a planner or budget change would not)."""
         digest = hashlib.sha256()
         for shard in self.shards:
-            ids = np.array([s.sample_id for s in shard.samples], dtype="<i8")
+            ids = np.ascontiguousarray(shard.sample_ids, dtype="<i8")
             digest.update(np.array([shard.shard_id, ids.size], dtype="<i8").tobytes() + ids.tobytes())
         return digest.hexdigest()
 
@@ -122,41 +205,108 @@ class Plan:
         return dict(sorted(counts.items()))
 
 
+# -- batching and shards over arrays ------------------------------------------------------------
+
+def write_order(sample_ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The permutation that puts samples in write order: longest first, then by sample id."""
+    return np.lexsort((np.asarray(sample_ids), -np.asarray(lengths, dtype=np.int64)))
+
+
+def batch_starts_of(lengths: np.ndarray, max_batch_tokens: int, cap: int) -> np.ndarray:
+    """Batch boundaries over lengths in write order: a batch grows while its padded tokens
+    (first length x count) stay within ``max_batch_tokens``, its count within ``cap`` and the
+    next sample is within ``MAX_PAD_FRACTION`` of its width.
+
+    Over the whole dataset this pads almost nothing: neighbours in length order differ by a
+    few tokens. Long batches hold few samples, short ones many, all within the same memory.
+    """
+    starts = [0]
+    width = count = 0
+    for i, n in enumerate(lengths.tolist()):
+        if count and count < cap and width * (count + 1) <= max_batch_tokens and width - n <= width * MAX_PAD_FRACTION:
+            count += 1
+            continue
+        if count:
+            starts.append(i)
+        width, count = n, 1
+    starts.append(len(lengths))
+    return np.asarray(starts if len(lengths) else [0], dtype=np.int64)
+
+
+def shard_starts_of(batch_sizes: np.ndarray, shard_size: int) -> np.ndarray:
+    """Consecutive batches grouped into shards of at most ``shard_size`` samples (a batch larger
+    than that, which :func:`plan_from_rows` never makes, is a shard of its own)."""
+    starts = [0]
+    count = 0
+    for b, size in enumerate(batch_sizes.tolist()):
+        if count and count + size > shard_size:
+            starts.append(b)
+            count = 0
+        count += size
+    starts.append(len(batch_sizes))
+    return np.asarray(starts if len(batch_sizes) else [0], dtype=np.int64)
+
+
+def shard_bytes_of(shape: SampleShape, records: np.ndarray) -> int:
+    """Exact size of the tar the shard writer makes for these samples, in this order (the same
+    placement as ``TarCursor``, with the sample's header from its per-length template)."""
+    offset = 0
+    for sample_id, length in zip(records["sample_id"].tolist(), records["length"].tolist()):
+        data_offset = offset + TAR_BLOCK
+        size = len(shape.header(length, sample_id, data_offset)) + shape.data_size(length)
+        offset = data_offset + size + block_padding(size)
+    return offset + END_OF_ARCHIVE
+
+
+def plan_from_rows(num_rows: int, rows: np.ndarray, store: TokenStore, skipped: list[SkippedRow],
+                   shape: SampleShape, *, shard_size: int, max_batch_tokens: int,
+                   max_batch_samples: int | None = None) -> Plan:
+    """Batch all samples by length (globally), cut shards of whole batches, size every shard.
+
+    ``rows``: ``PLAN_SAMPLE`` records in any order. Sample ids inside a shard are not
+    contiguous: the shard index carries them, and every reader goes by sample id.
+    """
+    samples = np.ascontiguousarray(rows[write_order(rows["sample_id"], rows["length"])])
+    # A batch never holds more than a shard, so every shard stays within shard_size samples.
+    cap = min(max_batch_samples or shard_size, shard_size)
+    batch_starts = batch_starts_of(samples["length"], max_batch_tokens, cap)
+    shard_starts = shard_starts_of(np.diff(batch_starts), shard_size)
+    bounds = batch_starts[shard_starts]
+    sizes = np.array([shard_bytes_of(shape, samples[a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
+    return Plan(num_rows, samples, batch_starts, shard_starts, sizes, store, sorted(skipped, key=lambda r: r.row))
+
+
+# -- the same over lists of samples (tests, benches, small plans) -------------------------------
+
+def _in_memory(samples: list[PlannedSample]) -> tuple[np.ndarray, TokenStore]:
+    records = _records_of([samples])
+    records["offset"][1:] = np.cumsum(records["length"][:-1])
+    ids = np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int32)
+    mask = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, np.uint8)
+    return records, TokenStore([(ids, mask)])
+
+
+def build_plan(num_rows: int, samples: list[PlannedSample], skipped: list[SkippedRow], shape: SampleShape, *,
+               shard_size: int, max_batch_tokens: int, max_batch_samples: int | None = None) -> Plan:
+    """:func:`plan_from_rows` for samples in memory."""
+    records, store = _in_memory(samples)
+    return plan_from_rows(num_rows, records, store, skipped, shape, shard_size=shard_size,
+                          max_batch_tokens=max_batch_tokens, max_batch_samples=max_batch_samples)
+
+
 def length_grouped_batches(samples: list[PlannedSample], max_batch_tokens: int,
                            max_batch_samples: int | None = None) -> list[list[PlannedSample]]:
-    """Longest first; a batch grows while its padded tokens (longest x count) stay within
-    ``max_batch_tokens`` (and its count within ``max_batch_samples``, if given) and the next
-    sample is within ``MAX_PAD_FRACTION`` of the batch's width.
-
-    Over the whole dataset this pads almost nothing: neighbours in length order differ by a few
-    tokens. Long batches hold few samples, short ones many, all within the same memory.
-    """
-    ordered = sorted(samples, key=lambda s: (-s.length, s.sample_id))
-    cap = max_batch_samples or len(ordered) or 1
-    batches: list[list[PlannedSample]] = []
-    for sample in ordered:
-        current = batches[-1] if batches else None
-        if (current and len(current) < cap and current[0].length * (len(current) + 1) <= max_batch_tokens
-                and current[0].length - sample.length <= current[0].length * MAX_PAD_FRACTION):
-            current.append(sample)
-        else:
-            batches.append([sample])
-    return batches
+    """The batches :func:`plan_from_rows` makes, as lists of the given samples."""
+    ordered = [samples[i] for i in write_order([s.sample_id for s in samples], [s.length for s in samples])]
+    starts = batch_starts_of(np.array([s.length for s in ordered], dtype=np.int64), max_batch_tokens,
+                             max_batch_samples or len(ordered) or 1)
+    return [ordered[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
 
 def whole_batch_shards(batches: list[list[PlannedSample]], shard_size: int) -> list[list[list[PlannedSample]]]:
-    """Consecutive batches grouped into shards of at most ``shard_size`` samples (a batch larger
-    than that, which :func:`build_plan` never makes, would be a shard of its own): a shard holds
-    samples of similar length."""
-    shards: list[list[list[PlannedSample]]] = []
-    count = shard_size  # forces a first shard
-    for batch in batches:
-        if count + len(batch) > shard_size:
-            shards.append([])
-            count = 0
-        shards[-1].append(batch)
-        count += len(batch)
-    return shards
+    """The shards :func:`plan_from_rows` cuts from these batches: a shard holds samples of similar length."""
+    starts = shard_starts_of(np.array([len(b) for b in batches], dtype=np.int64), shard_size)
+    return [batches[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
 
 def padding_waste(batches: Iterable[list[PlannedSample]]) -> tuple[int, int]:
@@ -166,58 +316,3 @@ def padding_waste(batches: Iterable[list[PlannedSample]]) -> tuple[int, int]:
         real += sum(s.length for s in batch)
         padded += max(s.length for s in batch) * len(batch)
     return real, padded
-
-
-def collect_samples(
-    encoded: Iterable[tuple[RawRow, EncodedRow | InvalidRow]],
-    on_invalid: str,
-) -> tuple[int, list[PlannedSample], list[SkippedRow]]:
-    """Gather encoded rows; invalid rows raise or are skipped (and listed) by policy."""
-    samples: list[PlannedSample] = []
-    skipped: list[SkippedRow] = []
-    num_rows = 0
-    for row, result in encoded:
-        num_rows += 1
-        if isinstance(result, InvalidRow):
-            exc = result
-            if on_invalid == "error":
-                raise InvalidInputError(
-                    f"{row.where}: {exc.detail}. Fix or remove this row, or pass --on-invalid skip "
-                    "to skip invalid rows (they are counted and listed in the manifest)"
-                ) from exc
-            skipped.append(SkippedRow(row=row.index, reason=exc.reason, where=row.where))
-            continue
-        sample = PlannedSample(row.index, result.input_ids, result.loss_mask)
-        if sample.loss_tokens == 0:
-            skipped.append(SkippedRow(row=row.index, reason=NO_SUPERVISED_TOKEN, where=row.where))
-            continue
-        samples.append(sample)
-        if num_rows % 10000 == 0:
-            log.info("tokenised %d rows", num_rows)
-    return num_rows, samples, skipped
-
-
-def build_plan(
-    num_rows: int,
-    samples: list[PlannedSample],
-    skipped: list[SkippedRow],
-    shape: SampleShape,
-    *,
-    shard_size: int,
-    max_batch_tokens: int,
-    max_batch_samples: int | None = None,
-) -> Plan:
-    """Batch all samples by length (globally), cut shards of whole batches, size every shard.
-
-    Sample ids inside a shard are not contiguous: the shard index carries them, and every
-    reader goes by sample id.
-    """
-    # A batch never holds more than a shard, so every shard stays within shard_size samples.
-    cap = min(max_batch_samples or shard_size, shard_size)
-    batches = length_grouped_batches(samples, max_batch_tokens, cap)
-    shards = []
-    for shard_id, members in enumerate(whole_batch_shards(batches, shard_size)):
-        shard = ShardPlan(shard_id, members)
-        shard.num_bytes = predict_shard_bytes([(shape.specs(s.length), shape.metadata(s.sample_id)) for s in shard.samples])
-        shards.append(shard)
-    return Plan(num_rows=num_rows, shards=shards, skipped=skipped)

@@ -17,11 +17,12 @@ from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import Manifest
 from dspark_cache.producer.chat import ChatEncoder
 from dspark_cache.producer.config import ProduceConfig, validate_config
-from dspark_cache.producer.encode_pool import encode_rows
-from dspark_cache.producer.inputs import InputError, InputSource, RawRow
+from dspark_cache.producer.distributed import rank_info
+from dspark_cache.producer.inputs import InputSource
 from dspark_cache.producer.manifest import build_manifest
-from dspark_cache.producer.messages import normalise_row
-from dspark_cache.producer.plan import Plan, SampleShape, build_plan, collect_samples
+from dspark_cache.producer.plan import Plan, SampleShape
+from dspark_cache.producer.planning import plan_job
+from dspark_cache.producer.progress import counter
 from dspark_cache.producer.target import TargetInfo, read_target_info, resolve_device
 from dspark_cache.producer.template import resolve_chat_template
 
@@ -61,24 +62,17 @@ def load_tokenizer(cfg: ProduceConfig, template: str | None = None) -> Any:
     return tokenizer
 
 
-def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, shape: SampleShape) -> Plan:
-    """Encode every row of ``source`` (across ``cfg.tokenize_workers`` processes), then plan the samples.
+def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, shape: SampleShape,
+               paths: CachePaths | None = None, input_sha256: str | None = None) -> Plan:
+    """The plan of ``source`` for this job: the saved one in ``paths`` (default ``cfg.output_dir``)
+    when input and settings are unchanged, else encoded (this rank's share of the rows, across
+    ``cfg.tokenize_workers`` processes), merged and saved there.
 
     Raises :class:`InputError` when the input holds no row, or no row gives a supervised sample.
     """
-    def encode(row: RawRow):
-        messages, tools = normalise_row(row.value)
-        return encoder.encode(messages, tools)
-
-    rows = encode_rows(source.rows(), encode, cfg.tokenize_workers)
-    num_rows, samples, skipped = collect_samples(rows, cfg.on_invalid)
-    if num_rows == 0:
-        raise InputError(f"{cfg.input_data} holds no rows; check --input-data (and --split)")
-    if not samples:
-        reasons = ", ".join(f"{n} {r}" for r, n in Plan(num_rows, [], skipped).skipped_counts().items())
-        raise InputError(f"none of the {num_rows} rows of {cfg.input_data} gives a supervised sample ({reasons})")
-    return build_plan(num_rows, samples, skipped, shape, shard_size=cfg.shard_size,
-                      max_batch_tokens=cfg.batch_token_budget)
+    with counter("encoding rows", "rows") as rows:
+        return plan_job(cfg, paths or CachePaths(cfg.output_dir), rank_info(), source, encoder, shape,
+                        input_sha256 or source.content_sha256(), on_row=rows.update)
 
 
 def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | None = None) -> Prepared:
@@ -102,10 +96,11 @@ def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | 
     tokenizer = load_tokenizer(cfg, template)
     encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
     shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype])
-    plan = plan_input(cfg, encoder, source, shape)
+    input_sha256 = source.content_sha256()
+    plan = plan_input(cfg, encoder, source, shape, paths, input_sha256)
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
              "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
              plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)
-    manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, source, compute_dtype)
+    manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, input_sha256, compute_dtype)
     crash_point("planned")
     return Prepared(cfg, info, layer_ids, shape, plan, manifest, paths, device, compute_dtype)

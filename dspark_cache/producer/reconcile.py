@@ -12,17 +12,18 @@ import logging
 import os
 import shutil
 
+import numpy as np
+
 from dspark_cache.format.cache import unpublish_shard
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
-from dspark_cache.format.tar.writer import predict_shard_bytes
 from dspark_cache.producer.distributed import RankInfo
 from dspark_cache.producer.layout import check_layout, heartbeat_files, remove_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
 from dspark_cache.producer.manifest import check_existing, write_manifest
-from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan
+from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan, shard_bytes_of
 from dspark_cache.producer.prepare import Prepared
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,10 @@ def reconcile_directory(p: Prepared) -> Manifest | None:
 
 def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape) -> bool:
     """The index lists exactly the planned samples (minus dropped non-finite ones) and sizes."""
-    dropped = set(index.nonfinite)
-    kept = [s for s in shard.samples if s.sample_id not in dropped]
-    if [e.sample_id for e in index.samples] != [s.sample_id for s in kept]:
+    kept = shard.records[~np.isin(shard.sample_ids, np.asarray(index.nonfinite, dtype=np.int64))]
+    if [e.sample_id for e in index.samples] != kept["sample_id"].tolist():
         return False
-    expected = shard.num_bytes if not dropped else \
-        predict_shard_bytes([(shape.specs(s.length), shape.metadata(s.sample_id)) for s in kept])
+    expected = shard.num_bytes if kept.shape[0] == shard.num_samples else shard_bytes_of(shape, kept)
     return index.tar_bytes == expected
 
 

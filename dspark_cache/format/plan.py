@@ -1,0 +1,201 @@
+"""The saved plan on disk (``plan/`` in a cache): its schema and its arrays.
+
+The producer tokenises its input once per job and keeps the result here, so that a rerun with
+the same input and settings starts in seconds. Each encoding rank writes one *part* (its rows'
+token ids, loss masks and a row table); rank 0 then merges every part's row table into the
+*plan* (samples in write order, batch and shard boundaries, exact shard sizes) that every rank
+memory-maps. Arrays are standard ``.npy`` files (readable with ``numpy.load(..., mmap_mode="r")``,
+never with pickle); each JSON header carries the arrays' lengths and xxh3-64 checksums, and is
+written last, so a header on disk means its arrays are whole.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import BinaryIO
+
+import msgspec
+import numpy as np
+import xxhash
+
+from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.files import read_regular
+from dspark_cache.format.schema import SkippedRow, encode_json
+
+PLAN_FORMAT = "dspark-plan/1"
+MAX_HEADER_BYTES = 1 << 30  # skipped rows are listed in the header; a billion bytes is far past any input
+
+# A part's row table: one record per sample the part encoded (its tokens lie in the part's
+# ``ids``/``mask`` arrays at ``offset``).
+PART_ROW = np.dtype([("sample_id", "<i8"), ("offset", "<i8"), ("length", "<i4"), ("loss_tokens", "<i4")])
+# The merged plan's sample table, in write order: which part holds each sample's tokens.
+PLAN_SAMPLE = np.dtype([("sample_id", "<i8"), ("part", "<i4"), ("offset", "<i8"), ("length", "<i4"),
+                        ("loss_tokens", "<i4")])
+TOKEN_ID = np.dtype("<i4")
+LOSS_MASK = np.dtype("u1")
+BOUNDARY = np.dtype("<i8")  # batch starts (into samples), shard starts (into batches), shard bytes
+
+
+class PlanError(CacheError):
+    """A saved plan file is missing, damaged or not ours: the producer rebuilds the plan."""
+
+
+class ArrayRecord(msgspec.Struct, frozen=True):
+    """One ``.npy`` file of the plan: its element count and the xxh3-64 of its data bytes."""
+
+    length: int
+    xxh3_64: str
+
+
+class InvalidRowNote(msgspec.Struct, frozen=True):
+    """Why one input row is invalid, in full (the manifest lists only the reason's short name)."""
+
+    row: int
+    where: str
+    detail: str
+
+
+class PartHeader(msgspec.Struct, kw_only=True):
+    """``plan/part-NNNNN.json``: one encoding rank's share of the input, tokenised."""
+
+    format: str = PLAN_FORMAT
+    encode_key: str  # what the tokens depend on (input bytes, tokenizer, template, rules)
+    part: int
+    num_parts: int  # row i belongs to part i % num_parts
+    rows: int  # rows of the input this part read (valid or not)
+    tokens: int
+    arrays: dict[str, ArrayRecord]  # "ids", "mask", "rows"
+    skipped: list[SkippedRow] = []  # rows of this part that give no sample
+    invalid: list[InvalidRowNote] = []  # the first few invalid rows, with what is wrong with them
+
+
+class PlanHeader(msgspec.Struct, kw_only=True):
+    """``plan/plan.json``: the merged plan every rank maps, and what it was built from."""
+
+    format: str = PLAN_FORMAT
+    encode_key: str
+    layout_key: str  # encode_key plus what batching and shard sizes depend on
+    num_rows: int
+    num_parts: int
+    parts: list[ArrayRecord]  # each part's header: its size and checksum (the parts it was merged from)
+    arrays: dict[str, ArrayRecord]  # "samples", "batches", "shards", "shard_bytes"
+    layout_sha256: str
+    skipped: list[SkippedRow] = []
+    invalid: list[InvalidRowNote] = []
+
+
+# -- .npy files written as a stream, then read back memory-mapped --------------------------------
+
+_NPY_MAGIC = b"\x93NUMPY\x01\x00"
+_NPY_HEADER_BYTES = 256  # magic + length + dict, padded (a multiple of 64): room for our record dtypes
+
+
+def _npy_header(dtype: np.dtype, length: int) -> bytes:
+    body = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (length,)})
+    room = _NPY_HEADER_BYTES - len(_NPY_MAGIC) - 2
+    if len(body) + 1 > room:
+        raise ValueError(f"a .npy header for {dtype} x {length} does not fit {_NPY_HEADER_BYTES} bytes")
+    return _NPY_MAGIC + struct.pack("<H", room) + body.ljust(room - 1).encode("latin1") + b"\n"
+
+
+class ArrayWriter:
+    """Appends records of one dtype to a ``.npy`` file; :meth:`close` fixes its length.
+
+    The file is written under a temporary name and renamed when closed, so a crash never leaves
+    a plausible-looking array behind.
+    """
+
+    def __init__(self, path: str, dtype: np.dtype) -> None:
+        self.path, self.dtype = path, np.dtype(dtype)
+        self._tmp = f"{path}.{os.getpid()}.tmp"
+        self._file: BinaryIO = open(self._tmp, "wb")
+        self._file.write(_npy_header(self.dtype, 0))
+        self._hash = xxhash.xxh3_64()
+        self.length = 0
+
+    def append(self, values: np.ndarray) -> None:
+        data = np.ascontiguousarray(values, dtype=self.dtype)
+        self._file.write(memoryview(data).cast("B"))
+        self._hash.update(memoryview(data).cast("B"))
+        self.length += data.shape[0]
+
+    def close(self) -> ArrayRecord:
+        """Finish the file (length in its header, fsync, rename); its record for the plan header."""
+        self._file.seek(0)
+        self._file.write(_npy_header(self.dtype, self.length))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        return ArrayRecord(self.length, self._hash.hexdigest())
+
+    def abandon(self) -> None:
+        """Drop the unfinished file (an error or stop while writing)."""
+        self._file.close()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
+
+
+def write_array(path: str, values: np.ndarray, dtype: np.dtype) -> ArrayRecord:
+    """Write a whole array as a plan ``.npy`` file."""
+    writer = ArrayWriter(path, dtype)
+    try:
+        writer.append(values)
+    except BaseException:
+        writer.abandon()
+        raise
+    return writer.close()
+
+
+def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = True) -> np.ndarray:
+    """Memory-map a plan array, checking its dtype, length and (``verify``) its checksum."""
+    try:
+        array = np.load(path, mmap_mode="c", allow_pickle=False)  # private: writable views, file untouched
+    except FileNotFoundError:
+        raise PlanError(f"{path} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{path} is not a readable .npy array ({exc})") from exc
+    if array.dtype != np.dtype(dtype) or array.ndim != 1 or array.shape[0] != record.length:
+        raise PlanError(f"{path} holds {array.dtype} x {array.shape}, the plan says {np.dtype(dtype)} x "
+                        f"({record.length},)")
+    if verify and _data_digest(path, array.offset) != record.xxh3_64:
+        raise PlanError(f"{path} does not match its checksum (damaged or from another plan)")
+    return array
+
+
+def _data_digest(path: str, offset: int) -> str:
+    """xxh3-64 of a file's bytes from ``offset``, read through a small buffer: hashing a large
+    array through its mapping would make every page of it resident in this process."""
+    digest = xxhash.xxh3_64()
+    buf = bytearray(1 << 22)
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(offset)
+        while n := handle.readinto(buf):
+            digest.update(memoryview(buf)[:n])
+    return digest.hexdigest()
+
+
+def write_header(path: str, header: PartHeader | PlanHeader) -> None:
+    """Publish a header (after its arrays): atomic, durable."""
+    atomic_write_bytes(path, encode_json(header, pretty=False))
+    fsync_dir(os.path.dirname(path))
+
+
+def read_header(path: str, kind: type[PartHeader] | type[PlanHeader]) -> PartHeader | PlanHeader | None:
+    """A plan or part header, or None when there is none; :class:`PlanError` when it is unreadable."""
+    try:
+        raw = read_regular(path, MAX_HEADER_BYTES)
+    except FileNotFoundError:
+        return None
+    except CacheError as exc:
+        raise PlanError(str(exc)) from exc
+    try:
+        header = msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as exc:
+        raise PlanError(f"{path} is not a plan header ({exc})") from exc
+    if header.format != PLAN_FORMAT:
+        raise PlanError(f"{path} has plan format {header.format!r}, this version reads {PLAN_FORMAT!r}")
+    return header
+

@@ -1,0 +1,132 @@
+"""The job's plan, made once: reuse the saved plan, or tokenise (split across ranks) and merge.
+
+Every rank calls :func:`plan_job` with the same settings. In order:
+
+1. the saved plan, when its keys match and it checks out on every rank: nothing is tokenised;
+2. else the saved parts, when a tokenisation with the same encode key is whole on disk (a
+   changed shard size or batch budget re-batches without re-tokenising);
+3. else each rank encodes its own rows (``row % world_size == rank``) into its part.
+
+Rank 0 then merges the parts into the plan and saves it; the others load that plan (memory-
+mapped: one copy of the tokens per node's page cache, not one per rank). A failure on any rank
+is known to all of them, so no rank waits for one that has given up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, TypeVar
+
+from dspark_cache.format.paths import PLAN_ARRAYS, CachePaths
+from dspark_cache.format.plan import PartHeader
+from dspark_cache.producer.config import ProduceConfig
+from dspark_cache.producer.distributed import RankInfo, all_texts, all_true
+from dspark_cache.producer.encode_pool import encode_rows
+from dspark_cache.producer.inputs import InputError, InputSource, RawRow
+from dspark_cache.producer.layout import check_layout, plan_files, remove_files
+from dspark_cache.producer.messages import normalise_row
+from dspark_cache.producer.plan import Plan, SampleShape
+from dspark_cache.producer.plan_parts import encode_part
+from dspark_cache.producer.plan_store import (
+    check_invalid_rows, encode_key, layout_key, load_plan, merge_parts, open_store, read_parts, save_plan,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PlanningError(Exception):
+    """Another rank of the job failed while planning (its message says why)."""
+
+
+def _together(me: RankInfo, step: Callable[[], T]) -> T:
+    """Run ``step`` on this rank; if it fails on any rank, every rank raises (a collective)."""
+    result, error, failure = None, None, ""
+    try:
+        result = step()
+    except Exception as exc:
+        if me.world_size == 1:
+            raise
+        error, failure = exc, str(exc) or type(exc).__name__
+    failures = all_texts(me, failure)
+    if error is not None:
+        raise error
+    for rank, text in enumerate(failures):
+        if text:
+            raise PlanningError(f"rank {rank} could not plan the input: {text}")
+    return result  # type: ignore[return-value]
+
+
+def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
+             shape: SampleShape, input_sha256: str, on_row: Callable[[], None] = lambda: None) -> Plan:
+    """The job's plan (see the module's docstring); ``on_row`` after each row this rank encodes."""
+    key = encode_key(cfg, encoder.tokenizer, input_sha256)
+    keys = (key, layout_key(key, shape, cfg.shard_size, cfg.batch_token_budget))
+    saved = None if cfg.overwrite else load_plan(paths, keys)
+    if all_true(me, saved is not None):
+        plan, parts = saved  # type: ignore[misc]
+        log.info("plan: reusing the saved plan in %s (nothing tokenised)", paths.plan_dir)
+        check_invalid_rows(parts, cfg.on_invalid)
+        return plan
+    parts = None if cfg.overwrite else read_parts(paths, key, verify=True)
+    if all_true(me, parts is not None):
+        log.info("plan: reusing the tokenised input in %s (batching it again)", paths.plan_dir)
+    else:
+        _together(me, lambda: _encode_my_part(cfg, paths, me, source, encoder, key, on_row))
+        parts = read_parts(paths, key)
+    parts = _together(me, lambda: _require_parts(parts, cfg))
+    check_invalid_rows(parts, cfg.on_invalid)
+    if me.is_leader:
+        built = _together(me, lambda: _merge_and_save(cfg, paths, parts, shape, keys))
+        return built
+    _together(me, lambda: None)  # rank 0 merges
+    loaded = load_plan(paths, keys)
+    if loaded is None:
+        raise PlanningError(f"the plan rank 0 saved in {paths.plan_dir} cannot be read here; is --output-dir "
+                            "the same shared directory on every node?")
+    return loaded[0]
+
+
+def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
+                    key: str, on_row: Callable[[], None]) -> PartHeader:
+    check_layout(paths)  # every rank, before writing: the plan directory must not lead out of the cache
+    started = time.perf_counter()
+
+    def encode(row: RawRow):
+        messages, tools = normalise_row(row.value)
+        return encoder.encode(messages, tools)
+
+    world, rank = me.world_size, me.rank
+    rows = source.rows(keep=lambda i: i % world == rank) if world > 1 else source.rows()
+    header = encode_part(paths, encode_rows(rows, encode, cfg.tokenize_workers), rank, world, key, on_row)
+    log.info("rank %d encoded %d rows in %.1f s", rank, header.rows, time.perf_counter() - started)
+    return header
+
+
+def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig) -> list[PartHeader]:
+    """The parts every rank wrote, and an input that gives at least one sample."""
+    if parts is None:
+        raise InputError(f"the tokenised parts of {cfg.input_data} are incomplete on disk; is --output-dir the "
+                         "same shared directory on every node?")
+    rows = sum(p.rows for p in parts)
+    if rows == 0:
+        raise InputError(f"{cfg.input_data} holds no rows; check --input-data (and --split)")
+    if not sum(p.arrays["rows"].length for p in parts):
+        counts: dict[str, int] = {}
+        for row in (r for p in parts for r in p.skipped):
+            counts[row.reason] = counts.get(row.reason, 0) + 1
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(counts.items()))
+        raise InputError(f"none of the {rows} rows of {cfg.input_data} gives a supervised sample ({reasons})")
+    return parts
+
+
+def _merge_and_save(cfg: ProduceConfig, paths: CachePaths, parts: list[PartHeader], shape: SampleShape,
+                    keys: tuple[str, str]) -> Plan:
+    store, tables = open_store(paths, parts)
+    plan = merge_parts(parts, store, tables, shape, shard_size=cfg.shard_size, max_batch_tokens=cfg.batch_token_budget)
+    save_plan(paths, plan, parts, keys)
+    keep = {paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS)}
+    keep |= {f for p in parts for f in (paths.plan_part_header(p.part), *(paths.plan_part(p.part, k) for k in p.arrays))}
+    remove_files([f for f in plan_files(paths) if f not in keep])  # parts of a larger earlier job, temporaries
+    return plan
