@@ -71,6 +71,7 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
         for sid in index.nonfinite:
             status.event(EventKind.WARNING, f"sample {sid} dropped: non-finite hidden states", sample=sid)
         status.update(force=True, shards_done=len(published), shard=None)
+        progress.shards_published(len(published), len(owned))
 
     def on_batch(stats: PipelineStats, budget) -> None:
         status.update(state=RankState.RUNNING, shard=stats.current_shard,
@@ -81,14 +82,18 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
 
     status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned))
     try:
-        return run_pipeline(owned, runner.forward, paths=p.paths, shape=p.shape, device=p.device,
-                            pad_id=p.manifest.pad_token_id, max_inflight_bytes=p.cfg.max_inflight_bytes,
-                            on_published=on_published, should_stop=stop, on_batch=on_batch,
-                            on_nonfinite=p.cfg.on_nonfinite)
+        stats = run_pipeline(owned, runner.forward, paths=p.paths, shape=p.shape, device=p.device,
+                             pad_id=p.manifest.pad_token_id, max_inflight_bytes=p.cfg.max_inflight_bytes,
+                             on_published=on_published, should_stop=stop, on_batch=on_batch,
+                             on_nonfinite=p.cfg.on_nonfinite)
+        progress.update(stats.tokens, stats.samples, len(published), len(owned))  # the last batch's counts too
+        return stats
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise _disk_full(p, exc) from exc
         raise
+    finally:
+        progress.close()  # the bar ends (and logging is given back) before any summary or error prints
 
 
 def _disk_full(p: Prepared, exc: OSError) -> DiskFullError:
