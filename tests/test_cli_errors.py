@@ -121,3 +121,82 @@ def test_tui_flag_only_on_the_console_script(tmp_path):
                            "--input-data", "y", "--output-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--tui" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--log-level", "LOUD"], ["--log-level", "'LOUD'", "DEBUG"]),
+    (["--device", "tpu"], ["--device", "'tpu'", "auto, cpu, cuda or cuda:N"]),
+    (["--device", "cuda:x"], ["--device", "'cuda:x'", "auto, cpu, cuda or cuda:N"]),
+])
+def test_bad_log_level_and_device_are_one_line_usage_errors(tmp_path, args, needles):
+    """Checked while parsing: exit 2, one line naming the accepted values, no traceback, nothing written."""
+    out = tmp_path / "out"
+    done = _script("dspark-produce", "--target-model", "x", "--input-data", "y", "--output-dir", str(out), *args)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert all(needle in done.stderr for needle in needles), done.stderr
+    assert done.stdout == "" and not out.exists()
+
+
+def test_device_is_checked_for_api_callers_too(embedded, tmp_path):
+    """A ProduceConfig built in code gets the same message, before anything is loaded."""
+    from dspark_cache.producer.config import ProduceConfig
+    from dspark_cache.producer.run import produce
+
+    cfg = ProduceConfig(embedded.stock, embedded.data, str(tmp_path / "out"), device="tpu")
+    with pytest.raises(ValueError, match=r"--device 'tpu' .* use auto, cpu, cuda or cuda:N"):
+        produce(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_lists_defaults():
+    """--help states every default a user would otherwise look up (NeMo's differ for some)."""
+    blocks = _help_blocks(_script("dspark-produce", "--help").stdout)
+    for option, default in [("--seq-length", "2048"), ("--batch-size", "4"), ("--shard-size", "256"),
+                            ("--dtype", "bf16"), ("--device", "auto"), ("--shuffle-seed", "42"),
+                            ("--draft-num-hidden-layers", "5"), ("--compute-dtype", "auto"),
+                            ("--rank-timeout", "300.0"), ("--log-level", "INFO")]:
+        assert f"(default: {default})" in blocks[option] or f"(default {default})" in blocks[option], blocks[option]
+    assert "default" in blocks["--num-workers"] and "cores" in blocks["--num-workers"]
+    assert not [b for b in blocks.values() if "(default: None)" in b or "(default: False)" in b]
+    assert "--no-progress" in blocks
+
+
+def _help_blocks(text: str) -> dict[str, str]:
+    """``--help``'s option entries, each joined onto one line, by the option's first name."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        start = re.match(r"^  (-[-\w]+)", line)
+        if start:
+            current = start.group(1)
+            blocks[current] = line.strip()
+        elif current and line.startswith("    "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_command_hints_name_a_command_that_runs(script, monkeypatch, tmp_path):
+    """The hint is the bare name on PATH, else the script beside this Python, else ``python -m``: each runs."""
+    from dspark_cache.cli.conventions import command_hint
+
+    beside = os.path.join(os.path.dirname(sys.executable), script)
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    assert command_hint(script) == script
+    monkeypatch.setenv("PATH", str(tmp_path))  # installed, but its venv is not activated
+    assert os.path.samefile(os.path.abspath(command_hint(script)), beside)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # no script anywhere (pip --target ...)
+    hint = command_hint(script)
+    assert hint.startswith(f"{tmp_path / 'python'} -m dspark_cache.")
+    monkeypatch.undo()
+    module = hint.split(" -m ", 1)[1]
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith(dspark_version()), done.stderr
+
+
+def dspark_version() -> str:
+    import dspark_cache
+
+    return dspark_cache.__version__

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shlex
+import shutil
 import sys
 from typing import Callable, NoReturn
 
@@ -48,6 +51,23 @@ class UsageParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` with each option's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text.lower() or default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings):
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+class RawDescriptionDefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """:class:`DefaultsHelpFormatter` that keeps the description's own line breaks."""
+
+
 def exit_codes_epilog(*codes: int) -> str:
     """``--help``'s exit-status paragraph for a script that uses ``codes`` (from the one table)."""
     return "exit status: " + "; ".join(f"{code} {EXIT_CODES[code]}" for code in codes)
@@ -56,7 +76,7 @@ def exit_codes_epilog(*codes: int) -> str:
 def new_parser(prog: str, description: str, *, log_level: str = "WARNING", epilog: str | None = None,
                raw_description: bool = False) -> UsageParser:
     """A script's parser with the shared options: ``--version`` and ``--log-level``."""
-    formatter = argparse.RawDescriptionHelpFormatter if raw_description else argparse.HelpFormatter
+    formatter = RawDescriptionDefaultsHelpFormatter if raw_description else DefaultsHelpFormatter
     parser = UsageParser(prog=prog, description=description, epilog=epilog, formatter_class=formatter)
     add_version_argument(parser)
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=log_level,
@@ -74,6 +94,34 @@ def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
     """Report a failure (one message that says what to do next); returns ``code``."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
+
+
+# The module each console script runs, for a hint when the script itself is not installed anywhere.
+SCRIPT_MODULES = {
+    "dspark-produce": "dspark_cache.producer.cli",
+    "dspark-monitor": "dspark_cache.tui.cli",
+    "dspark-verify": "dspark_cache.verify",
+    "dspark-convert": "dspark_cache.nemo.convert.cli",
+}
+
+
+def command_hint(script: str) -> str:
+    """How the user can run ``script`` from here, for a hint printed to them.
+
+    The bare name when the one on PATH is this installation's (or the only one there is), else
+    the script beside this Python (a venv not activated: ``.venv/bin/dspark-monitor``), else the
+    module through this Python (``pip install --target`` and similar leave no script at all).
+    """
+    beside = os.path.join(os.path.dirname(sys.executable), script)
+    beside = beside if os.path.isfile(beside) and os.access(beside, os.X_OK) else None
+    on_path = shutil.which(script)
+    if on_path and (beside is None or os.path.samefile(on_path, beside)):
+        return script
+    if beside is not None:
+        relative = os.path.relpath(beside)
+        # Relative only when it stays inside the working directory (``.venv/bin/...``), like the README's.
+        return shlex.quote(relative if not relative.startswith(os.pardir) else beside)
+    return f"{shlex.quote(sys.executable)} -m {SCRIPT_MODULES[script]}"
 
 
 def run_script(parser: UsageParser, run: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:

@@ -11,12 +11,14 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dspark_cache.cli.conventions import (
     EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, error, exit_codes_epilog,
     new_parser, run_script,
 )
+from dspark_cache.format.errors import CacheError
 
 if TYPE_CHECKING:
     from dspark_cache.producer.run import RunResult
@@ -24,15 +26,50 @@ if TYPE_CHECKING:
 PROG = "dspark-produce"
 
 
-def summary(result: RunResult) -> str:
-    """Rank 0's last line: what the cache holds and what it cost."""
+@dataclass(frozen=True)
+class Published:
+    """What the cache directory holds now, counted from its shard indexes."""
+
+    shards: int
+    samples: int
+    tokens: int
+    bytes: int
+
+
+def published(output_dir: str) -> Published:
+    """Count the published shards, samples, tokens and bytes from the indexes (a shard exists when its index does)."""
+    from dspark_cache.format.cache import CacheDir
+
+    shards = samples = tokens = size = 0
+    with CacheDir(output_dir, allow_incomplete=True, strict=False) as cache:
+        for shard_id in cache.indexed_ids():
+            index = cache.published(shard_id)
+            if index is None:
+                continue
+            shards += 1
+            samples += index.num_samples
+            tokens += sum(entry.length for entry in index.samples)
+            size += index.tar_bytes
+    return Published(shards, samples, tokens, size)
+
+
+def summary(result: RunResult, output_dir: str) -> str:
+    """Rank 0's last line: what the cache holds now (read from ``output_dir``), what was planned, what it cost."""
     m, plan = result.manifest, result.plan
-    tokens = max(plan.num_tokens, 1)
-    return (
-        f"cache {'complete' if m.complete else 'incomplete'}: {plan.num_samples} samples "
-        f"({len(plan.skipped)} rows skipped), {plan.num_tokens} tokens, {len(plan.shards)} shards, "
-        f"{plan.num_bytes / 1e6:.1f} MB ({plan.num_bytes / tokens:.0f} bytes/token), {result.seconds:.1f} s"
-    )
+    try:
+        done = published(output_dir)
+    except (CacheError, OSError) as exc:  # the run's own line must not fail on a damaged index: say so instead
+        return (f"cache {'complete' if m.complete else 'incomplete'}: planned {plan.num_samples} samples in "
+                f"{len(plan.shards)} shards; the published shards could not be counted ({exc}); "
+                f"run dspark-verify {output_dir}")
+    skipped = f"{len(plan.skipped)} rows skipped"
+    if m.complete:
+        return (f"cache complete: {done.samples} samples ({skipped}), {done.tokens} tokens, {done.shards} shards, "
+                f"{done.bytes / 1e6:.1f} MB ({done.bytes / max(done.tokens, 1):.0f} bytes/token), "
+                f"{result.seconds:.1f} s")
+    return (f"cache incomplete: {done.shards} of {len(plan.shards)} shards, {done.samples} of {plan.num_samples} "
+            f"samples, {done.tokens} of {plan.num_tokens} tokens, {done.bytes / 1e6:.1f} of "
+            f"{plan.num_bytes / 1e6:.1f} MB published ({skipped}), {result.seconds:.1f} s")
 
 
 def plan_report(plan, manifest, output_dir: str) -> str:
@@ -80,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(parser)
     parser.add_argument("--tui", action="store_true",
                         help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (log lines at INFO instead); bars are drawn only when stderr is a "
+                        "terminal, by rank 0")
     return parser
 
 
@@ -87,6 +127,9 @@ def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
     """Produce with parsed ``args`` (``argv``: the same arguments, for the child under ``--tui``)."""
     from dspark_cache.producer.config import config_from_args
 
+    from dspark_cache.producer.progress import set_progress
+
+    set_progress(False if args.no_progress else None)
     cfg = config_from_args(args)
     if cfg.dry_run:
         return dry_run(cfg)
@@ -95,7 +138,9 @@ def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
             raise UsageError("--tui needs the dspark-produce command, not python -m dspark_cache.producer.cli")
         from dspark_cache.tui.foreground import run_with_monitor
 
-        return run_with_monitor([a for a in argv if a != "--tui"], cfg.output_dir)
+        # The child's output goes to a log file: log lines, never bars, even if the setting were forced.
+        child_argv = [a for a in argv if a not in ("--tui", "--no-progress")] + ["--no-progress"]
+        return run_with_monitor(child_argv, cfg.output_dir)
     from dspark_cache.producer.run import produce
 
     try:
@@ -107,7 +152,7 @@ def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
         logging.getLogger("dspark_cache").debug("failure", exc_info=True)
         return error(PROG, str(exc))
     rank = int(os.environ.get("RANK", "0"))
-    print(summary(result) if rank == 0 else f"rank {rank}: done")
+    print(summary(result, cfg.output_dir) if rank == 0 else f"rank {rank}: done")
     if result.missing:
         print(f"{PROG}: shards {result.missing} were not published because the rank that owned them "
               "stopped; rerun the same command (any number of ranks) to complete the cache", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, fields
 
 from dspark_cache.format.sample import CACHE_DTYPES  # names -> safetensors codes: no torch
@@ -18,6 +19,25 @@ from dspark_cache.format.status import RANK_TIMEOUT_S
 DESCRIPTION = ("Run a frozen target once over chat data and write its hidden states as compact, resumable "
                "WebDataset shards for DSpark drafter training. NeMo's precompute_dspark command lines work "
                "unchanged.")
+
+
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def device_problem(value: str) -> str | None:
+    """Why ``value`` is not a ``--device`` this producer runs on, or None when it is one."""
+    if _DEVICE.fullmatch(value):
+        return None
+    return f"--device {value!r} is not a device this producer runs on; use {DEVICE_FORMS}"
+
+
+def device_argument(value: str) -> str:
+    """argparse ``type`` for ``--device``: checked while parsing, so a typo is a one-line usage error (exit 2)."""
+    problem = device_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix("--device "))
+    return value
 
 
 @dataclass
@@ -77,20 +97,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-data", required=True, help="JSONL/JSON/Parquet file, a directory of them, or an HF dataset id")
     p.add_argument("--output-dir", required=True, help="cache directory (resumed when it matches)")
     p.add_argument("--seq-length", type=int, default=2048, help="right-truncate samples to this many tokens")
-    p.add_argument("--batch-size", type=int, default=4, help="max samples per forward batch")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="with --seq-length, the padded tokens per forward: batch-size x seq-length (NeMo's memory "
+                   "per forward); a batch of short samples holds more than batch-size of them")
+    p.add_argument("--shard-size", type=int, default=256,
+                   help="at most this many samples per shard (shards are cut from whole batches; any value works)")
     p.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default="bf16", help="cache float dtype")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda, cuda:N or cpu")
+    p.add_argument("--device", type=device_argument, default="auto",
+                   help=f"{DEVICE_FORMS}; auto = CUDA when present (under torchrun cuda:LOCAL_RANK), else cpu")
     p.add_argument("--num-workers", type=int, default=None,
-                   help="tokenisation processes (default: the cores of this rank's share of the node; 0 = in process)")
+                   help="tokenising processes (default: this rank's share of the node's cores, at most 16; "
+                   "0 = in process)")
     p.add_argument("--split", default=None,
                    help="HF split syntax: NAME, NAME[a:b] (negative counts from the end) or NAME[a%%:b%%], taken "
                    "after the --shuffle-seed shuffle (JSON/JSONL files are shuffled only when --split is given); "
                    "a plain file's one split is 'train'")
     p.add_argument("--shuffle-seed", type=int, default=42, help="shuffle before slicing (Parquet / hub only)")
-    p.add_argument("--draft-num-hidden-layers", type=int, default=5, help="feature layers for the default spread")
+    p.add_argument("--draft-num-hidden-layers", type=int, default=5,
+                   help="how many layers NeMo's spread picks when --target-layer-ids is not given")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit layer ids (NeMo convention)")
-    p.add_argument("--chat-template", default=None, help="inline Jinja or a file; default: the tokenizer's")
+    p.add_argument("--chat-template", default=None,
+                   help="inline Jinja, a template file or a tokenizer_config.json (default: the tokenizer's own)")
     p.add_argument("--mask-reasoning-content", action="store_true", help="do not supervise reasoning_content")
     p.add_argument("--mask-generation-prompt", action="store_true",
                    help="do not supervise the tokens the generation prompt supplies in each assistant turn "
@@ -104,7 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="padded-token budget per batch (default batch-size x seq-length)")
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30,
-                   help="host bytes staged between device and writer before the device waits")
+                   help="host bytes staged between device and writer before the device waits (default 1 GiB)")
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows: stop during planning (default) or skip and count them")
     p.add_argument("--max-row-bytes", type=int, default=1 << 28,
@@ -133,5 +160,8 @@ def validate_config(cfg: ProduceConfig) -> None:
                  "max_row_bytes"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    problem = device_problem(cfg.device)
+    if problem:
+        raise ValueError(problem)
     if cfg.max_batch_tokens is not None and cfg.max_batch_tokens < 1:
         raise ValueError(f"--max-batch-tokens must be >= 1, got {cfg.max_batch_tokens}")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dspark_cache.format.layers import EMBEDDING_LAYER, stores_last
+from dspark_cache.producer.config import device_problem
 from dspark_cache.producer.tensors import torch_dtype
 from dspark_cache.producer.masks import CausalMasks, masks_match
 
@@ -39,14 +40,12 @@ def resolve_device(arg: str) -> torch.device:
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    problem = device_problem(arg)  # the command line checks this while parsing; this covers API callers
+    if problem:
+        raise TargetError(problem)
     if arg == "auto":
         arg = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(arg)
-    except RuntimeError:
-        raise TargetError(f"--device {arg!r} is not a device name; use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise TargetError(f"--device {arg!r} is not supported; use auto, cpu, cuda or cuda:N")
+    device = torch.device(arg)
     if device.type != "cuda":
         return device
     if device.index is not None and under_torchrun:
