@@ -1,4 +1,8 @@
-"""``make demo``: build the embedded target and sample data (once), then run dspark-produce."""
+"""``make demo``: build the embedded target and sample data (once), then run dspark-produce.
+
+The producer runs at its default log level (INFO): on a terminal its progress bars show
+tokenising, planning and computing live; piped, the same progress comes as log lines.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import os
 import sys
 
+from dspark_cache.cli.conventions import command_hint
 from dspark_cache.producer.cli import main as produce_main
 
 STAMP = "embedded-v1"
@@ -30,19 +35,22 @@ def ensure_embedded(workdir: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo; arguments it does not know (``--no-progress``, ``--device cpu`` ...) go to dspark-produce."""
     parser = argparse.ArgumentParser(description="Run dspark-produce on the embedded default target and data.")
     parser.add_argument("--workdir", default=".demo")
     args, extra = parser.parse_known_args(argv)
     target, data = ensure_embedded(args.workdir)
     output = os.path.join(args.workdir, "cache")
     cmd = ["--target-model", target, "--input-data", data, "--output-dir", output, "--overwrite",
-           "--seq-length", "2048", "--batch-size", "16", "--shard-size", "64", "--log-level", "WARNING", *extra]
-    print("dspark-produce " + " ".join(cmd))
-    print(f"watch it live from another terminal: .venv/bin/dspark-monitor {output}   "
+           "--seq-length", "2048", "--batch-size", "16", "--shard-size", "64", *extra]
+    print(f"{command_hint('dspark-produce')} " + " ".join(cmd))
+    print(f"watch it live from another terminal: {command_hint('dspark-monitor')} {output}   "
           "(or add --tui to a dspark-produce command to watch in the foreground)")
+    sys.stdout.flush()  # the plan's log lines and the bar go to stderr: keep the order on a terminal
     code = produce_main(cmd)
     if code == 0:
-        print(f"check it: .venv/bin/dspark-verify {output}   read it: dspark_cache.build_dataloader({output!r}, 4)")
+        print(f"check it: {command_hint('dspark-verify')} {output}   "
+              f"read it: dspark_cache.build_dataloader({output!r}, 4)")
     return code
 
 
