@@ -26,10 +26,12 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+RESULTS_DIR = os.path.join(ROOT, ".bench")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -194,17 +196,38 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workdir", default=os.path.join(ROOT, ".bench", "loader"))
+    p.add_argument("--workdir", default=None,
+                   help="where the caches are written: a fresh directory inside it, removed at the end "
+                        "(default: inside --results-dir)")
+    p.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON results are saved (default: .bench/)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this run (threads hand the GIL over sooner)")
     args = p.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    root, lengths = make_cache(os.path.join(args.workdir, "cache"), args.samples, args.hidden, args.seq_length,
+    # The results directory exists before a minute of measuring, so saving cannot fail on it.
+    os.makedirs(args.results_dir, exist_ok=True)
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+    # Always a directory of our own (inside --workdir when given): the cleanup deletes nothing else.
+    work = tempfile.mkdtemp(prefix="loader-", dir=args.workdir or args.results_dir)
+    try:
+        result = measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result, indent=2))  # printed first: the numbers survive a failed save
+    out = os.path.join(args.results_dir, f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(out, "w") as handle:
+        json.dump(result, handle, indent=2)
+    print(f"results: {out}")
+
+
+def measure(args: argparse.Namespace, work: str) -> dict:
+    """Every measurement of one run, with its caches written under ``work``."""
+    root, lengths = make_cache(os.path.join(work, "cache"), args.samples, args.hidden, args.seq_length,
                                args.shard_size)
     tars = [CachePaths(root).shard_tar(i) for i in range(-(-args.samples // args.shard_size))]
-    nemo_files = make_nemo_shards(root, os.path.join(args.workdir, "nemo"), args.seq_length)
+    nemo_files = make_nemo_shards(root, os.path.join(work, "nemo"), args.seq_length)
     payload = sum(n * (args.hidden * len(LAYERS) * 2 + 5) for n in lengths)
     tar_bytes = sum(os.path.getsize(f) for f in tars)
     nemo_bytes = sum(os.path.getsize(f) for f in nemo_files)
@@ -243,11 +266,7 @@ def main() -> None:
         "vs_raw_paired": {k: statistics.median(r / o for r, o in zip(runs["raw"], v)) for k, v in runs.items()},
         "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(), "native_filler": native,
     }
-    out = os.path.join(ROOT, ".bench", f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(out, "w") as handle:
-        json.dump(result, handle, indent=2)
-    print(json.dumps(result, indent=2))
-    shutil.rmtree(args.workdir, ignore_errors=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -408,7 +408,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workdir", default=None)
+    p.add_argument("--workdir", default=None,
+                   help="where caches are written: a fresh directory inside it, removed at the end (default: in .bench/)")
     p.add_argument("--synthetic-rows", type=int, default=600,
                    help="rows of the sample data in the synthetic suite (more rows: pipeline fill and drain matter less)")
     p.add_argument("--synthetic-dir", default=None,
@@ -418,11 +419,15 @@ def main() -> None:
     p.add_argument("--synthetic-hidden", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--synthetic-layers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    os.makedirs(BENCH_DIR, exist_ok=True)
-    args.workdir = args.workdir or tempfile.mkdtemp(prefix="work-", dir=BENCH_DIR)
-    if args.measure:
+    os.makedirs(BENCH_DIR, exist_ok=True)  # before minutes of measuring: saving cannot fail on it
+    if args.measure:  # a child: --workdir is the parent's own directory
+        args.workdir = args.workdir or tempfile.mkdtemp(prefix="work-", dir=BENCH_DIR)
         print(json.dumps(MEASURES[args.measure](args)))
         return
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+    # Always a directory of our own (inside --workdir when given): the cleanup deletes nothing else.
+    args.workdir = tempfile.mkdtemp(prefix="work-", dir=args.workdir or BENCH_DIR)
 
     results: dict = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "measure"}}
     if args.suite == "gpu":
@@ -446,11 +451,11 @@ def main() -> None:
     shutil.rmtree(args.workdir, ignore_errors=True)
     if args.suite in ("synthetic", "all"):
         shutil.rmtree(small.workdir, ignore_errors=True)
+    print(json.dumps(results, indent=2))  # printed first: the numbers survive a failed save
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(BENCH_DIR, f"producer-{args.suite}-{stamp}.json")
     with open(path, "w") as handle:
         json.dump(results, handle, indent=2)
-    print(json.dumps(results, indent=2))
     print(f"results: {path}")
 
 

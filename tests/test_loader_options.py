@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -11,6 +15,7 @@ import dspark_cache
 from dspark_cache.nemo import build_cached_dspark_dataloader
 
 READER_THREAD = "dspark-read"  # loader/reader.py's thread name prefix
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _reader_threads() -> set[threading.Thread]:
@@ -57,3 +62,19 @@ def test_nemo_builder_zero_workers_reads_in_this_process(small_cache):
     assert loader.num_workers == 0
     batches = list(loader)
     assert sum(len(b["input_ids"]) for b in batches) == len(loader.dataset)
+
+
+def test_loader_bench_makes_its_directories_and_deletes_only_its_own(tmp_path):
+    # --workdir outside the repository used to crash after the whole run, writing to a missing .bench/.
+    workdir, results = tmp_path / "work", tmp_path / "results" / "loader"
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("the user's, not the bench's")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "loader.py"), "--samples", "6", "--hidden", "32",
+                           "--seq-length", "128", "--shard-size", "3", "--repeat", "1", "--workdir", str(workdir),
+                           "--results-dir", str(results)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (saved,) = results.glob("loader-*.json")
+    printed, last = done.stdout.rsplit("\n", 2)[0], done.stdout.strip().splitlines()[-1]
+    assert last == f"results: {saved}"  # the table is printed before it is saved
+    assert json.loads(printed[printed.index("{"):]) == json.loads(saved.read_text())
+    assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
