@@ -13,7 +13,8 @@ from functools import lru_cache
 
 from dspark_cache.format.layers import stores_last
 from dspark_cache.format.sample import (
-    CACHE_DTYPES, DTYPE_SIZES, PAGE_ALIGN, TensorSpec, layout_payload, place_tensors, sample_metadata, sample_specs,
+    CACHE_DTYPES, DTYPE_SIZES, PAGE_ALIGN, TensorSpec, is_fp8, layout_payload, place_tensors, sample_metadata,
+    sample_specs,
 )
 from dspark_cache.format.schema import Manifest
 
@@ -44,6 +45,11 @@ class SampleShape:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def fp8(self) -> bool:
+        """Float8 states with per-(token, layer) scales stored next to them."""
+        return is_fp8(self.dtype)
+
+    @property
     def hidden_dim(self) -> int:
         return len(self.layer_ids) * self.hidden_size
 
@@ -53,12 +59,12 @@ class SampleShape:
         return stores_last(self.layer_ids, self.num_layers)
 
     def specs(self, length: int) -> list[TensorSpec]:
-        """The tensors of a ``length``-token sample, in storage order."""
+        """The tensors of a ``length``-token sample, in storage order (FP8: scales included)."""
         return sample_specs(length, self.hidden_dim, self.hidden_size, self.dtype, self.stores_last)
 
     def metadata(self, sample_id: int) -> dict[str, str]:
         """The ``__metadata__`` of sample ``sample_id``'s header."""
-        return sample_metadata(sample_id, list(self.layer_ids), self.num_layers, self.hidden_size)
+        return sample_metadata(sample_id, list(self.layer_ids), self.num_layers, self.hidden_size, self.dtype)
 
     def data_size(self, length: int) -> int:
         """Bytes of a ``length``-token sample's data section (its blob minus the header)."""

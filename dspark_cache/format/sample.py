@@ -9,6 +9,12 @@ O_DIRECT or GPUDirect Storage can therefore use the bytes as they lie on disk.
 This module never imports torch (the verifier and the monitor must not pay for it): dtypes are
 safetensors codes (``"BF16"``), the writer takes buffers, and decoding gives numpy views tagged
 with their code. The loader turns those into torch tensors (``loader/tensors.py``).
+
+FP8 samples (``--dtype fp8``, code ``F8_E4M3``; ``fp8_e5m2``, ``F8_E5M2``) store each hidden
+state row as float8 with one float32 scale per (token, captured layer), and one per token for a
+separately stored final state: ``value = fp8 * scale``. The scales come first in the blob, so a
+reader that dequantises while it reads has them before the data they scale (one forward pass).
+:func:`fp8_to_float32` and :func:`dequantize_arrays` are the torch-free dequantisation.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dspark_cache.format.layers import stores_last as _stores_last
+from dspark_cache.format.schema import FP8_SCALE_SCHEME
 
 PAGE_ALIGN = 4096
 TENSOR_ALIGN = 64
@@ -36,6 +43,10 @@ LAST_HIDDEN = "target_last_hidden_states"  # [L, H], stored only when N-1 is not
 INPUT_IDS = "input_ids"  # [L] int32
 LOSS_MASK = "loss_mask"  # [L] uint8
 PAD_PREFIX = "__pad"
+# FP8 samples only, stored before the states they scale: float32, positive and finite.
+HIDDEN_SCALE = "target_hidden_states_scale"  # [L, len(ids)]: one per token and captured layer
+LAST_HIDDEN_SCALE = "target_last_hidden_states_scale"  # [L, 1], stored only with LAST_HIDDEN
+SCALE_CODE = "F32"
 
 # A batch carries NeMo's keys (the four names above) plus this one, 1 on real tokens.
 ATTENTION_MASK = "attention_mask"
@@ -43,22 +54,37 @@ ATTENTION_MASK = "attention_mask"
 # The per-sample metadata key saying whether the final state lies inside the hidden states
 # ("1") or is stored as its own tensor ("0"). Written into every header: never rename it.
 FINAL_IN_HIDDEN = "final_in_hidden"
+# FP8 samples' metadata key naming how the scales were made (absent from other samples, whose
+# headers stay byte-identical to earlier releases'). Also the manifest's ``scale_scheme``.
+SCALE_SCHEME_KEY = "scale_scheme"
+SCALE_SCHEME = FP8_SCALE_SCHEME
 
 # Safetensors dtype codes (the only dtype names in the format) as numpy dtypes. numpy has no
 # bfloat16: BF16 is viewed as same-width int16 bits (the code says what they are).
 NUMPY_DTYPES: dict[str, np.dtype] = {
     code: np.dtype(name) for code, name in
     {"BF16": "<i2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "I64": "<i8", "I32": "<i4", "I16": "<i2",
-     "I8": "i1", "U8": "u1", "BOOL": "?"}.items()
+     "I8": "i1", "U8": "u1", "BOOL": "?", "F8_E4M3": "u1", "F8_E5M2": "u1"}.items()
 }
 DTYPE_SIZES: dict[str, int] = {code: dtype.itemsize for code, dtype in NUMPY_DTYPES.items()}
 # The manifest's cache dtype names.
-CACHE_DTYPES: dict[str, str] = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+CACHE_DTYPES: dict[str, str] = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3",
+                                "fp8_e5m2": "F8_E5M2"}
+# FP8 codes -> the largest finite value (a scale maps a row's max |x| onto it) and, for decoding,
+# the mantissa bits and the exponent bias (e4m3fn, e5m2).
+FP8_MAX: dict[str, float] = {"F8_E4M3": 448.0, "F8_E5M2": 57344.0}
+_FP8_BITS: dict[str, tuple[int, int]] = {"F8_E4M3": (3, 7), "F8_E5M2": (2, 15)}
 # torch's name of each code, one table for the torch-side modules (loader, producer, nemo).
 TORCH_NAMES: dict[str, str] = {
     "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
+
+
+def is_fp8(code: str) -> bool:
+    """True for the float8 codes, whose samples carry scales."""
+    return code in FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -106,21 +132,33 @@ class PayloadLayout:
 
 
 def sample_specs(length: int, hidden_dim: int, hidden_size: int, dtype: str, stores_last: bool) -> list[TensorSpec]:
-    """The tensors of a sample of ``length`` tokens, in storage order (``dtype``: a code)."""
-    specs = [TensorSpec(HIDDEN, dtype, (length, hidden_dim))]
+    """The tensors of a sample of ``length`` tokens, in storage order (``dtype``: a code).
+
+    FP8 samples start with their scales (one per token and ``hidden_size`` columns)."""
+    specs = []
+    if is_fp8(dtype):
+        specs.append(TensorSpec(HIDDEN_SCALE, SCALE_CODE, (length, hidden_dim // hidden_size)))
+        if stores_last:
+            specs.append(TensorSpec(LAST_HIDDEN_SCALE, SCALE_CODE, (length, 1)))
+    specs.append(TensorSpec(HIDDEN, dtype, (length, hidden_dim)))
     if stores_last:
         specs.append(TensorSpec(LAST_HIDDEN, dtype, (length, hidden_size)))
     return specs + [TensorSpec(INPUT_IDS, "I32", (length,)), TensorSpec(LOSS_MASK, "U8", (length,))]
 
 
-def sample_metadata(sample_id: int, layer_ids: list[int], num_layers: int, hidden_size: int) -> dict[str, str]:
-    """The ``__metadata__`` of a sample: self-describing for plain-WebDataset readers."""
-    return {
+def sample_metadata(sample_id: int, layer_ids: list[int], num_layers: int, hidden_size: int,
+                    dtype: str = "") -> dict[str, str]:
+    """The ``__metadata__`` of a sample: self-describing for plain-WebDataset readers (an FP8
+    ``dtype`` code adds how its scales were made)."""
+    metadata = {
         "format": SAMPLE_FORMAT,
         "sample_id": str(sample_id),
         "hidden_size": str(hidden_size),
         FINAL_IN_HIDDEN: "0" if _stores_last(layer_ids, num_layers) else "1",
     }
+    if is_fp8(dtype):
+        metadata[SCALE_SCHEME_KEY] = SCALE_SCHEME
+    return metadata
 
 
 def place_tensors(specs: list[TensorSpec]) -> tuple[tuple[str, int, int], ...]:
@@ -211,16 +249,81 @@ def decode_payload(blob: bytearray | memoryview | bytes) -> tuple[dict[str, Stor
 
 
 def assemble_sample(tensors: dict[str, StoredTensor], metadata: dict[str, str]) -> dict[str, StoredTensor]:
-    """NeMo's per-sample tensors (unpadded) from what a blob stores (views, no copy)."""
+    """NeMo's per-sample tensors (unpadded) from what a blob stores (views, no copy).
+
+    An FP8 sample also gives its two scale tensors (raw: :func:`dequantize_arrays` applies them)."""
     hidden = tensors[HIDDEN]
-    if metadata.get(FINAL_IN_HIDDEN) == "1":
+    final_in_hidden = metadata.get(FINAL_IN_HIDDEN) == "1"
+    if final_in_hidden:
         columns = hidden.array.shape[1] - int(metadata["hidden_size"])
         last = StoredTensor(hidden.code, hidden.array[:, columns:])
     else:
         last = tensors[LAST_HIDDEN]
-    return {
+    sample = {
         INPUT_IDS: tensors[INPUT_IDS],
         LOSS_MASK: tensors[LOSS_MASK],
         HIDDEN: hidden,
         LAST_HIDDEN: last,
     }
+    if is_fp8(hidden.code):
+        scale = tensors[HIDDEN_SCALE]
+        sample[HIDDEN_SCALE] = scale
+        # The final state is the last layer's columns, so its scale is that layer's.
+        sample[LAST_HIDDEN_SCALE] = StoredTensor(scale.code, scale.array[:, -1:]) if final_in_hidden \
+            else tensors[LAST_HIDDEN_SCALE]
+    return sample
+
+
+# -- FP8 ----------------------------------------------------------------------------------------
+
+
+def fp8_to_float32(bits: np.ndarray, code: str) -> np.ndarray:
+    """Decode float8 bytes (uint8) to float32, exactly.
+
+    A normal code's exponent (rebiased) and mantissa are moved into place as float32 bits; a
+    subnormal one is its mantissa times a power of two. No arithmetic touches a subnormal
+    float32, so a flush-to-zero mode cannot change the result, and the loader's C filler decodes
+    with the same rule. Codes the producer never writes (e4m3's NaN, e5m2's inf/NaN) decode to
+    finite numbers (480, 2**16 ... 1.75 * 2**16).
+    """
+    mbits, bias = _FP8_BITS[code]
+    wide = bits.astype(np.uint32)
+    exponent, mantissa = (wide & 0x7F) >> mbits, wide & ((1 << mbits) - 1)
+    normal = (((exponent + (127 - bias)) << 23) | (mantissa << (23 - mbits))).view(np.float32)
+    tiny = mantissa.astype(np.float32) * np.float32(2.0 ** (1 - bias - mbits))
+    magnitude = np.where(exponent > 0, normal, tiny)
+    return np.where(wide & 0x80, -magnitude, magnitude).astype(np.float32, copy=False)
+
+
+def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bits (int16, the format's BF16 view), rounding to nearest even as
+    torch and the C filler do."""
+    bits = values.astype(np.float32, copy=False).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
+    return rounded.astype(np.uint16).view(np.int16)
+
+
+def dequantize_rows(data: np.ndarray, scales: np.ndarray, code: str, out_code: str) -> np.ndarray:
+    """``[L, k * g]`` float8 bytes times ``[L, k]`` scales (one per ``g`` columns) as ``out_code``
+    (``"F32"`` or ``"BF16"``), computed in float32 (one rounding more for BF16)."""
+    rows, groups = scales.shape
+    values = fp8_to_float32(data, code).reshape(rows, groups, -1) * scales.astype(np.float32)[:, :, None]
+    values = values.reshape(data.shape)
+    if out_code == "F32":
+        return values
+    if out_code == "BF16":
+        return float32_to_bf16_bits(values)
+    raise ValueError(f"FP8 states dequantise to F32 or BF16, not {out_code!r}")
+
+
+def dequantize_arrays(sample: dict[str, StoredTensor], out_code: str = "BF16") -> dict[str, StoredTensor]:
+    """An assembled sample with its FP8 states dequantised to ``out_code`` and the scales dropped;
+    any other sample is returned as it is."""
+    hidden = sample.get(HIDDEN)
+    if hidden is None or not is_fp8(hidden.code):
+        return sample
+    out = {name: t for name, t in sample.items() if name not in (HIDDEN_SCALE, LAST_HIDDEN_SCALE)}
+    for name, scale in ((HIDDEN, HIDDEN_SCALE), (LAST_HIDDEN, LAST_HIDDEN_SCALE)):
+        stored = sample[name]
+        out[name] = StoredTensor(out_code, dequantize_rows(stored.array, sample[scale].array, stored.code, out_code))
+    return out

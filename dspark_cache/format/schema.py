@@ -14,6 +14,15 @@ import msgspec
 # exactly the integer 1 for its own ``shard-NNNNNN.safetensors`` layout, rejects our caches with
 # its own clear error instead of failing deep inside its dataset. NeMo will never write a string.
 FORMAT_ID = "dspark-wds/2"
+# Caches of float8 states with scales (``dtype`` ``fp8``/``fp8_e5m2``) say this instead: a reader
+# of FORMAT_ID alone refuses them with its "upgrade dspark-cache" message instead of misreading
+# their samples. Every other cache keeps FORMAT_ID, so older readers still read it.
+FORMAT_FP8 = "dspark-wds/3"
+FORMAT_IDS = (FORMAT_ID, FORMAT_FP8)
+FP8_DTYPES = ("fp8", "fp8_e5m2")  # the manifest dtypes stored as float8 (format.sample.CACHE_DTYPES)
+# The manifest's ``scale_scheme`` of FP8 caches: one float32 absmax scale per (token, captured
+# layer), value = fp8 * scale (format.sample.SCALE_SCHEME, which every FP8 sample also names).
+FP8_SCALE_SCHEME = "absmax-per-token-layer/F32"
 # The first release wrote ``format_version: 1`` plus ``cache_format: "dspark-wds"``: NeMo's
 # reader took such a manifest for its own layout.
 LEGACY_FORMAT = "dspark-wds"
@@ -102,12 +111,19 @@ class Manifest(msgspec.Struct, kw_only=True):
     planned_bytes: int = 0
     planned_padded_tokens: int = 0  # tokens the device computes, padding included
     plan_sha256: str = ""  # which samples each shard holds (a resume must plan the same)
+    scale_scheme: str = ""  # FP8 caches: how their scales were made (FP8_SCALE_SCHEME); else empty
     skipped_rows: dict[str, int] = msgspec.field(default_factory=dict)
     skipped: list[SkippedRow] = msgspec.field(default_factory=list)
     nonfinite_samples: list[int] = msgspec.field(default_factory=list)
     versions: dict[str, str] = msgspec.field(default_factory=dict)
     created_at: float = 0.0
     completed_at: float | None = None
+
+    def __post_init__(self) -> None:
+        # The format version and the scale scheme follow from the dtype: a new FP8 manifest is
+        # marked as such wherever it is built. A decoded one is checked instead (decode_manifest).
+        if self.dtype in FP8_DTYPES and self.format_version == FORMAT_ID and not self.scale_scheme:
+            self.format_version, self.scale_scheme = FORMAT_FP8, FP8_SCALE_SCHEME
 
     def identity(self) -> dict[str, Any]:
         """The fields that must match for a resume to reuse this cache's shards."""
@@ -205,12 +221,17 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         probe = msgspec.json.decode(data, type=_FormatProbe)
     except msgspec.DecodeError as exc:
         raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
-    if probe.format_version != FORMAT_ID:
+    if probe.format_version not in FORMAT_IDS:
         raise msgspec.DecodeError(f"{where}: {_foreign_format(probe)}")
     try:
-        return msgspec.json.decode(data, type=Manifest)
+        manifest = msgspec.json.decode(data, type=Manifest)
     except msgspec.DecodeError as exc:
         raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
+    if manifest.format_version != probe.format_version:  # __post_init__ upgraded an FP8 manifest marked /2
+        raise msgspec.DecodeError(f"{where}: dtype {manifest.dtype!r} is stored as float8, which format "
+                                  f"{probe.format_version!r} cannot hold (it needs {FORMAT_FP8!r}); the manifest "
+                                  "was edited: re-produce the cache (dspark-produce ... --overwrite)")
+    return manifest
 
 
 def _foreign_format(probe: _FormatProbe) -> str:
@@ -221,8 +242,8 @@ def _foreign_format(probe: _FormatProbe) -> str:
     if probe.format_version == 1:
         return ("a NeMo Automodel cache (shard-NNNNNN.safetensors layout), not a dspark cache; train from it "
                 "through dspark_cache.nemo, or import it with: dspark-convert SRC DST --to dspark")
-    return (f"format_version {probe.format_version!r} is not {FORMAT_ID!r}; upgrade dspark-cache or "
-            "re-produce the cache")
+    return (f"format_version {probe.format_version!r} is not one of {list(FORMAT_IDS)}; upgrade dspark-cache "
+            "or re-produce the cache")
 
 
 def decode_shard_index(data: bytes) -> ShardIndex:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import numpy as np
+
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import validate_target_layer_ids
-from dspark_cache.format.sample import CACHE_DTYPES
-from dspark_cache.format.schema import Manifest, ShardIndex
+from dspark_cache.format.sample import CACHE_DTYPES, is_fp8
+from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, Manifest, SampleEntry, ShardIndex
 from dspark_cache.format.tar.layout import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
 MAX_MANIFEST_BYTES = 256 << 20  # the skipped-row list of a huge input stays far below
@@ -48,6 +50,8 @@ def check_manifest(m: Manifest, where: str) -> None:
 def _manifest_problems(m: Manifest) -> Iterable[str]:
     if m.dtype not in CACHE_DTYPES:
         yield f"dtype {m.dtype!r} is not one of {sorted(CACHE_DTYPES)}"
+    else:
+        yield from _scheme_problems(m)
     for name, value, top in (("seq_length", m.seq_length, MAX_SEQ_LENGTH), ("hidden_size", m.hidden_size, MAX_HIDDEN_SIZE),
                              ("num_hidden_layers", m.num_hidden_layers, MAX_LAYERS), ("shard_size", m.shard_size, _U64)):
         if not 1 <= value <= top:
@@ -71,6 +75,26 @@ def _manifest_problems(m: Manifest) -> Iterable[str]:
                f"shard_size {m.shard_size}")
     if m.pad_token_id < 0:
         yield f"pad_token_id {m.pad_token_id} is negative"
+
+
+def _scheme_problems(m: Manifest) -> Iterable[str]:
+    """FP8 caches say format FORMAT_FP8 and how their scales were made; others neither."""
+    fp8 = is_fp8(CACHE_DTYPES[m.dtype])
+    version, scheme = (FORMAT_FP8, FP8_SCALE_SCHEME) if fp8 else (FORMAT_ID, "")
+    if m.format_version != version:
+        yield f"format_version {m.format_version!r} does not fit dtype {m.dtype!r} (it needs {version!r})"
+    if m.scale_scheme != scheme:
+        yield f"scale_scheme {m.scale_scheme!r} does not fit dtype {m.dtype!r} (it needs {scheme!r})"
+
+
+def check_scales(scales: np.ndarray, entry: SampleEntry, path: str) -> None:
+    """An FP8 sample's scales must be finite and positive (a zero row has a positive scale too):
+    anything else would turn its states into NaN, inf or sign flips when dequantised."""
+    bad = ~(np.isfinite(scales) & (scales > 0))
+    if bad.any():
+        token, column = (int(i) for i in np.argwhere(bad)[0])
+        raise CorruptShardError(path, f"scale {float(scales[token, column])!r} at token {token}, column {column} is "
+                                      "not finite and positive", entry.sample_id)
 
 
 def check_index(index: ShardIndex, shard_id: int, shape: SampleShape, seq_length: int, path: str) -> None:

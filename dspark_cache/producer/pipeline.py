@@ -7,7 +7,9 @@ memory is the ring: the main thread claims a batch's region before it queues the
 waits while the ring is full, so staged bytes never exceed ``--max-inflight-bytes`` (or one
 batch, when a single batch is larger). Nothing in the loop waits for the device: the model's
 masks are built without a host sync (:mod:`~dspark_cache.producer.masks`) and the non-finite
-check stays on the device until the writer reads it.
+check stays on the device until the writer reads it. FP8 caches are quantised on the device,
+after that check and before the copy (:func:`stored_states`): half the bytes cross PCIe and
+land in host memory.
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from typing import Callable
 import torch
 
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
 from dspark_cache.producer.staging import Region, StagingRing, region_bytes, ring_capacity
-from dspark_cache.producer.tensors import torch_dtype
+from dspark_cache.producer.tensors import quantize_fp8, torch_dtype
 from dspark_cache.producer.timing import BatchClock
 from dspark_cache.producer.writer import NonFiniteError, PipelineStats, ShardWriterThread, WriteJob
 
-__all__ = ["NonFiniteError", "PipelineStats", "collate", "finite_flags", "run_pipeline"]
+__all__ = ["NonFiniteError", "PipelineStats", "collate", "finite_flags", "run_pipeline", "stored_states"]
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +55,33 @@ def finite_flags(hidden: torch.Tensor, last: torch.Tensor | None, real: torch.Te
     return (ok | ~real.bool()).all(-1)
 
 
+def stored_states(shape: SampleShape, hidden: torch.Tensor, last: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The batch's ``[B, T, ...]`` float tensors as a sample stores them, by tensor name, on the
+    device: the forward's outputs, or for an FP8 cache their float8 bytes and scales."""
+    if not shape.fp8:
+        return {HIDDEN: hidden} if last is None else {HIDDEN: hidden, LAST_HIDDEN: last}
+    states, scales = quantize_fp8(hidden, shape.hidden_size, shape.dtype)
+    out = {HIDDEN: states, HIDDEN_SCALE: scales}
+    if last is not None:
+        out[LAST_HIDDEN], out[LAST_HIDDEN_SCALE] = quantize_fp8(last, shape.hidden_size, shape.dtype)
+    return out
+
+
+_NOT_STAGED = (INPUT_IDS, LOSS_MASK)  # the writer takes these from the plan, not from the device
+
+
+def _staged_names(shape: SampleShape) -> list[str]:
+    """The tensors a sample takes from the device, in storage order (``shape.specs``)."""
+    return [spec.name for spec in shape.specs(1) if spec.name not in _NOT_STAGED]
+
+
 def _staged_shapes(shape: SampleShape, batch: list[PlannedSample]) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Views a batch takes in the ring: each sample's hidden (and final) state, then the flags."""
+    """Views a batch takes in the ring: each sample's stored float tensors (scales, hidden and final
+    states), then the flags."""
     shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
-    dtype = torch_dtype(shape.dtype)
     for sample in batch:
-        shapes.append(((sample.length, shape.hidden_dim), dtype))
-        if shape.stores_last:
-            shapes.append(((sample.length, shape.hidden_size), dtype))
+        shapes += [(spec.shape, torch_dtype(spec.dtype)) for spec in shape.specs(sample.length)
+                   if spec.name not in _NOT_STAGED]
     return shapes + [((len(batch),), torch.bool)]
 
 
@@ -75,31 +97,32 @@ class Stager:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def stage(self, region: Region, shapes: list, hidden: torch.Tensor, last: torch.Tensor | None,
+    def stage(self, region: Region, shapes: list, names: list[str], stored: dict[str, torch.Tensor],
               finite: torch.Tensor, lengths: list[int], clock: BatchClock
-              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], torch.Tensor, torch.cuda.Event | None]:
+              ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copies of each sample's real tokens of every ``stored`` tensor (``names``: in
+        the order of ``shapes``) into the region; returns the host views, the flags and the event
+        recorded after the last copy (None on a CPU, where the copies are done on return)."""
         views = iter(region.views(shapes))
-        pairs = [(next(views), next(views) if last is not None else None) for _ in lengths]
+        staged = [{name: next(views) for name in names} for _ in lengths]
         finite_host = next(views)
         if self.stream is not None:
             # Copies wait for the forward on the device, not on the host.
-            self.stream.wait_stream(torch.cuda.current_stream(hidden.device))
+            self.stream.wait_stream(torch.cuda.current_stream(finite.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             clock.mark("copy", self.stream)
-            for b, (n, (dst_hidden, dst_last)) in enumerate(zip(lengths, pairs)):
-                dst_hidden.copy_(hidden[b, :n], non_blocking=self.cuda)
-                if dst_last is not None:
-                    dst_last.copy_(last[b, :n], non_blocking=self.cuda)
+            for b, (n, sample) in enumerate(zip(lengths, staged)):
+                for name, dst in sample.items():
+                    dst.copy_(stored[name][b, :n], non_blocking=self.cuda)
             finite_host.copy_(finite, non_blocking=self.cuda)
             clock.mark("copy_done", self.stream)
         if self.stream is None:
-            return pairs, finite_host, None
+            return staged, finite_host, None
         ready = torch.cuda.Event()
         ready.record(self.stream)
-        for src in (hidden, last, finite):
-            if src is not None:
-                src.record_stream(self.stream)  # keep device memory alive until the copy ends
-        return pairs, finite_host, ready
+        for src in (*stored.values(), finite):
+            src.record_stream(self.stream)  # keep device memory alive until the copy ends
+        return staged, finite_host, ready
 
 
 def collate(batch: list[PlannedSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +204,7 @@ class _Step:
         self.check_finite, self.ring, self.writer, self.stats = check_finite, ring, writer, stats
         self.cuda = device.type == "cuda"
         self.stager = Stager(device)
+        self.names = _staged_names(shape)
 
     def run(self, shard: ShardPlan, batch: list[PlannedSample], closes_shard: bool) -> bool:
         """Queue the batch for the writer; False when the writer failed while we waited."""
@@ -191,8 +215,11 @@ class _Step:
         times.data += time.perf_counter() - t0
         clock.mark("forward")
         hidden, last = self.forward(ids, mask)
+        # On the values the target computed: an FP8 cache's quantisation (next) saturates.
         finite = (finite_flags(hidden, last, mask) if self.check_finite
                   else torch.ones(len(batch), dtype=torch.bool, device=hidden.device))
+        stored = stored_states(self.shape, hidden, last)
+        del hidden, last  # an FP8 batch's unquantised states can go as soon as they are quantised
         clock.mark("forward_done")
         shapes = _staged_shapes(self.shape, batch)
         t1 = time.perf_counter()
@@ -200,7 +227,7 @@ class _Step:
         times.backpressure += time.perf_counter() - t1
         if region is None:
             return False
-        staged, finite_host, ready = self.stager.stage(region, shapes, hidden, last, finite,
+        staged, finite_host, ready = self.stager.stage(region, shapes, self.names, stored, finite,
                                                        [s.length for s in batch], clock)
         if not self.cuda:  # on a CPU the stages ran on this thread: host times are exact
             times.device += clock.seconds("forward", "forward_done")

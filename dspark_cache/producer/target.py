@@ -100,6 +100,13 @@ class TargetRunner:
         from transformers import AutoModelForCausalLM
         # The format names dtypes by safetensors code ("BF16", CACHE_DTYPES' values); torch needs its own.
         compute_dtype, cache_dtype = torch_dtype(compute_dtype), torch_dtype(cache_dtype)
+        if compute_dtype.itemsize == 1:
+            raise TargetError(f"--compute-dtype {compute_dtype} is a storage format, not one a target computes in; "
+                              "use bf16, fp16 or fp32 (or auto)")
+        if cache_dtype.itemsize == 1:
+            # FP8 caches: the forward hands out the states as computed; the pipeline quantises them
+            # (with their scales) after the non-finite check. The weights keep the compute dtype.
+            cache_dtype = compute_dtype
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # our own progress lines say more, in fewer lines

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
@@ -43,7 +43,7 @@ class WriteJob:
 
     shard: ShardPlan
     samples: list[PlannedSample]
-    tensors: list[tuple[torch.Tensor, torch.Tensor | None]]
+    tensors: list[dict[str, torch.Tensor]]  # per sample: its stored float tensors (states, FP8 scales) by name
     finite: torch.Tensor  # bool [B], host (in the region too)
     ready: torch.cuda.Event | None  # recorded after the last copy into the region
     region: Region
@@ -98,14 +98,13 @@ class ShardWriterThread(threading.Thread):
         started = time.perf_counter()
         if self._writer is None:
             self._writer = ShardWriter(self.paths, job.shard.shard_id, durable=self.durable)
-        for sample, (hidden, last), finite in zip(job.samples, job.tensors, job.finite.tolist()):
+        for sample, staged, finite in zip(job.samples, job.tensors, job.finite.tolist()):
             if not finite:
                 self._drop_nonfinite(sample, job.shard)
                 continue
-            # The writer takes buffers: the staged states as byte views, ids and mask as they are.
-            buffers = {HIDDEN: byte_view(hidden), INPUT_IDS: sample.input_ids, LOSS_MASK: sample.loss_mask}
-            if last is not None:
-                buffers[LAST_HIDDEN] = byte_view(last)
+            # The writer takes buffers: the staged tensors as byte views, ids and mask as they are.
+            buffers = {name: byte_view(t) for name, t in staged.items()}
+            buffers.update({INPUT_IDS: sample.input_ids, LOSS_MASK: sample.loss_mask})
             self._writer.append(sample.sample_id, sample.loss_tokens, self.shape.specs(sample.length),
                                 self.shape.metadata(sample.sample_id), buffers)
             self.stats.samples += 1
