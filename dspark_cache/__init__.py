@@ -22,6 +22,7 @@ _LAZY = {
     "CacheDir": "dspark_cache.format.cache",  # torch-free: manifest, indexes, open shard files
     "build_dataloader": "dspark_cache.loader.dataloader",
     "DSparkLoader": "dspark_cache.loader.dataloader",
+    "dequantize": "dspark_cache.loader.tensors",  # FP8 batches (dtype="raw") on any device
     "build_cached_dspark_dataloader": "dspark_cache.nemo",
     "read_target_weight_modules": "dspark_cache.nemo",
 }

@@ -27,21 +27,25 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dspark_cache.format.sample import assemble_sample, decode_payload
+from dspark_cache.format.sample import assemble_sample, decode_payload, dequantize_arrays
 
 SAMPLE_EXTENSION = "safetensors"  # the one member of each sample: <key>.safetensors
 
 
-def decode_dspark_arrays(key: str, data: bytes) -> Any:
+def decode_dspark_arrays(key: str, data: bytes, *, dequantize: str | None = "BF16") -> Any:
     """Decode ``*.safetensors`` members into NeMo's per-sample tensors (unpadded), as
     :class:`~dspark_cache.format.sample.StoredTensor` (numpy view plus dtype code).
 
+    An FP8 sample is dequantised to ``dequantize`` (``"BF16"``, the loader's default, or ``"F32"``);
+    ``functools.partial(decode_dspark_arrays, dequantize=None)`` keeps its float8 bytes and scales.
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
     if not key.lower().endswith(SAMPLE_EXTENSION):
         return None
     tensors, metadata = decode_payload(bytearray(data))
     sample: dict[str, Any] = dict(assemble_sample(tensors, metadata))
+    if dequantize is not None:
+        sample = dequantize_arrays(sample, dequantize)
     sample["sample_id"] = int(metadata.get("sample_id", -1))
     return sample
 

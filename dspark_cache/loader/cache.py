@@ -1,7 +1,8 @@
 """``open_cache``: a cache directory's samples one by one, as torch tensors, in ascending sample id.
 
 The directory itself (manifest, indexes, their checks) is :class:`~dspark_cache.format.cache.CacheDir`;
-this module adds only the conversion of a sample blob to tensors.
+this module adds only the conversion of a sample blob to tensors (an FP8 cache's dequantised, to
+bf16 unless ``dtype`` says otherwise; ``dtype="raw"`` keeps its float8 states and scales).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Iterator
 import torch
 
 from dspark_cache.format.cache import CacheDir, read_manifest
+from dspark_cache.format.sample import dequantize_arrays
 from dspark_cache.format.schema import SampleEntry, ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
+from dspark_cache.loader.reader import resolve_out_code
 from dspark_cache.loader.tensors import sample_to_torch
 
 __all__ = ["Cache", "open_cache", "read_manifest"]
@@ -21,11 +24,14 @@ __all__ = ["Cache", "open_cache", "read_manifest"]
 
 class Cache:
     """A complete (or, with ``allow_incomplete``, growing) cache: manifest, every published shard
-    index (loaded and checked when opened), and random access to samples by position."""
+    index (loaded and checked when opened), and random access to samples by position. ``dtype``:
+    the hidden states' dtype, as ``build_dataloader``'s (FP8 caches: bf16 by default, or ``"fp32"``,
+    or ``"raw"``)."""
 
-    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None) -> None:
         self.dir = CacheDir(path, allow_incomplete=allow_incomplete)
         self.path, self.paths, self.manifest, self.shape = self.dir.root, self.dir.paths, self.dir.manifest, self.dir.shape
+        self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
         self.shards: list[ShardIndex] = self.dir.load_all()
         self._order = self.dir.sample_order()  # (shard id, entry position), ascending sample id
         self._readers: dict[int, ShardReader] = {}
@@ -58,7 +64,10 @@ class Cache:
         """The unpadded tensors of the sample at ``position`` (ascending id order), checksum-verified."""
         shard, entry = self.entry(position)
         sample: dict[str, torch.Tensor | int] = {"sample_id": entry.sample_id}
-        sample.update(sample_to_torch(self.reader(shard).read_sample(entry)))
+        stored = self.reader(shard).read_sample(entry)
+        if self.out_code is not None:
+            stored = dequantize_arrays(stored, self.out_code)
+        sample.update(sample_to_torch(stored))
         return sample
 
     def samples(self) -> Iterator[dict[str, torch.Tensor | int]]:
@@ -79,6 +88,7 @@ class Cache:
         self.close()
 
 
-def open_cache(path: str | os.PathLike, *, allow_incomplete: bool = False) -> Cache:
-    """Open a cache directory; refuses an incomplete one unless ``allow_incomplete``."""
-    return Cache(os.fspath(path), allow_incomplete=allow_incomplete)
+def open_cache(path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None) -> Cache:
+    """Open a cache directory; refuses an incomplete one unless ``allow_incomplete``. An FP8 cache's
+    samples come dequantised to bf16 (``dtype="fp32"``: float32; ``dtype="raw"``: float8 plus scales)."""
+    return Cache(os.fspath(path), allow_incomplete=allow_incomplete, dtype=dtype)

@@ -28,7 +28,10 @@ class LoaderConfig:
     ``follow`` a growing cache, polling every ``poll_interval`` s and giving up after
     ``follow_timeout`` s without a new shard; ``expect``: training-config fields the manifest must
     match; ``prefetch`` batches read ahead; ``pin_memory`` (default: where CUDA exists);
-    ``nemo_keys_only`` drops our extra keys; ``verify`` ``"once"`` or ``"always"``.
+    ``nemo_keys_only`` drops our extra keys; ``verify`` ``"once"`` or ``"always"``; ``dtype`` of the
+    hidden states handed out: ``None`` (as stored; an FP8 cache dequantised to bf16), ``"bf16"`` or
+    ``"fp32"`` (an FP8 cache dequantised to it), or ``"raw"`` (FP8 bytes plus scales, for
+    ``dspark_cache.dequantize`` on the GPU).
     """
 
     batch_size: int
@@ -50,6 +53,7 @@ class LoaderConfig:
     poll_interval: float = 0.5
     follow_timeout: float | None = None
     verify: str = "once"
+    dtype: Any = None  # checked against the cache when the loader opens it (reader.resolve_out_code)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.window < 1:

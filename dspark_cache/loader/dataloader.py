@@ -41,13 +41,14 @@ class DSparkLoader:
         if config.follow:
             wait_for_manifest(path, config.poll_interval, config.follow_timeout)
         self.cache = CacheDir(path, follow=config.follow)
+        layout = BatchLayout.from_manifest(self.cache.manifest, config.dtype)  # checks dtype against the cache
         if config.expect:
-            check_expectations(self.cache.manifest, config.expect, where=path)
+            check_expectations(self.cache.manifest, config.expect, where=path, delivered=layout.state_code)
         self.rank, self.world_size = config.ranks()
         self.epoch, self.offset = config.epoch, 0
         self._orders: dict[int, EpochOrder] = {}
         self._follower = Follower(self.cache, config.poll_interval, config.follow_timeout)
-        self.reader = BatchReader(self.cache, BatchLayout.from_manifest(self.cache.manifest),
+        self.reader = BatchReader(self.cache, layout,
                                   batch_size=batch_size, num_threads=config.threads, pad_to=config.pad_to,
                                   pin_memory=config.pinned, nemo_keys_only=config.nemo_keys_only,
                                   verify_mode=config.verify,
@@ -157,7 +158,10 @@ def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **k
     """Batches of a dspark cache for one training rank (options: :class:`~.config.LoaderConfig`).
 
     Keys: NeMo's ``input_ids``, ``loss_mask`` (int64 ``[B,S]``), ``target_hidden_states``
-    ``[B,S,len(ids)*H]`` and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded),
+    ``[B,S,len(ids)*H]`` and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded; an FP8
+    cache's dequantised to ``dtype``, bf16 by default, while read; ``dtype="raw"`` hands out its
+    float8 states plus ``target_hidden_states_scale`` ``[B,S,len(ids)]`` and
+    ``target_last_hidden_states_scale`` ``[B,S,1]``: ``dspark_cache.dequantize(batch)``),
     plus ``attention_mask`` ``[B,S]``, ``sample_ids`` ``[B]`` and ``is_repeat`` ``[B]`` (True for
     the repeats that pad the last step when ``drop_last`` is off).
 

@@ -8,7 +8,8 @@ program without holding the GIL,
 so a reader thread needs the GIL a few times per batch instead of several times per chunk, and
 a training loop's Python rarely stalls it; :func:`run_python` runs the same program with numpy
 and ``os.preadv`` where the extension is not built. Both check every write against its
-buffer's bounds and report failures the same way.
+buffer's bounds and report failures the same way, and both dequantise FP8 rows to the same bits
+(``format.sample.dequantize_rows``'s rule).
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ from typing import Iterable
 
 import numpy as np
 
+from dspark_cache.format.sample import dequantize_rows
 from dspark_cache.loader.records import (
-    OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEGMENT, OpRecord, SegmentRecord,
+    FP8_KINDS, OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEGMENT,
+    OpRecord, SegmentRecord,
 )
 
 log = logging.getLogger(__name__)
 RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4  # RC_CHECKSUM: verify.py's
+RC_BAD_SCALE = 5  # an FP8 scale that is not finite and positive; detail: its row (token)
+_FP8_CODES = {kind: code for code, kind in FP8_KINDS.items()}
+_OUT_CODES = {2: "BF16", 4: "F32"}
 # Bytes per read: a chunk's final-state columns are copied while it is still in the core's L2
 # cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks (when the filler also hashed
 # each chunk) overflowed a 1 MiB L2 and were ~15% slower end to end than 128-512 KiB ones
@@ -182,6 +188,8 @@ class _SampleRead:
             self.gap(seg.src_off)
             if seg.kind in (SEG_COPY, SEG_COPY_COLS):
                 self.copy(seg)
+            elif seg.kind == SEG_DEQUANT:
+                self.dequant(seg)
             else:
                 self.widen(seg)
         self.gap(self.size)
@@ -194,6 +202,36 @@ class _SampleRead:
             rows = seg.len // seg.row_bytes
             cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(-1, seg.col_bytes)
         self.rows(_span(self.bufs, seg.buf, seg.off, seg.len), seg.row_bytes, seg.col_off, seg.col_bytes, cols)
+
+    def dequant(self, seg: SegmentRecord) -> None:
+        """Float8 rows through scratch, whole rows per chunk, into bf16/float32 rows (and columns)."""
+        in_row, group, out_size = seg.row_bytes, seg.group, seg.out_size
+        code, out_code = _FP8_CODES.get(seg.fp8_kind), _OUT_CODES.get(out_size)
+        if code is None or out_code is None or not in_row or not group or in_row % group or seg.len % in_row:
+            raise _Stop(RC_INVALID)
+        rows, groups, out_row = seg.len // in_row, in_row // group, in_row * out_size
+        dst = _span(self.bufs, seg.buf, seg.off, rows * out_row).reshape(rows, out_row)
+        scales = _span(self.bufs, seg.scale_buf, seg.scale_off, rows * groups * 4).view(np.float32)
+        scales = scales.reshape(rows, groups)
+        cols = None
+        if seg.col_bytes:
+            if seg.col_off + seg.col_bytes > out_row:
+                raise _Stop(RC_INVALID)
+            cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(rows, seg.col_bytes)
+        step = max(1, CHUNK // in_row)
+        if step * in_row > self.scratch.nbytes:
+            raise _Stop(RC_INVALID)
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            piece = self.read_into(self.scratch[: n * in_row]).reshape(n, in_row)
+            part = scales[first : first + n]
+            bad = np.flatnonzero(~(np.isfinite(part) & (part > 0)).all(1))
+            if bad.size:  # the C filler stops at the same row
+                raise _Stop(RC_BAD_SCALE, first + int(bad[0]))
+            out = dequantize_rows(piece, part, code, out_code).view(np.uint8).reshape(n, out_row)
+            dst[first : first + n] = out
+            if cols is not None:
+                cols[first : first + n] = out[:, seg.col_off : seg.col_off + seg.col_bytes]
 
     def widen(self, seg: SegmentRecord) -> None:
         item = 4 if seg.kind == SEG_WIDEN_I32 else 1

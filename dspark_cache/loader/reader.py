@@ -7,7 +7,8 @@ is filled, the first time this process reads the sample (or every time, ``verify
 its header is compared with its index entry after every fill. A batch is described as a program
 (:mod:`.fill`) that the native filler runs in one call without the GIL; reader threads work on
 different prefetched batches. Batch memory comes from :mod:`.memory` (recycled, zeroed only
-where needed).
+where needed). FP8 caches are dequantised by the filler as their rows are read (to bf16 by
+default), or handed out raw with their scales (:func:`resolve_out_code`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import torch
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.sample import ATTENTION_MASK, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.format.sample import (
+    ATTENTION_MASK, CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK,
+    TORCH_NAMES,
+)
 from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.format.validate import MAX_HEADER, check_header
 from dspark_cache.loader import fill, verify
@@ -38,22 +42,64 @@ from dspark_cache.loader.rowplan import BUFFERS, RowTemplate, row_template
 Row = tuple[int, int, int, SampleEntry]
 
 
+_DEQUANT_CODES = ("BF16", "F32")  # what FP8 states can be handed out as
+_CODE_OF_TORCH = {name: code for code, name in TORCH_NAMES.items()}
+_EMPTY = np.zeros(0, dtype=np.uint8)  # a program buffer no segment of this cache writes
+
+
+def resolve_out_code(shape: SampleShape, dtype: object = None) -> str | None:
+    """The code an FP8 cache's states are dequantised to, or ``None`` to hand out what is stored.
+
+    ``dtype``: ``None`` (an FP8 cache gives bf16, any other its stored dtype), a cache dtype name
+    (``"bf16"``, ``"fp32"``, ``"fp8"``...), a torch dtype, or ``"raw"`` (as stored: FP8 states with
+    their scales, for :func:`dspark_cache.dequantize` on the GPU). Only FP8 caches convert.
+    """
+    if dtype is None:
+        return "BF16" if shape.fp8 else None
+    if dtype == "raw":
+        return None
+    code = CACHE_DTYPES.get(dtype) if isinstance(dtype, str) else _CODE_OF_TORCH.get(str(dtype).removeprefix("torch."))
+    if code is None:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(CACHE_DTYPES)}, 'raw' or their torch dtypes")
+    if code == shape.dtype:
+        return None
+    if shape.fp8 and code in _DEQUANT_CODES:
+        return code
+    if shape.fp8:
+        raise ValueError(f"dtype {dtype!r}: an FP8 cache is handed out as bf16 or fp32 (dequantised), or raw")
+    raise ValueError(f"dtype {dtype!r}: this cache stores {shape.dtype} and is handed out as stored; only FP8 "
+                     "caches are converted while read (convert on the device instead: batch[key].to(dtype))")
+
+
 @dataclass(frozen=True)
 class BatchLayout:
-    """A batch: its samples' geometry (the format's one :class:`SampleShape`) plus its padding."""
+    """A batch: its samples' geometry (the format's one :class:`SampleShape`) plus its padding,
+    and for FP8 caches the dtype the states are dequantised to (``None``: raw, with scales)."""
 
     shape: SampleShape
     seq_length: int
     pad_token_id: int
+    out_code: str | None = None
 
     @classmethod
-    def from_manifest(cls, m: Manifest) -> "BatchLayout":
-        """The batches of the cache that ``m`` describes."""
-        return cls(SampleShape.from_manifest(m), m.seq_length, m.pad_token_id)
+    def from_manifest(cls, m: Manifest, dtype: object = None) -> "BatchLayout":
+        """The batches of the cache that ``m`` describes, states as ``dtype`` (:func:`resolve_out_code`)."""
+        shape = SampleShape.from_manifest(m)
+        return cls(shape, m.seq_length, m.pad_token_id, resolve_out_code(shape, dtype))
+
+    @property
+    def state_code(self) -> str:
+        """The dtype code of the states handed out."""
+        return self.out_code or self.shape.dtype
+
+    @property
+    def raw_scales(self) -> bool:
+        """FP8 states handed out as stored: their scales go with them."""
+        return self.shape.fp8 and self.out_code is None
 
     def template(self, length: int) -> RowTemplate:
         """Where a sample of ``length`` tokens goes in its batch row (cached per length)."""
-        return row_template(length, self.shape)
+        return row_template(length, self.shape, self.out_code)
 
 
 class PendingBatch:
@@ -80,20 +126,24 @@ class BatchReader:
         self.pad_to = pad_to
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
         # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
-        ids = (INPUT_IDS, LOSS_MASK) + (() if nemo_keys_only else (ATTENTION_MASK,))
-        dtype = torch_dtype(self.shape.dtype)
-        fields = (Field(HIDDEN, self.shape.hidden_dim, dtype, True),
+        dtype = torch_dtype(layout.state_code)
+        fields = [Field(HIDDEN, self.shape.hidden_dim, dtype, True),
                   Field(LAST_HIDDEN, self.shape.hidden_size, dtype, True),
-                  *(Field(name, 1, torch.int64, False) for name in ids))
+                  *(Field(name, 1, torch.int64, False) for name in (INPUT_IDS, LOSS_MASK))]
+        if self.shape.fp8:  # read before the rows they scale; zero-padded only when handed out
+            fields += [Field(HIDDEN_SCALE, len(self.shape.layer_ids), torch.float32, layout.raw_scales),
+                       Field(LAST_HIDDEN_SCALE, 1, torch.float32, layout.raw_scales)]
+        if not nemo_keys_only:
+            fields.append(Field(ATTENTION_MASK, 1, torch.int64, False))
         self.extras = not nemo_keys_only
-        self.buffer_names = tuple(f.name for f in fields)  # program buffer i; starts with rowplan's BUFFERS
+        # Program buffer i: rowplan's BUFFERS (the scales' empty when not FP8), then the mask.
+        self.buffer_names = BUFFERS + (() if nemo_keys_only else (ATTENTION_MASK,))
         self.header_buffer = len(self.buffer_names)  # then each row's sample header, checked after the fill
         self.batch_size = batch_size
-        assert self.buffer_names[: len(BUFFERS)] == BUFFERS
         self.native = fill.use_native_default() if native is None else native
         self._local = threading.local()
         self.verified = verify.VerifiedSamples(verify_mode)
-        self.memory = BatchMemory(fields, batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
+        self.memory = BatchMemory(tuple(fields), batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
 
     def submit(self, batch: RankBatch) -> PendingBatch:
         entries = [self.catalog.require(ref.shard_id).samples[ref.entry] for ref in batch.refs]
@@ -118,6 +168,8 @@ class BatchReader:
         """On a reader thread: check out memory, fill the batch, add the extras."""
         slab, buffers, zero = self.memory.checkout(len(rows), width, [r[3].length for r in rows], stream)
         self._fill(slab, zero, buffers, rows)
+        if self.shape.fp8:
+            buffers = self._fp8_keys(buffers)
         if not self.extras:
             return buffers
         extra = {
@@ -127,6 +179,13 @@ class BatchReader:
         if self.memory.pinned:  # else their non_blocking copies to the GPU would be synchronous
             extra = {name: t.pin_memory() for name, t in extra.items()}
         return {**buffers, **extra}
+
+    def _fp8_keys(self, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Raw FP8 batches keep their scales (the final state's as ``[B, S, 1]``, broadcastable);
+        dequantised ones drop them."""
+        if not self.layout.raw_scales:
+            return {name: t for name, t in buffers.items() if name not in (HIDDEN_SCALE, LAST_HIDDEN_SCALE)}
+        return {**buffers, LAST_HIDDEN_SCALE: buffers[LAST_HIDDEN_SCALE].unsqueeze(-1)}
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[Row]) -> None:
@@ -165,10 +224,11 @@ class BatchReader:
         lay = self.layout
         names = self.buffer_names
         index = {name: i for i, name in enumerate(names)}
-        program = fill.BatchProgram([slab.field_bytes(name, buffers[name].nbytes) for name in names]
-                                    + [self._headers()])
+        program = fill.BatchProgram([slab.field_bytes(name, buffers[name].nbytes) if name in buffers else _EMPTY
+                                     for name in names] + [self._headers()])
         width = buffers[INPUT_IDS].shape[1]
-        stride = np.array([buffers[name].nbytes // buffers[name].shape[0] for name in BUFFERS], dtype=np.int64)  # bytes per row
+        stride = np.array([buffers[name].nbytes // buffers[name].shape[0] if name in buffers else 0
+                           for name in BUFFERS], dtype=np.int64)  # bytes per row
         for name, offset, nbytes in slab.zero_spans(zero):
             program.zero(index[name], offset, nbytes)
         for row, shard_id, _, entry in rows:
@@ -211,7 +271,9 @@ class BatchReader:
         """This thread's buffer for bytes that go nowhere (header, fill) and for ids to widen."""
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
-            scratch = self._local.scratch = page_aligned_zeros(max(fill.CHUNK, 4 * self.layout.seq_length))
+            # Also one whole FP8 row, which the filler dequantises from here.
+            scratch = self._local.scratch = page_aligned_zeros(max(fill.CHUNK, 4 * self.layout.seq_length,
+                                                                   self.shape.hidden_dim))
         return scratch
 
     def _raise(self, failure: fill.Failure, rows: list[Row]) -> None:
@@ -224,6 +286,9 @@ class BatchReader:
                 raise CorruptShardError(path, "checksum mismatch", entry.sample_id)
             if failure.code == fill.RC_SHORT_READ:
                 raise CorruptShardError(path, f"short read ({failure.detail} of {entry.size} bytes)", entry.sample_id)
+            if failure.code == fill.RC_BAD_SCALE:
+                raise CorruptShardError(path, f"the FP8 scale of token {failure.detail} is not finite and positive",
+                                        entry.sample_id)
             if failure.code == fill.RC_READ_ERROR:
                 raise OSError(failure.detail, f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
                               str(path))

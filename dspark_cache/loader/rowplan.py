@@ -5,6 +5,11 @@ Each tensor of the sample's data section becomes a segment of the batch program
 columns copied out, when the final state is stored inside them), token ids and the loss mask
 are widened to int64, and alignment fill is read and dropped. Placement depends on the length
 alone (``format.sample.place_tensors``, the same rule the writer uses), so the table is cached.
+
+An FP8 sample's scales (stored first) go to their own batch buffers; its float8 rows are either
+copied as they are (``out_code=None``: raw batches, scales handed out too) or dequantised into
+bf16/float32 rows by the filler as they are read (``out_code`` ``"BF16"``/``"F32"``), the final
+state's columns taken from the dequantised rows.
 """
 
 from __future__ import annotations
@@ -15,13 +20,19 @@ from functools import lru_cache
 import numpy as np
 
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK, place_tensors
+from dspark_cache.format.sample import (
+    DTYPE_SIZES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK, place_tensors,
+)
 
-from dspark_cache.loader.records import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments
+from dspark_cache.loader.records import (
+    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments,
+)
 
-# Batch buffers a segment writes to, by index (the program's first buffers, in this order).
-BUFFERS = (HIDDEN, LAST_HIDDEN, INPUT_IDS, LOSS_MASK)
+# Batch buffers a segment writes to, by index (the program's first buffers, in this order). The
+# scale buffers exist for FP8 caches only (empty otherwise).
+BUFFERS = (HIDDEN, LAST_HIDDEN, INPUT_IDS, LOSS_MASK, HIDDEN_SCALE, LAST_HIDDEN_SCALE)
 _BUF = {name: i for i, name in enumerate(BUFFERS)}
+_SCALE_BYTES = 4  # float32
 
 
 @dataclass(frozen=True)
@@ -34,12 +45,17 @@ class RowTemplate:
     _bufs: np.ndarray = field(init=False, repr=False, compare=False)
     _cols: np.ndarray = field(init=False, repr=False, compare=False)
     _col_bufs: np.ndarray = field(init=False, repr=False, compare=False)
+    _scaled: np.ndarray = field(init=False, repr=False, compare=False)
+    _scale_bufs: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        cols = np.flatnonzero(self.segs["kind"] == SEG_COPY_COLS)
+        cols = np.flatnonzero(self.segs["col_bytes"] > 0)
+        scaled = np.flatnonzero(self.segs["kind"] == SEG_DEQUANT)
         object.__setattr__(self, "_bufs", self.segs["buf"].astype(np.intp))
         object.__setattr__(self, "_cols", cols)
         object.__setattr__(self, "_col_bufs", self.segs["col_buf"][cols].astype(np.intp))
+        object.__setattr__(self, "_scaled", scaled)
+        object.__setattr__(self, "_scale_bufs", self.segs["scale_buf"][scaled].astype(np.intp))
 
     def place(self, header: int, row_base: np.ndarray) -> np.ndarray:
         """The segments made absolute: payload offsets after ``header``, buffer offsets at the
@@ -50,24 +66,29 @@ class RowTemplate:
         segs["off"] += base[self._bufs]
         if len(self._cols):
             segs["col_dst"][self._cols] += base[self._col_bufs]
+        if len(self._scaled):
+            segs["scale_off"][self._scaled] += base[self._scale_bufs]
         return segs
 
 
 @lru_cache(maxsize=16384)
-def row_template(length: int, shape: SampleShape) -> RowTemplate:
+def row_template(length: int, shape: SampleShape, out_code: str | None = None) -> RowTemplate:
     """The segments of a ``length``-token sample of ``shape`` (``shape.stores_last``: the final
-    state is its own tensor, else the last ``hidden_size`` columns of the hidden states)."""
-    hidden_dim, hidden_size, item, stores_last = shape.hidden_dim, shape.hidden_size, shape.itemsize, shape.stores_last
+    state is its own tensor, else the last ``hidden_size`` columns of the hidden states).
+
+    ``out_code`` (FP8 caches): ``None`` copies the float8 rows and their scales as stored,
+    ``"BF16"``/``"F32"`` dequantises the rows into that dtype (the scales are still read first,
+    into their buffers, for the filler to use)."""
+    if out_code is not None and not shape.fp8:
+        raise ValueError(f"only FP8 samples are dequantised; this cache stores {shape.dtype}")
     rows = []
     placed = place_tensors(shape.specs(length))
     for name, start, end in placed:
         size = end - start
-        if name == HIDDEN and not stores_last:  # the final state is the last hidden_size columns
-            rows.append(segment(SEG_COPY_COLS, start, size, _BUF[HIDDEN], 0, row_bytes=hidden_dim * item,
-                                col_off=(hidden_dim - hidden_size) * item, col_bytes=hidden_size * item,
-                                col_buf=_BUF[LAST_HIDDEN]))
-        elif name in (HIDDEN, LAST_HIDDEN):
-            rows.append(segment(SEG_COPY, start, size, _BUF[name], 0))
+        if name in (HIDDEN, LAST_HIDDEN):
+            rows.append(_states_segment(name, start, size, shape, out_code))
+        elif name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE):
+            rows.append(_scales_segment(name, start, size, shape, out_code))
         elif name == INPUT_IDS:
             rows.append(segment(SEG_WIDEN_I32, start, size, _BUF[name], 0))
         elif name == LOSS_MASK:
@@ -77,3 +98,31 @@ def row_template(length: int, shape: SampleShape) -> RowTemplate:
     segs = segs[segs["len"] > 0]  # a zero-token sample has empty tensors: nothing to read
     segs.setflags(write=False)
     return RowTemplate(placed[-1][2] if placed else 0, segs)
+
+
+def _states_segment(name: str, start: int, size: int, shape: SampleShape, out_code: str | None) -> tuple[int, ...]:
+    """Hidden or final states into their buffer: copied, or dequantised (``out_code``); the final
+    state's columns copied out of the hidden rows when it is stored inside them."""
+    width = shape.hidden_dim if name == HIDDEN else shape.hidden_size
+    out = shape.itemsize if out_code is None else DTYPE_SIZES[out_code]
+    cols: dict[str, int] = {}
+    if name == HIDDEN and not shape.stores_last:  # the final state is the last hidden_size columns
+        cols = dict(col_off=(width - shape.hidden_size) * out, col_bytes=shape.hidden_size * out,
+                    col_buf=_BUF[LAST_HIDDEN])
+    if out_code is not None:
+        scale = HIDDEN_SCALE if name == HIDDEN else LAST_HIDDEN_SCALE
+        return segment(SEG_DEQUANT, start, size, _BUF[name], 0, row_bytes=width, scale_buf=_BUF[scale],
+                       group=shape.hidden_size, out_size=out, fp8_kind=FP8_KINDS[shape.dtype], **cols)
+    if cols:
+        return segment(SEG_COPY_COLS, start, size, _BUF[name], 0, row_bytes=width * out, **cols)
+    return segment(SEG_COPY, start, size, _BUF[name], 0)
+
+
+def _scales_segment(name: str, start: int, size: int, shape: SampleShape, out_code: str | None) -> tuple[int, ...]:
+    """FP8 scales into their buffer; handed out raw with the final state's scale (the last
+    layer's) copied out of the hidden ones when that state is stored inside the hidden rows."""
+    if name == HIDDEN_SCALE and out_code is None and not shape.stores_last:
+        layers = len(shape.layer_ids)
+        return segment(SEG_COPY_COLS, start, size, _BUF[HIDDEN_SCALE], 0, row_bytes=layers * _SCALE_BYTES,
+                       col_off=(layers - 1) * _SCALE_BYTES, col_bytes=_SCALE_BYTES, col_buf=_BUF[LAST_HIDDEN_SCALE])
+    return segment(SEG_COPY, start, size, _BUF[name], 0)

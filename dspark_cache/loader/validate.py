@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.schema import Manifest
+from dspark_cache.format.sample import CACHE_DTYPES
+from dspark_cache.format.schema import FP8_DTYPES, Manifest
 
 # expect key -> manifest field (aliases accepted for the names training configs use)
 _FIELDS = {
@@ -21,20 +22,25 @@ _FIELDS = {
     "target_hidden_dim": "target_hidden_dim",
     "target_last_hidden_dim": "target_last_hidden_dim",
 }
-_FLOAT_DTYPES = ("bf16", "fp16", "fp32")
+_FLOAT_DTYPES = ("bf16", "fp16", "fp32", *FP8_DTYPES)
+_NAME_OF_CODE = {code: name for name, code in CACHE_DTYPES.items()}
 
 
 class CacheMismatchError(CacheError):
     """The cache was produced for another target or configuration than this training run."""
 
 
-def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = "the cache") -> None:
+def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = "the cache",
+                       delivered: str | None = None) -> None:
     """Raise one error listing every field that differs (with both values), NeMo's nine checks.
 
     ``expect`` may hold ``compute_dtype`` (the trainer's, a name like ``"fp32"`` or a torch dtype):
-    an fp32 trainer needs an fp32 cache.
-    ``target_layer_ids`` and ``hidden_size`` also imply the two hidden dimensions.
+    an fp32 trainer needs fp32 states (an fp32 cache, or an FP8 one dequantised to fp32).
+    ``target_layer_ids`` and ``hidden_size`` also imply the two hidden dimensions. ``delivered`` is
+    the code of the states the loader hands out (default: the stored dtype); ``expect["dtype"]``
+    may name either.
     """
+    handed_out = _NAME_OF_CODE.get(delivered or "", manifest.dtype)
     unknown = set(expect) - set(_FIELDS) - {"compute_dtype"}
     if unknown:
         raise ValueError(f"unknown expect keys {sorted(unknown)}; known: {sorted(set(_FIELDS) | {'compute_dtype'})}")
@@ -46,7 +52,7 @@ def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = 
             problems.append(f"{field}: the cache has {have!r}, training expects {want!r}")
 
     for key, want in expect.items():
-        if key == "compute_dtype":
+        if key == "compute_dtype" or (key == "dtype" and want == handed_out):
             continue
         differ(_FIELDS[key], list(want) if key == "target_layer_ids" else want)
     ids = expect.get("target_layer_ids")
@@ -58,9 +64,11 @@ def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = 
     if manifest.dtype not in _FLOAT_DTYPES:
         problems.append(f"dtype: the cache has {manifest.dtype!r}, not one of {_FLOAT_DTYPES}")
     compute = _dtype_name(expect.get("compute_dtype"))
-    if compute == "fp32" and manifest.dtype != "fp32":
-        problems.append(f"dtype: the cache is {manifest.dtype!r} but training computes in fp32 (CPU training "
-                        "needs an fp32 cache)")
+    if compute == "fp32" and handed_out != "fp32":
+        fix = "pass dtype='fp32' to dequantise it to fp32" if manifest.dtype in FP8_DTYPES else \
+            "CPU training needs an fp32 cache"
+        problems.append(f"dtype: the loader hands out {handed_out!r} states (cache {manifest.dtype!r}) but training "
+                        f"computes in fp32 ({fix})")
     if problems:
         raise CacheMismatchError(
             f"{where} does not match this training run:\n  " + "\n  ".join(problems)

@@ -14,9 +14,13 @@
  *                          FILL_I64 2: value into count int64 slots at offset of buffer target
  *                          SAMPLE 3: the count-byte payload at file offset of fd target,
  *                          through segments seg_first .. seg_first + seg_count
- *   segs segment_t[n]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst}
+ *   segs segment_t[n]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst,
+ *                           scale_buf, scale_off, group, out_size, fp8_kind}
  *                          kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
- *                          WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off)
+ *                          WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off), DEQUANT 5 (float8
+ *                          rows of row_bytes, one float32 scale per group bytes at
+ *                          scale_buf+scale_off, to bf16 (out_size 2) or float32 (4) at buf+off;
+ *                          col_* as COPY_COLS, in output bytes)
  *
  * Both are arrays of uint64 fields; dspark_cache/loader/records.py names the same fields in the
  * same order (numpy structured dtypes OP and SEGMENT), so the two sides share one layout.
@@ -28,6 +32,14 @@
  *
  * Why C: in Python each 1 MiB chunk cost several GIL hand-overs (read, copy), and a
  * training loop's main thread holding the GIL stalled every reader thread at each of them.
+ *
+ * FP8 (DEQUANT): a chunk of whole float8 rows is read into scratch and converted while it is in
+ * the CPU cache, block by block, into the batch row (and the final-state columns): no second
+ * pass over memory. A code's float32 value is built from its bits exactly (no arithmetic on
+ * subnormals, so a flush-to-zero mode cannot change it), multiplied by its scale (one IEEE
+ * rounding) and, for bf16, rounded to nearest even: bit for bit what loader/fill.py's numpy
+ * and format/sample.py's dequantize_rows compute. Scales must be finite and positive, else
+ * RC_BAD_SCALE with the row in *detail.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -38,12 +50,14 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
+#include <immintrin.h>
 #define DSPARK_STREAM 1
 #endif
 
 enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
-enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4 };
-enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4 }; /* 2: checksum, verify.py's */
+enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4, SEG_DEQUANT = 5 };
+enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5 }; /* 2: verify.py's */
+enum { FP8_E4M3 = 1, FP8_E5M2 = 2 };
 
 /* records.py's OP: one op of the program. */
 typedef struct {
@@ -52,10 +66,10 @@ typedef struct {
 
 /* records.py's SEGMENT: where a byte range of a sample's payload goes. */
 typedef struct {
-    uint64_t kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst;
+    uint64_t kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst, scale_buf, scale_off, group, out_size, fp8_kind;
 } segment_t;
 
-_Static_assert(sizeof(op_t) == 64 && sizeof(segment_t) == 80, "records.py's OP and SEGMENT layouts");
+_Static_assert(sizeof(op_t) == 64 && sizeof(segment_t) == 120, "records.py's OP and SEGMENT layouts");
 
 typedef struct {
     const uint64_t *bases, *sizes;
@@ -193,6 +207,169 @@ static int read_widened(const context *cx, int fd, uint64_t base, uint64_t *pos,
     return RC_OK;
 }
 
+/* ---- FP8 ----------------------------------------------------------------------------------- */
+
+enum { DQ_BLOCK = 1024 }; /* elements converted into a stack block, then streamed out */
+
+typedef struct {
+    int mbits, bias; /* mantissa bits and exponent bias: e4m3fn 3/7, e5m2 2/15 */
+} fp8_format;
+
+static int fp8_format_of(uint64_t kind, fp8_format *f) {
+    if (kind == FP8_E4M3) f->mbits = 3, f->bias = 7;
+    else if (kind == FP8_E5M2) f->mbits = 2, f->bias = 15;
+    else return 0;
+    return 1;
+}
+
+/* The float32 value of code c, exactly: a normal code's exponent and mantissa are moved into
+ * place; a subnormal one is its mantissa (a small integer) times a power of two. */
+static float fp8_value(uint8_t c, fp8_format f) {
+    uint32_t e = (uint32_t)(c & 0x7F) >> f.mbits, m = c & ((1u << f.mbits) - 1), bits;
+    float v;
+    if (e) {
+        bits = ((e + 127 - (uint32_t)f.bias) << 23) | (m << (23 - f.mbits));
+        memcpy(&v, &bits, 4);
+    } else {
+        v = (float)m * (f.mbits == 3 ? 0x1p-9f : 0x1p-16f); /* 2^(1 - bias - mbits) */
+    }
+    return (c & 0x80) ? -v : v;
+}
+
+static inline uint16_t bf16_bits(float v) { /* round to nearest even, as torch */
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    return (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+
+/* n codes times scale into out (bf16 or float32): the portable path, through a 256-entry table. */
+static void dequant_block_table(const float *table, const uint8_t *src, size_t n, float scale, int out_size,
+                                uint8_t *out) {
+    if (out_size == 4) {
+        float *o = (float *)out;
+        for (size_t i = 0; i < n; i++) o[i] = table[src[i]] * scale;
+    } else {
+        uint16_t *o = (uint16_t *)out;
+        for (size_t i = 0; i < n; i++) o[i] = bf16_bits(table[src[i]] * scale);
+    }
+}
+
+#ifdef DSPARK_STREAM
+/* The same on 8 lanes (AVX2), 16 codes per step; the tail goes through the table. */
+__attribute__((target("avx2"))) static void dequant_block_avx2(const float *table, const uint8_t *src, size_t n,
+                                                               float scale, int out_size, fp8_format f,
+                                                               uint8_t *out) {
+    const __m256i low7 = _mm256_set1_epi32(0x7F), sign = _mm256_set1_epi32(0x80), zero = _mm256_setzero_si256();
+    const __m256i mant = _mm256_set1_epi32((1 << f.mbits) - 1), expo = _mm256_set1_epi32(0x7F & ~((1 << f.mbits) - 1));
+    const __m256i rebias = _mm256_set1_epi32((127 - f.bias) << 23), half = _mm256_set1_epi32(0x7FFF);
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256 sub = _mm256_set1_ps(f.mbits == 3 ? 0x1p-9f : 0x1p-16f), s = _mm256_set1_ps(scale);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(src + i));
+        __m256 v[2];
+        __m256i r[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i c = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(raw, 8) : raw);
+            __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(c, low7), 23 - f.mbits), rebias);
+            __m256 tiny = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, mant)), sub);
+            __m256i is_tiny = _mm256_cmpeq_epi32(_mm256_and_si256(c, expo), zero);
+            __m256 mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), tiny, _mm256_castsi256_ps(is_tiny));
+            __m256 neg = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign), 24));
+            v[h] = _mm256_mul_ps(_mm256_xor_ps(mag, neg), s);
+            __m256i b = _mm256_castps_si256(v[h]);
+            r[h] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+        }
+        if (out_size == 4) {
+            _mm256_storeu_ps((float *)out + i, v[0]);
+            _mm256_storeu_ps((float *)out + i + 8, v[1]);
+        } else { /* pack the 16 halves in order: packus interleaves 128-bit lanes, the permute undoes it */
+            __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), packed);
+        }
+    }
+    dequant_block_table(table, src + i, n - i, scale, out_size, out + i * (size_t)out_size);
+}
+#endif
+
+static int have_avx2(void) {
+#ifdef DSPARK_STREAM
+    return __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
+
+typedef struct {
+    float table[256];
+    fp8_format format;
+    int avx2;
+} dequantizer;
+
+static void dequant_block(const dequantizer *d, const uint8_t *src, size_t n, float scale, int out_size,
+                          uint8_t *out) {
+#ifdef DSPARK_STREAM
+    if (d->avx2) {
+        dequant_block_avx2(d->table, src, n, scale, out_size, d->format, out);
+        return;
+    }
+#endif
+    dequant_block_table(d->table, src, n, scale, out_size, out);
+}
+
+/* Float8 rows -> bf16/float32 rows (and the final-state columns), chunk by chunk through scratch. */
+static int read_dequant(const context *cx, int fd, uint64_t base, uint64_t *pos, const segment_t *g,
+                        uint64_t *detail) {
+    uint64_t len = g->len, in_row = g->row_bytes, group = g->group, out_size = g->out_size;
+    dequantizer d;
+    if (!fp8_format_of(g->fp8_kind, &d.format) || !in_row || !group || in_row % group || len % in_row ||
+        (out_size != 2 && out_size != 4))
+        return RC_INVALID;
+    uint64_t rows = len / in_row, groups = in_row / group, out_row = in_row * out_size;
+    uint8_t *dst = span(cx, g->buf, g->off, rows * out_row);
+    const uint8_t *scale_bytes = span(cx, g->scale_buf, g->scale_off, rows * groups * 4);
+    uint8_t *cols = NULL;
+    uint64_t col_off = g->col_off, col_bytes = g->col_bytes;
+    if (!dst || !scale_bytes) return RC_INVALID;
+    if (col_bytes) {
+        if (col_off > out_row || col_bytes > out_row - col_off) return RC_INVALID;
+        if (!(cols = span(cx, g->col_buf, g->col_dst, rows * col_bytes))) return RC_INVALID;
+    }
+    uint64_t step = cx->chunk / in_row ? cx->chunk / in_row : 1; /* whole rows per chunk */
+    if (step * in_row > cx->scratch_size) return RC_INVALID;
+    for (int c = 0; c < 256; c++) d.table[c] = fp8_value((uint8_t)c, d.format);
+    d.avx2 = have_avx2();
+    _Alignas(64) uint8_t block[DQ_BLOCK * 4];
+    for (uint64_t first = 0; first < rows; first += step) {
+        uint64_t n = rows - first < step ? rows - first : step;
+        int rc = read_exact(fd, cx->scratch, n * in_row, base + *pos, pos, detail);
+        if (rc) return rc;
+        for (uint64_t r = first; r < first + n; r++) {
+            const uint8_t *src = cx->scratch + (r - first) * in_row;
+            uint8_t *out = dst + r * out_row;
+            for (uint64_t k = 0; k < groups; k++) {
+                float scale;
+                memcpy(&scale, scale_bytes + 4 * (r * groups + k), 4);
+                if (!(scale > 0.0f && scale <= 0x1.fffffep127f)) { /* NaN fails both */
+                    *detail = r;
+                    return RC_BAD_SCALE;
+                }
+                for (uint64_t done = 0; done < group; done += DQ_BLOCK) {
+                    uint64_t m = group - done < DQ_BLOCK ? group - done : DQ_BLOCK;
+                    uint64_t at = (k * group + done) * out_size, end = at + m * out_size; /* bytes in the row */
+                    dequant_block(&d, src + k * group + done, (size_t)m, scale, (int)out_size, block);
+                    store_stream(out + at, block, (size_t)(m * out_size));
+                    if (cols && at < col_off + col_bytes && end > col_off) { /* the part inside the columns */
+                        uint64_t lo = at > col_off ? at : col_off, hi = end < col_off + col_bytes ? end : col_off + col_bytes;
+                        store_stream(cols + r * col_bytes + (lo - col_off), block + (lo - at), (size_t)(hi - lo));
+                    }
+                }
+            }
+        }
+    }
+    return RC_OK;
+}
+
 static int run_sample(const context *cx, const op_t *op, const segment_t *segs, uint64_t n_segs,
                       uint64_t *detail) {
     int fd = (int)op->target;
@@ -209,6 +386,7 @@ static int run_sample(const context *cx, const op_t *op, const segment_t *segs, 
         case SEG_COPY_COLS: rc = read_rows(cx, fd, base, &pos, g, detail); break;
         case SEG_WIDEN_I32:
         case SEG_WIDEN_U8: rc = read_widened(cx, fd, base, &pos, g, detail); break;
+        case SEG_DEQUANT: rc = read_dequant(cx, fd, base, &pos, g, detail); break;
         default: return RC_INVALID;
         }
     }
@@ -218,7 +396,7 @@ static int run_sample(const context *cx, const op_t *op, const segment_t *segs, 
 }
 
 /* Runs the ops in order; on failure returns its code, the op's index in *fail_op and, for a
- * short read the payload bytes read, for a read error the errno, in *detail. */
+ * short read the payload bytes read, for a read error the errno, for a bad scale its row, in *detail. */
 int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, uint64_t n_segs,
                       const uint64_t *bases, const uint64_t *sizes, uint64_t n_bufs, uint8_t *scratch,
                       uint64_t scratch_size, uint64_t chunk, uint64_t *fail_op, uint64_t *detail) {
