@@ -11,14 +11,18 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dspark_cache.format.cache import CacheDir, unpublish_shard
 from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.files import open_regular
+from dspark_cache.format.sample import HIDDEN_SCALE, LAST_HIDDEN_SCALE, place_tensors
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import ShardIndex, encode_json
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
-from dspark_cache.format.validate import check_catalog
+from dspark_cache.format.validate import check_catalog, check_scales
 from dspark_cache.format.wids_index import write_wids_index
 
 
@@ -80,9 +84,37 @@ def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex 
         report.corrupt.append({"shard": shard_id, "path": paths.shard_tar(shard_id), "sample": None,
                                "reason": f"{paths.shard_tar(shard_id)}: {exc}"})
         return None
+    try:
+        if cache.shape.fp8:
+            _verify_scales(cache, index, paths.shard_tar(shard_id))
+    except CorruptShardError as exc:  # the bytes are the writer's: rebuilding the index cannot help
+        report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc),
+                               "rebuildable": False})
+        return None
+    except (CacheError, OSError) as exc:
+        report.corrupt.append({"shard": shard_id, "path": paths.shard_tar(shard_id), "sample": None,
+                               "reason": f"{paths.shard_tar(shard_id)}: {exc}"})
+        return None
     report.shards_ok += 1
     report.samples_ok += index.num_samples
     return index
+
+
+def _verify_scales(cache: CacheDir, index: ShardIndex, path: str) -> None:
+    """Every FP8 scale finite and positive (read after the checksums passed: a few bytes per
+    token, from the page cache)."""
+    fd = open_regular(path)
+    try:
+        for entry in index.samples:
+            header = entry.size - cache.shape.data_size(entry.length)
+            for name, start, end in place_tensors(cache.shape.specs(entry.length)):
+                if name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE):
+                    data = os.pread(fd, end - start, entry.offset + header + start)
+                    if len(data) != end - start:
+                        raise CorruptShardError(path, f"short read of {name}", entry.sample_id)
+                    check_scales(np.frombuffer(data, dtype="<f4").reshape(entry.length, -1), entry, path)
+    finally:
+        os.close(fd)
 
 
 def repair(path: str, report: Report) -> None:
@@ -95,7 +127,7 @@ def repair(path: str, report: Report) -> None:
     manifest = CacheDir(path, allow_incomplete=True, strict=False).manifest
     for problem in report.corrupt:
         shard_id = problem["shard"]
-        index = rebuild_index(paths, shard_id, manifest)
+        index = rebuild_index(paths, shard_id, manifest) if problem.get("rebuildable", True) else None
         if index is not None:
             atomic_write_bytes(paths.shard_index(shard_id), encode_json(index))
             problem["repaired"] = "rebuilt"

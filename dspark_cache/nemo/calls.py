@@ -4,6 +4,10 @@ Each call looks at the directory it is given: a NeMo-layout cache is handled exa
 original would handle it (:mod:`.layout`), a dspark cache through our loader. Errors keep NeMo's
 types (``FileNotFoundError`` for a missing cache, ``ValueError`` for an unusable one), so code
 that catches them keeps working; the messages say what to do.
+
+An FP8 dspark cache is dequantised by the loader to the dtype the recipe computes in (fp32 on
+CPU, bf16 on CUDA: NeMo's own rule), and its manifest reports that dtype (the stored one as
+``stored_dtype``), so NeMo's checks see a cache of the dtype training receives.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.cache import read_manifest as read_dspark_manifest
+from dspark_cache.format.schema import FP8_DTYPES
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.dataset import DSparkMapDataset, collate
 from dspark_cache.nemo.readahead import ReadAheadDataLoader
@@ -36,7 +41,19 @@ def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, A
         return layout.read_manifest(cache_dir, allow_incomplete=allow_incomplete)
     with _nemo_errors():
         manifest = read_dspark_manifest(cache_dir, allow_incomplete=allow_incomplete)
-    return {**layout.MANIFEST_DEFAULTS, **msgspec.to_builtins(manifest)}
+    fields = {**layout.MANIFEST_DEFAULTS, **msgspec.to_builtins(manifest)}
+    delivered = recipe_dtype(manifest.dtype)
+    if delivered is not None:  # what the dataloader hands out; NeMo validates this
+        fields.update(dtype=delivered, stored_dtype=manifest.dtype)
+    return fields
+
+
+def recipe_dtype(stored: str) -> str | None:
+    """The dtype an FP8 cache (``stored``) is dequantised to for the recipe, which computes in
+    bf16 on CUDA and fp32 elsewhere; ``None`` for any other cache (handed out as stored)."""
+    if stored not in FP8_DTYPES:
+        return None
+    return "bf16" if torch.cuda.is_available() else "fp32"
 
 
 def read_target_weight_modules(cache_dir: str) -> tuple[SimpleNamespace, SimpleNamespace]:
@@ -54,7 +71,8 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
     so batches come in NeMo's order and torch's global RNG is drawn exactly as NeMo draws it.
 
     Batches hold NeMo's four keys, padded to the manifest's ``seq_length`` (``input_ids`` with the
-    pad token, the rest with zeros). A dspark cache is read a whole batch at a time, checksummed.
+    pad token, the rest with zeros). A dspark cache is read a whole batch at a time, checksummed
+    (an FP8 one dequantised to :func:`recipe_dtype` as it is read).
     ``num_workers`` are ``DataLoader`` worker processes, as in NeMo. With 0 (NeMo's default) batches
     are read in the training process, the next one by the dataset's reader thread while training
     works on the current one; with ``n > 0`` torch forks ``n`` workers, each opening the cache with
@@ -69,7 +87,8 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
         collate_fn = layout.stack_samples
     else:
         with _nemo_errors():
-            dataset = DSparkMapDataset(cache_dir, batch_size=batch_size)
+            stored = read_dspark_manifest(cache_dir).dtype
+            dataset = DSparkMapDataset(cache_dir, batch_size=batch_size, dtype=recipe_dtype(stored))
         collate_fn = collate
     sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
     return ReadAheadDataLoader(

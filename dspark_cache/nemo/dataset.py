@@ -25,14 +25,18 @@ class DSparkMapDataset(torch.utils.data.Dataset):
     """Samples of a complete dspark cache by position (ascending sample id), batched on request.
 
     Safe in ``DataLoader`` worker processes: files and reader threads are opened per process.
+    ``dtype``: the hidden states' dtype, as ``build_dataloader``'s (FP8 caches are dequantised to it;
+    bf16 by default).
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, *, batch_size: int = 1, native: bool | None = None) -> None:
+    def __init__(self, cache_dir: str | os.PathLike, *, batch_size: int = 1, native: bool | None = None,
+                 dtype: object = None) -> None:
         self.cache_dir = os.fspath(cache_dir)
         self.batch_size = max(1, batch_size)
         self.native = native
         catalog = CacheDir(self.cache_dir)
         self.manifest = catalog.manifest
+        self.layout = BatchLayout.from_manifest(self.manifest, dtype)  # refuses a dtype the cache cannot give
         self._shard, self._entry = _positions(catalog)
         self._catalog: CacheDir | None = catalog
         self._reader: BatchReader | None = None
@@ -87,7 +91,7 @@ class DSparkMapDataset(torch.utils.data.Dataset):
             self.batch_size = max(self.batch_size, rows)
             in_worker = torch.utils.data.get_worker_info() is not None
             self._reader = BatchReader(
-                catalog, BatchLayout.from_manifest(self.manifest), batch_size=self.batch_size, num_threads=1,
+                catalog, self.layout, batch_size=self.batch_size, num_threads=1,
                 pad_to="seq_length", pin_memory=torch.cuda.is_available() and not in_worker,
                 nemo_keys_only=True, native=self.native,
             )

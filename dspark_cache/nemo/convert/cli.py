@@ -32,7 +32,8 @@ final state is checked and stored once.
 unmodified train_dspark. Sample i is the i-th sample in ascending sample id (ids are renumbered
 densely). input_ids are padded with the manifest's pad_token_id and float tensors with zeros,
 left as holes in sparse files (they read as zeros and take no disk); NeMo's own producer stores
-the target's outputs at pad positions instead, which training masks.
+the target's outputs at pad positions instead, which training masks. NeMo has no FP8: an FP8
+cache is dequantised, to bf16 unless --dtype fp32 (what NeMo's recipe needs on a CPU).
 
 Both directions stream one row at a time (memory stays bounded whatever the shard size), publish
 each shard atomically, and resume: rerun the same command after a crash or kill and published
@@ -56,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "rule)")
     p.add_argument("--shard-size", type=int, default=None, metavar="N",
                    help="--to nemo: samples per NeMo shard (default: the source's shard_size)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="--to nemo, FP8 caches: the dtype their states are dequantised to (default: bf16)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different cache in DST (deletes only cache files of either layout)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -67,6 +70,8 @@ def _check_args(args: argparse.Namespace) -> None:
                          "pad_token_id)")
     if args.to == "dspark" and args.shard_size is not None:
         raise UsageError("--shard-size applies to --to nemo (an import keeps NeMo's shards)")
+    if args.to == "dspark" and args.dtype is not None:
+        raise UsageError("--dtype applies to --to nemo (an import keeps NeMo's dtype)")
     for name in ("pad_token_id", "eos_token_id"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                                        eos_token_id=args.eos_token_id, overwrite=args.overwrite, progress=progress)
         else:
             result = convert_to_nemo(args.src, args.dst, shard_size=args.shard_size, overwrite=args.overwrite,
-                                     progress=progress)
+                                     progress=progress, dtype=args.dtype)
     except ConvertUsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

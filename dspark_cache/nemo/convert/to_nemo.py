@@ -12,6 +12,10 @@ fsynced and renamed; the manifest says ``complete: false`` until the last one is
 file is sized first and only real tokens (and the ids' pad run) are written: the zero padding is
 left as holes, which read as zeros and, where the filesystem has sparse files, take no disk and
 no write bandwidth (padding is most of a NeMo cache).
+
+NeMo's layout has no FP8: an FP8 cache is exported dequantised, to bf16 by default (what it
+reads as everywhere) or to ``dtype="fp32"`` (what NeMo's recipe needs to train on a CPU), and the
+manifest says that dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dspark_cache.format.atomic import fsync_dir
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.faults import crash_point
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
+from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.loader.cache import Cache, open_cache
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.convert.common import (
@@ -43,10 +47,13 @@ Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
 def nemo_manifest(cache: Cache, shard_size: int) -> dict:
-    """Exactly NeMo's manifest fields (``layout.MANIFEST_FIELDS``) for the export of ``cache``."""
+    """Exactly NeMo's manifest fields (``layout.MANIFEST_FIELDS``) for the export of ``cache`` (the
+    dtype its samples are read as: an FP8 cache's dequantised one)."""
     ours = msgspec.structs.asdict(cache.manifest)
     fields = {name: ours[name] for name in layout.MANIFEST_FIELDS}
     fields.update(num_samples=len(cache), shard_size=shard_size)
+    if cache.out_code is not None:
+        fields["dtype"] = {code: name for name, code in CACHE_DTYPES.items()}[cache.out_code]
     return fields
 
 
@@ -132,13 +139,19 @@ def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec
     crash_point("nemo_after_rename")
 
 
-def _open_source(src: str) -> Cache:
+def _open_source(src: str, dtype: str | None) -> Cache:
     if layout.is_nemo_layout(src):
         raise ConvertUsageError(f"{src} is already a NeMo-layout cache; to import it use --to dspark")
     try:
-        return open_cache(src)
+        cache = open_cache(src, dtype=dtype)
     except CacheError as exc:
         raise ConvertError(str(exc)) from exc
+    except ValueError as exc:  # a --dtype this cache cannot be read as
+        raise ConvertUsageError(f"--dtype {dtype}: {exc}") from exc
+    if cache.shape.fp8 and cache.out_code is None:
+        cache.close()
+        raise ConvertUsageError(f"--dtype {dtype}: NeMo's layout has no FP8; export as bf16 or fp32")
+    return cache
 
 
 def _reconcile(dst: str, manifest: dict, shards: list[list[int]], overwrite: bool) -> tuple[set[int], bool]:
@@ -154,11 +167,13 @@ def _reconcile(dst: str, manifest: dict, shards: list[list[int]], overwrite: boo
 
 
 def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwrite: bool = False,
-                    progress: TextIO | None = sys.stderr) -> ConvertResult:
-    """Export the dspark cache ``src`` to a NeMo-layout cache in ``dst`` (resumable; see the module doc)."""
+                    progress: TextIO | None = sys.stderr, dtype: str | None = None) -> ConvertResult:
+    """Export the dspark cache ``src`` to a NeMo-layout cache in ``dst`` (resumable; see the module doc).
+
+    ``dtype`` (FP8 caches only): ``"bf16"`` (the default) or ``"fp32"``, what they are dequantised to."""
     started = time.perf_counter()
     check_paths(src, dst)
-    cache = _open_source(src)
+    cache = _open_source(src, dtype)
     require_weights(CachePaths(src).target_weights)
     manifest = nemo_manifest(cache, shard_size or cache.manifest.shard_size)
     size, total = manifest["shard_size"], len(cache)
