@@ -139,14 +139,16 @@ class Counter:
         elif self._clock.due():
             log.info("%s", self.line())
 
-    def line(self) -> str:
-        """The log line: count (of total), rate, and the ETA when the total is known."""
+    def line(self, final: bool = False) -> str:
+        """The log line: count (of total), rate, and the ETA when the total is known (the time taken when final)."""
         rate = self.n / self._clock.elapsed()
         done = f"{self.n}/{self._total}" if self._total is not None else f"{self.n}"
-        eta = ""
-        if self._total is not None and rate > 0:
-            eta = f", ETA {format_duration((self._total - self.n) / rate)}"
-        return f"{self.desc}: {done} {self.unit}, {rate:.0f} {self.unit}/s{eta}"
+        tail = ""
+        if final:
+            tail = f" in {format_duration(self._clock.elapsed())}"
+        elif self._total is not None and rate > 0:
+            tail = f", ETA {format_duration((self._total - self.n) / rate)}"
+        return f"{self.desc}: {done} {self.unit}, {rate:.0f} {self.unit}/s{tail}"
 
     def close(self) -> None:
         """End the bar (left on screen), or log the final line."""
@@ -154,7 +156,7 @@ class Counter:
             self._bar.close()
             self._bar = None
         else:
-            log.info("%s in %s", self.line(), format_duration(self._clock.elapsed()))
+            log.info("%s", self.line(final=True))
 
 
 @contextlib.contextmanager
@@ -220,13 +222,17 @@ class ProgressLog:
         _, samples, shards_done, shards_total = self._last
         return f"{samples}/{self.total_samples} samples, {shards_done}/{shards_total} shards"
 
-    def line(self) -> str:
-        """The log line: samples, share of tokens, shards, rate, ETA."""
+    def line(self, final: bool = False) -> str:
+        """The log line: samples, share of tokens, shards, rate, ETA (the time taken when final)."""
         tokens, samples, shards_done, shards_total = self._last
-        rate = tokens / self._clock.elapsed()
-        eta = format_duration((self.total_tokens - tokens) / rate) if rate else "?"
+        elapsed = self._clock.elapsed()
+        rate = tokens / elapsed
+        if final:
+            tail = f" in {format_duration(elapsed)}"
+        else:
+            tail = f", ETA {format_duration((self.total_tokens - tokens) / rate) if rate else '?'}"
         return (f"{samples}/{self.total_samples} samples, {100 * tokens / self.total_tokens:.1f}% of tokens, "
-                f"{shards_done}/{shards_total} shards, {rate:.0f} tokens/s, ETA {eta}")
+                f"{shards_done}/{shards_total} shards, {rate:.0f} tokens/s{tail}")
 
     def close(self) -> None:
         """End the bar (left on screen) and give the log handlers back, or log the final line. Idempotent."""
@@ -234,7 +240,7 @@ class ProgressLog:
             return
         self._closed = True
         if self._bar is None:
-            log.info("computed %s", self.line())
+            log.info("computed %s", self.line(final=True))
             return
         self._bar.set_postfix_str(self._postfix(), refresh=False)  # the last shard lands after the last batch
         self._bar.close()
