@@ -15,6 +15,7 @@ import os
 import resource
 import subprocess
 import sys
+from typing import Callable
 
 import msgspec
 import pytest
@@ -56,17 +57,30 @@ def screen_text(app: MonitorApp) -> dict:
         "stages": plain(app.query_one("#stages")),
         "events": plain(app.query_one("#events")),
         "ranks": [[str(c) for c in ranks.get_row_at(i)] for i in range(ranks.row_count)],
+        "columns": [str(c.label) for c in ranks.ordered_columns],
+        "tokens": plain(app.query_one("#tok-label")),
     }
 
 
-async def show(root: str, keys: str = "") -> dict:
-    """What the monitor shows for ``root``, after pressing ``keys``; ``notes`` are its notifications."""
+def cell(shown: dict, row: int, column: str) -> str:
+    """One cell of the rank table as shown, by its column's name."""
+    return shown["ranks"][row][shown["columns"].index(column)]
+
+
+async def show(root: str, keys: str = "", then: Callable[[], None] | None = None) -> dict:
+    """What the monitor shows for ``root``, after pressing ``keys``; ``notes`` are its notifications.
+
+    ``then`` changes the files after the first poll (a next heartbeat, to measure a rate).
+    """
     app = app_for(root)
     notes: list[str] = []
     notify = app.notify
     app.notify = lambda message, **kw: (notes.append(message), notify(message, **kw))[1]
     async with app.run_test(size=(160, 70)) as pilot:
         await app.first_snapshot()
+        if then is not None:
+            then()
+            await app.refreshed()
         for key in keys:
             await pilot.press(key)
         await app.refreshed()
@@ -296,10 +310,27 @@ async def test_stage_seconds_that_sum_to_infinity(tmp_path):
 @pytest.mark.anyio
 async def test_vanishing_rate_gives_an_infinite_eta(tmp_path):
     paths = live(tmp_path / "c")
-    for rank in (0, 1):
-        write_json(paths.status(rank), status_dict(rank, tokens_per_s=5e-324))
-    shown = await show(paths.root)
-    assert "ETA ∞" in shown["progress"]
+    write_json(paths.status(0), status_dict(0, tokens_done=1, updated_at=tui_states.NOW - 1))
+    # one token more, a lifetime of floats later: a rate of 6e-309 tokens/s
+    shown = await show(paths.root, then=lambda: write_json(
+        paths.status(0), status_dict(0, tokens_done=2, updated_at=1.7e308)))
+    assert "0 tok/s  ETA ∞" in shown["progress"]
+
+
+@pytest.mark.anyio
+async def test_counts_that_jump_shrink_or_overflow_give_placeholders_not_rates(tmp_path):
+    paths = live(tmp_path / "c")
+    write_json(paths.status(0), status_dict(0, tokens_done=1, bytes_written=10, updated_at=tui_states.NOW - 5))
+    write_json(paths.status(1), status_dict(1, tokens_done=10**9, updated_at=tui_states.NOW - 5))
+
+    def next_heartbeats() -> None:
+        write_json(paths.status(0), status_dict(0, tokens_done=10**400, bytes_written=10**400,
+                                                updated_at=tui_states.NOW - 1))
+        write_json(paths.status(1), status_dict(1, tokens_done=5, updated_at=tui_states.NOW - 1))  # went down
+
+    shown = await show(paths.root, then=next_heartbeats)
+    assert cell(shown, 0, "tok/s") == "∞" and cell(shown, 1, "tok/s") == "-"
+    assert shown["tokens"].startswith("tokens/s now ∞") and "ETA 0m00s" in shown["progress"]
 
 
 @pytest.mark.anyio
@@ -311,10 +342,11 @@ async def test_negative_and_huge_numbers_show_placeholders(tmp_path):
     write_json(paths.manifest, manifest_dict(planned_tokens=10**400, planned_samples=-1, num_shards=-5,
                                              created_at=-1.7e308))
     shown = await show(paths.root)
-    rank0, rank1 = shown["ranks"]
-    assert rank0[3] == "node-a/>999T" and rank0[4] == "—/10" and rank0[5] == "—" and rank0[6] == "—"
-    assert rank0[7] == "—" and rank0[8] == "— ago"  # a heartbeat from the future: no age to show
-    assert rank1[2] == "—" and rank1[8] == ">999d ago"
+    assert cell(shown, 0, "host/pid") == "node-a/>999T" and cell(shown, 0, "run shards") == "—/10"
+    assert cell(shown, 0, "tok/s") == "-"  # one heartbeat gives no rate, whatever its rate field claims
+    assert cell(shown, 0, "inflight") == "—"
+    assert cell(shown, 0, "heartbeat") == "— ago"  # a heartbeat from the future: no age to show
+    assert cell(shown, 1, "shard") == "—" and cell(shown, 1, "heartbeat") == ">999d ago"
     assert "samples 220/—" in shown["progress"] and "/∞" in shown["progress"] and "/—" in shown["progress"]
     assert shown["shards"] == "no shards planned yet"
 
@@ -328,7 +360,7 @@ async def test_markup_and_dollars_in_file_strings_are_shown_literally(tmp_path):
         handle.write(event_line(0, "message [/] with $dollar"))
     shown = await show(paths.root)
     assert shown["header"].startswith("[/]evil [b]$model (qwen3") and "input: x\\" in shown["header"]
-    assert shown["ranks"][0][3] == "[/][red]/1000" and shown["ranks"][0][9] == "[/b]"
+    assert cell(shown, 0, "host/pid") == "[/][red]/1000" and cell(shown, 0, "last error") == "[/b]"
     assert "message [/] with $dollar" in shown["events"]
 
 

@@ -51,23 +51,57 @@ def build(root: str, *, num_shards: int, published: list[int], writing: list[int
     for shard in writing:
         open(paths.shard_partial(shard), "wb").close()
     for st in ranks:
-        with open(paths.status(st.rank), "wb") as handle:
-            handle.write(encode_json(st))
+        write_status(root, st)
     for ev in events:
         with open(paths.events(ev.rank), "ab") as handle:
             handle.write(encode_json(ev) + b"\n")
     return root
 
 
+def write_status(root: str, st: RankStatus) -> None:
+    """Replace a rank's heartbeat file, as the producer does about once a second."""
+    atomic_write_bytes(CachePaths(root).status(st.rank), encode_json(st), durable=False)
+
+
+# A resumed run: rank 0's counts include the 200k tokens of shards published by an earlier run,
+# and its own rate field holds the figure a rate over those counts gives; the monitor must show
+# neither as this run's work.
+RESUMED_TOKENS = 200_000
+INFLATED_RATE = 53_700.0
+LIVE_GAP_S = 8.0  # between rank 0's two heartbeats
+LIVE_TOKENS = 12_000  # computed by rank 0 in that gap: 1.5k tokens/s
+
+
+def live_rank0(age: float, tokens: int, written: int) -> RankStatus:
+    return status(0, 2, "running", age, shard=20, tokens_done=tokens, bytes_written=written,
+                  tokens_per_s=INFLATED_RATE, shards_done=2, shards_owned=20)
+
+
 def live_run(root: str) -> str:
-    """Two ranks working, rank 1 stale; a shard failed earlier; the disk nearly full."""
+    """Two ranks working, rank 1 stale; a shard failed earlier; the disk nearly full.
+
+    Rank 0's heartbeat is ``LIVE_GAP_S`` old: :func:`next_heartbeat` writes its next one.
+    """
     return build(
         root, num_shards=60, published=list(range(0, 20)) + [24, 25], writing=[20, 21],
-        ranks=[status(0, 2, "running", 0.5, shard=20), status(1, 2, "running", 42.0, shard=21,
-                                                             last_error=None)],
+        ranks=[live_rank0(LIVE_GAP_S + 0.5, RESUMED_TOKENS, 80_000_000),
+               status(1, 2, "running", 42.0, shard=21, last_error=None)],
         events=[event(0, 900, "started", "computing 30 shards on cuda:0"),
                 event(1, 700, "error", "disk full while writing shard 23", shard=23),
                 event(1, 650, "resumed", "resuming: 18 of 60 shards already published"),
                 event(0, 30, "warning", "sample 177 dropped: non-finite hidden states"),
                 event(0, 5, "shard_published", "shard 19 published", shard=19)],
     )
+
+
+def next_heartbeat(root: str) -> None:
+    """Rank 0, ``LIVE_GAP_S`` later: ``LIVE_TOKENS`` more tokens and one more shard (40 MB) published."""
+    write_status(root, live_rank0(0.5, RESUMED_TOKENS + LIVE_TOKENS, 80_000_000 + SHARD_BYTES))
+
+
+def finished(root: str) -> str:
+    """A complete cache of 12 shards, all published by its one run of 2940 s."""
+    return build(root, num_shards=12, published=list(range(12)), complete=True,
+                 ranks=[status(0, 1, "finished", 60.0, shards_done=12, shards_owned=12,
+                               bytes_written=12 * SHARD_BYTES)],
+                 events=[event(0, 60, "finished", "cache complete", samples=120)])

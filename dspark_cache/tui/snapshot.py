@@ -14,6 +14,7 @@ from types import MappingProxyType
 from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex
 from dspark_cache.format.status import rank_is_live, rank_is_stale
 from dspark_cache.tui.display import as_float
+from dspark_cache.tui.rates import RankRate, RunAverage, run_average, summed, tokens_per_byte
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Snapshot:
     writing: frozenset[int] = frozenset()
     failed: frozenset[int] = frozenset()
     ranks: tuple[RankStatus, ...] = ()
+    rates: tuple[RankRate | None, ...] = ()  # measured by the watcher, one per rank (see tui.rates)
     events: tuple[Event, ...] = ()  # newest last
     history: tuple[Throughput, ...] = ()  # oldest first
     disk_free: int | None = None
@@ -88,23 +90,42 @@ class Snapshot:
     def bytes_done(self) -> int:
         return sum(s.bytes for s in self.published.values())
 
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(r.tokens_per_s for r in self.live_ranks)
+    def rank_rates(self) -> list[tuple[RankStatus, RankRate | None]]:
+        """Each rank with its measured rate (None: not running, or not measured yet)."""
+        rates = self.rates + (None,) * (len(self.ranks) - len(self.rates))
+        return list(zip(self.ranks, rates))
+
+    def _live_rates(self) -> list[RankRate]:
+        return [rate for r, rate in self.rank_rates() if rate is not None and rank_is_live(r, self.now)]
 
     @property
-    def bytes_per_s(self) -> float:
-        return sum(r.bytes_per_s for r in self.live_ranks)
+    def can_stop(self) -> bool:
+        """Whether a producer is there to stop: some rank of it is live."""
+        return bool(self.live_ranks)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second the live ranks compute now; None until measured (or with none live)."""
+        return summed(r.tokens_per_s for r in self._live_rates())
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        """Bytes per second the live ranks publish now; None until measured (or with none live)."""
+        return summed(r.bytes_per_s for r in self._live_rates())
 
     def eta_seconds(self) -> float | None:
-        """Seconds left at the current rate; inf for a vanishing rate, None when unknown."""
+        """Seconds left at the live ranks' average rate; inf for a vanishing rate, None when unknown."""
         if not self.manifest or self.complete:
             return None
-        rate = as_float(self.tokens_per_s)
+        rate = as_float(summed(r.average_tokens_per_s for r in self._live_rates()))
         left = as_float(self.manifest.planned_tokens - self.tokens_done)
         if rate is None or rate <= 0 or left is None:
             return None
         return max(0.0, left) / rate
+
+    def run_average(self) -> RunAverage | None:
+        """The newest run's average rates, from its heartbeats and the published shards."""
+        return run_average(self.ranks, tokens_per_byte(self.tokens_done, self.bytes_done))
 
     def stage_totals(self) -> dict[str, float]:
         """Seconds spent per pipeline stage, summed over the ranks."""

@@ -31,9 +31,10 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, RankStatus, decode_manifest, decode_shard_index
-from dspark_cache.format.status import read_rank_status
+from dspark_cache.format.status import rank_is_live, read_rank_status
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, check_manifest
 from dspark_cache.tui.eventfeed import EventFeed, failed_shards
+from dspark_cache.tui.rates import RateTracker
 from dspark_cache.tui.reading import CacheReader, reason
 from dspark_cache.tui.snapshot import ShardSummary, Snapshot, Throughput
 from dspark_cache.tui.stop import request_stop
@@ -45,7 +46,8 @@ class CacheWatcher:
     """Reads a cache directory; each :meth:`poll` reads only what changed since the last one.
 
     It keeps state between polls (decoded shard indexes, log positions, recent events, the
-    throughput history), so only one thread may call it (the watcher thread).
+    ranks' heartbeats for their rates, the throughput history), so only one thread may call it
+    (the watcher thread).
     """
 
     def __init__(self, path: str, clock: Callable[[], float] = time.time,
@@ -55,6 +57,7 @@ class CacheWatcher:
         self.disk_free = disk_free or _free_bytes
         self.reader = CacheReader(path)
         self.events = EventFeed(self.paths.events_dir, self.reader)
+        self.rates = RateTracker()
         self._indexes: dict[int, ShardSummary] = {}
         self._history: deque[Throughput] = deque(maxlen=history)
         self._manifest_key: tuple[int, int, int] | None = None
@@ -64,16 +67,25 @@ class CacheWatcher:
         """A snapshot of the directory now, with the throughput history of the polls so far."""
         now, root = self.clock(), self.paths.root
         if not os.path.isdir(root):
-            return Snapshot(now=now, path=root, exists=False)
+            not_dir = f"{root} is not a directory" if os.path.exists(root) else None
+            return Snapshot(now=now, path=root, exists=not_dir is not None, manifest_error=not_dir)
         self.reader.start_poll()
         snap = self._read(now)
-        if snap.live_ranks:
-            self._history.append(Throughput(now, snap.tokens_per_s, snap.bytes_per_s))
+        tokens, written = snap.tokens_per_s, snap.bytes_per_s
+        if tokens is not None and written is not None:  # a live rank, measured
+            self._history.append(Throughput(now, tokens, written))
         return replace(snap, history=tuple(self._history))
 
     def request_stop(self) -> str | None:
-        """Write the stop request the producer checks between shards; None, or why it could not."""
-        return request_stop(self.paths, f"requested by dspark-monitor at {self.clock():.0f}\n")
+        """Write the stop request the producer checks between shards; None, or why it could not.
+
+        Refused unless some rank is live now: a stop request left in a finished cache stops no
+        one (the snapshot on screen may be a refresh old, so the heartbeats are read again).
+        """
+        now = self.clock()
+        if not any(rank_is_live(status, now) for status in self._read_statuses()):
+            return "no producer is running here (no rank has a fresh heartbeat), so there is nothing to stop"
+        return request_stop(self.paths, f"requested by dspark-monitor at {now:.0f}\n")
 
     def _read(self, now: float) -> Snapshot:
         """Everything but the history, read from the files."""
@@ -84,7 +96,7 @@ class CacheWatcher:
         return Snapshot(
             now=now, path=self.paths.root, manifest=manifest, manifest_error=manifest_error,
             published=MappingProxyType(published), writing=frozenset(writing), failed=failed_shards(events),
-            ranks=ranks, events=events, disk_free=self.disk_free(self.paths.root),
+            ranks=ranks, rates=self.rates.observe(ranks), events=events, disk_free=self.disk_free(self.paths.root),
             stop_requested=os.path.exists(self.paths.stop_request),
             warnings=manifest_warnings + tuple(self.reader.warnings),
         )

@@ -22,8 +22,9 @@ class RunHeader(Static):
     def show(self, snap: Snapshot) -> None:
         m = snap.manifest
         path = clip(snap.path, 300)
-        if not snap.exists:
-            self.update(markup("[b red]$path does not exist[/]", path=path))
+        if not snap.exists:  # dspark-monitor waits for it (--no-wait exits instead)
+            self.update(markup("[b]$path[/]: [yellow]does not exist yet; waiting for it to appear (start "
+                               "dspark-produce --output-dir $path)[/]", path=path))
         elif snap.manifest_error:
             # A manifest is there but is not ours (a NeMo cache, an older format) or is damaged:
             # say so plainly rather than pretending to wait for a producer.

@@ -63,9 +63,13 @@ def bytes_per_token(written: int, tokens: int) -> str:
 
 
 def running(m: Manifest, snap: Snapshot) -> str:
-    """Where a run stands: done out of planned, the current rate and the time left."""
+    """Where a run stands: done out of planned, the live run's rate and the time left."""
+    done = (f"samples {integer(snap.samples_done)}/{integer(m.planned_samples)}  "
+            f"tokens {human_count(snap.tokens_done)}/{human_count(m.planned_tokens)}  "
+            f"shards {integer(len(snap.published))}/{integer(m.num_shards)}  ")
+    if not snap.live_ranks:
+        return done + "[yellow]no producer running[/]"
     rate = snap.tokens_per_s
-    return (f"samples {integer(snap.samples_done)}/{integer(m.planned_samples)}   "
-            f"tokens {human_count(snap.tokens_done)}/{human_count(m.planned_tokens)}"
-            f"   shards {integer(len(snap.published))}/{integer(m.num_shards)}   "
-            f"{human_count(rate)} tok/s   ETA {human_duration(snap.eta_seconds()) if rate else '?'}")
+    if rate is None:  # a second heartbeat is needed to measure the live run's own work
+        return done + "tok/s measuring…  ETA ?"
+    return done + f"{human_count(rate)} tok/s  ETA {human_duration(snap.eta_seconds())}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
@@ -14,7 +16,8 @@ MAX_RATE = 1e300  # a whole history of these still sums to a finite number
 
 
 class ThroughputChart(Vertical):
-    """Tokens/s and bytes/s of the live ranks, now, at peak, and as sparklines over the history."""
+    """Tokens/s and bytes/s of the live ranks, now, at peak, and as sparklines over the history;
+    with no rank live, the newest run's average (:func:`~dspark_cache.tui.rates.run_average`)."""
 
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = """
@@ -30,15 +33,28 @@ class ThroughputChart(Vertical):
 
     def show(self, snap: Snapshot) -> None:
         tokens = [h.tokens_per_s for h in snap.history]
-        mbs = [h.bytes_per_s for h in snap.history]
-        self.query_one("#tok-label", Static).update(
-            f"tokens/s now {human_count(tokens[-1]) if tokens else '-'}   "
-            f"peak {human_count(peak(tokens)) if tokens else '-'}")
-        self.query_one("#mb-label", Static).update(
-            f"written/s now {human_bytes(mbs[-1]) if mbs else '-'}   peak {human_bytes(peak(mbs)) if mbs else '-'}")
+        written = [h.bytes_per_s for h in snap.history]
+        # "now" is this poll's live rate, never the history's last entry: once no rank is live
+        # there is no current rate, and the newest run's average is shown instead.
+        average = None if snap.live_ranks else snap.run_average()
+        self.query_one("#tok-label", Static).update(label(
+            "tokens/s", snap.tokens_per_s, average.tokens_per_s if average else None, tokens, human_count))
+        self.query_one("#mb-label", Static).update(label(
+            "written/s", snap.bytes_per_s, average.bytes_per_s if average else None, written, human_bytes))
         # No history (a finished or idle cache) draws nothing rather than a misleading full bar.
         self.query_one("#tok-line", Sparkline).data = [plottable(v) for v in tokens]
-        self.query_one("#mb-line", Sparkline).data = [plottable(v) for v in mbs]
+        self.query_one("#mb-line", Sparkline).data = [plottable(v) for v in written]
+
+
+def label(what: str, now: float | None, average: float | None, history: list[float],
+          fmt: Callable[[float | None], str]) -> str:
+    """``tokens/s now 1.2k  peak 1.6k``, with the last run's average in place of a rate when none is live."""
+    parts = [f"{what} now {'-' if now is None else fmt(now)}"]
+    if average is not None:
+        parts.append(f"run avg {fmt(average)}")
+    if history:
+        parts.append(f"peak {fmt(peak(history))}")
+    return "   ".join(parts)
 
 
 def peak(rates: list[float]) -> float | None:
