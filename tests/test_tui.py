@@ -8,13 +8,17 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 from rich.text import Text
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.cli import main as monitor_main
+from dspark_cache.tui.rates import RateTracker
+from dspark_cache.tui.watcher import CacheWatcher
 from dspark_cache.tui.widgets.shardmap import bucketed
 from dspark_cache.verify import verify_cache
 from tests import tui_states
@@ -50,10 +54,13 @@ async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
         header = plain(app.query_one("#header"))
         assert "Qwen/Qwen3-8B" in header and "[1, 10, 18, 26, 35]" in header and "ranks: 2" in header
         progress = plain(app.query_one("#progress-text"))
-        assert "shards 22/60" in progress and "samples 220/600" in progress and "ETA" in progress
+        assert "shards 22/60" in progress and "samples 220/600" in progress and "ETA ?" in progress
         ranks = app.query_one("#ranks")
         assert ranks.row_count == 2
         assert "STALE" in str(ranks.get_row_at(1)[1]) and "STALE" not in str(ranks.get_row_at(0)[1])
+        tui_states.next_heartbeat(root)
+        await app.refreshed()
+        assert "1.5k tok/s  ETA 8m26s" in plain(app.query_one("#progress-text"))
         shards = plain(app.query_one("#shards"))
         assert "22 published  2 writing  35 pending  1 failed" in shards
         assert "will not fit" in plain(app.query_one("#disk"))
@@ -73,7 +80,7 @@ async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
 async def test_finished_cache_shows_summary(small_cache):
     app = MonitorApp(small_cache, refresh=3600)
     async with app.run_test(size=(140, 60)):
-        await app.first_snapshot()
+        snap = await app.first_snapshot()
         m = dspark_cache.open_cache(small_cache).manifest
         text = plain(app.query_one("#progress-text"))
         assert text.startswith("complete") and f"{m.num_samples} samples" in text and f"{m.num_shards} shards" in text
@@ -81,6 +88,12 @@ async def test_finished_cache_shows_summary(small_cache):
         assert "finished" in str(app.query_one("#ranks").get_row_at(0)[1])
         assert "cache complete" in plain(app.query_one("#events"))
         assert "will not fit" not in plain(app.query_one("#disk"))
+        # No rate "now" on a finished cache: the run's average, from what the real run wrote.
+        status = snap.ranks[0]
+        average = status.bytes_written / (status.updated_at - status.started_at)
+        assert snap.run_average().bytes_per_s == pytest.approx(average)
+        assert plain(app.query_one("#tok-label")).startswith("tokens/s now -   run avg ")
+        assert not app.check_action("request_stop", ())
 
 
 @pytest.mark.anyio
@@ -120,9 +133,29 @@ async def test_a_slow_read_never_freezes_the_screen(tmp_path):
     assert readers and threading.get_ident() not in readers
 
 
-def test_missing_directory_is_a_clear_message(tmp_path, capsys):
-    assert monitor_main([str(tmp_path / "nope")]) == 2
+def test_missing_directory_exits_2_only_with_no_wait(tmp_path, capsys, monkeypatch):
+    assert monitor_main([str(tmp_path / "nope"), "--no-wait"]) == 2
+    assert "nope does not exist" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert monitor_main([str(tmp_path / "file")]) == 2  # waiting would not help
     assert "is not a directory" in capsys.readouterr().err
+    started = []
+    monkeypatch.setattr(MonitorApp, "run", lambda app: started.append(app.watcher.paths.root))
+    assert monitor_main([str(tmp_path / "later")]) == 0  # without --no-wait the monitor starts and waits
+    assert started == [str(tmp_path / "later")]
+
+
+@pytest.mark.anyio
+async def test_a_directory_not_there_yet_is_waited_for(tmp_path):
+    root = str(tmp_path / "later")
+    app = app_for(root)
+    async with app.run_test(size=(80, 24)):
+        await app.first_snapshot()
+        assert "does not exist yet; waiting for it to appear" in plain(app.query_one("#header"))
+        tui_states.live_run(root)
+        await app.refreshed()
+        assert "Qwen/Qwen3-8B" in plain(app.query_one("#header"))
+        assert "shards 22/60" in plain(app.query_one("#progress-text"))
 
 
 def test_stale_is_formats_liveness_rule():
@@ -149,16 +182,165 @@ async def first_snapshot(pilot) -> None:
     await pilot.app.first_snapshot()
 
 
+async def measured(pilot) -> None:
+    """Before a screenshot of :func:`tui_states.live_run`: rank 0's next heartbeat, measured and shown."""
+    await pilot.app.first_snapshot()
+    tui_states.next_heartbeat(SNAP_ROOT)
+    await pilot.app.refreshed()
+
+
 def test_snapshot_live_run(snap_compare):
     tui_states.live_run(SNAP_ROOT)
-    assert snap_compare(app_for(SNAP_ROOT, free=500_000_000), terminal_size=(140, 60), run_before=first_snapshot)
+    assert snap_compare(app_for(SNAP_ROOT, free=500_000_000), terminal_size=(140, 60), run_before=measured)
+
+
+def test_snapshot_live_run_80x24(snap_compare):
+    """The compact layout: progress, rates, disk and every rank column fit an 80x24 terminal."""
+    tui_states.live_run(SNAP_ROOT)
+    assert snap_compare(app_for(SNAP_ROOT, free=500_000_000), terminal_size=(80, 24), run_before=measured)
 
 
 def test_snapshot_finished(snap_compare):
-    tui_states.build(SNAP_ROOT, num_shards=12, published=list(range(12)), complete=True,
-                     ranks=[tui_states.status(0, 1, "finished", 60.0, shards_done=12, shards_owned=12)],
-                     events=[tui_states.event(0, 60, "finished", "cache complete", samples=120)])
+    tui_states.finished(SNAP_ROOT)
     assert snap_compare(app_for(SNAP_ROOT), terminal_size=(140, 60), run_before=first_snapshot)
+
+
+@pytest.mark.anyio
+async def test_80x24_shows_whole_rank_rows_and_scrolls_to_every_panel(tmp_path):
+    root = tui_states.live_run(str(tmp_path / "c"))
+    app = app_for(root)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await app.first_snapshot()
+        await pilot.pause()
+        ranks, body = app.query_one("#ranks"), app.query_one("#body")
+        labels = [str(c.label) for c in ranks.ordered_columns]
+        assert "heartbeat" in labels and "last error" in labels
+        assert ranks.virtual_size.width <= ranks.size.width  # no column cut off at the right
+        for shown in (ranks, app.query_one("#progress"), app.query_one("#throughput")):
+            assert body.region.contains_region(shown.region)  # in view without scrolling
+        events = app.query_one("#events")
+        assert not body.region.contains_region(events.region)  # below the fold at first
+        await pilot.press("end")  # the scrolled panels have the focus from the start
+        await pilot.pause()
+        assert body.region.contains_region(events.region)
+        await pilot.press("home", "question_mark")
+        await pilot.pause()
+        help_box = app.screen.query_one("VerticalScroll")
+        assert help_box.region.width <= 80 and help_box.virtual_size.width <= help_box.size.width
+
+
+def beat(state: str, second: float, tokens: int, written: int = 0, run: str = "r2"):
+    """Rank 0's heartbeat written ``second`` seconds into a run, as the producer's StatusReporter writes it."""
+    return tui_states.status(0, 1, state, 100 - second, run_id=run, tokens_done=tokens,
+                             bytes_written=written, tokens_per_s=tui_states.INFLATED_RATE)
+
+
+def test_rates_count_only_work_of_the_live_run():
+    """The heartbeats compute.py writes on a resume: 0 before the first batch, then the resumed
+    shards' tokens plus this run's; the rate is this run's work only, whatever the rate field says."""
+    base = 1_000_000  # tokens of shards published by an earlier run
+    tracker = RateTracker(window=10.0)
+    for state, at, tokens in (("loading", 0, 0), ("running", 1, 0), ("running", 2, base)):
+        assert tracker.observe([beat(state, at, tokens)]) == (None,)  # nothing of this run measured yet
+    (rate,) = tracker.observe([beat("running", 6, base + 4_000, 8_000_000)])
+    assert rate.tokens_per_s == rate.average_tokens_per_s == 1_000.0 and rate.bytes_per_s == 2_000_000.0
+    for second in range(7, 30):  # steady 1k tokens/s, then 3k tokens/s in the last 10 s
+        tokens = base + 4_000 + 1_000 * (min(second, 20) - 6) + 3_000 * max(0, second - 20)
+        (rate,) = tracker.observe([beat("running", second, tokens, 8_000_000)])
+    assert rate.tokens_per_s == pytest.approx(2_800.0)  # over the last 10 s
+    assert rate.average_tokens_per_s == pytest.approx(45_000 / 27)  # since the first heartbeat with work
+    finished = tracker.observe([beat("finished", 31, 5 * base)])  # the plan's total, set at the end
+    assert finished == (None,)
+    assert tracker.observe([beat("running", 40, 5 * base, run="r3")]) == (None,)  # the next run starts over
+    assert tracker.observe([beat("running", 35, 6 * base, run="r3")]) == (None,)  # a clock set back: too
+
+
+@pytest.mark.anyio
+async def test_rates_after_a_resume_and_on_the_finished_screen(tmp_path):
+    root = tui_states.live_run(str(tmp_path / "c"))  # rank 0 counts 200k resumed tokens, claims 53.7k tok/s
+    app = app_for(root)
+    async with app.run_test(size=(140, 60)):
+        await app.first_snapshot()
+        assert "tok/s measuring…  ETA ?" in plain(app.query_one("#progress-text"))
+        assert str(app.query_one("#ranks").get_row_at(0)[5]) == "-"
+        tui_states.next_heartbeat(root)
+        snap = await app.refreshed()
+        assert snap.tokens_per_s == tui_states.LIVE_TOKENS / tui_states.LIVE_GAP_S  # 1.5k, not 53.7k
+        assert plain(app.query_one("#tok-label")) == "tokens/s now 1.5k   peak 1.5k"
+        assert str(app.query_one("#ranks").get_row_at(0)[5]) == "1.5k"
+        tui_states.finished(root)  # the run completes
+        snap = await app.refreshed()
+        label = plain(app.query_one("#tok-label"))
+        assert snap.tokens_per_s is None and label.startswith("tokens/s now -   run avg 82   peak 1.5k")
+        written = plain(app.query_one("#mb-label"))
+        assert written.startswith("written/s now -   run avg 163.3 KB")  # 480 MB over 2940 s
+
+
+@pytest.mark.anyio
+async def test_one_count_of_samples_on_screen(tmp_path):
+    """Rank 0 has appended samples it has not published: only the published ones are counted, once."""
+    root = tui_states.live_run(str(tmp_path / "c"))
+    tui_states.write_status(root, tui_states.live_rank0(0.5, 1, 1))
+    app = app_for(root)
+    async with app.run_test(size=(140, 60)):
+        snap = await app.first_snapshot()
+        assert snap.ranks[0].samples_done != snap.samples_done == 220
+        assert "samples 220/600" in plain(app.query_one("#progress-text"))
+        ranks = app.query_one("#ranks")
+        labels = [str(c.label) for c in ranks.ordered_columns]
+        assert "samples" not in labels and "run shards" in labels
+        assert str(ranks.get_row_at(0)[labels.index("run shards")]) == "2/20"
+
+
+@pytest.mark.anyio
+async def test_stop_is_offered_only_while_a_rank_is_live(tmp_path):
+    root = tui_states.finished(str(tmp_path / "c"))
+    app = app_for(root)
+    async with app.run_test(size=(140, 60)) as pilot:
+        await app.first_snapshot()
+        footer = " ".join(str(b.binding.description) for b in app.screen.active_bindings.values()
+                          if app.check_action(b.binding.action, ()))
+        assert "help" in footer and "stop producer" not in footer
+        await pilot.press("s")
+        await app.refreshed()
+        assert not os.path.exists(CachePaths(root).control_dir)
+    stale = tui_states.live_run(str(tmp_path / "stale"))  # a producer that died: every heartbeat old
+    tui_states.write_status(stale, tui_states.status(0, 2, "running", 60.0))
+    watcher = CacheWatcher(stale, clock=lambda: tui_states.NOW)
+    assert not watcher.poll().can_stop
+    assert "no producer is running" in watcher.request_stop()  # the watcher thread checks again
+    assert not os.path.exists(CachePaths(stale).stop_request)
+
+
+@pytest.mark.anyio
+async def test_foreground_q_asks_before_stopping_the_producer(tmp_path):
+    """``--tui``: q while the producer runs asks; n keeps it running, y stops it (SIGTERM) and quits."""
+    from dspark_cache.tui.confirm import ConfirmStop
+    from dspark_cache.tui.foreground import ForegroundMonitor
+
+    root = tui_states.live_run(str(tmp_path / "c"))
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(3)); "
+            "print('ready', flush=True); time.sleep(120)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        app = ForegroundMonitor(root, child, str(tmp_path / "produce.log"))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await app.first_snapshot()
+            await pilot.press("question_mark")
+            await pilot.pause()
+            assert "asks first" in plain(app.screen.query_one("Static"))
+            await pilot.press("escape", "q")
+            await pilot.pause()
+            assert isinstance(app.screen, ConfirmStop) and child.poll() is None
+            await pilot.press("n")
+            await pilot.pause()
+            assert not isinstance(app.screen, ConfirmStop) and app.is_running and child.poll() is None
+            await pilot.press("q", "y")
+        assert child.wait(timeout=30) == 3
+    finally:
+        if child.poll() is None:
+            child.kill()
 
 
 def test_monitor_imports_no_torch():
@@ -178,7 +360,8 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, long_dat
         # Freeze the producer mid-run so it cannot finish before the key is pressed, however
         # slow the monitor is to start on a loaded machine.
         os.killpg(producer.pid, signal.SIGSTOP)
-        app = MonitorApp(out, refresh=0.2)
+        frozen = time.time()  # the monitor's clock stops with the producer: its heartbeat stays fresh
+        app = MonitorApp(out, refresh=0.2, clock=lambda: frozen)
         async with app.run_test(size=(140, 60)) as pilot:
             snap = await app.first_snapshot()
             assert snap.is_cache and snap.ranks[0].state == "running"
@@ -216,7 +399,7 @@ async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, long_
             app = ForegroundMonitor(out, child, str(log))
             async with app.run_test(size=(140, 60)) as pilot:
                 assert (await app.first_snapshot()).ranks[0].state == "running"
-                await pilot.press("q")  # SIGTERM stays pending until the child runs again
+                await pilot.press("q", "y")  # asked, then SIGTERM: pending until the child runs again
             os.kill(child.pid, signal.SIGCONT)
             assert child.wait(timeout=120) == 3
         finally:

@@ -6,8 +6,10 @@ import asyncio
 import time
 from typing import Callable, cast
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.content import Content
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Static
 
@@ -27,6 +29,10 @@ from dspark_cache.tui.widgets.throughput import ThroughputChart
 from dspark_cache.tui.widgets.warnings import FileWarnings
 
 STOP_NOTICE = "[yellow]stop requested: the producer finishes the shard in flight, then exits[/]"
+COMPACT = "-compact"  # the app's class below COMPACT_BELOW cells: panels lose their side borders
+COMPACT_BELOW = (100, 32)  # (width, height): an 80x24 terminal is compact
+TITLES = {"progress": "progress", "throughput": "throughput", "disk": "disk", "ranks": "ranks",
+          "shards": "shards", "stages": "where the time goes", "events": "events"}
 
 
 class MonitorApp(App[None]):
@@ -36,6 +42,11 @@ class MonitorApp(App[None]):
     ``refresh`` seconds and posts a :class:`SnapshotPolled`; the UI thread reads and writes no
     cache file (the stop request is written by the watcher thread too), it renders the snapshot
     in every widget of the class :data:`~dspark_cache.tui.widgets.VIEW`.
+
+    Everything below the header scrolls (arrows, page keys, the mouse); below
+    :data:`COMPACT_BELOW` the panels keep only a titled top rule and the rank table its
+    essential columns, so that an 80x24 terminal shows the progress, rates and ranks at once.
+    ``s`` is offered only while some rank is live.
     """
 
     TITLE = "dspark-monitor"
@@ -44,10 +55,17 @@ class MonitorApp(App[None]):
         Binding("s", "request_stop", "stop producer"),
         Binding("question_mark", "help", "help"),
     ]
+    QUIT_HELP = "quit (the producer keeps running)"  # the help screen's line for q
     CSS = """
     #middle { height: auto; }
     #middle > * { width: 1fr; }
     #notice { height: auto; padding: 0 1; }
+    MonitorApp.-compact #body > .snapshot-view, MonitorApp.-compact #middle > .snapshot-view {
+        border: none; border-top: solid $primary; padding: 0 1;
+    }
+    MonitorApp.-compact #ranks { padding: 0; }
+    MonitorApp.-compact ThroughputChart { height: auto; }
+    MonitorApp.-compact ThroughputChart Sparkline { height: 1; }
     """
 
     def __init__(self, path: str, refresh: float = 1.0, clock: Callable[[], float] = time.time,
@@ -62,7 +80,7 @@ class MonitorApp(App[None]):
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
         yield FileWarnings(id="warnings")
-        with VerticalScroll():
+        with VerticalScroll(id="body"):
             yield OverallProgress(id="progress")
             with Horizontal(id="middle"):
                 yield ThroughputChart(id="throughput")
@@ -71,12 +89,31 @@ class MonitorApp(App[None]):
             yield ShardMap(id="shards")
             yield StageBreakdown(id="stages")
             yield EventLog(id="events")
-            yield Static(id="notice")
+        yield Static(id="notice")  # below the scrolled panels: always in view
         yield Footer()
 
     def on_mount(self) -> None:
-        """Start the watcher thread; its first snapshot is read at once."""
+        """Title the panels, fit the layout to the terminal, start the watcher thread (its first
+        snapshot is read at once)."""
+        for name, title in TITLES.items():
+            self.query_one(f"#{name}").border_title = title
+        self.fit_layout(self.size.width, self.size.height)
+        self.query_one("#body").focus()  # the arrows and page keys scroll from the start
         self.run_worker(self.poller.run, name="cache watcher", thread=True)
+
+    def on_resize(self, event: events.Resize) -> None:
+        """Compact below :data:`COMPACT_BELOW`, wide above."""
+        self.fit_layout(event.size.width, event.size.height)
+
+    def fit_layout(self, width: int, height: int) -> None:
+        """Set the compact class for this size, and render the snapshot on screen again in it."""
+        compact = width < COMPACT_BELOW[0] or height < COMPACT_BELOW[1]
+        if compact == self.has_class(COMPACT):
+            return
+        self.set_class(compact, COMPACT)
+        self.query_one("#ranks", RankTable).compact = compact
+        if self.snapshot is not None:
+            self.show_snapshot(self.snapshot)
 
     def on_unmount(self) -> None:
         """End the watcher thread after the poll in progress, if any."""
@@ -86,6 +123,7 @@ class MonitorApp(App[None]):
         """Render a snapshot posted by the watcher thread, then wake whoever awaits it."""
         self.snapshot = message.snapshot
         self.show_snapshot(message.snapshot)
+        self.refresh_bindings()  # s is offered only while a rank is live
         self._shown_ticket = message.ticket
         self._shown.set()
         self._shown = asyncio.Event()
@@ -94,7 +132,13 @@ class MonitorApp(App[None]):
         """Render ``snap`` in every view, and the stop notice (on the UI thread: no file is read)."""
         for view in self.query(f".{VIEW}"):
             cast(SnapshotView, view).show(snap)
-        self.query_one("#notice", Static).update(STOP_NOTICE if snap.stop_requested and snap.live_ranks else "")
+        self.show_notice(STOP_NOTICE if snap.stop_requested and snap.live_ranks else "")
+
+    def show_notice(self, text: str | Content) -> None:
+        """The line above the footer; hidden when empty."""
+        notice = self.query_one("#notice", Static)
+        notice.update(text)
+        notice.display = bool(text)
 
     def refresh_view(self) -> None:
         """Ask the watcher thread for a snapshot now rather than at the end of its period."""
@@ -114,10 +158,17 @@ class MonitorApp(App[None]):
         assert self.snapshot is not None
         return self.snapshot
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """``s`` is offered (shown and bound) only while the snapshot on screen has a live rank."""
+        if action == "request_stop":
+            return self.snapshot is not None and self.snapshot.can_stop
+        return True
+
     def action_request_stop(self) -> None:
-        """``s``: have the watcher thread write the stop request the producer checks between shards."""
-        if self.snapshot is None or not self.snapshot.is_cache:
-            self.notify("nothing to stop: no producer writes here", severity="warning")
+        """``s``: have the watcher thread write the stop request the producer checks between shards
+        (it checks again that a rank is live: the snapshot on screen may be a refresh old)."""
+        if self.snapshot is None or not self.snapshot.can_stop:
+            self.notify("nothing to stop: no producer is running here", severity="warning")
             return
         self.poller.request(stop_producer=True)
 
@@ -130,4 +181,4 @@ class MonitorApp(App[None]):
 
     def action_help(self) -> None:
         """``?``: the help screen."""
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(self.QUIT_HELP))

@@ -10,12 +10,16 @@ import time
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
+from dspark_cache.tui.confirm import ConfirmStop
 from dspark_cache.tui.display import markup
 from dspark_cache.tui.snapshot import Snapshot
 
 
 class ForegroundMonitor(MonitorApp):
-    """The monitor, tied to the producer it started: ``q`` stops that producer gracefully."""
+    """The monitor, tied to the producer it started: ``q`` asks, then stops that producer gracefully."""
+
+    QUIT_HELP = ("quit; while the producer runs, asks first, then stops it gracefully\n"
+                 "     (it finishes the shard in flight; rerun to resume)")
 
     def __init__(self, path: str, child: subprocess.Popen, log_path: str) -> None:
         super().__init__(path)
@@ -27,10 +31,19 @@ class ForegroundMonitor(MonitorApp):
         super().show_snapshot(snap)
         code = self.child.poll()
         if code is not None:
-            self.query_one("#notice").update(markup(  # the log path may hold brackets: never parsed as markup
+            self.show_notice(markup(  # the log path may hold brackets: never parsed as markup
                 "[b]producer exited with code $code[/] (log: $log); press q to leave", code=code, log=self.log_path))
 
     def action_quit(self) -> None:
+        """``q``: leave at once once the producer has exited; while it runs, ask before stopping it."""
+        if self.child.poll() is not None:
+            self.exit()
+        elif not isinstance(self.screen, ConfirmStop):
+            self.push_screen(ConfirmStop(self.log_path), self._quit_answered)
+
+    def _quit_answered(self, stop: bool | None) -> None:
+        if not stop:
+            return
         if self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)  # finish the shard in flight, exit resumable
         self.exit()

@@ -14,6 +14,7 @@ from dspark_cache.tui.widgets import VIEW
 LABELS = {"data": "data", "device": "device", "copy": "copy", "backpressure": "waiting on writer",
           "wait": "writer waits on copy", "write": "write (overlapped)"}
 BAR = 24
+LABEL_WIDTH = max(len(label) for label in LABELS.values())
 PLAIN_SECONDS = 1e6  # up to here seconds are shown as such; beyond, as a capped duration
 
 
@@ -31,7 +32,7 @@ class StageBreakdown(Static):
         shown = {key: totals.get(key, 0.0) for key in LABELS}
         # Bars are scaled to the largest sane total: one infinite or NaN total must not blank the rest.
         scale = max((s for s in shown.values() if _sane(s)), default=0.0) or 1.0
-        lines = [f"{label:>18} {bar(shown[key], scale):<{BAR}} {seconds(shown[key]):>10}"
+        lines = [f"{label:>{LABEL_WIDTH}} {bar(shown[key], scale):<{BAR}} {seconds(shown[key]):>10}"
                  for key, label in LABELS.items()]
         self.update("\n".join(lines))
 
