@@ -57,11 +57,11 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
                  shards=[s.shard_id for s in owned], device=str(p.device))
     done_before = set(p.paths.indexed_shard_ids())
     published: set[int] = set()
-    progress = ProgressLog(sum(s.num_tokens for s in owned), sum(len(s.samples) for s in owned))
+    progress = ProgressLog(sum(s.num_tokens for s in owned), sum(s.num_samples for s in owned))
     base = {"samples": 0, "tokens": 0}  # what earlier runs published counts as done
     for s in p.plan.shards:
         if s.shard_id in done_before:
-            base["samples"] += len(s.samples)
+            base["samples"] += s.num_samples
             base["tokens"] += s.num_tokens
 
     def on_published(shard: ShardPlan, index) -> None:

@@ -31,6 +31,7 @@ from dspark_cache.producer.plan_parts import encode_part
 from dspark_cache.producer.plan_store import (
     check_invalid_rows, encode_key, layout_key, load_plan, merge_parts, open_store, read_parts, save_plan,
 )
+from dspark_cache.producer.progress import counter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,8 +60,8 @@ def _together(me: RankInfo, step: Callable[[], T]) -> T:
 
 
 def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
-             shape: SampleShape, input_sha256: str, on_row: Callable[[], None] = lambda: None) -> Plan:
-    """The job's plan (see the module's docstring); ``on_row`` after each row this rank encodes."""
+             shape: SampleShape, input_sha256: str) -> Plan:
+    """The job's plan (see the module's docstring)."""
     key = encode_key(cfg, encoder.tokenizer, input_sha256)
     keys = (key, layout_key(key, shape, cfg.shard_size, cfg.batch_token_budget))
     saved = None if cfg.overwrite else load_plan(paths, keys)
@@ -73,7 +74,7 @@ def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputS
     if all_true(me, parts is not None):
         log.info("plan: reusing the tokenised input in %s (batching it again)", paths.plan_dir)
     else:
-        _together(me, lambda: _encode_my_part(cfg, paths, me, source, encoder, key, on_row))
+        _together(me, lambda: _encode_my_part(cfg, paths, me, source, encoder, key))
         parts = read_parts(paths, key)
     parts = _together(me, lambda: _require_parts(parts, cfg))
     check_invalid_rows(parts, cfg.on_invalid)
@@ -89,7 +90,7 @@ def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputS
 
 
 def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
-                    key: str, on_row: Callable[[], None]) -> PartHeader:
+                    key: str) -> PartHeader:
     check_layout(paths)  # every rank, before writing: the plan directory must not lead out of the cache
     started = time.perf_counter()
 
@@ -99,7 +100,9 @@ def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source:
 
     world, rank = me.world_size, me.rank
     rows = source.rows(keep=lambda i: i % world == rank) if world > 1 else source.rows()
-    header = encode_part(paths, encode_rows(rows, encode, cfg.tokenize_workers), rank, world, key, on_row)
+    total = source.count_hint()
+    with counter("encoding rows", "rows", total=None if total is None else len(range(rank, total, world))) as bar:
+        header = encode_part(paths, encode_rows(rows, encode, cfg.tokenize_workers), rank, world, key, bar.update)
     log.info("rank %d encoded %d rows in %.1f s", rank, header.rows, time.perf_counter() - started)
     return header
 

@@ -22,7 +22,6 @@ from dspark_cache.producer.inputs import InputSource
 from dspark_cache.producer.manifest import build_manifest
 from dspark_cache.producer.plan import Plan, SampleShape
 from dspark_cache.producer.planning import plan_job
-from dspark_cache.producer.progress import counter
 from dspark_cache.producer.target import TargetInfo, read_target_info, resolve_device
 from dspark_cache.producer.template import resolve_chat_template
 
@@ -70,9 +69,8 @@ def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, sh
 
     Raises :class:`InputError` when the input holds no row, or no row gives a supervised sample.
     """
-    with counter("encoding rows", "rows") as rows:
-        return plan_job(cfg, paths or CachePaths(cfg.output_dir), rank_info(), source, encoder, shape,
-                        input_sha256 or source.content_sha256(), on_row=rows.update)
+    return plan_job(cfg, paths or CachePaths(cfg.output_dir), rank_info(), source, encoder, shape,
+                    input_sha256 or source.content_sha256())
 
 
 def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | None = None) -> Prepared:
