@@ -94,16 +94,29 @@ def plan_report(plan, manifest, output_dir: str) -> str:
 
 
 def dry_run(cfg) -> int:
-    """Encode and plan, print the plan, write nothing (no lock either: the directory is not touched)."""
+    """Encode and plan, print the plan; nothing is written but the plan (under the directory's lock),
+    which the real run then reuses instead of tokenising again."""
     import dataclasses
 
+    from dspark_cache.producer.distributed import new_run_id, rank_info
     from dspark_cache.producer.prepare import prepare
+    from dspark_cache.producer.reconcile import take_directory
+
+    me, locks = rank_info(), []
+
+    def take(paths) -> None:  # as a real run does: a second producer is refused, and refuses us
+        if me.is_leader:
+            locks.append(take_directory(paths, new_run_id(), me, cfg.overwrite))
 
     try:  # planning needs no device: a login node without a GPU can size a GPU job
-        p = prepare(dataclasses.replace(cfg, device="cpu"))
+        p = prepare(dataclasses.replace(cfg, device="cpu"), take)
     except Exception as exc:
         return error(PROG, str(exc))
-    if int(os.environ.get("RANK", "0")) == 0:
+    finally:
+        for lock in locks:
+            if lock is not None:
+                lock.release()
+    if me.is_leader:
         print(plan_report(p.plan, p.manifest, cfg.output_dir))
     return EXIT_OK
 
