@@ -21,11 +21,11 @@ import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.files import read_regular
+from dspark_cache.format.files import read_regular, regular_size
 from dspark_cache.format.schema import SkippedRow, encode_json
 
 PLAN_FORMAT = "dspark-plan/1"
-MAX_HEADER_BYTES = 1 << 30  # skipped rows are listed in the header; a billion bytes is far past any input
+MAX_HEADER_BYTES = 1 << 28  # skipped rows are listed in a header: ~100 bytes each, millions fit
 
 # A part's row table: one record per sample the part encoded (its tokens lie in the part's
 # ``ids``/``mask`` arrays at ``offset``).
@@ -152,9 +152,12 @@ def write_array(path: str, values: np.ndarray, dtype: np.dtype) -> ArrayRecord:
 def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = True) -> np.ndarray:
     """Memory-map a plan array, checking its dtype, length and (``verify``) its checksum."""
     try:
+        regular_size(path)  # never a FIFO or a device: numpy would block on it or read it forever
         array = np.load(path, mmap_mode="c", allow_pickle=False)  # private: writable views, file untouched
     except FileNotFoundError:
         raise PlanError(f"{path} is missing") from None
+    except CacheError as exc:
+        raise PlanError(str(exc)) from exc
     except (OSError, ValueError) as exc:
         raise PlanError(f"{path} is not a readable .npy array ({exc})") from exc
     if array.dtype != np.dtype(dtype) or array.ndim != 1 or array.shape[0] != record.length:

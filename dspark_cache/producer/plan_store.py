@@ -20,7 +20,7 @@ import xxhash
 
 from dspark_cache import __version__
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.paths import PLAN_ARRAYS, CachePaths
 from dspark_cache.format.plan import (
     BOUNDARY, LOSS_MASK, PART_ROW, PLAN_SAMPLE, TOKEN_ID, ArrayRecord, PartHeader, PlanError, PlanHeader,
     load_array, read_header, write_array, write_header,
@@ -146,7 +146,7 @@ def check_invalid_rows(parts: list[PartHeader], on_invalid: str) -> None:
 
 # -- the merged plan ---------------------------------------------------------------------------
 
-_PLAN_ARRAYS = {"samples": PLAN_SAMPLE, "batches": BOUNDARY, "shards": BOUNDARY, "shard_bytes": BOUNDARY}
+_PLAN_ARRAYS = dict(zip(PLAN_ARRAYS, (PLAN_SAMPLE, BOUNDARY, BOUNDARY, BOUNDARY)))  # names from format.paths
 
 
 def save_plan(paths: CachePaths, plan: Plan, parts: list[PartHeader], keys: tuple[str, str]) -> None:
