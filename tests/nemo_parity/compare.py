@@ -207,6 +207,35 @@ def compare_runs(ref: dict[str, Any], other: dict[str, Any], *, tol: float,
     return report
 
 
+def compare_quantised_run(ref: dict[str, Any], other: dict[str, Any], *, rel_tol: float,
+                          epochs: int) -> dict[str, Any]:
+    """A run from an FP8 cache against the reference: the same micro-batches (rows and loss masks, in
+    order: only the hidden states differ) and a last-epoch mean loss within ``rel_tol`` of it."""
+    a, b = _losses(ref), _losses(other)
+    problems = []
+    if len(a) != len(b):
+        problems.append(f"step count {len(b)} != reference {len(a)}")
+    pairs = list(zip(ref.get("micro_batches", []), other.get("micro_batches", [])))
+    same = [x["rows"] == y["rows"] and x["loss_mask"] == y["loss_mask"] for x, y in pairs]
+    if not all(same):
+        problems.append(f"micro-batch {same.index(False) + 1} holds other rows or masks than the reference's")
+    # Not vacuous: the states training received must differ (by the quantisation error).
+    moved = [abs(y["hidden_sum"] - x["hidden_sum"]) / max(abs(x["hidden_sum"]), 1e-30) for x, y in pairs]
+    if pairs and not any(moved):
+        problems.append("the hidden states are identical to the reference's: nothing was quantised")
+    epoch = max(1, len(a) // epochs)
+    ref_final, final = sum(a[-epoch:]) / epoch, sum(b[-epoch:]) / epoch
+    rel = abs(final - ref_final) / abs(ref_final)
+    if rel > rel_tol:
+        problems.append(f"last-epoch mean loss {final:.5f} vs {ref_final:.5f} ({rel:.2%} > {rel_tol:.2%})")
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    return {"steps": len(b), "max_abs_diff": max(diffs) if diffs else None, "losses": b, "reference_losses": a,
+            "last_epoch_mean": final, "reference_last_epoch_mean": ref_final, "relative_diff": rel,
+            "max_relative_step_diff": max((d / abs(x) for d, x in zip(diffs, a)), default=None),
+            "max_hidden_sum_rel_diff": max(moved, default=None),
+            "problems": problems, "status": "mismatch" if problems else "ok"}
+
+
 def diagnose(ref: dict[str, Any], other: dict[str, Any], sample_of_row: dict[str, int], tol: float) -> str:
     """Name the first micro-batch whose inputs (rows, masks, RNG, hidden states) differ from the reference."""
     ra, rb = ref.get("micro_batches", []), other.get("micro_batches", [])

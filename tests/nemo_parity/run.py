@@ -10,7 +10,9 @@ Run with OUR venv's python; NeMo's pieces run as subprocesses of .venv-nemo (see
    sample by sample (input_ids / loss_mask exact, hidden states max |diff|); again with
    ``--mask-generation-prompt``;
 3. trains NeMo's ``train_dspark`` recipe from each cache and compares per-step losses with the run
-   on NeMo's own cache (modes: nemo, ours, imported, exported, nemo-cache+dspark).
+   on NeMo's own cache (modes: nemo, ours, imported, exported, nemo-cache+dspark); mode ``fp8``
+   trains from ``dspark-produce --dtype fp8`` of the same rows (dequantised to fp32 by
+   ``dspark_cache.nemo``): the same micro-batches, a last-epoch mean loss within ``--fp8-loss-rtol``.
 
 Pieces of our side that do not exist yet are reported as ``pending``; the exit code is non-zero
 only on a mismatch or a crash. Results: ``WORKDIR/results.json``; logs: ``WORKDIR/logs/``.
@@ -265,8 +267,37 @@ checkpoint:
                 note += f" -- {report['diagnosis']}"
             self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
                        report=report)
+        if "fp8" in self.args.modes:
+            self.fp8(ref, recipe, have_dspark_nemo)
         if self.args.negative_control:
             self.negative_control(ref, sample_of_row)
+
+    def fp8(self, ref: dict[str, Any], recipe: str, have_dspark_nemo: bool) -> None:
+        """Our producer's fp8 cache of the same rows through the unedited recipe: the loss curves side
+        by side with the fp32 reference's (results.json), final loss within the stated tolerance."""
+        label = "train fp8 (vs fp32)"
+        if not have_dspark_nemo:
+            self.check(label, "pending", note="dspark_cache.nemo missing")
+            return
+        cache = self.path("ours_cache_fp8")
+        flags = self.producer_flags(cache, mgp=False)
+        flags[flags.index("--dtype") + 1] = "fp8"
+        ok, _ = self.sh("produce_ours_fp8", [self.ours_bin("dspark-produce"), *flags])
+        data = self.train("fp8", "dspark", cache, recipe) if ok else None
+        if data is None:
+            self.check(label, "crash", note="dspark-produce --dtype fp8 or the recipe failed (see logs)")
+            return
+        report = compare.compare_quantised_run(ref, data, rel_tol=self.args.fp8_loss_rtol, epochs=self.args.epochs)
+        sizes = [sum(os.path.getsize(os.path.join(d, "shards", n)) for n in os.listdir(os.path.join(d, "shards")))
+                 for d in (self.path("ours_cache"), cache)]
+        report["shard_bytes"] = {"fp32": sizes[0], "fp8": sizes[1]}
+        note = "; ".join(report["problems"]) or (
+            f"last-epoch mean loss {report['last_epoch_mean']:.5f} vs {report['reference_last_epoch_mean']:.5f} "
+            f"({report['relative_diff']:.3%}), worst step {report['max_relative_step_diff']:.2%}, hidden sums moved "
+            f"up to {report['max_hidden_sum_rel_diff']:.2e}; "
+            f"shards {sizes[1] / sizes[0]:.3f}x the fp32 cache's")
+        self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
+                   report=report)
 
     def negative_control(self, ref: dict[str, Any], sample_of_row: dict[str, int]) -> None:
         """Train from our --mask-generation-prompt cache: the harness must report a mismatch and pin
@@ -352,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234, help="torch/numpy/random seed before NeMo's main()")
     parser.add_argument("--loss-tol", type=float, default=1e-4)
     parser.add_argument("--hidden-tol", type=float, default=1e-4)
-    parser.add_argument("--modes", nargs="+", default=["ours", "imported", "exported", "nemo-cache+dspark"],
+    parser.add_argument("--modes", nargs="+", default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8"],
                         help="training modes besides the nemo reference")
+    parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
+                        help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")
     parser.add_argument("--negative-control", action="store_true",
                         help="also train from the --mask-generation-prompt cache and require a detected mismatch")
     args = parser.parse_args(argv)
