@@ -242,11 +242,12 @@ def test_rates_count_only_work_of_the_live_run():
     tracker = RateTracker(window=10.0)
     for state, at, tokens in (("loading", 0, 0), ("running", 1, 0), ("running", 2, base)):
         assert tracker.observe([beat(state, at, tokens)]) == (None,)  # nothing of this run measured yet
-    (rate,) = tracker.observe([beat("running", 6, base + 4_000, 8_000_000)])
+    assert tracker.observe([beat("running", 6, base + 4_000, 8_000_000)]) == (None,)  # a burst, 4 s: too short
+    (rate,) = tracker.observe([beat("running", 7, base + 5_000, 10_000_000)])
     assert rate.tokens_per_s == rate.average_tokens_per_s == 1_000.0 and rate.bytes_per_s == 2_000_000.0
-    for second in range(7, 30):  # steady 1k tokens/s, then 3k tokens/s in the last 10 s
-        tokens = base + 4_000 + 1_000 * (min(second, 20) - 6) + 3_000 * max(0, second - 20)
-        (rate,) = tracker.observe([beat("running", second, tokens, 8_000_000)])
+    for second in range(8, 30):  # steady 1k tokens/s, then 3k tokens/s in the last 10 s
+        tokens = base + 5_000 + 1_000 * (min(second, 20) - 7) + 3_000 * max(0, second - 20)
+        (rate,) = tracker.observe([beat("running", second, tokens, 10_000_000)])
     assert rate.tokens_per_s == pytest.approx(2_800.0)  # over the last 10 s
     assert rate.average_tokens_per_s == pytest.approx(45_000 / 27)  # since the first heartbeat with work
     finished = tracker.observe([beat("finished", 31, 5 * base)])  # the plan's total, set at the end

@@ -320,8 +320,8 @@ async def test_vanishing_rate_gives_an_infinite_eta(tmp_path):
 @pytest.mark.anyio
 async def test_counts_that_jump_shrink_or_overflow_give_placeholders_not_rates(tmp_path):
     paths = live(tmp_path / "c")
-    write_json(paths.status(0), status_dict(0, tokens_done=1, bytes_written=10, updated_at=tui_states.NOW - 5))
-    write_json(paths.status(1), status_dict(1, tokens_done=10**9, updated_at=tui_states.NOW - 5))
+    write_json(paths.status(0), status_dict(0, tokens_done=1, bytes_written=10, updated_at=tui_states.NOW - 9))
+    write_json(paths.status(1), status_dict(1, tokens_done=10**9, updated_at=tui_states.NOW - 9))
 
     def next_heartbeats() -> None:
         write_json(paths.status(0), status_dict(0, tokens_done=10**400, bytes_written=10**400,
