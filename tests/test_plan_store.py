@@ -82,7 +82,7 @@ def test_overwrite_tokenises_again(embedded, tmp_path):
 def test_a_damaged_plan_is_rebuilt_not_trusted(embedded, tmp_path):
     reference = str(tmp_path / "reference")
     assert run_produce(embedded.stock, embedded.data, reference, *ARGS) == 0
-    for damage in (_flip_a_token, _point_outside_with_a_valid_checksum):
+    for damage in (_flip_a_token, _point_outside_with_a_valid_checksum, _a_fifo_for_a_part):
         out = str(tmp_path / damage.__name__)
         os.makedirs(out)
         plan = os.path.join(out, "plan")
@@ -106,6 +106,14 @@ def _flip_a_token(plan: str) -> str:
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([value[0] ^ 1]))
     return "part-00000.ids.npy"
+
+
+def _a_fifo_for_a_part(plan: str) -> str:
+    """A plan file that is not a regular file: opening it to read would block forever."""
+    path = os.path.join(plan, "part-00000.mask.npy")
+    os.unlink(path)
+    os.mkfifo(path)
+    return "part-00000.mask.npy"
 
 
 def _point_outside_with_a_valid_checksum(plan: str) -> str:
