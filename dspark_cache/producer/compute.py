@@ -80,7 +80,10 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
                       device_memory_bytes=torch.cuda.memory_allocated(p.device) if p.device.type == "cuda" else None)
         progress.update(stats.tokens, stats.samples, len(published), len(owned))
 
-    status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned))
+    # Resumed work counts as done from the first heartbeat of the run, so the rate anchor taken
+    # here does not see the jump to it (a resume read as 50x the real tokens/s).
+    status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned), samples_done=base["samples"],
+                  tokens_done=base["tokens"])
     try:
         stats = run_pipeline(owned, runner.forward, paths=p.paths, shape=p.shape, device=p.device,
                              pad_id=p.manifest.pad_token_id, max_inflight_bytes=p.cfg.max_inflight_bytes,
