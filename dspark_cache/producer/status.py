@@ -36,6 +36,7 @@ class StatusReporter:
         self._last_write = 0.0
         self._lock = threading.Lock()
         self._rate_anchor: tuple[float, int, int] | None = None
+        self._anchor_running = False  # the anchor was taken while RUNNING
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
@@ -85,8 +86,10 @@ class StatusReporter:
 
     def _update_rates(self, now: float) -> None:
         s = self.status
-        if self._rate_anchor is None or s.state != RankState.RUNNING:
+        if self._rate_anchor is None or s.state != RankState.RUNNING or not self._anchor_running:
+            # Anchored afresh on entering RUNNING: the counts jump there to the resumed work.
             self._rate_anchor = (now, s.tokens_done, s.bytes_written)
+            self._anchor_running = s.state == RankState.RUNNING
             return
         t0, tokens0, bytes0 = self._rate_anchor
         if now - t0 >= 2.0:  # rates over a few seconds are steadier than per batch
