@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import dspark_cache
-from dspark_cache.producer import inputs
+from dspark_cache.producer import input_lines, inputs
 from dspark_cache.producer.inputs import InputError, InputSource, parse_split, scan_lines
 from tests.conftest import run_produce
 
@@ -210,7 +210,7 @@ def test_over_long_and_blank_long_lines_agree_in_order_and_shuffled(tmp_path):
 
 
 def test_line_scan_across_chunk_boundaries(tmp_path, monkeypatch):
-    monkeypatch.setattr(inputs, "_SCAN_CHUNK", 7)  # lines and blank runs straddle every read
+    monkeypatch.setattr(input_lines, "_SCAN_CHUNK", 7)  # lines and blank runs straddle every read
     text = "\n".join(['{"a": 1}', "", "   ", '{"b": 22222}', '{"c": 3}', "", "", '{"d": 4}', "  "])
     (tmp_path / "d.jsonl").write_text(text)
     index = scan_lines(str(tmp_path / "d.jsonl"))
