@@ -16,6 +16,14 @@ layout, warms the page cache, then measures, all in this run:
   webdataset webdataset.WebDataset(urls).decode(our handler), sample by sample
   nemo       NeMo's reader: safe_open + get_slice(key)[row] per sample, then torch.stack
 Numbers: GB/s of real-token payload, samples/s, and ratios against raw, medians of --repeat.
+
+    python bench/loader.py --fp8          # FP8 mode: the same states as a bf16 and an fp8 cache
+
+--fp8 writes the samples twice (the same bf16 states, and those states quantised as the producer
+does) and measures, interleaved: the raw read of each cache's shards, the loader on the bf16
+cache, the loader on the fp8 cache handing out bf16 (dequantised by the native and by the Python
+filler) and handing out raw fp8 plus scales; pad_to="longest", steady state. GB/s are of the
+bf16 payload delivered (real tokens x (layers x H x 2 + 5) bytes) for every reader alike.
 """
 
 from __future__ import annotations
@@ -38,18 +46,22 @@ import torch  # noqa: E402
 
 from dspark_cache.format.paths import CachePaths  # noqa: E402
 from dspark_cache.loader.memory import page_aligned_zeros  # noqa: E402
-from dspark_cache.format.sample import sample_metadata, sample_specs  # noqa: E402
+from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, sample_metadata, sample_specs  # noqa: E402
 from dspark_cache.format.schema import Manifest  # noqa: E402
 from dspark_cache.format.tar.writer import ShardWriter  # noqa: E402
 from dspark_cache.loader.tensors import sample_to_torch  # noqa: E402
-from dspark_cache.producer.tensors import byte_views  # noqa: E402
+from dspark_cache.producer.tensors import byte_views, quantize_fp8  # noqa: E402
 from dspark_cache.producer.manifest import write_manifest  # noqa: E402
 
 LAYERS, NUM_LAYERS = [1, 8, 14, 20, 27], 28
 
 
-def make_cache(root: str, samples: int, hidden: int, seq: int, shard_size: int, seed: int = 0) -> tuple[str, list[int]]:
-    """A complete cache of random bf16 samples with a realistic, skewed length distribution."""
+def make_cache(root: str, samples: int, hidden: int, seq: int, shard_size: int, seed: int = 0,
+               dtype: str = "bf16") -> tuple[str, list[int]]:
+    """A complete cache of random bf16 samples with a realistic, skewed length distribution
+    (``dtype="fp8"``: the same states, quantised per token and layer as the producer does)."""
+    torch.manual_seed(seed)  # the same states for every dtype
+    code = {"bf16": "BF16", "fp8": "F8_E4M3"}[dtype]
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(6.0, 0.5, samples).astype(int), 32, seq).tolist()
     paths = CachePaths(root)
@@ -62,12 +74,14 @@ def make_cache(root: str, samples: int, hidden: int, seq: int, shard_size: int, 
             tensors = {"target_hidden_states": torch.randn(n, dim).to(torch.bfloat16),
                        "input_ids": torch.randint(0, 150000, (n,), dtype=torch.int32),
                        "loss_mask": torch.ones(n, dtype=torch.uint8)}
-            writer.append(sid, n, sample_specs(n, dim, hidden, "BF16", False),
-                          sample_metadata(sid, LAYERS, NUM_LAYERS, hidden), byte_views(tensors))
+            if dtype == "fp8":
+                tensors[HIDDEN], tensors[HIDDEN_SCALE] = quantize_fp8(tensors[HIDDEN], hidden, code)
+            writer.append(sid, n, sample_specs(n, dim, hidden, code, False),
+                          sample_metadata(sid, LAYERS, NUM_LAYERS, hidden, code), byte_views(tensors))
         writer.publish()
     write_manifest(paths, Manifest(
         complete=True, target_model="bench", target_model_type="qwen3", target_vocab_size=151936,
-        hidden_size=hidden, num_hidden_layers=NUM_LAYERS, seq_length=seq, dtype="bf16", num_samples=samples,
+        hidden_size=hidden, num_hidden_layers=NUM_LAYERS, seq_length=seq, dtype=dtype, num_samples=samples,
         planned_samples=samples, shard_size=shard_size, target_hidden_dim=dim, target_last_hidden_dim=hidden,
         target_layer_ids=LAYERS, train_data_path="bench", num_shards=-(-samples // shard_size)))
     return root, lengths
@@ -136,8 +150,20 @@ def bench_raw(files: list[str], dest_bytes: int = 8 << 20) -> float:
     return time.perf_counter() - t
 
 
+def evict(files: list[str]) -> None:
+    """Drop these files' pages from the page cache (synced first: dirty pages would stay), so the
+    next read comes from the disk; other processes' cached files are untouched."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool,
-               verify: str = "once") -> tuple[float, float]:
+               verify: str = "once", dtype: str | None = None, cold: list[str] | None = None) -> tuple[float, float]:
     """Seconds for the loader's first epoch (batch memory faulted in) and its steady state.
 
     Steady state is the median of epochs 5-7: until then, rows that see a longer sample than
@@ -148,9 +174,11 @@ def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool,
 
     os.environ["DSPARK_NATIVE"] = "1" if native else "0"
     loader = dspark_cache.build_dataloader(root, batch, shuffle=True, seed=0, pad_to=pad_to, num_workers=threads,
-                                           prefetch=4, pin_memory=False, verify=verify)
+                                           prefetch=4, pin_memory=False, verify=verify, dtype=dtype)
     seconds = []
     for _ in range(8):
+        if cold:  # every epoch from the disk
+            evict(cold)
         t = time.perf_counter()
         for _ in loader:
             pass
@@ -187,6 +215,53 @@ def bench_nemo(files: list[str], shard_size: int, samples: int, batch: int) -> f
     return time.perf_counter() - t
 
 
+def measure_fp8(args: argparse.Namespace, work: str) -> dict:
+    """``--fp8``: the same states as a bf16 and an fp8 cache; delivered bf16 GB/s of each reader."""
+    roots, tars = {}, {}
+    for dtype in ("bf16", "fp8"):
+        roots[dtype], lengths = make_cache(os.path.join(work, dtype), args.samples, args.hidden, args.seq_length,
+                                           args.shard_size, dtype=dtype)
+        tars[dtype] = [CachePaths(roots[dtype]).shard_tar(i) for i in range(-(-args.samples // args.shard_size))]
+        warm(tars[dtype])
+    payload = sum(n * (args.hidden * len(LAYERS) * 2 + 5) for n in lengths)  # bf16 delivered, for all
+    from dspark_cache.loader.fill import native_available
+
+    native = native_available()
+    cold = {d: tars[d] if args.cold else None for d in tars}
+
+    def raw(dtype: str) -> float:
+        if args.cold:
+            evict(tars[dtype])
+        return bench_raw(tars[dtype], 256 << 20)
+
+    def ours(dtype: str, native_filler: bool, out: str | None = None) -> float:
+        return bench_ours(roots[dtype], args.batch_size, "longest", args.threads, native_filler, dtype=out,
+                          cold=cold[dtype])[1]
+
+    readers = {
+        "ours_bf16_cache": lambda: ours("bf16", native),
+        "ours_fp8_cache_to_bf16": lambda: ours("fp8", native),
+        "ours_fp8_cache_raw": lambda: ours("fp8", native, "raw"),
+        "raw_read_bf16_tars": lambda: raw("bf16"),
+        "raw_read_fp8_tars": lambda: raw("fp8"),
+    }
+    if not args.cold:  # the Python filler is CPU-bound either way
+        readers["ours_fp8_cache_to_bf16_python_filler"] = lambda: ours("fp8", False)
+    runs: dict[str, list[float]] = {name: [] for name in readers}
+    for _ in range(args.repeat):  # interleaved so that drift hits every reader alike
+        for name, reader in readers.items():
+            runs[name].append(reader())
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    base = runs["ours_bf16_cache"]
+    return {
+        "mode": "fp8", "cold": args.cold, "samples": args.samples, "mean_tokens": statistics.mean(lengths), "payload_bytes": payload,
+        "tar_bytes": {d: sum(os.path.getsize(f) for f in tars[d]) for d in tars}, "seconds": med, "runs": runs,
+        "bf16_gb_per_s": {k: payload / v / 1e9 for k, v in med.items()},
+        "vs_bf16_cache_paired": {k: statistics.median(b / o for b, o in zip(base, v)) for k, v in runs.items()},
+        "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(), "native_filler": native,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=240)
@@ -202,6 +277,9 @@ def main() -> None:
     p.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON results are saved (default: .bench/)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this run (threads hand the GIL over sooner)")
+    p.add_argument("--fp8", action="store_true", help="FP8 mode: bf16 vs fp8 caches of the same states (see above)")
+    p.add_argument("--cold", action="store_true",
+                   help="--fp8: drop the caches' pages before every epoch and raw read (reads come from the disk)")
     args = p.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -212,11 +290,12 @@ def main() -> None:
     # Always a directory of our own (inside --workdir when given): the cleanup deletes nothing else.
     work = tempfile.mkdtemp(prefix="loader-", dir=args.workdir or args.results_dir)
     try:
-        result = measure(args, work)
+        result = (measure_fp8 if args.fp8 else measure)(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=2))  # printed first: the numbers survive a failed save
-    out = os.path.join(args.results_dir, f"loader-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    kind = "loader-fp8" if args.fp8 else "loader"
+    out = os.path.join(args.results_dir, f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(out, "w") as handle:
         json.dump(result, handle, indent=2)
     print(f"results: {out}")
@@ -271,3 +350,4 @@ def measure(args: argparse.Namespace, work: str) -> dict:
 
 if __name__ == "__main__":
     main()
+
