@@ -275,13 +275,13 @@ checkpoint:
     def fp8(self, ref: dict[str, Any], recipe: str, have_dspark_nemo: bool) -> None:
         """Our producer's fp8 cache of the same rows through the unedited recipe: the loss curves side
         by side with the fp32 reference's (results.json), final loss within the stated tolerance."""
-        label = "train fp8 (vs fp32)"
+        label = f"train {self.args.fp8_dtype} (vs fp32)"
         if not have_dspark_nemo:
             self.check(label, "pending", note="dspark_cache.nemo missing")
             return
         cache = self.path("ours_cache_fp8")
         flags = self.producer_flags(cache, mgp=False)
-        flags[flags.index("--dtype") + 1] = "fp8"
+        flags[flags.index("--dtype") + 1] = self.args.fp8_dtype
         ok, _ = self.sh("produce_ours_fp8", [self.ours_bin("dspark-produce"), *flags])
         data = self.train("fp8", "dspark", cache, recipe) if ok else None
         if data is None:
@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="training modes besides the nemo reference")
     parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
                         help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")
+    parser.add_argument("--fp8-dtype", choices=["fp8", "fp8_e5m2"], default="fp8",
+                        help="mode fp8: the cache dtype (fp8_e5m2 has twice e4m3's error: the loss must see it)")
     parser.add_argument("--negative-control", action="store_true",
                         help="also train from the --mask-generation-prompt cache and require a detected mismatch")
     args = parser.parse_args(argv)
