@@ -235,26 +235,49 @@ def test_webdataset_handlers_dequantise_unless_asked_not_to(fp8_cache):
 # -- damaged scales -------------------------------------------------------------------------------
 
 
-def _write_fp8_cache(root: str, bad_scale_at: tuple[int, int] | None) -> CachePaths:
-    """A one-shard fp8 cache of random states through the real writer, one scale set to NaN."""
+def _write_fp8_cache(root: str, bad_scale_at: tuple[int, int] | None, dtype: str = "fp8",
+                     layer_ids: tuple[int, ...] = (0, 1)) -> CachePaths:
+    """A one-shard FP8 cache of random states through the real writer (2-layer target, H=32), one
+    scale set to NaN when asked; ``layer_ids`` without 1 store the final state apart."""
     paths = CachePaths(root)
     paths.ensure_dirs()
-    shape = SampleShape((0, 1), 2, 32, "F8_E4M3")
+    code = CACHE_DTYPES[dtype]
+    shape = SampleShape(layer_ids, 2, 32, code)
     writer = ShardWriter(paths, 0, durable=False)
     g = torch.Generator().manual_seed(3)
     for sid, n in enumerate([5, 9]):
-        q, scales = quantize_fp8(torch.randn(n, 64, generator=g), 32, "F8_E4M3")
+        q, scales = quantize_fp8(torch.randn(n, 32 * len(layer_ids), generator=g) * 10, 32, code)
         if bad_scale_at is not None and sid == 1:
             scales[bad_scale_at] = float("nan")
         tensors = {HIDDEN: q, HIDDEN_SCALE: scales, "input_ids": torch.arange(n, dtype=torch.int32),
                    "loss_mask": torch.ones(n, dtype=torch.uint8)}
+        if shape.stores_last:
+            tensors[LAST_HIDDEN], tensors[LAST_HIDDEN_SCALE] = quantize_fp8(torch.randn(n, 32, generator=g), 32, code)
         writer.append(sid, n, shape.specs(n), shape.metadata(sid), byte_views(tensors))
     writer.publish()
     write_manifest(paths, Manifest(complete=True, target_model="t", target_model_type="qwen3", target_vocab_size=10,
-                                   hidden_size=32, num_hidden_layers=2, seq_length=16, dtype="fp8", num_samples=2,
-                                   planned_samples=2, shard_size=2, target_hidden_dim=64, target_last_hidden_dim=32,
-                                   target_layer_ids=[0, 1], train_data_path="d", num_shards=1))
+                                   hidden_size=32, num_hidden_layers=2, seq_length=16, dtype=dtype, num_samples=2,
+                                   planned_samples=2, shard_size=2, target_hidden_dim=32 * len(layer_ids),
+                                   target_last_hidden_dim=32, target_layer_ids=list(layer_ids), train_data_path="d",
+                                   num_shards=1))
     return paths
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("layer_ids", [(0, 1), (-1, 0)], ids=["final-in-ids", "final-apart"])
+def test_both_formats_and_layouts_read_the_same_everywhere(tmp_path, executor, dtype, layer_ids):
+    paths = _write_fp8_cache(str(tmp_path / "c"), None, dtype, layer_ids)
+    raw = next(iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw")))
+    assert raw[HIDDEN].dtype == TORCH_FP8[CACHE_DTYPES[dtype]]
+    samples = list(dspark_cache.open_cache(paths.root, dtype="fp32").samples())
+    for out, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        batch = next(iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype=out)))
+        for name in STATES:
+            assert torch.equal(_bits(batch[name]), _bits(dspark_cache.dequantize(raw, torch_dtype)[name]))
+            if out == "fp32":
+                for row, sample in enumerate(samples):
+                    n = sample["input_ids"].shape[0]
+                    assert torch.equal(_bits(batch[name][row, :n]), _bits(sample[name]))
 
 
 def test_a_bad_scale_is_refused_by_the_loader_and_dspark_verify(tmp_path, executor, capsys):
