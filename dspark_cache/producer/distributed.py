@@ -5,6 +5,10 @@ broadcasts the outcome once (over gloo, on CPU, whatever the device), then the p
 is released. From there each rank writes only its own shards, status and events, so a rank
 that dies cannot block the others in a collective; they finish their shards, wait for the
 owners of the rest while those heartbeat, and name what is missing if an owner is gone.
+
+With ``--tp-size``/``--ep-size`` the unit is a model-parallel group instead of a rank (see
+``parallel``): its ranks meet in collectives of their own, through the job's rendezvous store,
+which is kept for them after the set-up group is released.
 """
 
 from __future__ import annotations
@@ -15,15 +19,19 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
 
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.schema import RankState, RankStatus
 from dspark_cache.format.status import rank_is_live, read_rank_statuses
 from dspark_cache.producer.plan import ShardPlan
 
 _PAYLOAD_BYTES = 65536
+_SETUP_TIMEOUT = timedelta(minutes=60)
+_store: Any = None  # the job's rendezvous store: the set-up group's, then the model-parallel groups'
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,27 @@ def rank_info() -> RankInfo:
     return RankInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
 
 
+def job_store(info: RankInfo) -> Any:
+    """The job's rendezvous store (torchrun's, or rank 0's from ``MASTER_ADDR``/``MASTER_PORT``).
+
+    Kept for the life of the process: rank 0 may host it, and model-parallel groups meet through
+    it after the set-up group is gone.
+    """
+    global _store
+    if _store is None:
+        import torch.distributed as dist
+
+        _store, _, _ = next(dist.rendezvous("env://", rank=info.rank, world_size=info.world_size,
+                                            timeout=_SETUP_TIMEOUT))
+    return _store
+
+
 def init_group(info: RankInfo) -> None:
     import torch.distributed as dist
 
     if info.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", rank=info.rank, world_size=info.world_size, timeout=timedelta(minutes=60))
+        dist.init_process_group("gloo", store=dist.PrefixStore("dspark-setup", job_store(info)), rank=info.rank,
+                                world_size=info.world_size, timeout=_SETUP_TIMEOUT)
 
 
 def new_run_id() -> str:
@@ -117,9 +141,18 @@ def assign_shards(todo: list[ShardPlan], world_size: int) -> list[list[ShardPlan
     return [sorted(o, key=lambda s: s.shard_id) for o in owned]
 
 
+def may_publish(status: RankStatus) -> bool:
+    """Whether the rank can still publish shards: it has not finished its own work yet, and it
+    writes (a model-parallel group's first rank; its partners only compute)."""
+    working = status.state in (RankState.PLANNING, RankState.LOADING, RankState.RUNNING)
+    return working and status.rank % max(1, status.group_size) == 0
+
+
 def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id: str,
                       rank_timeout: float, poll: float = 1.0) -> set[int]:
-    """Wait while shards are missing and some other rank of this run is alive; return missing."""
+    """Wait while shards are missing and some other rank of this run is alive and may still
+    publish them; return missing. (Ranks that wait, as this one does, publish nothing more: two
+    of them must not wait for each other.)"""
     while True:
         missing = planned - set(paths.indexed_shard_ids())
         if not missing:
@@ -127,7 +160,7 @@ def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id
         now = time.time()
         alive = [
             s for s in read_rank_statuses(paths)
-            if s.rank != me.rank and s.run_id == run_id and rank_is_live(s, now, rank_timeout)
+            if s.rank != me.rank and s.run_id == run_id and rank_is_live(s, now, rank_timeout) and may_publish(s)
         ]
         if not alive:
             return missing

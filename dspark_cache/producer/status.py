@@ -24,14 +24,16 @@ log = logging.getLogger(__name__)
 class StatusReporter:
     """Writes ``status/rank-N.json`` (atomically, at most every ``interval`` s) and events."""
 
-    def __init__(self, paths: CachePaths, rank: int, world_size: int, run_id: str, interval: float = 1.0) -> None:
+    def __init__(self, paths: CachePaths, rank: int, world_size: int, run_id: str, interval: float = 1.0,
+                 group: int | None = None, group_size: int = 1) -> None:
+        """``group``/``group_size``: the model-parallel group the rank computes with (``--tp-size``)."""
         self.paths = paths
         self.rank = rank
         self.interval = interval
         now = time.time()
         self.status = RankStatus(
             rank=rank, world_size=world_size, run_id=run_id, pid=os.getpid(), host=socket.gethostname(),
-            state=RankState.PLANNING, updated_at=now, started_at=now,
+            state=RankState.PLANNING, updated_at=now, started_at=now, group=group, group_size=group_size,
         )
         self._last_write = 0.0
         self._lock = threading.Lock()
