@@ -83,6 +83,29 @@ def _first_tensor(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a tensor-parallel ``DTensor`` (a collective over its group), else ``tensor``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed tensors has no sharded ones either
+        return tensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a ``DTensor`` (no communication), else ``tensor``."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def output_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:
+    """Where a (possibly layer-spread) decoder leaves its output: the device of its last parameter,
+    the final norm's for a decoder whose layers ``device_map="auto"`` spread over several GPUs."""
+    last = None
+    for last in module.parameters():
+        pass
+    return last.device if last is not None else fallback
+
+
 class TargetRunner:
     """The frozen target's base model with capture hooks on the requested layers."""
 
@@ -96,7 +119,12 @@ class TargetRunner:
         cache_dtype: torch.dtype | str,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
+        distributed_config: Any = None,
+        device_map: str | None = None,
     ) -> None:
+        """``distributed_config``: transformers' ``DistributedConfig`` for a model-parallel group (each
+        rank loads only its shards; the caller has joined the group); ``device_map="auto"``: one
+        process spreads the layers over every visible GPU (accelerate). Neither: all on ``device``."""
         from transformers import AutoModelForCausalLM
         # The format names dtypes by safetensors code ("BF16", CACHE_DTYPES' values); torch needs its own.
         compute_dtype, cache_dtype = torch_dtype(compute_dtype), torch_dtype(cache_dtype)
@@ -111,16 +139,23 @@ class TargetRunner:
 
         hf_logging.disable_progress_bar()  # our own progress lines say more, in fewer lines
         # Weights go straight to this rank's device: no full copy of the model in host RAM per rank.
-        kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code,
-                                  "device_map": {"": device}}
+        kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
+        if distributed_config is not None:
+            # Each rank reads its slice of every weight from the checkpoint, onto cuda:LOCAL_RANK (or the
+            # CPU): the full weights never exist on one rank. transformers refuses a device_map here.
+            kwargs["distributed_config"] = distributed_config
+        else:
+            kwargs["device_map"] = device_map or {"": device}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         model.eval().requires_grad_(False)
         self.model = model
         self.base = model.get_decoder()
-        self.masks = CausalMasks(model.config.get_text_config() if hasattr(model.config, "get_text_config")
-                                 else model.config, compute_dtype)
+        if device_map is not None:  # inputs are moved by accelerate's hooks; outputs land here
+            device = output_device(self.base, device)
+        self.hidden_size = int(self.text_config(model).hidden_size)
+        self.masks = CausalMasks(self.text_config(model), compute_dtype)
         self.sync_free = masks_match(self.base, self.masks, int(model.get_input_embeddings().weight.shape[0]), device)
         self.device = device
         self.cache_dtype = cache_dtype
@@ -130,18 +165,39 @@ class TargetRunner:
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks = [self._hook_module(i) for i in layer_ids if i != self.final_id]
 
+    @staticmethod
+    def text_config(model: Any) -> Any:
+        """The text config (a multimodal target's language model's)."""
+        return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the target's weights this rank holds: its shards under a model-parallel group."""
+        return sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
+
     def _hook_module(self, layer_id: int) -> Any:
         module = self.base.get_input_embeddings() if layer_id == EMBEDDING_LAYER else self.base.layers[layer_id]
 
         def hook(_module: Any, _args: Any, output: Any) -> None:
-            self._captured[layer_id] = _first_tensor(output)
+            # Under a TP plan the residual stream leaves each layer whole on every rank (row-wise
+            # projections all-reduce); a plan that leaves it a DTensor shard is gathered here (every
+            # rank of the group runs the same hooks, so the gather is a matched collective).
+            state = full_tensor(_first_tensor(output))
+            if state.shape[-1] != self.hidden_size:
+                raise TargetError(f"layer {layer_id} of the target returns states {state.shape[-1]} wide, not "
+                                  f"hidden_size {self.hidden_size}: its tensor-parallel plan leaves them split; "
+                                  "run without --tp-size/--ep-size (or with --device-map auto)")
+            self._captured[layer_id] = state
 
         return module.register_forward_hook(hook)
 
     def target_weights(self) -> dict[str, torch.Tensor]:
-        """``embed_tokens.weight`` and ``lm_head.weight`` [V, H] in the cache dtype (as NeMo)."""
-        embed = self.model.get_input_embeddings().weight
-        head = self.model.get_output_embeddings().weight
+        """``embed_tokens.weight`` and ``lm_head.weight`` [V, H] in the cache dtype (as NeMo).
+
+        Under a model-parallel group the sharded ones are gathered: every rank of the group must call this.
+        """
+        embed = full_tensor(self.model.get_input_embeddings().weight)
+        head = full_tensor(self.model.get_output_embeddings().weight)
         return {
             "embed_tokens.weight": embed.detach().to("cpu", self.cache_dtype).clone(),
             "lm_head.weight": head.detach().to("cpu", self.cache_dtype).clone(),
@@ -153,15 +209,11 @@ class TargetRunner:
 
         ``last`` is None when the final state is one of the ids: it is then the last H columns.
         """
-        self._captured.clear()
         # Batches are right-padded and the target is causal, so no real token ever attends to a
         # pad: the padding mask changes nothing we keep, and dropping it lets attention take its
-        # fused causal path instead of materialising a [B, 1, T, T] mask. The causal masks are
-        # ours (see masks.py) so that the forward never waits for the device.
+        # fused causal path instead of materialising a [B, 1, T, T] mask.
         del attention_mask
-        masks = self.masks.mapping(*input_ids.shape, input_ids.device) if self.sync_free else None
-        out = self.base(input_ids=input_ids, attention_mask=masks, use_cache=False)
-        final = out.last_hidden_state  # post-final-norm state, HF hidden_states[N]
+        final = self._decode(input_ids)
         b, t, h = final.shape
         hidden = torch.empty((b, t, h * len(self.layer_ids)), dtype=self.cache_dtype, device=final.device)
         for slot, layer_id in enumerate(self.layer_ids):
@@ -169,3 +221,18 @@ class TargetRunner:
             hidden[..., slot * h : (slot + 1) * h].copy_(source)
         self._captured.clear()
         return hidden, final.to(self.cache_dtype) if self.stores_last else None
+
+    @torch.inference_mode()
+    def compute_only(self, input_ids: torch.Tensor) -> None:
+        """The forward of a rank that writes nothing (a model-parallel partner): the same decoder
+        forward, hooks and collectives as :meth:`forward`, without assembling the outputs."""
+        self._decode(input_ids)
+        self._captured.clear()
+
+    def _decode(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder over a causal batch, capture hooks armed; returns the post-final-norm state
+        (HF ``hidden_states[N]``). The causal masks are ours (see masks.py), so the forward never
+        waits for the device."""
+        self._captured.clear()
+        masks = self.masks.mapping(*input_ids.shape, input_ids.device) if self.sync_free else None
+        return full_tensor(self.base(input_ids=input_ids, attention_mask=masks, use_cache=False).last_hidden_state)
