@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 from dspark_cache.format.sample import CACHE_DTYPES  # names -> safetensors codes: no torch
 from dspark_cache.format.status import RANK_TIMEOUT_S
+from dspark_cache.producer.parallel import size_argument
 
 DESCRIPTION = ("Run a frozen target once over chat data and write its hidden states as compact, resumable "
                "WebDataset shards for DSpark drafter training. NeMo's precompute_dspark command lines work "
@@ -76,6 +77,9 @@ class ProduceConfig:
     overwrite: bool = False
     force: bool = False
     dry_run: bool = False
+    tp_size: int = 1
+    ep_size: int = 1
+    device_map: str | None = None
 
     @property
     def tokenize_workers(self) -> int:
@@ -105,6 +109,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default="bf16", help="cache float dtype")
     p.add_argument("--device", type=device_argument, default="auto",
                    help=f"{DEVICE_FORMS}; auto = CUDA when present (under torchrun cuda:LOCAL_RANK), else cpu")
+    p.add_argument("--tp-size", type=size_argument, default=1,
+                   help="tensor parallelism for a target larger than one device: each group of this many torchrun "
+                   "ranks holds one copy of the target, split by transformers' TP plan; the group's first rank "
+                   "writes, groups share the shards")
+    p.add_argument("--ep-size", type=size_argument, default=1,
+                   help="expert parallelism for a mixture-of-experts target: its experts spread over this many "
+                   "ranks (attention is split over the same ranks: equal to --tp-size, or --tp-size left out)")
+    p.add_argument("--device-map", choices=["auto"], default=None,
+                   help="auto: one process spreads the target's layers over every visible GPU (accelerate), for a "
+                   "target with no TP plan; slower than --tp-size, as one GPU computes at a time (default: the "
+                   "whole target on --device)")
     p.add_argument("--num-workers", type=int, default=None,
                    help="tokenising processes (default: this rank's share of the node's cores, at most 16; "
                    "0 = in process)")
