@@ -1,10 +1,19 @@
-"""Computing: load the target on this rank's device and run the pipeline over the shards it owns."""
+"""Computing: load the target on this rank's device and run the pipeline over the shards it owns.
+
+Under ``--tp-size``/``--ep-size`` the shards are a model-parallel group's (see ``parallel``): every
+rank of the group loads its slice of the target and runs the same forwards, batch for batch, but
+only the group's writer stages and writes; the others run :func:`_follow_shards`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import logging
 import os
 import shutil
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -12,7 +21,11 @@ from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import EventKind, RankState
-from dspark_cache.producer.pipeline import PipelineStats, run_pipeline
+from dspark_cache.producer.distributed import RankInfo, job_store
+from dspark_cache.producer.parallel import (
+    GroupSync, Layout, PartnerWatch, distributed_config, group_error, join_group, leave_group,
+)
+from dspark_cache.producer.pipeline import PipelineStats, collate, run_pipeline
 from dspark_cache.producer.plan import ShardPlan
 from dspark_cache.producer.prepare import Prepared
 from dspark_cache.producer.progress import ProgressLog
@@ -21,39 +34,132 @@ from dspark_cache.producer.signals import StopFlag
 from dspark_cache.producer.status import StatusReporter
 from dspark_cache.producer.target import TargetRunner
 
+log = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor], Any]
+
 
 class DiskFullError(CacheError):
     """A write hit ENOSPC; published shards are intact and the run is resumable."""
 
 
-def load_runner(p: Prepared) -> TargetRunner:
-    """The target on this rank's device, in the compute dtype, capturing the planned layers."""
+class GroupStopped(Exception):
+    """A partner of the writer's model-parallel group asked to stop at this shard boundary."""
+
+
+@dataclasses.dataclass
+class Computed:
+    """What :func:`compute_shards` did: the pipeline's counts (a partner's: computed, not written),
+    and whether the model-parallel group stopped before its shards were done."""
+
+    stats: PipelineStats | None
+    group_stopped: bool = False
+
+
+def load_runner(p: Prepared, parallel: Any = None) -> TargetRunner:
+    """The target on this rank's device (its slice of it with ``parallel``, transformers'
+    ``DistributedConfig``), in the compute dtype, capturing the planned layers."""
     cfg = p.cfg
     return TargetRunner(cfg.target_model, p.layer_ids, p.info.num_layers, p.device, CACHE_DTYPES[p.compute_dtype],
-                        CACHE_DTYPES[cfg.dtype], cfg.target_attn_implementation, cfg.trust_remote_code)
+                        CACHE_DTYPES[cfg.dtype], cfg.target_attn_implementation, cfg.trust_remote_code,
+                        distributed_config=parallel, device_map=cfg.device_map)
 
 
-def ensure_target_weights(p: Prepared, runner: TargetRunner | None) -> None:
-    """Write ``embed_tokens`` and ``lm_head`` once (training needs them); loads the target when not given."""
+def ensure_target_weights(p: Prepared, runner: TargetRunner | None, write: bool = True) -> None:
+    """Write ``embed_tokens`` and ``lm_head`` once (training needs them); loads the target when not given.
+
+    In a model-parallel group every rank calls this (the sharded weights are gathered) and only the
+    writer (``write``) writes. Ranks agree on whether the file exists: only the writer creates it,
+    and only after the gather, which needs every rank's call.
+    """
     if os.path.exists(p.paths.target_weights):
         return
     from safetensors.torch import save
 
     runner = runner or load_runner(p)
-    atomic_write_bytes(p.paths.target_weights, save(runner.target_weights()))
+    weights = runner.target_weights()
+    if write:
+        atomic_write_bytes(p.paths.target_weights, save(weights))
+
+
+def write_missing_target_weights(p: Prepared, layout: Layout, status: StatusReporter, run_id: str) -> None:
+    """Group 0 writes the target weights when they are missing after its shards (it had none to compute)."""
+    if layout.group != 0 or os.path.exists(p.paths.target_weights):
+        return
+    if not layout.sharded:
+        ensure_target_weights(p, None)
+        return
+    with _model_group(p, layout, status, run_id):
+        ensure_target_weights(p, load_runner(p, distributed_config(layout)), write=layout.writer)
 
 
 def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag,
-                   leader: bool = True) -> PipelineStats:
-    """Load the target and run the pipeline over this rank's shards, reporting as each batch and shard lands.
+                   layout: Layout | None = None, run_id: str = "") -> Computed:
+    """Load the target and compute this rank's shards (its group's, under ``--tp-size``/``--ep-size``),
+    reporting as each batch and shard lands.
 
-    Only the ``leader`` (rank 0) writes the target weights: one extraction and one file per job.
+    Group 0 (rank 0 without model parallelism) extracts the target weights: one file per job.
     """
+    layout = layout or Layout(0, 1)
     status.update(force=True, state=RankState.LOADING)
-    runner = load_runner(p)
-    if leader:
-        ensure_target_weights(p, runner)
-    status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device}",
+    if not layout.sharded:
+        runner = _loaded(p, status, None)
+        if p.cfg.device_map is not None:  # the pipeline works where the spread-out decoder leaves its output
+            p = dataclasses.replace(p, device=runner.device)
+        if layout.group == 0:
+            ensure_target_weights(p, runner)
+        stats, _ = _write_shards(p, owned, status, stop, runner.forward)
+        return Computed(stats)
+    with _model_group(p, layout, status, run_id) as sync:
+        runner = _loaded(p, status, distributed_config(layout))
+        if layout.group == 0:
+            ensure_target_weights(p, runner, write=layout.writer)
+        if not layout.writer:
+            return _follow_shards(p, owned, status, stop, runner, sync)
+        try:
+            stats, group_stopped = _write_shards(p, owned, status, stop, _agreed(runner, sync),
+                                                 f" as the writer of model-parallel group {layout.group}")
+        finally:
+            sync.close()
+        return Computed(stats, group_stopped)
+
+
+def _loaded(p: Prepared, status: StatusReporter, parallel: Any) -> TargetRunner:
+    """The target, loaded; the weights this rank holds and its device memory go into its status."""
+    runner = load_runner(p, parallel)
+    held = runner.weight_bytes
+    log.info("rank %d holds %.3f GB of the target's weights", status.rank, held / 1e9)
+    status.update(force=True, weight_bytes=held, device_memory_bytes=_device_memory(p.cfg, runner.device))
+    return runner
+
+
+def _device_memory(cfg: Any, device: torch.device) -> int | None:
+    """Bytes allocated on this rank's GPU (on every visible GPU when ``--device-map auto`` spreads it)."""
+    if device.type != "cuda":
+        return None
+    if cfg.device_map is not None:
+        return sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
+    return torch.cuda.memory_allocated(device)
+
+
+def _agreed(runner: TargetRunner, sync: GroupSync) -> Forward:
+    """The writer's forward: the group agrees on each batch first (see ``parallel.GroupSync``)."""
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor) -> Any:
+        if not sync.vote(True):
+            raise GroupStopped
+        sync.in_forward = True  # a failure from here on may leave the partners inside a collective
+        result = runner.forward(ids, mask)
+        sync.in_forward = False
+        return result
+
+    return forward
+
+
+def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag, forward: Forward,
+                  role: str = "") -> tuple[PipelineStats, bool]:
+    """The pipeline over ``owned``: ``(stats, whether a model-parallel partner stopped the group)``."""
+    status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device}{role}",
                  shards=[s.shard_id for s in owned], device=str(p.device))
     done_before = set(p.paths.indexed_shard_ids())
     published: set[int] = set()
@@ -73,11 +179,15 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
         status.update(force=True, shards_done=len(published), shard=None)
         progress.shards_published(len(published), len(owned))
 
+    latest = PipelineStats()  # the counts so far, for a run a partner stops
+
     def on_batch(stats: PipelineStats, budget) -> None:
+        nonlocal latest
+        latest = stats
         status.update(state=RankState.RUNNING, shard=stats.current_shard,
                       samples_done=base["samples"] + stats.samples, tokens_done=base["tokens"] + stats.tokens,
                       bytes_written=stats.bytes, inflight_bytes=budget.inflight, stage_seconds=stats.times.as_dict(),
-                      device_memory_bytes=torch.cuda.memory_allocated(p.device) if p.device.type == "cuda" else None)
+                      device_memory_bytes=_device_memory(p.cfg, p.device))
         progress.update(stats.tokens, stats.samples, len(published), len(owned))
 
     # Resumed work counts as done from the first heartbeat of the run, so the rate anchor taken
@@ -85,18 +195,77 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
     status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned), samples_done=base["samples"],
                   tokens_done=base["tokens"])
     try:
-        stats = run_pipeline(owned, runner.forward, paths=p.paths, shape=p.shape, device=p.device,
+        stats = run_pipeline(owned, forward, paths=p.paths, shape=p.shape, device=p.device,
                              pad_id=p.manifest.pad_token_id, max_inflight_bytes=p.cfg.max_inflight_bytes,
                              on_published=on_published, should_stop=stop, on_batch=on_batch,
                              on_nonfinite=p.cfg.on_nonfinite)
         progress.update(stats.tokens, stats.samples, len(published), len(owned))  # the last batch's counts too
-        return stats
+        return stats, False
+    except GroupStopped:  # at a shard boundary: every shard begun is published
+        return latest, True
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise _disk_full(p, exc) from exc
         raise
     finally:
         progress.close()  # the bar ends (and logging is given back) before any summary or error prints
+
+
+def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag,
+                   runner: TargetRunner, sync: GroupSync) -> Computed:
+    """A writer's partner: the same forwards, batch for batch, and nothing written.
+
+    Its status counts shards it computed; its samples and tokens stay 0 (the writer's count them:
+    a monitor summing ranks would count a group's work once per rank).
+    """
+    stats = PipelineStats()
+    status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device} with the writer of its "
+                 "model-parallel group", shards=[s.shard_id for s in owned], device=str(p.device))
+    status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned))
+    for shard in owned:
+        stats.current_shard = shard.shard_id
+        for i, batch in enumerate(shard.batches):
+            # A stop is honoured at a shard boundary, as the writer's pipeline honours its own.
+            if not sync.vote(not (i == 0 and stop())):
+                return Computed(stats, group_stopped=True)
+            ids, _ = collate(batch, p.manifest.pad_token_id, p.device)
+            runner.compute_only(ids)
+            stats.samples += len(batch)
+            stats.tokens += sum(s.length for s in batch)
+            status.update(state=RankState.RUNNING, shard=shard.shard_id,
+                          device_memory_bytes=_device_memory(p.cfg, p.device))
+        stats.shards += 1
+        status.update(force=True, shards_done=stats.shards, shard=None)
+    sync.close()
+    return Computed(stats)
+
+
+@contextmanager
+def _model_group(p: Prepared, layout: Layout, status: StatusReporter, run_id: str) -> Iterator[GroupSync]:
+    """This rank inside its model-parallel group, watched: a partner that fails, dies or falls silent
+    ends this rank too (never a hang), and a collective that fails because of one says so."""
+    sync = join_group(layout, p.device, job_store(RankInfo(layout.rank, layout.world_size)))
+
+    def abandon(reason: str) -> None:  # the watch thread: this rank is stuck in a collective
+        error = group_error(reason, layout)
+        log.error("%s", error)
+        status.update(force=True, state=RankState.FAILED, last_error=str(error))
+        status.event(EventKind.ERROR, str(error))
+        logging.shutdown()
+        os._exit(1)  # the main thread cannot be woken from a collective; the group's shards wait for a rerun
+
+    watch = PartnerWatch(p.paths, layout, run_id, p.cfg.rank_timeout, abandon)
+    watch.start()
+    try:
+        yield sync
+    except Exception as exc:
+        reason = watch.wait_gone()
+        if reason is not None:
+            raise group_error(reason, layout) from exc
+        raise
+    finally:
+        watch.stop()
+    leave_group()
 
 
 def _disk_full(p: Prepared, exc: OSError) -> DiskFullError:

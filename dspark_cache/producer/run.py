@@ -4,11 +4,15 @@ Each step is its own module: ``prepare`` (validate, encode, plan, manifest; noth
 ``reconcile`` (rank 0, holding the lock: the directory made to agree with the plan), ``compute``
 (the target and the pipeline over this rank's shards), ``completion`` (the rank that sees every
 shard marks the cache complete) and ``status`` (heartbeats, events). This module only orders them.
+
+With ``--tp-size``/``--ep-size`` (``parallel``) shards belong to model-parallel groups of ranks,
+not to single ranks; the layout and the target's fitness for it are checked before planning.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -16,13 +20,14 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.producer.completion import finish
-from dspark_cache.producer.compute import compute_shards, ensure_target_weights
+from dspark_cache.producer.compute import Computed, compute_shards, write_missing_target_weights
 from dspark_cache.producer.config import ProduceConfig
 from dspark_cache.producer.distributed import (
     RankInfo, assign_shards, barrier_before_setup, new_run_id, rank_info, share_setup,
 )
 from dspark_cache.producer.lock import DirectoryLock, lock_shared
 from dspark_cache.producer.manifest import read_manifest_file
+from dspark_cache.producer.parallel import Layout, check_device, check_target, layout_for
 from dspark_cache.producer.pipeline import PipelineStats
 from dspark_cache.producer.plan import Plan
 from dspark_cache.producer.prepare import Prepared, prepare
@@ -49,11 +54,14 @@ def produce(cfg: ProduceConfig) -> RunResult:
     """Run this rank of the producer; bad input or configuration raises before device work."""
     started = time.time()
     me = rank_info()
+    layout = layout_for(cfg, me.rank, me.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    check_device(layout, cfg.device)
     run_id = new_run_id()  # rank 0's is the job's: share_setup hands it to every rank
     lock: DirectoryLock | None = None
 
     def take(paths: CachePaths) -> None:
         nonlocal lock
+        check_target(cfg.target_model, layout, cfg.trust_remote_code)  # before planning, on every rank alike
         if me.is_leader:
             lock = take_directory(paths, run_id, me, cfg.overwrite)
 
@@ -76,20 +84,21 @@ def produce(cfg: ProduceConfig) -> RunResult:
         if not me.is_leader:
             lock = lock_shared(p.paths)
             existing = read_manifest_file(p.paths)
-        return _run_locked(p, me, run_id, existing, started)
+        return _run_locked(p, layout, run_id, existing, started)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_locked(p: Prepared, me: RankInfo, run_id: str, existing: Manifest | None, started: float) -> RunResult:
+def _run_locked(p: Prepared, layout: Layout, run_id: str, existing: Manifest | None, started: float) -> RunResult:
     """Heartbeat and stop handling around the rank's work; a failure is recorded before it propagates."""
-    status = StatusReporter(p.paths, me.rank, me.world_size, run_id)
+    status = StatusReporter(p.paths, layout.rank, layout.world_size, run_id,
+                            group=layout.group if layout.sharded else None, group_size=layout.size)
     status.start_heartbeat()
     stop = StopFlag(p.paths)
     stop.install()
     try:
-        return _run_rank(p, me, run_id, existing, status, stop, started)
+        return _run_rank(p, layout, run_id, existing, status, stop, started)
     except BaseException as exc:
         status.update(force=True, state=RankState.FAILED, last_error=str(exc) or type(exc).__name__)
         shard = status.status.shard  # the shard in flight failed; the monitor marks it
@@ -100,11 +109,12 @@ def _run_locked(p: Prepared, me: RankInfo, run_id: str, existing: Manifest | Non
         status.stop_heartbeat()
 
 
-def _run_rank(p: Prepared, me: RankInfo, run_id: str, existing: Manifest | None, status: StatusReporter,
+def _run_rank(p: Prepared, layout: Layout, run_id: str, existing: Manifest | None, status: StatusReporter,
               stop: StopFlag, started: float) -> RunResult:
+    me = RankInfo(layout.rank, layout.world_size)
     done = set(p.paths.indexed_shard_ids())
     todo = [s for s in p.plan.shards if s.shard_id not in done]
-    owned = assign_shards(todo, me.world_size)[me.rank]
+    owned = assign_shards(todo, layout.groups)[layout.group]  # a group's ranks own the same shards
     status.update(force=True, shards_owned=len(owned), samples_total=p.plan.num_samples,
                   tokens_total=p.plan.num_tokens, shards_done=0)
     if me.is_leader:
@@ -113,12 +123,13 @@ def _run_rank(p: Prepared, me: RankInfo, run_id: str, existing: Manifest | None,
         log.info("%s is already complete: nothing to do", p.paths.root)
         status.update(force=True, state=RankState.FINISHED)
         return RunResult(existing, p.plan, None, time.time() - started)
-    stats = compute_shards(p, owned, status, stop, leader=me.is_leader) if owned else None
-    if me.is_leader:
-        ensure_target_weights(p, None)
-    if stop():
+    computed = compute_shards(p, owned, status, stop, layout, run_id) if owned else Computed(None)
+    stats = computed.stats
+    write_missing_target_weights(p, layout, status, run_id)
+    if stop() or computed.group_stopped:
+        reason = stop.reason if stop() else f"model-parallel group {layout.group} stopped (ranks {layout.ranks()})"
         status.update(force=True, state=RankState.STOPPED)
-        status.event(EventKind.STOPPED, f"stopped ({stop.reason}); rerun the same command to resume")
+        status.event(EventKind.STOPPED, f"stopped ({reason}); rerun the same command to resume")
         return RunResult(p.manifest, p.plan, stats, time.time() - started, stopped=True)
     manifest, missing = finish(p, status, run_id, me)
     if missing:
