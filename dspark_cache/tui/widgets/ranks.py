@@ -55,7 +55,7 @@ def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]
     style = "bold red" if stale or r.state == "failed" else ("green" if r.state == "finished" else "")
     active = r.state in ACTIVE_RANK_STATES
     return {
-        "rank": Text(integer(r.rank), style=style), "state": Text("STALE" if stale else clip(r.state, 16), style=style),
+        "rank": Text(rank_label(r), style=style), "state": Text("STALE" if stale else clip(r.state, 16), style=style),
         "shard": Text("-" if r.shard is None else integer(r.shard)),
         "host/pid": Text(f"{clip(r.host, 40)}/{integer(r.pid)}"),
         "run shards": Text(f"{integer(r.shards_done)}/{integer(r.shards_owned)}"),
@@ -64,3 +64,12 @@ def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]
         "heartbeat": Text(f"{human_duration(snap.now - r.updated_at)} ago", style=style),
         "last error": Text(clip(r.last_error, 60), style="red"),
     }
+
+
+def rank_label(r: RankStatus) -> str:
+    """The rank, and under ``--tp-size``/``--ep-size`` its model-parallel group: ``2 g1 w`` writes
+    group 1's shards, ``3 g1`` computes them with it (and writes nothing)."""
+    if r.group is None:
+        return integer(r.rank)
+    writer = r.group_size > 0 and r.rank % r.group_size == 0
+    return f"{integer(r.rank)} g{integer(r.group)}{' w' if writer else ''}"
