@@ -6,7 +6,8 @@ torch state), and the parent prints a Markdown table plus a JSON file under ``.b
     python bench/producer.py                      # CPU suite on the embedded target and data
     python bench/producer.py --suite synthetic    # pipeline overlap with a sleeping fake device
                                                   # (writes to /dev/shm unless --synthetic-dir)
-    python bench/producer.py --suite gpu          # the same comparison on CUDA (Qwen3-0.6B shape, one command)
+    python bench/producer.py --suite gpu          # the same comparison on CUDA (Qwen3-0.6B shape, one command),
+                                                  # and --tp-size 2 vs 1 on that target (needs 2 GPUs)
     python bench/producer.py --data-profile long-tail   # data shaped like users' chats (see embedded/data.py)
 
 Measured per run:
@@ -378,6 +379,42 @@ def suite_phases(args: argparse.Namespace, *extra: str) -> dict:
     return res
 
 
+def suite_tensor_parallel(args: argparse.Namespace, sizes: tuple[int, ...] = (1, 2)) -> dict:
+    """The whole command under torchrun with one model-parallel group of each size (--tp-size), on the
+    same target: tokens/s against tp=1, and the weights each rank holds. On CUDA it needs as many GPUs
+    as the largest size (else it says so and is skipped); on a CPU it runs over gloo, a smoke test."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if args.device.startswith("cuda") and gpus < max(sizes):
+        return {"skipped": f"--tp-size {max(sizes)} needs {max(sizes)} GPUs; {gpus} visible"}
+    target, data = ensure_inputs(args)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    res: dict = {}
+    for size in sizes:
+        walls = []
+        for _ in range(args.repeat):
+            out = os.path.join(args.workdir, f"tp{size}")
+            cmd = [torchrun, "--standalone", f"--nproc_per_node={size}", "-m", "dspark_cache.producer.cli",
+                   *produce_cli_args(args, target, data, out), "--tp-size", str(size)]
+            started = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            walls.append(time.perf_counter() - started)
+            if proc.returncode != 0:
+                raise SystemExit(f"--tp-size {size} failed:\n{proc.stderr[-4000:]}")
+        with open(os.path.join(out, "manifest.json")) as handle:
+            tokens = json.load(handle)["planned_tokens"]
+        with open(os.path.join(out, "status", "rank-00000.json")) as handle:
+            rank0 = json.load(handle)
+        res[f"tp{size}_wall_s"] = walls
+        res[f"tp{size}_tokens_per_s"] = tokens / statistics.median(walls)
+        res[f"tp{size}_weight_gb_per_rank"] = (rank0.get("weight_bytes") or 0) / 1e9
+        res[f"tp{size}_device_memory_gb_rank0"] = (rank0.get("device_memory_bytes") or 0) / 1e9
+    for size in sizes[1:]:
+        res[f"tp{size}_vs_tp1"] = res[f"tp{size}_tokens_per_s"] / res["tp1_tokens_per_s"]
+    return res
+
+
 def suite_rss(args: argparse.Namespace) -> dict:
     small, large = args.shard_size, args.shard_size * 8
     out = {}
@@ -438,6 +475,8 @@ def main() -> None:
     if args.suite in ("cpu", "gpu", "all"):
         results["whole_command"] = suite_whole(args)
         results["phases_real"] = suite_phases(args)
+    if args.suite == "gpu":  # a target split over 2 GPUs (--tp-size 2) against one GPU, same target
+        results["tensor_parallel"] = suite_tensor_parallel(args)
     if args.suite in ("synthetic", "all"):
         # A Qwen3-0.6B-width payload (H=1024, 28 layers: 10 KiB/token in bf16) on --synthetic-rows
         # rows, in shards of 16, so writing matters as much as computing.
