@@ -237,28 +237,29 @@ def test_webdataset_handlers_dequantise_unless_asked_not_to(fp8_cache):
 
 def _write_fp8_cache(root: str, bad_scale_at: tuple[int, int] | None, dtype: str = "fp8",
                      layer_ids: tuple[int, ...] = (0, 1)) -> CachePaths:
-    """A one-shard FP8 cache of random states through the real writer (2-layer target, H=32), one
-    scale set to NaN when asked; ``layer_ids`` without 1 store the final state apart."""
+    """A one-shard FP8 cache of random states through the real writer (2-layer target, H=40: the C
+    filler's 16-wide steps and its scalar tail both run), one scale set to NaN when asked;
+    ``layer_ids`` without 1 store the final state apart."""
     paths = CachePaths(root)
     paths.ensure_dirs()
     code = CACHE_DTYPES[dtype]
-    shape = SampleShape(layer_ids, 2, 32, code)
+    shape = SampleShape(layer_ids, 2, 40, code)
     writer = ShardWriter(paths, 0, durable=False)
     g = torch.Generator().manual_seed(3)
     for sid, n in enumerate([5, 9]):
-        q, scales = quantize_fp8(torch.randn(n, 32 * len(layer_ids), generator=g) * 10, 32, code)
+        q, scales = quantize_fp8(torch.randn(n, 40 * len(layer_ids), generator=g) * 10, 40, code)
         if bad_scale_at is not None and sid == 1:
             scales[bad_scale_at] = float("nan")
         tensors = {HIDDEN: q, HIDDEN_SCALE: scales, "input_ids": torch.arange(n, dtype=torch.int32),
                    "loss_mask": torch.ones(n, dtype=torch.uint8)}
         if shape.stores_last:
-            tensors[LAST_HIDDEN], tensors[LAST_HIDDEN_SCALE] = quantize_fp8(torch.randn(n, 32, generator=g), 32, code)
+            tensors[LAST_HIDDEN], tensors[LAST_HIDDEN_SCALE] = quantize_fp8(torch.randn(n, 40, generator=g), 40, code)
         writer.append(sid, n, shape.specs(n), shape.metadata(sid), byte_views(tensors))
     writer.publish()
     write_manifest(paths, Manifest(complete=True, target_model="t", target_model_type="qwen3", target_vocab_size=10,
-                                   hidden_size=32, num_hidden_layers=2, seq_length=16, dtype=dtype, num_samples=2,
-                                   planned_samples=2, shard_size=2, target_hidden_dim=32 * len(layer_ids),
-                                   target_last_hidden_dim=32, target_layer_ids=list(layer_ids), train_data_path="d",
+                                   hidden_size=40, num_hidden_layers=2, seq_length=16, dtype=dtype, num_samples=2,
+                                   planned_samples=2, shard_size=2, target_hidden_dim=40 * len(layer_ids),
+                                   target_last_hidden_dim=40, target_layer_ids=list(layer_ids), train_data_path="d",
                                    num_shards=1))
     return paths
 
