@@ -186,6 +186,21 @@ def test_a_frozen_partner_does_not_hang_its_writer(embedded, tmp_path):
     assert report.missing and not report.corrupt
 
 
+def test_sigterm_to_a_partner_stops_its_group_at_a_shard_boundary(embedded, tmp_path):
+    """The partner asks to stop; the writer, which got no signal, stops with it after the shard in flight."""
+    out = str(tmp_path / "cache")
+    ranks = _start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 2)
+    wait_for(lambda: published(out) >= 1)
+    os.kill(ranks[1].pid, signal.SIGTERM)
+    for proc in ranks:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 3, err  # stopped: rerun to resume
+    assert [s["state"] for s in statuses(out).values()] == ["stopped", "stopped"]
+    report = verify_cache(out)
+    assert report.missing and not report.corrupt and not report.complete
+    assert not [n for n in os.listdir(os.path.join(out, "shards")) if n.endswith(".partial")]
+
+
 def test_device_map_auto_is_one_process_on_cpu(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--device-map", "auto") == 0
