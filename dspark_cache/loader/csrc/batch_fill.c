@@ -278,7 +278,8 @@ __attribute__((target("avx2"))) static void dequant_block_avx2(const float *tabl
             __m256 neg = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign), 24));
             v[h] = _mm256_mul_ps(_mm256_xor_ps(mag, neg), s);
             __m256i b = _mm256_castps_si256(v[h]);
-            r[h] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+            __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one); /* round to nearest even */
+            r[h] = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), 16);
         }
         if (out_size == 4) {
             _mm256_storeu_ps((float *)out + i, v[0]);
@@ -360,7 +361,8 @@ static int read_dequant(const context *cx, int fd, uint64_t base, uint64_t *pos,
                     dequant_block(&d, src + k * group + done, (size_t)m, scale, (int)out_size, block);
                     store_stream(out + at, block, (size_t)(m * out_size));
                     if (cols && at < col_off + col_bytes && end > col_off) { /* the part inside the columns */
-                        uint64_t lo = at > col_off ? at : col_off, hi = end < col_off + col_bytes ? end : col_off + col_bytes;
+                        uint64_t lo = at > col_off ? at : col_off;
+                        uint64_t hi = end < col_off + col_bytes ? end : col_off + col_bytes;
                         store_stream(cols + r * col_bytes + (lo - col_off), block + (lo - at), (size_t)(hi - lo));
                     }
                 }
