@@ -258,7 +258,7 @@ def _model_group(p: Prepared, layout: Layout, status: StatusReporter, run_id: st
     watch.start()
     try:
         yield sync
-    except Exception as exc:
+    except RuntimeError as exc:  # how a collective fails (gloo at once, NCCL at its timeout)
         reason = watch.wait_gone()
         if reason is not None:
             raise group_error(reason, layout) from exc
