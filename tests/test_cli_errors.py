@@ -127,6 +127,7 @@ def test_tui_flag_only_on_the_console_script(tmp_path):
     (["--log-level", "LOUD"], ["--log-level", "'LOUD'", "DEBUG"]),
     (["--device", "tpu"], ["--device", "'tpu'", "auto, cpu, cuda or cuda:N"]),
     (["--device", "cuda:x"], ["--device", "'cuda:x'", "auto, cpu, cuda or cuda:N"]),
+    (["--compute-dtype", "fp8"], ["--compute-dtype", "'fp8'", "'bf16'"]),  # a storage dtype, not a compute one
 ])
 def test_bad_log_level_and_device_are_one_line_usage_errors(tmp_path, args, needles):
     """Checked while parsing: exit 2, one line naming the accepted values, no traceback, nothing written."""

@@ -13,9 +13,12 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-from dspark_cache.format.sample import CACHE_DTYPES  # names -> safetensors codes: no torch
+from dspark_cache.format.sample import CACHE_DTYPES, is_fp8  # names -> safetensors codes: no torch
 from dspark_cache.format.status import RANK_TIMEOUT_S
 from dspark_cache.producer.parallel import size_argument
+
+# A target computes in a float dtype; FP8 is a storage format only (quantised after the forward).
+COMPUTE_DTYPES = sorted(name for name, code in CACHE_DTYPES.items() if not is_fp8(code))
 
 DESCRIPTION = ("Run a frozen target once over chat data and write its hidden states as compact, resumable "
                "WebDataset shards for DSpark drafter training. NeMo's precompute_dspark command lines work "
@@ -141,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-force-hf", action="store_true", help="accepted for NeMo compatibility (always HF here)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own Python code")
     p.add_argument("--resume", action="store_true", help="accepted for NeMo compatibility: resume is automatic")
-    p.add_argument("--compute-dtype", choices=["auto", *sorted(CACHE_DTYPES)], default="auto",
+    p.add_argument("--compute-dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
                    help="target compute dtype; auto = bf16 on CUDA, fp32 on CPU (as NeMo)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="padded-token budget per batch (default batch-size x seq-length)")
