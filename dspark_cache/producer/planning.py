@@ -79,8 +79,7 @@ def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputS
     parts = _together(me, lambda: _require_parts(parts, cfg))
     check_invalid_rows(parts, cfg.on_invalid)
     if me.is_leader:
-        built = _together(me, lambda: _merge_and_save(cfg, paths, parts, shape, keys))
-        return built
+        return _together(me, lambda: _merge_and_save(cfg, paths, parts, shape, keys))
     _together(me, lambda: None)  # rank 0 merges
     loaded = load_plan(paths, keys)
     if loaded is None:
