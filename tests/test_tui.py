@@ -229,6 +229,49 @@ async def test_80x24_shows_whole_rank_rows_and_scrolls_to_every_panel(tmp_path):
         assert help_box.region.width <= 80 and help_box.virtual_size.width <= help_box.size.width
 
 
+def rank_cells(app: MonitorApp, rank: int) -> dict[str, str]:
+    """One row of the rank table as shown, by column label."""
+    ranks = app.query_one("#ranks")
+    return dict(zip((str(c.label) for c in ranks.ordered_columns), (str(c) for c in ranks.get_row_at(rank))))
+
+
+def whole_rows(app: MonitorApp) -> bool:
+    ranks = app.query_one("#ranks")
+    return 0 < ranks.virtual_size.width <= ranks.size.width
+
+
+@pytest.mark.anyio
+async def test_rank_memory_is_shown_whole_in_every_layout(tmp_path):
+    """Each tensor-parallel rank's slice of the weights and its device memory; a CPU run's device
+    memory is '-'. A rank's long error never pushes a row past the table, however narrow."""
+    root = tui_states.tensor_parallel_run(str(tmp_path / "c"))
+    app = app_for(root)
+    async with app.run_test(size=(140, 60)) as pilot:
+        await app.first_snapshot()
+        await pilot.pause()
+        shown = [rank_cells(app, r) for r in range(4)]
+        assert [(c["rank"], c["weights"], c["device mem"]) for c in shown] == [
+            ("0 g0 w", "8.2 GB", "9.5 GB"), ("1 g0", "8.2 GB", "9.6 GB"), ("2 g1 w", "8.2 GB", "9.7 GB"),
+            ("3 g1", "8.2 GB", "9.8 GB")]
+        error = shown[3]["last error"]
+        assert error.startswith("CUDA out of memory. Tried") and error.endswith("…") and whole_rows(app)
+        await pilot.resize_terminal(104, 40)  # the wide layout, too narrow for the wide rank columns
+        await pilot.pause()
+        assert "host/pid" not in rank_cells(app, 0) and rank_cells(app, 0)["weights/mem"] == "8.2G/9.5G"
+        assert whole_rows(app)
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        assert [rank_cells(app, r)["weights/mem"] for r in range(4)] == ["8.2G/9.5G", "8.2G/9.6G", "8.2G/9.7G",
+                                                                        "8.2G/9.8G"]
+        assert rank_cells(app, 3)["last error"].startswith("CUDA out") and whole_rows(app)
+        tui_states.finished(root)  # a run on CPU: weights measured, no device memory
+        await app.refreshed()
+        assert rank_cells(app, 0)["weights/mem"] == "16.4G/-" and whole_rows(app)
+        await pilot.resize_terminal(140, 60)
+        await pilot.pause()
+        assert (rank_cells(app, 0)["weights"], rank_cells(app, 0)["device mem"]) == ("16.4 GB", "-")
+
+
 def beat(state: str, second: float, tokens: int, written: int = 0, run: str = "r2"):
     """Rank 0's heartbeat written ``second`` seconds into a run, as the producer's StatusReporter writes it."""
     return tui_states.status(0, 1, state, 100 - second, run_id=run, tokens_done=tokens,

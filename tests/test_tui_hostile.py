@@ -22,7 +22,7 @@ import pytest
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
-from dspark_cache.tui.display import clock_time, human_bytes, human_count, human_duration, integer
+from dspark_cache.tui.display import clock_time, human_bytes, human_count, human_duration, integer, short_bytes
 from dspark_cache.tui.tail import TAIL_WINDOW
 from tests import tui_states
 
@@ -337,14 +337,18 @@ async def test_counts_that_jump_shrink_or_overflow_give_placeholders_not_rates(t
 async def test_negative_and_huge_numbers_show_placeholders(tmp_path):
     paths = live(tmp_path / "c")
     write_json(paths.status(0), status_dict(0, samples_done=-3, inflight_bytes=-1, tokens_per_s=-5.0,
-                                            shards_done=-1, pid=10**30, updated_at=tui_states.NOW + 60))
-    write_json(paths.status(1), status_dict(1, state="finished", updated_at=-1.7e308, shard=-4))
+                                            shards_done=-1, pid=10**30, updated_at=tui_states.NOW + 60,
+                                            weight_bytes=-1, device_memory_bytes=10**30))
+    write_json(paths.status(1), status_dict(1, state="finished", updated_at=-1.7e308, shard=-4,
+                                            weight_bytes=10**400, device_memory_bytes=None))
     write_json(paths.manifest, manifest_dict(planned_tokens=10**400, planned_samples=-1, num_shards=-5,
                                              created_at=-1.7e308))
     shown = await show(paths.root)
     assert cell(shown, 0, "host/pid") == "node-a/>999T" and cell(shown, 0, "run shards") == "—/10"
     assert cell(shown, 0, "tok/s") == "-"  # one heartbeat gives no rate, whatever its rate field claims
     assert cell(shown, 0, "inflight") == "—"
+    assert cell(shown, 0, "weights") == "—" and cell(shown, 0, "device mem") == ">999 PB"
+    assert cell(shown, 1, "weights") == "∞" and cell(shown, 1, "device mem") == "-"  # not measured
     assert cell(shown, 0, "heartbeat") == "— ago"  # a heartbeat from the future: no age to show
     assert cell(shown, 1, "shard") == "—" and cell(shown, 1, "heartbeat") == ">999d ago"
     assert "samples 220/—" in shown["progress"] and "/∞" in shown["progress"] and "/—" in shown["progress"]
@@ -400,6 +404,8 @@ def test_formatters_never_raise_and_use_placeholders():
         "?", "∞", "—", "—", "0", ">999T", "∞", "20.0k"]
     assert [human_bytes(x) for x in (nan, inf, -1, 1e300, 10**400, 512, 40e6)] == [
         "?", "∞", "—", ">999 PB", "∞", "512 B", "40.0 MB"]
+    assert [short_bytes(x) for x in (nan, inf, -1, 1e300, 10**400, 512, 1_100_000_000)] == [
+        "?", "∞", "—", ">999P", "∞", "512B", "1.1G"]
     assert [integer(x) for x in (-1, -(10**4000), 10**4000, 42)] == ["—", "—", "∞", "42"]
     assert [human_count(x) for x in (-(10**400), 10**16)] == ["—", ">999T"]
     assert [clock_time(x) for x in (nan, inf, -1.0, 1e300, 1e18, 0.0)] == ["?", "?", "?", "?", "?", "00:00:00"]

@@ -11,6 +11,8 @@ from dspark_cache.format.schema import Event, Manifest, RankStatus, SampleEntry,
 NOW = 1_800_000_000.0  # a fixed clock, so that ages and snapshots are deterministic
 SHARD_BYTES = 40_000_000
 SHARD_TOKENS = 20_000
+WEIGHT_BYTES = 16_381_000_000  # Qwen3-8B in bf16, held whole by a data-parallel rank
+DEVICE_BYTES = 18_950_000_000  # allocated on its GPU: the weights and a batch's activations
 
 
 def manifest(num_shards: int, complete: bool = False) -> Manifest:
@@ -74,7 +76,8 @@ LIVE_TOKENS = 12_000  # computed by rank 0 in that gap: 1.5k tokens/s
 
 def live_rank0(age: float, tokens: int, written: int) -> RankStatus:
     return status(0, 2, "running", age, shard=20, tokens_done=tokens, bytes_written=written,
-                  tokens_per_s=INFLATED_RATE, shards_done=2, shards_owned=20)
+                  tokens_per_s=INFLATED_RATE, shards_done=2, shards_owned=20, weight_bytes=WEIGHT_BYTES,
+                  device_memory_bytes=DEVICE_BYTES)
 
 
 def live_run(root: str) -> str:
@@ -85,7 +88,8 @@ def live_run(root: str) -> str:
     return build(
         root, num_shards=60, published=list(range(0, 20)) + [24, 25], writing=[20, 21],
         ranks=[live_rank0(LIVE_GAP_S + 0.5, RESUMED_TOKENS, 80_000_000),
-               status(1, 2, "running", 42.0, shard=21, last_error=None)],
+               status(1, 2, "running", 42.0, shard=21, last_error=None, weight_bytes=WEIGHT_BYTES,
+                      device_memory_bytes=DEVICE_BYTES + 7_000_000)],
         events=[event(0, 900, "started", "computing 30 shards on cuda:0"),
                 event(1, 700, "error", "disk full while writing shard 23", shard=23),
                 event(1, 650, "resumed", "resuming: 18 of 60 shards already published"),
@@ -103,5 +107,19 @@ def finished(root: str) -> str:
     """A complete cache of 12 shards, all published by its one run of 2940 s."""
     return build(root, num_shards=12, published=list(range(12)), complete=True,
                  ranks=[status(0, 1, "finished", 60.0, shards_done=12, shards_owned=12,
-                               bytes_written=12 * SHARD_BYTES)],
+                               bytes_written=12 * SHARD_BYTES, weight_bytes=WEIGHT_BYTES)],  # on CPU: no device
                  events=[event(0, 60, "finished", "cache complete", samples=120)])
+
+
+OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 3; 139.8 GiB total capacity)"
+
+
+def tensor_parallel_run(root: str) -> str:
+    """``--tp-size 2`` on 4 GPUs: each rank holds half the weights; rank 3 ran out of device memory."""
+    def rank(r: int, state: str = "running", **kw) -> RankStatus:
+        return status(r, 4, state, 1.0, shard=r, group=r // 2, group_size=2, weight_bytes=WEIGHT_BYTES // 2,
+                      device_memory_bytes=DEVICE_BYTES // 2 + r * 100_000_000, **kw)
+
+    return build(root, num_shards=8, published=[], writing=[0, 2],
+                 ranks=[rank(0), rank(1), rank(2), rank(3, state="failed", last_error=OOM)],
+                 events=[event(3, 2, "error", OOM)])

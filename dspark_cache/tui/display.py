@@ -63,6 +63,14 @@ def human_bytes(n: float | int | None) -> str:
     return _scaled(n, ("B", " KB", " MB", " GB", " TB", " PB"), 1000, "{:.1f}{}")
 
 
+def short_bytes(n: float | int | None) -> str:
+    """Decimal bytes without a space or a ``B`` after the prefix, for a narrow column: ``512B``, ``1.1G``."""
+    value = as_float(n)
+    if value is not None and 0 <= value < 1000:
+        return f"{value:.0f}B"
+    return _scaled(n, ("B", "K", "M", "G", "T", "P"), 1000, "{:.1f}{}")
+
+
 def human_count(n: float | int | None) -> str:
     """A count or rate: ``950``, ``20.0k``, ``1.2G``; placeholders for what no count can be."""
     value = as_float(n)

@@ -1,28 +1,41 @@
-"""Per-rank table: state, shard, this run's shards, measured rate, heartbeat age (stale ranks highlighted).
+"""Per-rank table: state, shard, this run's shards, measured rate, memory, heartbeat age (stale ranks highlighted).
 
 Counts of finished work are not repeated here: samples and tokens done come from the published
 shard indexes only (the progress panel), since a rank's own counts also hold what it computed but
 has not published yet. A rank's shards are those of its run: published by it / assigned to it.
+Memory is the target's weights the rank holds (a slice under ``--tp-size``) and the device memory
+it has allocated (CUDA only); ``-`` where the producer measured none.
+
+A row is never cut at the right: the last error is clipped to the room the other columns leave
+(the events panel holds it whole), and where the wide columns do not fit (the compact layout of an
+80x24 terminal, or a narrow table) the compact ones are shown: the two memory figures merged into
+one, without the host, the bytes in flight and the shard in flight (the shard map shows which
+shards are being written).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from rich.text import Text
 from textual.widgets import DataTable
 
 from dspark_cache.format.schema import RankStatus
 from dspark_cache.format.status import ACTIVE_RANK_STATES
-from dspark_cache.tui.display import clip, human_bytes, human_count, human_duration, integer
+from dspark_cache.tui.display import clip, human_bytes, human_count, human_duration, integer, short_bytes
 from dspark_cache.tui.rates import RankRate
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
-COLUMNS = ("rank", "state", "shard", "host/pid", "run shards", "tok/s", "inflight", "heartbeat", "last error")
-COMPACT_COLUMNS = ("rank", "state", "shard", "run shards", "tok/s", "heartbeat", "last error")  # fits 80 cells
+COLUMNS = ("rank", "state", "shard", "host/pid", "run shards", "tok/s", "inflight", "weights", "device mem",
+           "heartbeat", "last error")
+COMPACT_COLUMNS = ("rank", "state", "run shards", "tok/s", "weights/mem", "heartbeat", "last error")  # 80 cells
+ERROR = "last error"
+ERROR_CHARS, MIN_ERROR_CHARS = 60, 12  # the last error shown: at most, and at least however narrow the table
 
 
 class RankTable(DataTable):
-    """One row per rank status file; fewer columns when :attr:`compact`."""
+    """One row per rank status file; fewer columns when :attr:`compact` or when the others do not fit."""
 
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "RankTable { height: auto; border: round $primary; }"
@@ -31,22 +44,36 @@ class RankTable(DataTable):
         super().__init__(*args, **kwargs)
         self.compact = False
         self.can_focus = False  # the keys scroll the page, which holds the whole table
-        self._shown: tuple[str, ...] = ()
+        self._snap: Snapshot | None = None  # the one on screen, shown again to fit a new width
 
     def on_mount(self) -> None:
         self.cursor_type = "none"
 
+    def on_resize(self) -> None:
+        if self._snap is not None:
+            self.show(self._snap)
+
     def show(self, snap: Snapshot) -> None:
-        columns = COMPACT_COLUMNS if self.compact else COLUMNS
-        if columns != self._shown:
-            self.clear(columns=True)
-            self.add_columns(*columns)
-            self._shown = columns
-        else:
-            self.clear()
-        for status, rate in snap.rank_rates():
-            cells = row(status, rate, snap)
+        self._snap = snap
+        rows = [row(status, rate, snap) for status, rate in snap.rank_rates()]
+        room = self.scrollable_content_region.width  # 0 before the first layout: nothing to fit yet
+        fits = not room or self._others_width(COLUMNS, rows) + self._width(MIN_ERROR_CHARS) <= room
+        columns = COLUMNS if fits and not self.compact else COMPACT_COLUMNS
+        self.clear(columns=True)  # a column keeps its widest cell until cleared: size them to these rows
+        self.add_columns(*columns)
+        limit = max(MIN_ERROR_CHARS, room - self._others_width(columns, rows) - self._width(0)) if room else ERROR_CHARS
+        for cells in rows:
+            cells[ERROR] = Text(clip(cells[ERROR].plain, limit), style=cells[ERROR].style)
             self.add_row(*(cells[name] for name in columns))
+
+    def _width(self, content: int) -> int:
+        """Cells a column takes whose widest cell (or label) is ``content`` cells."""
+        return content + 2 * self.cell_padding
+
+    def _others_width(self, columns: tuple[str, ...], rows: list[dict[str, Text]]) -> int:
+        """Cells the columns other than the last error take, as the table sizes them."""
+        return sum(self._width(max([len(name)] + [cells[name].cell_len for cells in rows]))
+                   for name in columns if name != ERROR)
 
 
 def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]:
@@ -61,9 +88,24 @@ def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]
         "run shards": Text(f"{integer(r.shards_done)}/{integer(r.shards_owned)}"),
         "tok/s": Text(human_count(rate.tokens_per_s) if rate is not None and not stale else "-"),
         "inflight": Text(human_bytes(r.inflight_bytes) if active else "-"),
+        "weights": Text(measured(r.weight_bytes, human_bytes)),
+        "device mem": Text(measured(r.device_memory_bytes, human_bytes)),
+        "weights/mem": Text(memory_pair(r)),
         "heartbeat": Text(f"{human_duration(snap.now - r.updated_at)} ago", style=style),
-        "last error": Text(clip(r.last_error, 60), style="red"),
+        ERROR: Text(clip(r.last_error, ERROR_CHARS), style="red"),  # clipped again to the room left
     }
+
+
+def measured(n: int | None, fmt: Callable[[int], str]) -> str:
+    """``n`` bytes by ``fmt``, or ``-`` where the producer measured nothing (a CPU run, an older producer)."""
+    return "-" if n is None else fmt(n)
+
+
+def memory_pair(r: RankStatus) -> str:
+    """``weights/device`` in a narrow cell: ``16.4G/19.0G``; one ``-`` where neither was measured."""
+    if r.weight_bytes is None and r.device_memory_bytes is None:
+        return "-"
+    return f"{measured(r.weight_bytes, short_bytes)}/{measured(r.device_memory_bytes, short_bytes)}"
 
 
 def rank_label(r: RankStatus) -> str:
