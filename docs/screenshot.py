@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,9 +32,11 @@ def published(cache: str) -> int:
 async def shoot(cache: str, out: str) -> None:
     app = MonitorApp(cache, refresh=0.5)
     async with app.run_test(size=(140, 52)) as pilot:
-        for _ in range(8):  # let the producer run and the watcher thread build the throughput history
+        for _ in range(40):  # until the monitor has measured a rate (~5 s of heartbeats), while the run is live
             await asyncio.sleep(0.5)
-        await app.refreshed()  # the newest snapshot, rendered
+            snapshot = await app.refreshed()  # the newest snapshot, rendered
+            if snapshot.tokens_per_s is not None:
+                break
         await pilot.pause()
         app.save_screenshot(filename=os.path.basename(out), path=os.path.dirname(out))
 
@@ -42,12 +45,15 @@ def main() -> None:
     workdir = os.path.join(ROOT, ".demo")
     target, data = ensure_embedded(workdir)
     cache = os.path.join(workdir, "screenshot-cache")
+    # A fresh directory: an earlier run's event log would count as published before --overwrite clears it.
+    shutil.rmtree(cache, ignore_errors=True)
+    # Small batches and shards: the demo data takes long enough to be photographed while running.
     cmd = [sys.executable, "-m", "dspark_cache.producer.cli", "--target-model", target, "--input-data", data,
-           "--output-dir", cache, "--overwrite", "--seq-length", "2048", "--batch-size", "8", "--shard-size", "8",
-           "--log-level", "WARNING"]
+           "--output-dir", cache, "--seq-length", "2048", "--batch-size", "1", "--shard-size", "2",
+           "--log-level", "WARNING", "--no-progress"]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        while published(cache) < 6:
+        while published(cache) < 1:
             time.sleep(0.2)
         asyncio.run(shoot(cache, os.path.join(ROOT, "docs", "monitor.svg")))
     finally:
