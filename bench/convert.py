@@ -27,6 +27,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -166,14 +167,15 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workdir", default=os.path.join(ROOT, ".bench", "convert-work"))
+    p.add_argument("--workdir", default=os.path.join(ROOT, ".bench"),
+                   help="a fresh directory of ours is made inside it and removed at the end (never the directory itself)")
     p.add_argument("--child", nargs=3, metavar=("DIRECTION", "SRC", "DST"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(*args.child, None if args.shard_size == p.get_default("shard_size") else args.shard_size)
         return
-    work = args.workdir
-    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(args.workdir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="convert-", dir=args.workdir)
     src, nemo, ours, out = (os.path.join(work, n) for n in ("src", "nemo", "ours", "out"))
     lengths = make_source(src, args.samples, args.hidden, args.seq, args.shard_size)
     print(f"source: {args.samples} samples, {sum(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f}, "
@@ -197,11 +199,11 @@ def main() -> None:
     results = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "child"},
                "tokens": sum(lengths), "nemo_bytes": first["nemo_bytes"], "ours_bytes": first["ours_bytes"],
                "runs": runs, "export_4x_shard_rss_mb": big["peak_rss_mb"]}
+    print()
+    print(table(results))  # before saving: a failing save loses no number
     os.makedirs(os.path.join(ROOT, ".bench"), exist_ok=True)
     with open(os.path.join(ROOT, ".bench", "convert.json"), "w") as handle:
         json.dump(results, handle, indent=2)
-    print()
-    print(table(results))
     print(f"\nshard bytes: NeMo layout {first['nemo_bytes'] / 1e9:.2f} GB ({first['allocated'] / 1e9:.2f} GB allocated "
           f"by the export: sparse padding), ours {first['ours_bytes'] / 1e9:.3f} GB "
           f"(ratio {first['nemo_bytes'] / first['ours_bytes']:.2f}); peak RSS of an export with "
