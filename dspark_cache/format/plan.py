@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import xxhash
 
-from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
+from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular, regular_size
 from dspark_cache.format.schema import SkippedRow, encode_json
@@ -116,10 +116,10 @@ class ArrayWriter:
         self.length = 0
 
     def append(self, values: np.ndarray) -> None:
-        data = np.ascontiguousarray(values, dtype=self.dtype)
-        self._file.write(memoryview(data).cast("B"))
-        self._hash.update(memoryview(data).cast("B"))
-        self.length += data.shape[0]
+        data = memoryview(np.ascontiguousarray(values, dtype=self.dtype)).cast("B")
+        self._file.write(data)
+        self._hash.update(data)
+        self.length += len(data) // self.dtype.itemsize
 
     def close(self) -> ArrayRecord:
         """Finish the file (length in its header, fsync, rename); its record for the plan header."""
@@ -181,9 +181,8 @@ def _data_digest(path: str, offset: int) -> str:
 
 
 def write_header(path: str, header: PartHeader | PlanHeader) -> None:
-    """Publish a header (after its arrays): atomic, durable."""
+    """Publish a header (after its arrays): atomic, durable (the write fsyncs the directory too)."""
     atomic_write_bytes(path, encode_json(header, pretty=False))
-    fsync_dir(os.path.dirname(path))
 
 
 def read_header(path: str, kind: type[PartHeader] | type[PlanHeader]) -> PartHeader | PlanHeader | None:

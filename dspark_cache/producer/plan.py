@@ -199,10 +199,15 @@ class Plan:
         return digest.hexdigest()
 
     def skipped_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for row in self.skipped:
-            counts[row.reason] = counts.get(row.reason, 0) + 1
-        return dict(sorted(counts.items()))
+        return reason_counts(self.skipped)
+
+
+def reason_counts(rows: Iterable[SkippedRow]) -> dict[str, int]:
+    """How many rows were skipped for each reason, by reason (the manifest's ``skipped_rows``)."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.reason] = counts.get(row.reason, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 # -- batching and shards over arrays ------------------------------------------------------------

@@ -26,7 +26,7 @@ from dspark_cache.producer.encode_pool import encode_rows
 from dspark_cache.producer.inputs import InputError, InputSource, RawRow
 from dspark_cache.producer.layout import check_layout, plan_files, remove_files
 from dspark_cache.producer.messages import normalise_row
-from dspark_cache.producer.plan import Plan, SampleShape
+from dspark_cache.producer.plan import Plan, SampleShape, reason_counts
 from dspark_cache.producer.plan_parts import encode_part
 from dspark_cache.producer.plan_store import (
     check_invalid_rows, encode_key, layout_key, load_plan, merge_parts, open_store, read_parts, save_plan,
@@ -115,10 +115,7 @@ def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig) -> list[P
     if rows == 0:
         raise InputError(f"{cfg.input_data} holds no rows; check --input-data (and --split)")
     if not sum(p.arrays["rows"].length for p in parts):
-        counts: dict[str, int] = {}
-        for row in (r for p in parts for r in p.skipped):
-            counts[row.reason] = counts.get(row.reason, 0) + 1
-        reasons = ", ".join(f"{n} {r}" for r, n in sorted(counts.items()))
+        reasons = ", ".join(f"{n} {r}" for r, n in reason_counts(r for p in parts for r in p.skipped).items())
         raise InputError(f"none of the {rows} rows of {cfg.input_data} gives a supervised sample ({reasons})")
     return parts
 
