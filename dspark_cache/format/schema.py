@@ -31,7 +31,8 @@ INDEX_FORMAT_VERSION = 1
 # Manifest fields that describe progress or provenance, not what the cache contains. Every
 # other field is identity: resume refuses a cache whose identity differs from the new run's.
 NON_IDENTITY_FIELDS = frozenset(
-    {"complete", "versions", "created_at", "completed_at", "num_samples", "nonfinite_samples"}
+    {"complete", "versions", "created_at", "completed_at", "num_samples", "nonfinite_samples", "cache_id",
+     "target_weights_xxh3"}
 )
 
 
@@ -112,6 +113,13 @@ class Manifest(msgspec.Struct, kw_only=True):
     planned_padded_tokens: int = 0  # tokens the device computes, padding included
     plan_sha256: str = ""  # which samples each shard holds (a resume must plan the same)
     scale_scheme: str = ""  # FP8 caches: how their scales were made (FP8_SCALE_SCHEME); else empty
+    # What was loaded as the target: its weight files' names, sizes and a hash of their headers
+    # (producer.target), so a checkpoint replaced at the same path is refused on resume.
+    target_fingerprint: str = ""
+    # This cache's life: made new when a run starts a cache (fresh or --overwrite), kept by every
+    # resume, and written into every shard index, so a reader notices a cache replaced under it.
+    cache_id: str = ""
+    target_weights_xxh3: int | None = None  # xxh3_64 of target_weights.safetensors once written
     skipped_rows: dict[str, int] = msgspec.field(default_factory=dict)
     skipped: list[SkippedRow] = msgspec.field(default_factory=list)
     nonfinite_samples: list[int] = msgspec.field(default_factory=list)
@@ -158,6 +166,7 @@ class ShardIndex(msgspec.Struct, kw_only=True):
     tar_xxh3: int
     samples: list[SampleEntry]
     nonfinite: list[int] = msgspec.field(default_factory=list)  # planned ids dropped (--on-nonfinite skip)
+    cache_id: str = ""  # the manifest's cache_id when this shard was written
 
     @property
     def num_samples(self) -> int:
