@@ -138,12 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
     """Produce with parsed ``args`` (``argv``: the same arguments, for the child under ``--tui``)."""
-    from dspark_cache.producer.config import config_from_args
-
+    from dspark_cache.producer.config import ConfigError, config_from_args, validate_config
     from dspark_cache.producer.progress import set_progress
 
     set_progress(False if args.no_progress else None)
     cfg = config_from_args(args)
+    try:  # before anything is read: a setting that cannot work is a usage error (exit 2), not a failure
+        validate_config(cfg)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     if cfg.dry_run:
         return dry_run(cfg)
     if args.tui:

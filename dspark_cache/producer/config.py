@@ -9,12 +9,17 @@ shared conventions (``--version``, ``--log-level``, usage errors, exit codes) co
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from dataclasses import dataclass, fields
 
+import msgspec
+
 from dspark_cache.format.sample import CACHE_DTYPES, is_fp8  # names -> safetensors codes: no torch
+from dspark_cache.format.schema import SampleEntry
 from dspark_cache.format.status import RANK_TIMEOUT_S
+from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_SEQ_LENGTH
 from dspark_cache.producer.parallel import size_argument
 
 # A target computes in a float dtype; FP8 is a storage format only (quantised after the forward).
@@ -24,6 +29,13 @@ DESCRIPTION = ("Run a frozen target once over chat data and write its hidden sta
                "WebDataset shards for DSpark drafter training. NeMo's precompute_dspark command lines work "
                "unchanged.")
 
+
+_U64_MAX = (1 << 64) - 1
+# The most index entries a shard index can hold and still be read back: its readers refuse an
+# index over MAX_INDEX_BYTES, so --shard-size is bounded by it at the widest entry a cache can hold.
+_WIDEST_ENTRY = len(msgspec.json.encode(SampleEntry(_U64_MAX, MAX_SEQ_LENGTH, MAX_SEQ_LENGTH, _U64_MAX, _U64_MAX,
+                                                    _U64_MAX))) + 1  # + the comma between entries
+MAX_SHARD_SIZE = MAX_INDEX_BYTES // _WIDEST_ENTRY
 
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
@@ -101,7 +113,8 @@ class ProduceConfig:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The producer's options (``--log-level`` and ``--version`` come with the shared parser)."""
     p.add_argument("--target-model", required=True, help="HF checkpoint directory or hub id")
-    p.add_argument("--input-data", required=True, help="JSONL/JSON/Parquet file, a directory of them, or an HF dataset id")
+    p.add_argument("--input-data", required=True,
+                   help="JSONL/JSON/Parquet file, a directory of them, or an HF dataset id")
     p.add_argument("--output-dir", required=True, help="cache directory (resumed when it matches)")
     p.add_argument("--seq-length", type=int, default=2048, help="right-truncate samples to this many tokens")
     p.add_argument("--batch-size", type=int, default=4,
@@ -133,7 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shuffle-seed", type=int, default=42, help="shuffle before slicing (Parquet / hub only)")
     p.add_argument("--draft-num-hidden-layers", type=int, default=5,
                    help="how many layers NeMo's spread picks when --target-layer-ids is not given")
-    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None, help="explicit layer ids (NeMo convention)")
+    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                   help="explicit layer ids (NeMo convention)")
     p.add_argument("--chat-template", default=None,
                    help="inline Jinja, a template file or a tokenizer_config.json (default: the tokenizer's own)")
     p.add_argument("--mask-reasoning-content", action="store_true", help="do not supervise reasoning_content")
@@ -173,14 +187,34 @@ def config_from_args(args: argparse.Namespace) -> ProduceConfig:
     return ProduceConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
+class ConfigError(ValueError):
+    """Settings that cannot work together or that the cache format cannot hold: a usage error."""
+
+
 def validate_config(cfg: ProduceConfig) -> None:
-    """Cheap checks that run before anything is loaded."""
+    """Cheap checks that run before anything is loaded; :class:`ConfigError` names the option and the fix."""
     for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes",
                  "max_row_bytes"):
         if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    # The readers refuse what the format cannot hold (format/validate.py): refuse it here, not after hours.
+    if cfg.seq_length > MAX_SEQ_LENGTH:
+        raise ConfigError(f"--seq-length {cfg.seq_length} is over {MAX_SEQ_LENGTH}, the longest sample a cache's "
+                          "index and readers accept; pass a smaller --seq-length")
+    if cfg.shard_size > MAX_SHARD_SIZE:
+        raise ConfigError(f"--shard-size {cfg.shard_size} is over {MAX_SHARD_SIZE}, the most samples a shard index "
+                          f"can list within the {MAX_INDEX_BYTES >> 20} MiB its readers accept; pass a smaller "
+                          "--shard-size")
     problem = device_problem(cfg.device)
     if problem:
-        raise ValueError(problem)
-    if cfg.max_batch_tokens is not None and cfg.max_batch_tokens < 1:
-        raise ValueError(f"--max-batch-tokens must be >= 1, got {cfg.max_batch_tokens}")
+        raise ConfigError(problem)
+    if cfg.max_batch_tokens is not None and cfg.max_batch_tokens < cfg.seq_length:
+        raise ConfigError(f"--max-batch-tokens {cfg.max_batch_tokens} is below --seq-length {cfg.seq_length}: a "
+                          "sample that long would not fit one batch; pass at least the sequence length, or a "
+                          "smaller --seq-length")
+    if cfg.num_workers is not None and cfg.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0 (0 = tokenise in process), got {cfg.num_workers}")
+    if not (math.isfinite(cfg.rank_timeout) and cfg.rank_timeout > 0):
+        raise ConfigError(f"--rank-timeout must be a positive number of seconds, got {cfg.rank_timeout}")
+    if cfg.shuffle_seed < 0:
+        raise ConfigError(f"--shuffle-seed must be >= 0, got {cfg.shuffle_seed}")

