@@ -81,3 +81,39 @@ def test_convert_and_verify_agree_on_a_directory_that_is_not_a_cache(tmp_path):
     for script, proc in done.items():
         assert proc.returncode == EXIT_USAGE, (script, proc.stderr)
         assert f"{empty} is not a dspark cache" in proc.stderr and "dspark-produce --output-dir" in proc.stderr
+
+
+# --- the lock record: its stop hint, and never anything but a regular file ---------------------
+
+def test_a_refused_second_producer_is_told_the_monitors_stop_key(tmp_path):
+    from dspark_cache.producer.lock import CacheLockedError, lock_exclusive
+
+    paths = CachePaths(str(tmp_path / "cache"))
+    os.makedirs(paths.control_dir)
+    held = lock_exclusive(paths, "run-a", 1)
+    try:
+        with pytest.raises(CacheLockedError) as refused:
+            lock_exclusive(paths, "run-b", 1)  # another open file description: flock refuses it, as for a process
+    finally:
+        held.release()
+    # The monitor's stop key is s (q only leaves it; under --tui q asks, then stops the child it started).
+    assert f"press s in dspark-monitor {paths.root}" in str(refused.value) and "q in" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "link to a device"])
+def test_a_lock_record_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, kind):
+    """Every way in (rank 0, a joining rank, dspark-convert's destination) refuses it with what to do."""
+    paths = CachePaths(str(tmp_path / "cache"))
+    os.makedirs(paths.control_dir)
+    {"fifo": lambda p: os.mkfifo(p), "directory": os.mkdir, "link to a device": lambda p: os.symlink("/dev/zero", p)
+     }[kind](paths.lock)
+    probe = ("import sys\nfrom dspark_cache.format.paths import CachePaths\n"
+             "from dspark_cache.producer.lock import LockFileError, lock_exclusive, lock_shared\n"
+             "paths = CachePaths(sys.argv[1])\n"
+             "for take in (lambda: lock_exclusive(paths, 'r', 1), lambda: lock_shared(paths)):\n"
+             "    try:\n        take()\n    except LockFileError as exc:\n        print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", probe, paths.root], capture_output=True, text=True, timeout=60)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done.stdout + done.stderr
+    assert all(f"{paths.lock} is not a regular file" in line and "Remove it" in line for line in lines), lines
+    assert os.path.lexists(paths.lock)  # refused, never deleted

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
+from dspark_cache.producer.lock import check_lock_file
 
 _NUMBER = re.compile(r"\d+")
 _TMP_SUFFIX = ".tmp"  # format.atomic's temporaries: f"{path}.{pid}.{thread}.tmp"
@@ -48,11 +49,7 @@ def check_layout(paths: CachePaths) -> None:
                 f"{sub} is not a directory; the cache needs a directory there. Remove or rename it, "
                 "or choose another --output-dir"
             )
-    if os.path.islink(paths.lock) or (os.path.lexists(paths.lock) and not os.path.isfile(paths.lock)):
-        raise CacheLayoutError(
-            f"{paths.lock} is not a regular file; it is the cache's lock file. Remove it (no producer can be "
-            "holding it), or choose another --output-dir"
-        )
+    check_lock_file(paths.lock)
 
 
 def _made_by(name: str, makers: list[Callable[[int], str]]) -> bool:

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 
 from dspark_cache.format.errors import CacheError
@@ -54,9 +55,39 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
+class LockFileError(CacheError):
+    """``control/lock`` is not a regular file (a directory, FIFO, device or symlink)."""
+
+
+def _not_a_lock_file(path: str) -> LockFileError:
+    return LockFileError(f"{path} is not a regular file; it is the cache's lock file. Remove it (no producer can be "
+                         "holding it), or choose another --output-dir")
+
+
+def check_lock_file(path: str) -> None:
+    """Refuse a lock path that exists and is not a regular file (checked before it is opened)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _not_a_lock_file(path)
+
+
 def _open(path: str) -> int:
-    # O_NOFOLLOW: a lock "file" that is a symlink is refused (ELOOP), not followed.
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    """The lock file, opened only when it is a regular file: never a symlink followed (O_NOFOLLOW), nor a FIFO
+    or device opened (checked first, and again on what was opened, O_NONBLOCK meanwhile, so nothing blocks)."""
+    check_lock_file(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # swapped in since the check
+            raise _not_a_lock_file(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _not_a_lock_file(path)
+    return fd
 
 
 def _read_holder(fd: int) -> dict | None:
@@ -143,7 +174,7 @@ def lock_exclusive(paths: CachePaths, run_id: str, world_size: int, overwrite: b
         raise CacheLockedError(
             f"{what}{paths.root} is in use by another dspark-produce run ({holder}). Two producers on one "
             f"--output-dir would redo and overwrite each other's work. Wait for that run to finish, or stop it "
-            f"(q in dspark-monitor, or kill -TERM its pid on its host), then rerun; for a separate cache choose "
+            f"(press s in dspark-monitor {paths.root}, or kill -TERM its pid on its host), then rerun; for a separate cache choose "
             f"another --output-dir"
         ) from None
     except BaseException:
