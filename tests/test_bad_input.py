@@ -90,3 +90,37 @@ def test_unusable_inputs_fail_under_both_policies(embedded, tmp_path, capsys, po
         assert run_produce(embedded.stock, path, str(tmp_path / "out"), "--on-invalid", policy) == 1
         err = capsys.readouterr().err
         assert words in err, err
+
+
+# A tokenizer.json normalizer whose regex backtracks past Oniguruma's retry limit on a long run of
+# "a"s: tokenizers then panics in Rust (pyo3_runtime.PanicException, not an Exception).
+PANIC_NORMALIZER = {"type": "Replace", "pattern": {"Regex": "(a|aa)+#"}, "content": "#"}
+PANIC_ROW = {"messages": [{"role": "user", "content": "x " + "a" * 60 + "b"}, {"role": "assistant", "content": "ok"}]}
+
+
+@pytest.fixture(scope="module")
+def panicking_target(embedded, tmp_path_factory) -> str:
+    import shutil
+
+    target = str(tmp_path_factory.mktemp("panic") / "target")
+    shutil.copytree(embedded.stock, target)
+    spec_path = os.path.join(target, "tokenizer.json")
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    spec["normalizer"] = PANIC_NORMALIZER
+    with open(spec_path, "w", encoding="utf-8") as handle:
+        json.dump(spec, handle)
+    return target
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_tokenizer_panic_is_an_invalid_row_in_process_and_in_workers(panicking_target, tmp_path, capsys, workers):
+    data = _write(tmp_path / "rows.jsonl", [json.dumps(GOOD), json.dumps(PANIC_ROW), json.dumps(GOOD)])
+    out = str(tmp_path / "out")
+    args = ("--seq-length", "64", "--num-workers", workers)
+    assert run_produce(panicking_target, data, out, *args) == 1
+    err = capsys.readouterr().err
+    assert "rows.jsonl:2: the tokenizer crashed (a Rust panic)" in err and "--on-invalid skip" in err, err
+    assert run_produce(panicking_target, data, out, *args, "--on-invalid", "skip") == 0
+    m = dspark_cache.open_cache(out).manifest
+    assert m.skipped_rows == {"tokenizer panic": 1} and m.num_samples == 2

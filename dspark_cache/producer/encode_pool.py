@@ -2,7 +2,9 @@
 
 A row whose content cannot be encoded becomes an :class:`InvalidRow` result rather than an
 exception, so that one bad row cannot abort a pool of workers; the planner applies the
-``--on-invalid`` policy. (A bad chat template or running out of memory still raises.)
+``--on-invalid`` policy. That includes a tokenizer's Rust panic (``pyo3_runtime.PanicException``,
+a ``BaseException`` whose class no other process can import, so it must not leave a worker as an
+exception). A bad chat template or running out of memory still raises.
 """
 
 from __future__ import annotations
@@ -26,6 +28,16 @@ _AHEAD = 4  # chunks in flight per worker: enough to keep every worker busy
 _worker_encode: Encode | None = None  # set in the parent before forking the pool
 
 
+def is_rust_panic(exc: BaseException) -> bool:
+    """A panic inside a Rust extension (tokenizers, safetensors): each defines its own class, same name."""
+    return type(exc).__name__ == "PanicException" and type(exc).__module__ == "pyo3_runtime"
+
+
+def _clipped(exc: BaseException) -> str:
+    detail = f"{type(exc).__name__}: {exc}"
+    return f"{detail[:300]}{'...' if len(detail) > 300 else ''}"
+
+
 def _encode_one(encode: Encode, row: RawRow) -> Result:
     """A row's sample, or why it is invalid: whatever a row holds, it never aborts the run."""
     try:
@@ -39,9 +51,11 @@ def _encode_one(encode: Encode, row: RawRow) -> Result:
     except (MemoryError, ChatTemplateError):
         raise
     except Exception as exc:  # the template or tokenizer refused this row's content
-        detail = f"{type(exc).__name__}: {exc}"
-        return InvalidRow("cannot encode", "the chat template or tokenizer failed on this row "
-                          f"({detail[:300]}{'...' if len(detail) > 300 else ''})")
+        return InvalidRow("cannot encode", f"the chat template or tokenizer failed on this row ({_clipped(exc)})")
+    except BaseException as exc:
+        if not is_rust_panic(exc):
+            raise
+        return InvalidRow("tokenizer panic", f"the tokenizer crashed (a Rust panic) on this row ({_clipped(exc)})")
 
 
 def _worker_init() -> None:
