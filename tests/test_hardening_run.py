@@ -117,3 +117,31 @@ def test_a_lock_record_that_is_not_a_regular_file_is_refused_without_blocking(tm
     assert done.returncode == 0 and len(lines) == 2, done.stdout + done.stderr
     assert all(f"{paths.lock} is not a regular file" in line and "Remove it" in line for line in lines), lines
     assert os.path.lexists(paths.lock)  # refused, never deleted
+
+
+# --- leftovers: only what the writer names, only regular files ----------------------------------
+
+def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(embedded, tmp_path, tiny_data, capsys):
+    out = tmp_path / "cache"
+    assert run_produce(embedded.stock, tiny_data, str(out), *ARGS) == 0
+    shards = out / "shards"
+    mine = {shards / "notes.tmp": "mine", shards / "draft.partial": "mine too", shards / "shard-1.tar.partial": "x",
+            shards / "shard-000000.idx.tmp": "not the writer's spelling"}
+    for path, text in mine.items():
+        path.write_text(text)
+    ours = [shards / "shard-000007.tar.partial", shards / "shard-000001.idx.123.456.tmp"]
+    for path in ours:
+        path.write_bytes(b"half written")
+    assert run_produce(embedded.stock, tiny_data, str(out), *ARGS) == 0
+    assert {p: p.read_text() for p in mine} == mine  # a user's files are not leftovers, whatever their suffix
+    assert not any(p.exists() for p in ours)
+    odd = shards / "shard-000003.tar.partial"
+    odd.mkdir()  # a directory named as a leftover: never deleted, and it would block every write of shard 3
+    published = sorted(os.listdir(shards))
+    capsys.readouterr()
+    for extra in ((), ("--overwrite",)):
+        assert run_produce(embedded.stock, tiny_data, str(out), *ARGS, *extra) == 1
+        err = capsys.readouterr().err
+        assert f"{odd}: not a regular file" in err and "move or rename it" in err, err
+        assert odd.is_dir() and sorted(os.listdir(shards)) == published
+    assert verify_cache(str(out)).ok

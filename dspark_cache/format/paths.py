@@ -24,6 +24,16 @@ PARTIAL_SUFFIX = ".partial"
 WIDS_INDEX = f"{SHARDS_DIR}/wids-index.json"  # wids' shard list (format/wids_index.py)
 
 _SHARD_INDEX_RE = re.compile(r"^shard-(\d{6,})\.idx$")  # ids past 999999 take more digits
+_SHARD_PARTIAL_RE = re.compile(r"^shard-(\d{6,})\.tar\.partial$")
+# Temporaries: format.atomic's f"{path}.{pid}.{thread}.tmp" (indexes, the wids list, manifest, status) and
+# the plan's array writer's f"{path}.{pid}.tmp".
+_TEMPORARY_RE = re.compile(r"^(.+?)(?:\.\d+){1,2}\.tmp$")
+
+
+def temporary_base(name: str) -> str | None:
+    """The file name whose ``format.atomic`` temporary ``name`` is, or None when it is not one."""
+    temporary = _TEMPORARY_RE.match(name)
+    return temporary.group(1) if temporary else None
 
 
 def sample_key(sample_id: int) -> str:
@@ -130,17 +140,29 @@ class CachePaths:
         ids = (_SHARD_INDEX_RE.match(name) for name in names)
         return sorted(int(m.group(1)) for m in ids if m)
 
+    def is_leftover(self, name: str) -> bool:
+        """``name`` (in ``shards/``) is one the writer gives a shard or index it has not finished:
+        ``shard-N.tar.partial``, or a temporary of ``shard-N.idx`` or of the wids list, spelled as
+        the writer spells them (a user's ``notes.tmp`` or ``shard-1.tar.partial`` is not one)."""
+        partial = _SHARD_PARTIAL_RE.match(name)
+        if partial:
+            return os.path.basename(self.shard_partial(int(partial.group(1)))) == name
+        base = temporary_base(name)
+        if base is None:
+            return False
+        index = _SHARD_INDEX_RE.match(base)
+        if index:
+            return os.path.basename(self.shard_index(int(index.group(1)))) == base
+        return base == os.path.basename(self.wids_index)
+
     def partial_files(self) -> list[str]:
-        """Leftovers of an interrupted run: never read, deleted on resume."""
+        """Leftovers of an interrupted run (named by :meth:`is_leftover`, whatever they are): never read;
+        resume deletes them once they are checked to be regular files."""
         try:
             names = os.listdir(self.shards_dir)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(
-            os.path.join(self.shards_dir, n)
-            for n in names
-            if n.endswith(PARTIAL_SUFFIX) or n.endswith(".tmp")
-        )
+        return sorted(os.path.join(self.shards_dir, n) for n in names if self.is_leftover(n))
 
     def ensure_dirs(self) -> None:
         for path in (self.root, self.shards_dir, self.status_dir, self.events_dir):

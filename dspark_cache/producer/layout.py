@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from typing import Callable, Iterator
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
+from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths, temporary_base
 from dspark_cache.producer.lock import check_lock_file
 
 _NUMBER = re.compile(r"\d+")
-_TMP_SUFFIX = ".tmp"  # format.atomic's temporaries: f"{path}.{pid}.{thread}.tmp"
 
 
 class CacheLayoutError(CacheError):
@@ -50,6 +50,28 @@ def check_layout(paths: CachePaths) -> None:
                 "or choose another --output-dir"
             )
     check_lock_file(paths.lock)
+    _check_leftovers(paths)
+
+
+def _check_leftovers(paths: CachePaths) -> None:
+    """Resume and ``--overwrite`` delete the writer's leftovers: each must be a regular file it could have
+    written. Anything else with such a name (a directory, FIFO, device, symlink) is not deleted: refused."""
+    if os.path.islink(paths.shards_dir) or not os.path.isdir(paths.shards_dir):
+        return
+    odd = [path for path in paths.partial_files() if not _is_regular(path)]
+    if odd:
+        raise CacheLayoutError(
+            f"{', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}: not a regular file, but named as dspark-produce "
+            "names the shards it has not finished, which a rerun deletes. dspark-produce deletes only files it wrote: "
+            "move or rename it, or choose another --output-dir"
+        )
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:  # gone since the listing: nothing to refuse
+        return True
 
 
 def _made_by(name: str, makers: list[Callable[[int], str]]) -> bool:
@@ -57,7 +79,7 @@ def _made_by(name: str, makers: list[Callable[[int], str]]) -> bool:
     for digits in set(_NUMBER.findall(name)):
         for make in makers:
             base = os.path.basename(make(int(digits)))
-            if name == base or (name.startswith(base + ".") and name.endswith(_TMP_SUFFIX)):
+            if name == base or temporary_base(name) == base:
                 return True
     return False
 
@@ -72,8 +94,7 @@ def _entries(directory: str) -> Iterator[tuple[str, str]]:
 
 
 def _is_temporary_of(name: str, path: str) -> bool:
-    base = os.path.basename(path)
-    return name.startswith(base + ".") and name.endswith(_TMP_SUFFIX)
+    return temporary_base(name) == os.path.basename(path)
 
 
 def heartbeat_files(paths: CachePaths) -> list[str]:
@@ -105,7 +126,7 @@ def plan_files(paths: CachePaths) -> list[str]:
     fixed = [os.path.basename(p) for p in (paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS))]
     parts = [paths.plan_part_header] + [lambda k, kind=kind: paths.plan_part(k, kind) for kind in PLAN_PART_KINDS]
     return sorted(p for n, p in _entries(paths.plan_dir)
-                  if _made_by(n, parts) or any(n == f or (n.startswith(f + ".") and n.endswith(_TMP_SUFFIX)) for f in fixed))
+                  if _made_by(n, parts) or n in fixed or temporary_base(n) in fixed)
 
 
 def remove_files(files: list[str]) -> None:
