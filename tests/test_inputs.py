@@ -43,3 +43,38 @@ def test_directory_of_files_in_name_order(tmp_path):
     assert got == [(0, "a.json row 0", "answer number 0"), (1, "a.json row 1", "answer number 1"),
                    (2, "a.json row 2", "answer number 2"), (3, "b.jsonl:1", "answer number 3"),
                    (4, "b.jsonl:2", "answer number 4")]
+
+
+def test_fifos_and_devices_in_the_input_are_refused_before_anything_opens_them(embedded, tmp_path, capsys):
+    import os
+
+    import pytest
+
+    from dspark_cache.producer.inputs import InputError
+
+    good = tmp_path / "a.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in _rows(2)))
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match=r"fifo\.jsonl is a FIFO, not a regular file; --input-data reads regular"):
+        InputSource(str(fifo))
+    with pytest.raises(InputError, match=r"fifo\.jsonl is a FIFO, not a regular file"):
+        InputSource(str(tmp_path))  # inside a directory
+    with pytest.raises(InputError, match=r"/dev/zero is a character device, not a regular file"):
+        InputSource("/dev/zero")
+    devdir = tmp_path / "dev"
+    devdir.mkdir()
+    (devdir / "b.jsonl").write_text(good.read_text())
+    os.symlink("/dev/zero", devdir / "z.jsonl")
+    with pytest.raises(InputError, match=r"z\.jsonl is a character device, not a regular file"):
+        InputSource(str(devdir))
+    saved = tmp_path / "saved"
+    import datasets
+
+    datasets.Dataset.from_list(_rows(2)).save_to_disk(str(saved))
+    os.mkfifo(saved / "extra.arrow")
+    with pytest.raises(InputError, match=r"extra\.arrow is a FIFO, not a regular file"):
+        InputSource(str(saved))
+    # The whole producer: a usage-level refusal naming the file, nothing left waiting on the FIFO.
+    assert run_produce(embedded.stock, str(tmp_path), str(tmp_path / "out")) == 1
+    assert "fifo.jsonl is a FIFO, not a regular file" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from dspark_cache.producer.input_rows import RawRow, checked_row, nesting_error
+from dspark_cache.producer.input_rows import RawRow, checked_row, nesting_error, open_input
 from dspark_cache.producer.messages import InvalidRow
 
 _SCAN_CHUNK = 1 << 23  # bytes per read of the line scan (its temporaries are ~2 bytes per byte)
@@ -81,7 +81,7 @@ def scan_lines(file: str) -> LineIndex:
     """Index a JSONL file's lines with numpy (no line is decoded): row offsets and blank lines."""
     offsets, blanks = [], []
     line_start, has_text, base, rows = 0, False, 0, 0
-    with open(file, "rb") as handle:
+    with open_input(file) as handle:
         while chunk := handle.read(_SCAN_CHUNK):
             data = np.frombuffer(chunk, dtype=np.uint8)
             text = _TEXT_BYTE[data]

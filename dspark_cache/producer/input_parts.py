@@ -5,6 +5,7 @@ read in order (streamed) or row by row at any position (after a shuffle or slice
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import logging
@@ -12,7 +13,7 @@ from bisect import bisect_right
 from typing import Any, BinaryIO, Callable, Iterator
 
 from dspark_cache.producer.input_lines import LineIndex, line_row, read_line, scan_lines
-from dspark_cache.producer.input_rows import InputError, RawRow, checked_row
+from dspark_cache.producer.input_rows import InputError, RawRow, checked_row, open_input
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class Handles:
         if handle is None:
             if len(self._open) >= _MAX_OPEN:
                 self._open.pop(next(iter(self._open))).close()  # the least recently used
-            handle = open(file, "rb")
+            handle = open_input(file)
         self._open[file] = handle
         return handle
 
@@ -86,7 +87,7 @@ class JsonlPart(Part):
     def stream(self, counter: Iterator[int], keep: Callable[[int], bool] | None) -> Iterator[RawRow]:
         # Nothing of a line but its parsed value stays referenced while the row is processed;
         # a line whose index ``keep`` rejects is only counted, never decoded.
-        with open(self.file, "rb") as handle:
+        with open_input(self.file) as handle:
             line_no = 0
             while (raw := read_line(handle, self.limit)) != b"":
                 line_no += 1
@@ -110,7 +111,7 @@ class JsonPart(Part):
     def _load(self) -> list:
         if self._rows is None:
             try:
-                with open(self.file, encoding="utf-8") as handle:
+                with io.TextIOWrapper(open_input(self.file), encoding="utf-8") as handle:
                     data = json.load(handle)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise InputError(f"{self.file}: not a valid JSON document ({exc}); use JSONL for one row per line") from exc

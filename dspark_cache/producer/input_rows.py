@@ -3,13 +3,18 @@ it is), :class:`InputError` for an input unusable as a whole, and the nesting ch
 
 Hostile rows are invalid rows like any other, never a crash: a row nested deeper than
 ``MAX_NESTING`` levels (anywhere, used or not) is refused before anything recurses over it.
+Input files are opened only through :func:`open_input`: a FIFO or device named as (or inside)
+``--input-data`` is refused, never opened in a way that could block or read forever.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
+from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
 from dspark_cache.producer.messages import InvalidRow
 
 MAX_NESTING = 100  # a chat row needs ~10 levels; tool schemas a few dozen
@@ -17,6 +22,34 @@ MAX_NESTING = 100  # a chat row needs ~10 levels; tool schemas a few dozen
 
 class InputError(Exception):
     """The input as a whole is unusable (missing, empty, unreadable, or no such split)."""
+
+
+def _not_regular(file: str, what: str) -> InputError:
+    return InputError(f"input file {file} is {what}; --input-data reads regular files only (a FIFO or device "
+                      "would block or never end): copy the data into a file and point --input-data at it")
+
+
+def check_input_file(file: str) -> None:
+    """Refuse an input path that is not a regular file (a symlink to one is fine), before anything opens it."""
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        raise InputError(f"input file {file} does not exist (or is a broken symlink); check --input-data") from None
+    except OSError as exc:
+        raise InputError(f"input file {file} cannot be read ({exc.strerror}); check --input-data") from None
+    if not stat.S_ISREG(mode):
+        raise _not_regular(file, f"{kind_of(mode)}, not a regular file")
+
+
+def open_input(file: str) -> BinaryIO:
+    """``file`` opened for binary reading; it must still be a regular file (it may have been swapped since listed)."""
+    try:
+        fd = open_regular(file)
+    except FileNotFoundError:
+        raise InputError(f"input file {file} disappeared while being read; check --input-data") from None
+    except NotARegularFileError as exc:
+        raise _not_regular(file, exc.reason) from None
+    return os.fdopen(fd, "rb")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ public names are importable from here as before.
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import logging
@@ -31,7 +32,7 @@ import numpy as np
 
 from dspark_cache.producer.input_lines import LineIndex, scan_lines
 from dspark_cache.producer.input_parts import ArrowPart, Handles, JsonlPart, JsonPart, ParquetWhere, Part
-from dspark_cache.producer.input_rows import MAX_NESTING, InputError, RawRow
+from dspark_cache.producer.input_rows import MAX_NESTING, InputError, RawRow, check_input_file, open_input
 from dspark_cache.producer.input_split import SPLIT_FORMS, SplitSpec, check_split_name, parse_split
 
 __all__ = ["InputError", "InputSource", "JSON_SUFFIXES", "LineIndex", "MAX_NESTING", "MAX_ROW_BYTES",
@@ -59,7 +60,7 @@ def _is_saved_dataset(path: str) -> bool:
 
 def _read_json(file: str) -> Any:
     try:
-        with open(file, encoding="utf-8") as handle:
+        with io.TextIOWrapper(open_input(file), encoding="utf-8") as handle:
             return json.load(handle)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{file}: unreadable ({exc}); is this a complete datasets.save_to_disk directory?") from exc
@@ -89,12 +90,13 @@ def _saved_files(path: str) -> list[str]:
         dirs.sort()
         found += [os.path.join(root, n) for n in sorted(names)
                   if n.endswith((".arrow", ".json")) and not n.startswith("cache-")]
+    for file in found:
+        check_input_file(file)
     return found
 
 
 def _data_files(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
+    """The data files of a file or directory input, each checked to be a regular file before any is opened."""
     if os.path.isdir(path):
         files = sorted(
             os.path.join(path, n) for n in os.listdir(path) if n.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)
@@ -104,8 +106,18 @@ def _data_files(path: str) -> list[str]:
                 f"input directory {path} holds no data files (*.jsonl, *.json, *.parquet) and is not a "
                 "datasets.save_to_disk directory; point --input-data at a file or a directory of them"
             )
-        return files
-    raise InputError(f"input file {path} does not exist; check --input-data")
+    else:
+        files = [path]
+    for file in files:
+        check_input_file(file)
+    if not path.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES) and not os.path.isdir(path):
+        raise InputError(
+            f"input file {path} is not a kind of file dspark-produce reads: it reads JSONL (.jsonl, .ndjson: one "
+            "JSON object with 'messages' or 'conversations' per line), JSON (.json) and Parquet (.parquet) files, "
+            "directories of them, datasets.save_to_disk directories and hub dataset ids; convert the file to one of "
+            "these (or rename it if it already is one)"
+        )
+    return files
 
 
 # --- the input -------------------------------------------------------------------------------
@@ -134,6 +146,7 @@ class InputSource:
         elif self.is_hub:
             self.split_name = self.spec.name if self.spec else "train"
         self.files = [] if self.is_hub or self.is_saved else _data_files(self.path)
+        self.saved_files = _saved_files(self.path) if self.is_saved else []  # checked before datasets maps them
         if self.files:
             check_split_name(split, self.spec, ["train"], f"{self.path} (plain files have one split)")
         self._line_indexes: dict[str, LineIndex] = {}
@@ -157,11 +170,11 @@ class InputSource:
         if self.is_hub:
             digest.update(f"{self.path}|{self.split}|{self.shuffle_seed}".encode())
             return digest.hexdigest()
-        files = _saved_files(self.path) if self.is_saved else self.files
+        files = self.saved_files if self.is_saved else self.files
         for file in files:
             name = os.path.relpath(file, self.path) if self.is_saved else os.path.basename(file)
             digest.update(name.encode() + b"\0")
-            with open(file, "rb") as handle:
+            with open_input(file) as handle:
                 while chunk := handle.read(1 << 22):
                     digest.update(chunk)
         return digest.hexdigest()
