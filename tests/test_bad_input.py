@@ -124,3 +124,23 @@ def test_a_tokenizer_panic_is_an_invalid_row_in_process_and_in_workers(panicking
     assert run_produce(panicking_target, data, out, *args, "--on-invalid", "skip") == 0
     m = dspark_cache.open_cache(out).manifest
     assert m.skipped_rows == {"tokenizer panic": 1} and m.num_samples == 2
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_an_input_of_only_bad_rows_lists_them_like_a_partly_bad_one(embedded, tmp_path, capsys, policy):
+    bad = ['{"messages": [', json.dumps(NO_ANSWER)] + ['{"messages": [{"role": "narrator", "content": "x"}]}'] * 23
+    data = _write(tmp_path / "bad.jsonl", bad)
+    assert run_produce(embedded.stock, data, str(tmp_path / "out"), "--seq-length", "64", "--on-invalid", policy) == 1
+    err = capsys.readouterr().err
+    assert "none of the 25 rows" in err and "(1 malformed JSON, 1 no supervised token, 23 unknown role)" in err, err
+    assert f"{data}:1: malformed JSON (" in err and f"{data}:2: no supervised token" in err
+    assert f"{data}:20: message 0 has unknown role 'narrator'" in err and f"{data}:21:" not in err
+    assert "... and 5 more" in err and "Fix these rows" in err
+
+
+def test_a_file_of_a_kind_we_do_not_read_says_so(embedded, tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("one line of plain text\nanother line\n")
+    assert run_produce(embedded.stock, str(text), str(tmp_path / "out")) == 1
+    err = capsys.readouterr().err
+    assert f"input file {text} is not a kind of file dspark-produce reads" in err and "JSONL (.jsonl" in err, err

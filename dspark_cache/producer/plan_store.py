@@ -25,6 +25,7 @@ from dspark_cache.format.plan import (
     BOUNDARY, LOSS_MASK, PART_ROW, PLAN_SAMPLE, TOKEN_ID, ArrayRecord, PartHeader, PlanError, PlanHeader,
     load_array, read_header, write_array, write_header,
 )
+from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.layout import check_layout, plan_files, remove_files
 from dspark_cache.producer.plan import MAX_PAD_FRACTION, Plan, TokenStore, plan_from_rows
 from dspark_cache.producer.plan_parts import NO_SUPERVISED_TOKEN
@@ -128,15 +129,22 @@ def merge_parts(parts: list[PartHeader], store: TokenStore, tables: list[np.ndar
                           max_batch_tokens=max_batch_tokens)
 
 
+def listed_rows(parts: list[PartHeader], rows: list[SkippedRow]) -> list[str]:
+    """``where: why`` for the first ``MAX_LISTED_INVALID`` of ``rows`` (in input order), then how many more."""
+    details = {n.row: n.detail for p in parts for n in p.invalid}
+    first = sorted(rows, key=lambda r: r.row)[:MAX_LISTED_INVALID]
+    lines = [f"  {r.where}: {details.get(r.row, r.reason)}" for r in first]
+    if len(rows) > len(first):
+        lines.append(f"  ... and {len(rows) - len(first)} more")
+    return lines
+
+
 def check_invalid_rows(parts: list[PartHeader], on_invalid: str) -> None:
     """Apply ``--on-invalid error`` to the whole input: every invalid row counted, the first listed."""
     invalid = [row for p in parts for row in p.skipped if row.reason != NO_SUPERVISED_TOKEN]
     if on_invalid != "error" or not invalid:
         return
-    notes = sorted((n for p in parts for n in p.invalid), key=lambda n: n.row)[:MAX_LISTED_INVALID]
-    lines = [f"  {n.where}: {n.detail}" for n in notes]
-    if len(invalid) > len(notes):
-        lines.append(f"  ... and {len(invalid) - len(notes)} more")
+    lines = listed_rows(parts, invalid)
     raise InvalidInputError(
         f"{len(invalid)} invalid input row{'s' if len(invalid) != 1 else ''}:\n" + "\n".join(lines) +
         "\nFix or remove these rows, or pass --on-invalid skip to skip invalid rows (they are counted and "

@@ -29,7 +29,8 @@ from dspark_cache.producer.messages import normalise_row
 from dspark_cache.producer.plan import Plan, SampleShape, reason_counts
 from dspark_cache.producer.plan_parts import encode_part
 from dspark_cache.producer.plan_store import (
-    check_invalid_rows, encode_key, layout_key, load_plan, merge_parts, open_store, read_parts, save_plan,
+    check_invalid_rows, encode_key, layout_key, listed_rows, load_plan, merge_parts, open_store, read_parts,
+    save_plan,
 )
 from dspark_cache.producer.progress import counter
 
@@ -115,8 +116,11 @@ def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig) -> list[P
     if rows == 0:
         raise InputError(f"{cfg.input_data} holds no rows; check --input-data (and --split)")
     if not sum(p.arrays["rows"].length for p in parts):
-        reasons = ", ".join(f"{n} {r}" for r, n in reason_counts(r for p in parts for r in p.skipped).items())
-        raise InputError(f"none of the {rows} rows of {cfg.input_data} gives a supervised sample ({reasons})")
+        skipped = [r for p in parts for r in p.skipped]
+        reasons = ", ".join(f"{n} {r}" for r, n in reason_counts(skipped).items())
+        raise InputError(f"none of the {rows} rows of {cfg.input_data} gives a supervised sample ({reasons}):\n"
+                         + "\n".join(listed_rows(parts, skipped)) + "\nFix these rows, or check that "
+                         "--input-data (and --split) name the data you meant")
     return parts
 
 
