@@ -145,3 +145,26 @@ def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(embedded
         assert f"{odd}: not a regular file" in err and "move or rename it" in err, err
         assert odd.is_dir() and sorted(os.listdir(shards)) == published
     assert verify_cache(str(out)).ok
+
+
+# --- a stop with the last shard in flight -------------------------------------------------------
+
+def test_a_stop_that_lands_on_the_last_shard_completes_the_job(embedded, tmp_path):
+    """One shard, so the shard in flight is the last: the stop finishes it, and then the work is all done."""
+    out = str(tmp_path / "cache")
+    proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
+                                            "--shard-size", "1000", "--batch-size", "1", "--num-workers", "0")))
+    try:
+        partial = CachePaths(out).shard_partial(0)
+        wait_for(lambda: os.path.exists(partial) or proc.poll() is not None, timeout=240, poll=0.005)
+        os.killpg(proc.pid, signal.SIGSTOP)  # hold it mid-shard while the monitor's stop request lands
+        with open(CachePaths(out).stop_request, "w"):
+            pass
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    stdout, err = proc.communicate(timeout=300)
+    assert "stop requested by the monitor" in err, err  # the stop was seen, mid-job
+    assert proc.returncode == 0, err
+    assert "cache complete" in stdout and "stopped before completion" not in err
+    report = verify_cache(out)
+    assert report.ok and report.complete, report

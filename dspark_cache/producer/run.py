@@ -20,7 +20,9 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.producer.completion import finish
-from dspark_cache.producer.compute import Computed, compute_shards, write_missing_target_weights
+from dspark_cache.producer.compute import (
+    Computed, compute_shards, repair_complete_weights, write_missing_target_weights,
+)
 from dspark_cache.producer.config import ProduceConfig
 from dspark_cache.producer.distributed import (
     RankInfo, assign_shards, barrier_before_setup, new_run_id, rank_info, share_setup,
@@ -119,14 +121,22 @@ def _run_rank(p: Prepared, layout: Layout, run_id: str, existing: Manifest | Non
                   tokens_total=p.plan.num_tokens, shards_done=0)
     if me.is_leader:
         announce(status, p.plan, existing, done)
+    if existing is not None:  # a completed run's checksum of the target weights: they are checked against it
+        p.manifest.target_weights_xxh3 = existing.target_weights_xxh3
     if existing is not None and existing.complete and not todo:
+        repair_complete_weights(p, existing, layout, status, run_id)
         log.info("%s is already complete: nothing to do", p.paths.root)
         status.update(force=True, state=RankState.FINISHED)
         return RunResult(existing, p.plan, None, time.time() - started)
     computed = compute_shards(p, owned, status, stop, layout, run_id) if owned else Computed(None)
     stats = computed.stats
     write_missing_target_weights(p, layout, status, run_id)
-    if stop() or computed.group_stopped:
+    stopped = stop() or computed.group_stopped
+    if stopped and {s.shard_id for s in p.plan.shards} <= set(p.paths.indexed_shard_ids()):
+        # The stop came with the last shard in flight, which a stop finishes: the job's work is all done.
+        log.info("stop requested (%s) after every shard was published: completing the cache", stop.reason)
+        stopped = False
+    if stopped:
         reason = stop.reason if stop() else f"model-parallel group {layout.group} stopped (ranks {layout.ranks()})"
         status.update(force=True, state=RankState.STOPPED)
         status.event(EventKind.STOPPED, f"stopped ({reason}); rerun the same command to resume")
