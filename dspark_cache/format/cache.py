@@ -4,10 +4,11 @@
 ``dspark-verify`` and the NeMo dataset read a cache through, and what the monitor can use to
 read indexes only. It imports no torch. API:
 
-* ``CacheDir(root, *, allow_incomplete=False, follow=False, strict=True)`` reads and checks
-  ``manifest.json`` (an incomplete cache is refused unless ``allow_incomplete`` or ``follow``);
-  ``strict`` refuses published shards the manifest does not plan (``dspark-verify`` reports them).
-* ``manifest``, ``shape`` (:class:`SampleShape`), ``paths``, ``root``, ``follow``.
+* ``CacheDir(root, *, allow_incomplete=False, follow=False, strict=True, cache_id=None)`` reads and
+  checks ``manifest.json`` (an incomplete cache is refused unless ``allow_incomplete`` or ``follow``);
+  ``strict`` refuses published shards the manifest does not plan (``dspark-verify`` reports them);
+  ``cache_id`` (another process's ``CacheDir.cache_id``) refuses a cache replaced since that one opened.
+* ``manifest``, ``shape`` (:class:`SampleShape`), ``paths``, ``root``, ``follow``, ``cache_id``.
 * ``indexed_ids()`` lists shard ids whose index file exists; ``extra_shards()`` those the
   manifest does not plan.
 * ``published(id)`` loads a shard's index on first use (checked against the manifest), or
@@ -17,6 +18,11 @@ read indexes only. It imports no torch. API:
   complete cache has every shard and the manifest's sample count); ``sample_order()`` is then
   every sample as ``(shard id, entry position)`` in ascending sample id.
 * ``refresh()`` re-reads the manifest while following (a changed identity is an error).
+* The cache opened stays the one read: every index must carry the manifest's ``cache_id``, and
+  ``check_current()`` (each ``pin``, each ``refresh``, each index of another cache) raises
+  :class:`CacheReplacedError` once ``manifest.json`` is gone or names another ``cache_id`` (a run with
+  ``--overwrite`` rewrote the directory); ``check_opened(id, fd)`` (each shard file opened) that the
+  file is still the one its index describes.
 * ``pin(ids)`` / ``unpin(ids)`` hold shard files open for a batch filler: at most
   ``max_open_files`` idle descriptors stay open (least recently used closed first), and a pinned
   one is never closed, so its number cannot be reused under a running read. ``identity(id)``
@@ -34,14 +40,14 @@ import os
 import threading
 from collections import OrderedDict
 
-from dspark_cache.format.errors import CacheError, CorruptShardError, IncompleteCacheError
+from dspark_cache.format.errors import CacheError, CorruptShardError, IncompleteCacheError, NotACacheError
 from dspark_cache.format.files import open_regular
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.manifest import load_manifest
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
-from dspark_cache.format.validate import check_catalog
+from dspark_cache.format.validate import ForeignShardError, check_catalog
 
 MAX_OPEN_FILES = 128  # idle descriptors kept open; pinned ones may exceed it for a while
 
@@ -52,6 +58,20 @@ def file_identity(fd: int) -> FileIdentity:
     """What says that a descriptor opened later is the same file with the same bytes."""
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def path_identity(path: str) -> FileIdentity | None:
+    """:func:`file_identity` of the file at ``path`` now (``None``: there is none); an atomic replace
+    (a new inode) or a rewrite changes it."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class CacheReplacedError(CacheError):
+    """The cache a reader opened was removed, or replaced by another run (``--overwrite``), under it."""
 
 
 def read_manifest(root: str, *, allow_incomplete: bool = False) -> Manifest:
@@ -79,11 +99,17 @@ class CacheDir:
     a bounded pool of open shard files. See the module docstring for the whole API."""
 
     def __init__(self, root: str | os.PathLike, *, allow_incomplete: bool = False, follow: bool = False,
-                 strict: bool = True, max_open_files: int = MAX_OPEN_FILES) -> None:
+                 strict: bool = True, max_open_files: int = MAX_OPEN_FILES, cache_id: str | None = None) -> None:
         self.root = os.fspath(root)
         self.paths = CachePaths(self.root)
         self.follow = follow
+        # Taken before the read: a manifest replaced right after it still reads as changed.
+        self._manifest_file = path_identity(self.paths.manifest)
         self.manifest = read_manifest(self.root, allow_incomplete=allow_incomplete or follow)
+        self.cache_id = self.manifest.cache_id if cache_id is None else cache_id
+        if self.manifest.cache_id != self.cache_id:
+            raise self._replaced(f"it is cache {self.manifest.cache_id or '(no id)'} now")
+        self._index_files: dict[int, FileIdentity | None] = {}  # shard id -> its index file when loaded
         self.shape = SampleShape.from_manifest(self.manifest)
         self.max_open_files = max_open_files
         self._indexes: dict[int, ShardIndex] = {}
@@ -124,16 +150,21 @@ class CacheDir:
     # -- indexes ------------------------------------------------------------------------------
 
     def published(self, shard_id: int) -> ShardIndex | None:
-        """The shard's index if it is published (index present, tar of the indexed size)."""
+        """The shard's index if it is published (index present, tar of the indexed size, this cache's)."""
         index = self._indexes.get(shard_id)
         if index is None and os.path.exists(self.paths.shard_index(shard_id)):
+            seen = path_identity(self.paths.shard_index(shard_id))
             try:
                 index = load_shard_index(self.paths, shard_id, self.manifest)
+            except ForeignShardError:
+                self.check_current(force=True)  # raises when the whole cache was replaced
+                raise  # the manifest is the one opened: a shard of another cache was put here
             except CorruptShardError:
                 if not self.follow:
                     raise
                 return None  # an index can appear a moment before the tar is fully visible
             self._indexes[shard_id] = index
+            self._index_files[shard_id] = seen
         return index
 
     def require(self, shard_id: int) -> ShardIndex:
@@ -162,7 +193,9 @@ class CacheDir:
 
     def refresh(self) -> Manifest:
         """Re-read the manifest (follow mode); a different run in the same directory is an error."""
-        fresh = read_manifest(self.root, allow_incomplete=True)
+        fresh = self.check_current()
+        if fresh is None:
+            return self.manifest
         if fresh.identity() != self.manifest.identity():
             raise CacheError(
                 f"{self.paths.manifest} changed identity while reading (the producer was restarted with "
@@ -171,11 +204,52 @@ class CacheDir:
         self.manifest = fresh
         return fresh
 
+    # -- the same cache -----------------------------------------------------------------------
+
+    def _replaced(self, how: str) -> CacheReplacedError:
+        return CacheReplacedError(
+            f"the cache at {self.root} was replaced (overwritten by another dspark-produce or dspark-convert run) "
+            f"while being read: {how}. Samples read so far belong to the old cache; restart training on the new "
+            "cache (from its start, not from a checkpoint's loader state)"
+        )
+
+    def check_current(self, *, force: bool = False) -> Manifest | None:
+        """Raise :class:`CacheReplacedError` when ``manifest.json`` is gone or names another ``cache_id``
+        than the one opened. Costs one ``stat`` while the file is unchanged (then ``None``); a changed
+        file (or ``force``) is re-read and returned."""
+        seen = path_identity(self.paths.manifest)
+        if seen is not None and seen == self._manifest_file and not force:
+            return None
+        try:
+            fresh = read_manifest(self.root, allow_incomplete=True)
+        except NotACacheError as exc:
+            raise self._replaced("its manifest.json is gone") from exc
+        if fresh.cache_id != self.cache_id:
+            raise self._replaced(f"it was cache {self.cache_id or '(no id)'} and is cache "
+                                 f"{fresh.cache_id or '(no id)'} now")
+        self._manifest_file = seen
+        return fresh
+
+    def check_opened(self, shard_id: int, fd: int) -> None:
+        """``fd``, just opened for the shard's tar, must be the file its loaded index describes: the
+        index file unchanged since it was read (checked after the open, so a tar swapped in before it
+        is caught) and the tar of the indexed size."""
+        index = self._indexes.get(shard_id)
+        if index is None:
+            return
+        if os.fstat(fd).st_size == index.tar_bytes and \
+                path_identity(self.paths.shard_index(shard_id)) == self._index_files.get(shard_id):
+            return
+        self.check_current(force=True)  # raises when the whole cache was replaced
+        raise CorruptShardError(self.paths.shard_tar(shard_id), "the shard was rewritten or removed after its index "
+                                "was read (another process changed the cache while it was being read)")
+
     # -- open files ---------------------------------------------------------------------------
 
     def pin(self, shard_ids: set[int]) -> dict[int, int]:
         """Open descriptors for ``shard_ids`` (read-only, for ``pread``), held open until :meth:`unpin`."""
         with self._lock:
+            self.check_current()  # one stat per batch: a replaced cache stops the reader here
             fds = {}
             for shard_id in shard_ids:
                 fd = self._fds.get(shard_id)
@@ -195,8 +269,9 @@ class CacheDir:
         except CacheError as exc:
             raise CorruptShardError(path, str(exc)) from exc
         try:
+            self.check_opened(shard_id, fd)
             self._identity[shard_id] = file_identity(fd)
-        except OSError:
+        except BaseException:
             os.close(fd)
             raise
         return fd

@@ -37,6 +37,17 @@ class InvalidManifestError(CacheError):
     """The manifest's fields contradict each other or are out of range."""
 
 
+class ForeignShardError(CorruptShardError):
+    """A shard index written for another cache (another ``cache_id``) than the manifest describes."""
+
+
+def check_cache_id(index: ShardIndex, cache_id: str, path: str) -> None:
+    """A shard belongs to the cache whose ``cache_id`` its index carries (``""``: caches from before ids)."""
+    if index.cache_id != cache_id:
+        raise ForeignShardError(path, f"the index was written for cache {index.cache_id or '(no id)'}, but the "
+                                      f"manifest is cache {cache_id or '(no id)'}")
+
+
 def check_manifest(m: Manifest, where: str) -> None:
     """Raise one error listing every field of ``m`` that is out of range or contradicts another."""
     problems = list(_manifest_problems(m))

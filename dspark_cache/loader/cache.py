@@ -57,11 +57,17 @@ class Cache:
             if len(self._readers) >= self.dir.max_open_files:
                 self._readers.pop(next(iter(self._readers))).close()
             reader = ShardReader(self.paths, shard.shard_id, shard, self.shape)
+            try:
+                self.dir.check_opened(shard.shard_id, reader.fileno())
+            except BaseException:
+                reader.close()
+                raise
         self._readers[shard.shard_id] = reader  # most recently used last
         return reader
 
     def read(self, position: int) -> dict[str, torch.Tensor | int]:
         """The unpadded tensors of the sample at ``position`` (ascending id order), checksum-verified."""
+        self.dir.check_current()  # one stat: a cache replaced under us is an error, not other samples
         shard, entry = self.entry(position)
         sample: dict[str, torch.Tensor | int] = {"sample_id": entry.sample_id}
         stored = self.reader(shard).read_sample(entry)

@@ -77,7 +77,9 @@ class DSparkMapDataset(torch.utils.data.Dataset):
     def _open_catalog(self) -> CacheDir:
         if self._pid != os.getpid() or self._catalog is None:
             # A forked DataLoader worker: reader threads and descriptors belong to the parent.
-            self._catalog, self._reader, self._pid = CacheDir(self.cache_dir), None, os.getpid()
+            # The cache the parent opened, or an error if it was replaced since (positions are the parent's).
+            self._catalog = CacheDir(self.cache_dir, cache_id=self.manifest.cache_id)
+            self._reader, self._pid = None, os.getpid()
             if self._catalog.manifest.identity() != self.manifest.identity():
                 raise CacheError(f"{self.cache_dir} was replaced by a different cache while training read it; "
                                  "restart training")

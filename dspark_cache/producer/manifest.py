@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from dspark_cache import __version__
@@ -75,6 +76,21 @@ def read_manifest_file(paths: CachePaths) -> Manifest | None:
         raise CacheError(f"{exc}. Use --overwrite to replace it, or another --output-dir") from exc
 
 
+def adopt_cache_id(manifest: Manifest, existing: Manifest | None) -> None:
+    """A run that starts a cache (a fresh directory, or ``--overwrite``) gives it a new ``cache_id``; a
+    resume keeps the existing one, so readers of the cache it continues keep reading it."""
+    manifest.cache_id = existing.cache_id if existing is not None else uuid.uuid4().hex
+
+
+def current_cache_id(paths: CachePaths) -> str:
+    """The ``cache_id`` of the manifest on disk, which rank 0 set for this run before any rank computes
+    (every rank writes it into its indexes); ``""`` where no manifest exists (a bare pipeline)."""
+    try:
+        return load_manifest(paths.root).cache_id
+    except NotACacheError:
+        return ""
+
+
 def write_manifest(paths: CachePaths, manifest: Manifest) -> None:
     atomic_write_bytes(paths.manifest, encode_json(manifest, pretty=True))
 
@@ -119,6 +135,7 @@ def mark_complete(paths: CachePaths, manifest: Manifest) -> None:
     """Record what was stored (samples dropped as non-finite included) and flip ``complete``."""
     nonfinite = sorted(sid for i in paths.indexed_shard_ids() for sid in load_shard_index(paths, i).nonfinite)
     manifest.nonfinite_samples = nonfinite
+    manifest.cache_id = current_cache_id(paths)  # another rank's manifest was built without rank 0's id
     manifest.num_samples = manifest.planned_samples - len(nonfinite)
     manifest.complete = True
     manifest.completed_at = time.time()

@@ -22,7 +22,7 @@ from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.producer.distributed import RankInfo
 from dspark_cache.producer.layout import check_layout, heartbeat_files, remove_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
-from dspark_cache.producer.manifest import check_existing, write_manifest
+from dspark_cache.producer.manifest import adopt_cache_id, check_existing, write_manifest
 from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan, shard_bytes_of
 from dspark_cache.producer.prepare import Prepared
 
@@ -61,11 +61,12 @@ def reconcile_directory(p: Prepared) -> Manifest | None:
     check_layout(p.paths)  # again: planning may have taken hours
     os.makedirs(p.paths.root, exist_ok=True)
     existing = check_existing(p.paths, p.manifest, p.cfg.overwrite)
+    adopt_cache_id(p.manifest, existing)
     p.paths.ensure_dirs()
     _forget_other_runs(p.paths)
     if existing is not None:
         p.manifest.created_at = existing.created_at
-        reconcile_shards(p.paths, p.plan, p.shape)  # removes partials and damaged shards
+        reconcile_shards(p.paths, p.plan, p.shape, p.manifest.cache_id)  # removes partials and damaged shards
     preflight_disk(p.paths, bytes_missing(p.paths, p.plan), p.cfg.force)
     done = set(p.paths.indexed_shard_ids())
     if existing is None or not existing.complete or done != {s.shard_id for s in p.plan.shards}:
@@ -74,8 +75,10 @@ def reconcile_directory(p: Prepared) -> Manifest | None:
     return existing
 
 
-def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape) -> bool:
-    """The index lists exactly the planned samples (minus dropped non-finite ones) and sizes."""
+def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape, cache_id: str) -> bool:
+    """The index is this cache's and lists exactly the planned samples (minus dropped non-finite ones) and sizes."""
+    if index.cache_id != cache_id:  # readers refuse a shard of another cache: recompute it
+        return False
     kept = shard.records[~np.isin(shard.sample_ids, np.asarray(index.nonfinite, dtype=np.int64))]
     if [e.sample_id for e in index.samples] != kept["sample_id"].tolist():
         return False
@@ -83,7 +86,7 @@ def _matches_plan(index: ShardIndex, shard: ShardPlan, shape: SampleShape) -> bo
     return index.tar_bytes == expected
 
 
-def reconcile_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[int]:
+def reconcile_shards(paths: CachePaths, plan: Plan, shape: SampleShape, cache_id: str) -> set[int]:
     """Shards whose index and tar match the plan; partial, damaged or foreign ones are removed."""
     for leftover in paths.partial_files():
         log.info("removing leftover %s from an interrupted run", leftover)
@@ -93,7 +96,7 @@ def reconcile_shards(paths: CachePaths, plan: Plan, shape: SampleShape) -> set[i
     for shard_id in paths.indexed_shard_ids():
         shard = planned.get(shard_id)
         try:
-            ok = shard is not None and _matches_plan(load_shard_index(paths, shard_id), shard, shape)
+            ok = shard is not None and _matches_plan(load_shard_index(paths, shard_id), shard, shape, cache_id)
         except CorruptShardError as exc:
             log.warning("%s; it will be recomputed", exc)
             ok = False

@@ -15,6 +15,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.writer import ShardWriter
+from dspark_cache.producer.manifest import current_cache_id
 from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
 from dspark_cache.producer.staging import Region, StagingRing
 from dspark_cache.producer.tensors import byte_view
@@ -66,6 +67,7 @@ class ShardWriterThread(threading.Thread):
         self.on_published = on_published
         self.on_nonfinite = on_nonfinite
         self.durable = durable
+        self.cache_id = current_cache_id(paths)  # every index this run publishes carries it
         self._nonfinite: list[int] = []
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.error: BaseException | None = None
@@ -97,7 +99,8 @@ class ShardWriterThread(threading.Thread):
     def _write(self, job: WriteJob) -> None:
         started = time.perf_counter()
         if self._writer is None:
-            self._writer = ShardWriter(self.paths, job.shard.shard_id, durable=self.durable)
+            self._writer = ShardWriter(self.paths, job.shard.shard_id, durable=self.durable,
+                                       cache_id=self.cache_id)
         for sample, staged, finite in zip(job.samples, job.tensors, job.finite.tolist()):
             if not finite:
                 self._drop_nonfinite(sample, job.shard)

@@ -13,7 +13,7 @@ from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import StoredTensor, assemble_sample, decode_payload
 from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex, decode_shard_index
-from dspark_cache.format.validate import MAX_INDEX_BYTES, check_header, check_index
+from dspark_cache.format.validate import MAX_INDEX_BYTES, check_cache_id, check_header, check_index
 
 _HASH_CHUNK = 8 << 20
 
@@ -23,7 +23,8 @@ def load_shard_index(paths: CachePaths, shard_id: int, manifest: Manifest | None
 
     With the cache's ``manifest``, every entry is also checked against its geometry and the tar's
     real layout (:func:`~dspark_cache.format.validate.check_index`), so nothing read through
-    the index can land outside its sample.
+    the index can land outside its sample, and the index must be this cache's
+    (:class:`~dspark_cache.format.validate.ForeignShardError` otherwise).
     """
     idx_path = paths.shard_index(shard_id)
     try:
@@ -45,6 +46,7 @@ def load_shard_index(paths: CachePaths, shard_id: int, manifest: Manifest | None
         raise CorruptShardError(tar_path, f"size {size} bytes, index says {index.tar_bytes} (truncated?)")
     if manifest is not None:
         check_index(index, shard_id, SampleShape.from_manifest(manifest), manifest.seq_length, idx_path)
+        check_cache_id(index, manifest.cache_id, idx_path)
     return index
 
 
@@ -61,6 +63,10 @@ class ShardReader:
             self._fd = open_regular(self.path)
         except CacheError as exc:
             raise CorruptShardError(self.path, str(exc)) from exc
+
+    def fileno(self) -> int:
+        """The open tar's descriptor (``CacheDir.check_opened`` checks it is still the indexed file)."""
+        return self._fd
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -34,6 +34,7 @@ class _Salvage(msgspec.Struct):
 
     tar_xxh3: int | None = None
     nonfinite: list[int] = []
+    cache_id: str = ""
 
 
 def salvage(paths: CachePaths, shard_id: int) -> _Salvage | None:
@@ -49,6 +50,8 @@ def rebuild_index(paths: CachePaths, shard_id: int, manifest: Manifest) -> Shard
     path = paths.shard_tar(shard_id)
     if old is None or old.tar_xxh3 is None or not os.path.isfile(path) or os.path.islink(path):
         return None
+    if old.cache_id != manifest.cache_id:  # another cache's tar, however intact, is not this cache's shard
+        return None
     with open(path, "rb") as handle:
         digest = xxhash.xxh3_64()
         while chunk := handle.read(_CHUNK):
@@ -59,7 +62,7 @@ def rebuild_index(paths: CachePaths, shard_id: int, manifest: Manifest) -> Shard
     try:
         entries = _entries(path, shape)
         index = ShardIndex(shard_id=shard_id, tar_bytes=os.path.getsize(path), tar_xxh3=old.tar_xxh3,
-                           samples=entries, nonfinite=list(old.nonfinite))
+                           samples=entries, nonfinite=list(old.nonfinite), cache_id=old.cache_id)
         check_index(index, shard_id, shape, manifest.seq_length, path)
     except Exception:  # a damaged member can fail to parse in any way: then the tar is not intact
         return None

@@ -44,12 +44,14 @@ _process_bytes = [0]  # shard bytes this process wrote (for fault injection only
 
 
 class ShardWriter:
-    """Writes one shard. Nothing is visible to readers until :meth:`publish` returns."""
+    """Writes one shard. Nothing is visible to readers until :meth:`publish` returns. ``cache_id``:
+    the manifest's, written into the index so that a reader can tell this cache's shards from another's."""
 
-    def __init__(self, paths: CachePaths, shard_id: int, *, durable: bool = True) -> None:
+    def __init__(self, paths: CachePaths, shard_id: int, *, durable: bool = True, cache_id: str = "") -> None:
         self.paths = paths
         self.shard_id = shard_id
         self.durable = durable
+        self.cache_id = cache_id
         self._partial = paths.shard_partial(shard_id)
         self._file = open(self._partial, "wb", buffering=0)
         self._cursor = TarCursor()
@@ -123,6 +125,7 @@ class ShardWriter:
             tar_xxh3=self._hash.intdigest(),
             samples=self._entries,
             nonfinite=list(nonfinite or []),
+            cache_id=self.cache_id,
         )
         atomic_write_bytes(self.paths.shard_index(self.shard_id), encode_json(index), durable=self.durable)
         crash_point("after_index")

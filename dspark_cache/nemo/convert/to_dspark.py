@@ -34,7 +34,7 @@ from dspark_cache.nemo.convert.common import (
 from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
 from dspark_cache.nemo.convert.padding import PadRule, real_length, resolve_pad_rule
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
-from dspark_cache.producer.manifest import mark_complete, write_manifest
+from dspark_cache.producer.manifest import adopt_cache_id, mark_complete, write_manifest
 from dspark_cache.producer.plan import SampleShape
 from dspark_cache.producer.tensors import byte_views, dtype_code
 
@@ -132,15 +132,16 @@ def _existing_manifest(paths: CachePaths, new: Manifest, overwrite: bool) -> Man
     return old
 
 
-def _kept_shards(paths: CachePaths, source: NemoSource, plan: ImportPlan) -> set[int]:
-    """Shards an earlier run published that hold exactly the planned samples; others are removed."""
+def _kept_shards(paths: CachePaths, source: NemoSource, plan: ImportPlan, cache_id: str) -> set[int]:
+    """Shards an earlier run of this cache published that hold exactly the planned samples; others are removed."""
     kept = set()
     for shard in paths.indexed_shard_ids():
         ok = False
         if shard < source.num_shards:
             try:
                 index = load_shard_index(paths, shard)
-                ok = ([e.sample_id for e in index.samples] == plan.kept_ids(source.rows(shard))
+                ok = (index.cache_id == cache_id
+                      and [e.sample_id for e in index.samples] == plan.kept_ids(source.rows(shard))
                       and index.tar_bytes == plan.shard_bytes[shard] and not index.nonfinite)
             except CorruptShardError:
                 ok = False
@@ -191,8 +192,9 @@ def _row_tensors(handle: SafetensorsFile, row: int, sid: int, length: int,
     return tensors
 
 
-def _write_shard(paths: CachePaths, source: NemoSource, plan: ImportPlan, shape: SampleShape, shard: int) -> None:
-    writer = ShardWriter(paths, shard)
+def _write_shard(paths: CachePaths, source: NemoSource, plan: ImportPlan, shape: SampleShape, shard: int,
+                 cache_id: str) -> None:
+    writer = ShardWriter(paths, shard, cache_id=cache_id)
     try:
         with source.open_shard(shard) as handle:
             for row, sid in enumerate(source.rows(shard)):
@@ -210,12 +212,13 @@ def _reconcile(paths: CachePaths, source: NemoSource, plan: ImportPlan, manifest
                overwrite: bool) -> tuple[set[int], bool]:
     """Prepare DST: refuse another cache, clear leftovers; returns (shards to keep, already complete)."""
     existing = _existing_manifest(paths, manifest, overwrite)
+    adopt_cache_id(manifest, existing)
     paths.ensure_dirs()
     remove_partials(paths.root)
     if existing is None:
         return set(), False
     manifest.created_at = existing.created_at
-    kept = _kept_shards(paths, source, plan)
+    kept = _kept_shards(paths, source, plan, manifest.cache_id)
     return kept, existing.complete and len(kept) == source.num_shards
 
 
@@ -245,7 +248,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
         progress_log = Progress(source.num_shards, source.shard_bytes(), progress)
         progress_log.kept(len(kept), sum(os.path.getsize(source.shard_file(k)) for k in kept))
         for shard in (k for k in range(source.num_shards) if k not in kept):
-            _write_shard(paths, source, plan, shape, shard)
+            _write_shard(paths, source, plan, shape, shard, manifest.cache_id)
             progress_log.shard_done(shard, len(plan.kept_ids(source.rows(shard))),
                                     os.path.getsize(source.shard_file(shard)))
         if not finished:
