@@ -11,18 +11,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from dspark_cache.format.cache import CacheDir, unpublish_shard
 from dspark_cache.format.errors import CacheError, CorruptShardError
-from dspark_cache.format.files import open_regular
-from dspark_cache.format.sample import HIDDEN_SCALE, LAST_HIDDEN_SCALE, place_tensors
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import ShardIndex, encode_json
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
-from dspark_cache.format.validate import check_catalog, check_scales
+from dspark_cache.format.validate import check_catalog
 from dspark_cache.format.wids_index import write_wids_index
 
 
@@ -86,7 +82,7 @@ def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex 
         return None
     try:
         if cache.shape.fp8:
-            _verify_scales(cache, index, paths.shard_tar(shard_id))
+            _verify_fp8(cache, index, shard_id)
     except CorruptShardError as exc:  # the bytes are the writer's: rebuilding the index cannot help
         report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc),
                                "rebuildable": False})
@@ -100,21 +96,12 @@ def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex 
     return index
 
 
-def _verify_scales(cache: CacheDir, index: ShardIndex, path: str) -> None:
-    """Every FP8 scale finite and positive (read after the checksums passed: a few bytes per
-    token, from the page cache)."""
-    fd = open_regular(path)
-    try:
+def _verify_fp8(cache: CacheDir, index: ShardIndex, shard_id: int) -> None:
+    """Every FP8 sample's scales and codes by the readers' own rule (``ShardReader.read_sample`` checks
+    them): read again after the checksums passed, from the page cache."""
+    with ShardReader(cache.paths, shard_id, index, cache.shape) as reader:
         for entry in index.samples:
-            header = entry.size - cache.shape.data_size(entry.length)
-            for name, start, end in place_tensors(cache.shape.specs(entry.length)):
-                if name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE):
-                    data = os.pread(fd, end - start, entry.offset + header + start)
-                    if len(data) != end - start:
-                        raise CorruptShardError(path, f"short read of {name}", entry.sample_id)
-                    check_scales(np.frombuffer(data, dtype="<f4").reshape(entry.length, -1), entry, path)
-    finally:
-        os.close(fd)
+            reader.read_sample(entry)
 
 
 def repair(path: str, report: Report) -> None:

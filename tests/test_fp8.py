@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import msgspec
 import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from safetensors.torch import save_file
 
 import dspark_cache
 from dspark_cache.format.errors import CorruptShardError
@@ -236,10 +238,11 @@ def test_webdataset_handlers_dequantise_unless_asked_not_to(fp8_cache):
 
 
 def _write_fp8_cache(root: str, bad_scale_at: tuple[int, int] | None, dtype: str = "fp8",
-                     layer_ids: tuple[int, ...] = (0, 1)) -> CachePaths:
+                     layer_ids: tuple[int, ...] = (0, 1), damage=None) -> CachePaths:
     """A one-shard FP8 cache of random states through the real writer (2-layer target, H=40: the C
     filler's 16-wide steps and its scalar tail both run), one scale set to NaN when asked;
-    ``layer_ids`` without 1 store the final state apart."""
+    ``layer_ids`` without 1 store the final state apart. ``damage(codes, scales)`` edits sample 1's
+    hidden states (uint8 codes, ``[9, 40 * len(layer_ids)]``) and scales (``[9, len(layer_ids)]``) in place."""
     paths = CachePaths(root)
     paths.ensure_dirs()
     code = CACHE_DTYPES[dtype]
@@ -250,12 +253,16 @@ def _write_fp8_cache(root: str, bad_scale_at: tuple[int, int] | None, dtype: str
         q, scales = quantize_fp8(torch.randn(n, 40 * len(layer_ids), generator=g) * 10, 40, code)
         if bad_scale_at is not None and sid == 1:
             scales[bad_scale_at] = float("nan")
+        if damage is not None and sid == 1:
+            damage(q.view(torch.uint8), scales)
         tensors = {HIDDEN: q, HIDDEN_SCALE: scales, "input_ids": torch.arange(n, dtype=torch.int32),
                    "loss_mask": torch.ones(n, dtype=torch.uint8)}
         if shape.stores_last:
             tensors[LAST_HIDDEN], tensors[LAST_HIDDEN_SCALE] = quantize_fp8(torch.randn(n, 40, generator=g), 40, code)
         writer.append(sid, n, shape.specs(n), shape.metadata(sid), byte_views(tensors))
     writer.publish()
+    save_file({name: torch.randn(10, 40, generator=g) for name in ("embed_tokens.weight", "lm_head.weight")},
+              paths.target_weights)  # dspark-convert needs them
     write_manifest(paths, Manifest(complete=True, target_model="t", target_model_type="qwen3", target_vocab_size=10,
                                    hidden_size=40, num_hidden_layers=2, seq_length=16, dtype=dtype, num_samples=2,
                                    planned_samples=2, shard_size=2, target_hidden_dim=40 * len(layer_ids),
@@ -285,12 +292,12 @@ def test_a_bad_scale_is_refused_by_the_loader_and_dspark_verify(tmp_path, execut
     from dspark_cache.verify import verify_cache
 
     good = _write_fp8_cache(str(tmp_path / "good"), None)
-    assert verify_cache(good.root).ok
+    assert not verify_cache(good.root).corrupt  # (it has no target weights: a problem of another kind)
     assert next(iter(dspark_cache.build_dataloader(good.root, 2, shuffle=False)))[HIDDEN].dtype == torch.bfloat16
     bad = _write_fp8_cache(str(tmp_path / "bad"), (6, 1))
-    with pytest.raises(CorruptShardError, match=r"scale of token 6 is not finite.*sample 1|sample 1.*scale of token 6"):
-        next(iter(dspark_cache.build_dataloader(bad.root, 2, shuffle=False)))
-    next(iter(dspark_cache.build_dataloader(bad.root, 2, shuffle=False, dtype="raw")))  # raw: checked on the GPU side
+    for dtype in (None, "raw"):  # raw batches' scales are checked too
+        with pytest.raises(CorruptShardError, match=r"sample 1.*scale of token 6 is not a positive number"):
+            next(iter(dspark_cache.build_dataloader(bad.root, 2, shuffle=False, dtype=dtype)))
     report = verify_cache(bad.root)
     assert not report.ok and report.corrupt[0]["sample"] == 1 and "token 6, column 1" in report.corrupt[0]["reason"]
 
@@ -327,3 +334,92 @@ def test_compute_dtype_fp8_is_refused_before_loading(embedded):
 
     with pytest.raises(TargetError, match="storage format"):
         TargetRunner(embedded.stock, [1], 4, torch.device("cpu"), "F8_E4M3", "F8_E4M3")
+
+
+# -- the FP8 rule, everywhere (issue 23, item 4) ---------------------------------------------------
+
+
+def _set_scale(value: float):
+    def damage(codes: torch.Tensor, scales: torch.Tensor) -> None:
+        scales[6, 1] = value
+    return damage
+
+
+def _set_code(value: int):
+    def damage(codes: torch.Tensor, scales: torch.Tensor) -> None:
+        codes[6, 40 + 17] = value  # token 6, the second layer's 18th column
+    return damage
+
+
+# (name, dtype, damage, what the message names). "bf16-overflow" is finite in float32 (3.3965e38) but
+# rounds to inf as bf16, the loader's default; "overflow" is inf in float32 too.
+DAMAGES = [
+    ("nan-scale", "fp8", _set_scale(float("nan")), "scale of token 6"),
+    ("inf-scale", "fp8", _set_scale(float("inf")), "scale of token 6"),
+    ("zero-scale", "fp8", _set_scale(0.0), "scale of token 6"),
+    ("negative-scale", "fp8", _set_scale(-0.5), "scale of token 6"),
+    ("overflow", "fp8", _set_scale(1e36), "scale of token 6"),
+    ("bf16-overflow", "fp8", _set_scale(3.3965e38 / 448), "scale of token 6"),
+    ("e5m2-overflow", "fp8_e5m2", _set_scale(3.3965e38 / 57344), "scale of token 6"),
+    ("e4m3-nan-code", "fp8", _set_code(0x7F), "states of token 6.* NaN or inf code"),
+    ("e4m3-negative-nan-code", "fp8", _set_code(0xFF), "states of token 6.* NaN or inf code"),
+    ("e5m2-inf-code", "fp8_e5m2", _set_code(0x7C), "states of token 6.* NaN or inf code"),
+    ("e5m2-nan-code", "fp8_e5m2", _set_code(0xFE), "states of token 6.* NaN or inf code"),
+]
+
+
+@pytest.mark.parametrize("name, dtype, damage, says", DAMAGES, ids=[d[0] for d in DAMAGES])
+def test_every_reader_refuses_a_bad_scale_or_code(tmp_path, executor, name, dtype, damage, says):
+    from dspark_cache.format.errors import CacheError
+    from dspark_cache.nemo.convert import convert_to_nemo
+    from dspark_cache.verify import verify_cache
+
+    paths = _write_fp8_cache(str(tmp_path / "c"), None, dtype, damage=damage)
+    named = rf"shard-000000.tar \(sample 1\): .*{says}"
+    for out in (None, "fp32", "raw"):
+        with pytest.raises(CorruptShardError, match=named):
+            list(dspark_cache.open_cache(paths.root, dtype=out).samples())
+    for out in ("bf16", "fp32"):  # the executor's filler, C or Python
+        with pytest.raises(CorruptShardError, match=named):
+            list(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype=out, pin_memory=False))
+    if "scale" in says:
+        with pytest.raises(CorruptShardError, match=named):
+            list(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False))
+    else:  # raw batches hand the codes out undecoded; dequantize decodes them, and refuses
+        raw = next(iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False)))
+        with pytest.raises(ValueError, match=r"target_hidden_states of sample 1: .*token 6, column 1"):
+            dspark_cache.dequantize(raw)
+    for dequantize in ("BF16", None):  # WebDataset wraps the handler's error (its own names the tar)
+        handler = functools.partial(decode_dspark_arrays, dequantize=dequantize)
+        with pytest.raises(wds.autodecode.DecodingError) as raised:
+            list(wds.WebDataset([paths.shard_tar(0)], shardshuffle=False).decode(handler))
+        assert isinstance(raised.value.__cause__, CorruptShardError)
+        assert re.search(rf"sample 1\): .*{says}", str(raised.value.__cause__))
+    with pytest.raises(CacheError, match=named):
+        convert_to_nemo(paths.root, str(tmp_path / "nemo"), progress=None)
+    report = verify_cache(paths.root)
+    assert not report.ok and report.corrupt[0]["sample"] == 1 and "token 6, column 1" in report.corrupt[0]["reason"]
+    assert report.corrupt[0]["rebuildable"] is False  # the writer's bytes: --repair deletes the shard
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -1.0, 1e36, 3.3965e38 / 448])
+def test_dequantize_refuses_bad_scales_on_the_device_it_runs_on(tmp_path, value):
+    paths = _write_fp8_cache(str(tmp_path / "c"), None)
+    sample = next(iter(dspark_cache.open_cache(paths.root, dtype="raw").samples()))
+    batch = next(iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False)))
+    dspark_cache.dequantize(sample), dspark_cache.dequantize(batch)  # intact: fine, pads included
+    sample[HIDDEN_SCALE][3, 0] = value
+    batch[HIDDEN_SCALE][1, 3, 0] = value
+    with pytest.raises(ValueError, match=r"target_hidden_states: .*scale of token 3, column 0"):
+        dspark_cache.dequantize(sample)
+    with pytest.raises(ValueError, match=r"target_hidden_states of sample 1: .*scale of token 3, column 0"):
+        dspark_cache.dequantize(batch)
+
+
+def test_dequantize_to_fp16_refuses_scales_whose_states_overflow_fp16(tmp_path):
+    paths = _write_fp8_cache(str(tmp_path / "c"), None)
+    sample = next(iter(dspark_cache.open_cache(paths.root, dtype="raw").samples()))
+    sample[HIDDEN_SCALE][2, 1] = 70000.0 / 448  # fine as bf16 and fp32, inf as fp16
+    assert torch.isfinite(dspark_cache.dequantize(sample)[HIDDEN].float()).all()
+    with pytest.raises(ValueError, match="scale of token 2, column 1"):
+        dspark_cache.dequantize(sample, torch.float16)

@@ -75,6 +75,12 @@ CACHE_DTYPES: dict[str, str] = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "f
 # the mantissa bits and the exponent bias (e4m3fn, e5m2).
 FP8_MAX: dict[str, float] = {"F8_E4M3": 448.0, "F8_E5M2": 57344.0}
 _FP8_BITS: dict[str, tuple[int, int]] = {"F8_E4M3": (3, 7), "F8_E5M2": (2, 15)}
+# The FP8 rule (fp8_bad_scales, fp8_bad_codes; the C filler's read_dequant mirrors it): a scale is
+# positive and scale * FP8_MAX stays below this float32, the least one that rounds to inf as bfloat16
+# (whose range float32 contains), so every state of a valid sample is finite as bf16 and as float32.
+FP8_SCALE_LIMIT = float.fromhex("0x1.ffp127")
+# Codes that are no number, as (mask, pattern): e4m3fn's NaN S.1111.111, e5m2's inf and NaNs S.11111.xx.
+FP8_SPECIAL: dict[str, tuple[int, int]] = {"F8_E4M3": (0x7F, 0x7F), "F8_E5M2": (0x7C, 0x7C)}
 # torch's name of each code, one table for the torch-side modules (loader, producer, nemo).
 TORCH_NAMES: dict[str, str] = {
     "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
@@ -276,6 +282,36 @@ def assemble_sample(tensors: dict[str, StoredTensor], metadata: dict[str, str]) 
 
 
 # -- FP8 ----------------------------------------------------------------------------------------
+
+
+def fp8_bad_scales(scales: Any, code: str) -> Any:
+    """True where a float32 scale is NaN, infinite, zero or negative, or ``scale * FP8_MAX[code]``
+    (the largest state it can give) is not below :data:`FP8_SCALE_LIMIT` in float32. Operators only,
+    so numpy arrays and torch tensors (any device) are checked by the same rule."""
+    if isinstance(scales, np.ndarray):
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow to inf is what is looked for
+            return ~((scales > 0) & (scales * FP8_MAX[code] < FP8_SCALE_LIMIT))
+    return ~((scales > 0) & (scales * FP8_MAX[code] < FP8_SCALE_LIMIT))
+
+
+def fp8_bad_codes(codes: Any, code: str) -> Any:
+    """True where a float8 code (uint8 bits: numpy or torch) is a NaN or inf code (:data:`FP8_SPECIAL`):
+    the producer never writes one (it saturates), so it is damage."""
+    mask, pattern = FP8_SPECIAL[code]
+    return (codes & mask) == pattern
+
+
+def fp8_scale_reason(token: int, column: int | None = None, value: float | None = None) -> str:
+    """Why a sample with a bad scale is refused (every reader says it the same way)."""
+    where = f"token {token}" if column is None else f"token {token}, column {column}"
+    found = "is not" if value is None else f"is {value!r}, not"
+    return (f"the FP8 scale of {where} {found} a positive number whose states stay finite (scale x the "
+            f"format's largest value must be below {FP8_SCALE_LIMIT:.6g})")
+
+
+def fp8_code_reason(token: int, column: int | None = None) -> str:
+    where = f"token {token}" if column is None else f"token {token}, column {column}"
+    return f"the FP8 states of {where} hold a NaN or inf code, which the producer never writes"
 
 
 def fp8_to_float32(bits: np.ndarray, code: str) -> np.ndarray:

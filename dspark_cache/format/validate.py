@@ -10,14 +10,17 @@ Limits bound what a damaged or crafted file can make a reader allocate.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import validate_target_layer_ids
-from dspark_cache.format.sample import CACHE_DTYPES, is_fp8
+from dspark_cache.format.sample import (
+    CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, StoredTensor, fp8_bad_codes, fp8_bad_scales,
+    fp8_code_reason, fp8_scale_reason, is_fp8,
+)
 from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, Manifest, SampleEntry, ShardIndex
 from dspark_cache.format.tar.layout import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
@@ -98,14 +101,27 @@ def _scheme_problems(m: Manifest) -> Iterable[str]:
         yield f"scale_scheme {m.scale_scheme!r} does not fit dtype {m.dtype!r} (it needs {scheme!r})"
 
 
-def check_scales(scales: np.ndarray, entry: SampleEntry, path: str) -> None:
-    """An FP8 sample's scales must be finite and positive (a zero row has a positive scale too):
-    anything else would turn its states into NaN, inf or sign flips when dequantised."""
-    bad = ~(np.isfinite(scales) & (scales > 0))
-    if bad.any():
-        token, column = (int(i) for i in np.argwhere(bad)[0])
-        raise CorruptShardError(path, f"scale {float(scales[token, column])!r} at token {token}, column {column} is "
-                                      "not finite and positive", entry.sample_id)
+def check_fp8_sample(sample: Mapping[str, StoredTensor], path: str, sample_id: int | None) -> None:
+    """An assembled sample (``assemble_sample``) whose FP8 scales or codes break the FP8 rule
+    (``format.sample.fp8_bad_scales``, ``fp8_bad_codes``) is refused, naming its first bad token;
+    any other sample passes. Scales are checked before the states they scale, as the fillers do."""
+    hidden = sample.get(HIDDEN)
+    if hidden is None or not is_fp8(hidden.code):
+        return
+    for name, scale_name in ((HIDDEN, HIDDEN_SCALE), (LAST_HIDDEN, LAST_HIDDEN_SCALE)):
+        states, scales = sample[name].array, sample[scale_name].array
+        rows, groups = scales.shape if scales.ndim == 2 else (-1, 0)
+        if states.ndim != 2 or rows != states.shape[0] or not groups or states.shape[1] % groups:
+            raise CorruptShardError(path, f"{scale_name} of shape {list(scales.shape)} does not fit {name} of shape "
+                                          f"{list(states.shape)}", sample_id)
+        bad = fp8_bad_scales(scales, hidden.code)
+        if bad.any():
+            token, column = (int(i) for i in np.argwhere(bad)[0])
+            raise CorruptShardError(path, fp8_scale_reason(token, column, float(scales[token, column])), sample_id)
+        bad = fp8_bad_codes(states, hidden.code)
+        if bad.any():
+            token, at = (int(i) for i in np.argwhere(bad)[0])
+            raise CorruptShardError(path, fp8_code_reason(token, at // (states.shape[1] // groups)), sample_id)
 
 
 def check_index(index: ShardIndex, shard_id: int, shape: SampleShape, seq_length: int, path: str) -> None:

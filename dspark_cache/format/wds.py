@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dspark_cache.format.sample import assemble_sample, decode_payload, dequantize_arrays
+from dspark_cache.format.validate import check_fp8_sample
 
 SAMPLE_EXTENSION = "safetensors"  # the one member of each sample: <key>.safetensors
 
@@ -38,12 +39,15 @@ def decode_dspark_arrays(key: str, data: bytes, *, dequantize: str | None = "BF1
 
     An FP8 sample is dequantised to ``dequantize`` (``"BF16"``, the loader's default, or ``"F32"``);
     ``functools.partial(decode_dspark_arrays, dequantize=None)`` keeps its float8 bytes and scales.
+    Either way a bad scale or a NaN/inf code raises ``CorruptShardError`` naming ``key``.
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
     if not key.lower().endswith(SAMPLE_EXTENSION):
         return None
     tensors, metadata = decode_payload(bytearray(data))
     sample: dict[str, Any] = dict(assemble_sample(tensors, metadata))
+    sid = str(metadata.get("sample_id", ""))
+    check_fp8_sample(sample, key, int(sid) if sid.isdigit() else None)
     if dequantize is not None:
         sample = dequantize_arrays(sample, dequantize)
     sample["sample_id"] = int(metadata.get("sample_id", -1))

@@ -23,7 +23,7 @@ from typing import Iterable
 
 import numpy as np
 
-from dspark_cache.format.sample import dequantize_rows
+from dspark_cache.format.sample import dequantize_rows, fp8_bad_codes, fp8_bad_scales
 from dspark_cache.loader.records import (
     FP8_KINDS, OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEGMENT,
     OpRecord, SegmentRecord,
@@ -31,7 +31,8 @@ from dspark_cache.loader.records import (
 
 log = logging.getLogger(__name__)
 RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4  # RC_CHECKSUM: verify.py's
-RC_BAD_SCALE = 5  # an FP8 scale that is not finite and positive; detail: its row (token)
+# The FP8 rule (format.sample.fp8_bad_scales / fp8_bad_codes) broken; detail: the row (token).
+RC_BAD_SCALE, RC_BAD_CODE = 5, 6
 _FP8_CODES = {kind: code for code, kind in FP8_KINDS.items()}
 _OUT_CODES = {2: "BF16", 4: "F32"}
 # Bytes per read: a chunk's final-state columns are copied while it is still in the core's L2
@@ -225,9 +226,11 @@ class _SampleRead:
             n = min(step, rows - first)
             piece = self.read_into(self.scratch[: n * in_row]).reshape(n, in_row)
             part = scales[first : first + n]
-            bad = np.flatnonzero(~(np.isfinite(part) & (part > 0)).all(1))
-            if bad.size:  # the C filler stops at the same row
-                raise _Stop(RC_BAD_SCALE, first + int(bad[0]))
+            bad_scale = fp8_bad_scales(part, code)
+            bad = bad_scale | fp8_bad_codes(piece, code).reshape(n, groups, group).any(2)
+            if bad.any():  # the C filler stops at the same (row, group): a scale before the codes it scales
+                row, k = (int(i) for i in np.argwhere(bad)[0])
+                raise _Stop(RC_BAD_SCALE if bad_scale[row, k] else RC_BAD_CODE, first + row)
             out = dequantize_rows(piece, part, code, out_code).view(np.uint8).reshape(n, out_row)
             dst[first : first + n] = out
             if cols is not None:

@@ -25,7 +25,7 @@ from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.sample import (
     ATTENTION_MASK, CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK,
-    TORCH_NAMES,
+    TORCH_NAMES, fp8_bad_scales, fp8_code_reason, fp8_scale_reason,
 )
 from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.format.validate import MAX_HEADER, check_header
@@ -202,6 +202,8 @@ class BatchReader:
             if failure is not None:
                 self._raise(failure, rows)
             self._check_headers(rows)
+            if self.layout.raw_scales:
+                self._check_raw_scales(buffers, rows)
             for _, shard_id, k, _ in unchecked:  # while pinned: these descriptors are the files checked
                 self.verified.mark(shard_id, identity[shard_id], count[shard_id], k)
         finally:
@@ -267,6 +269,18 @@ class BatchReader:
             actual = headers[row * MAX_HEADER : row * MAX_HEADER + header]
             check_header(actual, entry, self.shape, self.catalog.paths.shard_tar(shard_id))
 
+    def _check_raw_scales(self, buffers: dict[str, torch.Tensor], rows: list[Row]) -> None:
+        """Raw FP8 batches skip the filler's dequantisation, not the FP8 rule on their scales (a few bytes
+        per token); their codes are checked where they are decoded (``dspark_cache.dequantize``)."""
+        for name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE):
+            scales = buffers[name].numpy()
+            for row, shard_id, _, entry in rows:
+                bad = fp8_bad_scales(scales[row, : entry.length], self.shape.dtype)
+                if bad.any():
+                    token = int(np.argwhere(bad)[0][0])
+                    raise CorruptShardError(self.catalog.paths.shard_tar(shard_id), fp8_scale_reason(token),
+                                            entry.sample_id)
+
     def _scratch(self) -> np.ndarray:
         """This thread's buffer for bytes that go nowhere (header, fill) and for ids to widen."""
         scratch = getattr(self._local, "scratch", None)
@@ -287,8 +301,9 @@ class BatchReader:
             if failure.code == fill.RC_SHORT_READ:
                 raise CorruptShardError(path, f"short read ({failure.detail} of {entry.size} bytes)", entry.sample_id)
             if failure.code == fill.RC_BAD_SCALE:
-                raise CorruptShardError(path, f"the FP8 scale of token {failure.detail} is not finite and positive",
-                                        entry.sample_id)
+                raise CorruptShardError(path, fp8_scale_reason(failure.detail), entry.sample_id)
+            if failure.code == fill.RC_BAD_CODE:
+                raise CorruptShardError(path, fp8_code_reason(failure.detail), entry.sample_id)
             if failure.code == fill.RC_READ_ERROR:
                 raise OSError(failure.detail, f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
                               str(path))

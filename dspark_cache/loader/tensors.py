@@ -15,7 +15,8 @@ from typing import Any, Mapping
 import torch
 
 from dspark_cache.format.sample import (
-    HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, TORCH_NAMES, StoredTensor, dequantize_arrays,
+    FP8_MAX, HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, TORCH_NAMES, StoredTensor, dequantize_arrays,
+    fp8_bad_codes, fp8_bad_scales, fp8_code_reason, fp8_scale_reason,
 )
 from dspark_cache.format.wds import decode_dspark_arrays
 
@@ -43,15 +44,61 @@ def dequantize(batch: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16) ->
     float8 value times its row's scale for its ``H`` columns, computed in float32 and rounded
     once more to ``dtype``, so a bf16 result equals the loader's own dequantisation bit for bit.
     Other keys pass through; a batch without scales is returned as it is.
+
+    The FP8 rule (``format.sample.fp8_bad_scales`` / ``fp8_bad_codes``) is checked on the device first,
+    at the cost of one synchronisation: a bad scale or a NaN/inf code raises ``ValueError`` instead of
+    turning into NaN or inf states. A batch's pad positions are not checked (those ``attention_mask``
+    marks, or without it those of scale 0).
     """
     out = dict(batch)
     if HIDDEN_SCALE not in batch:
         return out
+    checks = []
     for name, scale_name in ((HIDDEN, HIDDEN_SCALE), (LAST_HIDDEN, LAST_HIDDEN_SCALE)):
-        states, scales = batch[name], out.pop(scale_name)
+        states, scales = batch[name], out.pop(scale_name).to(torch.float32)
+        code, codes = _FP8_CODES[states.dtype], states.view(torch.uint8)
+        real = _real(batch, scales)
+        codes_bad = fp8_bad_codes(codes.unflatten(-1, (scales.shape[-1], -1)), code).any(-1) & real
+        scales_bad = fp8_bad_scales(scales, code) & real
+        if dtype not in (torch.bfloat16, torch.float32):  # a narrower dtype overflows sooner
+            scales_bad |= ~(scales * FP8_MAX[code]).to(dtype).isfinite() & real
+        checks.append((name, scales_bad, codes_bad))
         groups = states.unflatten(-1, (scales.shape[-1], -1)).to(torch.float32)
-        out[name] = (groups * scales.to(torch.float32).unsqueeze(-1)).flatten(-2).to(dtype)
+        out[name] = (groups * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+    if bool(torch.stack([bad.any() for _, s, c in checks for bad in (s, c)]).any()):  # the one sync
+        _refuse(checks, batch)
     return out
+
+
+_FP8_CODES = {getattr(torch, TORCH_NAMES[code]): code for code in FP8_MAX}
+
+
+def _real(batch: Mapping[str, Any], scales: torch.Tensor) -> torch.Tensor:
+    """Where ``scales`` belong to real tokens."""
+    if not _padded(batch):
+        return torch.ones_like(scales, dtype=torch.bool)
+    mask = batch.get("attention_mask")
+    return (mask != 0).unsqueeze(-1).to(scales.device) if mask is not None else scales != 0
+
+
+def _padded(batch: Mapping[str, Any]) -> bool:
+    """A loader batch ``[B, S, ...]`` is zero-padded past each row's length; a sample ``[L, ...]`` is not."""
+    return batch[HIDDEN].dim() == 3
+
+
+def _refuse(checks: list, batch: Mapping[str, Any]) -> None:
+    """Raise for the first bad position (after the device said there is one)."""
+    ids = batch.get("sample_ids")
+    for name, scales_bad, codes_bad in checks:
+        for bad, reason in ((scales_bad, fp8_scale_reason), (codes_bad, fp8_code_reason)):
+            where = torch.nonzero(bad)
+            if len(where):
+                at = where[0].tolist()
+                token, column = (at[1], at[2]) if _padded(batch) else (at[0], at[1])
+                sample = f" of sample {int(ids[at[0]])}" if ids is not None and _padded(batch) else ""
+                raise ValueError(f"dequantize: {name}{sample}: {reason(token, column)}. These states are damaged: run "
+                                 "dspark-verify on the cache they came from (dspark-verify --repair, then rerun "
+                                 "dspark-produce, recomputes them)")
 
 
 _OUT_CODES = {torch.bfloat16: "BF16", torch.float32: "F32"}

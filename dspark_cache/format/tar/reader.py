@@ -13,7 +13,7 @@ from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import StoredTensor, assemble_sample, decode_payload
 from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex, decode_shard_index
-from dspark_cache.format.validate import MAX_INDEX_BYTES, check_cache_id, check_header, check_index
+from dspark_cache.format.validate import MAX_INDEX_BYTES, check_cache_id, check_fp8_sample, check_header, check_index
 
 _HASH_CHUNK = 8 << 20
 
@@ -98,10 +98,12 @@ class ShardReader:
             check_header(memoryview(blob)[:header], entry, self.shape, self.path)
         try:
             tensors, metadata = decode_payload(blob)
-            return assemble_sample(tensors, metadata)
+            sample = assemble_sample(tensors, metadata)
         except (ValueError, KeyError, TypeError, RuntimeError, UnicodeDecodeError, OverflowError) as exc:
             raise CorruptShardError(self.path, f"undecodable sample ({type(exc).__name__}: {exc})",
                                     entry.sample_id) from exc
+        check_fp8_sample(sample, self.path, entry.sample_id)  # raw reads too: a NaN scale is damage either way
+        return sample
 
     def verify(self) -> None:
         """One sequential pass over the tar: the whole-file checksum, every sample's checksum and,

@@ -38,8 +38,10 @@
  * pass over memory. A code's float32 value is built from its bits exactly (no arithmetic on
  * subnormals, so a flush-to-zero mode cannot change it), multiplied by its scale (one IEEE
  * rounding) and, for bf16, rounded to nearest even: bit for bit what loader/fill.py's numpy
- * and format/sample.py's dequantize_rows compute. Scales must be finite and positive, else
- * RC_BAD_SCALE with the row in *detail.
+ * and format/sample.py's dequantize_rows compute. The FP8 rule (format/sample.py's fp8_bad_scales
+ * and fp8_bad_codes): a scale is positive with scale * the format's largest value below 0x1.ffp127
+ * (the least float32 that rounds to inf as bf16), else RC_BAD_SCALE; no code is a NaN/inf code,
+ * else RC_BAD_CODE; the row in *detail either way, a scale checked before the codes it scales.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -56,7 +58,8 @@
 
 enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
 enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4, SEG_DEQUANT = 5 };
-enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5 }; /* 2: verify.py's */
+/* 2: verify.py's */
+enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5, RC_BAD_CODE = 6 };
 enum { FP8_E4M3 = 1, FP8_E5M2 = 2 };
 
 /* records.py's OP: one op of the program. */
@@ -213,11 +216,15 @@ enum { DQ_BLOCK = 1024 }; /* elements converted into a stack block, then streame
 
 typedef struct {
     int mbits, bias; /* mantissa bits and exponent bias: e4m3fn 3/7, e5m2 2/15 */
+    float max;       /* the largest finite value: 448, 57344 */
+    uint8_t special; /* NaN/inf codes are those with (c & special) == special: 0x7F, 0x7C */
 } fp8_format;
 
+#define FP8_SCALE_LIMIT 0x1.ffp127f /* format/sample.py's FP8_SCALE_LIMIT */
+
 static int fp8_format_of(uint64_t kind, fp8_format *f) {
-    if (kind == FP8_E4M3) f->mbits = 3, f->bias = 7;
-    else if (kind == FP8_E5M2) f->mbits = 2, f->bias = 15;
+    if (kind == FP8_E4M3) f->mbits = 3, f->bias = 7, f->max = 448.0f, f->special = 0x7F;
+    else if (kind == FP8_E5M2) f->mbits = 2, f->bias = 15, f->max = 57344.0f, f->special = 0x7C;
     else return 0;
     return 1;
 }
@@ -242,9 +249,12 @@ static inline uint16_t bf16_bits(float v) { /* round to nearest even, as torch *
     return (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
-/* n codes times scale into out (bf16 or float32): the portable path, through a 256-entry table. */
-static void dequant_block_table(const float *table, const uint8_t *src, size_t n, float scale, int out_size,
-                                uint8_t *out) {
+/* n codes times scale into out (bf16 or float32): the portable path, through a 256-entry table.
+ * Returns nonzero when a code is a NaN/inf code. */
+static int dequant_block_table(const float *table, const uint8_t *src, size_t n, float scale, int out_size,
+                               uint8_t special, uint8_t *out) {
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) bad |= (src[i] & special) == special;
     if (out_size == 4) {
         float *o = (float *)out;
         for (size_t i = 0; i < n; i++) o[i] = table[src[i]] * scale;
@@ -252,21 +262,25 @@ static void dequant_block_table(const float *table, const uint8_t *src, size_t n
         uint16_t *o = (uint16_t *)out;
         for (size_t i = 0; i < n; i++) o[i] = bf16_bits(table[src[i]] * scale);
     }
+    return bad;
 }
 
 #ifdef DSPARK_STREAM
 /* The same on 8 lanes (AVX2), 16 codes per step; the tail goes through the table. */
-__attribute__((target("avx2"))) static void dequant_block_avx2(const float *table, const uint8_t *src, size_t n,
-                                                               float scale, int out_size, fp8_format f,
-                                                               uint8_t *out) {
+__attribute__((target("avx2"))) static int dequant_block_avx2(const float *table, const uint8_t *src, size_t n,
+                                                              float scale, int out_size, fp8_format f,
+                                                              uint8_t *out) {
     const __m256i low7 = _mm256_set1_epi32(0x7F), sign = _mm256_set1_epi32(0x80), zero = _mm256_setzero_si256();
     const __m256i mant = _mm256_set1_epi32((1 << f.mbits) - 1), expo = _mm256_set1_epi32(0x7F & ~((1 << f.mbits) - 1));
     const __m256i rebias = _mm256_set1_epi32((127 - f.bias) << 23), half = _mm256_set1_epi32(0x7FFF);
     const __m256i one = _mm256_set1_epi32(1);
     const __m256 sub = _mm256_set1_ps(f.mbits == 3 ? 0x1p-9f : 0x1p-16f), s = _mm256_set1_ps(scale);
+    const __m128i special = _mm_set1_epi8((char)f.special);
+    __m128i bad = _mm_setzero_si128();
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m128i raw = _mm_loadu_si128((const __m128i *)(src + i));
+        bad = _mm_or_si128(bad, _mm_cmpeq_epi8(_mm_and_si128(raw, special), special));
         __m256 v[2];
         __m256i r[2];
         for (int h = 0; h < 2; h++) {
@@ -289,7 +303,8 @@ __attribute__((target("avx2"))) static void dequant_block_avx2(const float *tabl
             _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), packed);
         }
     }
-    dequant_block_table(table, src + i, n - i, scale, out_size, out + i * (size_t)out_size);
+    int tail = dequant_block_table(table, src + i, n - i, scale, out_size, f.special, out + i * (size_t)out_size);
+    return tail | (_mm_movemask_epi8(bad) != 0);
 }
 #endif
 
@@ -307,15 +322,13 @@ typedef struct {
     int avx2;
 } dequantizer;
 
-static void dequant_block(const dequantizer *d, const uint8_t *src, size_t n, float scale, int out_size,
-                          uint8_t *out) {
+/* Nonzero when a code is a NaN/inf code (the block's output is then garbage, and never used). */
+static int dequant_block(const dequantizer *d, const uint8_t *src, size_t n, float scale, int out_size,
+                         uint8_t *out) {
 #ifdef DSPARK_STREAM
-    if (d->avx2) {
-        dequant_block_avx2(d->table, src, n, scale, out_size, d->format, out);
-        return;
-    }
+    if (d->avx2) return dequant_block_avx2(d->table, src, n, scale, out_size, d->format, out);
 #endif
-    dequant_block_table(d->table, src, n, scale, out_size, out);
+    return dequant_block_table(d->table, src, n, scale, out_size, d->format.special, out);
 }
 
 /* Float8 rows -> bf16/float32 rows (and the final-state columns), chunk by chunk through scratch. */
@@ -351,14 +364,17 @@ static int read_dequant(const context *cx, int fd, uint64_t base, uint64_t *pos,
             for (uint64_t k = 0; k < groups; k++) {
                 float scale;
                 memcpy(&scale, scale_bytes + 4 * (r * groups + k), 4);
-                if (!(scale > 0.0f && scale <= 0x1.fffffep127f)) { /* NaN fails both */
+                if (!(scale > 0.0f && scale * d.format.max < FP8_SCALE_LIMIT)) { /* NaN fails both */
                     *detail = r;
                     return RC_BAD_SCALE;
                 }
                 for (uint64_t done = 0; done < group; done += DQ_BLOCK) {
                     uint64_t m = group - done < DQ_BLOCK ? group - done : DQ_BLOCK;
                     uint64_t at = (k * group + done) * out_size, end = at + m * out_size; /* bytes in the row */
-                    dequant_block(&d, src + k * group + done, (size_t)m, scale, (int)out_size, block);
+                    if (dequant_block(&d, src + k * group + done, (size_t)m, scale, (int)out_size, block)) {
+                        *detail = r;
+                        return RC_BAD_CODE;
+                    }
                     store_stream(out + at, block, (size_t)(m * out_size));
                     if (cols && at < col_off + col_bytes && end > col_off) { /* the part inside the columns */
                         uint64_t lo = at > col_off ? at : col_off;
@@ -398,7 +414,7 @@ static int run_sample(const context *cx, const op_t *op, const segment_t *segs, 
 }
 
 /* Runs the ops in order; on failure returns its code, the op's index in *fail_op and, for a
- * short read the payload bytes read, for a read error the errno, for a bad scale its row, in *detail. */
+ * short read the payload bytes read, for a read error the errno, for a bad scale or code its row, in *detail. */
 int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, uint64_t n_segs,
                       const uint64_t *bases, const uint64_t *sizes, uint64_t n_bufs, uint8_t *scratch,
                       uint64_t scratch_size, uint64_t chunk, uint64_t *fail_op, uint64_t *detail) {
