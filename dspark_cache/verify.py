@@ -20,6 +20,7 @@ from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
 from dspark_cache.format.validate import check_catalog
 from dspark_cache.format.wids_index import write_wids_index
+from dspark_cache.format.weights import weights_problem
 
 
 @dataclass
@@ -64,6 +65,9 @@ def verify_cache(path: str) -> Report:
         check_catalog(manifest, indexes, path)
     except CacheError as exc:
         report.problems.append(str(exc))
+    weights = weights_problem(paths, manifest)  # a running producer may not have written them yet
+    if weights is not None and (manifest.complete or os.path.lexists(paths.target_weights)):
+        report.problems.append(weights)
     return report
 
 

@@ -59,9 +59,14 @@ def recipe_dtype(stored: str) -> str | None:
 def read_target_weight_modules(cache_dir: str) -> tuple[SimpleNamespace, SimpleNamespace]:
     """NeMo's ``read_target_weight_modules``: ``(embed_tokens, lm_head)`` objects exposing ``.weight``."""
     cache_dir = os.fspath(cache_dir)
-    path = layout.target_weights_path(cache_dir) if layout.is_nemo_layout(cache_dir) \
-        else CachePaths(cache_dir).target_weights
-    embed, head = layout.read_target_weights(path)
+    if layout.is_nemo_layout(cache_dir):
+        embed, head = layout.read_target_weights(layout.target_weights_path(cache_dir),
+                                                 *layout.nemo_weight_shape(cache_dir))
+    else:
+        with _nemo_errors():  # an unreadable manifest: FileNotFoundError / ValueError, as NeMo's callers expect
+            manifest = read_dspark_manifest(cache_dir, allow_incomplete=True)
+        embed, head = layout.read_target_weights(CachePaths(cache_dir).target_weights, manifest.target_vocab_size,
+                                                 manifest.hidden_size, manifest.target_weights_xxh3)
     return SimpleNamespace(weight=embed), SimpleNamespace(weight=head)
 
 

@@ -21,8 +21,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dspark_cache.format import weights
 from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.files import read_regular
 from dspark_cache.format.schema import LEGACY_FORMAT
+from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 
 MANIFEST = "manifest.json"
 TARGET_WEIGHTS = "target_weights.safetensors"
@@ -80,9 +84,8 @@ def shard_indices(cache_dir: str) -> list[int]:
 
 def _raw_manifest(cache_dir: str) -> dict[str, Any] | None:
     try:
-        with open(manifest_path(cache_dir), encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+        data = json.loads(read_regular(manifest_path(cache_dir), MAX_MANIFEST_BYTES))
+    except (OSError, CacheError, json.JSONDecodeError, UnicodeDecodeError):  # a FIFO is not a manifest either
         return None
     return data if isinstance(data, dict) else None
 
@@ -108,8 +111,10 @@ def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, A
             f"DSpark cache manifest not found at {path}. Was the cache fully written? Run the producer "
             "(dspark-produce or precompute_dspark) into this directory first."
         )
-    with open(path, encoding="utf-8") as handle:
-        manifest = json.load(handle)
+    try:
+        manifest = json.loads(read_regular(path, MAX_MANIFEST_BYTES))  # never a FIFO's endless wait
+    except CacheError as exc:
+        raise ValueError(str(exc)) from exc
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(
@@ -158,15 +163,41 @@ def write_shard(path: str, tensors: dict[str, torch.Tensor]) -> None:
     save_file({key: tensors[key].contiguous() for key in CACHE_KEYS}, path)
 
 
-def read_target_weights(path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(embed_tokens.weight, lm_head.weight)`` from a ``target_weights.safetensors`` file."""
-    if not os.path.exists(path):
+def read_target_weights(path: str, vocab_size: int | None = None, hidden_size: int | None = None,
+                        xxh3: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embed_tokens.weight, lm_head.weight)`` from a ``target_weights.safetensors`` file, checked
+    (``format.weights``: regular file inside its cache, header, shapes ``[vocab_size, hidden_size]``
+    where given, checksum where recorded). Both tensors are views of the one buffer read."""
+    try:
+        data, checked = weights.read_target_weights(path, vocab_size, hidden_size, xxh3,
+                                                    within=os.path.realpath(os.path.dirname(path)))
+    except weights.TargetWeightsError as exc:
+        if exc.reason != "missing":
+            raise
         raise FileNotFoundError(
             f"{path} not found. The DSpark offline cache must include target embed_tokens and lm_head weights "
-            "so training can skip loading the target model; re-run the producer to write them."
-        )
-    with safe_open(path, framework="pt") as handle:
-        return handle.get_tensor("embed_tokens.weight"), handle.get_tensor("lm_head.weight")
+            "so training can skip loading the target model; rerun the producer (dspark-produce with the cache's "
+            "original arguments) to write them: no shard is recomputed."
+        ) from exc
+    return _weight(data, checked.tensors["embed_tokens.weight"]), _weight(data, checked.tensors["lm_head.weight"])
+
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _weight(data: bytearray, tensor: weights.WeightTensor) -> torch.Tensor:
+    dtype = _TORCH_DTYPES[tensor.dtype]
+    if tensor.start % 8:  # a header not padded to 8 bytes leaves the data unaligned: copy it out
+        return torch.frombuffer(bytearray(data[tensor.start:tensor.end]), dtype=dtype).view(tensor.shape)
+    count = (tensor.end - tensor.start) // dtype.itemsize
+    return torch.frombuffer(data, dtype=dtype, count=count, offset=tensor.start).view(tensor.shape)
+
+
+def nemo_weight_shape(cache_dir: str) -> tuple[int | None, int | None]:
+    """``(target_vocab_size, hidden_size)`` from a NeMo cache's manifest, where it records them."""
+    manifest = _raw_manifest(cache_dir) or {}
+    vocab, hidden = manifest.get("target_vocab_size"), manifest.get("hidden_size")
+    return (vocab if type(vocab) is int else None), (hidden if type(hidden) is int else None)
 
 
 class NemoCacheDataset(torch.utils.data.Dataset):

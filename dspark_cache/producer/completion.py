@@ -8,15 +8,19 @@ that creates it writes the complete manifest; the others wait for that manifest 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import EventKind, Manifest, RankState
+from dspark_cache.format.weights import TargetWeightsError, check_cache_weights
 from dspark_cache.producer.distributed import RankInfo, await_other_ranks
 from dspark_cache.producer.manifest import mark_complete, read_manifest_file
 from dspark_cache.producer.prepare import Prepared
 from dspark_cache.producer.status import StatusReporter
+
+log = logging.getLogger(__name__)
 
 
 def claim_completion(paths: CachePaths, run_id: str) -> bool:
@@ -28,6 +32,25 @@ def claim_completion(paths: CachePaths, run_id: str) -> bool:
         return False
     os.close(fd)
     return True
+
+
+def target_weights_checksum(p: Prepared) -> int | None:
+    """The xxh3-64 of the weights file that the complete manifest records (readers check it).
+
+    Group 0 writes the file; a group without shards writes it after the others' may all be
+    published, so the rank completing the cache waits for it as it waits for shards (by the
+    rank timeout). ``None`` (nothing recorded, a warning) when it never becomes a good file:
+    verify then reports it and a rerun writes it.
+    """
+    deadline = time.time() + p.cfg.rank_timeout
+    while True:
+        try:
+            return check_cache_weights(p.paths, p.manifest).xxh3
+        except (TargetWeightsError, OSError) as exc:
+            if time.time() >= deadline:
+                log.warning("%s; the cache is marked complete without a checksum of its target weights", exc)
+                return None
+            time.sleep(0.2)
 
 
 def finish(p: Prepared, status: StatusReporter, run_id: str, me: RankInfo) -> tuple[Manifest, list[int]]:
@@ -42,6 +65,7 @@ def finish(p: Prepared, status: StatusReporter, run_id: str, me: RankInfo) -> tu
     if missing:
         return p.manifest, sorted(missing)
     if claim_completion(p.paths, run_id):
+        p.manifest.target_weights_xxh3 = target_weights_checksum(p)
         mark_complete(p.paths, p.manifest)
         status.event(EventKind.FINISHED, "cache complete", samples=p.manifest.num_samples, bytes=p.plan.num_bytes)
         return p.manifest, []

@@ -16,12 +16,15 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
+import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.sample import CACHE_DTYPES
-from dspark_cache.format.schema import EventKind, RankState
+from dspark_cache.format.schema import EventKind, Manifest, RankState
+from dspark_cache.format.weights import weights_problem
 from dspark_cache.producer.distributed import RankInfo, job_store
+from dspark_cache.producer.manifest import write_manifest
 from dspark_cache.producer.parallel import (
     GroupSync, Layout, PartnerWatch, distributed_config, group_error, join_group, leave_group,
 )
@@ -62,35 +65,59 @@ def load_runner(p: Prepared, parallel: Any = None) -> TargetRunner:
     cfg = p.cfg
     return TargetRunner(cfg.target_model, p.layer_ids, p.info.num_layers, p.device, CACHE_DTYPES[p.compute_dtype],
                         CACHE_DTYPES[cfg.dtype], cfg.target_attn_implementation, cfg.trust_remote_code,
-                        distributed_config=parallel, device_map=cfg.device_map)
+                        distributed_config=parallel, device_map=cfg.device_map, revision=p.info.revision,
+                        allow_pickle=cfg.allow_pickle_weights)
 
 
-def ensure_target_weights(p: Prepared, runner: TargetRunner | None, write: bool = True) -> None:
-    """Write ``embed_tokens`` and ``lm_head`` once (training needs them); loads the target when not given.
+def ensure_target_weights(p: Prepared, runner: TargetRunner | None, write: bool = True) -> bool:
+    """Write ``embed_tokens`` and ``lm_head`` (training needs them) unless a good file is there; loads
+    the target when not given. Returns whether this rank wrote them.
 
+    "Good" is :func:`weights_problem`'s check against ``p.manifest`` (its recorded checksum once a
+    run completed the cache): a missing, damaged or foreign file is rewritten, the shards untouched.
     In a model-parallel group every rank calls this (the sharded weights are gathered) and only the
-    writer (``write``) writes. Ranks agree on whether the file exists: only the writer creates it,
+    writer (``write``) writes. Ranks agree on whether the file is good: only the writer replaces it,
     and only after the gather, which needs every rank's call.
     """
+    problem = weights_problem(p.paths, p.manifest)
+    if problem is None:
+        return False
     if os.path.exists(p.paths.target_weights):
-        return
+        log.warning("%s; rewriting it from the target", problem)
+    if os.path.isdir(p.paths.target_weights) and not os.path.islink(p.paths.target_weights):
+        raise CacheError(f"{p.paths.target_weights} is a directory where the target weights belong: remove it "
+                         "(nothing of the cache is in it), then rerun dspark-produce with the same arguments")
     from safetensors.torch import save
 
     runner = runner or load_runner(p)
     weights = runner.target_weights()
-    if write:
-        atomic_write_bytes(p.paths.target_weights, save(weights))
+    if not write:
+        return False
+    data = save(weights)
+    atomic_write_bytes(p.paths.target_weights, data)
+    p.manifest.target_weights_xxh3 = xxhash.xxh3_64_intdigest(data)
+    return True
 
 
-def write_missing_target_weights(p: Prepared, layout: Layout, status: StatusReporter, run_id: str) -> None:
-    """Group 0 writes the target weights when they are missing after its shards (it had none to compute)."""
-    if layout.group != 0 or os.path.exists(p.paths.target_weights):
-        return
+def write_missing_target_weights(p: Prepared, layout: Layout, status: StatusReporter, run_id: str) -> bool:
+    """Group 0 writes the target weights when they are missing or damaged after its shards (it had
+    none to compute, or a rerun found the cache's shards done). Returns whether this rank wrote them."""
+    if layout.group != 0 or weights_problem(p.paths, p.manifest) is None:
+        return False
     if not layout.sharded:
-        ensure_target_weights(p, None)
-        return
+        return ensure_target_weights(p, None)
     with _model_group(p, layout, status, run_id):
-        ensure_target_weights(p, load_runner(p, distributed_config(layout)), write=layout.writer)
+        return ensure_target_weights(p, load_runner(p, distributed_config(layout)), write=layout.writer)
+
+
+def repair_complete_weights(p: Prepared, existing: Manifest, layout: Layout, status: StatusReporter,
+                            run_id: str) -> None:
+    """A complete cache whose weights file is missing or damaged: rewrite it (the target is loaded
+    for its two weight matrices only, no shard is recomputed) and record its new checksum."""
+    if write_missing_target_weights(p, layout, status, run_id):
+        existing.target_weights_xxh3 = p.manifest.target_weights_xxh3
+        write_manifest(p.paths, existing)
+        status.event(EventKind.WARNING, f"{p.paths.target_weights} was rewritten (it was missing or damaged)")
 
 
 def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag,

@@ -79,6 +79,7 @@ class ProduceConfig:
     target_attn_implementation: str | None = None
     target_force_hf: bool = False
     trust_remote_code: bool = False
+    allow_pickle_weights: bool = False
     resume: bool = False
     log_level: str = "INFO"
     # Ours.
@@ -157,6 +158,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-attn-implementation", default=None, help="attn_implementation for the target")
     p.add_argument("--target-force-hf", action="store_true", help="accepted for NeMo compatibility (always HF here)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own Python code")
+    p.add_argument("--allow-pickle-weights", action="store_true",
+                   help="load a target whose weights are only pickles (pytorch_model.bin): unpickling runs "
+                   "arbitrary code from the checkpoint, so only for one you trust (default: safetensors only)")
     p.add_argument("--resume", action="store_true", help="accepted for NeMo compatibility: resume is automatic")
     p.add_argument("--compute-dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
                    help="target compute dtype; auto = bf16 on CUDA, fp32 on CPU (as NeMo)")

@@ -60,7 +60,7 @@ def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], p
         planned_tokens=plan.num_tokens, planned_loss_tokens=plan.num_loss_tokens, planned_bytes=plan.num_bytes,
         planned_padded_tokens=plan.padded_tokens, plan_sha256=plan.layout_sha256(),
         skipped_rows=plan.skipped_counts(), skipped=plan.skipped, versions=library_versions(),
-        created_at=time.time(),
+        target_fingerprint=info.fingerprint, created_at=time.time(),
     )
 
 
@@ -123,6 +123,9 @@ def check_existing(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifes
     diff = identity_diff(old, new)
     if diff:
         lines = "\n".join(f"  {name}: cache has {a!r}, this run has {b!r}" for name, a, b in diff)
+        if any(name == "target_fingerprint" for name, _, _ in diff):
+            lines += ("\n  (the checkpoint at --target-model is not the one the cache was made from: its weight "
+                      "files or config.json changed; point --target-model at that checkpoint)")
         raise ManifestMismatchError(
             f"{paths.root} holds a cache made with a different configuration:\n{lines}\n"
             "Rerun with the original settings to resume it, pass --overwrite to start over, "

@@ -81,7 +81,7 @@ def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | 
     """
     validate_config(cfg)
     template = resolve_chat_template(cfg.chat_template) if cfg.chat_template else None
-    info = read_target_info(cfg.target_model, cfg.trust_remote_code)
+    info = read_target_info(cfg.target_model, cfg.trust_remote_code, cfg.allow_pickle_weights)
     layer_ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else \
         build_target_layer_ids(info.num_layers, cfg.draft_num_hidden_layers)
     validate_target_layer_ids(layer_ids, info.num_layers)

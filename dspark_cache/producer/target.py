@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -9,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dspark_cache.format.errors import CacheError
 from dspark_cache.format.layers import EMBEDDING_LAYER, stores_last
 from dspark_cache.producer.config import device_problem
 from dspark_cache.producer.tensors import torch_dtype
@@ -29,6 +32,156 @@ class TargetInfo:
     vocab_size: int
     hidden_size: int
     num_layers: int
+    fingerprint: str = ""  # checkpoint.fingerprint: the manifest's target_fingerprint
+    revision: str | None = None  # the hub commit that is loaded (None: a local directory)
+
+
+# The files transformers loads a checkpoint from, in the order it looks for them; pickles only
+# with --allow-pickle-weights (use_safetensors=False then lets transformers fall back to them).
+SAFETENSORS_FILES = ("model.safetensors.index.json", "model.safetensors")
+PICKLE_FILES = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+CONFIG_FILE = "config.json"
+MAX_INDEX_BYTES = 64 << 20  # a weight map names each tensor once: megabytes for the largest models
+MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
+# Of each weight file's data: DATA_SAMPLES evenly spaced blocks of SAMPLE_BYTES (512 KiB a file).
+DATA_SAMPLES, SAMPLE_BYTES = 8, 64 << 10
+HUB_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved target: where transformers loads it from, the hub commit, and its fingerprint."""
+
+    fingerprint: str
+    revision: str | None = None
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' and the hub's run over several)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def resolve_checkpoint(path: str, allow_pickle: bool = False) -> Checkpoint:
+    """A local checkpoint directory (fingerprinted from its files) or a hub id (pinned to a commit).
+
+    Refuses a checkpoint with no safetensors weights unless ``allow_pickle``, before anything loads.
+    """
+    if os.path.isdir(path):
+        return Checkpoint(local_fingerprint(path, allow_pickle))
+    if "/" not in path or path.startswith((".", "/")) or path.count("/") > 1:
+        raise TargetError(f"target model {path} does not exist; pass a checkpoint directory or a hub id "
+                          "(org/name) to --target-model")
+    revision, names = _hub_commit(path)
+    _weight_names(path, names, allow_pickle)
+    return Checkpoint(f"hub {path}@{revision}", revision)
+
+
+def _weight_names(where: str, names: list[str], allow_pickle: bool) -> str:
+    """The file transformers will load weights from (an index or a single file), or a refusal."""
+    present = set(names)
+    for name in SAFETENSORS_FILES + (PICKLE_FILES if allow_pickle else ()):
+        if name in present:
+            return name
+    if any(name in present for name in PICKLE_FILES):
+        pickles = ", ".join(sorted(present & set(PICKLE_FILES)))
+        raise TargetError(f"target model {where} has only pickle weights ({pickles}), which run arbitrary code "
+                          "when loaded; convert them to safetensors, or pass "
+                          "--allow-pickle-weights if you trust this checkpoint")
+    raise TargetError(f"target model {where} has no weights ({' or '.join(SAFETENSORS_FILES)}); pass a complete "
+                      "checkpoint to --target-model")
+
+
+def local_fingerprint(path: str, allow_pickle: bool = False) -> str:
+    """``sha256`` of what a load reads: ``config.json``, the weight index, and each weight file's
+    name, size, header and evenly spaced samples of its data.
+
+    A safetensors header names every tensor with its dtype, shape and byte range, so hashing it
+    catches a resized or re-sharded checkpoint; the data samples catch a same-shaped one (another
+    fine-tune) without reading its (many GB of) data.
+    """
+    from dspark_cache.format.files import open_regular, read_regular
+
+    entry = _weight_names(path, os.listdir(path), allow_pickle)
+    files = [entry]
+    if entry.endswith(".index.json"):
+        index_path = os.path.join(path, entry)
+        try:
+            weight_map = json.loads(read_regular(index_path, MAX_INDEX_BYTES))["weight_map"]
+            files += sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise TargetError(f"target model {path}: {entry} is not a readable weight index ({first_line(exc)}); "
+                              "repair or re-download the checkpoint") from exc
+    digest = hashlib.sha256()
+    total = 0
+    for name in [CONFIG_FILE, *files]:
+        where = os.path.join(path, name)
+        try:
+            fd = open_regular(where)
+        except (OSError, CacheError) as exc:
+            raise TargetError(f"target model {path}: cannot read {name} ({first_line(exc)}); the checkpoint is "
+                              "incomplete: repair or re-download it") from exc
+        try:
+            size = os.fstat(fd).st_size
+            part = _file_digest(fd, name, size, where)
+        finally:
+            os.close(fd)
+        total += size
+        digest.update(f"{name}\0{size}\0{part}\n".encode())
+    return f"sha256:{digest.hexdigest()} ({len(files)} weight files, {total} bytes)"
+
+
+def _file_digest(fd: int, name: str, size: int, where: str) -> str:
+    """sha256 of the part of a checkpoint file that identifies it (see :func:`local_fingerprint`)."""
+    if name.endswith(".json"):  # config and weight indexes: small, hashed whole
+        return hashlib.sha256(os.pread(fd, min(size, MAX_INDEX_BYTES), 0)).hexdigest()
+    digest, data_start = hashlib.sha256(), 0
+    if name.endswith(".safetensors"):
+        length = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if not 0 < length <= MAX_SAFETENSORS_HEADER or 8 + length > size:
+            raise TargetError(f"{where} is not a safetensors file (truncated or damaged: header of {length} "
+                              f"bytes in a {size}-byte file); repair or re-download the checkpoint")
+        data_start = 8 + length
+        digest.update(os.pread(fd, data_start, 0))
+    # The header does not change when a same-shaped checkpoint (a fine-tune) replaces this one:
+    # evenly spaced samples of the data do.
+    span = size - data_start
+    if span <= DATA_SAMPLES * SAMPLE_BYTES:
+        digest.update(os.pread(fd, span, data_start))
+    else:
+        for i in range(DATA_SAMPLES):
+            digest.update(os.pread(fd, SAMPLE_BYTES, data_start + i * (span - SAMPLE_BYTES) // (DATA_SAMPLES - 1)))
+    return digest.hexdigest()
+
+
+def _hub_commit(repo: str) -> tuple[str, list[str]]:
+    """The commit a hub id resolves to and its file names: asked once (no retries) when online, from
+    the local cache when offline or when the hub cannot be reached. Fails in one line otherwise."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    reason = "HF_HUB_OFFLINE is set"
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            info = HfApi().model_info(repo, timeout=HUB_TIMEOUT_S)
+            return str(info.sha), [s.rfilename for s in info.siblings or []]
+        except HfHubHTTPError as exc:  # the hub answered: no such repository, gated, unauthorised
+            raise TargetError(f"target model {repo!r} on {constants.ENDPOINT}: {first_line(exc)}") from exc
+        except Exception as exc:  # noqa: BLE001 - any transport failure: fall back to the local cache
+            reason = f"{constants.ENDPOINT} cannot be reached ({first_line(exc)})"
+    cached = try_to_load_from_cache(repo, CONFIG_FILE)
+    if not isinstance(cached, str):
+        raise TargetError(f"target model {repo!r} is not in the local Hugging Face cache and {reason}: download "
+                          f"it where the hub is reachable (hf download {repo}), or pass a local checkpoint "
+                          "directory to --target-model")
+    snapshot = os.path.dirname(cached)
+    if not constants.HF_HUB_OFFLINE:
+        log.warning("target model %s: %s; using its cached snapshot %s", repo, reason, snapshot)
+        # Every later hub access of this run (the tokenizer, the weights, encoding workers) would
+        # retry the same unreachable endpoint: the run works from the local cache instead.
+        constants.HF_HUB_OFFLINE = True
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    return os.path.basename(snapshot), os.listdir(snapshot)
 
 
 def resolve_device(arg: str) -> torch.device:
@@ -61,22 +214,43 @@ def resolve_device(arg: str) -> torch.device:
     return device
 
 
-def read_target_info(path: str, trust_remote_code: bool = False) -> TargetInfo:
+def read_target_info(path: str, trust_remote_code: bool = False, allow_pickle: bool = False) -> TargetInfo:
+    """The target's facts and the fingerprint of its checkpoint, before any weight is loaded.
+
+    A hub id is pinned to one commit here, and :class:`TargetRunner` loads that commit: what was
+    fingerprinted is what is loaded, even if the repository moves on meanwhile.
+    """
     from transformers import AutoConfig
 
-    if not os.path.isdir(path) and ("/" not in path or path.startswith((".", "/"))):
-        raise TargetError(f"target model {path} does not exist; pass a checkpoint directory or a hub id to --target-model")
+    checkpoint = resolve_checkpoint(path, allow_pickle)
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, revision=checkpoint.revision, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise TargetError(f"cannot read the config of target model {path!r}: {exc}") from exc
+        raise TargetError(f"cannot read the config of target model {path!r}: {first_line(exc)}") from exc
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return TargetInfo(
         model_type=str(getattr(config, "model_type", "")),
         vocab_size=int(text.vocab_size),
         hidden_size=int(text.hidden_size),
         num_layers=int(text.num_hidden_layers),
+        fingerprint=checkpoint.fingerprint,
+        revision=checkpoint.revision,
     )
+
+
+def check_loaded(path: str, loading: dict[str, Any]) -> None:
+    """Refuse a target that loaded with weights missing or of the wrong shape: transformers fills
+    those at random and only warns, and every hidden state computed from them would be noise.
+    (A tied ``lm_head`` is the embedding itself, never missing.)"""
+    problems = []
+    for key, what in (("missing_keys", "missing from the checkpoint"), ("mismatched_keys", "of another shape")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in loading.get(key) or ())
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            problems.append(f"{len(names)} weights {what} ({shown})")
+    if problems:
+        raise TargetError(f"target model {path} is incomplete: {'; '.join(problems)}; transformers would "
+                          "initialise them at random. Repair or re-download the checkpoint")
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
@@ -121,10 +295,14 @@ class TargetRunner:
         trust_remote_code: bool = False,
         distributed_config: Any = None,
         device_map: str | None = None,
+        revision: str | None = None,
+        allow_pickle: bool = False,
     ) -> None:
         """``distributed_config``: transformers' ``DistributedConfig`` for a model-parallel group (each
         rank loads only its shards; the caller has joined the group); ``device_map="auto"``: one
-        process spreads the layers over every visible GPU (accelerate). Neither: all on ``device``."""
+        process spreads the layers over every visible GPU (accelerate). Neither: all on ``device``.
+        ``revision``: the hub commit :func:`read_target_info` pinned; ``allow_pickle``: pickle weights
+        may load (they run code), else safetensors only."""
         from transformers import AutoModelForCausalLM
         # The format names dtypes by safetensors code ("BF16", CACHE_DTYPES' values); torch needs its own.
         compute_dtype, cache_dtype = torch_dtype(compute_dtype), torch_dtype(cache_dtype)
@@ -139,7 +317,10 @@ class TargetRunner:
 
         hf_logging.disable_progress_bar()  # our own progress lines say more, in fewer lines
         # Weights go straight to this rank's device: no full copy of the model in host RAM per rank.
-        kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
+        kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code,
+                                  "revision": revision, "output_loading_info": True}
+        if not allow_pickle:
+            kwargs["use_safetensors"] = True
         if distributed_config is not None:
             # Each rank reads its slice of every weight from the checkpoint, onto cuda:LOCAL_RANK (or the
             # CPU): the full weights never exist on one rank. transformers refuses a device_map here.
@@ -148,7 +329,11 @@ class TargetRunner:
             kwargs["device_map"] = device_map or {"": device}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        try:
+            model, loading = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except OSError as exc:  # no weights of an allowed kind, a damaged file
+            raise TargetError(f"cannot load the weights of target model {path}: {first_line(exc)}") from exc
+        check_loaded(path, loading)
         model.eval().requires_grad_(False)
         self.model = model
         self.base = model.get_decoder()
