@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import BinaryIO, TextIO
 
 from dspark_cache.format.atomic import atomic_write_with
 from dspark_cache.format.errors import CacheError
+from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.nemo import layout
 from dspark_cache.producer.layout import check_layout, remove_files, written_files
@@ -91,24 +93,77 @@ def _copy_contents(reader: BinaryIO, writer: BinaryIO) -> None:
     shutil.copyfileobj(reader, writer, _COPY_CHUNK)
 
 
+def open_source_file(path: str) -> int:
+    """A read-only descriptor of a file of SRC, which must be a regular file (a symlink to one is
+    fine): a FIFO would block the read and a device (``/dev/zero``) feed it without end."""
+    try:
+        return open_regular(path)
+    except NotARegularFileError as exc:
+        raise ConvertError(f"{path} is {exc.reason}: a cache file must be a plain file; put the real file "
+                           "there (copy it again from the producer's output, or re-run the producer)") from exc
+
+
 def copy_file_atomic(src: str, dst: str) -> None:
     """Copy ``src`` to ``dst``; ``dst`` appears complete or not at all."""
-    with open(src, "rb") as reader:
+    with os.fdopen(open_source_file(src), "rb") as reader:
         atomic_write_with(dst, lambda writer: _copy_contents(reader, writer))
 
 
 def ensure_weights(src: str, dst: str) -> None:
     """Copy the target weights unless an earlier run already published the same file."""
-    if os.path.exists(dst) and os.path.getsize(dst) == os.path.getsize(src):
+    if _is_regular(dst) and os.path.getsize(dst) == os.path.getsize(src):
         return  # written atomically, so a file of the right size is the whole copy
     copy_file_atomic(src, dst)
 
 
 def require_weights(path: str) -> None:
     """Both layouts need ``target_weights.safetensors``: training initialises the draft from it."""
-    if not os.path.isfile(path):
+    try:
+        os.close(open_source_file(path))
+    except FileNotFoundError as exc:
         raise ConvertError(f"{path} is missing: a cache needs its target's embed_tokens and lm_head weights. "
-                           "Copy it from the producer's output, or re-run the producer to write it")
+                           "Copy it from the producer's output, or re-run the producer to write it") from exc
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _destination_entries(root: str) -> list[os.DirEntry]:
+    """DST's entries under the names a conversion reads, keeps, replaces or deletes: the manifest,
+    the weights, NeMo's shards and leftovers at the top, our shards' files in a real ``shards/``."""
+    paths = CachePaths(root)
+    top = {os.path.basename(paths.manifest), os.path.basename(paths.target_weights)}
+    out = [entry for entry in _scan(root)
+           if entry.name in top or layout.SHARD_RE.match(entry.name) or layout.is_leftover(entry.name)]
+    if not os.path.islink(paths.shards_dir):  # a linked shards/ is refused by check_layout, never entered
+        out += [entry for entry in _scan(paths.shards_dir) if entry.name.startswith("shard-")]
+    return out
+
+
+def _scan(directory: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def check_destination_files(root: str, overwrite: bool) -> None:
+    """Refuse DST files that are not plain files, before anything is read or deleted: a FIFO would
+    block the read of an earlier run's manifest or shard, ``/dev/zero`` feed it without end, a
+    symlink make a kept file live outside DST, and a directory cannot be replaced. ``--overwrite``
+    removes such an entry itself (never what a link points to), except a directory."""
+    for entry in _destination_entries(root):
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if stat.S_ISREG(mode) or (overwrite and not stat.S_ISDIR(mode)):
+            continue
+        hint = "" if stat.S_ISDIR(mode) else ", pass --overwrite to replace it"
+        raise ConvertError(f"{entry.path} is {kind_of(mode)}, not a regular file: dspark-convert reads, keeps and "
+                           f"replaces only plain files in DST. Remove or rename it{hint}, or choose another DST")
 
 
 def remove_partials(root: str) -> None:

@@ -7,6 +7,7 @@ manifest implies (NeMo's own reader checks none of this; a bad shard would surfa
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -14,14 +15,21 @@ from typing import Any
 
 import torch
 
+from dspark_cache.format.files import FileTooLargeError, NotARegularFileError, read_regular
 from dspark_cache.format.layers import validate_target_layer_ids
+from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 from dspark_cache.nemo import layout
-from dspark_cache.nemo.convert.common import ConvertError
+from dspark_cache.nemo.convert.common import ConvertError, ConvertUsageError
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
 
 _INT_FIELDS = ("target_vocab_size", "hidden_size", "num_hidden_layers", "seq_length", "num_samples", "shard_size",
                "target_hidden_dim", "target_last_hidden_dim", "shuffle_seed")
 _STR_FIELDS = ("target_model", "target_model_type", "dtype", "train_data_path", "chat_template_sha256")
+_BOOL_FIELDS = ("mask_reasoning_content", "mask_generation_prompt")
+# Fields that size something: at least 1. Every integer must also fit int64, as our manifest stores it.
+_POSITIVE_FIELDS = ("target_vocab_size", "hidden_size", "num_hidden_layers", "seq_length", "shard_size")
+_INT64 = 2**63
+_INT32_MAX = 2**31 - 1  # sample lengths are stored as int32
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,10 @@ class NemoSource:
         """Sample ids (= NeMo indices) held by ``shard``."""
         return range(shard * self.shard_size, min(self.num_samples, (shard + 1) * self.shard_size))
 
+    @property
+    def vocab_size(self) -> int:
+        return self._int("target_vocab_size")
+
     def shard_bytes(self) -> int:
         return sum(os.path.getsize(self.shard_file(k)) for k in range(self.num_shards))
 
@@ -110,22 +122,29 @@ class NemoSource:
 
 
 def _check_fields(path: str, manifest: dict[str, Any]) -> None:
+    """Types and ranges first, so nothing sized by a field (arrays, shapes) trusts a lie."""
     for name in _INT_FIELDS:
         value = manifest.get(name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConvertError(f"{path}: field {name} must be an integer, found {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not -_INT64 <= value < _INT64:
+            raise ConvertError(f"{path}: field {name} must be a 64-bit integer, found {value!r:.100}")
     for name in _STR_FIELDS:
         if not isinstance(manifest.get(name), str):
-            raise ConvertError(f"{path}: field {name} must be a string, found {manifest.get(name)!r}")
+            raise ConvertError(f"{path}: field {name} must be a string, found {manifest.get(name)!r:.100}")
+    for name in _BOOL_FIELDS:
+        if not isinstance(manifest.get(name), bool):
+            raise ConvertError(f"{path}: field {name} must be true or false, found {manifest.get(name)!r:.100}")
     if manifest.get("train_split") is not None and not isinstance(manifest["train_split"], str):
-        raise ConvertError(f"{path}: field train_split must be a string or null, found {manifest['train_split']!r}")
+        raise ConvertError(f"{path}: field train_split must be a string or null, "
+                           f"found {manifest['train_split']!r:.100}")
     if manifest["dtype"] not in layout.DTYPES:
         raise ConvertError(f"{path}: dtype {manifest['dtype']!r} is not one of {sorted(layout.DTYPES)}")
-    if manifest["seq_length"] < 1 or manifest["shard_size"] < 1 or manifest["num_samples"] < 0:
-        raise ConvertError(f"{path}: seq_length and shard_size must be >= 1 and num_samples >= 0")
+    small = [name for name in _POSITIVE_FIELDS if manifest[name] < 1]
+    if small or manifest["num_samples"] < 0 or manifest["seq_length"] > _INT32_MAX:
+        raise ConvertError(f"{path}: {', '.join(small) or 'seq_length or num_samples'} out of range: "
+                           f"{', '.join(_POSITIVE_FIELDS)} must be >= 1, num_samples >= 0 and seq_length < 2^31")
     ids = manifest.get("target_layer_ids")
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        raise ConvertError(f"{path}: target_layer_ids must be a list of integers, found {ids!r}")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConvertError(f"{path}: target_layer_ids must be a list of integers, found {ids!r:.100}")
     try:
         validate_target_layer_ids(ids, manifest["num_hidden_layers"])
     except ValueError as exc:
@@ -145,10 +164,11 @@ def _check_complete(source: NemoSource) -> None:
             "it completes, then convert"
         )
     found = layout.shard_indices(source.root)
-    expected = range(source.num_shards)
-    if found != list(expected):
-        missing = sorted(set(expected) - set(found))
-        extra = sorted(set(found) - set(expected))
+    # num_shards comes from the manifest and may be a lie of 10^12: only the listing sizes anything.
+    if len(found) != source.num_shards or found != list(range(len(found))):
+        present = set(found)
+        missing = list(itertools.islice((k for k in range(source.num_shards) if k not in present), 6))
+        extra = [k for k in found if k >= source.num_shards]
         detail = "; ".join(part for part in (
             f"missing {[os.path.basename(source.shard_file(k)) for k in missing[:5]]}"
             f"{' and more' if len(missing) > 5 else ''}" if missing else "",
@@ -161,8 +181,36 @@ def _check_complete(source: NemoSource) -> None:
         )
 
 
+def _check_manifest_file(src: str) -> None:
+    """SRC's ``manifest.json``, where there is one, must be a plain JSON object a manifest's size:
+    a FIFO would block the read, ``/dev/zero`` feed it without end, deep nesting crash the parser."""
+    path = layout.manifest_path(src)
+    try:
+        data = read_regular(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        return
+    except NotARegularFileError as exc:
+        raise ConvertError(f"{path} is {exc.reason}: put NeMo's manifest.json there (a plain file), or re-run "
+                           "NeMo's precompute") from exc
+    except FileTooLargeError as exc:
+        raise ConvertError(f"{path} is {exc.size} bytes, far more than a NeMo manifest (~1 KB): it is not one; "
+                           "restore NeMo's manifest.json or re-run NeMo's precompute") from exc
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
+        raise ConvertError(f"{path}: not a JSON manifest ({type(exc).__name__}: {exc!s:.200}); restore NeMo's "
+                           "manifest.json or re-run NeMo's precompute") from exc
+    if not isinstance(manifest, dict):
+        raise ConvertError(f"{path}: not a JSON object; restore NeMo's manifest.json or re-run NeMo's precompute")
+
+
 def open_nemo_source(src: str) -> NemoSource:
-    """Open ``src`` as a complete NeMo cache, or raise a :class:`ConvertError` saying what to do."""
+    """Open ``src`` as a complete NeMo cache, or raise a :class:`ConvertError` saying what to do
+    (a :class:`ConvertUsageError` when ``src`` is not in NeMo's layout at all)."""
+    _check_manifest_file(src)
+    if not layout.is_nemo_layout(src):
+        raise ConvertUsageError(f"{src} is not a NeMo-layout cache (no manifest.json with format_version 1); "
+                                "to export a dspark cache use --to nemo")
     try:
         manifest = layout.read_manifest(src, allow_incomplete=True)
     except FileNotFoundError as exc:
@@ -174,4 +222,6 @@ def open_nemo_source(src: str) -> NemoSource:
     _check_fields(layout.manifest_path(src), manifest)
     source = NemoSource(src, manifest)
     _check_complete(source)
+    for shard in range(source.num_shards):  # every header before anything is sized by num_samples
+        source.open_shard(shard).close()
     return source

@@ -4,12 +4,16 @@ NeMo pads with the tokenizer's pad token (its eos when it has none) and derives 
 mask by stripping the trailing run of pad ids, keeping one trailing eos when pad == eos. That
 attention mask decided what the target saw as content, so it is the rule here too, with one
 addition: a pad-id token that carries ``loss_mask`` 1 was supervised, so it is real.
+
+A wrong pad id strips nothing, so padding would pass for real tokens: the pad id must lie in the
+target's vocabulary, and the rows' own tails must not point at another one (:class:`PadEvidence`).
 """
 
 from __future__ import annotations
 
+import collections
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,8 +50,21 @@ def _tokenizer_ids(target_model: str) -> tuple[int | None, int | None, str]:
 
 
 def resolve_pad_rule(target_model: str, manifest_path: str, pad_token_id: int | None,
-                     eos_token_id: int | None) -> PadRule:
-    """The pad/eos ids: given ones win; the rest come from the tokenizer the manifest names."""
+                     eos_token_id: int | None, vocab_size: int) -> PadRule:
+    """The pad/eos ids: given ones win; the rest come from the tokenizer the manifest names. Both
+    must be token ids of the target (``[0, vocab_size)``)."""
+    rule = _pad_rule(target_model, manifest_path, pad_token_id, eos_token_id)
+    for name, value in (("pad", rule.pad_id), ("eos", rule.eos_id)):
+        if value is not None and not 0 <= value < vocab_size:
+            raise ConvertUsageError(
+                f"the {name} id {value} ({rule.source}) is not a token of the target: {manifest_path} says "
+                f"target_vocab_size {vocab_size}, so ids lie in [0, {vocab_size}). Pass --{name}-token-id with the "
+                f"id NeMo's tokenizer uses"
+            )
+    return rule
+
+
+def _pad_rule(target_model: str, manifest_path: str, pad_token_id: int | None, eos_token_id: int | None) -> PadRule:
     if pad_token_id is not None and eos_token_id is not None:
         return PadRule(pad_token_id, eos_token_id, "--pad-token-id/--eos-token-id")
     tok_pad, tok_eos, why_not = _tokenizer_ids(target_model)
@@ -60,6 +77,37 @@ def resolve_pad_rule(target_model: str, manifest_path: str, pad_token_id: int | 
             "--eos-token-id too when pad == eos)"
         )
     return PadRule(tok_pad, eos_token_id if eos_token_id is not None else tok_eos, f"the tokenizer in {target_model}")
+
+
+@dataclass
+class PadEvidence:
+    """What the rows' ends say about the pad id. NeMo pads every short row's tail with one id at
+    ``loss_mask`` 0, so a tail of two or more equal unsupervised ids looks like padding; content
+    (a truncated row) seldom ends that way. More rows padded-looking with another id than with
+    ours means ours is wrong: with it nothing would be stripped."""
+
+    rows: int = 0
+    tails: collections.Counter = field(default_factory=collections.Counter)  # id -> rows ending in a run of it
+
+    def add(self, ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        self.rows += 1
+        if ids.shape[0] >= 2 and not bool(loss_mask[-2:].any()) and int(ids[-1]) == int(ids[-2]):
+            self.tails[int(ids[-1])] += 1
+
+    def check(self, rule: PadRule, src: str) -> None:
+        """Refuse the conversion when another id pads more rows than ``rule``'s (see the class doc)."""
+        others = [(count, token) for token, count in self.tails.items() if token != rule.pad_id]
+        if not others:
+            return
+        count, token = max(others)
+        ours = self.tails[rule.pad_id]
+        if count > ours:
+            raise ConvertUsageError(
+                f"the pad id {rule.pad_id} ({rule.source}) pads {ours} of the {self.rows} rows of {src}, but {count} "
+                f"end in a run of unsupervised token {token}, the way NeMo pads: with {rule.pad_id} that padding "
+                f"would be kept as real tokens. Pass --pad-token-id {token} if NeMo padded with it (check the "
+                "tokenizer it used)"
+            )
 
 
 def real_length(ids: torch.Tensor, loss_mask: torch.Tensor, rule: PadRule) -> tuple[int, bool]:

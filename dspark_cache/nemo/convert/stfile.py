@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dspark_cache.format.files import NotARegularFileError, open_regular
 from dspark_cache.nemo.convert.common import ConvertError
 
 _CODES: dict[torch.dtype, str] = {
@@ -25,9 +26,9 @@ _CODES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
-# A header larger than this is not a NeMo shard (four entries take ~300 bytes); the bound keeps a
-# damaged length field from asking for gigabytes.
-_MAX_HEADER = 100 << 20
+# A header larger than this is not a NeMo shard (four entries take ~300 bytes, NeMo writes no
+# metadata); the bound keeps a damaged length field from asking for memory.
+_MAX_HEADER = 1 << 20
 # safetensors pads its JSON header with spaces to this multiple.
 _HEADER_ALIGN = 8
 
@@ -77,21 +78,41 @@ def file_size(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
     return len(header) + sum(r.nbytes for r in ranges.values())
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _parse_entry(path: str, name: str, info: object, base: int, size: int) -> TensorRange:
     if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
-        raise ConvertError(f"{path}: tensor {name!r} has an unknown or missing dtype ({info!r})")
+        raise ConvertError(f"{path}: tensor {name!r} has an unknown or missing dtype ({info!r:.200})")
     shape, offsets = info.get("shape"), info.get("data_offsets")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise ConvertError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise ConvertError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+        raise ConvertError(f"{path}: tensor {name!r} has an invalid shape {shape!r:.200}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise ConvertError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r:.200}")
     tensor = TensorRange(name, _DTYPES[info["dtype"]], tuple(shape), base + offsets[0])
-    if offsets[1] - offsets[0] != tensor.nbytes or offsets[0] < 0:
-        raise ConvertError(f"{path}: tensor {name!r} spans bytes {offsets} but its shape {shape} needs {tensor.nbytes}")
+    if offsets[1] - offsets[0] != tensor.nbytes:
+        raise ConvertError(f"{path}: tensor {name!r} spans bytes {offsets} but its shape {shape} needs "
+                           f"{tensor.nbytes}")
     if base + offsets[1] > size:
         raise ConvertError(f"{path}: tensor {name!r} ends at byte {base + offsets[1]} but the file has {size} "
                            "bytes (truncated? copy the shard again or re-run its producer)")
     return tensor
+
+
+def _check_tiling(path: str, tensors: dict[str, TensorRange], base: int, size: int) -> None:
+    """The tensors must cover the data area exactly, in order, as ``safetensors`` itself demands:
+    an overlap would read one tensor's bytes as another's, a gap or a tail is not this format."""
+    cursor = base
+    for tensor in sorted(tensors.values(), key=lambda t: (t.start, t.nbytes)):
+        if tensor.start != cursor:
+            raise ConvertError(f"{path}: tensor {tensor.name!r} starts at byte {tensor.start}, not {cursor} where "
+                               "the previous one ends (overlapping or gapped offsets: not a safetensors file "
+                               "as NeMo writes it; copy the shard again or re-run its producer)")
+        cursor += tensor.nbytes
+    if cursor != size:
+        raise ConvertError(f"{path}: the tensors end at byte {cursor} but the file has {size} bytes (damaged or "
+                           "appended to; copy the shard again or re-run its producer)")
 
 
 class SafetensorsFile:
@@ -100,7 +121,10 @@ class SafetensorsFile:
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self._fd = os.open(path, os.O_RDONLY)
+            self._fd = open_regular(path)  # a FIFO would block the open, /dev/zero read forever
+        except NotARegularFileError as exc:
+            raise ConvertError(f"{path} is {exc.reason}: a shard must be a plain file; put the real shard "
+                               "there (copy it again, or re-run its producer)") from exc
         except OSError as exc:
             raise ConvertError(f"{path}: cannot open ({exc.strerror})") from exc
         try:
@@ -120,13 +144,16 @@ class SafetensorsFile:
                                "(not a safetensors file, or truncated)")
         try:
             header = json.loads(os.pread(self._fd, length, 8))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConvertError(f"{self.path}: unreadable safetensors header ({exc})") from exc
+        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, or nested past the parser's depth
+            raise ConvertError(f"{self.path}: unreadable safetensors header ({type(exc).__name__}: {exc}); "
+                               "copy the shard again or re-run its producer") from exc
         if not isinstance(header, dict):
             raise ConvertError(f"{self.path}: the safetensors header is not a JSON object")
         base = 8 + length
-        return {name: _parse_entry(self.path, name, info, base, size)
-                for name, info in header.items() if name != "__metadata__"}
+        tensors = {name: _parse_entry(self.path, name, info, base, size)
+                   for name, info in header.items() if name != "__metadata__"}
+        _check_tiling(self.path, tensors, base, size)
+        return tensors
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -21,18 +21,20 @@ import torch
 
 from dspark_cache import __version__
 from dspark_cache.format.errors import CorruptShardError
+from dspark_cache.format.files import read_regular
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SkippedRow, decode_manifest, identity_diff
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
+from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.convert.common import (
-    ConvertError, ConvertResult, ConvertUsageError, Progress, check_paths, clear_destination, ensure_weights,
+    ConvertError, ConvertResult, Progress, check_destination_files, check_paths, clear_destination, ensure_weights,
     file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
 )
 from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
-from dspark_cache.nemo.convert.padding import PadRule, real_length, resolve_pad_rule
+from dspark_cache.nemo.convert.padding import PadEvidence, PadRule, real_length, resolve_pad_rule
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
 from dspark_cache.producer.manifest import adopt_cache_id, mark_complete, write_manifest
 from dspark_cache.producer.plan import SampleShape
@@ -56,23 +58,29 @@ class ImportPlan:
         return [sid for sid in rows if self.lengths[sid]]
 
 
-def _check_row(path: str, row: int, sample: int, ids: torch.Tensor, mask: torch.Tensor) -> None:
+def _check_row(path: str, row: int, sample: int, ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
     if bool(((mask != 0) & (mask != 1)).any()):
-        raise ConvertError(f"{path} row {row} (sample {sample}): loss_mask holds values other than 0 and 1")
-    if bool((ids < 0).any()) or bool((ids > _INT32_MAX).any()):
-        raise ConvertError(f"{path} row {row} (sample {sample}): input_ids holds a negative or > 2^31-1 token id")
+        raise ConvertError(f"{path} row {row} (sample {sample}): loss_mask holds values other than 0 and 1; the "
+                           "shard is damaged: copy it again or re-run NeMo's precompute")
+    bad = ids[(ids < 0) | (ids >= min(vocab_size, _INT32_MAX + 1))]
+    if bad.numel():  # training would index the embedding with it
+        raise ConvertError(f"{path} row {row} (sample {sample}): input_ids holds token id {int(bad[0])}, outside "
+                           f"the target's vocabulary [0, {vocab_size}) (manifest target_vocab_size); the shard is "
+                           "damaged or belongs to another target: copy it again or re-run NeMo's precompute")
 
 
 def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> ImportPlan:
     """First pass: check every shard and row, and size every output shard exactly."""
     plan = ImportPlan(np.zeros(source.num_samples, np.int64), np.zeros(source.num_samples, np.int64))
     seq = source.seq_length
+    evidence = PadEvidence()
     for shard in range(source.num_shards):
         laid_out = []
         with source.open_shard(shard) as handle:
             for row, sid in enumerate(source.rows(shard)):
                 ids, mask = handle.read("input_ids", row, seq), handle.read("loss_mask", row, seq)
-                _check_row(handle.path, row, sid, ids, mask)
+                _check_row(handle.path, row, sid, ids, mask, source.vocab_size)
+                evidence.add(ids, mask)
                 length, ambiguous = real_length(ids, mask, rule)
                 plan.ambiguous += ambiguous
                 if not length:
@@ -82,6 +90,7 @@ def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> Import
                 plan.lengths[sid], plan.loss_tokens[sid] = length, int(mask[:length].sum())
                 laid_out.append((shape.specs(length), shape.metadata(sid)))
         plan.shard_bytes.append(predict_shard_bytes(laid_out))
+    evidence.check(rule, source.root)
     return plan
 
 
@@ -120,10 +129,12 @@ def _existing_manifest(paths: CachePaths, new: Manifest, overwrite: bool) -> Man
         raise ConvertError(f"{paths.root} holds a NeMo-layout cache; pass --overwrite to replace it, or choose "
                            "another DST")
     try:
-        with open(paths.manifest, "rb") as handle:
-            old = decode_manifest(handle.read(), paths.manifest)
+        old = decode_manifest(read_regular(paths.manifest, MAX_MANIFEST_BYTES), paths.manifest)
     except msgspec.DecodeError as exc:
         raise ConvertError(f"{exc}; pass --overwrite to replace it, or choose another DST") from exc
+    except RecursionError as exc:  # msgspec stops at the interpreter's depth limit, even for a typed decode
+        raise ConvertError(f"{paths.manifest} is nested too deeply to be a manifest; pass --overwrite to replace "
+                           "it, or choose another DST") from exc
     diff = identity_diff(old, new)
     if diff:
         lines = "\n".join(f"  {name}: DST has {a!r}, this conversion gives {b!r}" for name, a, b in diff)
@@ -227,12 +238,10 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     """Import the NeMo cache ``src`` into the dspark cache ``dst`` (resumable; see the module doc)."""
     started = time.perf_counter()
     check_paths(src, dst)
-    if not layout.is_nemo_layout(src):
-        raise ConvertUsageError(f"{src} is not a NeMo-layout cache (no manifest.json with format_version 1); "
-                                "to export a dspark cache use --to nemo")
     source = open_nemo_source(src)
     require_weights(layout.target_weights_path(src))
-    rule = resolve_pad_rule(source.manifest["target_model"], source.manifest_path, pad_token_id, eos_token_id)
+    rule = resolve_pad_rule(source.manifest["target_model"], source.manifest_path, pad_token_id, eos_token_id,
+                            source.vocab_size)
     shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, dtype_code(source.dtype))
     plan = plan_import(source, rule, shape)  # everything is checked before DST is touched
     manifest = build_manifest(source, rule, plan)
@@ -241,6 +250,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     producer_lock = None
     try:
         producer_lock = lock_cache(paths, required=True)
+        check_destination_files(dst, overwrite)
         kept, finished = _reconcile(paths, source, plan, manifest, overwrite)
         if not finished:
             write_manifest(paths, manifest)  # complete: false, before the first shard

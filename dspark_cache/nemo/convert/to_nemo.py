@@ -36,8 +36,8 @@ from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HID
 from dspark_cache.loader.cache import Cache, open_cache
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.convert.common import (
-    ConvertError, ConvertResult, ConvertUsageError, Progress, check_paths, clear_destination, ensure_weights,
-    file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
+    ConvertError, ConvertResult, ConvertUsageError, Progress, check_destination_files, check_paths, clear_destination,
+    ensure_weights, file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
 )
 from dspark_cache.nemo.convert.stfile import (
     SafetensorsFile, TensorRange, file_size, header_bytes, pwrite_all, raw_bytes,
@@ -156,6 +156,7 @@ def _open_source(src: str, dtype: str | None) -> Cache:
 
 def _reconcile(dst: str, manifest: dict, shards: list[list[int]], overwrite: bool) -> tuple[set[int], bool]:
     """Prepare DST: refuse another cache, clear leftovers; returns (shards to keep, already complete)."""
+    check_destination_files(dst, overwrite)
     existing = _existing_manifest(dst, manifest, overwrite)
     remove_partials(dst)
     for stale in layout.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
@@ -207,7 +208,8 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         os.close(lock)
         cache.close()
     paths = CachePaths(src)
-    before = file_bytes([p for s in cache.shards for p in (paths.shard_tar(s.shard_id), paths.shard_index(s.shard_id))])
+    before = file_bytes([p for s in cache.shards
+                         for p in (paths.shard_tar(s.shard_id), paths.shard_index(s.shard_id))])
     written = [layout.shard_path(dst, k) for k in range(len(shards))]
     return ConvertResult("nemo", total, len(shards), len(kept), before, file_bytes(written),
                          time.perf_counter() - started, cache.manifest.pad_token_id,
