@@ -110,7 +110,10 @@ def _verify_fp8(cache: CacheDir, index: ShardIndex, shard_id: int) -> None:
 
 def repair(path: str, report: Report) -> None:
     """Rebuild the index of a shard whose tar is provably intact; unpublish the others (index first,
-    so readers stop seeing it, then the tar) so that a producer rerun recomputes them."""
+    so readers stop seeing it, then the tar) so that a producer rerun recomputes them. Writes
+    nothing when no shard is corrupt (an intact cache on a read-only filesystem repairs fine)."""
+    if not report.corrupt:
+        return
     paths = CachePaths(path)
     if os.path.islink(paths.shards_dir):
         raise CacheError(f"{paths.shards_dir} is a symlink: dspark-verify --repair never deletes through one; "
@@ -143,27 +146,46 @@ _REPAIRED = {"rebuilt": " (index rebuilt from the intact tar)",
              "deleted": " (deleted: rerun dspark-produce to recompute it)"}
 
 
+def headline_state(report: Report) -> str:
+    """The verdict, first on the headline: what is wrong before how much is fine."""
+    states = (["CORRUPT"] if report.corrupt or report.problems else []) + \
+        (["INCOMPLETE"] if report.missing or not report.complete else [])
+    return ", ".join(states) or "complete"
+
+
+def _blamed(problem: dict) -> str:
+    """A damaged index is the index's fault (its tar may be intact), anything else the shard's."""
+    if str(problem.get("path", "")).endswith(".idx"):
+        return f"damaged index of shard {problem['shard']}"
+    return f"corrupt shard {problem['shard']}"
+
+
 def print_report(report: Report) -> None:
     """The report for people: what is wrong, file by file, and what to do about it."""
-    state = "complete" if report.complete else "INCOMPLETE"
-    print(f"{report.cache}: {state}, {report.shards_ok}/{report.shards_total} shards verified, "
+    print(f"{report.cache}: {headline_state(report)}, {report.shards_ok}/{report.shards_total} shards verified, "
           f"{report.samples_ok} samples")
     for problem in report.problems:
         print(f"problem: {problem}")
     if report.missing:
         print(f"missing shards: {format_ranges(report.missing)}")
     for problem in report.corrupt:
-        print(f"corrupt shard {problem['shard']}: {problem['reason']}{_REPAIRED.get(problem.get('repaired'), '')}")
+        print(f"{_blamed(problem)}: {problem['reason']}{_REPAIRED.get(problem.get('repaired'), '')}")
     for leftover in report.leftovers:
         print(f"leftover from an interrupted run (deleted by the next dspark-produce): {leftover}")
+    deleted = [p["shard"] for p in report.corrupt if p.get("repaired") == "deleted"]
     if report.ok:
         print("OK")
     elif report.corrupt and not all(p.get("repaired") for p in report.corrupt):
         print("Run dspark-verify --repair to rebuild damaged indexes and unpublish corrupt shards, then rerun "
               "dspark-produce with the cache's original arguments: it recomputes exactly those shards.")
+    elif report.missing or deleted or not report.complete:
+        print(f"Rerun dspark-produce with the cache's original arguments to compute the missing shards "
+              f"({format_ranges(report.missing + deleted)}), or wait, if a producer is still running.")
+    elif report.problems:
+        print("Fix the problems above (each says how), then run dspark-verify again.")
     else:
-        print("Rerun dspark-produce with the cache's original arguments to compute the missing shards "
-              "(or wait, if a producer is still running).")
+        print("Repaired: every damaged index was rebuilt from its intact tar and no shard is missing; run "
+              "dspark-verify again to confirm.")
 
 
 def main(argv: list[str] | None = None) -> int:

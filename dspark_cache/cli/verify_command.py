@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Verify (and repair), print the report; 0 when the cache is complete and intact, 1 when not."""
-    from dspark_cache.verify import print_report, repair, verify_cache
+    from dspark_cache.verify import headline_state, print_report, repair, verify_cache
 
     try:
         report = verify_cache(args.cache_dir)
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {exc}; check the path and its permissions", file=sys.stderr)
         return EXIT_NOT_A_CACHE
     if args.json:
-        print(msgspec.json.encode({**asdict(report), "ok": report.ok}).decode())
+        print(msgspec.json.encode({**asdict(report), "ok": report.ok, "state": headline_state(report)}).decode())
     else:
         print_report(report)
     return EXIT_OK if report.ok else EXIT_ERROR
