@@ -1,8 +1,9 @@
 """Runs fuzz cases against a pristine cache in one process; the test watches it from outside.
 
-Usage: ``python -m tests.fuzz_worker PRISTINE WORKDIR SEED FIRST COUNT``. For each case it copies
-the pristine cache, applies one seeded mutation, reads the copy through ``open_cache``, the
-loader (native and Python fillers) and ``verify_cache``, and prints one JSON line:
+Usage: ``python -m tests.fuzz_worker PRISTINE WORKDIR SEED FIRST COUNT [FAMILY]``. For each case it
+copies the pristine cache, applies one seeded mutation of ``FAMILY`` (:data:`FAMILIES`; ``cache`` by
+default), reads the copy through ``open_cache``, the loader (native and Python fillers) and
+``verify_cache``, and prints one JSON line:
 ``{"case", "mutation", "outcome"}`` with outcome ``same`` (exactly the original samples),
 ``rejected`` (a ``CacheError`` naming a file of the cache) or ``FAIL: ...``. A ``start`` line is
 printed before each case, so a hang or a signal is pinned on its case by the watcher.
@@ -15,13 +16,14 @@ import os
 import random
 import resource
 import shutil
+import struct
 import sys
 import traceback
 
 MEMORY_LIMIT = 6 << 30  # address space: a runaway allocation fails here instead of hurting the machine
 
 
-def main(pristine: str, workdir: str, seed: int, first: int, count: int) -> None:
+def main(pristine: str, workdir: str, seed: int, first: int, count: int, family: str = "cache") -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     import dspark_cache
 
@@ -30,9 +32,9 @@ def main(pristine: str, workdir: str, seed: int, first: int, count: int) -> None
         rng = random.Random(seed * 1_000_003 + case)
         target = os.path.join(workdir, f"case-{case}")
         shutil.copytree(pristine, target)
-        mutation = mutate(target, rng)
+        mutation = FAMILIES[family](target, rng)
         print(json.dumps({"start": case, "mutation": mutation}), flush=True)
-        outcome = run_case(target, original)
+        outcome = run_case(target, original, extra_readers=EXTRA_READERS.get(family, ()))
         print(json.dumps({"case": case, "mutation": mutation, "outcome": outcome}), flush=True)
         shutil.rmtree(target, ignore_errors=True)
 
@@ -158,16 +160,71 @@ def _mutate_special(root: str, rng: random.Random) -> str:
     return f"special: {os.path.basename(path)} replaced by {how}"
 
 
+# -- FP8 scales and codes, with the checksums made to match (a crafted cache, not a flipped bit) ----
+
+# Each breaks the FP8 rule (format.sample.fp8_bad_scales): NaN, infinities, zero and -0, negative,
+# and finite scales whose largest state overflows: as float32 (1e36 x 448) and only as bf16.
+_BAD_SCALES = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, -1.0, -1e-30, 1e36, 3.3965e38 / 448]
+_BAD_CODES = {"F8_E4M3": [0x7F, 0xFF], "F8_E5M2": [0x7C, 0xFC, 0x7D, 0xFF]}
+
+
+def _sample_tensors(raw: bytes, offset: int) -> dict[str, tuple[str, int, int]]:
+    """name -> (dtype code, first byte, end) in the tar, from the sample's own safetensors header."""
+    (header_len,) = struct.unpack_from("<Q", raw, offset)
+    header = json.loads(raw[offset + 8 : offset + 8 + header_len])
+    base = offset + 8 + header_len
+    return {name: (t["dtype"], base + t["data_offsets"][0], base + t["data_offsets"][1])
+            for name, t in header.items() if name != "__metadata__" and not name.startswith("__pad")}
+
+
+def _mutate_fp8(root: str, rng: random.Random) -> str:
+    """A hostile scale or NaN/inf code in one sample, its sample and tar checksums rewritten to match."""
+    import xxhash
+
+    path = rng.choice(_tars(root))
+    index_path = path[: -len(".tar")] + ".idx"
+    index = json.load(open(index_path))
+    raw = bytearray(open(path, "rb").read())
+    k = rng.randrange(len(index["samples"]))
+    entry = index["samples"][k]
+    tensors = _sample_tensors(bytes(raw), entry[3])
+    states = rng.choice([n for n in ("target_hidden_states", "target_last_hidden_states") if n in tensors])
+    code = tensors["target_hidden_states"][0]
+    if rng.random() < 0.6:
+        name = states + "_scale"
+        _, start, end = tensors[name]
+        at = start + 4 * rng.randrange((end - start) // 4)
+        value = rng.choice(_BAD_SCALES)
+        raw[at : at + 4] = struct.pack("<f", value)
+        what = f"{name} = {value!r}"
+    else:
+        _, start, end = tensors[states]
+        at = start + rng.randrange(end - start)
+        value = rng.choice(_BAD_CODES[code])
+        raw[at] = value
+        what = f"{states} code 0x{value:02X}"
+    entry[5] = xxhash.xxh3_64_intdigest(bytes(raw[entry[3] : entry[3] + entry[4]]))
+    index["tar_xxh3"] = xxhash.xxh3_64_intdigest(bytes(raw))
+    open(path, "wb").write(bytes(raw))
+    json.dump(index, open(index_path, "w"))
+    return f"fp8: sample {entry[0]} in {os.path.basename(path)}: {what} at byte {at}"
+
+
+def mutate_fp8(root: str, rng: random.Random) -> str:
+    """Mostly crafted FP8 damage; the rest, the generic mutations on an FP8 cache's geometry."""
+    return _mutate_fp8(root, rng) if rng.random() < 0.75 else mutate(root, rng)
+
+
 # -- reading ----------------------------------------------------------------------------------
 
 
-def run_case(root: str, original: dict) -> str:
+def run_case(root: str, original: dict, extra_readers=()) -> str:
     from dspark_cache.format.errors import CacheError
     from dspark_cache.verify import verify_cache
 
     outcomes = {}
     for name, read in (("open_cache", _read_open_cache), ("loader-native", _read_loader(True)),
-                       ("loader-python", _read_loader(False))):
+                       ("loader-python", _read_loader(False)), *extra_readers):
         try:
             outcomes[name] = "same" if read(root, original) else "FAIL: different data"
         except CacheError as exc:
@@ -205,6 +262,15 @@ def _read_open_cache(root: str, original: dict) -> bool:
     return samples.keys() == original.keys() and all(_same(samples[i], original[i]) for i in original)
 
 
+def _read_open_cache_raw(root: str, original: dict) -> bool:
+    """FP8 samples as stored (codes and scales), dequantised as the loader's default would."""
+    import dspark_cache
+
+    with dspark_cache.open_cache(root, dtype="raw") as cache:
+        samples = {s["sample_id"]: dspark_cache.dequantize(s) for s in cache.samples()}
+    return samples.keys() == original.keys() and all(_same(samples[i], original[i]) for i in original)
+
+
 def _read_loader(native: bool):
     def read(root: str, original: dict) -> bool:
         import dspark_cache
@@ -230,5 +296,10 @@ def _read_loader(native: bool):
     return read
 
 
+# Mutation families (the optional last argument) and the readers each adds to the common three.
+FAMILIES = {"cache": mutate, "fp8": mutate_fp8}
+EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),)}
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:7])

@@ -34,8 +34,8 @@ def pristine(embedded, tmp_path_factory) -> str:
     return out
 
 
-def _run_worker(pristine: str, workdir: str, first: int, count: int) -> list[dict]:
-    args = [sys.executable, "-m", "tests.fuzz_worker", pristine, workdir, str(SEED), str(first), str(count)]
+def _run_worker(pristine: str, workdir: str, first: int, count: int, family: str = "cache") -> list[dict]:
+    args = [sys.executable, "-m", "tests.fuzz_worker", pristine, workdir, str(SEED), str(first), str(count), family]
     try:
         done = subprocess.run(args, capture_output=True, text=True, timeout=60 + 3 * count, cwd=os.getcwd())
         stdout, returncode, why = done.stdout, done.returncode, done.stderr[-2000:]
@@ -61,3 +61,31 @@ def test_hostile_caches_are_refused_or_read_exactly(pristine, tmp_path):
     print(f"\nfuzz: {len(results)} cases, seed {SEED}: {dict(counts)}; mutated files: {dict(kinds)}")
     assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
     assert counts["rejected"] > CASES // 2  # the mutations do reach the checks
+
+
+# -- FP8 scales and codes (issue 23) ------------------------------------------------------------
+
+FP8_CASES = int(os.environ.get("DSPARK_FUZZ_FP8_CASES", "100"))
+
+
+@pytest.fixture(scope="module")
+def pristine_fp8(embedded, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("fuzz-fp8") / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, "--seq-length", "48", "--shard-size", "12",
+                       "--dtype", "fp8", "--target-layer-ids", "1", "3") == 0
+    return out
+
+
+def test_hostile_fp8_scales_and_codes_are_refused(pristine_fp8, tmp_path):
+    """Crafted FP8 damage with matching checksums (NaN, inf, zero, negative, overflowing scales; NaN/inf
+    codes) through open_cache (bf16 and raw), both fillers and verify: every reader refuses it by the FP8
+    rule, never hands out NaN or inf. A quarter of the cases are the generic mutations on FP8 geometry."""
+    results = []
+    for first in range(0, FP8_CASES, PER_WORKER):
+        results += _run_worker(pristine_fp8, str(tmp_path), first, min(PER_WORKER, FP8_CASES - first), "fp8")
+    failures = [r for r in results if r["outcome"].startswith("FAIL")]
+    counts = collections.Counter(r["outcome"] for r in results)
+    crafted = [r for r in results if (r["mutation"] or "").startswith("fp8:")]
+    print(f"\nfuzz fp8: {len(results)} cases, seed {SEED}: {dict(counts)}; crafted FP8 damage: {len(crafted)}")
+    assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
+    assert len(crafted) > FP8_CASES // 2 and all(r["outcome"] == "rejected" for r in crafted)
