@@ -137,3 +137,20 @@ def test_a_shard_of_another_cache_is_refused_and_recomputed(embedded, inputs, ca
     ours, want = _samples(out), _samples(cache_a)
     assert ours.keys() == want.keys()
     assert all(torch.equal(ours[s][k], want[s][k]) for s in want for k in ("input_ids", "target_hidden_states"))
+
+
+def test_every_rank_writes_the_id_rank_0_gave_the_cache(embedded, inputs, tmp_path):
+    """Under torchrun each rank builds its own manifest; the id is rank 0's, whichever rank writes
+    shards or marks the cache complete."""
+    from tests.conftest import produce_args
+    from tests.proc import BIN, run
+
+    out = str(tmp_path / "cache")
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer.cli",
+           *produce_args(embedded.stock, inputs[0], out, *ARGS, "--num-workers", "0")]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr
+    paths, cache_id = CachePaths(out), CacheDir(out).cache_id
+    assert len(cache_id) == 32
+    assert {load_shard_index(paths, s).cache_id for s in paths.indexed_shard_ids()} == {cache_id}
+    assert not verify_cache(out).corrupt and len(_samples(out)) == CacheDir(out).manifest.num_samples

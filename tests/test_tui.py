@@ -62,7 +62,8 @@ async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
         await app.refreshed()
         assert "1.5k tok/s  ETA 8m26s" in plain(app.query_one("#progress-text"))
         shards = plain(app.query_one("#shards"))
-        assert "22 published  2 writing  35 pending  1 failed" in shards
+        # Rank 1 is STALE: its shard's .partial has no live writer
+        assert "22 published  1 writing  1 abandoned (rerun resumes)  35 pending  1 failed" in shards
         assert "will not fit" in plain(app.query_one("#disk"))
         events = plain(app.query_one("#events"))
         assert "disk full while writing shard 23" in events and "non-finite" in events
@@ -134,6 +135,7 @@ async def test_a_slow_read_never_freezes_the_screen(tmp_path):
 
 
 def test_missing_directory_exits_2_only_with_no_wait(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("dspark_cache.tui.report.has_terminal", lambda: True)  # without one: tests/test_tui_report.py
     assert monitor_main([str(tmp_path / "nope"), "--no-wait"]) == 2
     assert "nope does not exist" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
@@ -151,7 +153,7 @@ async def test_a_directory_not_there_yet_is_waited_for(tmp_path):
     app = app_for(root)
     async with app.run_test(size=(80, 24)):
         await app.first_snapshot()
-        assert "does not exist yet; waiting for it to appear" in plain(app.query_one("#header"))
+        assert "does not exist yet; waiting for it to appear" in " ".join(plain(app.query_one("#header")).split())
         tui_states.live_run(root)
         await app.refreshed()
         assert "Qwen/Qwen3-8B" in plain(app.query_one("#header"))

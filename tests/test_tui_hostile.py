@@ -231,7 +231,8 @@ def test_huge_event_log_and_billion_shard_plan_stay_bounded(tmp_path):
     assert "the newest event" in log_shown["events"] and "half a li" not in log_shown["events"]
     assert log_shown["peak"] < MEMORY_BOUND, f"{log_shown['peak'] / 2**20:.0f} MiB for a 50 MB event log"
     shards = billion_shown["shards"]
-    assert "22 published  2 writing  999999975 pending  1 failed   (one cell = 1250000 shards)" in shards
+    assert ("22 published  1 writing  1 abandoned (rerun resumes)  999999975 pending  1 failed  "
+            "(one cell = 1250000 shards)") in shards
     assert len(shards.splitlines()[-1]) <= 800
     assert "shards 22/1000000000" in billion_shown["progress"]
     assert "manifest.json: num_shards 1000000000 is not in [0, " in billion_shown["warnings"]  # shown, and flagged
@@ -275,7 +276,7 @@ async def test_partial_files_with_foreign_names_are_ignored(tmp_path):
                  "xshard-000030.tar.partial", "shard-٣٣٣٣٣٣.tar.partial", "shard-000031.tar.partial.tmp"):
         open(os.path.join(paths.shards_dir, name), "wb").close()
     shown = await show(paths.root)
-    assert "22 published  2 writing  35 pending  1 failed" in shown["shards"]
+    assert "22 published  1 writing  1 abandoned (rerun resumes)  35 pending  1 failed" in shown["shards"]
 
 
 @pytest.mark.anyio

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from dspark_cache.format.atomic import atomic_write_bytes
@@ -11,6 +12,7 @@ from dspark_cache.format.schema import Event, Manifest, RankStatus, SampleEntry,
 NOW = 1_800_000_000.0  # a fixed clock, so that ages and snapshots are deterministic
 SHARD_BYTES = 40_000_000
 SHARD_TOKENS = 20_000
+PARTIAL_AGE = 30.0  # a .partial last grew this long before NOW: written to only by a rank on its shard
 WEIGHT_BYTES = 16_381_000_000  # Qwen3-8B in bf16, held whole by a data-parallel rank
 DEVICE_BYTES = 18_950_000_000  # allocated on its GPU: the weights and a batch's activations
 
@@ -52,6 +54,7 @@ def build(root: str, *, num_shards: int, published: list[int], writing: list[int
             handle.write(encode_json(index))
     for shard in writing:
         open(paths.shard_partial(shard), "wb").close()
+        os.utime(paths.shard_partial(shard), (NOW - PARTIAL_AGE, NOW - PARTIAL_AGE))
     for st in ranks:
         write_status(root, st)
     for ev in events:
@@ -123,3 +126,26 @@ def tensor_parallel_run(root: str) -> str:
     return build(root, num_shards=8, published=[], writing=[0, 2],
                  ranks=[rank(0), rank(1), rank(2), rank(3, state="failed", last_error=OOM)],
                  events=[event(3, 2, "error", OOM)])
+
+
+LONG_DIR = "/lustre/projects/speculative-decoding/caches/" + "qwen3-235b-a22b-regen-" * 6 + "v2"
+LONG_ERROR = (f"OSError: [Errno 28] No space left on device: '{LONG_DIR}/shards/shard-000123.tar.partial' while "
+              "writing 1073741824 bytes (rerun dspark-produce with the same arguments to resume)")
+
+
+def huge_run(root: str) -> str:
+    """A run of 10^12 tokens from a long path: every number wide, every path and error longer than a line."""
+    build(root, num_shards=10, published=[0], writing=[1], ranks=[
+        status(0, 2, "running", 1.0, shard=1, shards_done=123_456, shards_owned=1_234_567, weight_bytes=WEIGHT_BYTES,
+               device_memory_bytes=DEVICE_BYTES, host="gpu-node-" + "x" * 60),
+        status(12_345, 24_690, "incomplete", 3 * 86400.0, group=6789, group_size=2, shards_done=1_234_567,
+               shards_owned=1_234_567, weight_bytes=WEIGHT_BYTES, device_memory_bytes=DEVICE_BYTES,
+               last_error=LONG_ERROR)],
+        events=[event(0, 30, "error", LONG_ERROR, shard=3), event(0, 20, "warning", "x" * 120)])
+    big = manifest(10)
+    big.target_model = "meta-llama/" + "Llama-4-Maverick-17B-128E-Instruct-" * 4 + "FP8"
+    big.train_data_path = f"{LONG_DIR}/inputs/{'regenerated-conversations-' * 5}part-00001-of-00064.jsonl"
+    big.num_samples = big.planned_samples = 987_654_321_000
+    big.planned_tokens, big.planned_bytes, big.num_shards, big.shard_size = 10**12, 2 * 10**15, 9_876_543, 2 * 10**5
+    atomic_write_bytes(CachePaths(root).manifest, encode_json(big, pretty=True), durable=False)
+    return root

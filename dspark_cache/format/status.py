@@ -10,6 +10,7 @@ asks :func:`rank_is_live`, each with its own patience: the monitor flags a rank 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import msgspec
 
@@ -37,6 +38,18 @@ def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S)
 def rank_is_stale(status: RankStatus, now: float, timeout: float = STALE_AFTER_S) -> bool:
     """Whether the rank claims to be working but has been silent for more than ``timeout`` s."""
     return status.state in ACTIVE_RANK_STATES and not rank_is_live(status, now, timeout)
+
+
+def partial_is_written(shard: int, modified_at: float, statuses: Iterable[RankStatus], now: float,
+                       timeout: float = STALE_AFTER_S) -> bool:
+    """Whether shard ``shard``'s ``.partial`` (last modified at ``modified_at``) has a live writer.
+
+    A live rank says it is on the shard, or some rank is live and the file changed within
+    ``timeout``: the writer thread trails the device by up to the staging ring, and a heartbeat
+    names the device's shard. A killed run's ``.partial`` is neither (resume deletes it).
+    """
+    live = [s for s in statuses if rank_is_live(s, now, timeout)]
+    return any(s.shard == shard for s in live) or (bool(live) and now - modified_at <= timeout)
 
 
 def read_rank_status(path: str, within: str | None = None) -> RankStatus:

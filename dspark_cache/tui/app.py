@@ -9,10 +9,10 @@ from typing import Callable, cast
 from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.content import Content
 from textual.containers import Horizontal, VerticalScroll
-from textual.widgets import Footer, Static
+from textual.widgets import Footer
 
+from dspark_cache.tui.fit import Para, words
 from dspark_cache.tui.help import HelpScreen
 from dspark_cache.tui.poller import Poller, SnapshotPolled, StopRequested
 from dspark_cache.tui.snapshot import Snapshot
@@ -20,6 +20,7 @@ from dspark_cache.tui.watcher import CacheWatcher
 from dspark_cache.tui.widgets import VIEW, SnapshotView
 from dspark_cache.tui.widgets.disk import DiskPanel
 from dspark_cache.tui.widgets.events import EventLog
+from dspark_cache.tui.widgets.fitted import Fitted
 from dspark_cache.tui.widgets.header import RunHeader
 from dspark_cache.tui.widgets.progress import OverallProgress
 from dspark_cache.tui.widgets.ranks import RankTable
@@ -28,7 +29,7 @@ from dspark_cache.tui.widgets.stages import StageBreakdown
 from dspark_cache.tui.widgets.throughput import ThroughputChart
 from dspark_cache.tui.widgets.warnings import FileWarnings
 
-STOP_NOTICE = "[yellow]stop requested: the producer finishes the shard in flight, then exits[/]"
+STOP_NOTICE = Para(words("stop requested: the producer finishes the shard in flight, then exits", "yellow"), " ")
 COMPACT = "-compact"  # the app's class below COMPACT_BELOW cells: panels lose their side borders
 COMPACT_BELOW = (100, 32)  # (width, height): an 80x24 terminal is compact
 TITLES = {"progress": "progress", "throughput": "throughput", "disk": "disk", "ranks": "ranks",
@@ -89,7 +90,7 @@ class MonitorApp(App[None]):
             yield ShardMap(id="shards")
             yield StageBreakdown(id="stages")
             yield EventLog(id="events")
-        yield Static(id="notice")  # below the scrolled panels: always in view
+        yield Fitted(id="notice")  # below the scrolled panels: always in view
         yield Footer()
 
     def on_mount(self) -> None:
@@ -132,13 +133,13 @@ class MonitorApp(App[None]):
         """Render ``snap`` in every view, and the stop notice (on the UI thread: no file is read)."""
         for view in self.query(f".{VIEW}"):
             cast(SnapshotView, view).show(snap)
-        self.show_notice(STOP_NOTICE if snap.stop_requested and snap.live_ranks else "")
+        self.show_notice(STOP_NOTICE if snap.stop_requested and snap.live_ranks else None)
 
-    def show_notice(self, text: str | Content) -> None:
-        """The line above the footer; hidden when empty."""
-        notice = self.query_one("#notice", Static)
-        notice.update(text)
-        notice.display = bool(text)
+    def show_notice(self, text: Para | None) -> None:
+        """The line above the footer; hidden when None."""
+        notice = self.query_one("#notice", Fitted)
+        notice.show_paras([text] if text is not None else [])
+        notice.display = text is not None
 
     def refresh_view(self) -> None:
         """Ask the watcher thread for a snapshot now rather than at the end of its period."""

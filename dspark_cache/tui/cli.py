@@ -6,11 +6,12 @@ import argparse
 import os
 import sys
 
-from dspark_cache.cli.conventions import EXIT_OK, EXIT_USAGE, UsageError, exit_codes_epilog
+from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UsageError, exit_codes_epilog
 
 PROG = "dspark-monitor"
-DESCRIPTION = "Watch a dspark cache: a live producer run, a finished cache, or one on a shared filesystem."
-EPILOG = exit_codes_epilog(EXIT_OK, EXIT_USAGE)
+DESCRIPTION = ("Watch a dspark cache: a live producer run, a finished cache, or one on a shared filesystem. "
+               "Without a terminal (a job script's log, a pipe) it prints one plain report and exits.")
+EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE) + " (1 and 2: the plain report's)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,17 +21,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--no-wait", action="store_true",
                         help="exit with code 2 when CACHE_DIR does not exist, instead of waiting for it (for scripts)")
+    parser.add_argument("--once", action="store_true",
+                        help="print one plain report and exit, as without a terminal: exit 1 when a rank failed or "
+                        "fell silent before the cache completed")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Show the monitor until the user quits (a directory not there yet is waited for, on screen)."""
+    """Show the monitor until the user quits (a directory not there yet is waited for, on screen), or
+    print one plain report without a terminal or with ``--once``."""
+    from dspark_cache.tui.report import has_terminal, print_report
+
+    once = args.once or not has_terminal()
     if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"{args.cache_dir} is not a directory; pass the --output-dir of a dspark-produce run")
-    if args.no_wait and not os.path.exists(args.cache_dir):
+    if (args.no_wait or once) and not os.path.exists(args.cache_dir):
         raise UsageError(f"{args.cache_dir} does not exist; pass the --output-dir of a dspark-produce run "
-                         "(without --no-wait the monitor waits for it)")
+                         "(only on a terminal and without --no-wait or --once does the monitor wait for it)")
     if args.refresh <= 0:
         raise UsageError("--refresh must be > 0")
+    if once:
+        return print_report(args.cache_dir, args.refresh)
     from dspark_cache.tui.app import MonitorApp
 
     MonitorApp(args.cache_dir, refresh=args.refresh).run()

@@ -90,6 +90,11 @@ def integer(n: int | None) -> str:
     return human_count(n)
 
 
+def short_count(n: int | None) -> str:
+    """A count in at most 6 cells, for a narrow column: exact below 10000, else ``12.3k``, ``1.0M``."""
+    return integer(n) if n is None or n < 10**4 else human_count(n)
+
+
 def human_duration(seconds: float | int | None) -> str:
     """``3m05s``, ``2h10m``, ``4d03h``; capped at 999 days, ``∞`` for never."""
     value = as_float(seconds)

@@ -11,7 +11,8 @@ import time
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.confirm import ConfirmStop
-from dspark_cache.tui.display import markup
+from dspark_cache.tui.fit import Para, words
+from dspark_cache.tui.report import has_terminal
 from dspark_cache.tui.snapshot import Snapshot
 
 
@@ -31,8 +32,8 @@ class ForegroundMonitor(MonitorApp):
         super().show_snapshot(snap)
         code = self.child.poll()
         if code is not None:
-            self.show_notice(markup(  # the log path may hold brackets: never parsed as markup
-                "[b]producer exited with code $code[/] (log: $log); press q to leave", code=code, log=self.log_path))
+            self.show_notice(Para([*words("producer exited with code $code", "bold", code=code),
+                                   *words("(log: $log); press q to leave", log=self.log_path)], " "))
 
     def action_quit(self) -> None:
         """``q``: leave at once once the producer has exited; while it runs, ask before stopping it."""
@@ -59,7 +60,8 @@ def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
         child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer.cli", *producer_argv],
                                  stdout=log, stderr=subprocess.STDOUT)
         try:
-            ForegroundMonitor(paths.root, child, log_path).run()
+            if has_terminal():  # else no one could quit the app: the producer just runs, and its log tail is shown
+                ForegroundMonitor(paths.root, child, log_path).run()
         finally:
             code = child.wait()
     with open(log_path, encoding="utf-8", errors="replace") as log:

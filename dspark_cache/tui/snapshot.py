@@ -51,7 +51,8 @@ class Snapshot:
     manifest: Manifest | None = None
     manifest_error: str | None = None
     published: Mapping[int, ShardSummary] = field(default_factory=lambda: MappingProxyType({}))
-    writing: frozenset[int] = frozenset()
+    writing: frozenset[int] = frozenset()  # a .partial with a live writer (format.status.partial_is_written)
+    abandoned: frozenset[int] = frozenset()  # a .partial no live rank writes: a killed run's, deleted on resume
     failed: frozenset[int] = frozenset()
     ranks: tuple[RankStatus, ...] = ()
     rates: tuple[RankRate | None, ...] = ()  # measured by the watcher, one per rank (see tui.rates)

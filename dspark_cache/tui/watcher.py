@@ -31,7 +31,7 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, RankStatus, decode_manifest, decode_shard_index
-from dspark_cache.format.status import rank_is_live, read_rank_status
+from dspark_cache.format.status import partial_is_written, rank_is_live, read_rank_status
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, check_manifest
 from dspark_cache.tui.eventfeed import EventFeed, failed_shards
 from dspark_cache.tui.rates import RateTracker
@@ -90,12 +90,14 @@ class CacheWatcher:
     def _read(self, now: float) -> Snapshot:
         """Everything but the history, read from the files."""
         manifest, manifest_error, manifest_warnings = self._read_manifest()
-        published, writing = self._read_shards()
+        published, partials = self._read_shards()
         ranks = tuple(self._read_statuses())
+        writing = frozenset(s for s, mtime in partials.items() if partial_is_written(s, mtime, ranks, now))
         events = self.events.read()
         return Snapshot(
             now=now, path=self.paths.root, manifest=manifest, manifest_error=manifest_error,
-            published=MappingProxyType(published), writing=frozenset(writing), failed=failed_shards(events),
+            published=MappingProxyType(published), writing=writing, abandoned=frozenset(partials) - writing,
+            failed=failed_shards(events),
             ranks=ranks, rates=self.rates.observe(ranks), events=events, disk_free=self.disk_free(self.paths.root),
             stop_requested=os.path.exists(self.paths.stop_request),
             warnings=manifest_warnings + tuple(self.reader.warnings),
@@ -133,10 +135,10 @@ class CacheWatcher:
             return manifest, None, tuple(f"{rel}: {problem}" for problem in problems)
         return manifest, None, ()
 
-    def _read_shards(self) -> tuple[dict[int, ShardSummary], set[int]]:
-        """Published shards (a copy) and shards being written; none while ``shards/`` is unusable."""
+    def _read_shards(self) -> tuple[dict[int, ShardSummary], dict[int, float]]:
+        """Published shards (a copy) and the ``.partial`` files; none while ``shards/`` is unusable."""
         if not self.reader.dir_ok(self.paths.shards_dir):
-            return {}, set()
+            return {}, {}
         return self._read_indexes(), self._partials()
 
     def _read_indexes(self) -> dict[int, ShardSummary]:
@@ -153,13 +155,16 @@ class CacheWatcher:
                 continue  # mid-replace: next poll
         return dict(self._indexes)
 
-    def _partials(self) -> set[int]:
-        """Shards being written: ``.partial`` files named exactly as the producer names them."""
-        out = set()
+    def _partials(self) -> dict[int, float]:
+        """Shard id -> modification time of the ``.partial`` files named exactly as the producer names them."""
+        out = {}
         for path in self.paths.partial_files():
             digits = _DIGITS.search(os.path.basename(path))
             if digits and self.paths.shard_partial(int(digits.group())) == path:
-                out.add(int(digits.group()))
+                try:
+                    out[int(digits.group())] = os.lstat(path).st_mtime  # metadata only: a FIFO is never opened
+                except OSError:
+                    continue  # published or deleted since the listing
         return out
 
     def _read_statuses(self) -> list[RankStatus]:

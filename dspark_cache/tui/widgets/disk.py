@@ -2,28 +2,34 @@
 
 from __future__ import annotations
 
-from textual.widgets import Static
-
 from dspark_cache.tui.display import human_bytes
+from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets.fitted import Fitted
 
 
-class DiskPanel(Static):
+class DiskPanel(Fitted):
     """Bytes written, projected and free; a warning when the rest of the plan will not fit."""
 
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "DiskPanel { height: auto; border: round $primary; padding: 0 1; }"
 
     def show(self, snap: Snapshot) -> None:
-        m = snap.manifest
-        if m is None:
-            self.update(f"free {human_bytes(snap.disk_free)}")
-            return
-        written = snap.bytes_done
-        rest = max(0, m.planned_bytes - written)
-        line = (f"written {human_bytes(written)} of {human_bytes(m.planned_bytes)} projected   "
-                f"free {human_bytes(snap.disk_free)}")
-        if not snap.complete and snap.disk_free is not None and rest > snap.disk_free:
-            line += f"\n[b red]the rest ({human_bytes(rest)}) will not fit: free space before the disk fills[/]"
-        self.update(line)
+        self.show_paras(disk(snap))
+
+
+def disk(snap: Snapshot) -> list[Para]:
+    """Written of projected, free space, and a warning when the rest of the plan will not fit."""
+    free = piece(f"free {human_bytes(snap.disk_free)}")
+    m = snap.manifest
+    if m is None:
+        return [Para([free])]
+    written = snap.bytes_done
+    rest = max(0, m.planned_bytes - written)
+    planned = human_bytes(m.planned_bytes)
+    out = [Para([piece(f"written {human_bytes(written)}"), piece(f"of {planned} projected")], " "), Para([free])]
+    if not snap.complete and snap.disk_free is not None and rest > snap.disk_free:
+        out.append(Para(words("the rest ($rest) will not fit: free space before the disk fills", "bold red",
+                              rest=human_bytes(rest)), " "))
+    return out

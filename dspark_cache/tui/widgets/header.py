@@ -2,52 +2,58 @@
 
 from __future__ import annotations
 
-from textual.content import Content
-from textual.widgets import Static
+from rich.text import Text
 
 from dspark_cache.format.schema import Manifest
-from dspark_cache.tui.display import clip, integer, markup
+from dspark_cache.tui.display import clip, integer
+from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets.fitted import Fitted
 
 MAX_LAYER_IDS = 16  # a manifest may list any number; the header stays one line
 
 
-class RunHeader(Static):
+class RunHeader(Fitted):
     """Who the run is for, from the manifest; or why the directory cannot be shown."""
 
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "RunHeader { height: auto; padding: 0 1; background: $boost; }"
 
     def show(self, snap: Snapshot) -> None:
-        m = snap.manifest
-        path = clip(snap.path, 300)
-        if not snap.exists:  # dspark-monitor waits for it (--no-wait exits instead)
-            self.update(markup("[b]$path[/]: [yellow]does not exist yet; waiting for it to appear (start "
-                               "dspark-produce --output-dir $path)[/]", path=path))
-        elif snap.manifest_error:
-            # A manifest is there but is not ours (a NeMo cache, an older format) or is damaged:
-            # say so plainly rather than pretending to wait for a producer.
-            self.update(markup("[b]$path[/]: [b red]cannot show this cache:[/] $why", path=path,
-                               why=clip(snap.manifest_error, 600)))
-        elif m is None:
-            self.update(markup("[b]$path[/]: [yellow]not a dspark cache yet (no manifest.json yet). Waiting for "
-                               "dspark-produce to plan; start it with --output-dir pointing here.[/]", path=path))
-        else:
-            self.update(identity(m, snap, path))
+        self.show_paras(header(snap))
 
 
-def identity(m: Manifest, snap: Snapshot, path: str) -> Content:
-    """The two header lines of a readable cache."""
+def header(snap: Snapshot) -> list[Para]:
+    """The header's lines: the identity of a readable cache, or why there is none to show."""
+    path = clip(snap.path, 300)
+    where = piece(f"{path}:", "bold")
+    if not snap.exists:  # dspark-monitor waits for it (--no-wait exits instead)
+        return [Para([where, *words("does not exist yet; waiting for it to appear (start dspark-produce "
+                                    "--output-dir $path)", "yellow", path=path)], " ")]
+    if snap.manifest_error:
+        # A manifest is there but is not ours (a NeMo cache, an older format) or is damaged:
+        # say so plainly rather than pretending to wait for a producer.
+        return [Para([where, *words("cannot show this cache:", "bold red"),
+                      *words(clip(snap.manifest_error, 600))], " ")]
+    if snap.manifest is None:
+        return [Para([where, *words("not a dspark cache yet (no manifest.json yet). Waiting for dspark-produce "
+                                    "to plan; start it with --output-dir pointing here.", "yellow")], " ")]
+    return identity(snap.manifest, snap)
+
+
+def identity(m: Manifest, snap: Snapshot) -> list[Para]:
+    """The header lines of a readable cache: the target, then where the cache and its input are."""
     world = max((r.world_size for r in snap.ranks), default=0)
-    return markup(
-        "[b]$model[/] ($kind, $layers layers, H=$hidden)  layers $ids  $dtype cache / $compute compute  "
-        "seq $seq\n$path  ranks: $world  input: $data",
-        model=clip(m.target_model, 200), kind=clip(m.target_model_type, 40), layers=integer(m.num_hidden_layers),
-        hidden=integer(m.hidden_size), ids=layer_ids(m), dtype=clip(m.dtype, 20), compute=clip(m.compute_dtype, 20),
-        seq=integer(m.seq_length), path=path, world=integer(world) if world > 0 else "-",
-        data=clip(m.train_data_path, 200),
-    )
+    return [
+        Para([Text.assemble((clip(m.target_model, 200), "bold"), f" ({clip(m.target_model_type, 40)}, "
+                            f"{integer(m.num_hidden_layers)} layers, H={integer(m.hidden_size)})"),
+              piece(f"layers {layer_ids(m)}"),
+              piece(f"{clip(m.dtype, 20)} cache / {clip(m.compute_dtype, 20)} compute"),
+              piece(f"seq {integer(m.seq_length)}")]),
+        Para([piece(snap.path), piece(f"ranks: {integer(world) if world > 0 else '-'}"),
+              piece(f"input: {m.train_data_path}")]),  # a long path is shortened in its middle: keeps its name
+    ]
 
 
 def layer_ids(m: Manifest) -> str:

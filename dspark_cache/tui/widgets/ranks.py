@@ -10,7 +10,8 @@ A row is never cut at the right: the last error is clipped to the room the other
 (the events panel holds it whole), and where the wide columns do not fit (the compact layout of an
 80x24 terminal, or a narrow table) the compact ones are shown: the two memory figures merged into
 one, without the host, the bytes in flight and the shard in flight (the shard map shows which
-shards are being written).
+shards are being written); where even those do not fit, without the memory. Counts of shards and
+rank numbers above 9999 are shown as ``12.3k``, so that a huge run's row still fits.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Callable
 from rich.text import Text
 from textual.widgets import DataTable
 
-from dspark_cache.format.schema import RankStatus
+from dspark_cache.format.schema import RankState, RankStatus
 from dspark_cache.format.status import ACTIVE_RANK_STATES
-from dspark_cache.tui.display import clip, human_bytes, human_count, human_duration, integer, short_bytes
+from dspark_cache.tui.display import (
+    clip, human_bytes, human_count, human_duration, integer, short_bytes, short_count,
+)
 from dspark_cache.tui.rates import RankRate
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
@@ -30,6 +33,9 @@ from dspark_cache.tui.widgets import VIEW
 COLUMNS = ("rank", "state", "shard", "host/pid", "run shards", "tok/s", "inflight", "weights", "device mem",
            "heartbeat", "last error")
 COMPACT_COLUMNS = ("rank", "state", "run shards", "tok/s", "weights/mem", "heartbeat", "last error")  # 80 cells
+NARROW_COLUMNS = ("rank", "state", "run shards", "tok/s", "heartbeat", "last error")  # when even those do not fit
+LAYOUTS = (COLUMNS, COMPACT_COLUMNS, NARROW_COLUMNS)  # the first whose row fits is shown
+STATE_CHARS = max(len(state) for state in RankState.ALL)  # a state no producer writes is clipped to these
 ERROR = "last error"
 ERROR_CHARS, MIN_ERROR_CHARS = 60, 12  # the last error shown: at most, and at least however narrow the table
 
@@ -57,11 +63,13 @@ class RankTable(DataTable):
         self._snap = snap
         rows = [row(status, rate, snap) for status, rate in snap.rank_rates()]
         room = self.scrollable_content_region.width  # 0 before the first layout: nothing to fit yet
-        fits = not room or self._others_width(COLUMNS, rows) + self._width(MIN_ERROR_CHARS) <= room
-        columns = COLUMNS if fits and not self.compact else COMPACT_COLUMNS
+        layouts = LAYOUTS[1:] if self.compact else LAYOUTS
+        least = self._width(MIN_ERROR_CHARS)
+        columns = next((c for c in layouts if not room or self._others_width(c, rows) + least <= room), layouts[-1])
         self.clear(columns=True)  # a column keeps its widest cell until cleared: size them to these rows
         self.add_columns(*columns)
-        limit = max(MIN_ERROR_CHARS, room - self._others_width(columns, rows) - self._width(0)) if room else ERROR_CHARS
+        others = self._others_width(columns, rows) + self._width(0)
+        limit = max(MIN_ERROR_CHARS, room - others) if room else ERROR_CHARS
         for cells in rows:
             cells[ERROR] = Text(clip(cells[ERROR].plain, limit), style=cells[ERROR].style)
             self.add_row(*(cells[name] for name in columns))
@@ -82,10 +90,11 @@ def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]
     style = "bold red" if stale or r.state == "failed" else ("green" if r.state == "finished" else "")
     active = r.state in ACTIVE_RANK_STATES
     return {
-        "rank": Text(rank_label(r), style=style), "state": Text("STALE" if stale else clip(r.state, 16), style=style),
+        "rank": Text(rank_label(r), style=style),
+        "state": Text("STALE" if stale else clip(r.state, STATE_CHARS), style=style),
         "shard": Text("-" if r.shard is None else integer(r.shard)),
         "host/pid": Text(f"{clip(r.host, 40)}/{integer(r.pid)}"),
-        "run shards": Text(f"{integer(r.shards_done)}/{integer(r.shards_owned)}"),
+        "run shards": Text(f"{short_count(r.shards_done)}/{short_count(r.shards_owned)}"),
         "tok/s": Text(human_count(rate.tokens_per_s) if rate is not None and not stale else "-"),
         "inflight": Text(human_bytes(r.inflight_bytes) if active else "-"),
         "weights": Text(measured(r.weight_bytes, human_bytes)),
@@ -112,6 +121,6 @@ def rank_label(r: RankStatus) -> str:
     """The rank, and under ``--tp-size``/``--ep-size`` its model-parallel group: ``2 g1 w`` writes
     group 1's shards, ``3 g1`` computes them with it (and writes nothing)."""
     if r.group is None:
-        return integer(r.rank)
+        return short_count(r.rank)
     writer = r.group_size > 0 and r.rank % r.group_size == 0
-    return f"{integer(r.rank)} g{integer(r.group)}{' w' if writer else ''}"
+    return f"{short_count(r.rank)} g{short_count(r.group)}{' w' if writer else ''}"

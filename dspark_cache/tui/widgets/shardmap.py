@@ -3,35 +3,39 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from rich.text import Text
-from textual.widgets import Static
 
 from dspark_cache.tui.display import integer
+from dspark_cache.tui.fit import Para, piece
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets.fitted import Fitted
 
 # state -> (glyph, style); a bucket shows its most urgent state, in this order
 STATES = {
     "failed": ("✖", "bold red"),
+    "abandoned": ("░", "red"),  # a .partial no live rank writes (format.status.partial_is_written)
     "writing": ("▒", "yellow"),
     "pending": ("·", "grey50"),
     "published": ("█", "green"),
 }
-URGENCY = ("failed", "writing", "pending", "published")
+URGENCY = tuple(STATES)
+PLACED = ("writing", "abandoned", "failed", "published")  # of a shard in several, the last one named wins
 MAX_CELLS = 800
 
 
-def shard_map(total: int, published: Collection[int], writing: Collection[int], failed: Collection[int],
+def shard_map(total: int, by_state: Mapping[str, Collection[int]],
               cells: int = MAX_CELLS) -> tuple[list[str], int, dict[str, int]]:
-    """``(cell states, shards per cell, count per state)`` for shards ``0..total-1``.
+    """``(cell states, shards per cell, count per state)`` for shards ``0..total-1``; ``by_state``
+    names the shards that are not pending.
 
     Work and memory follow the shards that have files, never ``total``: a manifest may plan a
     billion shards, and pending is whatever is left in each cell.
     """
     total = max(0, total)
-    placed = _placed(total, published, writing, failed)
+    placed = _placed(total, by_state)
     per = max(1, -(-total // cells))
     size = -(-total // per)
     marks: list[Counter] = [Counter() for _ in range(size)]
@@ -43,12 +47,11 @@ def shard_map(total: int, published: Collection[int], writing: Collection[int], 
     return states, per, {s: counts[s] for s in URGENCY}
 
 
-def _placed(total: int, published: Iterable[int], writing: Iterable[int],
-            failed: Iterable[int]) -> dict[int, str]:
+def _placed(total: int, by_state: Mapping[str, Iterable[int]]) -> dict[int, str]:
     """The state of every shard that is not pending; published wins over an earlier failure."""
-    placed = {s: "writing" for s in writing if 0 <= s < total}
-    placed.update({s: "failed" for s in failed if 0 <= s < total})
-    placed.update({s: "published" for s in published if 0 <= s < total})
+    placed: dict[int, str] = {}
+    for state in PLACED:
+        placed.update({s: state for s in by_state.get(state, ()) if 0 <= s < total})
     return placed
 
 
@@ -60,12 +63,11 @@ def _cell_state(marks: Counter, shards: int) -> str:
 
 def bucketed(states: list[str], cells: int) -> tuple[list[str], int]:
     """At most ``cells`` cells for an explicit list of shard states (each cell its most urgent state)."""
-    by_state = {s: [i for i, x in enumerate(states) if x == s] for s in ("published", "writing", "failed")}
-    out, per, _ = shard_map(len(states), by_state["published"], by_state["writing"], by_state["failed"], cells)
+    out, per, _ = shard_map(len(states), {s: [i for i, x in enumerate(states) if x == s] for s in PLACED}, cells)
     return out, per
 
 
-class ShardMap(Static):
+class ShardMap(Fitted):
     """Counts per shard state, then one cell per shard (or bucket of shards)."""
 
     DEFAULT_CLASSES = VIEW
@@ -74,14 +76,24 @@ class ShardMap(Static):
     def show(self, snap: Snapshot) -> None:
         total = snap.manifest.num_shards if snap.manifest else 0
         if total <= 0:
-            self.update("no shards planned yet")
+            self.show_paras([Para([piece("no shards planned yet")])])
             return
-        cells, per, counts = shard_map(total, snap.published, snap.writing, snap.failed)
-        text = Text()
-        text.append(f"{integer(counts['published'])} published  {integer(counts['writing'])} writing  "
-                    f"{integer(counts['pending'])} pending  {integer(counts['failed'])} failed"
-                    + (f"   (one cell = {integer(per)} shards)" if per > 1 else "") + "\n")
-        for state in cells:
-            glyph, style = STATES[state]
-            text.append(glyph, style=style)
-        self.update(text)
+        cells, per, counts = shard_map(total, shard_states(snap))
+        grid = Para([Text(STATES[state][0], style=STATES[state][1]) for state in cells], "")
+        self.show_paras([shard_counts(counts, per), grid])
+
+
+def shard_states(snap: Snapshot) -> dict[str, Collection[int]]:
+    """The shards of ``snap`` that are not pending, by state."""
+    return {"published": snap.published, "writing": snap.writing, "abandoned": snap.abandoned, "failed": snap.failed}
+
+
+def shard_counts(counts: dict[str, int], per: int) -> Para:
+    """``22 published  1 writing  35 pending  1 failed``; abandoned ones only when there are some."""
+    pieces = [piece(f"{integer(counts['published'])} published"), piece(f"{integer(counts['writing'])} writing")]
+    if counts["abandoned"]:
+        pieces.append(piece(f"{integer(counts['abandoned'])} abandoned (rerun resumes)", "red"))
+    pieces += [piece(f"{integer(counts['pending'])} pending"), piece(f"{integer(counts['failed'])} failed")]
+    if per > 1:
+        pieces.append(piece(f"(one cell = {integer(per)} shards)"))
+    return Para(pieces)

@@ -6,11 +6,13 @@ from typing import Callable
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Sparkline, Static
+from textual.widgets import Sparkline
 
 from dspark_cache.tui.display import as_float, human_bytes, human_count
+from dspark_cache.tui.fit import Para, piece
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets.fitted import Fitted
 
 MAX_RATE = 1e300  # a whole history of these still sums to a finite number
 
@@ -26,35 +28,42 @@ class ThroughputChart(Vertical):
     """
 
     def compose(self) -> ComposeResult:
-        yield Static(id="tok-label")
+        yield Fitted(id="tok-label")
         yield Sparkline([], id="tok-line")
-        yield Static(id="mb-label")
+        yield Fitted(id="mb-label")
         yield Sparkline([], id="mb-line")
 
     def show(self, snap: Snapshot) -> None:
         tokens = [h.tokens_per_s for h in snap.history]
         written = [h.bytes_per_s for h in snap.history]
-        # "now" is this poll's live rate, never the history's last entry: once no rank is live
-        # there is no current rate, and the newest run's average is shown instead.
-        average = None if snap.live_ranks else snap.run_average()
-        self.query_one("#tok-label", Static).update(label(
-            "tokens/s", snap.tokens_per_s, average.tokens_per_s if average else None, tokens, human_count))
-        self.query_one("#mb-label", Static).update(label(
-            "written/s", snap.bytes_per_s, average.bytes_per_s if average else None, written, human_bytes))
+        tok, mb = rate_labels(snap)
+        self.query_one("#tok-label", Fitted).show_paras([tok])
+        self.query_one("#mb-label", Fitted).show_paras([mb])
         # No history (a finished or idle cache) draws nothing rather than a misleading full bar.
         self.query_one("#tok-line", Sparkline).data = [plottable(v) for v in tokens]
         self.query_one("#mb-line", Sparkline).data = [plottable(v) for v in written]
 
 
+def rate_labels(snap: Snapshot) -> tuple[Para, Para]:
+    """The tokens/s and written/s lines: now, the run's average with no rank live, and the peak."""
+    # "now" is this poll's live rate, never the history's last entry: once no rank is live
+    # there is no current rate, and the newest run's average is shown instead.
+    average = None if snap.live_ranks else snap.run_average()
+    return (label("tokens/s", snap.tokens_per_s, average.tokens_per_s if average else None,
+                  [h.tokens_per_s for h in snap.history], human_count),
+            label("written/s", snap.bytes_per_s, average.bytes_per_s if average else None,
+                  [h.bytes_per_s for h in snap.history], human_bytes))
+
+
 def label(what: str, now: float | None, average: float | None, history: list[float],
-          fmt: Callable[[float | None], str]) -> str:
-    """``tokens/s now 1.2k  peak 1.6k``, with the last run's average in place of a rate when none is live."""
-    parts = [f"{what} now {'-' if now is None else fmt(now)}"]
+          fmt: Callable[[float | None], str]) -> Para:
+    """``tokens/s now 1.2k   peak 1.6k``, with the last run's average in place of a rate when none is live."""
+    parts = [piece(f"{what} now {'-' if now is None else fmt(now)}")]
     if average is not None:
-        parts.append(f"run avg {fmt(average)}")
+        parts.append(piece(f"run avg {fmt(average)}"))
     if history:
-        parts.append(f"peak {fmt(peak(history))}")
-    return "   ".join(parts)
+        parts.append(piece(f"peak {fmt(peak(history))}"))
+    return Para(parts, "   ")
 
 
 def peak(rates: list[float]) -> float | None:

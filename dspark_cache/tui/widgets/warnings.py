@@ -3,17 +3,16 @@ and the problems of a damaged manifest."""
 
 from __future__ import annotations
 
-from rich.text import Text
-from textual.widgets import Static
-
 from dspark_cache.tui.display import clip
+from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets.fitted import Fitted
 
 MAX_SHOWN = 5  # a directory full of junk must not push the rest of the view off screen
 
 
-class FileWarnings(Static):
+class FileWarnings(Fitted):
     """The files skipped by the last poll, and why; hidden when there are none."""
 
     DEFAULT_CLASSES = VIEW
@@ -22,7 +21,12 @@ class FileWarnings(Static):
     def show(self, snap: Snapshot) -> None:
         # Hidden when there is nothing to say, so that a healthy cache looks exactly as before.
         self.display = bool(snap.warnings)
-        lines = [clip(w, 200) for w in snap.warnings[:MAX_SHOWN]]
-        if len(snap.warnings) > MAX_SHOWN:
-            lines.append(f"... and {len(snap.warnings) - MAX_SHOWN} more skipped files")
-        self.update(Text("\n".join(f"⚠ {line}" for line in lines)))
+        self.show_paras(warning_lines(snap.warnings))
+
+
+def warning_lines(warnings: tuple[str, ...]) -> list[Para]:
+    """The first :data:`MAX_SHOWN` warnings, each ``⚠ skipped path: why``, and how many more."""
+    out = [Para([piece("⚠"), *words(clip(w, 200))], " ", 2) for w in warnings[:MAX_SHOWN]]
+    if len(warnings) > MAX_SHOWN:
+        out.append(Para(words(f"... and {len(warnings) - MAX_SHOWN} more skipped files"), " "))
+    return out
