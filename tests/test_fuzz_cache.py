@@ -63,6 +63,125 @@ def test_hostile_caches_are_refused_or_read_exactly(pristine, tmp_path):
     assert counts["rejected"] > CASES // 2  # the mutations do reach the checks
 
 
+# -- target weights ---------------------------------------------------------------------------------
+
+_WEIGHTS_READER = """
+import json, sys
+from dspark_cache.format.errors import CacheError
+from dspark_cache.nemo import read_target_weight_modules
+from dspark_cache.verify import verify_cache
+for root in sys.argv[1:]:
+    path = root + "/target_weights.safetensors"
+    flagged = [p for p in verify_cache(root).problems if path in p]
+    try:
+        read_target_weight_modules(root)
+        refused = "read"
+    except (CacheError, FileNotFoundError) as exc:
+        refused = type(exc).__name__ if path in str(exc) and "dspark-produce" in str(exc) else f"vague: {exc}"
+    print(json.dumps({"root": root, "flagged": bool(flagged), "refused": refused}), flush=True)
+"""
+
+
+def _weights_mutations(path: str, rng) -> list[tuple[str, object]]:
+    """Seeded damage to a weights file: truncations, bit flips in header and data, other shapes or
+    names, and every kind of thing that is not a plain file of ours."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    size = os.path.getsize(path)
+    header_end = 8 + int.from_bytes(open(path, "rb").read(8), "little")
+
+    def truncate(n):
+        return lambda p: os.truncate(p, n)
+
+    def flip(at):
+        def apply(p):
+            with open(p, "r+b") as handle:
+                handle.seek(at)
+                byte = handle.read(1)[0]
+                handle.seek(at)
+                handle.write(bytes([byte ^ (1 << rng.randrange(8))]))
+        return apply
+
+    def rewrite(change):
+        def apply(p):
+            save_file(change(load_file(p)), p)
+        return apply
+
+    def replace(make):
+        def apply(p):
+            os.unlink(p)
+            make(p)
+        return apply
+
+    outside = os.path.join(os.path.dirname(os.path.dirname(path)), "outside-weights.safetensors")
+    cases = [(f"truncated to {n}", truncate(n)) for n in
+             (0, 7, 8, header_end - 1, header_end, *sorted(rng.sample(range(header_end + 1, size), 3)), size - 1)]
+    cases += [(f"bit flip in header at {at}", flip(at)) for at in sorted(rng.sample(range(header_end), 4))]
+    cases += [(f"bit flip in data at {at}", flip(at)) for at in sorted(rng.sample(range(header_end, size), 4))]
+    cases += [
+        ("one row fewer", rewrite(lambda t: {k: v[:-1] for k, v in t.items()})),
+        ("one column more", rewrite(lambda t: {k: np.pad(v, ((0, 0), (0, 1))) for k, v in t.items()})),
+        ("names swapped", rewrite(lambda t: {"embed_tokens.weight": t["lm_head.weight"],
+                                             "lm_head.weight": t["embed_tokens.weight"]})),
+        ("a third tensor", rewrite(lambda t: {**t, "norm.weight": t["lm_head.weight"][0]})),
+        ("int32 weights", rewrite(lambda t: {k: v.view(np.int32) for k, v in t.items()})),
+        ("grown by a byte", lambda p: open(p, "ab").write(b"\0")),
+        ("missing", os.unlink),
+        ("fifo", replace(os.mkfifo)),
+        ("directory", replace(os.mkdir)),
+        ("symlink to /dev/zero", replace(lambda p: os.symlink("/dev/zero", p))),
+        ("dangling symlink", replace(lambda p: os.symlink(p + ".gone", p))),
+        ("symlink out of the cache", lambda p: (shutil.copyfile(p, outside), os.unlink(p), os.symlink(outside, p))),
+    ]
+    return cases
+
+
+def test_fuzz_target_weights(pristine, embedded, tmp_path):
+    """Every damaged weights file: dspark-verify reports it, the reader refuses it naming it (in a
+    child, so a reader that blocks is a timeout), and a rerun of the producer rewrites it."""
+    import random
+    import shutil
+
+    from dspark_cache.format.paths import CachePaths
+    from dspark_cache.verify import verify_cache
+
+    rng = random.Random(SEED)
+    original = open(CachePaths(pristine).target_weights, "rb").read()
+    cases = _weights_mutations(CachePaths(pristine).target_weights, rng)
+    roots = {}
+    for i, (name, apply) in enumerate(cases):
+        root = shutil.copytree(pristine, str(tmp_path / f"case-{i}" / "cache"))
+        apply(CachePaths(root).target_weights)
+        roots[root] = name
+    done = subprocess.run([sys.executable, "-c", _WEIGHTS_READER, *roots], capture_output=True, text=True,
+                          timeout=60 + 5 * len(roots), cwd=os.getcwd())
+    seen = {r["root"]: r for r in map(json.loads, done.stdout.splitlines())}
+    bad = [f"{roots[root]}: {seen.get(root, 'no result (the reader hung or crashed)')}" for root in roots
+           if not (seen.get(root, {}).get("flagged") and seen[root]["refused"] in ("TargetWeightsError",
+                                                                                    "FileNotFoundError"))]
+    assert not bad, "\n".join(bad) + done.stderr[-2000:]
+    # A rerun rewrites the file without recomputing a shard, for one case of each kind; a directory
+    # is not ours to delete: the rerun says to remove it.
+    args = ("--seq-length", "48", "--shard-size", "12", "--dtype", "fp32", "--target-layer-ids", "1", "3")
+    rerun = ("truncated to 7", "bit flip in data", "one row fewer", "missing", "fifo", "directory",
+             "symlink to /dev/zero", "symlink out of the cache")
+    for kind in rerun:
+        name, root = next((n, r) for r, n in roots.items() if n.startswith(kind))
+        shards = CachePaths(root).shards_dir
+        before = {n: os.stat(os.path.join(shards, n)).st_mtime_ns for n in os.listdir(shards)}
+        code = run_produce(embedded.stock, embedded.data, root, *args)
+        if name == "directory":
+            assert code == 1 and os.path.isdir(CachePaths(root).target_weights), name
+            continue
+        assert code == 0, name
+        assert open(CachePaths(root).target_weights, "rb").read() == original, name
+        assert {n: os.stat(os.path.join(shards, n)).st_mtime_ns for n in os.listdir(shards)} == before, name
+        assert verify_cache(root).ok, name
+
+
 # -- FP8 scales and codes (issue 23) ------------------------------------------------------------
 
 FP8_CASES = int(os.environ.get("DSPARK_FUZZ_FP8_CASES", "100"))

@@ -85,6 +85,18 @@ def test_resume_refuses_a_moved_symlink_and_a_new_config(embedded, tmp_path, cap
     assert "target_fingerprint" in capsys.readouterr().err
 
 
+def test_cache_without_a_fingerprint_is_refused_with_how_to_remake_it(embedded, tmp_path, capsys):
+    out = str(tmp_path / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
+    path = os.path.join(out, "manifest.json")
+    manifest = json.load(open(path))
+    json.dump({**manifest, "target_fingerprint": ""}, open(path, "w"))  # as an older version wrote it
+    capsys.readouterr()
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 1
+    err = capsys.readouterr().err
+    assert "target_fingerprint" in err and "did not fingerprint its target" in err and "--overwrite" in err
+
+
 # -- item 3: no silently random weights, no pickles unless asked ---------------------------------------
 
 

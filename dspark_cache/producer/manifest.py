@@ -123,9 +123,13 @@ def check_existing(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifes
     diff = identity_diff(old, new)
     if diff:
         lines = "\n".join(f"  {name}: cache has {a!r}, this run has {b!r}" for name, a, b in diff)
-        if any(name == "target_fingerprint" for name, _, _ in diff):
+        target_changed = any(name == "target_fingerprint" for name, _, _ in diff)
+        if target_changed and old.target_fingerprint:
             lines += ("\n  (the checkpoint at --target-model is not the one the cache was made from: its weight "
                       "files or config.json changed; point --target-model at that checkpoint)")
+        elif target_changed:
+            lines += ("\n  (the cache was made by a version that did not fingerprint its target: --overwrite "
+                      "remakes it)")
         raise ManifestMismatchError(
             f"{paths.root} holds a cache made with a different configuration:\n{lines}\n"
             "Rerun with the original settings to resume it, pass --overwrite to start over, "
