@@ -208,3 +208,41 @@ def test_hostile_fp8_scales_and_codes_are_refused(pristine_fp8, tmp_path):
     print(f"\nfuzz fp8: {len(results)} cases, seed {SEED}: {dict(counts)}; crafted FP8 damage: {len(crafted)}")
     assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
     assert len(crafted) > FP8_CASES // 2 and all(r["outcome"] == "rejected" for r in crafted)
+
+
+# -- convert sources ------------------------------------------------------------------------------
+
+CONVERT_CASES = int(os.environ.get("DSPARK_FUZZ_CONVERT_CASES", "250"))
+
+
+def test_fuzz_convert_sources(tmp_path):
+    """``dspark-convert --to dspark`` on seeded mutations of a small NeMo cache and of what an
+    earlier run left in DST (``tests/convert_fuzz.py``), all in one worker under its address-space
+    limit: each converts exactly as the pristine cache does or exits 1/2 with one line naming a
+    file of the case; never a hang, a traceback or a runaway allocation."""
+    from dspark_cache.nemo.convert import convert_to_dspark
+    from tests import convert_fuzz
+    from tests.convert_fixture import write_tiny_nemo
+    from tests.convert_worker import run_jobs
+
+    pad = convert_fuzz.PAD
+    ids = [[5, 6, 9, pad, pad, pad, pad, pad], [5, 6, pad, pad, pad, pad, pad, pad], [5, 6, 9, 9, 9, 9, 9, 9],
+           [pad] * 8, [5, pad, 9, pad, pad, pad, pad, pad]]
+    masks = [[0, 1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1], [0] * 8,
+             [0, 1, 1, 0, 0, 0, 0, 0]]
+    nemo, reference = str(tmp_path / "pristine"), str(tmp_path / "reference")
+    write_tiny_nemo(nemo, ids, masks, shard_size=2)
+    convert_to_dspark(nemo, reference, pad_token_id=pad, progress=None)
+    import dspark_cache
+
+    expected = convert_fuzz.samples(dspark_cache.open_cache(reference))
+    cases = convert_fuzz.make_cases(nemo, reference, str(tmp_path), SEED, CONVERT_CASES)
+    done = run_jobs([{"name": c["name"], "argv": c["argv"]} for c in cases], str(tmp_path),
+                    timeout=60 + CONVERT_CASES)
+    outcomes = {c["name"]: convert_fuzz.judge(done[c["name"]], c["root"], c["dst"], expected) for c in cases}
+    failures = [(c, outcomes[c["name"]]) for c in cases if outcomes[c["name"]].startswith("FAIL")]
+    counts = collections.Counter(outcomes.values())
+    kinds = collections.Counter(c["mutation"].split(":")[0] for c in cases)
+    print(f"\nconvert fuzz: {len(cases)} cases, seed {SEED}: {dict(counts)}; mutations: {dict(kinds)}")
+    assert not failures, "\n".join(f"case {c['name']} ({c['mutation']}): {why}" for c, why in failures[:10])
+    assert counts["rejected"] > CONVERT_CASES // 2 and counts["same"] > 0  # the checks are reached, not just hit

@@ -83,9 +83,10 @@ def shard_indices(cache_dir: str) -> list[int]:
 
 
 def _raw_manifest(cache_dir: str) -> dict[str, Any] | None:
+    # A FIFO is not a manifest either, nor JSON nested past the parser's depth (RecursionError).
     try:
         data = json.loads(read_regular(manifest_path(cache_dir), MAX_MANIFEST_BYTES))
-    except (OSError, CacheError, json.JSONDecodeError, UnicodeDecodeError):  # a FIFO is not a manifest either
+    except (OSError, CacheError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -115,6 +116,8 @@ def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, A
         manifest = json.loads(read_regular(path, MAX_MANIFEST_BYTES))  # never a FIFO's endless wait
     except CacheError as exc:
         raise ValueError(str(exc)) from exc
+    except RecursionError as exc:  # the parser stops at the interpreter's depth limit: memory stays bounded
+        raise ValueError(f"{path} is nested too deeply to be a manifest; regenerate the cache") from exc
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(
