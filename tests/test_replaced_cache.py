@@ -154,3 +154,21 @@ def test_every_rank_writes_the_id_rank_0_gave_the_cache(embedded, inputs, tmp_pa
     assert len(cache_id) == 32
     assert {load_shard_index(paths, s).cache_id for s in paths.indexed_shard_ids()} == {cache_id}
     assert not verify_cache(out).corrupt and len(_samples(out)) == CacheDir(out).manifest.num_samples
+
+
+def test_a_loader_state_of_the_old_cache_is_not_restored_on_the_new_one(embedded, inputs, cache_a, tmp_path):
+    """Restarting training from a checkpoint after --overwrite would continue the old cache's epoch
+    position in the new cache's order: refused, with what to do instead."""
+    out = _fresh_copy(cache_a, tmp_path)
+    loader = dspark_cache.build_dataloader(out, 2, shuffle=False, pin_memory=False)
+    next(iter(loader))
+    state = loader.state_dict()
+    loader.close()
+    again = dspark_cache.build_dataloader(out, 2, shuffle=False, pin_memory=False)
+    again.load_state_dict(state)  # the same cache: fine
+    _overwrite(embedded, inputs, out)
+    fresh = dspark_cache.build_dataloader(out, 2, shuffle=False, pin_memory=False)
+    with pytest.raises(ValueError, match="taken on cache .* holds cache .* start its first epoch from the beginning"):
+        fresh.load_state_dict(state)
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "cache_id"})  # a state from before ids
+    again.close(), fresh.close()

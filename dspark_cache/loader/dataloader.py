@@ -135,9 +135,11 @@ class DSparkLoader:
     # -- resume -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """A few integers: where the next batch starts in the (world-size-free) global order."""
+        """A few integers: where the next batch starts in the (world-size-free) global order, and
+        which cache that order is of (its ``cache_id``)."""
         return {"version": STATE_VERSION, **{k: getattr(self.config, k) for k in ORDER_OPTIONS},
-                "epoch": self.epoch, "offset": self.offset, "world_size": self.world_size}
+                "epoch": self.epoch, "offset": self.offset, "world_size": self.world_size,
+                "cache_id": self.cache.cache_id}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` (from :meth:`state_dict`, any world size) left off."""
@@ -147,6 +149,11 @@ class DSparkLoader:
                 for k in ORDER_OPTIONS if state.get(k) != getattr(self.config, k)]
         if diff:
             raise ValueError("cannot restore a loader state made with other settings:\n  " + "\n  ".join(diff))
+        if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:  # states from before ids: no check
+            raise ValueError(f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
+                             f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
+                             "re-produced with --overwrite), whose order is of other samples; start its first "
+                             "epoch from the beginning instead of loading this state")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
     def close(self) -> None:
