@@ -109,3 +109,44 @@ async def test_a_partial_is_writing_only_while_a_live_rank_writes_it(tmp_path):
         await app.first_snapshot()  # 30 s on, both ranks silent: no shard has a writer
         shown = app.query_one("#shards").content.plain
         assert "0 writing  3 abandoned (rerun resumes)" in shown and "▒" not in shown
+
+
+def fitted_lines(view: Fitted) -> list[str]:
+    """What a fitted view shows, line by line, each checked against its width."""
+    shown = view.content.plain.splitlines()
+    assert view.content_region.width and all(cell_len(line) <= view.content_region.width for line in shown), shown
+    return shown
+
+
+@pytest.mark.anyio
+async def test_under_tui_the_stop_question_and_the_exit_notice_fit_80x24(tmp_path):
+    import subprocess
+    import sys
+
+    from dspark_cache.tui.confirm import ConfirmStop
+    from dspark_cache.tui.foreground import ForegroundMonitor
+
+    root = tui_states.live_run(str(tmp_path / "c"))
+    log = str(tmp_path / ("logs-" + "z" * 120) / "produce-20261201-120000.log")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        app = ForegroundMonitor(root, child, log)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await app.first_snapshot()
+            await pilot.press("q")
+            await pilot.pause()
+            assert isinstance(app.screen, ConfirmStop)
+            shown = fitted_lines(app.screen.query_one("#question", Fitted))
+            assert any(line.endswith("produce-20261201-120000.log") and "…" in line for line in shown)
+            await pilot.press("n")
+            child.kill()
+            child.wait()
+            await app.refreshed()
+            await pilot.pause()  # shown only now: laid out to its width once it has one
+            notice = fitted_lines(app.query_one("#notice", Fitted))
+            assert notice[0].startswith("producer exited with code -9 (log:")
+            assert any(line.endswith("produce-20261201-120000.log);") for line in notice)
+            await pilot.press("q")
+    finally:
+        if child.poll() is None:
+            child.kill()

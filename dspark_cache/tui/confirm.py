@@ -6,18 +6,20 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Static
 
-from dspark_cache.tui.display import markup
+from dspark_cache.tui.fit import Para, piece, words
+from dspark_cache.tui.widgets.fitted import Fitted
 
-QUESTION = """[b]The producer is still running.[/]
+QUESTION = ("Stop it gracefully and quit? It finishes the shard in flight and exits with code 3; rerun the same "
+            "dspark-produce command to resume. Its log: $log")
 
-Stop it gracefully and quit? It finishes the shard in flight and exits with code 3;
-rerun the same dspark-produce command to resume. Its log: $log
 
-  [b]y[/]  stop the producer and quit
-  [b]n[/]  keep watching (escape too)
-"""
+def question(log_path: str) -> list[Para]:
+    """The question, its words laid out to the dialog's width (the log path is shortened, never folded)."""
+    blank = Para([piece("")])
+    return [Para([piece("The producer is still running.", "bold")]), blank, Para(words(QUESTION, log=log_path), " "),
+            blank, Para([piece("  y", "bold"), piece("stop the producer and quit")]),
+            Para([piece("  n", "bold"), piece("keep watching (escape too)")])]
 
 
 class ConfirmStop(ModalScreen[bool]):
@@ -38,7 +40,10 @@ class ConfirmStop(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Static(markup(QUESTION, log=self.log_path), id="question")  # a path may hold brackets
+            yield Fitted(id="question")
+
+    def on_mount(self) -> None:
+        self.query_one("#question", Fitted).show_paras(question(self.log_path))
 
     def action_answer(self, stop: bool) -> None:
         """Close with the answer."""
