@@ -97,3 +97,42 @@ def test_reader_error_is_a_cache_error_naming_the_file(weights_cache, tmp_path):
     with pytest.raises(CacheError, match="xxh3") as caught:
         read_target_weight_modules(cache)
     assert path in str(caught.value) and "dspark-produce" in str(caught.value)
+
+
+_NEMO_READER = """
+import sys
+import dspark_cache.nemo as n
+from dspark_cache.nemo.layout import NemoCacheDataset
+root, what = sys.argv[1], sys.argv[2]
+try:
+    {"weights": n.read_target_weight_modules, "manifest": n.read_manifest,
+     "shard": lambda r: NemoCacheDataset(r)[2]}[what](root)
+    print("READ")
+except ValueError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.parametrize("what, damage", [("weights", "fifo"), ("weights", "another vocabulary"),
+                                          ("manifest", "fifo"), ("shard", "fifo")])
+def test_nemo_layout_reads_refuse_fifos_and_foreign_weights(tmp_path, what, damage):
+    import torch
+    from safetensors.torch import save_file
+
+    from dspark_cache.nemo import layout
+    from tests.convert_fixture import write_tiny_nemo
+
+    root = str(tmp_path / "nemo")
+    write_tiny_nemo(root, [[5, 6, 9, 0]] * 4, [[0, 1, 1, 0]] * 4, shard_size=2)
+    path = {"weights": layout.target_weights_path(root), "manifest": layout.manifest_path(root),
+            "shard": layout.shard_path(root, 1)}[what]
+    if damage == "fifo":
+        os.unlink(path)
+        os.mkfifo(path)
+    else:  # the manifest says target_vocab_size 100
+        save_file({name: torch.zeros(99, 4, dtype=torch.bfloat16) for name in ("embed_tokens.weight",
+                                                                               "lm_head.weight")}, path)
+    # In a child: a reader that waits on a FIFO would hang the test run, not fail it.
+    done = subprocess.run([sys.executable, "-c", _NEMO_READER, root, what], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.startswith("REFUSED") and path in done.stdout, done.stdout + done.stderr[-2000:]

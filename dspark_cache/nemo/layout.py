@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from dspark_cache.format import weights
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.files import read_regular
+from dspark_cache.format.files import read_regular, regular_size
 from dspark_cache.format.schema import LEGACY_FORMAT
 from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 
@@ -225,7 +225,12 @@ class NemoCacheDataset(torch.utils.data.Dataset):
     def _handle(self, shard_index: int) -> Any:
         handle = self._handles.get(shard_index)
         if handle is None:
-            handle = self._handles[shard_index] = safe_open(shard_path(self.cache_dir, shard_index), framework="pt")
+            path = shard_path(self.cache_dir, shard_index)
+            try:
+                regular_size(path)  # safe_open would wait forever on a FIFO, or map a device
+            except CacheError as exc:
+                raise ValueError(str(exc)) from exc
+            handle = self._handles[shard_index] = safe_open(path, framework="pt")
         return handle
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
