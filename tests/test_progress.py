@@ -219,3 +219,32 @@ def test_stopped_run_counts_published_shards_and_pipes_no_bar(embedded, tmp_path
     assert tokens == sum(e.length for i in indexes for e in i.samples) < planned_tokens
     assert not BAR.search(logged) and "\r" not in logged, logged
     assert "INFO dspark_cache.progress: computed " in logged, logged
+
+
+def test_a_resumed_run_counts_the_whole_job_at_this_runs_rate(monkeypatch, caplog, tty):
+    """Earlier runs' 20 samples in 2 shards count as done; the rate (and so the ETA) is this run's own."""
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    progress.set_progress(False)
+    caplog.set_level(logging.INFO, "dspark_cache.progress")
+    log = progress.ProgressLog(total_tokens=9000, total_samples=30, interval=5.0, done_tokens=6000,
+                               done_samples=20, done_shards=2)
+    clock[0] += 10.0
+    log.update(1500, 5, 0, 1)  # 1500 tokens in 10 s: 150 tokens/s, 1500 left: 10 s
+    clock[0] += 10.0
+    log.update(3000, 10, 0, 1)
+    log.shards_published(1, 1)
+    log.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dspark_cache.progress"]
+    assert lines == ["25/30 samples, 83.3% of tokens, 2/3 shards, 150 tokens/s, ETA 0m10s",
+                     "30/30 samples, 100.0% of tokens, 2/3 shards, 150 tokens/s, ETA 0m00s",
+                     "computed 30/30 samples, 100.0% of tokens, 3/3 shards, 150 tokens/s in 0m20s"], lines
+    with contextlib.redirect_stderr(tty):  # the bar starts at the job's done share, its rate this run's
+        progress.set_progress(True)
+        bar = progress.ProgressLog(total_tokens=9000, total_samples=30, done_tokens=6000, done_samples=20,
+                                   done_shards=2)
+        bar.update(3000, 10, 1, 1)
+        bar.close()
+    drawn = tty.getvalue()
+    assert "computing: 100%|" in drawn and drawn.rstrip().endswith("30/30 samples, 3/3 shards]"), drawn
+    assert "computing:  67%|" in drawn and "6.00k/9.00k" in drawn, drawn  # where the resumed job starts

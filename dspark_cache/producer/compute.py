@@ -190,12 +190,15 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, s
                  shards=[s.shard_id for s in owned], device=str(p.device))
     done_before = set(p.paths.indexed_shard_ids())
     published: set[int] = set()
-    progress = ProgressLog(sum(s.num_tokens for s in owned), sum(s.num_samples for s in owned))
-    base = {"samples": 0, "tokens": 0}  # what earlier runs published counts as done
+    base = {"samples": 0, "tokens": 0, "shards": 0}  # what earlier runs published counts as done
     for s in p.plan.shards:
         if s.shard_id in done_before:
             base["samples"] += s.num_samples
             base["tokens"] += s.num_tokens
+            base["shards"] += 1
+    progress = ProgressLog(base["tokens"] + sum(s.num_tokens for s in owned),
+                           base["samples"] + sum(s.num_samples for s in owned), done_tokens=base["tokens"],
+                           done_samples=base["samples"], done_shards=base["shards"])
 
     def on_published(shard: ShardPlan, index) -> None:
         published.add(shard.shard_id)

@@ -55,7 +55,7 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def _new_bar(desc: str, unit: str, total: int | None, unit_scale: bool = False) -> Any:
+def _new_bar(desc: str, unit: str, total: int | None, unit_scale: bool = False, initial: int = 0) -> Any:
     """A tqdm bar on the current stderr; imported here, so ``--help`` and planning without a bar skip it."""
     from tqdm import tqdm
 
@@ -64,7 +64,7 @@ def _new_bar(desc: str, unit: str, total: int | None, unit_scale: bool = False) 
     columns, rows = _terminal_size()
     sized = columns > 0 and rows > 0
     # The unit's leading space: "120 rows/s", not tqdm's "120rows/s".
-    return tqdm(total=total, desc=desc, unit=f" {unit}", unit_scale=unit_scale, file=sys.stderr,
+    return tqdm(total=total, desc=desc, unit=f" {unit}", unit_scale=unit_scale, initial=initial, file=sys.stderr,
                 dynamic_ncols=sized, ncols=None if sized else columns or FALLBACK_COLUMNS,
                 nrows=None if sized else rows or FALLBACK_ROWS, mininterval=BAR_REFRESH_S, leave=True, disable=False)
 
@@ -188,19 +188,24 @@ class ProgressLog:
     """The compute stage's progress: tokens (with rate and ETA), samples and shards.
 
     A bar when bars are on; otherwise a log line at most every ``interval`` seconds and one at
-    :meth:`close`. ``update`` takes running totals (not increments), as the pipeline counts them.
+    :meth:`close`. ``update`` takes this run's running totals (not increments), as the pipeline
+    counts them. What earlier runs published (``done_*``, a resume) is counted as done from the
+    start, so the counts and the percentage are the job's; the rate and the ETA are this run's own.
     """
 
-    def __init__(self, total_tokens: int, total_samples: int, interval: float = 10.0) -> None:
+    def __init__(self, total_tokens: int, total_samples: int, interval: float = 10.0, *, done_tokens: int = 0,
+                 done_samples: int = 0, done_shards: int = 0) -> None:
         self.total_tokens = max(total_tokens, 1)
         self.total_samples = total_samples
+        self.done = (done_tokens, done_samples, done_shards)
         self._clock = _Throttle(interval)
         self._last: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._bar: Any = None
         self._redirect: contextlib.ExitStack | None = None
         self._closed = False
         if bars_on():
-            self._bar = _new_bar("computing", "tok", self.total_tokens, unit_scale=True)
+            # tqdm leaves its ``initial`` out of the rate: the rate stays this run's.
+            self._bar = _new_bar("computing", "tok", self.total_tokens, unit_scale=True, initial=done_tokens)
             self._redirect = contextlib.ExitStack()
             self._redirect.enter_context(_logs_above_bar())
 
@@ -209,7 +214,7 @@ class ProgressLog:
         self._last = (tokens, samples, shards_done, shards_total)
         if self._bar is not None:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
-            self._bar.update(tokens - self._bar.n)  # tqdm counts increments; the pipeline gives totals
+            self._bar.update(self.done[0] + tokens - self._bar.n)  # tqdm counts increments; the pipeline gives totals
         elif self._clock.due():
             log.info("%s", self.line())
 
@@ -218,15 +223,21 @@ class ProgressLog:
         tokens, samples, _, _ = self._last
         self._last = (tokens, samples, shards_done, shards_total)
 
+    def _counts(self) -> tuple[int, int, int, int]:
+        """The job's tokens and samples done, shards published and shards planned, earlier runs' included."""
+        tokens, samples, shards_done, shards_total = self._last
+        done_tokens, done_samples, done_shards = self.done
+        return done_tokens + tokens, done_samples + samples, done_shards + shards_done, done_shards + shards_total
+
     def _postfix(self) -> str:
-        _, samples, shards_done, shards_total = self._last
+        _, samples, shards_done, shards_total = self._counts()
         return f"{samples}/{self.total_samples} samples, {shards_done}/{shards_total} shards"
 
     def line(self, final: bool = False) -> str:
-        """The log line: samples, share of tokens, shards, rate, ETA (the time taken when final)."""
-        tokens, samples, shards_done, shards_total = self._last
+        """The log line: samples, share of tokens, shards, this run's rate, ETA (the time taken when final)."""
+        tokens, samples, shards_done, shards_total = self._counts()
         elapsed = self._clock.elapsed()
-        rate = tokens / elapsed
+        rate = self._last[0] / elapsed
         if final:
             tail = f" in {format_duration(elapsed)}"
         else:

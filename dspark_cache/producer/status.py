@@ -103,8 +103,13 @@ class StatusReporter:
 def announce(status: StatusReporter, plan: Plan, existing: Manifest | None, done: set[int]) -> None:
     """Rank 0's account of the run ahead: what is resumed, the plan's totals, every skipped row."""
     if existing is not None:
-        status.event(EventKind.RESUMED, f"resuming: {len(done)} of {len(plan.shards)} shards already published",
-                     published=len(done), total=len(plan.shards))
+        kept = [s for s in plan.shards if s.shard_id in done]
+        samples, todo = sum(s.num_samples for s in kept), len(plan.shards) - len(kept)
+        line = (f"resuming: {len(kept)} of {len(plan.shards)} shards ({samples} samples) already published; "
+                f"computing {todo}")
+        status.event(EventKind.RESUMED, line, published=len(kept), total=len(plan.shards), samples=samples)
+        if todo:  # a complete cache says so itself ("nothing to do")
+            log.info("%s", line)
     status.event(EventKind.PLAN, "planned", rows=plan.num_rows, samples=plan.num_samples, shards=len(plan.shards),
                  tokens=plan.num_tokens, bytes=plan.num_bytes, skipped=plan.skipped_counts())
     for row in plan.skipped:
