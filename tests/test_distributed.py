@@ -83,3 +83,31 @@ def test_a_dying_rank_does_not_hang_the_others(embedded, tmp_path, reference):
     assert done.returncode == 0, done.stderr
     assert_same_samples(out, reference, exact=False)
     assert dspark_cache.open_cache(out).manifest.complete
+
+
+def test_sigterm_stops_both_ranks_and_each_says_stopped(embedded, tmp_path):
+    """SIGTERM to every rank of a 2-rank job (as torchrun forwards it): each finishes its shard in flight,
+    reports stopped (rank 1's line too, not "done") and exits 3; a rerun completes the cache."""
+    out = str(tmp_path / "cache")
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_WORLD_SIZE": "2"}
+    cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "1",
+                                     "--batch-size", "1", "--dtype", "fp32", "--num-workers", "0"))
+    ranks = [start(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    try:
+        wait_for(lambda: published(out) >= 2 or any(r.poll() is not None for r in ranks), timeout=240)
+    finally:
+        for r in ranks:
+            r.send_signal(signal.SIGTERM)
+    said = [r.communicate(timeout=240) for r in ranks]
+    assert [r.returncode for r in ranks] == [3, 3], said
+    assert said[1][0].strip() == "rank 1: stopped", said[1]
+    assert said[0][0].startswith("cache incomplete: "), said[0]
+    for rank in (0, 1):
+        status = open(os.path.join(out, "status", f"rank-{rank:05d}.json")).read()
+        assert '"state":"stopped"' in status, status
+    report = verify_cache(out)
+    assert not report.complete and not report.corrupt
+    done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size",
+                                          "1", "--batch-size", "1", "--dtype", "fp32", "--num-workers", "0")))
+    assert done.returncode == 0, done.stderr
+    assert verify_cache(out).ok

@@ -10,11 +10,14 @@ table). It imports nothing heavy: a usage error or ``--help`` costs no torch.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import shlex
 import shutil
+import signal
 import sys
+import threading
 from typing import Callable, NoReturn
 
 from dspark_cache import add_version_argument
@@ -132,10 +135,49 @@ def run_script(parser: UsageParser, run: Callable[[argparse.Namespace], int], ar
     """
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    exiting = _ExitOnSignals(parser.prog) if argv is None else None  # this process's own command line
+    code = EXIT_STOPPED
     try:
-        return run(args)
+        code = run(args)
     except UsageError as exc:
-        return usage_error(parser.prog, str(exc))
+        code = usage_error(parser.prog, str(exc))
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return EXIT_STOPPED
+    finally:
+        if exiting is not None:
+            exiting.code = code
+    return code
+
+
+class _ExitOnSignals:
+    """SIGINT/SIGTERM for a process that runs one command and exits: KeyboardInterrupt while it runs (the
+    producer's stop flag takes over while it computes, and gives this back), then, once the exit code is
+    known, one line and that code at once.
+
+    Left to Python, a signal during the exit (the second Ctrl-C of two) raises KeyboardInterrupt inside
+    the interpreter's shutdown (a traceback from an atexit callback or a thread join) or, once the
+    interpreter has reset its handlers, kills the process (exit -2, not ours). From the last atexit
+    callback on the signals are ignored instead: the interpreter leaves an ignored signal ignored.
+    """
+
+    def __init__(self, prog: str) -> None:
+        self.prog = prog
+        self.code: int | None = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        atexit.register(self._ignore)  # registered before the command runs: called after its callbacks
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.code is None:
+            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        line = f"{self.prog}: {name} while exiting: exiting now; rerun the same command to resume\n"
+        os.write(2, line.encode())  # not print: the signal may have interrupted a write to sys.stderr
+        os._exit(self.code)
+
+    @staticmethod
+    def _ignore() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)

@@ -168,7 +168,8 @@ def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
         logging.getLogger("dspark_cache").debug("failure", exc_info=True)
         return error(PROG, str(exc))
     rank = int(os.environ.get("RANK", "0"))
-    print(summary(result, cfg.output_dir) if rank == 0 else f"rank {rank}: done")
+    outcome = "stopped" if result.stopped else "incomplete" if result.missing else "done"
+    print(summary(result, cfg.output_dir) if rank == 0 else f"rank {rank}: {outcome}")
     if result.missing:
         print(f"{PROG}: shards {result.missing} were not published because the rank that owned them "
               "stopped; rerun the same command (any number of ranks) to complete the cache", file=sys.stderr)
@@ -181,5 +182,5 @@ def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
 
 def main(argv: list[str] | None = None, allow_tui: bool = True) -> int:
     """``dspark-produce`` (``allow_tui``) or one rank under torchrun (not)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    return run_script(build_parser(), lambda args: run(args, argv, allow_tui), argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    return run_script(build_parser(), lambda args: run(args, given, allow_tui), argv)
