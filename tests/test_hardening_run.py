@@ -4,16 +4,18 @@ shard completes the job, the lock record is never a FIFO we block on, a resume s
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
+import dspark_cache
 from dspark_cache.cli.conventions import EXIT_USAGE
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.verify import verify_cache
 from tests.conftest import produce_args, run_produce, write_jsonl
 from tests.proc import BIN, producer_cmd, run, start, wait_for
@@ -53,6 +55,23 @@ def test_settings_that_cannot_work_are_usage_errors(tmp_path, capsys, args, need
     assert code == EXIT_USAGE, err
     assert err.count("\n") == 1 and needle in err and "see dspark-produce --help" in err, err
     assert not out.exists()
+
+
+def test_a_file_as_target_model_is_a_usage_error(embedded, tmp_path, capsys):
+    from dspark_cache.producer.cli import main
+
+    config = os.path.join(embedded.stock, "config.json")
+    code = main(produce_args(config, str(tmp_path / "no.jsonl"), str(tmp_path / "out")))
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"--target-model {config} is a file" in err and "directory" in err, err
+
+
+@pytest.mark.parametrize("out", ["/proc/dspark-cache-test", "/proc/self/dspark-cache-test"])
+def test_an_output_dir_that_cannot_be_created_says_so(embedded, tiny_data, capsys, out):
+    assert run_produce(embedded.stock, tiny_data, out, *ARGS) == 1
+    err = capsys.readouterr().err
+    assert f"--output-dir {out} cannot hold a cache: creating {out}" in err, err
+    assert "choose a directory on a writable filesystem" in err and "Errno" not in err, err
 
 
 def test_the_format_limits_are_the_readers_own():
@@ -168,3 +187,55 @@ def test_a_stop_that_lands_on_the_last_shard_completes_the_job(embedded, tmp_pat
     assert "cache complete" in stdout and "stopped before completion" not in err
     report = verify_cache(out)
     assert report.ok and report.complete, report
+
+
+# --- a resume says what it kept, and its progress is the whole job's ------------------------------
+
+def test_a_resume_says_what_it_kept_and_counts_the_whole_job(embedded, tiny_data, tmp_path):
+    out = str(tmp_path / "cache")
+    args = produce_args(embedded.stock, tiny_data, out, "--seq-length", "128", "--shard-size", "2",
+                        "--batch-size", "1", "--num-workers", "0")
+    killed = run(producer_cmd(*args), env={"DSPARK_CRASH_AT": "after_index:2"})  # two shards published
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    paths = CachePaths(out)
+    kept = paths.indexed_shard_ids()
+    assert kept == [0, 1]
+    samples = sum(load_shard_index(paths, s).num_samples for s in kept)
+    loud = [("INFO" if a == "WARNING" else a) for a in args]  # the console at dspark-produce's default level
+    again = run(producer_cmd(*loud, "--no-progress"))
+    assert again.returncode == 0, again.stderr
+    total = verify_cache(out)
+    assert total.ok
+    manifest = dspark_cache.open_cache(out).manifest
+    shards = manifest.num_shards
+    line = f"resuming: 2 of {shards} shards ({samples} samples) already published; computing {shards - 2}"
+    assert f"INFO dspark_cache.producer.status: {line}\n" in again.stderr, again.stderr
+    final = re.search(r"progress: computed (\d+)/(\d+) samples, 100\.0% of tokens, (\d+)/(\d+) shards", again.stderr)
+    assert final, again.stderr
+    assert [int(g) for g in final.groups()] == [manifest.num_samples] * 2 + [shards] * 2
+
+
+# --- two Ctrl-C ------------------------------------------------------------------------------------
+
+def test_a_second_ctrl_c_while_exiting_exits_3_without_a_traceback(embedded, tmp_path):
+    """The second SIGINT lands in the interpreter's shutdown (after the stop's last line): one line, exit 3,
+    not a KeyboardInterrupt traceback from an atexit callback nor death by SIGINT (-2)."""
+    out = str(tmp_path / "cache")
+    proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
+                                            "--shard-size", "1", "--batch-size", "1", "--num-workers", "0")))
+    paths = CachePaths(out)
+    wait_for(lambda: paths.indexed_shard_ids() or proc.poll() is not None, timeout=240, poll=0.01)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
+    said = []
+    for line in proc.stderr:  # until the run's last line: the process is on its way out
+        said.append(line)
+        if "rerun the same command" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    _, rest = proc.communicate(timeout=300)
+    err = "".join(said) + rest
+    assert proc.returncode == 3, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.count("rerun the same command to resume") <= 2, err  # the stop's line, and at most one more
+    assert not verify_cache(out).corrupt

@@ -212,6 +212,9 @@ def validate_config(cfg: ProduceConfig) -> None:
     problem = device_problem(cfg.device)
     if problem:
         raise ConfigError(problem)
+    if os.path.isfile(cfg.target_model):
+        raise ConfigError(f"--target-model {cfg.target_model} is a file; pass the checkpoint's directory (the one "
+                          "holding config.json and the weights) or a hub id")
     if cfg.max_batch_tokens is not None and cfg.max_batch_tokens < cfg.seq_length:
         raise ConfigError(f"--max-batch-tokens {cfg.max_batch_tokens} is below --seq-length {cfg.seq_length}: a "
                           "sample that long would not fit one batch; pass at least the sequence length, or a "

@@ -32,8 +32,13 @@ log = logging.getLogger(__name__)
 def take_directory(paths: CachePaths, run_id: str, me: RankInfo, overwrite: bool) -> DirectoryLock | None:
     """Rank 0, before reading the input: refuse a linked-out layout, then lock the directory."""
     check_layout(paths)
-    os.makedirs(paths.control_dir, exist_ok=True)
-    return lock_exclusive(paths, run_id, me.world_size, overwrite)
+    try:
+        os.makedirs(paths.control_dir, exist_ok=True)
+        return lock_exclusive(paths, run_id, me.world_size, overwrite)
+    except OSError as exc:  # /proc/..., a read-only mount, no permission: say which path and what to do
+        where = exc.filename or paths.control_dir
+        raise CacheError(f"--output-dir {paths.root} cannot hold a cache: creating {where} failed "
+                         f"({exc.strerror or exc}); choose a directory on a writable filesystem") from None
 
 
 def bytes_missing(paths: CachePaths, plan: Plan) -> int:
