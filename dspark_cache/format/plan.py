@@ -12,6 +12,7 @@ written last, so a header on disk means its arrays are whole.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from typing import BinaryIO
 
@@ -21,7 +22,7 @@ import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.files import read_regular, regular_size
+from dspark_cache.format.files import open_regular, read_regular
 from dspark_cache.format.schema import SkippedRow, encode_json
 
 PLAN_FORMAT = "dspark-plan/1"
@@ -110,6 +111,7 @@ class ArrayWriter:
     def __init__(self, path: str, dtype: np.dtype) -> None:
         self.path, self.dtype = path, np.dtype(dtype)
         self._tmp = f"{path}.{os.getpid()}.tmp"
+        claim(path)
         self._file: BinaryIO = open(self._tmp, "wb")
         self._file.write(_npy_header(self.dtype, 0))
         self._hash = xxhash.xxh3_64()
@@ -133,7 +135,10 @@ class ArrayWriter:
 
     def abandon(self) -> None:
         """Drop the unfinished file (an error or stop while writing)."""
-        self._file.close()
+        try:
+            self._file.close()  # may fail to flush on a full disk: the file is dropped anyway
+        except OSError:
+            pass
         if os.path.exists(self._tmp):
             os.unlink(self._tmp)
 
@@ -150,38 +155,83 @@ def write_array(path: str, values: np.ndarray, dtype: np.dtype) -> ArrayRecord:
 
 
 def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = True) -> np.ndarray:
-    """Memory-map a plan array, checking its dtype, length and (``verify``) its checksum."""
+    """Memory-map a plan array, checking its kind, dtype, length, size and (``verify``) checksum.
+
+    Nothing is read past what the ``.npy`` header and ``record`` imply: a file of any other size
+    (a sparse terabyte, say) is refused from its ``st_size`` before a byte of it is hashed.
+    """
+    dtype = np.dtype(dtype)
     try:
-        regular_size(path)  # never a FIFO or a device: numpy would block on it or read it forever
-        array = np.load(path, mmap_mode="c", allow_pickle=False)  # private: writable views, file untouched
+        if stat.S_ISLNK(os.lstat(path).st_mode):  # the producer writes plain files only
+            raise PlanError(f"{path} is a symlink, not a plan file")
+        fd = open_regular(path)  # never a FIFO, a device or a directory: numpy would block or read forever
     except FileNotFoundError:
         raise PlanError(f"{path} is missing") from None
     except CacheError as exc:
         raise PlanError(str(exc)) from exc
-    except (OSError, ValueError) as exc:
-        raise PlanError(f"{path} is not a readable .npy array ({exc})") from exc
-    if array.dtype != np.dtype(dtype) or array.ndim != 1 or array.shape[0] != record.length:
-        raise PlanError(f"{path} holds {array.dtype} x {array.shape}, the plan says {np.dtype(dtype)} x "
-                        f"({record.length},)")
-    if verify and _data_digest(path, array.offset) != record.xxh3_64:
-        raise PlanError(f"{path} does not match its checksum (damaged or from another plan)")
-    return array
+    with os.fdopen(fd, "rb") as handle:
+        try:
+            if np.lib.format.read_magic(handle) != (1, 0):
+                raise ValueError("not a version 1.0 .npy header")
+            shape, fortran, descr = np.lib.format.read_array_header_1_0(handle)
+        except ValueError as exc:
+            raise PlanError(f"{path} is not a readable .npy array ({exc})") from exc
+        if descr != dtype or fortran or shape != (record.length,):
+            raise PlanError(f"{path} holds {descr} x {shape}, the plan says {dtype} x ({record.length},)")
+        offset, size = handle.tell(), os.fstat(fd).st_size
+        if size != offset + record.length * dtype.itemsize:
+            raise PlanError(f"{path} is {size} bytes; its header implies {offset + record.length * dtype.itemsize}")
+        if verify and _data_digest(fd, offset, size - offset) != record.xxh3_64:
+            raise PlanError(f"{path} does not match its checksum (damaged or from another plan)")
+        if not record.length:
+            return np.zeros(0, dtype)  # mmap refuses an empty range
+        # copy-on-write: private, writable views; the file is never changed through them
+        return np.memmap(handle, dtype=dtype, mode="c", offset=offset, shape=(record.length,))
 
 
-def _data_digest(path: str, offset: int) -> str:
-    """xxh3-64 of a file's bytes from ``offset``, read through a small buffer: hashing a large
+def _data_digest(fd: int, offset: int, size: int) -> str:
+    """xxh3-64 of ``size`` bytes from ``offset``, read through a small buffer: hashing a large
     array through its mapping would make every page of it resident in this process."""
     digest = xxhash.xxh3_64()
     buf = bytearray(1 << 22)
-    with open(path, "rb", buffering=0) as handle:
-        handle.seek(offset)
-        while n := handle.readinto(buf):
-            digest.update(memoryview(buf)[:n])
+    while size > 0 and (n := os.preadv(fd, [memoryview(buf)[:min(size, len(buf))]], offset)):
+        digest.update(memoryview(buf)[:n])
+        offset, size = offset + n, size - n
     return digest.hexdigest()
+
+
+def token_problem(ids: np.ndarray, mask: np.ndarray, vocab_size: int) -> str | None:
+    """Why these token ids and loss mask cannot be a sample's, or None: every id must index the
+    target's embedding (``0 <= id < vocab_size``, the manifest's ``target_vocab_size``) and every
+    mask value be 0 or 1. The one rule for what a shard may hold; a plan that breaks it is rebuilt."""
+    if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+        at = int(np.argmax((ids < 0) | (ids >= vocab_size)))
+        return (f"token id {int(ids[at])} at token {at} is outside the target's vocabulary size {vocab_size} "
+                "(its embedding rows)")
+    if mask.size and int(mask.max()) > 1:
+        at = int(np.argmax(mask > 1))
+        return f"loss mask value {int(mask[at])} at token {at} is not 0 or 1"
+    return None
+
+
+def claim(path: str) -> None:
+    """Make room for a plan file at ``path``: an empty directory there is removed (nothing is lost);
+    anything else in a directory's place is not ours and is refused."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return
+        os.rmdir(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CacheError(f"{path} is a directory ({exc.strerror}) where the saved plan keeps a file; the producer "
+                         f"does not delete what it did not write: move it out of {os.path.dirname(path)} "
+                         "and rerun") from None
 
 
 def write_header(path: str, header: PartHeader | PlanHeader) -> None:
     """Publish a header (after its arrays): atomic, durable (the write fsyncs the directory too)."""
+    claim(path)
     atomic_write_bytes(path, encode_json(header, pretty=False))
 
 

@@ -5,13 +5,16 @@ on (input bytes, split, shuffle, tokenizer, template, sequence length, mask rule
 version): parts with the same key are reused, whatever the number of ranks that wrote them.
 The *layout key* adds what batching and shard sizes depend on (sample shape, shard size, batch
 budget): a plan with the same layout key is loaded as it is. Everything loaded is checked
-(checksums, lengths, ranges), and anything wrong is rebuilt, never trusted.
+(sizes before checksums, then values: a plan forged with matching checksums is still refused),
+and anything wrong is rebuilt, never trusted.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -19,16 +22,18 @@ import numpy as np
 import xxhash
 
 from dspark_cache import __version__
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.files import read_regular
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.paths import PLAN_ARRAYS, CachePaths
+from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
 from dspark_cache.format.plan import (
-    BOUNDARY, LOSS_MASK, PART_ROW, PLAN_SAMPLE, TOKEN_ID, ArrayRecord, PartHeader, PlanError, PlanHeader,
-    load_array, read_header, write_array, write_header,
+    BOUNDARY, LOSS_MASK, MAX_HEADER_BYTES, PART_ROW, PLAN_SAMPLE, TOKEN_ID, ArrayRecord, PartHeader, PlanError,
+    PlanHeader, load_array, read_header, token_problem, write_array, write_header,
 )
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.layout import check_layout, plan_files, remove_files
 from dspark_cache.producer.plan import MAX_PAD_FRACTION, Plan, TokenStore, plan_from_rows
-from dspark_cache.producer.plan_parts import NO_SUPERVISED_TOKEN
+from dspark_cache.producer.plan_parts import NO_SUPERVISED_TOKEN, plan_disk_full
 from dspark_cache.producer.template import sha256_text, tokenizer_sha256
 
 log = logging.getLogger(__name__)
@@ -40,17 +45,31 @@ class InvalidInputError(Exception):
     """Rows are invalid and the policy is ``error``; raised while planning, before device work."""
 
 
+@dataclass(frozen=True)
+class PlanSpec:
+    """What a saved plan must have been made for, and the bounds every value in it must keep."""
+
+    keys: tuple[str, str]  # (encode key, layout key)
+    vocab_size: int  # the target's embedding rows: every token id is below it
+    seq_length: int  # no sample is longer
+    shape: SampleShape
+    shard_size: int
+    max_batch_tokens: int
+
+
 def _key(fields: dict[str, Any]) -> str:
     return hashlib.sha256(msgspec.json.encode(fields, order="sorted")).hexdigest()
 
 
-def encode_key(cfg: Any, tokenizer: Any, input_sha256: str) -> str:
-    """What every sample's tokens depend on (``cfg``: the producer's settings)."""
+def encode_key(cfg: Any, tokenizer: Any, input_sha256: str, vocab_size: int) -> str:
+    """What every sample's tokens depend on (``cfg``: the producer's settings; ``vocab_size``: the
+    target's, which decides which rows are invalid)."""
     return _key({
         "version": __version__, "input": str(cfg.input_data), "input_sha256": input_sha256, "split": cfg.split,
         "shuffle_seed": cfg.shuffle_seed, "max_row_bytes": cfg.max_row_bytes, "seq_length": cfg.seq_length,
         "tokenizer_sha256": tokenizer_sha256(tokenizer), "chat_template_sha256": sha256_text(tokenizer.chat_template),
         "mask_reasoning_content": cfg.mask_reasoning_content, "mask_generation_prompt": cfg.mask_generation_prompt,
+        "vocab_size": vocab_size,
     })
 
 
@@ -68,51 +87,93 @@ def clear_plan(paths: CachePaths) -> None:
 
 
 def _header_digest(path: str) -> ArrayRecord:
-    with open(path, "rb") as handle:
-        raw = handle.read()
+    try:
+        raw = read_regular(path, MAX_HEADER_BYTES)
+    except FileNotFoundError:
+        raise PlanError(f"{path} is missing") from None
+    except CacheError as exc:
+        raise PlanError(str(exc)) from exc
     return ArrayRecord(len(raw), xxhash.xxh3_64_hexdigest(raw))
 
 
 # -- parts -------------------------------------------------------------------------------------
 
-def read_parts(paths: CachePaths, key: str, verify: bool = False) -> list[PartHeader] | None:
+def read_parts(paths: CachePaths, spec: PlanSpec, verify: bool = False) -> list[PartHeader] | None:
     """Every part of an earlier tokenisation with this encode key, or None when any is missing or
-    differs (``verify``: or when any of their arrays does not match its header)."""
+    differs (``verify``: or when any of their arrays does not match its header and ``spec``)."""
+    key = spec.keys[0]
     try:
         first = read_header(paths.plan_part_header(0), PartHeader)
-        if first is None or first.encode_key != key or first.num_parts < 1:
+        if first is None or first.encode_key != key or first.part != 0:
             return None
-        parts = [first] + [read_header(paths.plan_part_header(k), PartHeader) for k in range(1, first.num_parts)]
-        if any(p is None or p.encode_key != key or p.num_parts != first.num_parts or p.part != k
-               for k, p in enumerate(parts)):
-            return None
+        on_disk = len(plan_files(paths))  # every part has a header there: a count past that is a lie
+        if not 1 <= first.num_parts <= on_disk:
+            raise PlanError(f"{paths.plan_part_header(0)} claims {first.num_parts} parts, and {paths.plan_dir} "
+                            f"holds {on_disk} plan files")
+        parts = [first]
+        for k in range(1, first.num_parts):  # stops at the first part that is not there
+            p = read_header(paths.plan_part_header(k), PartHeader)
+            if p is None or p.encode_key != key or p.num_parts != first.num_parts or p.part != k:
+                return None
+            parts.append(p)
+        for p in parts:
+            _check_part_header(p, spec)
         if verify:
-            open_store(paths, parts)  # type: ignore[arg-type]
+            open_store(paths, parts, spec)  # type: ignore[arg-type]
     except (PlanError, KeyError) as exc:
         log.warning("saved plan part unusable (%s); the input is tokenised again", exc)
         return None
     return parts  # type: ignore[return-value]
 
 
-def open_store(paths: CachePaths, parts: list[PartHeader]) -> tuple[TokenStore, list[np.ndarray]]:
-    """Memory-map every part's tokens (checked against its header); also returns their row tables."""
+def _check_part_header(p: PartHeader, spec: PlanSpec) -> None:
+    """What a part's header says must fit together before any of its arrays is read."""
+    a = p.arrays
+    if sorted(a) != sorted(PLAN_PART_KINDS):
+        raise PlanError(f"part {p.part} lists arrays {sorted(a)}, not {sorted(PLAN_PART_KINDS)}")
+    samples = a["rows"].length
+    if not (a["ids"].length == a["mask"].length == p.tokens and 0 <= samples <= p.rows
+            and samples + len(p.skipped) == p.rows and 0 <= p.tokens <= samples * spec.seq_length):
+        raise PlanError(f"part {p.part}: {p.rows} rows, {samples} samples, {len(p.skipped)} skipped, {p.tokens} "
+                        f"tokens ({a['ids'].length} ids, {a['mask'].length} mask values) do not fit together")
+
+
+def open_store(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> tuple[TokenStore, list[np.ndarray]]:
+    """Memory-map every part's tokens, checked against its header and by value (``spec``: the
+    bounds); also returns their row tables."""
     token_parts, tables = [], []
     for p in parts:
+        _check_part_header(p, spec)
+        table = load_array(paths.plan_part(p.part, "rows"), PART_ROW, p.arrays["rows"])
+        _check_rows(p, table, spec)  # before the tokens are read: their size must follow from it
         ids = load_array(paths.plan_part(p.part, "ids"), TOKEN_ID, p.arrays["ids"])
         mask = load_array(paths.plan_part(p.part, "mask"), LOSS_MASK, p.arrays["mask"])
-        table = load_array(paths.plan_part(p.part, "rows"), PART_ROW, p.arrays["rows"])
-        if mask.shape != ids.shape or p.tokens != ids.shape[0]:
-            raise PlanError(f"part {p.part}: {ids.shape[0]} token ids, {mask.shape[0]} mask values, header says {p.tokens}")
-        ends = table["offset"].astype(np.int64) + table["length"]
-        if table.size and (table["offset"].min() < 0 or table["length"].min() < 1 or ends.max() > ids.shape[0]):
-            raise PlanError(f"part {p.part}: its row table points outside its tokens")
+        problem = token_problem(ids, mask, spec.vocab_size)
+        if problem:
+            raise PlanError(f"part {p.part}: {problem}")
+        if table.size and not np.array_equal(np.add.reduceat(mask, table["offset"], dtype=np.int64),
+                                             table["loss_tokens"]):
+            raise PlanError(f"part {p.part}: its row table's loss token counts are not its masks'")
         token_parts.append((ids, mask))
         tables.append(table)
     return TokenStore(token_parts), tables
 
 
-def merge_parts(parts: list[PartHeader], store: TokenStore, tables: list[np.ndarray], shape: SampleShape, *,
-                shard_size: int, max_batch_tokens: int) -> Plan:
+def _check_rows(p: PartHeader, table: np.ndarray, spec: PlanSpec) -> None:
+    """A part's rows lie back to back in its tokens, in order, each within ``--seq-length``."""
+    lengths = table["length"].astype(np.int64)
+    ends = np.cumsum(lengths)
+    tiled = (ends[-1] if table.size else 0) == p.tokens and (not table.size or (
+        table["offset"][0] == 0 and np.array_equal(table["offset"][1:], ends[:-1])))
+    if not tiled:
+        raise PlanError(f"part {p.part}: its row table does not tile its {p.tokens} tokens in order")
+    if table.size and not (1 <= lengths.min() and lengths.max() <= spec.seq_length and table["sample_id"].min() >= 0
+                           and 1 <= table["loss_tokens"].min() and bool(np.all(table["loss_tokens"] <= lengths))):
+        raise PlanError(f"part {p.part}: a row's length (1..{spec.seq_length}), loss token count or id is "
+                        "out of range")
+
+
+def merge_parts(parts: list[PartHeader], store: TokenStore, tables: list[np.ndarray], spec: PlanSpec) -> Plan:
     """One plan from every part: their samples batched together, their skipped rows together."""
     rows = np.zeros(sum(t.shape[0] for t in tables), dtype=PLAN_SAMPLE)
     at = 0
@@ -125,8 +186,8 @@ def merge_parts(parts: list[PartHeader], store: TokenStore, tables: list[np.ndar
     if np.unique(rows["sample_id"]).shape[0] != rows.shape[0]:
         raise PlanError("the saved parts hold the same sample twice")
     skipped = [row for p in parts for row in p.skipped]
-    return plan_from_rows(sum(p.rows for p in parts), rows, store, skipped, shape, shard_size=shard_size,
-                          max_batch_tokens=max_batch_tokens)
+    return plan_from_rows(sum(p.rows for p in parts), rows, store, skipped, spec.shape, shard_size=spec.shard_size,
+                          max_batch_tokens=spec.max_batch_tokens)
 
 
 def listed_rows(parts: list[PartHeader], rows: list[SkippedRow]) -> list[str]:
@@ -158,50 +219,60 @@ _PLAN_ARRAYS = dict(zip(PLAN_ARRAYS, (PLAN_SAMPLE, BOUNDARY, BOUNDARY, BOUNDARY)
 
 
 def save_plan(paths: CachePaths, plan: Plan, parts: list[PartHeader], keys: tuple[str, str]) -> None:
-    """Write the merged plan's arrays, then its header."""
+    """Write the merged plan's arrays, then its header (an earlier header goes first: it must not
+    describe arrays that are being replaced)."""
     values = {"samples": plan.samples, "batches": plan.batch_starts, "shards": plan.shard_starts,
               "shard_bytes": plan.shard_bytes}
-    arrays = {name: write_array(paths.plan_array(name), values[name], dtype) for name, dtype in _PLAN_ARRAYS.items()}
-    header = PlanHeader(encode_key=keys[0], layout_key=keys[1], num_rows=plan.num_rows, num_parts=len(parts),
-                        parts=[_header_digest(paths.plan_part_header(p.part)) for p in parts], arrays=arrays,
-                        layout_sha256=plan.layout_sha256(), skipped=plan.skipped,
-                        invalid=sorted((n for p in parts for n in p.invalid), key=lambda n: n.row))
-    write_header(paths.plan_header, header)
+    try:
+        remove_files([paths.plan_header])
+        arrays = {name: write_array(paths.plan_array(name), values[name], dtype)
+                  for name, dtype in _PLAN_ARRAYS.items()}
+        header = PlanHeader(encode_key=keys[0], layout_key=keys[1], num_rows=plan.num_rows, num_parts=len(parts),
+                            parts=[_header_digest(paths.plan_part_header(p.part)) for p in parts], arrays=arrays,
+                            layout_sha256=plan.layout_sha256(), skipped=plan.skipped,
+                            invalid=sorted((n for p in parts for n in p.invalid), key=lambda n: n.row))
+        write_header(paths.plan_header, header)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        needed = sum(v.nbytes for v in values.values()) + _HEADER_ROOM * (1 + len(plan.skipped))
+        raise plan_disk_full(paths, exc, needed, f"the merged plan of {plan.num_samples} samples") from exc
 
 
-def load_plan(paths: CachePaths, keys: tuple[str, str]) -> tuple[Plan, list[PartHeader]] | None:
+_HEADER_ROOM = 256  # bytes: a .npy header, or about one skipped row's line in the plan's JSON header
+
+
+def load_plan(paths: CachePaths, spec: PlanSpec) -> tuple[Plan, list[PartHeader]] | None:
     """The saved plan when its keys match and every file checks out; None otherwise (rebuild)."""
     try:
         header = read_header(paths.plan_header, PlanHeader)
-        if header is None or (header.encode_key, header.layout_key) != keys:
+        if header is None or (header.encode_key, header.layout_key) != spec.keys:
             return None
-        parts = read_parts(paths, keys[0])
+        parts = read_parts(paths, spec)
         if parts is None or len(parts) != header.num_parts or header.parts != [
                 _header_digest(paths.plan_part_header(p.part)) for p in parts]:
             raise PlanError("its parts are not the ones it was merged from")
-        store, _ = open_store(paths, parts)
-        a = {name: load_array(paths.plan_array(name), dtype, header.arrays[name]) for name, dtype in _PLAN_ARRAYS.items()}
+        store, tables = open_store(paths, parts, spec)
+        a = {name: load_array(paths.plan_array(name), dtype, header.arrays[name])
+             for name, dtype in _PLAN_ARRAYS.items()}
         plan = Plan(header.num_rows, a["samples"], a["batches"], a["shards"], a["shard_bytes"], store, header.skipped)
-        _check_plan(plan, header)
+        _check_plan(plan, header, merge_parts(parts, store, tables, spec))
     except (PlanError, KeyError, OSError) as exc:
         log.warning("saved plan in %s unusable (%s); it is rebuilt", paths.plan_dir, exc)
         return None
     return plan, parts
 
 
-def _check_plan(plan: Plan, header: PlanHeader) -> None:
-    """A plan whose files are whole can still be hostile: every index must lead where it may."""
-    b, s, samples = plan.batch_starts, plan.shard_starts, plan.samples
-    if not (b.shape[0] >= 1 and b[0] == 0 and b[-1] == samples.shape[0] and bool(np.all(np.diff(b) >= 1))
-            and s.shape[0] == plan.shard_bytes.shape[0] + 1 and s[0] == 0 and s[-1] == b.shape[0] - 1
-            and bool(np.all(np.diff(s) >= 1))):
-        raise PlanError("its batch or shard boundaries are inconsistent")
-    if samples.size and (samples["part"].min() < 0 or samples["part"].max() >= len(plan.store.parts)):
-        raise PlanError("its samples name parts that do not exist")
-    for k, (ids, _) in enumerate(plan.store.parts):
-        mine = samples[samples["part"] == k]
-        if mine.size and (mine["offset"].min() < 0 or mine["length"].min() < 1
-                          or (mine["offset"] + mine["length"]).max() > ids.shape[0]):
-            raise PlanError(f"its samples point outside part {k}")
-    if plan.layout_sha256() != header.layout_sha256:
+def _check_plan(plan: Plan, header: PlanHeader, derived: Plan) -> None:
+    """A plan whose files are whole can still be hostile: it must be exactly the plan its checked
+    parts give (same samples, batches, shards and sizes). Batching the row tables again costs
+    about 3 s per million samples, against minutes to tokenise them."""
+    same = (plan.num_rows == derived.num_rows and plan.samples.tobytes() == derived.samples.tobytes()
+            and all(np.array_equal(getattr(plan, n), getattr(derived, n))
+                    for n in ("batch_starts", "shard_starts", "shard_bytes"))
+            and header.skipped == derived.skipped)
+    if not same:
+        raise PlanError("its samples, batches, shards or sizes are not the ones its parts give")
+    if derived.layout_sha256() != header.layout_sha256:
         raise PlanError("its shard layout does not match its header")
+

@@ -29,10 +29,11 @@ from dspark_cache.producer.messages import normalise_row
 from dspark_cache.producer.plan import Plan, SampleShape, reason_counts
 from dspark_cache.producer.plan_parts import encode_part
 from dspark_cache.producer.plan_store import (
-    check_invalid_rows, encode_key, layout_key, listed_rows, load_plan, merge_parts, open_store, read_parts,
-    save_plan,
+    PlanSpec, check_invalid_rows, encode_key, layout_key, listed_rows, load_plan, merge_parts, open_store,
+    read_parts, save_plan,
 )
 from dspark_cache.producer.progress import counter
+from dspark_cache.producer.target import read_target_info
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,36 +62,46 @@ def _together(me: RankInfo, step: Callable[[], T]) -> T:
 
 
 def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
-             shape: SampleShape, input_sha256: str) -> Plan:
-    """The job's plan (see the module's docstring)."""
-    key = encode_key(cfg, encoder.tokenizer, input_sha256)
-    keys = (key, layout_key(key, shape, cfg.shard_size, cfg.batch_token_budget))
-    saved = None if cfg.overwrite else load_plan(paths, keys)
+             shape: SampleShape, input_sha256: str, vocab_size: int | None = None) -> Plan:
+    """The job's plan (see the module's docstring); ``vocab_size``: the target's embedding rows
+    (read from its config when not given)."""
+    if vocab_size is None:
+        vocab_size = read_target_info(cfg.target_model, cfg.trust_remote_code, cfg.allow_pickle_weights).vocab_size
+    spec = plan_spec(cfg, encoder, shape, input_sha256, vocab_size)
+    saved = None if cfg.overwrite else load_plan(paths, spec)
     if all_true(me, saved is not None):
         plan, parts = saved  # type: ignore[misc]
         log.info("plan: reusing the saved plan in %s (nothing tokenised)", paths.plan_dir)
         check_invalid_rows(parts, cfg.on_invalid)
         return plan
-    parts = None if cfg.overwrite else read_parts(paths, key, verify=True)
+    parts = None if cfg.overwrite else read_parts(paths, spec, verify=True)
     if all_true(me, parts is not None):
         log.info("plan: reusing the tokenised input in %s (batching it again)", paths.plan_dir)
     else:
-        _together(me, lambda: _encode_my_part(cfg, paths, me, source, encoder, key))
-        parts = read_parts(paths, key)
+        _together(me, lambda: _encode_my_part(cfg, paths, me, source, encoder, spec))
+        parts = read_parts(paths, spec)
     parts = _together(me, lambda: _require_parts(parts, cfg))
     check_invalid_rows(parts, cfg.on_invalid)
     if me.is_leader:
-        return _together(me, lambda: _merge_and_save(cfg, paths, parts, shape, keys))
+        return _together(me, lambda: _merge_and_save(paths, parts, spec))
     _together(me, lambda: None)  # rank 0 merges
-    loaded = load_plan(paths, keys)
+    loaded = load_plan(paths, spec)
     if loaded is None:
         raise PlanningError(f"the plan rank 0 saved in {paths.plan_dir} cannot be read here; is --output-dir "
                             "the same shared directory on every node?")
     return loaded[0]
 
 
+def plan_spec(cfg: ProduceConfig, encoder: Any, shape: SampleShape, input_sha256: str, vocab_size: int) -> PlanSpec:
+    """The keys and bounds of this job's plan."""
+    key = encode_key(cfg, encoder.tokenizer, input_sha256, vocab_size)
+    return PlanSpec(keys=(key, layout_key(key, shape, cfg.shard_size, cfg.batch_token_budget)), vocab_size=vocab_size,
+                    seq_length=cfg.seq_length, shape=shape, shard_size=cfg.shard_size,
+                    max_batch_tokens=cfg.batch_token_budget)
+
+
 def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
-                    key: str) -> PartHeader:
+                    spec: PlanSpec) -> PartHeader:
     check_layout(paths)  # every rank, before writing: the plan directory must not lead out of the cache
     started = time.perf_counter()
 
@@ -101,8 +112,10 @@ def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source:
     world, rank = me.world_size, me.rank
     rows = source.rows(keep=lambda i: i % world == rank) if world > 1 else source.rows()
     total = source.count_hint()
-    with counter("encoding rows", "rows", total=None if total is None else len(range(rank, total, world))) as bar:
-        header = encode_part(paths, encode_rows(rows, encode, cfg.tokenize_workers), rank, world, key, bar.update)
+    mine = None if total is None else len(range(rank, total, world))
+    with counter("encoding rows", "rows", total=mine) as bar:
+        header = encode_part(paths, encode_rows(rows, encode, cfg.tokenize_workers), rank, world, spec.keys[0],
+                             bar.update, vocab_size=spec.vocab_size, total_rows=mine)
     log.info("rank %d encoded %d rows in %.1f s", rank, header.rows, time.perf_counter() - started)
     return header
 
@@ -124,11 +137,10 @@ def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig) -> list[P
     return parts
 
 
-def _merge_and_save(cfg: ProduceConfig, paths: CachePaths, parts: list[PartHeader], shape: SampleShape,
-                    keys: tuple[str, str]) -> Plan:
-    store, tables = open_store(paths, parts)
-    plan = merge_parts(parts, store, tables, shape, shard_size=cfg.shard_size, max_batch_tokens=cfg.batch_token_budget)
-    save_plan(paths, plan, parts, keys)
+def _merge_and_save(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> Plan:
+    store, tables = open_store(paths, parts, spec)
+    plan = merge_parts(parts, store, tables, spec)
+    save_plan(paths, plan, parts, spec.keys)
     keep = {paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS)}
     keep |= {f for p in parts for f in (paths.plan_part_header(p.part), *(paths.plan_part(p.part, k) for k in p.arrays))}
     remove_files([f for f in plan_files(paths) if f not in keep])  # parts of a larger earlier job, temporaries
