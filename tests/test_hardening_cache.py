@@ -243,3 +243,25 @@ def test_rank_statuses_skip_fifos_and_huge_files(tmp_path):
                            "print(len(read_rank_statuses(CachePaths(sys.argv[1]))))", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "0", done.stderr
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past every JSON decoder's depth limit
+
+
+@pytest.mark.parametrize("where", ["manifest.json", "shards/shard-000000.idx"])
+def test_json_nested_too_deep_is_a_named_error(small_cache, tmp_path, where, capsys):
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    path = os.path.join(copy, where)
+    text = open(path).read()
+    with open(path, "w") as f:  # the deep value in a field every struct ignores
+        f.write(text.replace("{", '{"x": ' + DEEP + ", ", 1))
+    with pytest.raises(CacheError, match="nested too deep") as err:
+        dspark_cache.open_cache(copy)
+    assert os.path.basename(where) in str(err.value)
+    with pytest.raises(CacheError, match="nested too deep"):
+        list(dspark_cache.build_dataloader(copy, batch_size=4))
+    capsys.readouterr()
+    assert verify_main([copy]) in (1, 2)
+    captured = capsys.readouterr()
+    assert "nested too deep" in captured.out + captured.err and "Traceback" not in captured.err

@@ -6,9 +6,11 @@ and meaning, so NeMo's consumer checks can read them unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 # The manifest's ``format_version`` is a string so that NeMo Automodel's reader, which accepts
 # exactly the integer 1 for its own ``shard-NNNNNN.safetensors`` layout, rejects our caches with
@@ -229,16 +231,26 @@ class _FormatProbe(msgspec.Struct):
     cache_format: Any = None
 
 
+def decode_json(data: bytes, kind: type[T]) -> T:
+    """``msgspec.json.decode`` to ``kind``, where JSON nested past the decoder's depth limit is a
+    ``DecodeError`` like any other bad file: msgspec raises RecursionError for it even when the deep
+    value sits in a field the struct ignores, and every reader of our files handles DecodeError."""
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON nested too deep") from None
+
+
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """Decode ``manifest.json``; a NeMo-layout or older dspark manifest gets a message saying what to do."""
     try:
-        probe = msgspec.json.decode(data, type=_FormatProbe)
+        probe = decode_json(data, _FormatProbe)
     except msgspec.DecodeError as exc:
         raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
     if probe.format_version not in FORMAT_IDS:
         raise msgspec.DecodeError(f"{where}: {_foreign_format(probe)}")
     try:
-        manifest = msgspec.json.decode(data, type=Manifest)
+        manifest = decode_json(data, Manifest)
     except msgspec.DecodeError as exc:
         raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
     if manifest.format_version != probe.format_version:  # __post_init__ upgraded an FP8 manifest marked /2
@@ -261,4 +273,4 @@ def _foreign_format(probe: _FormatProbe) -> str:
 
 
 def decode_shard_index(data: bytes) -> ShardIndex:
-    return msgspec.json.decode(data, type=ShardIndex)
+    return decode_json(data, ShardIndex)
