@@ -240,5 +240,7 @@ def test_shard_bytes_equal_the_golden_ones(tmp_path, dtype_name, layer_ids):
                       sample_metadata(sid, list(layer_ids), num_layers, h), byte_views(t))
     writer.publish()
     with open(paths.shard_tar(0), "rb") as tar, open(paths.shard_index(0), "rb") as idx:
-        digest = hashlib.sha256(tar.read() + idx.read()).hexdigest()[:16]
+        # The index gained cache_id (empty for a writer given none) after these hashes were taken: the
+        # bytes without it are the same, so caches written before it read as they did.
+        digest = hashlib.sha256(tar.read() + idx.read().replace(b',"cache_id":""', b"")).hexdigest()[:16]
     assert digest == GOLDEN[(dtype_name, layer_ids)]
