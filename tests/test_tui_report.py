@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def test_a_pipe_gets_the_report_and_exit_1_when_a_rank_failed_or_fell_silent(tmp
     assert "progress: samples 20/60  tokens 40.0k/120.0k  shards 2/6  no producer running" in text
     assert "shards: 2 published  0 writing  1 abandoned (rerun resumes)  2 pending  1 failed" in text
     assert "state failed" in text and "last error: CUDA out of memory on shard 3" in text
-    assert "rank 1, state STALE, shard 2" in text and "heartbeat 1m00s ago" in text
+    assert "rank 1, state STALE, shard 2" in text and re.search(r"heartbeat 1m0\ds ago", text)  # a loaded machine
     assert "errors (newest last):" in text
     assert text.rstrip().endswith("next: rank 0 failed, rank 1 silent (STALE heartbeat): once no rank runs, rerun the "
                                   "same dspark-produce command to resume (published shards are kept)")

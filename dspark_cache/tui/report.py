@@ -38,7 +38,7 @@ FAILED_STATES = (RankState.FAILED, RankState.INCOMPLETE)
 
 def has_terminal() -> bool:
     """Whether the full-screen app can run: keys come in and the screen goes out through a terminal."""
-    return sys.stdin.isatty() and sys.stdout.isatty()
+    return all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stdout))
 
 
 def measured_snapshot(watcher: CacheWatcher, every: float, sleep: Callable[[float], None] = time.sleep) -> Snapshot:
