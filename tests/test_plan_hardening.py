@@ -339,3 +339,71 @@ def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_d
     assert verify_cache(out).ok
     assert_same_samples(out, reference, exact=True)
 
+
+# -- item 25: a failed dry run ---------------------------------------------------------------------------
+
+def test_a_failed_dry_run_leaves_no_lock_plan_or_directory_behind(embedded, tmp_path, capsys):
+    good = [json.loads(line) for line in open(embedded.data)][:8]
+    bad = write_jsonl(tmp_path / "bad.jsonl", good[:4] + [{"messages": "not a list"}] + good[4:])
+    out = tmp_path / "new" / "cache"
+    assert run_produce(embedded.stock, bad, str(out), *ARGS, "--dry-run") == 1
+    assert "1 invalid input row" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # no lock record, no plan files, no directories it made
+    assert run_produce(embedded.stock, write_jsonl(tmp_path / "good.jsonl", good), str(out), *ARGS, "--dry-run") == 0
+    assert sorted(os.listdir(out)) == ["control", "plan"]  # a successful dry run keeps its plan
+
+
+def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
+    out = str(tmp_path / "cache")
+    os.makedirs(out)
+    open(os.path.join(out, "notes.txt"), "w").write("the user's")
+    good = [json.loads(line) for line in open(embedded.data)][:8]
+    bad = write_jsonl(tmp_path / "bad.jsonl", good + [{"no": "messages"}])
+    assert run_produce(embedded.stock, bad, out, *ARGS, "--dry-run") == 1
+    assert os.listdir(out) == ["notes.txt"]  # its own directories and files removed, nothing else
+
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--dry-run") == 0
+    before = {os.path.join(d, n): _stamp(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names}
+    broken = str(tmp_path / "no-tokenizer")  # fails after the directory is taken, before tokenising
+    shutil.copytree(embedded.stock, broken)
+    for name in os.listdir(broken):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            os.unlink(os.path.join(broken, name))
+    assert run_produce(broken, embedded.data, out, *ARGS, "--dry-run") == 1
+    after = {os.path.join(d, n): _stamp(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names}
+    assert set(after) == set(before)  # the earlier plan and the lock file it was made under are kept
+    assert {k: v for k, v in after.items() if "lock" not in k} == {k: v for k, v in before.items() if "lock" not in k}
+
+    from dspark_cache.format.paths import CachePaths
+    from dspark_cache.producer.lock import lock_exclusive
+
+    held = lock_exclusive(CachePaths(out), "another-run", 1)  # a live producer: the dry run touches nothing
+    try:
+        assert run_produce(embedded.stock, bad, out, *ARGS, "--dry-run") == 1
+        now = {os.path.join(d, n): _stamp(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names}
+        assert set(now) == set(after) and all(now[k] == v for k, v in after.items() if "lock" not in k)
+    finally:
+        held.release()
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
+
+
+def test_a_lock_file_removed_by_its_holder_is_not_locked_through_an_old_descriptor(tmp_path, monkeypatch):
+    """A process that opened the lock file just before its last holder removed it must not lock the
+    removed file: it would then 'hold' a lock that a third producer, creating the file anew, shares."""
+    from dspark_cache.format.paths import CachePaths
+    from dspark_cache.producer import lock as lock_module
+
+    paths = CachePaths(str(tmp_path / "cache"))
+    os.makedirs(paths.control_dir)
+    first = lock_module.lock_exclusive(paths, "run-1", 1)
+    stale = os.open(paths.lock, os.O_RDWR)  # opened while the first holder still has it
+    os.unlink(paths.lock)  # the holder removes its lock file (a failed dry run) ...
+    first.release()  # ... and lets go
+    opened = iter([stale])
+    real_open = lock_module._open
+    monkeypatch.setattr(lock_module, "_open", lambda path: next(opened, None) or real_open(path))
+    second = lock_module.lock_exclusive(paths, "run-2", 1)
+    assert second is not None and os.path.exists(paths.lock)
+    with pytest.raises(lock_module.CacheLockedError):  # the second holds the real lock file
+        lock_module.lock_exclusive(paths, "run-3", 1)
+    second.release()

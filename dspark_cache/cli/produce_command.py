@@ -99,23 +99,30 @@ def dry_run(cfg) -> int:
     import dataclasses
 
     from dspark_cache.producer.distributed import new_run_id, rank_info
+    from dspark_cache.producer.plan_store import forget_found, found_directory, keep_plan_files, leave_as_found
     from dspark_cache.producer.prepare import prepare
     from dspark_cache.producer.reconcile import take_directory
 
-    me, locks = rank_info(), []
+    me, locks, found = rank_info(), [], []
 
     def take(paths) -> None:  # as a real run does: a second producer is refused, and refuses us
         if me.is_leader:
+            before = found_directory(paths)  # before anything is created
             locks.append(take_directory(paths, new_run_id(), me, cfg.overwrite))
+            found.append((paths, keep_plan_files(paths, before)))  # held now: nobody else writes there
 
     try:  # planning needs no device: a login node without a GPU can size a GPU job
         p = prepare(dataclasses.replace(cfg, device="cpu"), take)
     except Exception as exc:
+        if found:  # the directory is ours: a failed dry run leaves it as it found it
+            leave_as_found(*found[0], locks[0])
         return error(PROG, str(exc))
     finally:
         for lock in locks:
             if lock is not None:
                 lock.release()
+    for _, before in found:
+        forget_found(before)
     if me.is_leader:
         print(plan_report(p.plan, p.manifest, cfg.output_dir))
     return EXIT_OK

@@ -134,6 +134,17 @@ class DirectoryLock:
             raise CacheLockedError(f"lost the lock on {self.path} to another producer "
                                    f"({describe_holder(_read_holder(self.fd))}); rerun when it is done") from exc
 
+    def remove(self) -> None:
+        """Delete the lock file, then release it (a failed dry run that created it). A process that
+        opened the file meanwhile sees, once it holds it, that it is no longer the file there, and
+        opens the path again (:func:`_still_there`)."""
+        if self.fd is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.release()
+
     def release(self) -> None:
         if self.fd is None:
             return
@@ -143,6 +154,16 @@ class DirectoryLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+def _still_there(path: str, fd: int) -> bool:
+    """Whether the locked file is still the one at ``path`` (its last holder may have removed it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino)
 
 
 def _flock(path: str, fd: int, mode: int) -> bool:
@@ -180,6 +201,9 @@ def lock_exclusive(paths: CachePaths, run_id: str, world_size: int, overwrite: b
     except BaseException:
         os.close(fd)
         raise
+    if not _still_there(paths.lock, fd):
+        os.close(fd)
+        return lock_exclusive(paths, run_id, world_size, overwrite)
     record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "world_size": world_size,
               "started_at": time.time()}
     os.ftruncate(fd, 0)
@@ -202,4 +226,7 @@ def lock_shared(paths: CachePaths) -> DirectoryLock | None:
     except BaseException:
         os.close(fd)
         raise
+    if not _still_there(paths.lock, fd):
+        os.close(fd)
+        return lock_shared(paths)
     return DirectoryLock(paths.lock, fd)

@@ -11,9 +11,11 @@ and anything wrong is rebuilt, never trusted.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ from dspark_cache.format.plan import (
 )
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.layout import check_layout, plan_files, remove_files
+from dspark_cache.producer.lock import DirectoryLock
 from dspark_cache.producer.plan import MAX_PAD_FRACTION, Plan, TokenStore, plan_from_rows
 from dspark_cache.producer.plan_parts import NO_SUPERVISED_TOKEN, plan_disk_full
 from dspark_cache.producer.template import sha256_text, tokenizer_sha256
@@ -276,3 +279,64 @@ def _check_plan(plan: Plan, header: PlanHeader, derived: Plan) -> None:
     if derived.layout_sha256() != header.layout_sha256:
         raise PlanError("its shard layout does not match its header")
 
+
+# -- a failed dry run leaves the directory as it found it ----------------------------------------
+
+@dataclass(frozen=True)
+class FoundDirectory:
+    """What the output directory held before a dry run took it."""
+
+    missing_dirs: tuple[str, ...]  # the directories a dry run may create that were not there, outermost first
+    had_lock: bool
+    kept: tuple[tuple[str, str], ...]  # (plan file, a hard link to it): what a failed dry run puts back
+
+
+def found_directory(paths: CachePaths) -> FoundDirectory:
+    """Note what is there before the dry run creates anything (it writes nothing)."""
+    dirs, up = [paths.control_dir, paths.plan_dir], os.path.abspath(paths.root)
+    while up != os.path.dirname(up):  # --output-dir and every parent it makes
+        dirs.insert(0, up)
+        up = os.path.dirname(up)
+    return FoundDirectory(tuple(d for d in dirs if not os.path.lexists(d)), os.path.lexists(paths.lock), ())
+
+
+def keep_plan_files(paths: CachePaths, found: FoundDirectory) -> FoundDirectory:
+    """Once the directory is held: a hard link to every plan file there (no data is copied), so
+    that a failed dry run of other input, which replaces them as it tokenises, puts them back."""
+    kept = []
+    for path in plan_files(paths) if os.path.isdir(paths.plan_dir) and not os.path.islink(paths.plan_dir) else []:
+        link = f"{path}.{os.getpid()}.found.tmp"  # a temporary of a plan file: cleared by the next plan
+        try:
+            os.link(path, link, follow_symlinks=False)
+        except OSError as exc:  # a filesystem without hard links: that file cannot be put back
+            log.debug("cannot keep %s for a failed dry run (%s)", path, exc)
+            continue
+        kept.append((path, link))
+    return dataclasses.replace(found, kept=tuple(kept))
+
+
+def forget_found(found: FoundDirectory) -> None:
+    """The dry run succeeded: its plan stays, the links to the earlier files go."""
+    remove_files([link for _, link in found.kept])
+
+
+def leave_as_found(paths: CachePaths, found: FoundDirectory, lock: DirectoryLock | None) -> None:
+    """Undo a failed dry run, still holding the directory: the plan files it wrote go, the earlier
+    ones come back, and so do the lock file and directories (if empty) it did not find."""
+    links = {link for _, link in found.kept}
+    remove_files([p for p in plan_files(paths) if p not in links])  # plan_files lists names of ours only
+    for path, link in found.kept:
+        try:
+            os.replace(link, path)
+        except OSError as exc:
+            log.warning("could not put back %s after the failed dry run (%s); the next run rebuilds it", path, exc)
+    if not found.had_lock:
+        if lock is not None:
+            lock.remove()
+        else:  # a filesystem without locks: nobody can hold it
+            remove_files([paths.lock])
+    for directory in reversed(found.missing_dirs):
+        try:
+            os.rmdir(directory)
+        except OSError:  # not empty (or not there): something else lives in it
+            pass
