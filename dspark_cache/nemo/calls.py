@@ -132,7 +132,8 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
     for field, have, want in checks:
         if have != want:
             raise ValueError(f"DSpark cache at {cache_dir} was built for {field}={have!r}, but this run has "
-                             f"{field}={want!r}. Use a cache produced for this target and seq_length, or fix the config.")
+                             f"{field}={want!r}. Use a cache produced for this target and seq_length, or fix "
+                             "the config.")
     cache_dtype = layout.DTYPES.get(str(manifest["dtype"]))
     if cache_dtype is None:
         raise ValueError(f"DSpark cache at {cache_dir} has unsupported dtype={manifest['dtype']!r}; "

@@ -389,7 +389,8 @@ class TargetRunner:
         }
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(target_hidden [B,T,len(ids)*H], last [B,T,H] or None)`` in the cache dtype, on device.
 
         ``last`` is None when the final state is one of the ids: it is then the last H columns.
