@@ -387,3 +387,31 @@ def test_sigkill_mid_export_then_rerun_equals_uninterrupted(small_cache, exporte
     assert _files(dst) == _files(exported)
     code, out, _ = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "5")
     assert code == 0 and f"{len(layout.shard_indices(dst))} kept" in out  # complete: nothing redone
+
+
+def _flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last[0] ^ 0x01]))
+
+
+def test_weights_are_checked_recorded_and_never_kept_when_they_differ(small_cache, exported, tmp_path, capsys):
+    src = str(tmp_path / "ours")
+    shutil.copytree(small_cache, src)
+    _flip_last_byte(CachePaths(src).target_weights)  # same size, other bytes: the manifest's checksum says no
+    code, _, err = _convert(capsys, src, str(tmp_path / "nemo"), "--to", "nemo")
+    assert code == 1 and "target_weights.safetensors" in err and "xxh3" in err
+    assert not os.path.exists(tmp_path / "nemo" / "manifest.json")  # refused before DST was touched
+
+    back = str(tmp_path / "back")
+    assert _convert(capsys, exported, back, "--to", "dspark")[0] == 0
+    recorded = dspark_cache.open_cache(back).manifest.target_weights_xxh3
+    weights = CachePaths(back).target_weights
+    assert recorded is not None and verify_cache(back).ok
+    _flip_last_byte(weights)  # a damaged copy of the right size: a rerun must replace it, not keep it
+    assert not verify_cache(back).ok
+    assert _convert(capsys, exported, back, "--to", "dspark")[0] == 0
+    assert _files(back)["target_weights.safetensors"] == _files(small_cache)["target_weights.safetensors"]
+    assert verify_cache(back).ok

@@ -15,6 +15,7 @@ from dspark_cache.format.atomic import atomic_write_with
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.weights import TargetWeightsError, WeightsFile, check_target_weights
 from dspark_cache.nemo import layout
 from dspark_cache.producer.layout import check_layout, remove_files, written_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
@@ -109,20 +110,30 @@ def copy_file_atomic(src: str, dst: str) -> None:
         atomic_write_with(dst, lambda writer: _copy_contents(reader, writer))
 
 
-def ensure_weights(src: str, dst: str) -> None:
-    """Copy the target weights unless an earlier run already published the same file."""
-    if _is_regular(dst) and os.path.getsize(dst) == os.path.getsize(src):
-        return  # written atomically, so a file of the right size is the whole copy
+def ensure_weights(src: str, dst: str, source: WeightsFile) -> None:
+    """Copy the target weights unless an earlier run already published the same file (``source``:
+    what :func:`require_weights` found at ``src``)."""
+    if _is_regular(dst):
+        try:  # written atomically, but an intact file of the right size can still be another target's
+            check_target_weights(dst, None, None, source.xxh3)
+            return
+        except TargetWeightsError:
+            pass
     copy_file_atomic(src, dst)
 
 
-def require_weights(path: str) -> None:
-    """Both layouts need ``target_weights.safetensors``: training initialises the draft from it."""
+def require_weights(path: str, vocab_size: int | None, hidden_size: int | None,
+                    xxh3: int | None = None) -> WeightsFile:
+    """Both layouts need ``target_weights.safetensors`` (training initialises the draft from it): the
+    source's, checked by format's one rule (shapes ``[vocab, hidden]``, the recorded checksum if any)."""
     try:
-        os.close(open_source_file(path))
-    except FileNotFoundError as exc:
-        raise ConvertError(f"{path} is missing: a cache needs its target's embed_tokens and lm_head weights. "
-                           "Copy it from the producer's output, or re-run the producer to write it") from exc
+        return check_target_weights(path, vocab_size, hidden_size, xxh3)
+    except TargetWeightsError as exc:
+        if exc.reason == "missing":
+            raise ConvertError(f"{path} is missing: a cache needs its target's embed_tokens and lm_head weights. "
+                               "Copy it from the producer's output, or re-run the producer to write it") from exc
+        raise ConvertError(f"{path}: {exc.reason}: the source's target weights cannot be used; copy the file "
+                           "again from the producer's output, or re-run the producer to write it") from exc
 
 
 def _is_regular(path: str) -> bool:

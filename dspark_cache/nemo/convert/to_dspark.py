@@ -239,12 +239,13 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     started = time.perf_counter()
     check_paths(src, dst)
     source = open_nemo_source(src)
-    require_weights(layout.target_weights_path(src))
+    weights = require_weights(layout.target_weights_path(src), source.vocab_size, source.hidden_size)
     rule = resolve_pad_rule(source.manifest["target_model"], source.manifest_path, pad_token_id, eos_token_id,
                             source.vocab_size)
     shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, dtype_code(source.dtype))
     plan = plan_import(source, rule, shape)  # everything is checked before DST is touched
     manifest = build_manifest(source, rule, plan)
+    manifest.target_weights_xxh3 = weights.xxh3  # the file copied below is this one, byte for byte
     paths = CachePaths(dst)
     lock = lock_destination(dst)
     producer_lock = None
@@ -254,7 +255,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
         kept, finished = _reconcile(paths, source, plan, manifest, overwrite)
         if not finished:
             write_manifest(paths, manifest)  # complete: false, before the first shard
-        ensure_weights(layout.target_weights_path(src), paths.target_weights)
+        ensure_weights(layout.target_weights_path(src), paths.target_weights, weights)
         progress_log = Progress(source.num_shards, source.shard_bytes(), progress)
         progress_log.kept(len(kept), sum(os.path.getsize(source.shard_file(k)) for k in kept))
         for shard in (k for k in range(source.num_shards) if k not in kept):

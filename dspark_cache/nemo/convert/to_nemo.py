@@ -178,7 +178,8 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
     started = time.perf_counter()
     check_paths(src, dst)
     cache = _open_source(src, dtype)
-    require_weights(CachePaths(src).target_weights)
+    weights = require_weights(CachePaths(src).target_weights, cache.manifest.target_vocab_size,
+                              cache.manifest.hidden_size, cache.manifest.target_weights_xxh3)
     manifest = nemo_manifest(cache, shard_size or cache.manifest.shard_size)
     size, total = manifest["shard_size"], len(cache)
     # Positions in ascending sample id, whatever order the shards hold them in: NeMo's sample i.
@@ -192,7 +193,7 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         kept, finished = _reconcile(dst, manifest, shards, overwrite)
         if not finished:
             layout.write_manifest(dst, {**manifest, "complete": False})
-        ensure_weights(CachePaths(src).target_weights, layout.target_weights_path(dst))
+        ensure_weights(CachePaths(src).target_weights, layout.target_weights_path(dst), weights)
         out_bytes = [file_size(shard_specs(manifest, len(rows))) for rows in shards]
         progress_log = Progress(len(shards), sum(out_bytes), progress)
         progress_log.kept(len(kept), sum(out_bytes[k] for k in kept))
