@@ -135,3 +135,83 @@ def test_mask_generation_prompt_counts_truncated_turns_from_the_full_render(toke
     full = ChatEncoder(tok, 4096, mask_generation_prompt=True).encode(NO_REASONING)
     cut = ChatEncoder(tok, 12, mask_generation_prompt=True).encode(NO_REASONING)
     assert cut.loss_mask.tolist() == full.loss_mask.tolist()[:12]
+
+
+# --- templates that loop or render gigabytes: each render of a row is bounded -----------------
+
+_TURN = "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+HOSTILE = {  # a body run for a message whose content is "bad"; what the render must be stopped for
+    "nested range": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "slow"),
+    "loops over a string": ("{% set s = m.role * 1000 %}{% for a in s %}{% for b in s %}{% for c in s %}{% endfor %}"
+                            "{% endfor %}{% endfor %}", "slow"),  # no call or attribute inside: only the alarm
+    "nested output": ("{% for i in range(100000) %}{% for j in range(100000) %}{{ m.role * 1000 }}{% endfor %}"
+                      "{% endfor %}", "large"),
+    "string repeat": ("{{ m.role * 1000000000 }}", "large"),
+    "center": ("{{ m.role | center(100000 * 100000) }}", "large"),
+    "method width": ("{{ m.role.ljust(100000 * 100000) }}", "large"),
+    "power": ("{{ 7 ** 10000000 }}", "large"),
+    "percent width": ("{{ '%1000000000s' % m.role }}", "large"),
+    "format width": ("{{ '{:>1000000000}'.format(m.role) }}", "large"),
+    "replace": ("{{ m.role.replace('', 'y' * 1000000) }}", "large"),
+    "constant": ("{{ 'x' | center(10000000000) }}", "large"),  # folded while compiling: left to the render
+    "append": ("{% set ns = namespace(s='y' * 100000) %}{% for i in range(100) %}{% set ns.s = ns.s + ns.s %}"
+               "{% endfor %}{{ ns.s }}", "large"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_template_that_loops_or_explodes_on_a_row_makes_it_invalid_quickly(tokenizers, name):
+    import time
+
+    from dspark_cache.producer.template import TemplateLimitError
+
+    body, kind = HOSTILE[name]
+    tok, _ = tokenizers
+    tok = copy_with_template(tok, "{% for m in messages %}{% if m.content == 'bad' %}" + body + "{% endif %}"
+                             + _TURN + "{% endfor %}")
+    encoder = ChatEncoder(tok, 512)
+    encoder.render_seconds = 1.0
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    row = encoder.encode(good)  # an ordinary row renders as transformers renders the template without the trap
+    plain = copy_with_template(tok, "{% for m in messages %}" + _TURN + "{% endfor %}")
+    assert row.input_ids.tolist() == plain.apply_chat_template(good, tokenize=True, return_dict=True)["input_ids"]
+    started = time.monotonic()
+    with pytest.raises(TemplateLimitError) as caught:
+        encoder.encode([{"role": "user", "content": "bad"}, {"role": "assistant", "content": "ok"}])
+    took = time.monotonic() - started
+    assert took < 4, took
+    if kind == "slow":
+        assert caught.value.reason == "template too slow" and "took over 1 s" in caught.value.detail
+    else:
+        assert caught.value.reason == "template output too large" and caught.value.detail.startswith("template ")
+    assert encoder.encode(good).input_ids.tolist() == row.input_ids.tolist()  # the encoder still works
+
+
+def copy_with_template(tok, template: str):
+    import copy
+
+    other = copy.deepcopy(tok)
+    other.chat_template = template
+    return other
+
+
+def test_hostile_template_rows_follow_on_invalid_in_process_and_in_workers(embedded, tmp_path, capsys):
+    import json
+
+    import dspark_cache
+    from tests.conftest import run_produce, write_jsonl
+
+    template = ("{% for m in messages %}{% if m.content == 'loop' %}" + HOSTILE["nested range"][0] + "{% endif %}"
+                "{% if m.content == 'huge' %}" + HOSTILE["nested output"][0] + "{% endif %}" + _TURN + "{% endfor %}")
+    rows = [[{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}] for c in ("hi", "loop", "huge")]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": m} for m in rows])
+    out = str(tmp_path / "out")
+    args = ("--seq-length", "64", "--chat-template", template)
+    assert run_produce(embedded.stock, data, out, *args, "--num-workers", "0") == 1
+    err = capsys.readouterr().err
+    assert f"{data}:2: template rendering took over 5 s on this row" in err, err
+    assert f"{data}:3: template rendering passed" in err and "--on-invalid skip" in err
+    assert run_produce(embedded.stock, data, out, *args, "--num-workers", "2", "--on-invalid", "skip") == 0
+    manifest = dspark_cache.open_cache(out).manifest
+    assert manifest.skipped_rows == {"template output too large": 1, "template too slow": 1}
+    assert manifest.num_samples == 1, json.dumps(manifest.skipped_rows)

@@ -23,6 +23,7 @@ and, for the reasoning rule's common suffix, on windows cut where both renders r
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +32,36 @@ import numpy as np
 from dspark_cache.producer.chat_rules import MaskRules
 from dspark_cache.producer.chat_text import SURROGATE, common_prefix, find_surrogate, turn_end
 from dspark_cache.producer.messages import InvalidRow
-from dspark_cache.producer.template import GENERATION_BLOCK, ChatTemplateError
+from dspark_cache.producer.template import (
+    GENERATION_BLOCK, RENDER_CHARS_FLOOR, RENDER_CHARS_PER_ROW_CHAR, RENDER_SECONDS, ChatTemplateError, RenderBudget,
+    bounded_template, render_bounded,
+)
 from dspark_cache.producer.tokens import (
     CHARS_PER_TOKEN_GUESS, EXACT_CHARS, MAX_CHARS_PER_TOKEN, Tokens, kept_end, stable_count,
 )
+
+
+log = logging.getLogger(__name__)
+
+try:  # transformers 5 passes a message's reasoning under several names
+    from transformers.utils.chat_template_utils import _alias_reasoning_fields as _alias_reasoning
+except ImportError:  # pragma: no cover - older transformers
+    def _alias_reasoning(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return chat
+
+
+def text_size(value: Any) -> int:
+    """Characters in the strings of a JSON-like value (walked without recursion)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 @dataclass(frozen=True)
@@ -74,11 +101,53 @@ class ChatEncoder(MaskRules):
         # Bounds of the prefix tokenisation (attributes, so that tests can force the bounded path).
         self.exact_chars = EXACT_CHARS
         self.chars_per_token_guess = CHARS_PER_TOKEN_GUESS
+        # Bounds of each render (template.py): the size follows the row being encoded.
+        self.render_seconds = RENDER_SECONDS
+        self.render_chars = RENDER_CHARS_FLOOR
+        self.template = bounded_template(tokenizer.chat_template)
+        self._check_bounded_render()
 
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    def _check_bounded_render(self) -> None:
+        """Our renders must hand a template what ``apply_chat_template`` does; a transformers that prepares
+        messages differently is used as it is (checked with a template that prints everything it is given)."""
+        if self.template is None:
+            return
+        names = sorted(self.tokenizer.special_tokens_map)
+        probe_template = ("{{ messages|tojson }}|{{ tools|tojson }}|{{ documents|tojson }}|{{ add_generation_prompt }}"
+                          "|{{ enable_thinking }}" + "".join("|{{ %s }}" % name for name in names))
+        probe = [{"role": "user", "content": "Hi", "name": None},
+                 {"role": "assistant", "content": "Hello", "reasoning_content": "A greeting.",
+                  "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        template, self.template = self.template, bounded_template(probe_template)
+        try:
+            ours = self.render(probe, tools, add_generation_prompt=True, enable_thinking=False)
+        finally:
+            self.template = template
+        theirs = self.tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, chat_template=probe_template,
+                                                    add_generation_prompt=True, enable_thinking=False)
+        if ours != theirs:
+            log.warning("this transformers hands chat templates other data than our bounded render does; rendering "
+                        "with its own (a template that loops or renders gigabytes is then not stopped)")
+            self.template = None
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, spans: list | None = None,
+               add_generation_prompt: bool = False, **kwargs: Any) -> str:
+        """``apply_chat_template(messages, tools=tools, tokenize=False, ...)``, within this row's bounds.
+
+        ``spans`` (a list) receives the ``{% generation %}`` blocks' character spans.
+        """
         if not messages:
             return ""
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        if self.template is None:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        # What apply_chat_template hands the template: no None-valued keys, reasoning under its aliases.
+        chat = _alias_reasoning([{k: v for k, v in m.items() if v is not None} for m in messages])
+        budget = RenderBudget(self.render_chars, self.render_seconds)
+        return render_bounded(self.template, budget, spans, messages=chat, tools=tools, documents=None,
+                              add_generation_prompt=add_generation_prompt,
+                              **{**self.tokenizer.special_tokens_map, **kwargs})
 
     def _tokenize(self, text: str, offsets: bool = False) -> Any:
         return self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=offsets)
@@ -143,6 +212,7 @@ class ChatEncoder(MaskRules):
     def encode(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> EncodedRow:
         """Token ids and loss mask for one conversation (may have zero supervised tokens)."""
         keep = self.seq_length
+        self.render_chars = RENDER_CHARS_PER_ROW_CHAR * text_size([messages, tools]) + RENDER_CHARS_FLOOR
         full = self.render(messages, tools)
         self.check_text(messages, full)
         turns = self._generation_prompt_turns(messages, tools, keep) if self.mask_generation_prompt else []

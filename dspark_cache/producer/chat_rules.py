@@ -23,36 +23,23 @@ from dspark_cache.producer.tokens import MAX_CHARS_PER_TOKEN, Tokens, kept_end, 
 
 
 class MaskRules:
-    """The rules above; the host class provides ``tokenizer``, ``render``, ``tokens``, ``_tokenize``,
+    """The rules above; the host class provides ``tokenizer``, ``template``, ``render``, ``tokens``, ``_tokenize``,
     ``_cut_tokens``, ``exact_chars``, ``chars_per_token_guess`` and ``prompt_modes``."""
 
     def _render_with_generation_spans(self, messages: list[dict[str, Any]], tools: Any) -> tuple[str, list] | None:
-        """What ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders, and its spans."""
-        try:
-            from transformers.utils.chat_template_utils import render_jinja_template
-        except ImportError:  # pragma: no cover - other transformers versions
+        """What ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders, and its spans (None when
+        only transformers can render it)."""
+        if self.template is None:
             return None
-        tok = self.tokenizer
-        rendered, indices = render_jinja_template(
-            conversations=[[{k: v for k, v in m.items() if v is not None} for m in messages]],
-            tools=tools, documents=None, chat_template=tok.get_chat_template(None, tools),
-            return_assistant_tokens_mask=True, continue_final_message=False, add_generation_prompt=False,
-            **tok.special_tokens_map,
-        )
-        return rendered[0], indices[0]
+        spans: list[tuple[int, int]] = []
+        return self.render(messages, tools, spans=spans), spans
 
     def _generation_mask(self, messages: list[dict[str, Any]], tools: Any, full: str,
                          limit: int) -> tuple[Tokens, np.ndarray]:
         """Tokens inside ``{% generation %}`` blocks, as transformers marks them (a token overlapping a block)."""
-        if len(full) <= self.exact_chars:
-            enc = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            ids = list(enc["input_ids"])
-            return Tokens(ids, [], [], complete=True), np.asarray(enc["assistant_masks"], dtype=np.uint8)
         rendered = self._render_with_generation_spans(messages, tools)
         if rendered is None or rendered[0] != full:
-            warn_once("render generation blocks of a long row by prefix")
+            warn_once("render generation blocks with bounds")
             enc = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
             )
@@ -131,8 +118,7 @@ class MaskRules:
             margin *= 2
 
     def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any, **kwargs: Any) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
-        return self._tokenize(text)["input_ids"]
+        return self._tokenize(self.render(messages, tools, **kwargs))["input_ids"]
 
     def _generation_prompt_turns(self, messages: list[dict[str, Any]], tools: Any,
                                  keep: int) -> list[tuple[list[int], list[list[int]]]]:
@@ -146,18 +132,14 @@ class MaskRules:
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            try:
-                base_text = self.tokenizer.apply_chat_template(messages[:k], tools=tools, tokenize=False)
-                base = self.tokens(base_text, keep)
-                if not base.complete or len(base) >= keep:
-                    continue
-                prompts = [self._prompt_ids(messages[:k], tools, add_generation_prompt=True, **mode)
-                           for mode in self.prompt_modes]
-            except Exception:
-                if k:
-                    raise
+            if not k:  # no conversation before it to render a generation prompt after
                 warn_once("render the generation prompt of a leading assistant turn")
                 continue
+            base = self.tokens(self.render(messages[:k], tools), keep)
+            if not base.complete or len(base) >= keep:
+                continue
+            prompts = [self._prompt_ids(messages[:k], tools, add_generation_prompt=True, **mode)
+                       for mode in self.prompt_modes]
             turns.append((base.ids, prompts))
         return turns
 
