@@ -195,8 +195,8 @@ def lock_exclusive(paths: CachePaths, run_id: str, world_size: int, overwrite: b
         raise CacheLockedError(
             f"{what}{paths.root} is in use by another dspark-produce run ({holder}). Two producers on one "
             f"--output-dir would redo and overwrite each other's work. Wait for that run to finish, or stop it "
-            f"(press s in dspark-monitor {paths.root}, or kill -TERM its pid on its host), then rerun; for a separate cache choose "
-            f"another --output-dir"
+            f"(press s in dspark-monitor {paths.root}, or kill -TERM its pid on its host), then rerun; for a "
+            f"separate cache choose another --output-dir"
         ) from None
     except BaseException:
         os.close(fd)
