@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
 import signal
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
+from dspark_cache.format.lifetime import die_with_parent
 from dspark_cache.producer.chat import EncodedRow
 from dspark_cache.producer.template import ChatTemplateError
 from dspark_cache.producer.inputs import RawRow
@@ -58,11 +60,13 @@ def _encode_one(encode: Encode, row: RawRow) -> Result:
         return InvalidRow("tokenizer panic", f"the tokenizer crashed (a Rust panic) on this row ({_clipped(exc)})")
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     # Workers inherit the parent's graceful-stop handlers; they must die on SIGTERM (that is
-    # how the pool ends them) and leave SIGINT to the parent.
+    # how the pool ends them) and leave SIGINT to the parent. A worker waits on a pipe it holds
+    # both ends of, so it would never notice a parent killed outright: the kernel ends it.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
 
 
 def _encode_chunk(rows: list[RawRow]) -> list[Result]:
@@ -89,7 +93,8 @@ def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) ->
     # leaving the planner waiting forever for a lost chunk.
     context = multiprocessing.get_context("fork")
     try:
-        with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init) as pool:
+        with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init,
+                                 initargs=(os.getpid(),)) as pool:
             pending: deque[tuple[list[RawRow], Future]] = deque()
             for chunk in chunks:
                 pending.append((chunk, pool.submit(_encode_chunk, chunk)))

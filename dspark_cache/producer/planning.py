@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any, Callable, TypeVar
 
+from dspark_cache.format.faults import crash_point
 from dspark_cache.format.paths import PLAN_ARRAYS, CachePaths
 from dspark_cache.format.plan import PartHeader
 from dspark_cache.producer.config import ProduceConfig
@@ -138,6 +139,7 @@ def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig) -> list[P
 
 
 def _merge_and_save(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> Plan:
+    crash_point("merging_plan")
     store, tables = open_store(paths, parts, spec)
     plan = merge_parts(parts, store, tables, spec)
     save_plan(paths, plan, parts, spec.keys)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from dspark_cache.format.lifetime import exec_with_parent
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.confirm import ConfirmStop
@@ -57,8 +58,9 @@ def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"produce-{time.strftime('%Y%m%d-%H%M%S')}.log")
     with open(log_path, "ab") as log:
+        # If the monitor dies (even by SIGKILL) the producer gets SIGTERM: it stops at a shard boundary, resumable.
         child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer.cli", *producer_argv],
-                                 stdout=log, stderr=subprocess.STDOUT)
+                                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=exec_with_parent(signal.SIGTERM))
         try:
             if has_terminal():  # else no one could quit the app: the producer just runs, and its log tail is shown
                 ForegroundMonitor(paths.root, child, log_path).run()
