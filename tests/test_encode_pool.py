@@ -30,3 +30,24 @@ def test_rows_are_read_a_few_chunks_ahead_and_results_keep_input_order():
     rest = list(results)
     assert [row.index for row, _ in rest] == list(range(1, 5000))
     assert all(int(result.input_ids[0]) == row.index for row, result in rest)
+
+
+def _encode_or_die(row: RawRow) -> EncodedRow:
+    import os
+    import signal
+
+    if row.index == 100:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a native abort would end the worker
+    return _encode(row)
+
+
+def test_a_worker_that_dies_names_its_rows_and_what_to_do(monkeypatch):
+    import pytest
+
+    rows = (RawRow(i, f"data.jsonl:{i + 1}") for i in range(300))
+    with pytest.raises(encode_pool.WorkerDiedError) as caught:
+        list(encode_pool.encode_rows(rows, _encode_or_die, num_workers=2))
+    message = str(caught.value)
+    # The first chunk not yet returned: the killing row's (rows 65-128) or, if it was still running, the one before.
+    assert ("from data.jsonl:65 on" in message or "from data.jsonl:1 on" in message), message
+    assert "--num-workers 0" in message

@@ -15,6 +15,7 @@ import os
 import signal
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator
 
 from dspark_cache.format.lifetime import die_with_parent
@@ -28,6 +29,10 @@ Result = EncodedRow | InvalidRow
 _CHUNK = 64
 _AHEAD = 4  # chunks in flight per worker: enough to keep every worker busy
 _worker_encode: Encode | None = None  # set in the parent before forking the pool
+
+
+class WorkerDiedError(RuntimeError):
+    """An encoding worker process ended abruptly (a signal, the OOM killer, a native abort)."""
 
 
 def is_rust_panic(exc: BaseException) -> bool:
@@ -74,6 +79,17 @@ def _encode_chunk(rows: list[RawRow]) -> list[Result]:
     return [_encode_one(_worker_encode, row) for row in rows]
 
 
+def _results(rows: list[RawRow], future: Future) -> Iterator[tuple[RawRow, Result]]:
+    try:
+        return zip(rows, future.result())
+    except BrokenProcessPool:
+        raise WorkerDiedError(
+            f"an encoding worker process died on a row from {rows[0].where} on (killed by a signal, out of memory, "
+            "or a tokenizer that aborted the process); rerun with --num-workers 0 to find the row (its error then "
+            "names it), or with fewer --num-workers if memory ran out"
+        ) from None
+
+
 def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) -> Iterator[tuple[RawRow, Result]]:
     """Encode rows in order; ``num_workers > 1`` spreads chunks over forked processes.
 
@@ -99,10 +115,8 @@ def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) ->
             for chunk in chunks:
                 pending.append((chunk, pool.submit(_encode_chunk, chunk)))
                 if len(pending) >= window:
-                    done, future = pending.popleft()
-                    yield from zip(done, future.result())
+                    yield from _results(*pending.popleft())
             while pending:
-                done, future = pending.popleft()
-                yield from zip(done, future.result())
+                yield from _results(*pending.popleft())
     finally:
         _worker_encode = None
