@@ -215,3 +215,17 @@ def test_hostile_template_rows_follow_on_invalid_in_process_and_in_workers(embed
     manifest = dspark_cache.open_cache(out).manifest
     assert manifest.skipped_rows == {"template output too large": 1, "template too slow": 1}
     assert manifest.num_samples == 1, json.dumps(manifest.skipped_rows)
+
+
+def test_a_chat_template_path_that_is_a_fifo_or_huge_is_refused_unread(tmp_path):
+    import os
+
+    fifo = tmp_path / "template.jinja"
+    os.mkfifo(fifo)
+    with pytest.raises(ChatTemplateError, match=r"template\.jinja is a FIFO, not a regular file; pass a template"):
+        resolve_chat_template(str(fifo))
+    huge = tmp_path / "huge.jinja"
+    with open(huge, "wb") as handle:
+        handle.truncate(64 << 20)  # sparse: nothing is written, and nothing must be read
+    with pytest.raises(ChatTemplateError, match=r"huge\.jinja is 67108864 bytes, more than a chat template can be"):
+        resolve_chat_template(str(huge))

@@ -16,9 +16,11 @@ from typing import Any, Callable
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from dspark_cache.format.files import FileTooLargeError, NotARegularFileError, read_regular
 from dspark_cache.producer.messages import InvalidRow
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+MAX_TEMPLATE_BYTES = 16 << 20  # the largest chat templates on the hub are tens of KiB
 
 
 class ChatTemplateError(ValueError):
@@ -29,13 +31,22 @@ def resolve_chat_template(arg: str) -> str:
     """Inline Jinja is used as is; otherwise ``arg`` must be a file (raw Jinja or JSON)."""
     if "{%" in arg or "{{" in arg:
         return arg
-    if not os.path.isfile(arg):
+    if not os.path.exists(arg):
         raise ChatTemplateError(
             f"--chat-template {arg!r} is neither an existing file nor an inline Jinja template "
             "(no '{%' or '{{' in it); fix the path or pass the template text"
         )
-    with open(arg, encoding="utf-8") as handle:
-        text = handle.read()
+    try:  # a FIFO or device is refused, not opened; a huge file is refused, not read
+        text = read_regular(arg, MAX_TEMPLATE_BYTES).decode("utf-8")
+    except NotARegularFileError as exc:
+        raise ChatTemplateError(f"--chat-template {arg} is {exc.reason}; pass a template file or the template "
+                                "text") from None
+    except FileTooLargeError as exc:
+        raise ChatTemplateError(f"--chat-template {arg} is {exc.size} bytes, more than a chat template can be "
+                                f"({MAX_TEMPLATE_BYTES >> 20} MiB); is it the right file?") from None
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"--chat-template {arg} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                "pass the template file") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
