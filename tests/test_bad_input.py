@@ -69,7 +69,8 @@ def test_skip_policy_counts_and_lists_every_bad_row(embedded, tmp_path):
     assert [s.row for s in m.skipped] == [2 * i + 1 for i in range(len(BAD_ROWS))] + [len(lines) - 1]
     assert all(s.where.startswith(data + ":") for s in m.skipped)
     assert m.num_samples == len(BAD_ROWS) + 1 and m.num_rows == len(lines)
-    assert [s["sample_id"] for s in dspark_cache.open_cache(out).samples()] == [2 * i for i in range(len(BAD_ROWS) + 1)]
+    ids = [s["sample_id"] for s in dspark_cache.open_cache(out).samples()]
+    assert ids == [2 * i for i in range(len(BAD_ROWS) + 1)]
     logged = [e for e in events(out) if e["kind"] == "skipped_row"]
     assert sorted(e["data"]["row"] for e in logged) == sorted(s.row for s in m.skipped)
 

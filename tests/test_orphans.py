@@ -75,7 +75,8 @@ def marked(run: str) -> set[int]:
 
 
 def alive(procs: set[tuple[int, int]]) -> set[int]:
-    return {pid for pid, started in procs if (info := _stat(pid)) is not None and info[0] != "Z" and info[2] == started}
+    return {pid for pid, started in procs
+            if (info := _stat(pid)) is not None and info[0] != "Z" and info[2] == started}
 
 
 def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until=None) -> set[tuple[int, int]]:

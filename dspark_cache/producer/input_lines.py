@@ -51,13 +51,15 @@ def line_row(box: list, index: int, where: str, limit: int) -> RawRow:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return RawRow(index, where, error=InvalidRow("invalid UTF-8", f"invalid UTF-8 ({exc.reason} at byte {exc.start})"))
+        return RawRow(index, where,
+                      error=InvalidRow("invalid UTF-8", f"invalid UTF-8 ({exc.reason} at byte {exc.start})"))
     finally:
         del raw
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        return RawRow(index, where, error=InvalidRow("malformed JSON", f"malformed JSON ({exc.msg} at column {exc.colno})"))
+        return RawRow(index, where,
+                      error=InvalidRow("malformed JSON", f"malformed JSON ({exc.msg} at column {exc.colno})"))
     except RecursionError:
         return RawRow(index, where, error=nesting_error())
     finally:

@@ -114,7 +114,8 @@ class JsonPart(Part):
                 with io.TextIOWrapper(open_input(self.file), encoding="utf-8") as handle:
                     data = json.load(handle)
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise InputError(f"{self.file}: not a valid JSON document ({exc}); use JSONL for one row per line") from exc
+                raise InputError(f"{self.file}: not a valid JSON document ({exc}); use JSONL for one row per "
+                                 "line") from exc
             except RecursionError:
                 raise InputError(f"{self.file}: a JSON document nested too deeply to read; use JSONL (one row per "
                                  "line), where such a row is reported and can be skipped") from None

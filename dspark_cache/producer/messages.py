@@ -80,7 +80,8 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     if role == "tool":
         call_id = raw.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
-            raise InvalidRow("tool message without tool_call_id", f"{where}: a tool message needs a non-empty tool_call_id")
+            raise InvalidRow("tool message without tool_call_id",
+                             f"{where}: a tool message needs a non-empty tool_call_id")
         msg["tool_call_id"] = call_id
     return msg
 

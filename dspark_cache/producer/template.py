@@ -79,6 +79,7 @@ RENDER_SECONDS = 5.0  # per render of a row; a real template renders a row in we
 RENDER_CHARS_PER_ROW_CHAR = 8  # a render may hold each character of the row this many times ...
 RENDER_CHARS_FLOOR = 1 << 20  # ... plus this much (headers, a default system prompt, tool schemas)
 _MAX_INT_BITS = 1 << 16  # numbers a template computes stay far below this (big-int arithmetic cannot be interrupted)
+FORMATS = ("format", "format_map")  # the str methods that format their arguments into the string
 _SPEC_DIGITS = re.compile(r"%[#0\- +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?:[^{}]*?(\d+)(?:\.(\d+))?[^{}]*\}")
 
 
@@ -170,7 +171,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def wrap_str_format(self, value: Any) -> Any:
         budget = self.checked()
         owner = getattr(value, "__self__", None)
-        if budget is not None and isinstance(owner, str) and getattr(value, "__name__", "") in ("format", "format_map"):
+        if budget is not None and isinstance(owner, str) and getattr(value, "__name__", "") in FORMATS:
             budget.check_spec(owner)
         return super().wrap_str_format(value)
 
@@ -179,8 +180,9 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if budget is None:
             return super().call(context, obj, *args, **kwargs)
         budget.check_args(args, kwargs)
-        if getattr(obj, "__name__", "") == "replace" and isinstance(getattr(obj, "__self__", None), str) and len(args) >= 2:
-            budget.check_replace(obj.__self__, args[0], args[1])
+        owner = getattr(obj, "__self__", None)
+        if getattr(obj, "__name__", "") == "replace" and isinstance(owner, str) and len(args) >= 2:
+            budget.check_replace(owner, args[0], args[1])
         return budget.sized(super().call(context, obj, *args, **kwargs))
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
