@@ -51,3 +51,18 @@ def test_a_worker_that_dies_names_its_rows_and_what_to_do(monkeypatch):
     # The first chunk not yet returned: the killing row's (rows 65-128) or, if it was still running, the one before.
     assert ("from data.jsonl:65 on" in message or "from data.jsonl:1 on" in message), message
     assert "--num-workers 0" in message
+
+
+def _encode_or_run_out(row: RawRow) -> EncodedRow:
+    if row.index == 70:
+        raise MemoryError()  # what a failed allocation raises: no text at all
+    return _encode(row)
+
+
+def test_running_out_of_memory_on_a_row_says_where_and_what_to_do():
+    import pytest
+
+    for workers in (0, 2):
+        rows = (RawRow(i, f"data.jsonl:{i + 1}") for i in range(200))
+        with pytest.raises(MemoryError, match=r"out of memory while encoding the row at data\.jsonl:71; lower "):
+            list(encode_pool.encode_rows(rows, _encode_or_run_out, num_workers=workers))

@@ -55,8 +55,11 @@ def _encode_one(encode: Encode, row: RawRow) -> Result:
         return exc
     except RecursionError:
         return InvalidRow("nested too deeply", "the row is nested too deeply to render")
-    except (MemoryError, ChatTemplateError):
+    except ChatTemplateError:
         raise
+    except MemoryError:  # not the row's fault alone, and a bare MemoryError says nothing
+        raise MemoryError(f"out of memory while encoding the row at {row.where}; lower --num-workers (each worker "
+                          "holds its rows) or --max-row-bytes, or free memory, then rerun") from None
     except Exception as exc:  # the template or tokenizer refused this row's content
         return InvalidRow("cannot encode", f"the chat template or tokenizer failed on this row ({_clipped(exc)})")
     except BaseException as exc:
