@@ -174,3 +174,39 @@ def test_a_program_we_start_gets_sigterm_when_we_are_sigkilled(tmp_path):
         time.sleep(0.05)
     assert info is None or info[0] == "Z", "the child outlived its SIGKILLed parent"
     assert note.read_text() == "SIGTERM"
+
+
+def test_torchrun_ranks_stop_when_their_agent_is_sigkilled(embedded, tmp_path):
+    """A scheduler's SIGKILL of torchrun's agent forwards nothing: each rank stops by itself (exit 3 at
+    a shard boundary), none is left running, and a rerun completes the cache."""
+    from tests.proc import BIN, published, wait_for
+
+    out = str(tmp_path / "out")
+    args = produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "2",
+                        "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
+    run = uuid.uuid4().hex
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", MARKER: run}
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer.cli",
+           *args]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        agent = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: published(out) >= 2, timeout=240)
+        ranks = marked(run) - {agent.pid}
+        assert len(ranks) == 2
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 60  # the shard in flight is finished first
+        while marked(run) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = marked(run)
+    finally:
+        for pid in marked(run):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks still running 60 s after their agent was SIGKILLed: {sorted(left)}"
+    states = [open(os.path.join(out, "status", f"rank-{r:05d}.json")).read() for r in (0, 1)]
+    assert all('"state":"stopped"' in s for s in states), states
+    done = subprocess.run(producer_cmd(*args), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert load_manifest(out).complete

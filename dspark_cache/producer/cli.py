@@ -6,6 +6,8 @@ this module is only the ``-m`` entry point torchrun and the monitor's ``--tui`` 
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 
@@ -13,6 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``dspark-produce`` with ``argv`` (not ``--tui``: this is what ``--tui`` starts as its child)."""
     from dspark_cache.cli.produce_command import main as produce_main
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: its agent is our parent
+        from dspark_cache.format.lifetime import die_with_parent
+
+        # An agent SIGKILLed by a scheduler cannot forward its signal: the rank would run on, or wait in
+        # a collective for a partner, forever. SIGTERM stops it at a shard boundary, resumable.
+        die_with_parent(os.getppid(), signal.SIGTERM)
     return produce_main(argv, allow_tui=False)
 
 
