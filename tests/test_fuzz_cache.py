@@ -246,3 +246,52 @@ def test_fuzz_convert_sources(tmp_path):
     print(f"\nconvert fuzz: {len(cases)} cases, seed {SEED}: {dict(counts)}; mutations: {dict(kinds)}")
     assert not failures, "\n".join(f"case {c['name']} ({c['mutation']}): {why}" for c, why in failures[:10])
     assert counts["rejected"] > CONVERT_CASES // 2 and counts["same"] > 0  # the checks are reached, not just hit
+
+
+PLAN_CASES = int(os.environ.get("DSPARK_FUZZ_PLAN_CASES", "20"))
+
+
+def _inode(path: str) -> int | None:
+    return os.lstat(path).st_ino if os.path.lexists(path) else None
+
+
+def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
+    """Seeded mutations of a saved plan (``tests/plan_fuzz.py``: values forged with matching
+    checksums or not, header fields, cut / extended / sparse files, directories, FIFOs, symlinks):
+    a rerun reuses the plan only when it is intact, else rebuilds it, within a deadline, and
+    writes byte for byte the shards of the pristine run."""
+    import shutil
+
+    from tests.plan_fuzz import mutate
+    from tests.test_plan_hardening import ARGS, deadline
+
+    pristine = str(tmp_path / "pristine")
+    assert run_produce(embedded.stock, embedded.data, pristine, *ARGS) == 0
+    vocab = json.load(open(os.path.join(embedded.stock, "config.json")))["vocab_size"]
+    shards = sorted(n for n in os.listdir(os.path.join(pristine, "shards")) if n.endswith(".tar"))
+    expected = {n: open(os.path.join(pristine, "shards", n), "rb").read() for n in shards}
+    plan_files = sorted(os.listdir(os.path.join(pristine, "plan")))
+    outcomes, failures = collections.Counter(), []
+    for case in range(PLAN_CASES):
+        out = str(tmp_path / f"case-{case}")
+        os.makedirs(out)
+        shutil.copytree(os.path.join(pristine, "plan"), os.path.join(out, "plan"))
+        mutation = mutate(SEED, case, os.path.join(out, "plan"), vocab)
+        before = {n: _inode(os.path.join(out, "plan", n)) for n in plan_files}
+        try:
+            with deadline(60):
+                code = run_produce(embedded.stock, embedded.data, out, *ARGS)
+        except BaseException as exc:  # a hang or an exception escaping the command: both are failures
+            failures.append(f"case {case} ({mutation}): {type(exc).__name__}: {exc}")
+            continue
+        got = sorted(n for n in os.listdir(os.path.join(out, "shards")) if n.endswith(".tar")) if code == 0 else []
+        same = code == 0 and got == shards and all(
+            open(os.path.join(out, "shards", n), "rb").read() == expected[n] for n in shards)
+        reused = all(_inode(os.path.join(out, "plan", n)) == before[n] for n in plan_files)
+        outcome = "reused" if reused else "rebuilt"
+        if not same or (mutation == "intact" and not reused):
+            failures.append(f"case {case} ({mutation}): exit {code}, same shards {same}, {outcome}")
+        outcomes[outcome] += 1
+    print(f"\nplan fuzz: {PLAN_CASES} cases, seed {SEED}: {dict(outcomes)}")
+    assert not failures, "\n".join(failures[:10])
+    assert outcomes["rebuilt"] > PLAN_CASES // 2  # the mutations reach the checks

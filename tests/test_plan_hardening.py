@@ -131,13 +131,19 @@ def loss_tokens_not_the_masks(plan: str, target: str) -> str:
     return "part-00000.rows.npy"
 
 
+def a_sample_twice(plan: str, target: str) -> str:
+    rows = _edit(os.path.join(plan, "part-00000.rows.npy"))
+    rows["sample_id"][16] = rows["sample_id"][15]
+    return "part-00000.rows.npy"
+
+
 def shard_bytes_off_by_a_block(plan: str, target: str) -> str:
     _edit(os.path.join(plan, "shard_bytes.npy"))[0] += 512
     return "shard_bytes.npy"
 
 
 VALUE_MUTATIONS = (mask_of_two, id_past_the_vocabulary, negative_id, sample_length_not_the_row_tables,
-                   rows_out_of_order, loss_tokens_not_the_masks, shard_bytes_off_by_a_block)
+                   rows_out_of_order, loss_tokens_not_the_masks, a_sample_twice, shard_bytes_off_by_a_block)
 
 
 @pytest.fixture(scope="module")

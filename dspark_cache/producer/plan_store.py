@@ -159,6 +159,11 @@ def open_store(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> tu
             raise PlanError(f"part {p.part}: its row table's loss token counts are not its masks'")
         token_parts.append((ids, mask))
         tables.append(table)
+    # Every input row is one sample or one skipped row, once: a row twice would be merged twice.
+    rows = np.concatenate([t["sample_id"] for t in tables] + [np.array([r.row for p in parts for r in p.skipped],
+                                                                       dtype=np.int64)])
+    if np.unique(rows).shape[0] != rows.shape[0]:
+        raise PlanError("the saved parts hold the same row twice")
     return TokenStore(token_parts), tables
 
 
@@ -177,7 +182,8 @@ def _check_rows(p: PartHeader, table: np.ndarray, spec: PlanSpec) -> None:
 
 
 def merge_parts(parts: list[PartHeader], store: TokenStore, tables: list[np.ndarray], spec: PlanSpec) -> Plan:
-    """One plan from every part: their samples batched together, their skipped rows together."""
+    """One plan from every part (as :func:`open_store` checked them): their samples batched
+    together, their skipped rows together."""
     rows = np.zeros(sum(t.shape[0] for t in tables), dtype=PLAN_SAMPLE)
     at = 0
     for k, table in enumerate(tables):
@@ -186,8 +192,6 @@ def merge_parts(parts: list[PartHeader], store: TokenStore, tables: list[np.ndar
             span[name] = table[name]
         span["part"] = k
         at += table.shape[0]
-    if np.unique(rows["sample_id"]).shape[0] != rows.shape[0]:
-        raise PlanError("the saved parts hold the same sample twice")
     skipped = [row for p in parts for row in p.skipped]
     return plan_from_rows(sum(p.rows for p in parts), rows, store, skipped, spec.shape, shard_size=spec.shard_size,
                           max_batch_tokens=spec.max_batch_tokens)
