@@ -187,3 +187,20 @@ def test_cached_hub_id_resolves_offline_to_its_commit(embedded, tmp_path):
         assert done.returncode == 0, done.stderr
         assert "Retry" not in done.stderr and time.monotonic() - started < 120
     assert dspark_cache.open_cache(out).manifest.target_fingerprint == f"hub someorg/tiny@{commit}"
+
+
+@pytest.mark.parametrize("network", ["offline", "connection refused"])
+def test_an_uncached_hub_dataset_without_network_fails_fast_in_one_line(embedded, tmp_path, network):
+    hub = str(tmp_path / "hub")
+    offline = "1" if network == "offline" else "0"
+    env = {"HF_HUB_CACHE": hub, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": offline,
+           "HF_DATASETS_OFFLINE": offline, "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    started = time.monotonic()
+    done = run(producer_cmd(*produce_args(embedded.stock, "someorg/not-cached", str(tmp_path / "a"), "--dry-run")),
+               env=env, timeout=120)
+    took = time.monotonic() - started
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1, done.stderr
+    assert len(lines) == 1 and "Retry" not in done.stderr, done.stderr  # asked once, said once
+    assert "someorg/not-cached" in lines[0] and "local Hugging Face cache" in lines[0] and "hf download" in lines[0]
+    assert took < 15, took  # datasets alone retried each file it looked up: 28 s and a warning per try

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from dspark_cache.producer.hub import HUB_TIMEOUT_S, OFFLINE, HubRefusal, ask_hub, first_line
 from dspark_cache.producer.input_lines import LineIndex, scan_lines
 from dspark_cache.producer.input_parts import ArrowPart, Handles, JsonlPart, JsonPart, ParquetWhere, Part
 from dspark_cache.producer.input_rows import MAX_NESTING, InputError, RawRow, check_input_file, open_input
@@ -231,7 +232,7 @@ class InputSource:
     def _parts(self) -> list[Part]:
         if self.is_hub:
             where = lambda pos: f"{self.path}[{self.split_name}] row {pos}"  # noqa: E731
-            return [ArrowPart(self._dataset(lambda hf: hf.load_dataset(self.path, split=self.split_name)), where)]
+            return [ArrowPart(self._dataset(self._load_hub), where)]
         if self.is_saved:
             return [ArrowPart(self._dataset(self._load_saved), self._saved_where)]
         parts: list[Part] = []
@@ -249,6 +250,26 @@ class InputSource:
     def _saved_where(self, pos: int) -> str:
         return f"{self.path}[{self.split_name}] row {pos}" if self.is_dataset_dict else f"{self.path} row {pos}"
 
+    def _load_hub(self, datasets: Any) -> Any:
+        """The hub dataset, its revision asked once: unreachable, it is loaded from the local cache or
+        refused in one line (datasets alone retries every file it looks up)."""
+        try:
+            info, why = ask_hub(lambda api: api.dataset_info(self.path, timeout=HUB_TIMEOUT_S))
+        except HubRefusal as exc:
+            raise InputError(f"--input-data {self.path!r} on {exc}; check the dataset id") from exc
+        try:
+            loaded = datasets.load_dataset(self.path, split=self.split_name,
+                                           revision=None if info is None else info.sha)
+        except Exception as exc:
+            if info is not None:
+                raise
+            raise InputError(f"--input-data {self.path!r} is not in the local Hugging Face cache and {why}: "
+                             "download it where the hub is reachable (hf download --repo-type dataset "
+                             f"{self.path}), or pass a local file or directory ({first_line(exc)})") from exc
+        if info is None and why != OFFLINE:
+            log.warning("--input-data %s: %s; using its cached copy", self.path, why)
+        return loaded
+
     def _load_saved(self, datasets: Any) -> Any:
         loaded = datasets.load_from_disk(self.path)
         return loaded[self.split_name] if self.is_dataset_dict else loaded
@@ -262,6 +283,8 @@ class InputSource:
                 raise InputError("reading Parquet, save_to_disk or hub datasets needs the 'datasets' package") from exc
             try:
                 loaded = load(datasets)
+            except InputError:
+                raise
             except Exception as exc:
                 raise InputError(f"cannot load dataset {self.path!r} (split {self.split_name!r}): {exc}; "
                                  "check --input-data and --split") from exc

@@ -14,6 +14,7 @@ import torch
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.layers import EMBEDDING_LAYER, stores_last
 from dspark_cache.producer.config import device_problem
+from dspark_cache.producer.hub import HUB_TIMEOUT_S, OFFLINE, HubRefusal, ask_hub, first_line
 from dspark_cache.producer.tensors import torch_dtype
 from dspark_cache.producer.masks import CausalMasks, masks_match
 
@@ -45,7 +46,6 @@ MAX_INDEX_BYTES = 64 << 20  # a weight map names each tensor once: megabytes for
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
 # Of each weight file's data: DATA_SAMPLES evenly spaced blocks of SAMPLE_BYTES (512 KiB a file).
 DATA_SAMPLES, SAMPLE_BYTES = 8, 64 << 10
-HUB_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,6 @@ class Checkpoint:
 
     fingerprint: str
     revision: str | None = None
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's message on one line (transformers' and the hub's run over several)."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def resolve_checkpoint(path: str, allow_pickle: bool = False) -> Checkpoint:
@@ -157,30 +151,22 @@ def _file_digest(fd: int, name: str, size: int, where: str) -> str:
 def _hub_commit(repo: str) -> tuple[str, list[str]]:
     """The commit a hub id resolves to and its file names: asked once (no retries) when online, from
     the local cache when offline or when the hub cannot be reached. Fails in one line otherwise."""
-    from huggingface_hub import HfApi, constants, try_to_load_from_cache
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub import try_to_load_from_cache
 
-    reason = "HF_HUB_OFFLINE is set"
-    if not constants.HF_HUB_OFFLINE:
-        try:
-            info = HfApi().model_info(repo, timeout=HUB_TIMEOUT_S)
-            return str(info.sha), [s.rfilename for s in info.siblings or []]
-        except HfHubHTTPError as exc:  # the hub answered: no such repository, gated, unauthorised
-            raise TargetError(f"target model {repo!r} on {constants.ENDPOINT}: {first_line(exc)}") from exc
-        except Exception as exc:  # noqa: BLE001 - any transport failure: fall back to the local cache
-            reason = f"{constants.ENDPOINT} cannot be reached ({first_line(exc)})"
+    try:
+        info, reason = ask_hub(lambda api: api.model_info(repo, timeout=HUB_TIMEOUT_S))
+    except HubRefusal as exc:
+        raise TargetError(f"target model {repo!r} on {exc}") from exc
+    if info is not None:
+        return str(info.sha), [s.rfilename for s in info.siblings or []]
     cached = try_to_load_from_cache(repo, CONFIG_FILE)
     if not isinstance(cached, str):
         raise TargetError(f"target model {repo!r} is not in the local Hugging Face cache and {reason}: download "
                           f"it where the hub is reachable (hf download {repo}), or pass a local checkpoint "
                           "directory to --target-model")
     snapshot = os.path.dirname(cached)
-    if not constants.HF_HUB_OFFLINE:
+    if reason != OFFLINE:
         log.warning("target model %s: %s; using its cached snapshot %s", repo, reason, snapshot)
-        # Every later hub access of this run (the tokenizer, the weights, encoding workers) would
-        # retry the same unreachable endpoint: the run works from the local cache instead.
-        constants.HF_HUB_OFFLINE = True
-        os.environ["HF_HUB_OFFLINE"] = "1"
     return os.path.basename(snapshot), os.listdir(snapshot)
 
 
