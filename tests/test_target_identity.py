@@ -133,6 +133,20 @@ def test_pickle_only_checkpoint_needs_the_opt_in_flag(embedded, tmp_path, capsys
     assert dspark_cache.open_cache(out).manifest.target_fingerprint.startswith("sha256:")
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_a_checkpoint_file_that_is_not_plain_is_refused_unread(embedded, tmp_path, kind):
+    target = _copy_target(embedded, tmp_path)
+    victim = os.path.join(target, "tokenizer.json")
+    os.unlink(victim)
+    if kind == "fifo":
+        os.mkfifo(victim)  # transformers would wait on it forever
+    else:
+        os.symlink("/dev/zero", victim)  # and read this until memory ran out
+    done = run(producer_cmd(*produce_args(target, embedded.data, str(tmp_path / "cache"), *ARGS)), timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "tokenizer.json" in done.stderr and "not a regular file" in done.stderr
+
+
 def test_allow_pickle_weights_help_says_what_it_risks():
     done = run(producer_cmd("--help"))
     assert "--allow-pickle-weights" in done.stdout and "arbitrary code" in " ".join(done.stdout.split())

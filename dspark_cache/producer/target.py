@@ -62,6 +62,7 @@ def resolve_checkpoint(path: str, allow_pickle: bool = False) -> Checkpoint:
     Refuses a checkpoint with no safetensors weights unless ``allow_pickle``, before anything loads.
     """
     if os.path.isdir(path):
+        _check_plain_files(path)
         return Checkpoint(local_fingerprint(path, allow_pickle))
     if "/" not in path or path.startswith((".", "/")) or path.count("/") > 1:
         raise TargetError(f"target model {path} does not exist; pass a checkpoint directory or a hub id "
@@ -69,6 +70,23 @@ def resolve_checkpoint(path: str, allow_pickle: bool = False) -> Checkpoint:
     revision, names = _hub_commit(path)
     _weight_names(path, names, allow_pickle)
     return Checkpoint(f"hub {path}@{revision}", revision)
+
+
+def _check_plain_files(path: str) -> None:
+    """Refuse a checkpoint directory holding a FIFO, device or socket: transformers opens whichever file
+    it looks for (config, tokenizer, template) as it is, and would wait on a FIFO or read a device forever."""
+    import stat
+
+    from dspark_cache.format.files import kind_of
+
+    for entry in os.scandir(path):
+        try:
+            mode = os.stat(entry.path).st_mode  # through a symlink: what transformers would open
+        except OSError:
+            continue  # a dangling link is a missing file: the loader names it if it needs it
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise TargetError(f"target model {path}: {entry.name} is {kind_of(mode)}, not a regular file; a "
+                              "checkpoint holds plain files only: replace it with the real file")
 
 
 def _weight_names(where: str, names: list[str], allow_pickle: bool) -> str:
