@@ -265,3 +265,17 @@ def test_json_nested_too_deep_is_a_named_error(small_cache, tmp_path, where, cap
     assert verify_main([copy]) in (1, 2)
     captured = capsys.readouterr()
     assert "nested too deep" in captured.out + captured.err and "Traceback" not in captured.err
+
+
+def test_a_heartbeat_or_event_nested_too_deep_is_skipped_like_a_damaged_one(tmp_path):
+    from dspark_cache.format.status import read_rank_statuses
+    from dspark_cache.tui.eventfeed import decode_events
+
+    paths = CachePaths(str(tmp_path))
+    os.makedirs(paths.status_dir)
+    with open(paths.status(0), "w") as handle:  # 200 KB: under the heartbeat's size bound
+        handle.write('{"x": ' + DEEP + "}")
+    assert read_rank_statuses(paths) == []  # a waiting rank and the monitor go on
+    good = b'{"time": 1.0, "rank": 0, "kind": "warning", "message": "m"}'
+    deep = b'{"x": ' + DEEP.encode() + b', "time": 1.0, "rank": 0, "kind": "warning", "message": "m"}'
+    assert [e.message for e in decode_events([deep, good])] == ["m"]

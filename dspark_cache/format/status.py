@@ -17,7 +17,7 @@ import msgspec
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import RankState, RankStatus
+from dspark_cache.format.schema import RankState, RankStatus, decode_json
 
 # States in which a rank claims to be working: silence in one of them means it died or hangs.
 ACTIVE_RANK_STATES = RankState.ACTIVE  # states whose heartbeat a live rank keeps fresh
@@ -58,7 +58,7 @@ def read_rank_status(path: str, within: str | None = None) -> RankStatus:
     Raises ``OSError`` (``FileNotFoundError`` when it is gone), :class:`CacheError` (not a small
     regular file) or ``msgspec.DecodeError`` (mid-replace or damaged).
     """
-    return msgspec.json.decode(read_regular(path, MAX_STATUS_BYTES, within), type=RankStatus)
+    return decode_json(read_regular(path, MAX_STATUS_BYTES, within), RankStatus)
 
 
 def read_rank_statuses(paths: CachePaths) -> list[RankStatus]:

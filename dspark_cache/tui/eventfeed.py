@@ -9,7 +9,7 @@ import msgspec
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import open_regular
-from dspark_cache.format.schema import Event
+from dspark_cache.format.schema import Event, decode_json
 from dspark_cache.tui.display import clip
 from dspark_cache.tui.reading import CacheReader
 from dspark_cache.tui.tail import LogTail
@@ -61,7 +61,7 @@ def decode_events(lines: list[bytes]) -> list[Event]:
     out = []
     for line in lines:
         try:
-            event = msgspec.json.decode(line, type=Event)
+            event = decode_json(line, Event)
         except msgspec.DecodeError:
             continue
         shard = event.data.get("shard")
