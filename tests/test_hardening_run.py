@@ -239,3 +239,16 @@ def test_a_second_ctrl_c_while_exiting_exits_3_without_a_traceback(embedded, tmp
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert err.count("rerun the same command to resume") <= 2, err  # the stop's line, and at most one more
     assert not verify_cache(out).corrupt
+
+
+def test_a_plan_with_more_shards_than_readers_accept_is_refused_before_loading(embedded, tmp_path, monkeypatch,
+                                                                                capsys):
+    """The shard count is known only once planned: refused then, before the target loads, never after hours."""
+    from dspark_cache.format import validate
+
+    monkeypatch.setattr(validate, "MAX_SHARDS", 3)  # 10 million for real: a test cannot plan that many
+    out = str(tmp_path / "out")
+    assert run_produce(embedded.stock, embedded.data, out, "--shard-size", "1") == 1
+    err = capsys.readouterr().err
+    assert "could not be read back" in err and "num_shards" in err and "--shard-size" in err
+    assert not os.path.exists(os.path.join(out, "manifest.json"))

@@ -251,3 +251,10 @@ def test_produce_refuses_a_split_a_jsonl_file_does_not_have(embedded, tmp_path, 
     path = _make("jsonl", tmp_path)
     assert run_produce(embedded.stock, path, str(tmp_path / "cache"), "--split", "test[:5]", "--seq-length", "64") == 1
     assert "has no split 'test'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("split", ["train[100:]", "train[5:5]", "train[:0%]"])
+def test_a_split_that_selects_no_row_says_so_and_how_many_there_are(embedded, tmp_path, split, capsys):
+    assert run_produce(embedded.stock, embedded.data, str(tmp_path / "out"), "--split", split, "--dry-run") == 1
+    err = capsys.readouterr().err
+    assert f"--split {split!r} selects none of the 48 rows of {embedded.data}" in err and "choose a slice" in err

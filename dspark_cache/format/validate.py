@@ -53,7 +53,7 @@ def check_cache_id(index: ShardIndex, cache_id: str, path: str) -> None:
 
 def check_manifest(m: Manifest, where: str) -> None:
     """Raise one error listing every field of ``m`` that is out of range or contradicts another."""
-    problems = list(_manifest_problems(m))
+    problems = list(manifest_problems(m))
     if problems:
         raise InvalidManifestError(
             f"{where} is not a valid dspark-cache manifest:\n  " + "\n  ".join(problems)
@@ -61,7 +61,8 @@ def check_manifest(m: Manifest, where: str) -> None:
         )
 
 
-def _manifest_problems(m: Manifest) -> Iterable[str]:
+def manifest_problems(m: Manifest) -> Iterable[str]:
+    """Every field of ``m`` out of range or contradicting another, in words (none: a valid manifest)."""
     if m.dtype not in CACHE_DTYPES:
         yield f"dtype {m.dtype!r} is not one of {sorted(CACHE_DTYPES)}"
     else:

@@ -203,6 +203,18 @@ class InputSource:
         lo, hi = self.spec.bounds(total) if self.spec else (0, total)
         return max(hi - lo, 0)
 
+    def empty_split(self) -> str | None:
+        """Why a ``--split`` slice selects no row (it lies past the input's rows), or None. For the
+        error message of an input that gave no rows: the rows are counted only then."""
+        if self.spec is None or self.spec.whole:
+            return None
+        total = sum(len(part) for part in self._parts())
+        lo, hi = self.spec.bounds(total)
+        if hi > lo:
+            return None
+        return (f"--split {self.split!r} selects none of the {total} rows of {self.path}: choose a slice within "
+                f"them (e.g. {self.spec.name}[:{max(total // 2, 1)}]) or check --input-data")
+
     def _selection(self, parts: list[Part]) -> tuple[np.ndarray, np.ndarray]:
         """Each part's first global position, and the selected global positions in output order."""
         starts = np.cumsum([0, *(len(p) for p in parts)], dtype=np.int64)

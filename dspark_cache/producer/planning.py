@@ -81,7 +81,7 @@ def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputS
     else:
         _together(me, lambda: _encode_my_part(cfg, paths, me, source, encoder, spec))
         parts = read_parts(paths, spec)
-    parts = _together(me, lambda: _require_parts(parts, cfg))
+    parts = _together(me, lambda: _require_parts(parts, cfg, source))
     check_invalid_rows(parts, cfg.on_invalid)
     if me.is_leader:
         return _together(me, lambda: _merge_and_save(paths, parts, spec))
@@ -121,14 +121,14 @@ def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source:
     return header
 
 
-def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig) -> list[PartHeader]:
+def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig, source: InputSource) -> list[PartHeader]:
     """The parts every rank wrote, and an input that gives at least one sample."""
     if parts is None:
         raise InputError(f"the tokenised parts of {cfg.input_data} are incomplete on disk; is --output-dir the "
                          "same shared directory on every node?")
     rows = sum(p.rows for p in parts)
     if rows == 0:
-        raise InputError(f"{cfg.input_data} holds no rows; check --input-data (and --split)")
+        raise InputError(source.empty_split() or f"{cfg.input_data} holds no rows; check --input-data")
     if not sum(p.arrays["rows"].length for p in parts):
         skipped = [r for p in parts for r in p.skipped]
         reasons = ", ".join(f"{n} {r}" for r, n in reason_counts(skipped).items())

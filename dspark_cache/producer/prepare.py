@@ -10,11 +10,13 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from dspark_cache.format.errors import CacheError
 from dspark_cache.format.faults import crash_point
 from dspark_cache.format.layers import build_target_layer_ids, validate_target_layer_ids
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import Manifest
+from dspark_cache.format.validate import manifest_problems
 from dspark_cache.producer.chat import ChatEncoder
 from dspark_cache.producer.config import ProduceConfig, validate_config
 from dspark_cache.producer.distributed import rank_info
@@ -74,6 +76,17 @@ def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, sh
                     input_sha256 or source.content_sha256(), vocab_size)
 
 
+def _check_readable(manifest: Manifest, cfg: ProduceConfig) -> None:
+    """Refuse, before the model loads, a cache our own readers would refuse once computed: the limits
+    the settings alone show are usage errors earlier (``validate_config``); the plan's totals (shard
+    count) are known only here."""
+    problems = list(manifest_problems(manifest))
+    if problems:
+        raise CacheError(f"the cache this job plans for {cfg.output_dir} could not be read back: "
+                         + "; ".join(problems) + ". Change the settings that give these values (a larger "
+                         "--shard-size makes fewer shards), or split the input into several caches")
+
+
 def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | None = None) -> Prepared:
     """Validate and plan (identical on every rank); nothing is written yet.
 
@@ -101,5 +114,6 @@ def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | 
              "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
              plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)
     manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, input_sha256, compute_dtype)
+    _check_readable(manifest, cfg)
     crash_point("planned")
     return Prepared(cfg, info, layer_ids, shape, plan, manifest, paths, device, compute_dtype)
