@@ -241,18 +241,21 @@ def decode_json(data: bytes, kind: type[T]) -> T:
         raise msgspec.DecodeError("JSON nested too deep") from None
 
 
+_DAMAGED = "it was damaged or edited: restore it, or re-produce the cache (dspark-produce ... --overwrite)"
+
+
 def decode_manifest(data: bytes, where: str) -> Manifest:
     """Decode ``manifest.json``; a NeMo-layout or older dspark manifest gets a message saying what to do."""
     try:
         probe = decode_json(data, _FormatProbe)
     except msgspec.DecodeError as exc:
-        raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
+        raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc}); {_DAMAGED}") from exc
     if probe.format_version not in FORMAT_IDS:
         raise msgspec.DecodeError(f"{where}: {_foreign_format(probe)}")
     try:
         manifest = decode_json(data, Manifest)
     except msgspec.DecodeError as exc:
-        raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc})") from exc
+        raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc}); {_DAMAGED}") from exc
     if manifest.format_version != probe.format_version:  # __post_init__ upgraded an FP8 manifest marked /2
         raise msgspec.DecodeError(f"{where}: dtype {manifest.dtype!r} is stored as float8, which format "
                                   f"{probe.format_version!r} cannot hold (it needs {FORMAT_FP8!r}); the manifest "

@@ -132,8 +132,9 @@ def require_weights(path: str, vocab_size: int | None, hidden_size: int | None,
         if exc.reason == "missing":
             raise ConvertError(f"{path} is missing: a cache needs its target's embed_tokens and lm_head weights. "
                                "Copy it from the producer's output, or re-run the producer to write it") from exc
-        raise ConvertError(f"{path}: {exc.reason}: the source's target weights cannot be used; copy the file "
-                           "again from the producer's output, or re-run the producer to write it") from exc
+        what = f"{path} is {exc.reason}" if isinstance(exc.__cause__, NotARegularFileError) else f"{path}: {exc.reason}"
+        raise ConvertError(f"{what}: the source's target weights cannot be used; copy the file again from the "
+                           "producer's output, or re-run the producer to write it") from exc
 
 
 def _is_regular(path: str) -> bool:

@@ -132,9 +132,6 @@ def _existing_manifest(paths: CachePaths, new: Manifest, overwrite: bool) -> Man
         old = decode_manifest(read_regular(paths.manifest, MAX_MANIFEST_BYTES), paths.manifest)
     except msgspec.DecodeError as exc:
         raise ConvertError(f"{exc}; pass --overwrite to replace it, or choose another DST") from exc
-    except RecursionError as exc:  # msgspec stops at the interpreter's depth limit, even for a typed decode
-        raise ConvertError(f"{paths.manifest} is nested too deeply to be a manifest; pass --overwrite to replace "
-                           "it, or choose another DST") from exc
     diff = identity_diff(old, new)
     if diff:
         lines = "\n".join(f"  {name}: DST has {a!r}, this conversion gives {b!r}" for name, a, b in diff)

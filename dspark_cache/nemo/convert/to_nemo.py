@@ -146,9 +146,6 @@ def _open_source(src: str, dtype: str | None) -> Cache:
         cache = open_cache(src, dtype=dtype)
     except CacheError as exc:
         raise ConvertError(str(exc)) from exc
-    except RecursionError as exc:  # msgspec stops at the interpreter's depth limit, even for a typed decode
-        raise ConvertError(f"{CachePaths(src).manifest} (or a shard index of {src}) is nested too deeply to be "
-                           "ours: the cache is damaged; re-produce it (dspark-produce ... --overwrite)") from exc
     except ValueError as exc:  # a --dtype this cache cannot be read as
         raise ConvertUsageError(f"--dtype {dtype}: {exc}") from exc
     if cache.shape.fp8 and cache.out_code is None:
