@@ -279,3 +279,23 @@ def test_a_heartbeat_or_event_nested_too_deep_is_skipped_like_a_damaged_one(tmp_
     good = b'{"time": 1.0, "rank": 0, "kind": "warning", "message": "m"}'
     deep = b'{"x": ' + DEEP.encode() + b', "time": 1.0, "rank": 0, "kind": "warning", "message": "m"}'
     assert [e.message for e in decode_events([deep, good])] == ["m"]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_a_reader_dropped_without_close_keeps_no_descriptor(one_sample_shards, executor):
+    """A loader built per epoch, or a one-off open_cache, must not hold its shard files until exit:
+    each kept up to max_open_files descriptors (256 a test here, over a thousand by the suite's end)."""
+    import gc
+
+    before = _open_fds()
+    assert sum(1 for _ in dspark_cache.open_cache(one_sample_shards).samples()) > 130
+    for _ in range(3):
+        loader = dspark_cache.build_dataloader(one_sample_shards, batch_size=130, drop_last=True)
+        assert sum(1 for _ in loader) >= 1
+    del loader
+    gc.collect()
+    assert _open_fds() <= before + 2

@@ -208,11 +208,11 @@ def test_device_map_auto_is_one_process_on_cpu(embedded, tmp_path, reference):
 
 
 def test_a_target_without_a_tp_plan_is_refused_before_planning(embedded, tmp_path):
-    from transformers import GPT2Config
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     target = str(tmp_path / "gpt2")
     config = GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=2048, bos_token_id=None, eos_token_id=None)
-    config.save_pretrained(target)
+    GPT2LMHeadModel(config).save_pretrained(target)  # a whole checkpoint: only its missing TP plan is wrong
     out = str(tmp_path / "cache")
     env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}  # refused before meeting rank 1
     proc = run(producer_cmd(*produce_args(target, embedded.data, out, *ARGS, "--tp-size", "2")), env=env)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 
 from dspark_cache.format.errors import CacheError, CorruptShardError, IncompleteCacheError, NotACacheError
@@ -68,6 +69,15 @@ def path_identity(path: str) -> FileIdentity | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _close_all(fds: dict[int, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:  # already closed by a fork's exec or the interpreter's shutdown
+            pass
+    fds.clear()
 
 
 class CacheReplacedError(CacheError):
@@ -114,6 +124,9 @@ class CacheDir:
         self.max_open_files = max_open_files
         self._indexes: dict[int, ShardIndex] = {}
         self._fds: OrderedDict[int, int] = OrderedDict()  # shard id -> fd, least recently used first
+        # Plain ints close with nothing: a CacheDir dropped without close() (a loader per epoch, a
+        # one-off open_cache) would keep up to max_open_files descriptors until the process exits.
+        weakref.finalize(self, _close_all, self._fds)
         self._pins: dict[int, int] = {}  # shard id -> batch programs using its fd now
         self._identity: dict[int, FileIdentity] = {}  # shard id -> its open file's identity
         self._lock = threading.Lock()
@@ -233,14 +246,17 @@ class CacheDir:
     def check_opened(self, shard_id: int, fd: int) -> None:
         """``fd``, just opened for the shard's tar, must be the file its loaded index describes: the
         index file unchanged since it was read (checked after the open, so a tar swapped in before it
-        is caught) and the tar of the indexed size."""
+        is caught), and a tar of another size only within a cache still the one opened (a truncated
+        tar is then left to the read, whose short read or checksum names the sample)."""
         index = self._indexes.get(shard_id)
         if index is None:
             return
-        if os.fstat(fd).st_size == index.tar_bytes and \
-                path_identity(self.paths.shard_index(shard_id)) == self._index_files.get(shard_id):
+        same_index = path_identity(self.paths.shard_index(shard_id)) == self._index_files.get(shard_id)
+        if same_index and os.fstat(fd).st_size == index.tar_bytes:
             return
         self.check_current(force=True)  # raises when the whole cache was replaced
+        if same_index:  # the tar alone changed size (truncated, appended to): the read names the sample it hits
+            return
         raise CorruptShardError(self.paths.shard_tar(shard_id), "the shard was rewritten or removed after its index "
                                 "was read (another process changed the cache while it was being read)")
 

@@ -73,6 +73,10 @@ class ShardReader:
             os.close(self._fd)
             self._fd = -1
 
+    def __del__(self) -> None:  # a plain int closes with nothing: a dropped reader must not keep its file
+        if getattr(self, "_fd", -1) >= 0:  # __init__ may have failed before opening it
+            self.close()
+
     def __enter__(self) -> "ShardReader":
         return self
 
