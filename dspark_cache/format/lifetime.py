@@ -9,6 +9,8 @@ the request was made.
 
 Linux sends that signal when the *thread* that started the child ends, not the process: start
 children from a thread that lives as long as they should (we start them from the main thread).
+A dying parent with several threads hands the child to each next thread in turn, and the signal
+comes again each time: a handler must take repeats within moments as one (producer.signals does).
 """
 
 from __future__ import annotations

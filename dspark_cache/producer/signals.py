@@ -6,10 +6,13 @@ import logging
 import os
 import signal
 import threading
+import time
 
 from dspark_cache.format.paths import CachePaths
 
 log = logging.getLogger(__name__)
+
+DEATH_NOTICE_S = 2.0  # how long after the first a parent-death signal may come again (see StopFlag)
 
 
 class StopFlag:
@@ -19,11 +22,14 @@ class StopFlag:
         self.paths = paths
         self.event = threading.Event()
         self.reason = ""
+        self._parent = os.getppid()
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        self._parent = os.getppid()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
@@ -35,10 +41,19 @@ class StopFlag:
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.event.is_set():  # the second signal: abandon the shard in flight
+            if self._repeated_death_notice():
+                return
             raise KeyboardInterrupt
+        self._first_at = time.monotonic()
         self.reason = signal.Signals(signum).name
         log.warning("%s received: finishing the shard in flight, then stopping (send again to abort now)", self.reason)
         self.event.set()
+
+    def _repeated_death_notice(self) -> bool:
+        """The kernel's parent-death signal (``format.lifetime``) comes again each time the dying
+        parent's next thread exits and we are handed to it: within moments, and with our parent gone.
+        That is one stop, not a second signal asking to abort."""
+        return os.getppid() != self._parent and time.monotonic() - self._first_at < DEATH_NOTICE_S
 
     def __call__(self) -> bool:
         if not self.event.is_set() and os.path.exists(self.paths.stop_request):
