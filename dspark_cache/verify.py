@@ -85,8 +85,7 @@ def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex 
                                "reason": f"{paths.shard_tar(shard_id)}: {exc}"})
         return None
     try:
-        if cache.shape.fp8:
-            _verify_fp8(cache, index, shard_id)
+        _verify_values(cache, index, shard_id)
     except CorruptShardError as exc:  # the bytes are the writer's: rebuilding the index cannot help
         report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc),
                                "rebuildable": False})
@@ -100,12 +99,16 @@ def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex 
     return index
 
 
-def _verify_fp8(cache: CacheDir, index: ShardIndex, shard_id: int) -> None:
-    """Every FP8 sample's scales and codes by the readers' own rule (``ShardReader.read_sample`` checks
-    them): read again after the checksums passed, from the page cache."""
-    with ShardReader(cache.paths, shard_id, index, cache.shape) as reader:
+def _verify_values(cache: CacheDir, index: ShardIndex, shard_id: int) -> None:
+    """Every sample's values by the readers' own rules, after the checksums passed (from the page
+    cache): an FP8 sample is read whole (``ShardReader.read_sample`` checks its scales, codes and
+    tokens), any other only its token ids and loss mask (the token rule, ``check_tokens``)."""
+    with ShardReader(cache.paths, shard_id, index, cache.shape, cache.manifest.target_vocab_size) as reader:
         for entry in index.samples:
-            reader.read_sample(entry)
+            if cache.shape.fp8:
+                reader.read_sample(entry)
+            else:
+                reader.check_tokens(entry)
 
 
 def repair(path: str, report: Report) -> None:

@@ -215,6 +215,38 @@ def mutate_fp8(root: str, rng: random.Random) -> str:
     return _mutate_fp8(root, rng) if rng.random() < 0.75 else mutate(root, rng)
 
 
+# -- token ids and loss masks, checksums made to match (issue 23, item 5) -----------------------
+
+
+def mutate_tokens(root: str, rng: random.Random) -> str:
+    """A token id outside [0, target_vocab_size) or a loss mask value other than 0/1 (the token rule,
+    format.validate.token_problem) in one sample, its sample and tar checksums rewritten to match:
+    bytes a writer could have written, which only the rule itself can refuse."""
+    import xxhash
+
+    vocab = json.load(open(os.path.join(root, "manifest.json")))["target_vocab_size"]
+    path = rng.choice(_tars(root))
+    index_path = path[: -len(".tar")] + ".idx"
+    index = json.load(open(index_path))
+    raw = bytearray(open(path, "rb").read())
+    entry = rng.choice(index["samples"])
+    token = rng.randrange(entry[1])
+    if rng.random() < 0.6:
+        name, fmt, width = "input_ids", "<i", 4
+        value = rng.choice([vocab, vocab + 1, vocab + rng.randrange(1, 1 << 20), 2**31 - 1, -1, -vocab, -(2**31)])
+    else:
+        name, fmt, width = "loss_mask", "<B", 1
+        value = rng.choice([2, 3, 127, 128, 255])
+    _, start, _ = _sample_tensors(bytes(raw), entry[3])[name]
+    at = start + width * token
+    raw[at : at + width] = struct.pack(fmt, value)
+    entry[5] = xxhash.xxh3_64_intdigest(bytes(raw[entry[3] : entry[3] + entry[4]]))
+    index["tar_xxh3"] = xxhash.xxh3_64_intdigest(bytes(raw))
+    open(path, "wb").write(bytes(raw))
+    json.dump(index, open(index_path, "w"))
+    return f"tokens: sample {entry[0]} in {os.path.basename(path)}: {name}[{token}] = {value}"
+
+
 # -- reading ----------------------------------------------------------------------------------
 
 
@@ -271,6 +303,31 @@ def _read_open_cache_raw(root: str, original: dict) -> bool:
     return samples.keys() == original.keys() and all(_same(samples[i], original[i]) for i in original)
 
 
+def _read_webdataset(root: str, original: dict) -> bool:
+    """Every shard through plain WebDataset and our decoder, bounded by the manifest's vocabulary; the
+    decoder's refusal comes wrapped in WebDataset's error, which carries the tar's url."""
+    import functools
+
+    import webdataset as wds
+
+    from dspark_cache.format.cache import read_manifest
+    from dspark_cache.format.errors import CacheError
+    from dspark_cache.format.wds import decode_dspark_arrays
+    from dspark_cache.loader.tensors import sample_to_torch
+
+    handler = functools.partial(decode_dspark_arrays, vocab_size=read_manifest(root).target_vocab_size)
+    samples = {}
+    try:
+        for sample in wds.WebDataset(_tars(root), shardshuffle=False).decode(handler):
+            got = sample["safetensors"]
+            samples[got["sample_id"]] = sample_to_torch({k: got[k] for k in _KEYS})
+    except wds.autodecode.DecodingError as exc:
+        if isinstance(exc.__cause__, CacheError):  # the decoder names the member; WebDataset knows the tar
+            raise CacheError(f"{exc.url} ({exc.key}): {exc.__cause__}") from exc
+        raise
+    return samples.keys() == original.keys() and all(_same(samples[i], original[i]) for i in original)
+
+
 def _read_loader(native: bool):
     def read(root: str, original: dict) -> bool:
         import dspark_cache
@@ -297,8 +354,8 @@ def _read_loader(native: bool):
 
 
 # Mutation families (the optional last argument) and the readers each adds to the common three.
-FAMILIES = {"cache": mutate, "fp8": mutate_fp8}
-EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),)}
+FAMILIES = {"cache": mutate, "fp8": mutate_fp8, "tokens": mutate_tokens}
+EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),), "tokens": (("webdataset", _read_webdataset),)}
 
 
 if __name__ == "__main__":

@@ -295,3 +295,22 @@ def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
     print(f"\nplan fuzz: {PLAN_CASES} cases, seed {SEED}: {dict(outcomes)}")
     assert not failures, "\n".join(failures[:10])
     assert outcomes["rebuilt"] > PLAN_CASES // 2  # the mutations reach the checks
+
+
+# -- token ids and loss masks (issue 23, item 5) ------------------------------------------------
+
+TOKEN_CASES = int(os.environ.get("DSPARK_FUZZ_TOKEN_CASES", "100"))
+
+
+def test_hostile_token_ids_and_loss_masks_are_refused(pristine, tmp_path):
+    """Crafted token damage with matching checksums (ids at or past target_vocab_size, negative ids,
+    loss mask values past 1) through open_cache, both fillers, plain WebDataset and verify: every reader
+    refuses it by the token rule, never hands out an id the target's embedding has no row for."""
+    results = []
+    for first in range(0, TOKEN_CASES, PER_WORKER):
+        results += _run_worker(pristine, str(tmp_path), first, min(PER_WORKER, TOKEN_CASES - first), "tokens")
+    failures = [r for r in results if r["outcome"].startswith("FAIL")]
+    counts = collections.Counter(r["outcome"] for r in results)
+    print(f"\nfuzz tokens: {len(results)} cases, seed {SEED}: {dict(counts)}")
+    assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
+    assert len(results) == TOKEN_CASES and all(r["outcome"] == "rejected" for r in results)

@@ -24,6 +24,8 @@ from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import open_regular, read_regular
 from dspark_cache.format.schema import SkippedRow, encode_json
+# The token rule is every reader's (format.validate); the producer applies it to a plan through this name.
+from dspark_cache.format.validate import token_problem  # noqa: F401
 
 PLAN_FORMAT = "dspark-plan/1"
 MAX_HEADER_BYTES = 1 << 28  # skipped rows are listed in a header: ~100 bytes each, millions fit
@@ -198,20 +200,6 @@ def _data_digest(fd: int, offset: int, size: int) -> str:
         digest.update(memoryview(buf)[:n])
         offset, size = offset + n, size - n
     return digest.hexdigest()
-
-
-def token_problem(ids: np.ndarray, mask: np.ndarray, vocab_size: int) -> str | None:
-    """Why these token ids and loss mask cannot be a sample's, or None: every id must index the
-    target's embedding (``0 <= id < vocab_size``, the manifest's ``target_vocab_size``) and every
-    mask value be 0 or 1. The one rule for what a shard may hold; a plan that breaks it is rebuilt."""
-    if ids.size and not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
-        at = int(np.argmax((ids < 0) | (ids >= vocab_size)))
-        return (f"token id {int(ids[at])} at token {at} is outside the target's vocabulary size {vocab_size} "
-                "(its embedding rows)")
-    if mask.size and int(mask.max()) > 1:
-        at = int(np.argmax(mask > 1))
-        return f"loss mask value {int(mask[at])} at token {at} is not 0 or 1"
-    return None
 
 
 def claim(path: str) -> None:

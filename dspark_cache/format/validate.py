@@ -18,8 +18,8 @@ from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import validate_target_layer_ids
 from dspark_cache.format.sample import (
-    CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, StoredTensor, fp8_bad_codes, fp8_bad_scales,
-    fp8_code_reason, fp8_scale_reason, is_fp8,
+    CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK, StoredTensor,
+    fp8_bad_codes, fp8_bad_scales, fp8_code_reason, fp8_scale_reason, is_fp8,
 )
 from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, Manifest, ShardIndex
 from dspark_cache.format.tar.layout import END_OF_ARCHIVE, TAR_BLOCK, block_padding
@@ -34,6 +34,10 @@ MAX_LAYERS = 1 << 16
 MAX_HEADER = 16 << 10
 PAGE_ALIGN = 4096
 _U64 = 1 << 64
+# Token ids are int32 in a shard, so no vocabulary beyond this can be indexed by one.
+MAX_VOCAB_SIZE = 1 << 31
+# Loss mask values lie in [0, MASK_LIMIT): the batch fillers check widened masks against it.
+MASK_LIMIT = 2
 
 
 class InvalidManifestError(CacheError):
@@ -67,8 +71,10 @@ def manifest_problems(m: Manifest) -> Iterable[str]:
         yield f"dtype {m.dtype!r} is not one of {sorted(CACHE_DTYPES)}"
     else:
         yield from _scheme_problems(m)
+    # target_vocab_size bounds every token id (token_problem); the fillers read a limit of 0 as "unchecked"
     for name, value, top in (("seq_length", m.seq_length, MAX_SEQ_LENGTH), ("hidden_size", m.hidden_size, MAX_HIDDEN_SIZE),
-                             ("num_hidden_layers", m.num_hidden_layers, MAX_LAYERS), ("shard_size", m.shard_size, _U64)):
+                             ("num_hidden_layers", m.num_hidden_layers, MAX_LAYERS), ("shard_size", m.shard_size, _U64),
+                             ("target_vocab_size", m.target_vocab_size, MAX_VOCAB_SIZE)):
         if not 1 <= value <= top:
             yield f"{name} {value} is not in [1, {top}]"
     try:
@@ -123,6 +129,38 @@ def check_fp8_sample(sample: Mapping[str, StoredTensor], path: str, sample_id: i
         if bad.any():
             token, at = (int(i) for i in np.argwhere(bad)[0])
             raise CorruptShardError(path, fp8_code_reason(token, at // (states.shape[1] // groups)), sample_id)
+
+
+def token_problem(ids: np.ndarray, mask: np.ndarray, vocab_size: int | None) -> str | None:
+    """Why these token ids and loss mask cannot be a sample's, or None: every id must index the
+    target's embedding (``0 <= id < vocab_size``, the manifest's ``target_vocab_size``) and every
+    mask value be 0 or 1. The one rule for what a shard may hold: the producer rebuilds a saved plan
+    that breaks it, and every reader refuses a sample that does (:func:`check_token_values`; the
+    batch fillers check the same bounds as they widen, and name the sample by this function). A
+    reader without the manifest (``vocab_size`` None: a plain WebDataset decoder) checks ``id >= 0``."""
+    if ids.size:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad = (ids < 0) if vocab_size is None else (ids < 0) | (ids >= vocab_size)
+            at = int(np.argmax(bad))
+            if vocab_size is None:
+                return f"token id {int(ids[at])} at token {at} is negative (no embedding row has that index)"
+            return (f"token id {int(ids[at])} at token {at} is outside the target's vocabulary size {vocab_size} "
+                    "(its embedding rows)")
+    if mask.size and not 0 <= int(mask.min()) <= int(mask.max()) < MASK_LIMIT:
+        at = int(np.argmax((mask < 0) | (mask >= MASK_LIMIT)))
+        return f"loss mask value {int(mask[at])} at token {at} is not 0 or 1"
+    return None
+
+
+def check_token_values(sample: Mapping[str, StoredTensor], vocab_size: int | None, path: str,
+                       sample_id: int | None) -> None:
+    """A decoded sample whose token ids or loss mask break :func:`token_problem`'s rule is refused:
+    training would index the embedding out of range (a device-side assert naming no file) or weight
+    its loss wrongly. The checksum cannot catch it: such bytes can be the writer's own."""
+    problem = token_problem(sample[INPUT_IDS].array, sample[LOSS_MASK].array, vocab_size)
+    if problem is not None:
+        raise CorruptShardError(path, problem, sample_id)
 
 
 def check_index(index: ShardIndex, shard_id: int, shape: SampleShape, seq_length: int, path: str) -> None:

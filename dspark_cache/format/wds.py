@@ -28,18 +28,23 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dspark_cache.format.sample import assemble_sample, decode_payload, dequantize_arrays
-from dspark_cache.format.validate import check_fp8_sample
+from dspark_cache.format.validate import check_fp8_sample, check_token_values
 
 SAMPLE_EXTENSION = "safetensors"  # the one member of each sample: <key>.safetensors
 
 
-def decode_dspark_arrays(key: str, data: bytes, *, dequantize: str | None = "BF16") -> Any:
+def decode_dspark_arrays(key: str, data: bytes, *, dequantize: str | None = "BF16",
+                         vocab_size: int | None = None) -> Any:
     """Decode ``*.safetensors`` members into NeMo's per-sample tensors (unpadded), as
     :class:`~dspark_cache.format.sample.StoredTensor` (numpy view plus dtype code).
 
     An FP8 sample is dequantised to ``dequantize`` (``"BF16"``, the loader's default, or ``"F32"``);
     ``functools.partial(decode_dspark_arrays, dequantize=None)`` keeps its float8 bytes and scales.
-    Either way a bad scale or a NaN/inf code raises ``CorruptShardError`` naming ``key``.
+    Either way a bad scale or a NaN/inf code raises ``CorruptShardError`` naming ``key``, and so does
+    a token id outside ``[0, vocab_size)`` or a loss mask value other than 0 or 1 (the token rule,
+    ``format.validate.token_problem``). A blob does not record its target's vocabulary: pass the
+    manifest's, ``functools.partial(decode_dspark_arrays, vocab_size=manifest.target_vocab_size)``;
+    without it only negative ids are refused.
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
     if not key.lower().endswith(SAMPLE_EXTENSION):
@@ -47,18 +52,22 @@ def decode_dspark_arrays(key: str, data: bytes, *, dequantize: str | None = "BF1
     tensors, metadata = decode_payload(bytearray(data))
     sample: dict[str, Any] = dict(assemble_sample(tensors, metadata))
     sid = str(metadata.get("sample_id", ""))
-    check_fp8_sample(sample, key, int(sid) if sid.isdigit() else None)
+    sample_id = int(sid) if sid.isdigit() else None
+    check_fp8_sample(sample, key, sample_id)
+    check_token_values(sample, vocab_size, key, sample_id)
     if dequantize is not None:
         sample = dequantize_arrays(sample, dequantize)
     sample["sample_id"] = int(metadata.get("sample_id", -1))
     return sample
 
 
-def decode_wids_sample(sample: Mapping[str, Any]) -> dict[str, Any]:
+def decode_wids_sample(sample: Mapping[str, Any], *, vocab_size: int | None = None) -> dict[str, Any]:
     """A ``wids.ShardListDataset`` transformation: its ``.safetensors`` entry (a stream) decoded as
-    :func:`decode_dspark_arrays` decodes it; ``__key__``, ``__shard__`` and the rest pass through."""
+    :func:`decode_dspark_arrays` decodes it (``vocab_size`` likewise, through ``functools.partial``);
+    ``__key__``, ``__shard__`` and the rest pass through."""
     out = dict(sample)
     for name, value in sample.items():
         if not name.startswith("__") and name.lower().endswith(SAMPLE_EXTENSION):
-            out[name] = decode_dspark_arrays(name, value.read() if hasattr(value, "read") else value)
+            out[name] = decode_dspark_arrays(name, value.read() if hasattr(value, "read") else value,
+                                             vocab_size=vocab_size)
     return out

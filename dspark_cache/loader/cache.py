@@ -56,7 +56,7 @@ class Cache:
         if reader is None:
             if len(self._readers) >= self.dir.max_open_files:
                 self._readers.pop(next(iter(self._readers))).close()
-            reader = ShardReader(self.paths, shard.shard_id, shard, self.shape)
+            reader = ShardReader(self.paths, shard.shard_id, shard, self.shape, self.manifest.target_vocab_size)
             try:
                 self.dir.check_opened(shard.shard_id, reader.fileno())
             except BaseException:

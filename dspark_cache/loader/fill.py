@@ -8,8 +8,9 @@ program without holding the GIL,
 so a reader thread needs the GIL a few times per batch instead of several times per chunk, and
 a training loop's Python rarely stalls it; :func:`run_python` runs the same program with numpy
 and ``os.preadv`` where the extension is not built. Both check every write against its
-buffer's bounds and report failures the same way, and both dequantise FP8 rows to the same bits
-(``format.sample.dequantize_rows``'s rule).
+buffer's bounds and report failures the same way, both dequantise FP8 rows to the same bits
+(``format.sample.dequantize_rows``'s rule), and both check widened token ids and masks against
+their segment's ``limit`` (the token rule, ``format.validate.token_problem``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4  # RC_CHECKSUM: verify.py's
 # The FP8 rule (format.sample.fp8_bad_scales / fp8_bad_codes) broken; detail: the row (token).
 RC_BAD_SCALE, RC_BAD_CODE = 5, 6
+# A widened value outside its segment's [0, limit): the token rule (format.validate.token_problem) broken;
+# detail: the token. The widened values are written first, so the reader names the sample by that rule.
+RC_BAD_TOKEN = 7
 _FP8_CODES = {kind: code for code, kind in FP8_KINDS.items()}
 _OUT_CODES = {2: "BF16", 4: "F32"}
 # Bytes per read: a chunk's final-state columns are copied while it is still in the core's L2
@@ -243,6 +247,9 @@ class _SampleRead:
         data = self.read_into(self.scratch[: seg.len])
         dst = _span(self.bufs, seg.buf, seg.off, seg.len // item * 8).view(np.int64)
         dst[:] = data.view(np.int32 if item == 4 else np.uint8)
+        values = dst.view(np.uint64)  # as unsigned, a negative id is out of range too: one bound, as in C
+        if seg.limit and values.size and int(values.max()) >= seg.limit:
+            raise _Stop(RC_BAD_TOKEN, int(np.argmax(values >= np.uint64(seg.limit))))
 
     def rows(self, dst: np.ndarray, row_bytes: int, col_off: int, col_bytes: int, cols: np.ndarray | None) -> None:
         step = max(row_bytes, CHUNK // row_bytes * row_bytes) if cols is not None else CHUNK

@@ -28,7 +28,7 @@ from dspark_cache.format.sample import (
     TORCH_NAMES, fp8_bad_scales, fp8_code_reason, fp8_scale_reason,
 )
 from dspark_cache.format.schema import Manifest, SampleEntry
-from dspark_cache.format.validate import MAX_HEADER, check_header
+from dspark_cache.format.validate import MAX_HEADER, check_header, token_problem
 from dspark_cache.loader import fill, verify
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_zeros
@@ -74,18 +74,20 @@ def resolve_out_code(shape: SampleShape, dtype: object = None) -> str | None:
 @dataclass(frozen=True)
 class BatchLayout:
     """A batch: its samples' geometry (the format's one :class:`SampleShape`) plus its padding,
-    and for FP8 caches the dtype the states are dequantised to (``None``: raw, with scales)."""
+    the target's vocabulary (every token id below it, checked as ids are read), and for FP8 caches
+    the dtype the states are dequantised to (``None``: raw, with scales)."""
 
     shape: SampleShape
     seq_length: int
     pad_token_id: int
+    vocab_size: int
     out_code: str | None = None
 
     @classmethod
     def from_manifest(cls, m: Manifest, dtype: object = None) -> "BatchLayout":
         """The batches of the cache that ``m`` describes, states as ``dtype`` (:func:`resolve_out_code`)."""
         shape = SampleShape.from_manifest(m)
-        return cls(shape, m.seq_length, m.pad_token_id, resolve_out_code(shape, dtype))
+        return cls(shape, m.seq_length, m.pad_token_id, m.target_vocab_size, resolve_out_code(shape, dtype))
 
     @property
     def state_code(self) -> str:
@@ -99,7 +101,7 @@ class BatchLayout:
 
     def template(self, length: int) -> RowTemplate:
         """Where a sample of ``length`` tokens goes in its batch row (cached per length)."""
-        return row_template(length, self.shape, self.out_code)
+        return row_template(length, self.shape, self.out_code, vocab_size=self.vocab_size)
 
 
 class PendingBatch:
@@ -200,7 +202,7 @@ class BatchReader:
                 program = self._program(slab, zero, buffers, rows, fds)
                 failure = fill.run(program, self._scratch(), native=self.native)
             if failure is not None:
-                self._raise(failure, rows)
+                self._raise(failure, rows, buffers)
             self._check_headers(rows)
             if self.layout.raw_scales:
                 self._check_raw_scales(buffers, rows)
@@ -290,7 +292,7 @@ class BatchReader:
                                                                    self.shape.hidden_dim))
         return scratch
 
-    def _raise(self, failure: fill.Failure, rows: list[Row]) -> None:
+    def _raise(self, failure: fill.Failure, rows: list[Row], buffers: dict[str, torch.Tensor]) -> None:
         where = "a zero or fill op"  # only a bug in the program can make one of those fail
         if failure.tag is not None:
             _, shard_id, _, entry = rows[failure.tag]
@@ -304,11 +306,22 @@ class BatchReader:
                 raise CorruptShardError(path, fp8_scale_reason(failure.detail), entry.sample_id)
             if failure.code == fill.RC_BAD_CODE:
                 raise CorruptShardError(path, fp8_code_reason(failure.detail), entry.sample_id)
+            if failure.code == fill.RC_BAD_TOKEN:
+                raise CorruptShardError(path, self._token_reason(buffers, failure.tag, entry.length, failure.detail),
+                                        entry.sample_id)
             if failure.code == fill.RC_READ_ERROR:
                 raise OSError(failure.detail, f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
                               str(path))
         raise CacheError(f"internal error: the batch program is invalid at {where}; please report it "
                          "(DSPARK_NATIVE=0 switches to the Python filler meanwhile)")
+
+    def _token_reason(self, buffers: dict[str, torch.Tensor], row: int, length: int, token: int) -> str:
+        """The token rule's own words for a row the filler refused: it wrote the widened ids (and, when
+        they pass, the mask) before it stopped, and the rule judges ids first, as the fillers do, so
+        a mask left from an earlier batch is never judged."""
+        ids, mask = (buffers[name][row, :length].numpy() for name in (INPUT_IDS, LOSS_MASK))
+        problem = token_problem(ids, mask, self.layout.vocab_size)
+        return problem or f"a token id or loss mask value at token {token} is out of range"
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

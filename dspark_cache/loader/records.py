@@ -1,7 +1,7 @@
 """The records of a batch program, named once for Python and for ``csrc/batch_fill.c``.
 
 A program is two arrays of little-endian uint64 records that the C filler reads as the structs
-``op_t`` and ``segment_t`` (same fields, same order, 64 and 120 bytes): :data:`OP` and
+``op_t`` and ``segment_t`` (same fields, same order, 64 and 128 bytes): :data:`OP` and
 :data:`SEGMENT` are those layouts as numpy structured dtypes, so Python reads and writes them by
 field name (``segs["off"]``), and :class:`OpRecord` / :class:`SegmentRecord` name the fields of
 one record in the Python filler's loops.
@@ -18,10 +18,12 @@ A segment says where a byte range of the payload goes: ``len`` bytes from payloa
 ``src_off`` to ``off`` of buffer ``buf``, as they are (``SEG_COPY``), as they are plus the
 ``col_bytes`` bytes at ``col_off`` of each ``row_bytes`` row copied to ``col_dst`` of buffer
 ``col_buf`` (``SEG_COPY_COLS``), or widened to int64 from int32 (``SEG_WIDEN_I32``) or uint8
-(``SEG_WIDEN_U8``), or dequantised (``SEG_DEQUANT``): ``row_bytes`` float8 codes (``fp8_kind``)
-per row, each ``group`` of them times one float32 scale read from ``scale_off`` of buffer
-``scale_buf`` (row after row), written as ``out_size``-byte floats (2: bf16, 4: float32), and
-``col_*`` then count output bytes. Payload bytes outside every segment are read and dropped.
+(``SEG_WIDEN_U8``), every widened value then checked to lie in ``[0, limit)`` (``limit`` 0:
+unchecked; the reader sets the token rule's bounds, ``format.validate.token_problem``), or
+dequantised (``SEG_DEQUANT``): ``row_bytes`` float8 codes (``fp8_kind``) per row, each ``group``
+of them times one float32 scale read from ``scale_off`` of buffer ``scale_buf`` (row after row),
+written as ``out_size``-byte floats (2: bf16, 4: float32), and ``col_*`` then count output bytes.
+Payload bytes outside every segment are read and dropped.
 """
 
 from __future__ import annotations
@@ -69,19 +71,20 @@ class SegmentRecord(NamedTuple):
     group: int  # ... codes per scale
     out_size: int  # ... bytes per output value: 2 (bf16) or 4 (float32)
     fp8_kind: int  # ... the codes' format (FP8_KINDS)
+    limit: int  # SEG_WIDEN_*: every value must lie in [0, limit) (0: unchecked), else RC_BAD_TOKEN
 
 
 OP = np.dtype([(name, _U64) for name in OpRecord._fields])
 SEGMENT = np.dtype([(name, _U64) for name in SegmentRecord._fields])
-assert OP.itemsize == 64 and SEGMENT.itemsize == 120  # sizeof(op_t), sizeof(segment_t)
+assert OP.itemsize == 64 and SEGMENT.itemsize == 128  # sizeof(op_t), sizeof(segment_t)
 
 
 def segment(kind: int, src_off: int, length: int, buf: int, off: int, *, row_bytes: int = 0, col_off: int = 0,
             col_bytes: int = 0, col_buf: int = 0, col_dst: int = 0, scale_buf: int = 0, scale_off: int = 0,
-            group: int = 0, out_size: int = 0, fp8_kind: int = 0) -> tuple[int, ...]:
+            group: int = 0, out_size: int = 0, fp8_kind: int = 0, limit: int = 0) -> tuple[int, ...]:
     """One segment's fields in :data:`SEGMENT` order (for ``np.array([...], dtype=SEGMENT)``)."""
     return tuple(SegmentRecord(kind, src_off, length, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst,
-                               scale_buf, scale_off, group, out_size, fp8_kind))
+                               scale_buf, scale_off, group, out_size, fp8_kind, limit))
 
 
 def segments(rows: list[tuple[int, ...]]) -> np.ndarray:

@@ -3,7 +3,8 @@
 Each tensor of the sample's data section becomes a segment of the batch program
 (:mod:`.fill`): the hidden states are read straight into the batch row (and their final-state
 columns copied out, when the final state is stored inside them), token ids and the loss mask
-are widened to int64, and alignment fill is read and dropped. Placement depends on the length
+are widened to int64 and checked by the token rule as they are (ids in ``[0, vocab_size)``, mask
+values 0 or 1), and alignment fill is read and dropped. Placement depends on the length
 alone (``format.sample.place_tensors``, the same rule the writer uses), so the table is cached.
 
 An FP8 sample's scales (stored first) go to their own batch buffers; its float8 rows are either
@@ -24,6 +25,7 @@ from dspark_cache.format.sample import (
     DTYPE_SIZES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK, place_tensors,
 )
 
+from dspark_cache.format.validate import MASK_LIMIT
 from dspark_cache.loader.records import (
     FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments,
 )
@@ -72,15 +74,18 @@ class RowTemplate:
 
 
 @lru_cache(maxsize=16384)
-def row_template(length: int, shape: SampleShape, out_code: str | None = None) -> RowTemplate:
+def row_template(length: int, shape: SampleShape, out_code: str | None = None, *, vocab_size: int) -> RowTemplate:
     """The segments of a ``length``-token sample of ``shape`` (``shape.stores_last``: the final
-    state is its own tensor, else the last ``hidden_size`` columns of the hidden states).
+    state is its own tensor, else the last ``hidden_size`` columns of the hidden states); its token
+    ids must lie in ``[0, vocab_size)`` (the manifest's ``target_vocab_size``, at least 1).
 
     ``out_code`` (FP8 caches): ``None`` copies the float8 rows and their scales as stored,
     ``"BF16"``/``"F32"`` dequantises the rows into that dtype (the scales are still read first,
     into their buffers, for the filler to use)."""
     if out_code is not None and not shape.fp8:
         raise ValueError(f"only FP8 samples are dequantised; this cache stores {shape.dtype}")
+    if vocab_size < 1:  # a segment's limit 0 would leave the ids unchecked
+        raise ValueError(f"vocab_size {vocab_size} is not a vocabulary size")
     rows = []
     placed = place_tensors(shape.specs(length))
     for name, start, end in placed:
@@ -90,9 +95,9 @@ def row_template(length: int, shape: SampleShape, out_code: str | None = None) -
         elif name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE):
             rows.append(_scales_segment(name, start, size, shape, out_code))
         elif name == INPUT_IDS:
-            rows.append(segment(SEG_WIDEN_I32, start, size, _BUF[name], 0))
+            rows.append(segment(SEG_WIDEN_I32, start, size, _BUF[name], 0, limit=vocab_size))
         elif name == LOSS_MASK:
-            rows.append(segment(SEG_WIDEN_U8, start, size, _BUF[name], 0))
+            rows.append(segment(SEG_WIDEN_U8, start, size, _BUF[name], 0, limit=MASK_LIMIT))
         # alignment fill (__padN__) is read and dropped
     segs = segments(rows)
     segs = segs[segs["len"] > 0]  # a zero-token sample has empty tensors: nothing to read

@@ -104,7 +104,8 @@ def _refuse(checks: list, batch: Mapping[str, Any]) -> None:
 _OUT_CODES = {torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
-def decode_dspark_sample(key: str, data: bytes, *, dtype: torch.dtype | None = torch.bfloat16) -> Any:
+def decode_dspark_sample(key: str, data: bytes, *, dtype: torch.dtype | None = torch.bfloat16,
+                         vocab_size: int | None = None) -> Any:
     """A WebDataset decoder handler: ``*.safetensors`` members into NeMo's per-sample tensors.
 
     Usage::
@@ -116,11 +117,13 @@ def decode_dspark_sample(key: str, data: bytes, *, dtype: torch.dtype | None = t
 
     An FP8 sample is dequantised to ``dtype`` (bf16 or float32; other samples keep their stored
     dtype); ``functools.partial(decode_dspark_sample, dtype=None)`` keeps it raw, with its scales.
+    ``vocab_size`` (the manifest's ``target_vocab_size``) bounds the token ids, as in
+    :func:`~dspark_cache.format.wds.decode_dspark_arrays`.
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
     if dtype is not None and dtype not in _OUT_CODES:
         raise ValueError(f"FP8 samples dequantise to torch.bfloat16 or torch.float32, not {dtype}")
-    arrays = decode_dspark_arrays(key, data, dequantize=None)
+    arrays = decode_dspark_arrays(key, data, dequantize=None, vocab_size=vocab_size)
     if arrays is None:
         return None
     sample_id = arrays.pop("sample_id")

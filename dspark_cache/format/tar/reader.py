@@ -5,15 +5,20 @@ from __future__ import annotations
 import os
 
 import msgspec
+import numpy as np
 import xxhash
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.files import open_regular, read_regular, regular_size
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.sample import StoredTensor, assemble_sample, decode_payload
+from dspark_cache.format.sample import (
+    INPUT_IDS, LOSS_MASK, NUMPY_DTYPES, StoredTensor, assemble_sample, decode_payload, place_tensors,
+)
 from dspark_cache.format.schema import Manifest, SampleEntry, ShardIndex, decode_shard_index
-from dspark_cache.format.validate import MAX_INDEX_BYTES, check_cache_id, check_fp8_sample, check_header, check_index
+from dspark_cache.format.validate import (
+    MAX_INDEX_BYTES, check_cache_id, check_fp8_sample, check_header, check_index, check_token_values,
+)
 
 _HASH_CHUNK = 8 << 20
 
@@ -54,11 +59,13 @@ class ShardReader:
     """Random access to the samples of one published shard."""
 
     def __init__(self, paths: CachePaths, shard_id: int, index: ShardIndex | None = None,
-                 shape: SampleShape | None = None) -> None:
-        """``shape`` (the cache's geometry) makes every sample's header checked against its entry."""
+                 shape: SampleShape | None = None, vocab_size: int | None = None) -> None:
+        """``shape`` (the cache's geometry) makes every sample's header checked against its entry;
+        ``vocab_size`` (the manifest's ``target_vocab_size``) bounds its token ids (without it: ``>= 0``)."""
         self.index = index if index is not None else load_shard_index(paths, shard_id)
         self.path = paths.shard_tar(shard_id)
         self.shape = shape
+        self.vocab_size = vocab_size
         try:
             self._fd = open_regular(self.path)
         except CacheError as exc:
@@ -107,7 +114,23 @@ class ShardReader:
             raise CorruptShardError(self.path, f"undecodable sample ({type(exc).__name__}: {exc})",
                                     entry.sample_id) from exc
         check_fp8_sample(sample, self.path, entry.sample_id)  # raw reads too: a NaN scale is damage either way
+        check_token_values(sample, self.vocab_size, self.path, entry.sample_id)
         return sample
+
+    def check_tokens(self, entry: SampleEntry) -> None:
+        """The token rule (``format.validate.token_problem``) on one sample, reading only its ids and
+        loss mask (5 bytes a token, where the layout puts them) instead of the whole blob: what
+        ``dspark-verify`` checks after :meth:`verify` proved the bytes are the writer's."""
+        if self.shape is None:
+            raise ValueError("check_tokens needs the cache's shape to find the token ids")
+        placed = {name: (start, end) for name, start, end in place_tensors(self.shape.specs(entry.length))}
+        data = entry.offset + entry.size - self.shape.data_size(entry.length)
+        (ids_at, _), (mask_at, mask_end) = placed[INPUT_IDS], placed[LOSS_MASK]
+        raw = self._read_exact(data + ids_at, mask_end - ids_at, entry)
+        tensors = {INPUT_IDS: StoredTensor("I32", np.frombuffer(raw, NUMPY_DTYPES["I32"], entry.length)),
+                   LOSS_MASK: StoredTensor("U8", np.frombuffer(raw, NUMPY_DTYPES["U8"], entry.length,
+                                                               mask_at - ids_at))}
+        check_token_values(tensors, self.vocab_size, self.path, entry.sample_id)
 
     def verify(self) -> None:
         """One sequential pass over the tar: the whole-file checksum, every sample's checksum and,

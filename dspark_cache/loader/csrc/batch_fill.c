@@ -15,9 +15,10 @@
  *                          SAMPLE 3: the count-byte payload at file offset of fd target,
  *                          through segments seg_first .. seg_first + seg_count
  *   segs segment_t[n]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst,
- *                           scale_buf, scale_off, group, out_size, fp8_kind}
+ *                           scale_buf, scale_off, group, out_size, fp8_kind, limit}
  *                          kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
- *                          WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off), DEQUANT 5 (float8
+ *                          WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off, each value then in
+ *                          [0, limit) unless limit is 0, else RC_BAD_TOKEN), DEQUANT 5 (float8
  *                          rows of row_bytes, one float32 scale per group bytes at
  *                          scale_buf+scale_off, to bf16 (out_size 2) or float32 (4) at buf+off;
  *                          col_* as COPY_COLS, in output bytes)
@@ -42,6 +43,12 @@
  * and fp8_bad_codes): a scale is positive with scale * the format's largest value below 0x1.ffp127
  * (the least float32 that rounds to inf as bf16), else RC_BAD_SCALE; no code is a NaN/inf code,
  * else RC_BAD_CODE; the row in *detail either way, a scale checked before the codes it scales.
+ *
+ * Tokens (WIDEN): the token rule (format/validate.py's token_problem: ids in [0, vocab_size), loss
+ * mask values 0 or 1) as limits set by loader/rowplan.py. An id outside the target's vocabulary
+ * would become a device-side assert in training's embedding lookup, naming no file; here it is
+ * RC_BAD_TOKEN with the token in *detail, after every value was written, so the reader can name
+ * the sample by the Python rule from the batch buffer.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -59,7 +66,8 @@
 enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
 enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4, SEG_DEQUANT = 5 };
 /* 2: verify.py's */
-enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5, RC_BAD_CODE = 6 };
+enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5, RC_BAD_CODE = 6,
+       RC_BAD_TOKEN = 7 };
 enum { FP8_E4M3 = 1, FP8_E5M2 = 2 };
 
 /* records.py's OP: one op of the program. */
@@ -69,10 +77,10 @@ typedef struct {
 
 /* records.py's SEGMENT: where a byte range of a sample's payload goes. */
 typedef struct {
-    uint64_t kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst, scale_buf, scale_off, group, out_size, fp8_kind;
+    uint64_t kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst, scale_buf, scale_off, group, out_size, fp8_kind, limit;
 } segment_t;
 
-_Static_assert(sizeof(op_t) == 64 && sizeof(segment_t) == 120, "records.py's OP and SEGMENT layouts");
+_Static_assert(sizeof(op_t) == 64 && sizeof(segment_t) == 128, "records.py's OP and SEGMENT layouts");
 
 typedef struct {
     const uint64_t *bases, *sizes;
@@ -206,6 +214,14 @@ static int read_widened(const context *cx, int fd, uint64_t base, uint64_t *pos,
         }
     } else {
         for (uint64_t i = 0; i < count; i++) dst[i] = cx->scratch[i];
+    }
+    if (g->limit) { /* as unsigned, a negative id is past the limit too: one comparison a token */
+        for (uint64_t i = 0; i < count; i++) {
+            if ((uint64_t)dst[i] >= g->limit) {
+                *detail = i;
+                return RC_BAD_TOKEN;
+            }
+        }
     }
     return RC_OK;
 }
@@ -414,7 +430,8 @@ static int run_sample(const context *cx, const op_t *op, const segment_t *segs, 
 }
 
 /* Runs the ops in order; on failure returns its code, the op's index in *fail_op and, for a
- * short read the payload bytes read, for a read error the errno, for a bad scale or code its row, in *detail. */
+ * short read the payload bytes read, for a read error the errno, for a bad scale, code or token
+ * its row (token), in *detail. */
 int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, uint64_t n_segs,
                       const uint64_t *bases, const uint64_t *sizes, uint64_t n_bufs, uint8_t *scratch,
                       uint64_t scratch_size, uint64_t chunk, uint64_t *fail_op, uint64_t *detail) {
