@@ -234,8 +234,8 @@ def test_token_ids_outside_the_vocabulary_are_refused(tmp_path, capsys):
     write_tiny_nemo(src, ids, MASKS, shard_size=2)
     code, err = _convert(capsys, src, str(tmp_path / "out"), "--to", "dspark", "--pad-token-id", str(P))
     assert code == 1 and err.count("\n") == 1, err
-    assert "shard-000001.safetensors row 1 (sample 3): input_ids holds token id 100, outside" in err
-    assert "[0, 100)" in err and not os.path.exists(tmp_path / "out")
+    assert "shard-000001.safetensors row 1 (sample 3): token id 100 at token 2 is outside the target's" in err
+    assert "vocabulary size 100" in err and not os.path.exists(tmp_path / "out")
 
 
 def test_export_of_a_source_nested_too_deep_is_refused(tmp_path, capsys):

@@ -141,6 +141,7 @@ def test_index_damage_is_named(small_cache, tmp_path, damage, needle, capsys):
     ({"num_hidden_layers": 3}, "target_layer_ids"),
     ({"hidden_size": 32}, "hidden_size"),
     ({"num_samples": 10**6}, "num_samples"),
+    ({"pad_token_id": 10**6}, "pad_token_id"),  # the loader pads input_ids with it: it must index the embedding
 ])
 def test_manifest_damage_is_named(small_cache, tmp_path, change, needle, capsys):
     copy = str(tmp_path / "c")

@@ -94,8 +94,8 @@ def manifest_problems(m: Manifest) -> Iterable[str]:
     if m.planned_samples >= 0 and not least <= m.num_shards <= max(m.planned_samples, least):
         yield (f"num_shards {m.num_shards} does not fit planned_samples {m.planned_samples} in shards of at most "
                f"shard_size {m.shard_size}")
-    if m.pad_token_id < 0:
-        yield f"pad_token_id {m.pad_token_id} is negative"
+    if not 0 <= m.pad_token_id < max(m.target_vocab_size, 1):  # loaders pad input_ids with it
+        yield f"pad_token_id {m.pad_token_id} is not in [0, target_vocab_size {m.target_vocab_size})"
 
 
 def _scheme_problems(m: Manifest) -> Iterable[str]:

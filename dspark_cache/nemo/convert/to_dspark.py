@@ -27,7 +27,7 @@ from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SkippedRow, decode_manifest, identity_diff
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
-from dspark_cache.format.validate import MAX_MANIFEST_BYTES
+from dspark_cache.format.validate import MAX_MANIFEST_BYTES, token_problem
 from dspark_cache.nemo import layout
 from dspark_cache.nemo.convert.common import (
     ConvertError, ConvertResult, Progress, check_destination_files, check_paths, clear_destination, ensure_weights,
@@ -59,14 +59,11 @@ class ImportPlan:
 
 
 def _check_row(path: str, row: int, sample: int, ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ConvertError(f"{path} row {row} (sample {sample}): loss_mask holds values other than 0 and 1; the "
-                           "shard is damaged: copy it again or re-run NeMo's precompute")
-    bad = ids[(ids < 0) | (ids >= min(vocab_size, _INT32_MAX + 1))]
-    if bad.numel():  # training would index the embedding with it
-        raise ConvertError(f"{path} row {row} (sample {sample}): input_ids holds token id {int(bad[0])}, outside "
-                           f"the target's vocabulary [0, {vocab_size}) (manifest target_vocab_size); the shard is "
-                           "damaged or belongs to another target: copy it again or re-run NeMo's precompute")
+    """format's rule for what a sample may hold (training indexes the embedding with every id)."""
+    problem = token_problem(ids.numpy(), mask.numpy(), min(vocab_size, _INT32_MAX + 1))
+    if problem:
+        raise ConvertError(f"{path} row {row} (sample {sample}): {problem}; the shard is damaged or belongs to "
+                           "another target: copy it again or re-run NeMo's precompute")
 
 
 def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> ImportPlan:
