@@ -66,3 +66,62 @@ def test_running_out_of_memory_on_a_row_says_where_and_what_to_do():
         rows = (RawRow(i, f"data.jsonl:{i + 1}") for i in range(200))
         with pytest.raises(MemoryError, match=r"out of memory while encoding the row at data\.jsonl:71; lower "):
             list(encode_pool.encode_rows(rows, _encode_or_run_out, num_workers=workers))
+
+
+def test_two_interrupts_while_workers_encode_exit_3_at_once_and_leave_no_worker(embedded, tmp_path):
+    """The second Ctrl-C of two, while the pool encodes rows: exit 3 in seconds, every worker gone.
+
+    Left to ``shutdown(wait=True)`` the process hung at exit, joining workers idle on the call queue.
+    Output goes to a file: a surviving worker would hold a pipe open and hang the test instead of failing it.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    import pytest
+
+    from dspark_cache.embedded.data import write_sample_data
+    from tests.conftest import produce_args
+    from tests.proc import producer_cmd
+    from tests.test_orphans import MARKER, alive, descendants, marked
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("walks /proc")
+    data = write_sample_data(str(tmp_path / "big.jsonl"), num_rows=4000, seed=5)  # encoding lasts many seconds
+    args = produce_args(embedded.stock, data, str(tmp_path / "out"), "--num-workers", "2")
+    run = uuid.uuid4().hex
+    log = str(tmp_path / "produce.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(producer_cmd(*args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", MARKER: run})
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := descendants(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(workers) >= 2, "the pool's workers never started"
+        time.sleep(0.5)  # rows are being encoded
+        assert alive(workers) and proc.poll() is None, "encoding ended before the signals"
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            code = proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            code = None
+        gone = time.monotonic() + 5
+        while (left := alive(workers) | marked(run)) and time.monotonic() < gone:
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in marked(run):  # only processes of this run: never leave them behind, even on failure
+            os.kill(pid, signal.SIGKILL)
+    with open(log) as handle:
+        text = handle.read()
+    assert code == 3, f"exit {code} (None: still running 15 s after the second SIGINT):\n{text[-3000:]}"
+    assert not left, f"processes of the interrupted run still alive: {sorted(left)}"
+    assert text.count("dspark-produce: aborted; rerun the same command to resume") == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -28,6 +28,7 @@ Encode = Callable[[RawRow], EncodedRow]
 Result = EncodedRow | InvalidRow
 _CHUNK = 64
 _AHEAD = 4  # chunks in flight per worker: enough to keep every worker busy
+_REAP_S = 5.0  # how long to wait for a killed worker to be reaped
 _worker_encode: Encode | None = None  # set in the parent before forking the pool
 
 
@@ -111,15 +112,42 @@ def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) ->
     # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of
     # leaving the planner waiting forever for a lost chunk.
     context = multiprocessing.get_context("fork")
+    pool = ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init, initargs=(os.getpid(),))
     try:
-        with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init,
-                                 initargs=(os.getpid(),)) as pool:
-            pending: deque[tuple[list[RawRow], Future]] = deque()
-            for chunk in chunks:
-                pending.append((chunk, pool.submit(_encode_chunk, chunk)))
-                if len(pending) >= window:
-                    yield from _results(*pending.popleft())
-            while pending:
+        pending: deque[tuple[list[RawRow], Future]] = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.submit(_encode_chunk, chunk)))
+            if len(pending) >= window:
                 yield from _results(*pending.popleft())
+        while pending:
+            yield from _results(*pending.popleft())
+    except BaseException:  # an interrupt, a closed generator, a failed row: the chunks in flight are not wanted
+        _abandon(pool)
+        raise
+    else:
+        pool.shutdown(wait=True)
     finally:
         _worker_encode = None
+
+
+def _abandon(pool: ProcessPoolExecutor) -> None:
+    """End the pool's workers now, not once they have drained the queue.
+
+    ``shutdown(wait=True)`` (what ``with`` does) waits for every chunk in flight; left to it, the
+    second Ctrl-C of two hung the process at exit, in multiprocessing's join of workers idle on
+    the call queue (issue 23, item 21). Workers
+    hold nothing worth saving, so they are killed (SIGKILL) and reaped. ``kill_workers`` is public
+    from Python 3.14; before it the executor's ``_processes`` (pid to ``multiprocessing.Process``)
+    is the only way to reach them, read before ``shutdown`` forgets it.
+    """
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    kill = getattr(pool, "kill_workers", None)
+    if kill is not None:  # Python 3.14 on: shutdown(wait=False, cancel_futures=True), then SIGKILL each worker
+        kill()
+    else:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.exitcode is None:
+                process.kill()
+    for process in processes:
+        process.join(timeout=_REAP_S)
