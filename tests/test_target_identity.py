@@ -85,6 +85,61 @@ def test_resume_refuses_a_moved_symlink_and_a_new_config(embedded, tmp_path, cap
     assert "target_fingerprint" in capsys.readouterr().err
 
 
+def _replace_weights_after_a_run(embedded, tmp_path, capsys, target: str, loaded: str) -> None:
+    """Produce a cache from ``target``, then copy another model's weights over ``loaded`` (the file
+    transformers loads): the resume must be refused, naming the fingerprint."""
+    from dspark_cache.embedded.target import build_target
+
+    out = str(tmp_path / "cache")
+    assert run_produce(target, embedded.data, out, *ARGS) == 0
+    other = build_target(str(tmp_path / "other"), seed=1)
+    shutil.copyfile(os.path.join(other, "model.safetensors"), os.path.join(target, loaded))
+    capsys.readouterr()
+    assert run_produce(target, embedded.data, out, *ARGS) == 1
+    assert "target_fingerprint" in capsys.readouterr().err
+    assert verify_cache(out).ok
+
+
+def test_fingerprint_covers_the_single_file_loaded_before_a_stray_index(embedded, tmp_path, capsys):
+    # Both model.safetensors and an index (of a shard): transformers loads model.safetensors, so
+    # replacing it must be refused even though the index and its shard are unchanged.
+    from safetensors import safe_open
+
+    target = _copy_target(embedded, tmp_path)
+    weights = os.path.join(target, "model.safetensors")
+    shard = "model-00001-of-00001.safetensors"
+    shutil.copyfile(weights, os.path.join(target, shard))
+    with safe_open(weights, "pt") as f:
+        weight_map = {name: shard for name in f.keys()}
+    json.dump({"metadata": {"total_size": os.path.getsize(weights)}, "weight_map": weight_map},
+              open(os.path.join(target, "model.safetensors.index.json"), "w"))
+    _replace_weights_after_a_run(embedded, tmp_path, capsys, target, "model.safetensors")
+
+
+def test_fingerprint_covers_config_transformers_weights(embedded, tmp_path, capsys):
+    # config.json's "transformers_weights" makes transformers load that file instead of model.safetensors.
+    target = _copy_target(embedded, tmp_path)
+    shutil.copyfile(os.path.join(target, "model.safetensors"), os.path.join(target, "alt.safetensors"))
+    config = json.load(open(os.path.join(target, "config.json")))
+    json.dump({**config, "transformers_weights": "alt.safetensors"}, open(os.path.join(target, "config.json"), "w"))
+    _replace_weights_after_a_run(embedded, tmp_path, capsys, target, "alt.safetensors")
+
+
+def test_fingerprint_covers_weight_files_in_subfolders(tmp_path):
+    from dspark_cache.embedded.target import build_target
+    from dspark_cache.producer.target import local_fingerprint
+
+    target = build_target(str(tmp_path / "target"), seed=3)
+    before = local_fingerprint(target)
+    os.makedirs(os.path.join(target, "sub"))
+    other = build_target(str(tmp_path / "other"), seed=1)
+    shutil.copyfile(os.path.join(other, "model.safetensors"), os.path.join(target, "sub", "model.fp16.safetensors"))
+    after = local_fingerprint(target)
+    assert after != before and "2 weight files" in after
+    shutil.copyfile(os.path.join(target, "model.safetensors"), os.path.join(target, "sub", "model.fp16.safetensors"))
+    assert local_fingerprint(target) != after
+
+
 def test_cache_without_a_fingerprint_is_refused_with_how_to_remake_it(embedded, tmp_path, capsys):
     out = str(tmp_path / "cache")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0

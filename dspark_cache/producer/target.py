@@ -17,6 +17,7 @@ from dspark_cache.producer.config import device_problem
 from dspark_cache.producer.hub import HUB_TIMEOUT_S, OFFLINE, HubRefusal, ask_hub, first_line
 from dspark_cache.producer.tensors import torch_dtype
 from dspark_cache.producer.masks import CausalMasks, masks_match
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,16 @@ class TargetInfo:
     revision: str | None = None  # the hub commit that is loaded (None: a local directory)
 
 
-# The files transformers loads a checkpoint from, in the order it looks for them; pickles only
-# with --allow-pickle-weights (use_safetensors=False then lets transformers fall back to them).
-SAFETENSORS_FILES = ("model.safetensors.index.json", "model.safetensors")
-PICKLE_FILES = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+# The files transformers loads a local checkpoint from, in the order it looks for them
+# (modeling_utils._get_resolved_checkpoint_files: the single file before the index), named by its
+# own constants; pickles only with --allow-pickle-weights (no use_safetensors=True then lets
+# transformers fall back to them). A ``transformers_weights`` key in config.json overrides them all.
+SAFETENSORS_FILES = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)
+PICKLE_FILES = (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+EXPLICIT_WEIGHTS_KEY = "transformers_weights"
+# Every other weight-like file anywhere under the directory is fingerprinted too (a superset of what
+# loads), so a file transformers might pick by a rule not mirrored here is never silently skipped.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 CONFIG_FILE = "config.json"
 MAX_INDEX_BYTES = 64 << 20  # a weight map names each tensor once: megabytes for the largest models
 MAX_SAFETENSORS_HEADER = 100 << 20  # the safetensors library's own limit
@@ -89,8 +96,20 @@ def _check_plain_files(path: str) -> None:
                               "checkpoint holds plain files only: replace it with the real file")
 
 
-def _weight_names(where: str, names: list[str], allow_pickle: bool) -> str:
-    """The file transformers will load weights from (an index or a single file), or a refusal."""
+def _weight_names(where: str, names: list[str], allow_pickle: bool, explicit: str | None = None) -> str:
+    """The file transformers will load weights from (an index or a single file), or a refusal.
+
+    ``explicit``: config.json's ``transformers_weights``, which transformers loads instead of looking."""
+    if explicit is not None:
+        if (not isinstance(explicit, str) or not explicit or os.path.isabs(explicit)
+                or ".." in explicit.replace("\\", "/").split("/")):
+            raise TargetError(f"target model {where}: config.json's {EXPLICIT_WEIGHTS_KEY} {explicit!r} is not a "
+                              "file inside the checkpoint directory; fix or remove it")
+        if not explicit.endswith((".safetensors", ".safetensors.index.json")) and not allow_pickle:
+            raise TargetError(f"target model {where}: config.json's {EXPLICIT_WEIGHTS_KEY} names pickle weights "
+                              f"({explicit}), which run arbitrary code when loaded; pass "
+                              "--allow-pickle-weights if you trust this checkpoint")
+        return explicit
     present = set(names)
     for name in SAFETENSORS_FILES + (PICKLE_FILES if allow_pickle else ()):
         if name in present:
@@ -114,7 +133,7 @@ def local_fingerprint(path: str, allow_pickle: bool = False) -> str:
     """
     from dspark_cache.format.files import open_regular, read_regular
 
-    entry = _weight_names(path, os.listdir(path), allow_pickle)
+    entry = _weight_names(path, os.listdir(path), allow_pickle, _explicit_weights(path))
     files = [entry]
     if entry.endswith(".index.json"):
         index_path = os.path.join(path, entry)
@@ -124,33 +143,72 @@ def local_fingerprint(path: str, allow_pickle: bool = False) -> str:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise TargetError(f"target model {path}: {entry} is not a readable weight index ({first_line(exc)}); "
                               "repair or re-download the checkpoint") from exc
+    # What loads first, in the order of earlier versions (so a plain checkpoint keeps its fingerprint),
+    # then every other weight file present: replacing any of them is a changed checkpoint.
+    extras = [name for name in _weight_files(path) if name not in set(files)]
     digest = hashlib.sha256()
     total = 0
-    for name in [CONFIG_FILE, *files]:
+    for name in [CONFIG_FILE, *files, *extras]:
+        loaded = name not in extras
         where = os.path.join(path, name)
         try:
             fd = open_regular(where)
+        except FileNotFoundError:
+            if loaded:
+                raise TargetError(f"target model {path}: cannot read {name} (it is missing); the checkpoint is "
+                                  "incomplete: repair or re-download it") from None
+            digest.update(f"{name}\0dangling\n".encode())  # a dangling link that nothing loads
+            continue
         except (OSError, CacheError) as exc:
             raise TargetError(f"target model {path}: cannot read {name} ({first_line(exc)}); the checkpoint is "
                               "incomplete: repair or re-download it") from exc
         try:
             size = os.fstat(fd).st_size
-            part = _file_digest(fd, name, size, where)
+            part = _file_digest(fd, name, size, where, strict=loaded)
         finally:
             os.close(fd)
         total += size
         digest.update(f"{name}\0{size}\0{part}\n".encode())
-    return f"sha256:{digest.hexdigest()} ({len(files)} weight files, {total} bytes)"
+    return f"sha256:{digest.hexdigest()} ({len(files) + len(extras)} weight files, {total} bytes)"
 
 
-def _file_digest(fd: int, name: str, size: int, where: str) -> str:
-    """sha256 of the part of a checkpoint file that identifies it (see :func:`local_fingerprint`)."""
+def _explicit_weights(path: str) -> str | None:
+    """config.json's ``transformers_weights`` (the file transformers loads instead of looking), if any;
+    an unreadable config is left to the fingerprint loop and the loader to name."""
+    from dspark_cache.format.files import read_regular
+
+    try:
+        config = json.loads(read_regular(os.path.join(path, CONFIG_FILE), MAX_INDEX_BYTES))
+    except (OSError, ValueError, CacheError):
+        return None
+    return config.get(EXPLICIT_WEIGHTS_KEY) if isinstance(config, dict) else None
+
+
+def _weight_files(path: str) -> list[str]:
+    """Every weight-like file under ``path`` (subfolders too, for ``subfolder``/``variant`` loads),
+    relative to it, sorted."""
+    found = []
+    for root, dirs, names in os.walk(path):
+        dirs.sort()
+        for name in names:
+            if name.endswith(WEIGHT_SUFFIXES):
+                found.append(os.path.relpath(os.path.join(root, name), path))
+    return sorted(found)
+
+
+def _file_digest(fd: int, name: str, size: int, where: str, strict: bool = True) -> str:
+    """sha256 of the part of a checkpoint file that identifies it (see :func:`local_fingerprint`).
+
+    ``strict=False`` (a file that does not load): a damaged safetensors file is sampled, not refused."""
     if name.endswith(".json"):  # config and weight indexes: small, hashed whole
         return hashlib.sha256(os.pread(fd, min(size, MAX_INDEX_BYTES), 0)).hexdigest()
     digest, data_start = hashlib.sha256(), 0
     if name.endswith(".safetensors"):
         length = int.from_bytes(os.pread(fd, 8, 0), "little")
-        if not 0 < length <= MAX_SAFETENSORS_HEADER or 8 + length > size:
+        bad = not 0 < length <= MAX_SAFETENSORS_HEADER or 8 + length > size
+        if bad and not strict:
+            length = -8  # sampled from byte 0 below
+        elif bad:
             raise TargetError(f"{where} is not a safetensors file (truncated or damaged: header of {length} "
                               f"bytes in a {size}-byte file); repair or re-download the checkpoint")
         data_start = 8 + length
