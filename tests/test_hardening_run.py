@@ -43,6 +43,9 @@ def tiny_data(embedded, tmp_path_factory) -> str:
     (["--rank-timeout", "nan"], "--rank-timeout must be a positive number of seconds"),
     (["--seq-length", "512", "--max-batch-tokens", "100"], "--max-batch-tokens 100 is below --seq-length 512"),
     (["--shuffle-seed", "-1"], "--shuffle-seed must be >= 0"),
+    (["--target-layer-ids", "3", "1"], "must be strictly increasing"),
+    (["--target-layer-ids", "1", "1"], "must be strictly increasing"),
+    (["--target-layer-ids", "-2", "3"], "ids start at -1"),
 ])
 def test_settings_that_cannot_work_are_usage_errors(tmp_path, capsys, args, needle):
     from dspark_cache.producer.cli import main
@@ -252,3 +255,25 @@ def test_a_plan_with_more_shards_than_readers_accept_is_refused_before_loading(e
     err = capsys.readouterr().err
     assert "could not be read back" in err and "num_shards" in err and "--shard-size" in err
     assert not os.path.exists(os.path.join(out, "manifest.json"))
+
+
+@pytest.mark.parametrize("where,kind", [
+    ("events/rank-00000.jsonl", "fifo"),  # appended to: a FIFO hung the run, deaf to SIGTERM
+    ("control/stop", "directory"),  # read as a stop request: every rerun stopped at once
+    ("shards/shard-000005.tar", "directory"),  # published over: a bare errno after computing the shard
+    ("shards/shard-000005.idx", "directory"),
+    ("status/rank-00000.json", "directory"),  # the heartbeat's rename failed
+])
+def test_a_non_file_under_a_name_the_producer_writes_is_refused_up_front(embedded, tiny_data, tmp_path, where,
+                                                                           kind):
+    out = str(tmp_path / "out")
+    args = produce_args(embedded.stock, tiny_data, out, *ARGS)
+    assert run(producer_cmd(*args)).returncode == 0
+    path = os.path.join(out, where)
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.mkfifo(path) if kind == "fifo" else os.mkdir(path)
+    done = run(producer_cmd(*args), timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert path in done.stderr and "not a regular file" in done.stderr and "move or rename it" in done.stderr
+    assert os.path.lexists(path) and (os.path.isdir(path) or kind == "fifo")  # nothing of the user's deleted

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import msgspec
 
+from dspark_cache.format.layers import EMBEDDING_LAYER, validate_target_layer_ids
 from dspark_cache.format.sample import CACHE_DTYPES, is_fp8  # names -> safetensors codes: no torch
 from dspark_cache.format.schema import SampleEntry
 from dspark_cache.format.status import RANK_TIMEOUT_S
@@ -225,3 +226,12 @@ def validate_config(cfg: ProduceConfig) -> None:
         raise ConfigError(f"--rank-timeout must be a positive number of seconds, got {cfg.rank_timeout}")
     if cfg.shuffle_seed < 0:
         raise ConfigError(f"--shuffle-seed must be >= 0, got {cfg.shuffle_seed}")
+    if cfg.target_layer_ids is not None:  # order and the lower bound need no target; its depth is checked later
+        ids = list(cfg.target_layer_ids)
+        if min(ids, default=0) < EMBEDDING_LAYER:
+            raise ConfigError(f"--target-layer-ids {ids}: ids start at {EMBEDDING_LAYER} (the embeddings); "
+                              "i = the output of decoder layer i")
+        try:
+            validate_target_layer_ids(ids, max([*ids, 0]) + 1)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None

@@ -55,16 +55,28 @@ def check_layout(paths: CachePaths) -> None:
 
 def _check_leftovers(paths: CachePaths) -> None:
     """Resume and ``--overwrite`` delete the writer's leftovers: each must be a regular file it could have
-    written. Anything else with such a name (a directory, FIFO, device, symlink) is not deleted: refused."""
-    if os.path.islink(paths.shards_dir) or not os.path.isdir(paths.shards_dir):
-        return
-    odd = [path for path in paths.partial_files() if not _is_regular(path)]
+    written. Anything else with such a name (a directory, FIFO, device, symlink) is not deleted: refused.
+    So is anything but a file (or a link, as before) under a name the producer writes, replaces or
+    appends to (a published shard, an index, a heartbeat, the event log, the stop request): it would
+    stop the run only when reached, with a bare errno, or hang it (a FIFO as the event log)."""
+    odd = [path for path in paths.partial_files() if not _is_regular(path)] \
+        if not os.path.islink(paths.shards_dir) and os.path.isdir(paths.shards_dir) else []
+    odd += [path for path in written_files(paths, dirs=True) if _is_odd(path) and path not in odd]
     if odd:
         raise CacheLayoutError(
             f"{', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}: not a regular file, but named as dspark-produce "
-            "names the shards it has not finished, which a rerun deletes. dspark-produce deletes only files it wrote: "
+            "names the files it writes or deletes. dspark-produce writes and deletes only its own files: "
             "move or rename it, or choose another --output-dir"
         )
+
+
+def _is_odd(path: str) -> bool:
+    """Neither a regular file nor a symlink (a link is replaced by the writer's rename, never followed)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISLNK(mode))
 
 
 def _is_regular(path: str) -> bool:
@@ -84,12 +96,13 @@ def _made_by(name: str, makers: list[Callable[[int], str]]) -> bool:
     return False
 
 
-def _entries(directory: str) -> Iterator[tuple[str, str]]:
-    """(name, path) of the non-directory entries of a real directory (links listed, not followed)."""
+def _entries(directory: str, dirs: bool = False) -> Iterator[tuple[str, str]]:
+    """(name, path) of the non-directory entries of a real directory (links listed, not followed);
+    ``dirs``: directories too."""
     if os.path.islink(directory) or not os.path.isdir(directory):
         return
     for entry in os.scandir(directory):
-        if not entry.is_dir(follow_symlinks=False):
+        if dirs or not entry.is_dir(follow_symlinks=False):
             yield entry.name, entry.path
 
 
@@ -97,24 +110,25 @@ def _is_temporary_of(name: str, path: str) -> bool:
     return temporary_base(name) == os.path.basename(path)
 
 
-def heartbeat_files(paths: CachePaths) -> list[str]:
+def heartbeat_files(paths: CachePaths, dirs: bool = False) -> list[str]:
     """Status files and completion claims of earlier runs (never the lock, never events)."""
-    out = [p for n, p in _entries(paths.status_dir) if _made_by(n, [paths.status])]
+    out = [p for n, p in _entries(paths.status_dir, dirs) if _made_by(n, [paths.status])]
     stop = os.path.basename(paths.stop_request)
-    out += [p for n, p in _entries(paths.control_dir) if n == stop or paths.is_completion_claim(n)]
+    out += [p for n, p in _entries(paths.control_dir, dirs) if n == stop or paths.is_completion_claim(n)]
     return out
 
 
-def written_files(paths: CachePaths) -> list[str]:
-    """Every file this tool writes in the cache, except the lock: what ``--overwrite`` deletes."""
-    out = [p for n, p in _entries(paths.shards_dir)
+def written_files(paths: CachePaths, dirs: bool = False) -> list[str]:
+    """Every file this tool writes in the cache, except the lock: what ``--overwrite`` deletes
+    (``dirs``: with whatever else, directories included, stands under such a name)."""
+    out = [p for n, p in _entries(paths.shards_dir, dirs)
            if _made_by(n, [paths.shard_index, paths.shard_tar, paths.shard_partial])]
     out += paths.partial_files() if not os.path.islink(paths.shards_dir) else []
-    out += [p for n, p in _entries(paths.events_dir) if _made_by(n, [paths.events])]
-    out += heartbeat_files(paths)
-    out += [p for n, p in _entries(paths.shards_dir)
+    out += [p for n, p in _entries(paths.events_dir, dirs) if _made_by(n, [paths.events])]
+    out += heartbeat_files(paths, dirs)
+    out += [p for n, p in _entries(paths.shards_dir, dirs)
             if n == os.path.basename(paths.wids_index) or _is_temporary_of(n, paths.wids_index)]
-    for n, p in _entries(paths.root):
+    for n, p in _entries(paths.root, dirs):
         if any(n == os.path.basename(f) or _is_temporary_of(n, f) for f in (paths.manifest, paths.target_weights)):
             out.append(p)
     return sorted(set(out))

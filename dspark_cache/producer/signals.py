@@ -56,7 +56,7 @@ class StopFlag:
         return os.getppid() != self._parent and time.monotonic() - self._first_at < DEATH_NOTICE_S
 
     def __call__(self) -> bool:
-        if not self.event.is_set() and os.path.exists(self.paths.stop_request):
+        if not self.event.is_set() and os.path.isfile(self.paths.stop_request):  # a file, as the monitor writes
             self.reason = "stop requested by the monitor"
             log.warning("stop requested by the monitor: finishing the shard in flight, then stopping")
             self.event.set()

@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from typing import Any
 
 from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Event, EventKind, Manifest, RankState, RankStatus, encode_json
 from dspark_cache.producer.plan import Plan
@@ -61,9 +63,17 @@ class StatusReporter:
         """Append one event line (O_APPEND keeps lines whole across restarts; a symlinked log is not followed)."""
         line = encode_json(Event(time=time.time(), rank=self.rank, kind=kind, message=message, data=data)) + b"\n"
         os.makedirs(self.paths.events_dir, exist_ok=True)
+        path = self.paths.events(self.rank)
         with self._lock:
-            fd = os.open(self.paths.events(self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:  # non-blocking: a FIFO there must not hang the run (check_layout refuses one up front)
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as exc:
+                raise CacheError(f"{path} cannot be appended to ({exc.strerror}): the event log must be a regular "
+                                 "file; move it away and rerun") from exc
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise CacheError(f"{path} is not a regular file: the event log must be one; move it away and "
+                                     "rerun")
                 os.write(fd, line)
             finally:
                 os.close(fd)
