@@ -164,7 +164,7 @@ def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(embedded
     for extra in ((), ("--overwrite",)):
         assert run_produce(embedded.stock, tiny_data, str(out), *ARGS, *extra) == 1
         err = capsys.readouterr().err
-        assert f"{odd}: not a regular file" in err and "move or rename it" in err, err
+        assert f"{odd} is a directory, not a regular file" in err and "move or rename it" in err, err
         assert odd.is_dir() and sorted(os.listdir(shards)) == published
     assert verify_cache(str(out)).ok
 

@@ -15,6 +15,7 @@ import stat
 from typing import Callable, Iterator
 
 from dspark_cache.format.errors import CacheError
+from dspark_cache.format.files import kind_of
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths, temporary_base
 from dspark_cache.producer.lock import check_lock_file
 
@@ -55,19 +56,38 @@ def check_layout(paths: CachePaths) -> None:
 
 def _check_leftovers(paths: CachePaths) -> None:
     """Resume and ``--overwrite`` delete the writer's leftovers: each must be a regular file it could have
-    written. Anything else with such a name (a directory, FIFO, device, symlink) is not deleted: refused.
-    So is anything but a file (or a link, as before) under a name the producer writes, replaces or
-    appends to (a published shard, an index, a heartbeat, the event log, the stop request): it would
-    stop the run only when reached, with a bare errno, or hang it (a FIFO as the event log)."""
-    odd = [path for path in paths.partial_files() if not _is_regular(path)] \
-        if not os.path.islink(paths.shards_dir) and os.path.isdir(paths.shards_dir) else []
-    odd += [path for path in written_files(paths, dirs=True) if _is_odd(path) and path not in odd]
+    written. Anything else with such a name (a directory, FIFO, device, symlink) is not deleted: refused."""
+    if os.path.islink(paths.shards_dir) or not os.path.isdir(paths.shards_dir):
+        return
+    _refuse_odd([path for path in paths.partial_files() if not _is_regular(path)])
+
+
+def check_written_names(paths: CachePaths) -> None:
+    """The producer, before planning: anything but a file (or a link) under a name it writes, replaces
+    or appends to in a sub-directory (a published shard, an index, a heartbeat, the event log, the stop
+    request) is refused: reached mid-run it would hang the run (a FIFO as the event log) or stop it
+    with a bare errno after hours. The top level's manifest and target weights have their own rules (a
+    reader refuses a manifest that is not a file; a rerun replaces damaged weights and names a
+    directory there); dspark-convert checks its destination its own way."""
+    _refuse_odd([path for path in written_files(paths, dirs=True)
+                 if os.path.dirname(path) != paths.root and _is_odd(path)])
+
+
+def _refuse_odd(odd: list[str]) -> None:
     if odd:
+        named = "; ".join(f"{path} is {_kind(path)}, not a regular file" for path in odd[:5])
         raise CacheLayoutError(
-            f"{', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''}: not a regular file, but named as dspark-produce "
-            "names the files it writes or deletes. dspark-produce writes and deletes only its own files: "
-            "move or rename it, or choose another --output-dir"
+            f"{named}{' ...' if len(odd) > 5 else ''}, but named as dspark-produce names the files it writes or "
+            "deletes. dspark-produce writes and deletes only its own files: move or rename it, or choose another "
+            "--output-dir"
         )
+
+
+def _kind(path: str) -> str:
+    try:
+        return kind_of(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return "gone"
 
 
 def _is_odd(path: str) -> bool:

@@ -20,7 +20,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.producer.distributed import RankInfo
-from dspark_cache.producer.layout import check_layout, heartbeat_files, remove_files
+from dspark_cache.producer.layout import check_layout, check_written_names, heartbeat_files, remove_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
 from dspark_cache.producer.manifest import adopt_cache_id, check_existing, write_manifest
 from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan, shard_bytes_of
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 def take_directory(paths: CachePaths, run_id: str, me: RankInfo, overwrite: bool) -> DirectoryLock | None:
     """Rank 0, before reading the input: refuse a linked-out layout, then lock the directory."""
     check_layout(paths)
+    check_written_names(paths)
     try:
         os.makedirs(paths.control_dir, exist_ok=True)
         return lock_exclusive(paths, run_id, me.world_size, overwrite)
@@ -64,6 +65,7 @@ def reconcile_directory(p: Prepared) -> Manifest | None:
     ``complete: false`` from here on unless the cache is already complete and whole.
     """
     check_layout(p.paths)  # again: planning may have taken hours
+    check_written_names(p.paths)
     os.makedirs(p.paths.root, exist_ok=True)
     existing = check_existing(p.paths, p.manifest, p.cfg.overwrite)
     adopt_cache_id(p.manifest, existing)
