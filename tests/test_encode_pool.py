@@ -86,7 +86,7 @@ def test_two_interrupts_while_workers_encode_exit_3_at_once_and_leave_no_worker(
     from dspark_cache.embedded.data import write_sample_data
     from tests.conftest import produce_args
     from tests.proc import producer_cmd
-    from tests.test_orphans import MARKER, alive, descendants, marked
+    from tests.test_orphans import MARKER, alive, descendants, kill_marked, wait_gone
 
     if not sys.platform.startswith("linux"):
         pytest.skip("walks /proc")
@@ -111,14 +111,11 @@ def test_two_interrupts_while_workers_encode_exit_3_at_once_and_leave_no_worker(
             code = proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             code = None
-        gone = time.monotonic() + 5
-        while (left := alive(workers) | marked(run)) and time.monotonic() < gone:
-            time.sleep(0.05)
+        left = wait_gone(workers, run, 5)
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in marked(run):  # only processes of this run: never leave them behind, even on failure
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(run)
     with open(log) as handle:
         text = handle.read()
     assert code == 3, f"exit {code} (None: still running 15 s after the second SIGINT):\n{text[-3000:]}"

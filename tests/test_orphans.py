@@ -79,6 +79,20 @@ def alive(procs: set[tuple[int, int]]) -> set[int]:
             if (info := _stat(pid)) is not None and info[0] != "Z" and info[2] == started}
 
 
+def wait_gone(procs: set[tuple[int, int]], run: str, within: float) -> set[int]:
+    """Wait up to ``within`` s for ``procs`` and every process of ``run`` to end; the ones left."""
+    deadline = time.monotonic() + within
+    while (left := alive(procs) | marked(run)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def kill_marked(run: str) -> None:
+    """Only processes of this run: never leave them behind, even when a test fails."""
+    for pid in marked(run):
+        os.kill(pid, signal.SIGKILL)
+
+
 def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until=None) -> set[tuple[int, int]]:
     """Run the producer; it is SIGKILLed at ``crash_at`` (a fault point) or once ``until(descendants)``
     holds. Returns the descendants seen; asserts that none of them (nor any process of the run) remains.
@@ -101,14 +115,11 @@ def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until
                 break
             time.sleep(0.01)
         proc.wait(timeout=120)
-        deadline = time.monotonic() + GONE_WITHIN_S
-        while (left := alive(seen) | marked(run)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        left = wait_gone(seen, run, GONE_WITHIN_S)
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in marked(run):  # only processes of this run: never leave them behind, even on failure
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(run)
     with open(log) as handle:
         tail = handle.read()[-3000:]
     assert proc.returncode == -signal.SIGKILL, tail
