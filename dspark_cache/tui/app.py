@@ -10,6 +10,7 @@ from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
+from textual.css.query import NoMatches
 from textual.widgets import Footer
 
 from dspark_cache.tui.fit import Para, words
@@ -132,7 +133,10 @@ class MonitorApp(App[None]):
     def show_snapshot(self, snap: Snapshot) -> None:
         """Render ``snap`` in every view, and the stop notice (on the UI thread: no file is read)."""
         for view in self.query(f".{VIEW}"):
-            cast(SnapshotView, view).show(snap)
+            try:
+                cast(SnapshotView, view).show(snap)
+            except NoMatches:  # its parts are still mounting (or already gone): the next snapshot shows it
+                continue
         self.show_notice(STOP_NOTICE if snap.stop_requested and snap.live_ranks else None)
 
     def show_notice(self, text: Para | None) -> None:
