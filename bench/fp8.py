@@ -36,7 +36,7 @@ import dspark_cache  # noqa: E402
 from dspark_cache.format.sample import (  # noqa: E402
     CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, dequantize_rows,
 )
-from dspark_cache.producer.tensors import quantize_fp8  # noqa: E402
+from dspark_cache.producer.pipeline.tensors import quantize_fp8  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp8", "fp8_e5m2")
 OUTLIER_RATIOS = (0, 100, 1000, 10_000, 100_000)
@@ -50,7 +50,7 @@ def shard_bytes(cache: str) -> int:
 
 def produce(target: str, data: str, out: str, dtype: str) -> float:
     """One dspark-produce run on CPU; returns its seconds."""
-    from dspark_cache.producer.cli import main
+    from dspark_cache.producer.__main__ import main
 
     started = time.perf_counter()
     code = main(["--target-model", target, "--input-data", data, "--output-dir", out, "--device", "cpu",

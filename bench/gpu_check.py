@@ -48,9 +48,9 @@ from safetensors.torch import load as load_safetensors  # noqa: E402
 
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
 from dspark_cache.format.paths import CachePaths  # noqa: E402
-from dspark_cache.producer.pipeline import collate, finite_flags, run_pipeline  # noqa: E402
-from dspark_cache.producer.plan import PlannedSample, ShardPlan, length_grouped_batches  # noqa: E402
-from dspark_cache.producer.syncs import HostSyncTrap  # noqa: E402
+from dspark_cache.producer.pipeline.loop import collate, finite_flags, run_pipeline  # noqa: E402
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan, length_grouped_batches  # noqa: E402
+from dspark_cache.producer.pipeline.syncs import HostSyncTrap  # noqa: E402
 
 QWEN3_06B = dict(hidden_size=1024, num_layers=28, intermediate_size=3072, num_heads=16, num_kv_heads=8,
                  head_dim=128, model_vocab_size=151936)
@@ -197,7 +197,7 @@ class SyncRecorder:
 
 def check_efficiency(device: torch.device, work: str, budget: int, rows: int, seq: int) -> tuple[dict, dict, dict]:
     from dspark_cache.format.layers import build_target_layer_ids
-    from dspark_cache.producer.target import TargetRunner, read_target_info
+    from dspark_cache.producer.device.target import TargetRunner, read_target_info
 
     tiny = device.type != "cuda"
     target = build_real_shape_target(work, tiny)
@@ -312,7 +312,7 @@ def check_loader(device: torch.device, work: str) -> dict:
     build_target(target)
     write_sample_data(data, num_rows=160)
     cache = os.path.join(work, "loader-cache")
-    cmd = [sys.executable, "-m", "dspark_cache.producer.cli", "--target-model", target, "--input-data", data,
+    cmd = [sys.executable, "-m", "dspark_cache.producer", "--target-model", target, "--input-data", data,
            "--output-dir", cache, "--seq-length", "512", "--shard-size", "16", "--batch-size", "8",
            "--device", "cuda", "--log-level", "WARNING"]
     produced = subprocess.run(cmd, capture_output=True, text=True)

@@ -43,7 +43,7 @@ def write_short_chats(path: str, rows: int, seed: int = 0) -> None:
 
 def dry_run(target: str, data: str, out: str, seq_length: int) -> dict:
     """One `--dry-run` in a child process: its wall seconds, peak RSS (its own rusage) and report."""
-    cmd = [sys.executable, "-m", "dspark_cache.producer.cli", "--target-model", target, "--input-data", data,
+    cmd = [sys.executable, "-m", "dspark_cache.producer", "--target-model", target, "--input-data", data,
            "--output-dir", out, "--seq-length", str(seq_length), "--dry-run", "--log-level", "WARNING",
            "--no-progress"]
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:

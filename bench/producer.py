@@ -395,7 +395,7 @@ def suite_tensor_parallel(args: argparse.Namespace, sizes: tuple[int, ...] = (1,
         walls = []
         for _ in range(args.repeat):
             out = os.path.join(args.workdir, f"tp{size}")
-            cmd = [torchrun, "--standalone", f"--nproc_per_node={size}", "-m", "dspark_cache.producer.cli",
+            cmd = [torchrun, "--standalone", f"--nproc_per_node={size}", "-m", "dspark_cache.producer",
                    *produce_cli_args(args, target, data, out), "--tp-size", str(size)]
             started = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)

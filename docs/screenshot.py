@@ -48,7 +48,7 @@ def main() -> None:
     # A fresh directory: an earlier run's event log would count as published before --overwrite clears it.
     shutil.rmtree(cache, ignore_errors=True)
     # Small batches and shards: the demo data takes long enough to be photographed while running.
-    cmd = [sys.executable, "-m", "dspark_cache.producer.cli", "--target-model", target, "--input-data", data,
+    cmd = [sys.executable, "-m", "dspark_cache.producer", "--target-model", target, "--input-data", data,
            "--output-dir", cache, "--seq-length", "2048", "--batch-size", "1", "--shard-size", "2",
            "--log-level", "WARNING", "--no-progress"]
     proc = subprocess.Popen(cmd, start_new_session=True)

@@ -11,7 +11,7 @@ import os
 import sys
 
 from dspark_cache.cli.conventions import command_hint
-from dspark_cache.producer.cli import main as produce_main
+from dspark_cache.producer.__main__ import main as produce_main
 
 STAMP = "embedded-v1"
 

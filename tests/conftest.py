@@ -38,7 +38,7 @@ def produce_args(target: str, data: str, out: str, *extra: str) -> list[str]:
 
 
 def run_produce(target: str, data: str, out: str, *extra: str) -> int:
-    from dspark_cache.producer.cli import main
+    from dspark_cache.producer.__main__ import main
 
     return main(produce_args(target, data, out, *extra))
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import dspark_cache
-from dspark_cache.producer.plan import PlannedSample, length_grouped_batches, padding_waste, whole_batch_shards
+from dspark_cache.producer.plan.batches import PlannedSample, length_grouped_batches, padding_waste, whole_batch_shards
 from tests.conftest import run_produce
 
 

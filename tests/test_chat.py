@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from dspark_cache.producer.chat import ChatEncoder
-from dspark_cache.producer.template import ChatTemplateError, resolve_chat_template
+from dspark_cache.producer.encode.chat import ChatEncoder
+from dspark_cache.producer.encode.template import ChatTemplateError, resolve_chat_template
 from tests.reference import chatml_mask, generation_mask
 
 MULTI_TURN = [
@@ -163,7 +163,7 @@ HOSTILE = {  # a body run for a message whose content is "bad"; what the render 
 def test_a_template_that_loops_or_explodes_on_a_row_makes_it_invalid_quickly(tokenizers, name):
     import time
 
-    from dspark_cache.producer.template import TemplateLimitError
+    from dspark_cache.producer.encode.template import TemplateLimitError
 
     body, kind = HOSTILE[name]
     tok, _ = tokenizers

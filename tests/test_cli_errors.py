@@ -118,7 +118,7 @@ def test_readme_exit_codes_are_the_code_table():
 
 def test_tui_flag_only_on_the_console_script(tmp_path):
     """The torchrun module refuses --tui (its child would start another monitor) with one usage line."""
-    done = subprocess.run([sys.executable, "-m", "dspark_cache.producer.cli", "--tui", "--target-model", "x",
+    done = subprocess.run([sys.executable, "-m", "dspark_cache.producer", "--tui", "--target-model", "x",
                            "--input-data", "y", "--output-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--tui" in done.stderr, done.stderr

@@ -75,8 +75,8 @@ def test_staged_batches_survive_the_next_forward(tmp_path):
 
     from dspark_cache.format.geometry import SampleShape
     from dspark_cache.format.paths import CachePaths
-    from dspark_cache.producer.pipeline import run_pipeline
-    from dspark_cache.producer.plan import PlannedSample, ShardPlan
+    from dspark_cache.producer.pipeline.loop import run_pipeline
+    from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
     from tests.test_staging import _read_shards
 
     rng = np.random.default_rng(0)
@@ -125,9 +125,9 @@ def test_producer_loop_has_no_host_sync(embedded, tmp_path):
 
     from dspark_cache.format.geometry import SampleShape
     from dspark_cache.format.paths import CachePaths
-    from dspark_cache.producer.pipeline import run_pipeline
-    from dspark_cache.producer.syncs import HostSyncTrap
-    from dspark_cache.producer.target import TargetRunner
+    from dspark_cache.producer.pipeline.loop import run_pipeline
+    from dspark_cache.producer.pipeline.syncs import HostSyncTrap
+    from dspark_cache.producer.device.target import TargetRunner
     from tests.test_staging import _plan
 
     layers = json.load(open(f"{embedded.stock}/config.json"))["num_hidden_layers"]

@@ -26,7 +26,7 @@ def reference(embedded, tmp_path_factory) -> str:
 
 def torchrun(nproc: int, *args: str) -> list[str]:
     return [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "dspark_cache.producer.cli", *args]
+            "dspark_cache.producer", *args]
 
 
 def test_two_ranks_equal_one(embedded, tmp_path, reference):

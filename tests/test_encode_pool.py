@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dspark_cache.producer import encode_pool
-from dspark_cache.producer.chat import EncodedRow
-from dspark_cache.producer.inputs import RawRow
+from dspark_cache.producer.encode.chat import EncodedRow
+from dspark_cache.producer.inputs.source import RawRow
 
 
 def _encode(row: RawRow) -> EncodedRow:

@@ -20,7 +20,7 @@ from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
 from dspark_cache.format.wds import decode_dspark_arrays
 from dspark_cache.loader.tensors import decode_dspark_sample, sample_to_torch, torch_dtype
-from dspark_cache.producer.tensors import byte_views
+from dspark_cache.producer.pipeline.tensors import byte_views
 
 
 def _tensors(length, k, h, code, seed, stores_last):

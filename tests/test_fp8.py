@@ -31,7 +31,7 @@ from dspark_cache.format.wds import decode_dspark_arrays
 from dspark_cache.loader.tensors import decode_dspark_sample
 from dspark_cache.loader.validate import CacheMismatchError, check_expectations
 from dspark_cache.producer.manifest import write_manifest
-from dspark_cache.producer.tensors import byte_views, quantize_fp8
+from dspark_cache.producer.pipeline.tensors import byte_views, quantize_fp8
 from tests.conftest import run_produce
 
 TORCH_FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -330,7 +330,7 @@ def test_nemo_path_reports_and_hands_out_the_recipe_dtype(fp8_cache, tmp_path):
 
 
 def test_compute_dtype_fp8_is_refused_before_loading(embedded):
-    from dspark_cache.producer.target import TargetError, TargetRunner
+    from dspark_cache.producer.device.target import TargetError, TargetRunner
 
     with pytest.raises(TargetError, match="storage format"):
         TargetRunner(embedded.stock, [1], 4, torch.device("cpu"), "F8_E4M3", "F8_E4M3")

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from dspark_cache.embedded.data import sample_rows
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.producer.chat import ChatEncoder
-from dspark_cache.producer.messages import normalise_row
+from dspark_cache.producer.encode.chat import ChatEncoder
+from dspark_cache.producer.encode.messages import normalise_row
 from dspark_cache.verify import verify_cache
 from tests.conftest import produce_args, run_produce, write_jsonl
 from tests.proc import producer_cmd, run, start, wait_for
@@ -211,9 +211,9 @@ def test_a_row_the_chat_template_refuses_is_an_invalid_row(embedded, tmp_path, c
 MEASURE = """
 import json, sys
 from transformers import AutoTokenizer
-from dspark_cache.producer.chat import ChatEncoder
-from dspark_cache.producer.inputs import InputSource
-from dspark_cache.producer.messages import normalise_row
+from dspark_cache.producer.encode.chat import ChatEncoder
+from dspark_cache.producer.inputs.source import InputSource
+from dspark_cache.producer.encode.messages import normalise_row
 
 def rss(field):
     with open("/proc/self/status") as handle:

@@ -48,7 +48,7 @@ def tiny_data(embedded, tmp_path_factory) -> str:
     (["--target-layer-ids", "-2", "3"], "ids start at -1"),
 ])
 def test_settings_that_cannot_work_are_usage_errors(tmp_path, capsys, args, needle):
-    from dspark_cache.producer.cli import main
+    from dspark_cache.producer.__main__ import main
 
     out = tmp_path / "out"
     # The target and the input do not exist: the settings are refused before either is looked at.
@@ -61,7 +61,7 @@ def test_settings_that_cannot_work_are_usage_errors(tmp_path, capsys, args, need
 
 
 def test_a_file_as_target_model_is_a_usage_error(embedded, tmp_path, capsys):
-    from dspark_cache.producer.cli import main
+    from dspark_cache.producer.__main__ import main
 
     config = os.path.join(embedded.stock, "config.json")
     code = main(produce_args(config, str(tmp_path / "no.jsonl"), str(tmp_path / "out")))
@@ -212,7 +212,7 @@ def test_a_resume_says_what_it_kept_and_counts_the_whole_job(embedded, tiny_data
     manifest = dspark_cache.open_cache(out).manifest
     shards = manifest.num_shards
     line = f"resuming: 2 of {shards} shards ({samples} samples) already published; computing {shards - 2}"
-    assert f"INFO dspark_cache.producer.status: {line}\n" in again.stderr, again.stderr
+    assert f"INFO dspark_cache.producer.report.status: {line}\n" in again.stderr, again.stderr
     final = re.search(r"progress: computed (\d+)/(\d+) samples, 100\.0% of tokens, (\d+)/(\d+) shards", again.stderr)
     assert final, again.stderr
     assert [int(g) for g in final.groups()] == [manifest.num_samples] * 2 + [shards] * 2

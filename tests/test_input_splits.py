@@ -16,7 +16,7 @@ import pytest
 
 import dspark_cache
 from dspark_cache.producer import input_lines, inputs
-from dspark_cache.producer.inputs import InputError, InputSource, parse_split, scan_lines
+from dspark_cache.producer.inputs.source import InputError, InputSource, parse_split, scan_lines
 from tests.conftest import run_produce
 
 N = 40

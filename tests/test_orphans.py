@@ -197,7 +197,7 @@ def test_torchrun_ranks_stop_when_their_agent_is_sigkilled(embedded, tmp_path):
                         "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
     run = uuid.uuid4().hex
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", MARKER: run}
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer.cli",
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer",
            *args]
     with open(tmp_path / "torchrun.log", "w") as log:
         agent = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

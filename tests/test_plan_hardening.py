@@ -281,7 +281,7 @@ def test_hostile_plan_files_are_rebuilt_in_bounded_time(embedded, reference, tmp
 
 def test_rejecting_a_hostile_plan_takes_milliseconds(embedded, reference, tmp_path):
     from dspark_cache.format.paths import CachePaths
-    from dspark_cache.producer.plan_store import load_plan
+    from dspark_cache.producer.plan.store import load_plan
 
     header = json.load(open(os.path.join(reference, "plan", "plan.json")))
     spec = _spec(reference, header)
@@ -303,7 +303,7 @@ def _spec(reference: str, header: dict):
     """The settings the reference run planned with (``ARGS``), as the producer passes them."""
     from dspark_cache.format.geometry import SampleShape
     from dspark_cache.format.sample import CACHE_DTYPES
-    from dspark_cache.producer.plan_store import PlanSpec
+    from dspark_cache.producer.plan.store import PlanSpec
 
     m = dspark_cache.open_cache(reference).manifest
     shape = SampleShape(list(m.target_layer_ids), m.num_hidden_layers, m.hidden_size, CACHE_DTYPES[m.dtype])

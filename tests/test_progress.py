@@ -132,7 +132,7 @@ def _env() -> dict[str, str]:
 
 def _produce(target: str, data: str, out: str, *extra: str) -> list[str]:
     # --num-workers 0: no tokenising pool, so these runs stay light on a shared machine
-    return [sys.executable, "-m", "dspark_cache.producer.cli", "--target-model", target, "--input-data", data,
+    return [sys.executable, "-m", "dspark_cache.producer", "--target-model", target, "--input-data", data,
             "--output-dir", out, "--device", "cpu", "--seq-length", "512", "--num-workers", "0", *extra]
 
 

@@ -146,7 +146,7 @@ def test_every_rank_writes_the_id_rank_0_gave_the_cache(embedded, inputs, tmp_pa
     from tests.proc import BIN, run
 
     out = str(tmp_path / "cache")
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer.cli",
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer",
            *produce_args(embedded.stock, inputs[0], out, *ARGS, "--num-workers", "0")]
     done = run(cmd)
     assert done.returncode == 0, done.stderr

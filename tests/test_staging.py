@@ -17,11 +17,11 @@ from safetensors.torch import load as load_safetensors
 
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.producer.pipeline import run_pipeline
-from dspark_cache.producer.plan import PlannedSample, ShardPlan
-from dspark_cache.producer.staging import ALIGN, StagingRing, aligned
-from dspark_cache.producer.syncs import HostSyncTrap
-from dspark_cache.producer.target import TargetError, TargetRunner, resolve_device
+from dspark_cache.producer.pipeline.loop import run_pipeline
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
+from dspark_cache.producer.pipeline.staging import ALIGN, StagingRing, aligned
+from dspark_cache.producer.pipeline.syncs import HostSyncTrap
+from dspark_cache.producer.device.target import TargetError, TargetRunner, resolve_device
 
 HIDDEN = 16
 SHAPE = SampleShape((0, 2), 3, HIDDEN, "F32")  # final state (2) is a feature layer

@@ -6,7 +6,7 @@ import time
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import RankState
-from dspark_cache.producer.status import StatusReporter
+from dspark_cache.producer.report.status import StatusReporter
 
 
 def test_resumed_work_is_not_a_rate(tmp_path, monkeypatch):

@@ -127,7 +127,7 @@ def test_fingerprint_covers_config_transformers_weights(embedded, tmp_path, caps
 
 def test_fingerprint_covers_weight_files_in_subfolders(tmp_path):
     from dspark_cache.embedded.target import build_target
-    from dspark_cache.producer.checkpoint import local_fingerprint
+    from dspark_cache.producer.device.checkpoint import local_fingerprint
 
     target = build_target(str(tmp_path / "target"), seed=3)
     before = local_fingerprint(target)

@@ -15,7 +15,7 @@ import pytest
 
 import dspark_cache
 from dspark_cache.producer.config import ProduceConfig
-from dspark_cache.producer.parallel import Layout, ParallelError, check_target, layout_for, target_problem
+from dspark_cache.producer.device.topology import Layout, ParallelError, check_target, layout_for, target_problem
 from dspark_cache.verify import verify_cache
 from tests.conftest import produce_args, run_produce
 from tests.proc import BIN, assert_same_samples, events, free_port, producer_cmd, published, run, start, wait_for
@@ -25,7 +25,7 @@ ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtyp
 
 def torchrun(nproc: int, *args: str) -> list[str]:
     return [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "dspark_cache.producer.cli", *args]
+            "dspark_cache.producer", *args]
 
 
 def statuses(out: str) -> dict[int, dict]:

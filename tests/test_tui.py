@@ -437,7 +437,7 @@ async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, long_
                         "--batch-size", "1")
     log = tmp_path / "produce.log"
     with open(log, "wb") as handle:
-        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer.cli", *args], stdout=handle,
+        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer", *args], stdout=handle,
                                  stderr=subprocess.STDOUT)
         try:
             wait_for(lambda: published(out) >= 1)

@@ -101,7 +101,7 @@ def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
 
 # The module each console script runs, for a hint when the script itself is not installed anywhere.
 SCRIPT_MODULES = {
-    "dspark-produce": "dspark_cache.producer.cli",
+    "dspark-produce": "dspark_cache.producer",
     "dspark-monitor": "dspark_cache.tui.cli",
     "dspark-verify": "dspark_cache.verify",
     "dspark-convert": "dspark_cache.nemo.convert.cli",

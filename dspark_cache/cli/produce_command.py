@@ -1,6 +1,6 @@
 """``dspark-produce``: the producer's options, ``--tui``, the one-line summary and the exit code.
 
-The same command runs under torchrun as ``python -m dspark_cache.producer.cli`` (one process per
+The same command runs under torchrun as ``python -m dspark_cache.producer`` (one process per
 rank); ``--tui`` is for the console script only, which then runs that module as a child under
 the monitor.
 """
@@ -98,10 +98,10 @@ def dry_run(cfg) -> int:
     which the real run then reuses instead of tokenising again."""
     import dataclasses
 
-    from dspark_cache.producer.distributed import new_run_id, rank_info
-    from dspark_cache.producer.plan_store import forget_found, found_directory, keep_plan_files, leave_as_found
+    from dspark_cache.producer.device.ranks import new_run_id, rank_info
+    from dspark_cache.producer.plan.store import forget_found, found_directory, keep_plan_files, leave_as_found
     from dspark_cache.producer.prepare import prepare
-    from dspark_cache.producer.reconcile import take_directory
+    from dspark_cache.producer.resume import take_directory
 
     me, locks, found = rank_info(), [], []
 
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
     """Produce with parsed ``args`` (``argv``: the same arguments, for the child under ``--tui``)."""
     from dspark_cache.producer.config import ConfigError, config_from_args, validate_config
-    from dspark_cache.producer.progress import set_progress
+    from dspark_cache.producer.report.progress import set_progress
 
     set_progress(False if args.no_progress else None)
     cfg = config_from_args(args)
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace, argv: list[str], allow_tui: bool) -> int:
         return dry_run(cfg)
     if args.tui:
         if not allow_tui:  # the child would start another monitor, and so on
-            raise UsageError("--tui needs the dspark-produce command, not python -m dspark_cache.producer.cli")
+            raise UsageError("--tui needs the dspark-produce command, not python -m dspark_cache.producer")
         from dspark_cache.tui.foreground import run_with_monitor
 
         # The child's output goes to a log file: log lines, never bars, even if the setting were forced.

@@ -11,7 +11,7 @@ may change with the producer):
 * ``run_pipeline``, ``collate``, ``finite_flags``: the device-to-writer pipeline (``pipeline``).
 * ``write_manifest``: publish a manifest as the producer does (``manifest``).
 * ``torch_dtype``, ``byte_views``: torch dtypes of the format's codes, tensors as writer bytes (``tensors``).
-* ``produce(cfg)``: one rank's whole run (``run``); the command line is ``dspark_cache.cli``.
+* ``produce(cfg)``: one rank's whole run (``run``); the command line is ``dspark_cache.cli``, the torchrun entry ``python -m dspark_cache.producer``.
 
 Names are imported on first use, so ``import dspark_cache.producer`` costs nothing.
 """
@@ -25,18 +25,18 @@ _API = {
     "ProduceConfig": "config",
     "load_tokenizer": "prepare",
     "plan_input": "prepare",
-    "ChatEncoder": "chat",
-    "InputSource": "inputs",
-    "SampleShape": "plan",
-    "read_target_info": "target",
-    "resolve_device": "target",
-    "TargetRunner": "target",
-    "run_pipeline": "pipeline",
-    "collate": "pipeline",
-    "finite_flags": "pipeline",
+    "ChatEncoder": "encode.chat",
+    "InputSource": "inputs.source",
+    "SampleShape": "plan.batches",
+    "read_target_info": "device.target",
+    "resolve_device": "device.target",
+    "TargetRunner": "device.target",
+    "run_pipeline": "pipeline.loop",
+    "collate": "pipeline.loop",
+    "finite_flags": "pipeline.loop",
     "write_manifest": "manifest",
-    "torch_dtype": "tensors",
-    "byte_views": "tensors",
+    "torch_dtype": "pipeline.tensors",
+    "byte_views": "pipeline.tensors",
     "produce": "run",
 }
 

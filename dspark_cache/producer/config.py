@@ -21,7 +21,7 @@ from dspark_cache.format.sample import CACHE_DTYPES, is_fp8  # names -> safetens
 from dspark_cache.format.schema import SampleEntry
 from dspark_cache.format.status import RANK_TIMEOUT_S
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_SEQ_LENGTH
-from dspark_cache.producer.parallel import size_argument
+from dspark_cache.producer.device.topology import size_argument
 
 # A target computes in a float dtype; FP8 is a storage format only (quantised after the forward).
 COMPUTE_DTYPES = sorted(name for name, code in CACHE_DTYPES.items() if not is_fp8(code))

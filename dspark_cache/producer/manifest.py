@@ -22,12 +22,12 @@ from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.validate import InvalidManifestError
 from dspark_cache.format.wids_index import write_wids_index
 from dspark_cache.producer.layout import check_layout, remove_files, written_files
-from dspark_cache.producer.plan import Plan
-from dspark_cache.producer.template import sha256_text, tokenizer_sha256
+from dspark_cache.producer.plan.batches import Plan
+from dspark_cache.producer.encode.template import sha256_text, tokenizer_sha256
 
 if TYPE_CHECKING:  # types only: the convert tool imports this module without the producer's run
     from dspark_cache.producer.config import ProduceConfig
-    from dspark_cache.producer.target import TargetInfo
+    from dspark_cache.producer.device.target import TargetInfo
 
 log = logging.getLogger(__name__)
 

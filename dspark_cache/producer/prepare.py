@@ -17,15 +17,15 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import Manifest
 from dspark_cache.format.validate import manifest_problems
-from dspark_cache.producer.chat import ChatEncoder
+from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.config import ProduceConfig, validate_config
-from dspark_cache.producer.distributed import rank_info
-from dspark_cache.producer.inputs import InputSource
+from dspark_cache.producer.device.ranks import rank_info
+from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.manifest import build_manifest
-from dspark_cache.producer.plan import Plan, SampleShape
-from dspark_cache.producer.planning import plan_job
-from dspark_cache.producer.target import TargetInfo, read_target_info, resolve_device
-from dspark_cache.producer.template import resolve_chat_template
+from dspark_cache.producer.plan.batches import Plan, SampleShape
+from dspark_cache.producer.plan.job import plan_job
+from dspark_cache.producer.device.target import TargetInfo, read_target_info, resolve_device
+from dspark_cache.producer.encode.template import resolve_chat_template
 
 if TYPE_CHECKING:
     import torch

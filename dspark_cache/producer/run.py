@@ -19,23 +19,23 @@ from dataclasses import dataclass, field
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import EventKind, Manifest, RankState
-from dspark_cache.producer.completion import finish
-from dspark_cache.producer.compute import (
+from dspark_cache.producer.finish import finish
+from dspark_cache.producer.device.compute import (
     Computed, compute_shards, repair_complete_weights, write_missing_target_weights,
 )
 from dspark_cache.producer.config import ProduceConfig
-from dspark_cache.producer.distributed import (
+from dspark_cache.producer.device.ranks import (
     RankInfo, assign_shards, barrier_before_setup, new_run_id, rank_info, share_setup,
 )
 from dspark_cache.producer.lock import DirectoryLock, lock_shared
 from dspark_cache.producer.manifest import read_manifest_file
-from dspark_cache.producer.parallel import Layout, check_device, check_target, layout_for
-from dspark_cache.producer.pipeline import PipelineStats
-from dspark_cache.producer.plan import Plan
+from dspark_cache.producer.device.topology import Layout, check_device, check_target, layout_for
+from dspark_cache.producer.pipeline.loop import PipelineStats
+from dspark_cache.producer.plan.batches import Plan
 from dspark_cache.producer.prepare import Prepared, prepare
-from dspark_cache.producer.reconcile import reconcile_directory, take_directory
-from dspark_cache.producer.signals import StopFlag
-from dspark_cache.producer.status import StatusReporter, announce
+from dspark_cache.producer.resume import reconcile_directory, take_directory
+from dspark_cache.producer.report.signals import StopFlag
+from dspark_cache.producer.report.status import StatusReporter, announce
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
     log_path = os.path.join(log_dir, f"produce-{time.strftime('%Y%m%d-%H%M%S')}.log")
     with open(log_path, "ab") as log:
         # If the monitor dies (even by SIGKILL) the producer gets SIGTERM: it stops at a shard boundary, resumable.
-        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer.cli", *producer_argv],
+        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer", *producer_argv],
                                  stdout=log, stderr=subprocess.STDOUT, preexec_fn=exec_with_parent(signal.SIGTERM))
         try:
             if has_terminal():  # else no one could quit the app: the producer just runs, and its log tail is shown

@@ -37,8 +37,8 @@ from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
 from dspark_cache.nemo.convert.padding import PadEvidence, PadRule, real_length, resolve_pad_rule
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
 from dspark_cache.producer.manifest import adopt_cache_id, mark_complete, write_manifest
-from dspark_cache.producer.plan import SampleShape
-from dspark_cache.producer.tensors import byte_views, dtype_code
+from dspark_cache.producer.plan.batches import SampleShape
+from dspark_cache.producer.pipeline.tensors import byte_views, dtype_code
 
 ALL_PADDING = "no real token (all padding)"
 _INT32_MAX = 2**31 - 1

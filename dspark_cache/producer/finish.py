@@ -15,10 +15,10 @@ import time
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.format.weights import TargetWeightsError, check_cache_weights
-from dspark_cache.producer.distributed import RankInfo, await_other_ranks
+from dspark_cache.producer.device.ranks import RankInfo, await_other_ranks
 from dspark_cache.producer.manifest import mark_complete, read_manifest_file
 from dspark_cache.producer.prepare import Prepared
-from dspark_cache.producer.status import StatusReporter
+from dspark_cache.producer.report.status import StatusReporter
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from dspark_cache.producer.chat_rules import MaskRules
-from dspark_cache.producer.chat_text import SURROGATE, common_prefix, find_surrogate, turn_end
-from dspark_cache.producer.messages import InvalidRow
-from dspark_cache.producer.template import (
+from dspark_cache.producer.encode.rules import MaskRules
+from dspark_cache.producer.encode.text import SURROGATE, common_prefix, find_surrogate, turn_end
+from dspark_cache.producer.encode.messages import InvalidRow
+from dspark_cache.producer.encode.template import (
     GENERATION_BLOCK, RENDER_CHARS_FLOOR, RENDER_CHARS_PER_ROW_CHAR, RENDER_SECONDS, ChatTemplateError, RenderBudget,
     bounded_template, render_bounded,
 )
-from dspark_cache.producer.tokens import (
+from dspark_cache.producer.encode.tokens import (
     CHARS_PER_TOKEN_GUESS, EXACT_CHARS, MAX_CHARS_PER_TOKEN, Tokens, kept_end, stable_count,
 )
 

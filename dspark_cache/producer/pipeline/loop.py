@@ -2,11 +2,11 @@
 
 The main thread runs the target on batch i+1 while batch i is trimmed to its real tokens on
 the device and copied into the staging ring (pinned host memory) on a side stream, and a writer
-thread (:mod:`~dspark_cache.producer.writer`) appends earlier batches to their shard. Host
+thread (:mod:`~dspark_cache.producer.pipeline.writer`) appends earlier batches to their shard. Host
 memory is the ring: the main thread claims a batch's region before it queues the copies and
 waits while the ring is full, so staged bytes never exceed ``--max-inflight-bytes`` (or one
 batch, when a single batch is larger). Nothing in the loop waits for the device: the model's
-masks are built without a host sync (:mod:`~dspark_cache.producer.masks`) and the non-finite
+masks are built without a host sync (:mod:`~dspark_cache.producer.device.masks`) and the non-finite
 check stays on the device until the writer reads it. FP8 caches are quantised on the device,
 after that check and before the copy (:func:`stored_states`): half the bytes cross PCIe and
 land in host memory.
@@ -24,11 +24,11 @@ import torch
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
-from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
-from dspark_cache.producer.staging import Region, StagingRing, region_bytes, ring_capacity
-from dspark_cache.producer.tensors import quantize_fp8, torch_dtype
-from dspark_cache.producer.timing import BatchClock
-from dspark_cache.producer.writer import NonFiniteError, PipelineStats, ShardWriterThread, WriteJob
+from dspark_cache.producer.plan.batches import PlannedSample, SampleShape, ShardPlan
+from dspark_cache.producer.pipeline.staging import Region, StagingRing, region_bytes, ring_capacity
+from dspark_cache.producer.pipeline.tensors import quantize_fp8, torch_dtype
+from dspark_cache.producer.pipeline.timing import BatchClock
+from dspark_cache.producer.pipeline.writer import NonFiniteError, PipelineStats, ShardWriterThread, WriteJob
 
 __all__ = ["NonFiniteError", "PipelineStats", "collate", "finite_flags", "run_pipeline", "stored_states"]
 

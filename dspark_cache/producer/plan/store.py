@@ -35,9 +35,9 @@ from dspark_cache.format.plan import (
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.layout import check_layout, plan_files, remove_files
 from dspark_cache.producer.lock import DirectoryLock
-from dspark_cache.producer.plan import MAX_PAD_FRACTION, Plan, TokenStore, plan_from_rows
-from dspark_cache.producer.plan_parts import NO_SUPERVISED_TOKEN, plan_disk_full
-from dspark_cache.producer.template import sha256_text, tokenizer_sha256
+from dspark_cache.producer.plan.batches import MAX_PAD_FRACTION, Plan, TokenStore, plan_from_rows
+from dspark_cache.producer.plan.parts import NO_SUPERVISED_TOKEN, plan_disk_full
+from dspark_cache.producer.encode.template import sha256_text, tokenizer_sha256
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dspark_cache.producer.input_rows import InputError
+from dspark_cache.producer.inputs.rows import InputError
 
 SPLIT_FORMS = ("NAME, NAME[a:b] (rows; either bound may be left out, negative counts from the end) "
                "or NAME[a%:b%] (percent), e.g. 'train', 'train[:1000]', 'train[-500:]', 'train[10%:20%]'")

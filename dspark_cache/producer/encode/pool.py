@@ -19,10 +19,10 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator
 
 from dspark_cache.format.lifetime import die_with_parent
-from dspark_cache.producer.chat import EncodedRow
-from dspark_cache.producer.template import ChatTemplateError
-from dspark_cache.producer.inputs import RawRow
-from dspark_cache.producer.messages import InvalidRow
+from dspark_cache.producer.encode.chat import EncodedRow
+from dspark_cache.producer.encode.template import ChatTemplateError
+from dspark_cache.producer.inputs.source import RawRow
+from dspark_cache.producer.encode.messages import InvalidRow
 
 Encode = Callable[[RawRow], EncodedRow]
 Result = EncodedRow | InvalidRow

@@ -18,7 +18,7 @@ from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Event, EventKind, Manifest, RankState, RankStatus, encode_json
-from dspark_cache.producer.plan import Plan
+from dspark_cache.producer.plan.batches import Plan
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
-from dspark_cache.producer.messages import InvalidRow
+from dspark_cache.producer.encode.messages import InvalidRow
 
 MAX_NESTING = 100  # a chat row needs ~10 levels; tool schemas a few dozen
 

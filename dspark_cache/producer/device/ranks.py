@@ -27,7 +27,7 @@ import torch
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import RankState, RankStatus
 from dspark_cache.format.status import rank_is_live, read_rank_statuses
-from dspark_cache.producer.plan import ShardPlan
+from dspark_cache.producer.plan.batches import ShardPlan
 
 _PAYLOAD_BYTES = 65536
 _SETUP_TIMEOUT = timedelta(minutes=60)

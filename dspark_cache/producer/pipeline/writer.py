@@ -16,10 +16,10 @@ from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.producer.manifest import current_cache_id
-from dspark_cache.producer.plan import PlannedSample, SampleShape, ShardPlan
-from dspark_cache.producer.staging import Region, StagingRing
-from dspark_cache.producer.tensors import byte_view
-from dspark_cache.producer.timing import BatchClock, StageTimes
+from dspark_cache.producer.plan.batches import PlannedSample, SampleShape, ShardPlan
+from dspark_cache.producer.pipeline.staging import Region, StagingRing
+from dspark_cache.producer.pipeline.tensors import byte_view
+from dspark_cache.producer.pipeline.timing import BatchClock, StageTimes
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dspark_cache.producer.hub import HUB_TIMEOUT_S, OFFLINE, HubRefusal, ask_hub, first_line
-from dspark_cache.producer.input_lines import LineIndex, scan_lines
-from dspark_cache.producer.input_parts import ArrowPart, Handles, JsonlPart, JsonPart, ParquetWhere, Part
-from dspark_cache.producer.input_rows import MAX_NESTING, InputError, RawRow, check_input_file, open_input
-from dspark_cache.producer.input_split import SPLIT_FORMS, SplitSpec, check_split_name, parse_split
+from dspark_cache.producer.inputs.jsonl import LineIndex, scan_lines
+from dspark_cache.producer.inputs.parts import ArrowPart, Handles, JsonlPart, JsonPart, ParquetWhere, Part
+from dspark_cache.producer.inputs.rows import MAX_NESTING, InputError, RawRow, check_input_file, open_input
+from dspark_cache.producer.inputs.split import SPLIT_FORMS, SplitSpec, check_split_name, parse_split
 
 __all__ = ["InputError", "InputSource", "JSON_SUFFIXES", "LineIndex", "MAX_NESTING", "MAX_ROW_BYTES",
            "PARQUET_SUFFIXES", "RawRow", "SPLIT_FORMS", "SplitSpec", "parse_split", "scan_lines"]

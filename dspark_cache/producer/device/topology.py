@@ -114,7 +114,7 @@ def world_problem(size: int, world_size: int) -> str | None:
         return None
     if world_size == 1:
         return (f"{size} ranks per model-parallel group need torchrun: torchrun --nproc_per_node {size} -m "
-                "dspark_cache.producer.cli ... (this process runs alone)")
+                "dspark_cache.producer ... (this process runs alone)")
     return (f"the {world_size} ranks torchrun started (WORLD_SIZE) are not whole model-parallel groups of "
             f"{size}; start a multiple of {size} ranks")
 

@@ -11,10 +11,10 @@ import torch
 
 from dspark_cache.format.layers import EMBEDDING_LAYER, stores_last
 from dspark_cache.producer.config import device_problem
-from dspark_cache.producer.checkpoint import TargetError, resolve_checkpoint
+from dspark_cache.producer.device.checkpoint import TargetError, resolve_checkpoint
 from dspark_cache.producer.hub import first_line
-from dspark_cache.producer.tensors import torch_dtype
-from dspark_cache.producer.masks import CausalMasks, masks_match
+from dspark_cache.producer.pipeline.tensors import torch_dtype
+from dspark_cache.producer.device.masks import CausalMasks, masks_match
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m dspark_cache.producer.cli``: ``dspark-produce`` as a module, one process per torchrun rank.
+"""``python -m dspark_cache.producer``: ``dspark-produce`` as a module, one process per torchrun rank.
 
 The command itself (options, summary, exit codes) is defined once, in ``dspark_cache.cli``;
 this module is only the ``-m`` entry point torchrun and the monitor's ``--tui`` child start.

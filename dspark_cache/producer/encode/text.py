@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 SURROGATE = re.compile("[\ud800-\udfff]")
-log = logging.getLogger("dspark_cache.producer.chat")
+log = logging.getLogger("dspark_cache.producer.encode.chat")
 _warned: set[str] = set()
 
 

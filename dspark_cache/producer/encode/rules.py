@@ -1,4 +1,4 @@
-"""NeMo's optional loss-mask rules, as a mixin of :class:`~dspark_cache.producer.chat.ChatEncoder`.
+"""NeMo's optional loss-mask rules, as a mixin of :class:`~dspark_cache.producer.encode.chat.ChatEncoder`.
 
 * ``{% generation %}`` blocks: the tokens inside them are the mask (transformers' rule).
 * ``mask_reasoning_content``: each non-empty ``reasoning_content`` span is unsupervised, found by
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from dspark_cache.producer.chat_text import appended_block, common_prefix, common_suffix, warn_once
-from dspark_cache.producer.tokens import MAX_CHARS_PER_TOKEN, Tokens, kept_end, realign
+from dspark_cache.producer.encode.text import appended_block, common_prefix, common_suffix, warn_once
+from dspark_cache.producer.encode.tokens import MAX_CHARS_PER_TOKEN, Tokens, kept_end, realign
 
 
 class MaskRules:

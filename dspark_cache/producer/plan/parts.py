@@ -4,7 +4,7 @@ Row ``i`` of the input belongs to part ``i % num_parts``: with ``torchrun`` ever
 its own rows (with its own worker processes) and writes them as it goes (token ids, loss masks,
 a row table), so memory does not grow with the input and no row is encoded twice. Invalid rows
 are recorded, not raised: the ``--on-invalid`` policy is applied to the whole input at once
-(:func:`dspark_cache.producer.plan_store.check_invalid_rows`), so one run reports them all.
+(:func:`dspark_cache.producer.plan.store.check_invalid_rows`), so one run reports them all.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dspark_cache.format.plan import (
     LOSS_MASK, PART_ROW, TOKEN_ID, ArrayRecord, ArrayWriter, InvalidRowNote, PartHeader, token_problem, write_header,
 )
 from dspark_cache.format.schema import SkippedRow
-from dspark_cache.producer.chat import EncodedRow
-from dspark_cache.producer.inputs import RawRow
+from dspark_cache.producer.encode.chat import EncodedRow
+from dspark_cache.producer.inputs.source import RawRow
 from dspark_cache.producer.layout import remove_files
-from dspark_cache.producer.messages import InvalidRow
+from dspark_cache.producer.encode.messages import InvalidRow
 
 log = logging.getLogger(__name__)
 

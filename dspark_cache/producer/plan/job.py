@@ -22,19 +22,19 @@ from dspark_cache.format.faults import crash_point
 from dspark_cache.format.paths import PLAN_ARRAYS, CachePaths
 from dspark_cache.format.plan import PartHeader
 from dspark_cache.producer.config import ProduceConfig
-from dspark_cache.producer.distributed import RankInfo, all_texts, all_true
-from dspark_cache.producer.encode_pool import encode_rows
-from dspark_cache.producer.inputs import InputError, InputSource, RawRow
+from dspark_cache.producer.device.ranks import RankInfo, all_texts, all_true
+from dspark_cache.producer.encode.pool import encode_rows
+from dspark_cache.producer.inputs.source import InputError, InputSource, RawRow
 from dspark_cache.producer.layout import check_layout, plan_files, remove_files
-from dspark_cache.producer.messages import normalise_row
-from dspark_cache.producer.plan import Plan, SampleShape, reason_counts
-from dspark_cache.producer.plan_parts import encode_part
-from dspark_cache.producer.plan_store import (
+from dspark_cache.producer.encode.messages import normalise_row
+from dspark_cache.producer.plan.batches import Plan, SampleShape, reason_counts
+from dspark_cache.producer.plan.parts import encode_part
+from dspark_cache.producer.plan.store import (
     PlanSpec, check_invalid_rows, encode_key, layout_key, listed_rows, load_plan, merge_parts, open_store,
     read_parts, save_plan,
 )
-from dspark_cache.producer.progress import counter
-from dspark_cache.producer.target import read_target_info
+from dspark_cache.producer.report.progress import counter
+from dspark_cache.producer.device.target import read_target_info
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -19,11 +19,11 @@ from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
-from dspark_cache.producer.distributed import RankInfo
+from dspark_cache.producer.device.ranks import RankInfo
 from dspark_cache.producer.layout import check_layout, check_written_names, heartbeat_files, remove_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
 from dspark_cache.producer.manifest import adopt_cache_id, check_existing, write_manifest
-from dspark_cache.producer.plan import Plan, SampleShape, ShardPlan, shard_bytes_of
+from dspark_cache.producer.plan.batches import Plan, SampleShape, ShardPlan, shard_bytes_of
 from dspark_cache.producer.prepare import Prepared
 
 log = logging.getLogger(__name__)

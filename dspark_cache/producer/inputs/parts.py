@@ -12,8 +12,8 @@ import logging
 from bisect import bisect_right
 from typing import Any, BinaryIO, Callable, Iterator
 
-from dspark_cache.producer.input_lines import LineIndex, line_row, read_line, scan_lines
-from dspark_cache.producer.input_rows import InputError, RawRow, checked_row, open_input
+from dspark_cache.producer.inputs.jsonl import LineIndex, line_row, read_line, scan_lines
+from dspark_cache.producer.inputs.rows import InputError, RawRow, checked_row, open_input
 
 log = logging.getLogger(__name__)
 

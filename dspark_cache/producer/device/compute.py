@@ -23,19 +23,19 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.format.weights import weights_problem
-from dspark_cache.producer.distributed import RankInfo, job_store
+from dspark_cache.producer.device.ranks import RankInfo, job_store
 from dspark_cache.producer.manifest import write_manifest
-from dspark_cache.producer.parallel import (
+from dspark_cache.producer.device.topology import (
     GroupSync, Layout, PartnerWatch, distributed_config, group_error, join_group, leave_group,
 )
-from dspark_cache.producer.pipeline import PipelineStats, collate, run_pipeline
-from dspark_cache.producer.plan import ShardPlan
+from dspark_cache.producer.pipeline.loop import PipelineStats, collate, run_pipeline
+from dspark_cache.producer.plan.batches import ShardPlan
 from dspark_cache.producer.prepare import Prepared
-from dspark_cache.producer.progress import ProgressLog
-from dspark_cache.producer.reconcile import bytes_missing
-from dspark_cache.producer.signals import StopFlag
-from dspark_cache.producer.status import StatusReporter
-from dspark_cache.producer.target import TargetRunner
+from dspark_cache.producer.report.progress import ProgressLog
+from dspark_cache.producer.resume import bytes_missing
+from dspark_cache.producer.report.signals import StopFlag
+from dspark_cache.producer.report.status import StatusReporter
+from dspark_cache.producer.device.target import TargetRunner
 
 log = logging.getLogger(__name__)
 
