@@ -44,5 +44,5 @@ NEMO_PARITY_ARGS ?=
 .PHONY: test-nemo
 test-nemo: setup
 	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX="$(TORCH_INDEX)" NEMO_AUTOMODEL_VERSION="$(NEMO_AUTOMODEL_VERSION)" \
-		bash tests/nemo_parity/setup_venv.sh $(NEMO_VENV)
-	$(PY) tests/nemo_parity/run.py --nemo-python $(NEMO_VENV)/bin/python $(NEMO_PARITY_ARGS)
+		bash tests/nemo/parity/setup_venv.sh $(NEMO_VENV)
+	$(PY) tests/nemo/parity/run.py --nemo-python $(NEMO_VENV)/bin/python $(NEMO_PARITY_ARGS)

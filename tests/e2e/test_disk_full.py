@@ -1,0 +1,55 @@
+"""A full disk stops cleanly, says how much space is needed, and the cache resumes afterwards."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from dspark_cache.verify import verify_cache
+from tests.conftest import produce_args
+from tests.support.proc import assert_same_samples, producer_cmd, run
+
+ARGS = ("--seq-length", "256", "--shard-size", "4", "--batch-size", "4")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 3 MiB tmpfs when this process may mount one (root, as in CI); else None."""
+    mount = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode == 0
+    yield str(mount) if ok else None
+    if ok:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_disk_full_stops_cleanly_then_resumes(embedded, tmp_path, small_fs):
+    reference = str(tmp_path / "ref")
+    assert run(producer_cmd(*produce_args(embedded.stock, embedded.data, reference, *ARGS))).returncode == 0
+    if small_fs:
+        out, env = os.path.join(small_fs, "cache"), {}
+    else:  # no mount permission: the writer fails with ENOSPC past 2 MB instead
+        out, env = str(tmp_path / "cache"), {"DSPARK_FAIL_WRITES_AFTER": str(2 << 20)}
+    cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS))
+    refused = run(cmd, env=env)
+    if small_fs:  # pre-flight: the plan does not fit, nothing is loaded or written
+        assert refused.returncode == 1 and "GB free" in refused.stderr and "--force" in refused.stderr
+        assert not os.path.exists(os.path.join(out, "shards")) or not os.listdir(os.path.join(out, "shards"))
+    full = run(cmd + ["--force"], env=env)
+    assert full.returncode == 1, full.stderr
+    assert "disk full" in full.stderr and "GB is free" in full.stderr and "rerun" in full.stderr
+    report = verify_cache(out)
+    assert report.shards_ok >= 1 and not report.corrupt and report.missing
+    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "shards")))
+    if small_fs:
+        subprocess.run(["mount", "-o", "remount,size=64m", small_fs], check=True)
+    done = run(cmd)  # space freed (or no injected failure): resume finishes
+    assert done.returncode == 0, done.stderr
+    assert verify_cache(out).ok
+    assert_same_samples(out, reference)
+    if small_fs:
+        shutil.rmtree(out)

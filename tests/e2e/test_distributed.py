@@ -1,0 +1,113 @@
+"""Several producer ranks: torchrun (gloo, CPU), kills, a different world size, a dying rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import msgspec
+import numpy as np
+import pytest
+
+import dspark_cache
+from dspark_cache.verify import verify_cache
+from tests.conftest import produce_args, run_produce
+from tests.support.proc import BIN, assert_same_samples, free_port, producer_cmd, published, run, start, wait_for
+
+ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
+
+
+@pytest.fixture(scope="module")
+def reference(embedded, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("ref") / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
+    return out
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
+            "dspark_cache.producer", *args]
+
+
+def test_two_ranks_equal_one(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    proc = run(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    assert proc.returncode == 0, proc.stderr
+    # torchrun runs each rank with one thread: equal content up to float summation order.
+    assert_same_samples(out, reference, exact=False)
+    assert verify_cache(out).ok
+    for rank in (0, 1):
+        status = open(os.path.join(out, "status", f"rank-{rank:05d}.json")).read()
+        assert '"state":"finished"' in status and '"shards_owned":0' not in status  # both ranks worked
+    claims = [n for n in os.listdir(os.path.join(out, "control")) if n.startswith("complete-")]
+    assert len(claims) == 1  # completion claimed exactly once (next to the directory's lock file)
+    # Each rank encoded its own rows (row % 2 == rank), so every row was tokenised exactly once.
+    parts = [msgspec.json.decode(open(os.path.join(out, "plan", f"part-{r:05d}.json"), "rb").read()) for r in (0, 1)]
+    manifest = dspark_cache.open_cache(out).manifest
+    assert sum(p["rows"] for p in parts) == manifest.num_rows and all(p["rows"] > 0 for p in parts)
+    for rank in (0, 1):
+        ids = np.load(os.path.join(out, "plan", f"part-{rank:05d}.rows.npy"))["sample_id"]
+        skipped = [row["row"] for row in parts[rank]["skipped"]]
+        assert sorted(ids.tolist() + skipped) == list(range(rank, manifest.num_rows, 2))
+
+
+def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    proc = start(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    wait_for(lambda: published(out) >= 3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    report = verify_cache(out)
+    assert not report.complete and report.missing and not report.corrupt
+    done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    assert done.returncode == 0, done.stderr
+    assert_same_samples(out, reference, exact=False)
+
+
+def test_a_dying_rank_does_not_hang_the_others(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    port = str(free_port())
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_WORLD_SIZE": "2"}
+    cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--rank-timeout", "4"))
+    ranks = [start(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
+                             **({"DSPARK_CRASH_AT": "mid_shard:3"} if r == 1 else {})}) for r in (0, 1)]
+    out0, err0 = ranks[0].communicate(timeout=240)
+    ranks[1].wait(timeout=60)
+    assert ranks[1].returncode == -signal.SIGKILL
+    assert ranks[0].returncode == 4, err0
+    assert "were not published" in err0 and "rerun" in err0
+    report = verify_cache(out)
+    assert report.missing and not report.corrupt
+    assert f"shards {report.missing}" in err0  # the survivor names exactly what is missing
+    done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    assert done.returncode == 0, done.stderr
+    assert_same_samples(out, reference, exact=False)
+    assert dspark_cache.open_cache(out).manifest.complete
+
+
+def test_sigterm_stops_both_ranks_and_each_says_stopped(embedded, tmp_path):
+    """SIGTERM to every rank of a 2-rank job (as torchrun forwards it): each finishes its shard in flight,
+    reports stopped (rank 1's line too, not "done") and exits 3; a rerun completes the cache."""
+    out = str(tmp_path / "cache")
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_WORLD_SIZE": "2"}
+    cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "1",
+                                     "--batch-size", "1", "--dtype", "fp32", "--num-workers", "0"))
+    ranks = [start(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    try:
+        wait_for(lambda: published(out) >= 2 or any(r.poll() is not None for r in ranks), timeout=240)
+    finally:
+        for r in ranks:
+            r.send_signal(signal.SIGTERM)
+    said = [r.communicate(timeout=240) for r in ranks]
+    assert [r.returncode for r in ranks] == [3, 3], said
+    assert said[1][0].strip() == "rank 1: stopped", said[1]
+    assert said[0][0].startswith("cache incomplete: "), said[0]
+    for rank in (0, 1):
+        status = open(os.path.join(out, "status", f"rank-{rank:05d}.json")).read()
+        assert '"state":"stopped"' in status, status
+    report = verify_cache(out)
+    assert not report.complete and not report.corrupt
+    done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size",
+                                          "1", "--batch-size", "1", "--dtype", "fp32", "--num-workers", "0")))
+    assert done.returncode == 0, done.stderr
+    assert verify_cache(out).ok

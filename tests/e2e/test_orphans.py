@@ -1,0 +1,223 @@
+"""No process a producer started outlives it: SIGKILL at four moments, then a rerun finishes the same cache.
+
+Each run carries a marker in its environment; children inherit it, so a child that survives its
+parent is found in ``/proc`` even after it was reparented. The run's descendants are also
+recorded from the process tree while it runs, so the check is not vacuous: while rows are
+encoded the pool's workers must have been seen.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from dspark_cache.format.manifest import load_manifest
+from tests.conftest import produce_args, run_produce
+from tests.support.proc import assert_same_samples, producer_cmd
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
+
+MARKER = "DSPARK_ORPHAN_TEST_RUN"
+GONE_WITHIN_S = 10.0
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of a live process, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0].decode(), int(fields[1]), int(fields[19])
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def descendants(root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of every live descendant of ``root``."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, int] = {}
+    for pid in _pids():
+        info = _stat(pid)
+        if info is not None and info[0] != "Z":
+            children.setdefault(info[1], []).append(pid)
+            starts[pid] = info[2]
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add((child, starts[child]))
+            todo.append(child)
+    return found
+
+
+def marked(run: str) -> set[int]:
+    """Live (not zombie) processes whose environment carries this run's marker."""
+    needle = f"{MARKER}={run}".encode()
+    out = set()
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                env = handle.read().split(b"\0")
+        except OSError:
+            continue
+        info = _stat(pid)
+        if needle in env and info is not None and info[0] != "Z":
+            out.add(pid)
+    return out
+
+
+def alive(procs: set[tuple[int, int]]) -> set[int]:
+    return {pid for pid, started in procs
+            if (info := _stat(pid)) is not None and info[0] != "Z" and info[2] == started}
+
+
+def wait_gone(procs: set[tuple[int, int]], run: str, within: float) -> set[int]:
+    """Wait up to ``within`` s for ``procs`` and every process of ``run`` to end; the ones left."""
+    deadline = time.monotonic() + within
+    while (left := alive(procs) | marked(run)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def kill_marked(run: str) -> None:
+    """Only processes of this run: never leave them behind, even when a test fails."""
+    for pid in marked(run):
+        os.kill(pid, signal.SIGKILL)
+
+
+def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until=None) -> set[tuple[int, int]]:
+    """Run the producer; it is SIGKILLed at ``crash_at`` (a fault point) or once ``until(descendants)``
+    holds. Returns the descendants seen; asserts that none of them (nor any process of the run) remains.
+
+    Output goes to a file: a surviving child would hold a pipe open and hang the test instead of failing it.
+    """
+    run = uuid.uuid4().hex
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", MARKER: run,
+           **({"DSPARK_CRASH_AT": crash_at} if crash_at else {})}
+    seen: set[tuple[int, int]] = set()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(producer_cmd(*args), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        while proc.poll() is None:
+            now = descendants(proc.pid)
+            seen |= now
+            if until is not None and until(now):
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        proc.wait(timeout=120)
+        left = wait_gone(seen, run, GONE_WITHIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_marked(run)
+    with open(log) as handle:
+        tail = handle.read()[-3000:]
+    assert proc.returncode == -signal.SIGKILL, tail
+    assert not left, f"processes of the killed run still alive {GONE_WITHIN_S} s later: {sorted(left)}"
+    return seen
+
+
+def test_sigkill_at_four_moments_leaves_no_process_and_a_rerun_completes(embedded, tmp_path):
+    from dspark_cache.embedded.data import write_sample_data
+
+    data = write_sample_data(str(tmp_path / "rows.jsonl"), num_rows=160, seed=5)  # 3 chunks: both workers start
+    opts = ("--seq-length", "64", "--shard-size", "40", "--batch-size", "8", "--num-workers", "2")
+    out = str(tmp_path / "out")
+    args = produce_args(embedded.stock, data, out, *opts)
+    log = str(tmp_path / "produce.log")
+    workers = kill_and_check(args, log, until=lambda now: len(now) >= 2)  # while the pool encodes rows
+    assert len(workers) >= 2
+    kill_and_check(args, log, crash_at="merging_plan")
+    kill_and_check(args, log, crash_at="after_index:1")  # computing: one shard published, more to go
+    published = sum(1 for n in os.listdir(os.path.join(out, "shards")) if n.endswith(".idx"))
+    left = load_manifest(out).num_shards - published
+    assert left >= 2
+    kill_and_check(args, log, crash_at=f"mid_shard:{left}")  # the last shard, half written
+    done = subprocess.run(producer_cmd(*args), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = str(tmp_path / "reference")
+    assert run_produce(embedded.stock, data, reference, *opts) == 0
+    assert assert_same_samples(out, reference) > 0
+
+
+PARENT = """
+import subprocess, sys
+from dspark_cache.format.lifetime import exec_with_parent
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=exec_with_parent())
+print(child.pid, flush=True)
+child.wait()
+"""
+CHILD = """
+import signal, sys, time
+def stop(*_):
+    open(sys.argv[1], "w").write("SIGTERM")
+    sys.exit(3)
+signal.signal(signal.SIGTERM, stop)
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(120)
+"""
+
+
+def test_a_program_we_start_gets_sigterm_when_we_are_sigkilled(tmp_path):
+    """The rule ``dspark-produce --tui`` starts its producer with: it stops gracefully if the monitor dies."""
+    note = tmp_path / "child-saw"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(note)], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while not os.path.exists(f"{note}.ready") and time.monotonic() < deadline:  # its handler is installed
+        time.sleep(0.05)
+    assert _stat(child) is not None
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (info := _stat(child)) is not None and info[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert info is None or info[0] == "Z", "the child outlived its SIGKILLed parent"
+    assert note.read_text() == "SIGTERM"
+
+
+def test_torchrun_ranks_stop_when_their_agent_is_sigkilled(embedded, tmp_path):
+    """A scheduler's SIGKILL of torchrun's agent forwards nothing: each rank stops by itself (exit 3 at
+    a shard boundary), none is left running, and a rerun completes the cache."""
+    from tests.support.proc import BIN, published, wait_for
+
+    out = str(tmp_path / "out")
+    args = produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "2",
+                        "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
+    run = uuid.uuid4().hex
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", MARKER: run}
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer",
+           *args]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        agent = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: published(out) >= 2, timeout=240)
+        ranks = marked(run) - {agent.pid}
+        assert len(ranks) == 2
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 60  # the shard in flight is finished first
+        while marked(run) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = marked(run)
+    finally:
+        for pid in marked(run):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks still running 60 s after their agent was SIGKILLed: {sorted(left)}"
+    states = [open(os.path.join(out, "status", f"rank-{r:05d}.json")).read() for r in (0, 1)]
+    assert all('"state":"stopped"' in s for s in states), states
+    done = subprocess.run(producer_cmd(*args), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert load_manifest(out).complete

@@ -1,0 +1,127 @@
+"""Resume by default: SIGKILL at any instant, SIGTERM, mismatches, --overwrite, a complete cache."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+import dspark_cache
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.verify import verify_cache
+from tests.conftest import produce_args, run_produce
+from tests.support.proc import assert_same_samples, producer_cmd, published, run, start, wait_for
+
+ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")
+
+
+@pytest.fixture(scope="module")
+def reference(embedded, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("ref") / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
+    return out
+
+
+def _cmd(embedded, out):
+    return producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS))
+
+
+def _assert_nothing_published_is_corrupt(out):
+    if os.path.exists(os.path.join(out, "manifest.json")):
+        report = verify_cache(out)
+        assert not report.corrupt, report.corrupt
+
+
+def test_sigkill_at_any_instant_then_resume(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    killed = 0
+    for point in ("planned", "mid_shard:2", "after_rename:2", "after_index:1", "mid_shard:1"):
+        proc = run(_cmd(embedded, out), env={"DSPARK_CRASH_AT": point})
+        assert proc.returncode == -signal.SIGKILL, (point, proc.stderr)
+        killed += 1
+        _assert_nothing_published_is_corrupt(out)
+    assert any(n.endswith(".partial") for n in os.listdir(os.path.join(out, "shards")))  # mid_shard left one
+    rng = random.Random(7)
+    for _ in range(2):  # and at moments nobody chose
+        proc = start(_cmd(embedded, out))
+        time.sleep(rng.uniform(3.0, 7.0))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _assert_nothing_published_is_corrupt(out)
+    final = run(_cmd(embedded, out))
+    assert final.returncode == 0, final.stderr
+    assert not CachePaths(out).partial_files()
+    assert assert_same_samples(out, reference) == dspark_cache.open_cache(reference).manifest.num_samples
+    assert verify_cache(out).ok
+
+
+def test_sigterm_stops_gracefully_and_resumes(embedded, tmp_path, reference):
+    out = str(tmp_path / "cache")
+    proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
+                                            "--shard-size", "1", "--batch-size", "1")))
+    wait_for(lambda: published(out) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "rerun the same command to resume" in err
+    paths = CachePaths(out)
+    assert not paths.partial_files()  # the shard in flight was finished, not left half-written
+    done = len(paths.indexed_shard_ids())
+    assert 2 <= done < dspark_cache.open_cache(out, allow_incomplete=True).manifest.num_shards
+    assert not verify_cache(out).corrupt
+    again = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
+                                           "--shard-size", "1", "--batch-size", "1")))
+    assert again.returncode == 0, again.stderr
+    assert verify_cache(out).ok
+
+
+def test_mismatch_names_every_field_and_keeps_everything(embedded, tmp_path, capsys):
+    out = str(tmp_path / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
+    weights_mtime = os.path.getmtime(os.path.join(out, "target_weights.safetensors"))
+    manifest_before = open(os.path.join(out, "manifest.json")).read()
+    capsys.readouterr()
+    code = run_produce(embedded.stock, embedded.data, out, "--seq-length", "200", "--shard-size", "3",
+                       "--batch-size", "2", "--mask-reasoning-content", "--mask-generation-prompt")
+    err = capsys.readouterr().err
+    assert code == 1
+    for field in ("seq_length", "mask_reasoning_content", "mask_generation_prompt", "planned_tokens"):
+        assert field in err
+    assert "--overwrite" in err
+    assert open(os.path.join(out, "manifest.json")).read() == manifest_before
+    assert os.path.getmtime(os.path.join(out, "target_weights.safetensors")) == weights_mtime
+    assert verify_cache(out).ok
+    # --overwrite starts over with the new settings.
+    assert run_produce(embedded.stock, embedded.data, out, "--seq-length", "200", "--shard-size", "3",
+                       "--overwrite") == 0
+    assert dspark_cache.open_cache(out).manifest.seq_length == 200
+
+
+def test_complete_cache_rerun_does_nothing(embedded, tmp_path, capsys):
+    out = str(tmp_path / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--resume") == 0
+    paths = CachePaths(out)
+    stamps = {f: os.path.getmtime(f) for f in [paths.manifest] + [paths.shard_tar(i) for i in paths.indexed_shard_ids()]}
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--resume") == 0
+    assert {f: os.path.getmtime(f) for f in stamps} == stamps
+
+
+def test_shards_without_manifest_are_refused(embedded, tmp_path, capsys):
+    out = tmp_path / "cache"
+    (out / "shards").mkdir(parents=True)
+    (out / "shards" / "shard-000000.idx").write_text("{}")
+    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS) == 1
+    assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_an_unreadable_manifest(embedded, tmp_path, capsys):
+    out = tmp_path / "cache"
+    out.mkdir()
+    (out / "manifest.json").write_text("{not json")
+    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS, "--overwrite") == 0
+    assert verify_cache(str(out)).ok

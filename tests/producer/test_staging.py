@@ -1,0 +1,244 @@
+"""The producer's staging ring and pipeline on a CPU: bounded host memory, exact bytes, honest
+stage times, and no operation in the main loop that would wait for a device."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tarfile
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.producer.pipeline.loop import run_pipeline
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
+from dspark_cache.producer.pipeline.staging import ALIGN, StagingRing, aligned
+from dspark_cache.producer.pipeline.syncs import HostSyncTrap
+from dspark_cache.producer.device.target import TargetError, TargetRunner, resolve_device
+
+HIDDEN = 16
+SHAPE = SampleShape((0, 2), 3, HIDDEN, "F32")  # final state (2) is a feature layer
+
+
+def test_ring_regions_never_overlap_and_stay_within_capacity():
+    ring = StagingRing(64 * ALIGN, pinned=False)
+    rng = random.Random(3)
+    held: list = []
+    for _ in range(3000):
+        if held and (rng.random() < 0.5 or ring.inflight > ring.capacity // 2):
+            ring.release(held.pop(0))
+            continue
+        region = ring.claim(rng.randint(1, 20 * ALIGN), abort=lambda: True)
+        if region is None:  # full: only an oldest release frees room
+            ring.release(held.pop(0))
+            continue
+        spans = [(r.start, r.start + r.size) for r in held]
+        assert region.start + region.size <= ring.capacity
+        assert all(region.start >= end or region.start + region.size <= start for start, end in spans)
+        held.append(region)
+        assert ring.inflight == sum(r.size for r in held) <= ring.capacity
+
+
+def test_ring_waits_until_the_oldest_region_is_released():
+    ring = StagingRing(4 * ALIGN, pinned=False)
+    first = ring.claim(3 * ALIGN)
+    released = threading.Event()
+
+    def release_later() -> None:
+        time.sleep(0.2)
+        released.set()
+        ring.release(first)
+
+    threading.Thread(target=release_later).start()
+    second = ring.claim(2 * ALIGN)  # does not fit before ``first`` goes back
+    assert released.is_set() and second is not None and second.start == 0
+    assert ring.claim(3 * ALIGN, abort=lambda: True) is None  # full again: an abort gives up
+    with pytest.raises(ValueError, match="does not fit"):
+        ring.claim(5 * ALIGN)
+    with pytest.raises(RuntimeError, match="order"):
+        ring.release(ring.claim(ALIGN))  # the oldest is still ``second``
+
+
+def test_region_views_are_aligned_and_disjoint():
+    ring = StagingRing(16 * ALIGN, pinned=False)
+    shapes = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((2,), torch.bool)]
+    region = ring.claim(sum(aligned(int(np.prod(s)) * d.itemsize) for s, d in shapes))
+    views = region.views(shapes)
+    for view, (shape, dtype) in zip(views, shapes):
+        assert view.shape == shape and view.dtype == dtype and view.data_ptr() % ALIGN == 0
+    for view, value in zip(views, (1.5, 2.0, True)):
+        view.fill_(value)
+    assert views[0].float().eq(1.5).all() and views[1].eq(2.0).all() and views[2].all()
+
+
+# ---------------------------------------------------------------- the pipeline on a fake device
+
+def _plan(lengths: list[list[int]], shard_size: int) -> list[ShardPlan]:
+    samples = [PlannedSample(i, np.arange(n, dtype=np.int32) % 97, np.ones(n, dtype=np.uint8))
+               for i, n in enumerate(x for batch in lengths for x in batch)]
+    batches, cursor = [], 0
+    for batch in lengths:
+        batches.append(samples[cursor : cursor + len(batch)])
+        cursor += len(batch)
+    return [ShardPlan(i // shard_size, batches[i : i + shard_size]) for i in range(0, len(batches), shard_size)]
+
+
+class NumberedForward:
+    """Fills every real position with (sample id, position): a reused or overwritten region shows."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.calls = 0
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, None]:
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        b, t = ids.shape
+        first_ids = ids[:, :1].float()  # the first token of each sample is its id (see _numbered_plan)
+        pos = torch.arange(t, dtype=torch.float32).view(1, t, 1)
+        hidden = (first_ids.view(b, 1, 1) * 10000 + pos).expand(b, t, 2 * HIDDEN).contiguous()
+        return hidden, None
+
+
+def _paths(root) -> CachePaths:
+    paths = CachePaths(str(root))
+    os.makedirs(paths.shards_dir, exist_ok=True)
+    return paths
+
+
+def _numbered_plan(lengths: list[list[int]], shard_size: int) -> list[ShardPlan]:
+    shards = _plan(lengths, shard_size)
+    for shard in shards:
+        for sample in shard.samples:
+            sample.input_ids[0] = sample.sample_id
+    return shards
+
+
+def _read_shards(root: str) -> dict[int, torch.Tensor]:
+    """Every stored sample's hidden states, read back with the standard library and safetensors."""
+    out = {}
+    for sid in CachePaths(root).indexed_shard_ids():
+        with tarfile.open(CachePaths(root).shard_tar(sid)) as tar:
+            for member in tar.getmembers():
+                tensors = load_safetensors(tar.extractfile(member).read())
+                out[int(member.name.split(".")[0].split("-")[-1])] = tensors["target_hidden_states"]
+    return out
+
+
+@pytest.mark.parametrize("budget_batches", [1, 3])
+def test_writer_bound_run_keeps_staged_bytes_within_budget_and_exact(tmp_path, budget_batches):
+    rng = random.Random(budget_batches)
+    lengths = [[rng.choice([3, 17, 64, 200, 511]) for _ in range(rng.randint(1, 4))] for _ in range(40)]
+    shards = _numbered_plan(lengths, shard_size=4)
+    largest = max(sum(aligned(n * 2 * HIDDEN * 4) for n in batch) + ALIGN for batch in lengths)
+    budget = budget_batches * largest
+    seen: list[tuple[int, int]] = []
+    stats = run_pipeline(shards, NumberedForward(), paths=_paths(tmp_path), shape=SHAPE,
+                         device=torch.device("cpu"), pad_id=0, max_inflight_bytes=budget,
+                         on_batch=lambda stats, ring: seen.append((ring.inflight, ring.capacity)))
+    assert stats.samples == sum(len(b) for b in lengths)
+    capacity = seen[0][1]
+    assert capacity <= budget + largest
+    assert max(inflight for inflight, _ in seen) <= capacity
+    assert stats.times.backpressure > 0  # the writer was the bottleneck: the ring did fill
+    stored = _read_shards(str(tmp_path))
+    assert len(stored) == stats.samples
+    for sid, hidden in stored.items():
+        n = hidden.shape[0]
+        want = (sid * 10000 + torch.arange(n, dtype=torch.float32)).view(n, 1).expand(n, 2 * HIDDEN)
+        assert torch.equal(hidden, want), f"sample {sid} was overwritten while staged"
+
+
+def test_stage_times_add_up_on_a_cpu(tmp_path):
+    shards = _numbered_plan([[32, 30]] * 12, shard_size=3)
+    forward = NumberedForward(delay=0.02)
+    started = time.perf_counter()
+    stats = run_pipeline(shards, forward, paths=_paths(tmp_path), shape=SHAPE, device=torch.device("cpu"),
+                         pad_id=0, max_inflight_bytes=1 << 20)
+    wall = time.perf_counter() - started
+    times = stats.times
+    assert 12 * 0.02 <= times.device <= wall  # the forward's own time, every batch
+    assert times.copy > 0 and times.write > 0 and times.data > 0
+    assert times.wait == 0  # nothing to wait for without a device
+    main_thread = times.data + times.device + times.copy + times.backpressure
+    assert main_thread <= wall
+
+
+# ---------------------------------------------------------------- no host syncs, real target
+
+@pytest.fixture(scope="module")
+def tiny_target(embedded):
+    return embedded.stock
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_pipeline_main_loop_never_waits_for_the_device(tiny_target, tmp_path, attn):
+    config = json.load(open(f"{tiny_target}/config.json"))
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    shape = SampleShape((1, layers - 1), layers, hidden, "F32")
+    runner = TargetRunner(tiny_target, [1, layers - 1], layers, torch.device("cpu"), torch.float32, torch.float32, attn)
+    assert runner.sync_free
+    shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
+    with HostSyncTrap() as trap:
+        run_pipeline(shards, runner.forward, paths=_paths(tmp_path / "ours"), shape=shape,
+                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=1 << 20)
+    assert trap.count == 0, trap.where
+    # Control: the model's own masks wait once per forward, and the trap sees it.
+    runner.sync_free = False
+    with HostSyncTrap() as trap:
+        run_pipeline(shards, runner.forward, paths=_paths(tmp_path / "theirs"), shape=shape,
+                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=1 << 20)
+    assert trap.count == 3
+    ours, theirs = _read_shards(str(tmp_path / "ours")), _read_shards(str(tmp_path / "theirs"))
+    assert ours.keys() == theirs.keys()
+    for sid in ours:
+        torch.testing.assert_close(ours[sid], theirs[sid], rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_mapping_the_model_reads_differently_is_refused(tiny_target, monkeypatch):
+    from dspark_cache.producer.device import masks
+
+    # "No mask" means causal to sdpa but bidirectional to eager: the check must catch it.
+    monkeypatch.setattr(masks.CausalMasks, "mapping", lambda self, b, t, device: {kind: None for kind in self.kinds})
+    config = json.load(open(f"{tiny_target}/config.json"))
+    layers = config["num_hidden_layers"]
+    eager = TargetRunner(tiny_target, [1], layers, torch.device("cpu"), torch.float32, torch.float32, "eager")
+    sdpa = TargetRunner(tiny_target, [1], layers, torch.device("cpu"), torch.float32, torch.float32, "sdpa")
+    assert not eager.sync_free and sdpa.sync_free
+
+
+def test_device_choices_are_checked(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TargetError, match="every rank on GPU 1"):
+        resolve_device("cuda:1")
+    with pytest.raises(TargetError, match="not supported|not a device"):
+        resolve_device("tpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_the_mask_check_sees_a_wrong_sliding_window(monkeypatch):
+    from transformers import Qwen3Config, Qwen3Model
+
+    from dspark_cache.producer.device import masks
+
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_sliding_window=True,
+                         sliding_window=16, max_window_layers=0, layer_types=["sliding_attention", "full_attention"])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = Qwen3Model(config).eval()
+    checker = masks.CausalMasks(config, torch.float32)
+    assert checker.probe_length() > 16 and masks.masks_match(base, checker, 64, torch.device("cpu"))
+    # A sliding layer given a full causal mask differs only past the window: the probe must see it.
+    builders = masks._mask_builders()
+    monkeypatch.setattr(masks, "_mask_builders", lambda: {masks.FULL: builders[masks.FULL],
+                                                          masks.SLIDING: builders[masks.FULL]})
+    assert not masks.masks_match(base, masks.CausalMasks(config, torch.float32), 64, torch.device("cpu"))

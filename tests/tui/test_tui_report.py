@@ -1,0 +1,134 @@
+"""The monitor without a terminal (a job script's log, a pipe) or with ``--once``: one plain report, then exit."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+from dspark_cache.tui import cli
+from dspark_cache.tui.report import exit_code, lines, measured_snapshot
+from dspark_cache.tui.watcher import CacheWatcher
+from tests.support import tui_states
+from tests.conftest import produce_args
+from tests.support.proc import producer_cmd
+
+MONITOR = os.path.join(os.path.dirname(sys.executable), "dspark-monitor")
+REPORT_TIMEOUT = 60.0  # a report takes about a second (at most MEASURE_S more for a live rate); the app never ends
+
+
+def monitor_into_file(tmp_path, *args: str) -> tuple[int, str, str]:
+    """``dspark-monitor ARGS > file`` with no terminal anywhere: exit code, the file, stderr."""
+    out = tmp_path / "monitor.log"
+    with open(out, "wb") as handle:
+        proc = subprocess.run([MONITOR, *args], stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.PIPE,
+                              text=True, timeout=REPORT_TIMEOUT)
+    return proc.returncode, out.read_text(), proc.stderr
+
+
+def test_into_a_file_the_monitor_prints_one_report_and_exits(tmp_path):
+    root = tui_states.finished(str(tmp_path / "c"))
+    started = time.monotonic()
+    code, text, err = monitor_into_file(tmp_path, root)
+    assert code == 0, err
+    assert time.monotonic() - started < 20
+    assert "\x1b" not in text  # plain lines, no screen codes
+    assert "progress: complete: 120 samples, 240.0k tokens, 12 shards, 480.0 MB (2000 B/token)" in text
+    assert "shards: 12 published  0 writing  0 pending  0 failed" in text
+    assert "rank 0, state finished, shard -, host/pid node-a/1000, run shards 12/12" in text
+    assert "07:59:00 r0 finished        cache complete" in text and "next:" not in text
+
+
+def dead_run(root: str) -> str:
+    """Two ranks a minute after they stopped: rank 0 failed (its error says why), rank 1 silent."""
+    now = time.time()
+    tui_states.build(root, num_shards=6, published=[0, 1], writing=[2], ranks=[
+        tui_states.status(0, 2, "failed", 0, updated_at=now - 60, last_error="CUDA out of memory on shard 3"),
+        tui_states.status(1, 2, "running", 0, shard=2, updated_at=now - 60)],
+        events=[tui_states.event(0, 0, "error", "CUDA out of memory on shard 3", shard=3)])
+    return root
+
+
+def test_a_pipe_gets_the_report_and_exit_1_when_a_rank_failed_or_fell_silent(tmp_path):
+    root = dead_run(str(tmp_path / "c"))
+    proc = subprocess.run([MONITOR, root], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=REPORT_TIMEOUT)
+    assert proc.returncode == 1, proc.stderr
+    text = proc.stdout
+    assert "progress: samples 20/60  tokens 40.0k/120.0k  shards 2/6  no producer running" in text
+    assert "shards: 2 published  0 writing  1 abandoned (rerun resumes)  2 pending  1 failed" in text
+    assert "state failed" in text and "last error: CUDA out of memory on shard 3" in text
+    assert "rank 1, state STALE, shard 2" in text and re.search(r"heartbeat 1m0\ds ago", text)  # a loaded machine
+    assert "errors (newest last):" in text
+    assert text.rstrip().endswith("next: rank 0 failed, rank 1 silent (STALE heartbeat): once no rank runs, rerun the "
+                                  "same dspark-produce command to resume (published shards are kept)")
+
+
+def test_without_a_terminal_a_missing_directory_is_not_waited_for(tmp_path, capsys, monkeypatch):
+    code, text, err = monitor_into_file(tmp_path, str(tmp_path / "later"))
+    assert code == 2 and text == ""
+    assert "later does not exist" in err and "only on a terminal" in err
+    started = []
+    monkeypatch.setattr("dspark_cache.tui.report.has_terminal", lambda: True)
+    monkeypatch.setattr("dspark_cache.tui.app.MonitorApp.run", lambda app: started.append(app.watcher.paths.root))
+    assert cli.main([str(tmp_path / "later")]) == 0  # on a terminal the app starts and waits for it
+    assert started == [str(tmp_path / "later")]
+
+
+def test_once_on_a_terminal_prints_the_report_and_exits(tmp_path):
+    root = tui_states.finished(str(tmp_path / "c"))
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([MONITOR, root, "--once"], stdin=secondary, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    shown = b""
+    try:
+        deadline = time.monotonic() + REPORT_TIMEOUT
+        poller = select.poll()  # select() refuses a descriptor numbered past 1023
+        poller.register(primary, select.POLLIN)
+        while time.monotonic() < deadline:
+            if poller.poll(1000):
+                try:
+                    chunk = os.read(primary, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(primary)
+    text = shown.decode(errors="replace")
+    assert "progress: complete: 120 samples" in text and "\x1b[?1049h" not in text  # no full-screen app
+
+
+def test_a_live_runs_report_waits_for_its_measured_rate(tmp_path):
+    """A running rank's rate needs two heartbeats: the report polls again (here: rank 0's next one)."""
+    root = tui_states.live_run(str(tmp_path / "c"))
+    waits: list[float] = []
+    watcher = CacheWatcher(root, clock=lambda: tui_states.NOW, disk_free=lambda _: 500_000_000)
+    snap = measured_snapshot(watcher, 0.5, sleep=lambda s: (waits.append(s), tui_states.next_heartbeat(root)))
+    assert waits == [0.5]
+    text = "\n".join(lines(snap))
+    assert "progress: samples 220/600  tokens 440.0k/1.2M  shards 22/60  1.5k tok/s  ETA 8m26s" in text
+    assert "rates: tokens/s now 1.5k   peak 1.5k; written/s now 5.0 MB   peak 5.0 MB" in text
+    assert "disk: written 880.0 MB of 2.4 GB projected; free 500.0 MB; the rest (1.5 GB) will not fit" in text
+    assert "rank 1, state STALE" in text and exit_code(snap) == 1
+
+
+def test_produce_tui_without_a_terminal_runs_the_producer_and_exits(embedded, tmp_path):
+    """``dspark-produce --tui > log``: no app that no one can quit; the producer runs, its code is returned."""
+    out = str(tmp_path / "cache")
+    cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--tui"))
+    with open(tmp_path / "job.log", "wb") as handle:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.PIPE, timeout=300)
+    text = (tmp_path / "job.log").read_text()
+    assert proc.returncode == 0, proc.stderr
+    assert "cache complete" in text and "(full producer log:" in text and "\x1b" not in text
