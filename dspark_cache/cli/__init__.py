@@ -2,7 +2,7 @@
 
 * ``dspark-produce``: options in ``producer/config.py`` (+ ``--tui``), run in ``cli/produce_command.py``
 * ``dspark-monitor``: options and run in ``tui/cli.py`` (the app is ``tui.app.MonitorApp``)
-* ``dspark-verify``: options and run in ``cli/verify_command.py`` (the checks are ``dspark_cache.verify``)
+* ``dspark-verify``: options and run in ``verify/cli.py`` (the checks are ``verify/checks.py``)
 * ``dspark-convert``: options and run in ``nemo/convert/cli.py``
 
 The shared conventions (the exit-code table, ``--version``, ``--log-level``, one-line usage
@@ -40,7 +40,7 @@ def monitor(argv: list[str] | None = None) -> int:
 
 def verify(argv: list[str] | None = None) -> int:
     """``dspark-verify CACHE_DIR [--json] [--repair]``."""
-    return _dispatch("dspark_cache.cli.verify_command", argv)
+    return _dispatch("dspark_cache.verify.cli", argv)
 
 
 def convert(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import dspark_cache
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import ShardIndex, encode_json
-from dspark_cache.verify import main as verify_main
+from dspark_cache.cli import verify as verify_main
 from tests.conftest import run_produce
 
 
@@ -164,7 +164,7 @@ def test_manifest_damage_is_named(small_cache, tmp_path, change, needle, capsys)
 HANG_PROBE = r"""
 import sys, dspark_cache
 from dspark_cache.format.errors import CacheError
-from dspark_cache.verify import main
+from dspark_cache.cli import verify as main
 try:
     list(dspark_cache.build_dataloader(sys.argv[1], batch_size=4))
 except CacheError as exc:

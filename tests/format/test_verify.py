@@ -7,7 +7,7 @@ import os
 import shutil
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.verify import main
+from dspark_cache.cli import verify as main
 
 
 def test_verify_clean_cache(small_cache, capsys):

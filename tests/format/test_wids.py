@@ -26,7 +26,7 @@ from dspark_cache.format.wids_index import WIDS_KIND, read_wids_index, write_wid
 from dspark_cache.nemo.convert.cli import main as convert_main
 from dspark_cache.producer.layout import written_files
 from dspark_cache.producer.manifest import mark_complete
-from dspark_cache.verify import main as verify_main
+from dspark_cache.cli import verify as verify_main
 from tests.conftest import run_produce
 from tests.support.convert_fixture import write_tiny_nemo
 

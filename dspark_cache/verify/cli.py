@@ -1,4 +1,8 @@
-"""``dspark-verify CACHE_DIR [--json] [--repair]``: the options and the exit code; the checks are ``dspark_cache.verify``."""
+"""``dspark-verify CACHE_DIR [--json] [--repair]``: the options, the output and the exit code.
+
+The checks are :mod:`.checks`; the parser's conventions and the exit codes come from
+``dspark_cache.cli`` (which dispatches the console script to :func:`run`).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Verify (and repair), print the report; 0 when the cache is complete and intact, 1 when not."""
-    from dspark_cache.verify import headline_state, print_report, repair, verify_cache
+    from dspark_cache.verify.checks import headline_state, print_report, repair, verify_cache
 
     try:
         report = verify_cache(args.cache_dir)
@@ -50,11 +54,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(report)
     return EXIT_OK if report.ok else EXIT_ERROR
-
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``dspark-verify``: parse ``argv`` with the shared conventions and run."""
-    from dspark_cache.cli import verify
-
-    return verify(argv)

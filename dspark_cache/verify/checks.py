@@ -1,14 +1,12 @@
-"""``dspark-verify CACHE_DIR``: check a cache byte for byte, with the same checks the loader relies on.
+"""The checks of ``dspark-verify``: a cache byte for byte, with the same checks the loader relies on.
 
-Exit codes: 0 the cache is complete and every byte checks out; 1 problems were found (each is
-reported with its file and reason); 2 the directory is not a dspark cache, or a usage error.
-The command line (options, output, exit codes) is ``dspark_cache.cli.verify_command``.
+Every problem is reported with its file and reason; the command line (options, exit codes) is
+:mod:`dspark_cache.verify.cli`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
 from dspark_cache.format.cache import CacheDir, unpublish_shard
@@ -189,14 +187,3 @@ def print_report(report: Report) -> None:
     else:
         print("Repaired: every damaged index was rebuilt from its intact tar and no shard is missing; run "
               "dspark-verify again to confirm.")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``dspark-verify``: options, output and exit codes live with the other scripts' in ``dspark_cache.cli``."""
-    from dspark_cache.cli.verify_command import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
