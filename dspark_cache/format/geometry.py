@@ -2,7 +2,7 @@
 
 One object for the writer (sizes, headers), the planner (exact bytes before computing) and the
 readers (what an index entry and a sample's header must say): they can never disagree. The
-loader's batch rows (``loader/rowplan.py``) and the producer's target are described by it too.
+loader's batch rows (``loader/segments.py``) and the producer's target are described by it too.
 """
 
 from __future__ import annotations

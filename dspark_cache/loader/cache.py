@@ -12,14 +12,14 @@ from typing import Iterator
 
 import torch
 
-from dspark_cache.format.cache import CacheDir, read_manifest
+from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.sample import dequantize_arrays
 from dspark_cache.format.schema import SampleEntry, ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.loader.reader import resolve_out_code
 from dspark_cache.loader.tensors import sample_to_torch
 
-__all__ = ["Cache", "open_cache", "read_manifest"]
+__all__ = ["Cache", "open_cache"]
 
 
 class Cache:
@@ -29,11 +29,12 @@ class Cache:
     or ``"raw"``)."""
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None) -> None:
-        self.dir = CacheDir(path, allow_incomplete=allow_incomplete)
-        self.path, self.paths, self.manifest, self.shape = self.dir.root, self.dir.paths, self.dir.manifest, self.dir.shape
+        self.cache = CacheDir(path, allow_incomplete=allow_incomplete)
+        self.path, self.paths = self.cache.root, self.cache.paths
+        self.manifest, self.shape = self.cache.manifest, self.cache.shape
         self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
-        self.shards: list[ShardIndex] = self.dir.load_all()
-        self._order = self.dir.sample_order()  # (shard id, entry position), ascending sample id
+        self.shards: list[ShardIndex] = self.cache.load_all()
+        self._order = self.cache.sample_order()  # (shard id, entry position), ascending sample id
         self._readers: dict[int, ShardReader] = {}
 
     def __len__(self) -> int:
@@ -47,18 +48,18 @@ class Cache:
     def entry(self, position: int) -> tuple[ShardIndex, SampleEntry]:
         """The shard index and index entry of the sample at ``position``."""
         shard_id, k = self._order[position]
-        shard = self.dir.require(shard_id)
+        shard = self.cache.require(shard_id)
         return shard, shard.samples[k]
 
     def reader(self, shard: ShardIndex) -> ShardReader:
         """An open reader of ``shard``; at most ``max_open_files`` stay open (oldest closed first)."""
         reader = self._readers.pop(shard.shard_id, None)
         if reader is None:
-            if len(self._readers) >= self.dir.max_open_files:
+            if len(self._readers) >= self.cache.max_open_files:
                 self._readers.pop(next(iter(self._readers))).close()
             reader = ShardReader(self.paths, shard.shard_id, shard, self.shape, self.manifest.target_vocab_size)
             try:
-                self.dir.check_opened(shard.shard_id, reader.fileno())
+                self.cache.check_opened(shard.shard_id, reader.fileno())
             except BaseException:
                 reader.close()
                 raise
@@ -67,7 +68,7 @@ class Cache:
 
     def read(self, position: int) -> dict[str, torch.Tensor | int]:
         """The unpadded tensors of the sample at ``position`` (ascending id order), checksum-verified."""
-        self.dir.check_current()  # one stat: a cache replaced under us is an error, not other samples
+        self.cache.check_current()  # one stat: a cache replaced under us is an error, not other samples
         shard, entry = self.entry(position)
         sample: dict[str, torch.Tensor | int] = {"sample_id": entry.sample_id}
         stored = self.reader(shard).read_sample(entry)
@@ -85,7 +86,7 @@ class Cache:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
-        self.dir.close()
+        self.cache.close()
 
     def __enter__(self) -> "Cache":
         return self

@@ -21,7 +21,7 @@ class LoaderConfig:
     """Every option of :class:`~.dataloader.DSparkLoader`.
 
     ``batch_size`` samples per rank and step; ``shuffle``/``seed``/``window``: the order
-    (:mod:`.planner`); ``epoch`` to start at; ``rank``/``world_size`` (default: torch.distributed's,
+    (:mod:`.order`); ``epoch`` to start at; ``rank``/``world_size`` (default: torch.distributed's,
     or 0 of 1); ``num_workers`` reader threads in this process (default ``min(4, cpus)``; 0 means
     one: batches are always read off the training thread, never in worker processes); ``pad_to``
     ``"seq_length"`` or ``"longest"``; ``drop_last``/``partial_last``: the epoch's last step;

@@ -1,7 +1,7 @@
 """``build_dataloader``: deterministic, rank-equal, resumable batches, even from a growing cache.
 
 The loader composes small stages: options checked once (:mod:`.config`), the directory
-(:class:`~dspark_cache.format.cache.CacheDir`), the order (:mod:`.planner`), growing it while
+(:class:`~dspark_cache.format.cache.CacheDir`), the order (:mod:`.order`), growing it while
 following a producer (:mod:`.follow`), reading batches (:mod:`.reader`: program, memory, filler)
 and NeMo's attribute shims (:mod:`.shims`). This module holds the epoch loop and the resume state.
 """
@@ -19,7 +19,7 @@ from dspark_cache.format.schema import Manifest
 from dspark_cache.loader import shims
 from dspark_cache.loader.config import ORDER_OPTIONS, LoaderConfig
 from dspark_cache.loader.follow import Follower, extend_all, wait_for_manifest
-from dspark_cache.loader.planner import EpochOrder, RankBatch, epoch_steps, rank_batch
+from dspark_cache.loader.order import EpochOrder, RankBatch, epoch_steps, rank_batch
 from dspark_cache.loader.reader import BatchLayout, BatchReader
 from dspark_cache.loader.validate import check_expectations
 
@@ -56,14 +56,7 @@ class DSparkLoader:
                                   keep=config.read_ahead + 2)
         shims.attach(self)
 
-    # -- plan ---------------------------------------------------------------------------------
-
-    def __getattr__(self, name: str) -> Any:
-        """Options read as attributes (``loader.seed``, ``loader.follow``), as before they moved to ``config``."""
-        config = self.__dict__.get("config")
-        if config is not None and name in LoaderConfig.__dataclass_fields__:
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    # -- order --------------------------------------------------------------------------------
 
     @property
     def manifest(self) -> Manifest:
@@ -100,7 +93,9 @@ class DSparkLoader:
         """Start ``epoch`` from its beginning at the next iteration."""
         self.epoch, self.offset = epoch, 0
 
-    def _plan_step(self, order: EpochOrder, base: int, step: int) -> RankBatch | None:
+    def _step_batch(self, order: EpochOrder, base: int, step: int) -> RankBatch | None:
+        """This rank's part of global step ``step`` from ``base`` (growing the order to reach it),
+        or None past the epoch's last step."""
         c = self.config
         self._follower.grow(order, base + (step + 1) * self.global_batch)
         steps = epoch_steps(len(order.refs), order.total, base, c.batch_size, self.world_size, c.drop_last)
@@ -119,11 +114,11 @@ class DSparkLoader:
         exhausted = False
         while True:
             while not exhausted and len(pending) < self.config.read_ahead:
-                planned = self._plan_step(order, base, step + len(pending))
-                if planned is None:
+                wanted = self._step_batch(order, base, step + len(pending))
+                if wanted is None:
                     exhausted = True
                 else:
-                    pending.append(self.reader.submit(planned))
+                    pending.append(self.reader.submit(wanted))
             if not pending:
                 break
             batch = pending.popleft().result()

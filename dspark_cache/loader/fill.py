@@ -2,7 +2,7 @@
 
 The reader describes a batch as ops (records named in :mod:`.records`) over its buffers (the batch tensors' bytes): zero these
 stale pad bytes, fill these int64 slots, and for every sample read ``size`` bytes at ``offset``
-of ``fd`` through a segment table (:mod:`.rowplan`) that says where each tensor goes. Checksums
+of ``fd`` through a segment table (:mod:`.segments`) that says where each tensor goes. Checksums
 are not the program's: :mod:`.verify` checks them before it runs. ``csrc/batch_fill.c`` runs the
 program without holding the GIL,
 so a reader thread needs the GIL a few times per batch instead of several times per chunk, and

@@ -1,6 +1,6 @@
 """Growing an epoch's order from the shards published so far, waiting for more while following.
 
-The order itself is pure (:class:`~.planner.EpochOrder`); this module is where it meets the
+The order itself is pure (:class:`~.order.EpochOrder`); this module is where it meets the
 directory: it looks a window's shards up in the :class:`~dspark_cache.format.cache.CacheDir`
 and, in follow mode, polls until the producer publishes them.
 """
@@ -14,7 +14,7 @@ import time
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.loader.planner import EpochOrder
+from dspark_cache.loader.order import EpochOrder
 
 log = logging.getLogger(__name__)
 _NOTE_EVERY = 30.0  # seconds between "still waiting" log lines

@@ -32,10 +32,10 @@ from dspark_cache.format.validate import MAX_HEADER, check_header, token_problem
 from dspark_cache.loader import fill, verify
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_zeros
-from dspark_cache.loader.planner import RankBatch
+from dspark_cache.loader.order import RankBatch
 from dspark_cache.loader.tensors import torch_dtype
-from dspark_cache.loader.records import SEG_COPY, segment, segments
-from dspark_cache.loader.rowplan import BUFFERS, RowTemplate, row_template
+from dspark_cache.loader.records import SEG_COPY, segment, segment_table
+from dspark_cache.loader.segments import BUFFERS, RowTemplate, row_template
 
 
 # A batch row: its index in the batch, the shard, the entry's position in the shard's index, the entry.
@@ -115,14 +115,14 @@ class PendingBatch:
 
 
 class BatchReader:
-    """Turns a rank's batch plan into tensors with NeMo's keys (plus our extras)."""
+    """Turns a rank's batches (:class:`~.order.RankBatch`) into tensors with NeMo's keys (plus our extras)."""
 
-    def __init__(self, catalog: CacheDir, layout: BatchLayout, *, batch_size: int, num_threads: int,
+    def __init__(self, cache: CacheDir, layout: BatchLayout, *, batch_size: int, num_threads: int,
                  pad_to: str, pin_memory: bool, nemo_keys_only: bool = False, keep: int = 4,
                  native: bool | None = None, verify_mode: str = "once") -> None:
         if pad_to not in ("seq_length", "longest"):
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {pad_to!r}")
-        self.catalog = catalog
+        self.cache = cache
         self.layout = layout
         self.shape = layout.shape
         self.pad_to = pad_to
@@ -138,7 +138,7 @@ class BatchReader:
         if not nemo_keys_only:
             fields.append(Field(ATTENTION_MASK, 1, torch.int64, False))
         self.extras = not nemo_keys_only
-        # Program buffer i: rowplan's BUFFERS (the scales' empty when not FP8), then the mask.
+        # Program buffer i: segments.BUFFERS (the scales' empty when not FP8), then the mask.
         self.buffer_names = BUFFERS + (() if nemo_keys_only else (ATTENTION_MASK,))
         self.header_buffer = len(self.buffer_names)  # then each row's sample header, checked after the fill
         self.batch_size = batch_size
@@ -148,12 +148,12 @@ class BatchReader:
         self.memory = BatchMemory(tuple(fields), batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
 
     def submit(self, batch: RankBatch) -> PendingBatch:
-        entries = [self.catalog.require(ref.shard_id).samples[ref.entry] for ref in batch.refs]
+        entries = [self.cache.require(ref.shard_id).samples[ref.entry] for ref in batch.refs]
         lengths = [e.length for e in entries]
         width = self.layout.seq_length if self.pad_to == "seq_length" else max(lengths)
         for ref, entry in zip(batch.refs, entries):
             if entry.length > self.layout.seq_length:
-                raise CorruptShardError(self.catalog.paths.shard_tar(ref.shard_id),
+                raise CorruptShardError(self.cache.paths.shard_tar(ref.shard_id),
                                         f"{entry.length} tokens, more than the manifest's seq_length "
                                         f"{self.layout.seq_length}", entry.sample_id)
         # Batch memory is checked out by the reader thread (a new slab, pinned or not, is never
@@ -192,10 +192,10 @@ class BatchReader:
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[Row]) -> None:
         shards = {shard_id for _, shard_id, _, _ in rows}
-        fds = self.catalog.pin(shards)  # no descriptor of this batch is closed before it has run
+        fds = self.cache.pin(shards)  # no descriptor of this batch is closed before it has run
         try:
-            identity = {shard_id: self.catalog.identity(shard_id) for shard_id in shards}
-            count = {shard_id: self.catalog.require(shard_id).num_samples for shard_id in shards}
+            identity = {shard_id: self.cache.identity(shard_id) for shard_id in shards}
+            count = {shard_id: self.cache.require(shard_id).num_samples for shard_id in shards}
             unchecked = [r for r in rows if self.verified.needed(r[1], identity[r[1]], count[r[1]], r[2])]
             failure = self._verify(unchecked, fds)
             if failure is None:
@@ -209,7 +209,7 @@ class BatchReader:
             for _, shard_id, k, _ in unchecked:  # while pinned: these descriptors are the files checked
                 self.verified.mark(shard_id, identity[shard_id], count[shard_id], k)
         finally:
-            self.catalog.unpin(shards)
+            self.cache.unpin(shards)
 
     def _verify(self, rows: list[Row], fds: dict[int, int]) -> fill.Failure | None:
         """Hash these rows' payloads from their files; the first failure, if any."""
@@ -253,7 +253,7 @@ class BatchReader:
 
     def _header_segment(self, row: int, header: int) -> np.ndarray:
         """Copy the sample's header into its row of the header buffer, to compare after the fill."""
-        return segments([segment(SEG_COPY, 0, header, self.header_buffer, row * MAX_HEADER)])
+        return segment_table([segment(SEG_COPY, 0, header, self.header_buffer, row * MAX_HEADER)])
 
     def _headers(self) -> np.ndarray:
         """This thread's buffer for the headers of one batch (``MAX_HEADER`` bytes per row)."""
@@ -269,7 +269,7 @@ class BatchReader:
         for row, shard_id, _, entry in rows:
             header = entry.size - self.layout.template(entry.length).data_size
             actual = headers[row * MAX_HEADER : row * MAX_HEADER + header]
-            check_header(actual, entry, self.shape, self.catalog.paths.shard_tar(shard_id))
+            check_header(actual, entry, self.shape, self.cache.paths.shard_tar(shard_id))
 
     def _check_raw_scales(self, buffers: dict[str, torch.Tensor], rows: list[Row]) -> None:
         """Raw FP8 batches skip the filler's dequantisation, not the FP8 rule on their scales (a few bytes
@@ -280,7 +280,7 @@ class BatchReader:
                 bad = fp8_bad_scales(scales[row, : entry.length], self.shape.dtype)
                 if bad.any():
                     token = int(np.argwhere(bad)[0][0])
-                    raise CorruptShardError(self.catalog.paths.shard_tar(shard_id), fp8_scale_reason(token),
+                    raise CorruptShardError(self.cache.paths.shard_tar(shard_id), fp8_scale_reason(token),
                                             entry.sample_id)
 
     def _scratch(self) -> np.ndarray:
@@ -296,7 +296,7 @@ class BatchReader:
         where = "a zero or fill op"  # only a bug in the program can make one of those fail
         if failure.tag is not None:
             _, shard_id, _, entry = rows[failure.tag]
-            path = self.catalog.paths.shard_tar(shard_id)
+            path = self.cache.paths.shard_tar(shard_id)
             where = f"sample {entry.sample_id} of {path}"
             if failure.code == fill.RC_CHECKSUM:
                 raise CorruptShardError(path, "checksum mismatch", entry.sample_id)

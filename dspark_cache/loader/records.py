@@ -87,6 +87,6 @@ def segment(kind: int, src_off: int, length: int, buf: int, off: int, *, row_byt
                                scale_buf, scale_off, group, out_size, fp8_kind, limit))
 
 
-def segments(rows: list[tuple[int, ...]]) -> np.ndarray:
+def segment_table(rows: list[tuple[int, ...]]) -> np.ndarray:
     """A segment table from :func:`segment` tuples."""
     return np.array(rows, dtype=SEGMENT)

@@ -1,7 +1,7 @@
 """What NeMo's training loop expects of a ``DataLoader``, on top of ours.
 
 NeMo logs ``len(loader.dataset)`` and calls ``loader.sampler.set_epoch(epoch)`` every epoch;
-our loader is its own sampler (it plans the order), so both are thin views of it.
+our loader is its own sampler (it computes the order), so both are thin views of it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError
-from dspark_cache.loader.planner import RankBatch, SampleRef
+from dspark_cache.loader.order import RankBatch, SampleRef
 from dspark_cache.loader.reader import BatchLayout, BatchReader
 from dspark_cache.nemo.layout import CACHE_KEYS, stack_samples
 
@@ -34,11 +34,11 @@ class DSparkMapDataset(torch.utils.data.Dataset):
         self.cache_dir = os.fspath(cache_dir)
         self.batch_size = max(1, batch_size)
         self.native = native
-        catalog = CacheDir(self.cache_dir)
-        self.manifest = catalog.manifest
+        cache = CacheDir(self.cache_dir)
+        self.manifest = cache.manifest
         self.layout = BatchLayout.from_manifest(self.manifest, dtype)  # refuses a dtype the cache cannot give
-        self._shard, self._entry = _positions(catalog)
-        self._catalog: CacheDir | None = catalog
+        self._shard, self._entry = _positions(cache)
+        self._cache: CacheDir | None = cache
         self._reader: BatchReader | None = None
         self._pid = os.getpid()
 
@@ -48,8 +48,8 @@ class DSparkMapDataset(torch.utils.data.Dataset):
     @property
     def sample_ids(self) -> list[int]:
         """Sample id at each position."""
-        catalog = self._open_catalog()
-        return [catalog.require(int(s)).samples[int(e)].sample_id for s, e in zip(self._shard, self._entry)]
+        cache = self._open_cache()
+        return [cache.require(int(s)).samples[int(e)].sample_id for s, e in zip(self._shard, self._entry)]
 
     def __getitems__(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The samples at ``indices`` as one batch with NeMo's four keys, padded to ``seq_length``."""
@@ -74,26 +74,26 @@ class DSparkMapDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample position {index} is out of range for {n} samples in {self.cache_dir}")
         return position
 
-    def _open_catalog(self) -> CacheDir:
-        if self._pid != os.getpid() or self._catalog is None:
+    def _open_cache(self) -> CacheDir:
+        if self._pid != os.getpid() or self._cache is None:
             # A forked DataLoader worker: reader threads and descriptors belong to the parent.
             # The cache the parent opened, or an error if it was replaced since (positions are the parent's).
-            self._catalog = CacheDir(self.cache_dir, cache_id=self.manifest.cache_id)
+            self._cache = CacheDir(self.cache_dir, cache_id=self.manifest.cache_id)
             self._reader, self._pid = None, os.getpid()
-            if self._catalog.manifest.identity() != self.manifest.identity():
+            if self._cache.manifest.identity() != self.manifest.identity():
                 raise CacheError(f"{self.cache_dir} was replaced by a different cache while training read it; "
                                  "restart training")
-        return self._catalog
+        return self._cache
 
     def _batch_reader(self, rows: int) -> BatchReader:
-        catalog = self._open_catalog()
+        cache = self._open_cache()
         if self._reader is None or rows > self.batch_size:
             if self._reader is not None:
                 self._reader.close()
             self.batch_size = max(self.batch_size, rows)
             in_worker = torch.utils.data.get_worker_info() is not None
             self._reader = BatchReader(
-                catalog, self.layout, batch_size=self.batch_size, num_threads=1,
+                cache, self.layout, batch_size=self.batch_size, num_threads=1,
                 pad_to="seq_length", pin_memory=torch.cuda.is_available() and not in_worker,
                 nemo_keys_only=True, native=self.native,
             )
@@ -102,15 +102,15 @@ class DSparkMapDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         # Spawned DataLoader workers get the sample positions, never descriptors or threads.
         state = dict(self.__dict__)
-        state.update(_catalog=None, _reader=None, _pid=-1)
+        state.update(_cache=None, _reader=None, _pid=-1)
         return state
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
-        if self._catalog is not None:
-            self._catalog.close()
-        self._reader = self._catalog = None
+        if self._cache is not None:
+            self._cache.close()
+        self._reader = self._cache = None
 
 
 class PendingNemoBatch:
@@ -134,10 +134,10 @@ def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
     return out.copy_(tensor)
 
 
-def _positions(catalog: CacheDir) -> tuple[np.ndarray, np.ndarray]:
+def _positions(cache: CacheDir) -> tuple[np.ndarray, np.ndarray]:
     """(shard id, index entry) of every sample, in ascending sample id (every shard checked, no
     sample listed twice: positions must name one sample each)."""
-    order = catalog.sample_order()
+    order = cache.sample_order()
     return np.asarray([s for s, _ in order], dtype=np.int32), np.asarray([k for _, k in order], dtype=np.int32)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dspark_cache.loader import fill
 from dspark_cache.loader.memory import page_aligned_zeros
-from dspark_cache.loader.records import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments
+from dspark_cache.loader.records import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segment_table
 
 EXECUTORS = ["native", "python"]
 NOT_BUILT = "the native batch filler is not built: install gcc, then `rm .venv/.installed && make setup`"
@@ -60,7 +60,7 @@ def sample_program(payload, *, size=None, hidden_buf_bytes=None):
     program = fill.BatchProgram([hidden, last, ids, mask])
     h = 4096
     f = h + rows * row_bytes + 64
-    segs = segments([
+    segs = segment_table([
         segment(SEG_COPY_COLS, h, rows * row_bytes, 0, 0, row_bytes=row_bytes, col_off=col_off, col_bytes=col_bytes,
                 col_buf=1),
         segment(SEG_WIDEN_I32, f, 4 * rows, 2, 8),  # one int64 slot in: a row offset
@@ -128,7 +128,7 @@ def test_read_error_reports_errno(tmp_path, executor):
     fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails with EISDIR
     try:
         program = fill.BatchProgram([np.zeros(64, dtype=np.uint8)])
-        program.sample(fd, 0, 64, segments([segment(SEG_COPY, 0, 64, 0, 0)]), tag=3)
+        program.sample(fd, 0, 64, segment_table([segment(SEG_COPY, 0, 64, 0, 0)]), tag=3)
         assert run(program, executor) == fill.Failure(fill.RC_READ_ERROR, 3, errno.EISDIR)
     finally:
         os.close(fd)

@@ -20,7 +20,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.validate import ForeignShardError
 from dspark_cache.verify import verify_cache
-from tests.conftest import run_produce, write_jsonl
+from tests.support.produce import run_produce, write_jsonl
 
 ARGS = ("--seq-length", "128", "--shard-size", "4", "--batch-size", "2")
 REPLACED = "was replaced .*restart training on the new cache"
@@ -114,7 +114,7 @@ def test_open_cache_and_the_nemo_dataset_stop_too(embedded, inputs, cache_a, tmp
         dataset.__getitems__([len(dataset) - 1])
     # A reader opened on the old cache's id (a forked DataLoader worker of a dataset made before) refuses the new one.
     with pytest.raises(CacheReplacedError, match="it is cache"):
-        CacheDir(out, cache_id=cache.dir.cache_id)
+        CacheDir(out, cache_id=cache.cache.cache_id)
     cache.close()
 
 
@@ -142,7 +142,7 @@ def test_a_shard_of_another_cache_is_refused_and_recomputed(embedded, inputs, ca
 def test_every_rank_writes_the_id_rank_0_gave_the_cache(embedded, inputs, tmp_path):
     """Under torchrun each rank builds its own manifest; the id is rank 0's, whichever rank writes
     shards or marks the cache complete."""
-    from tests.conftest import produce_args
+    from tests.support.produce import produce_args
     from tests.support.proc import BIN, run
 
     out = str(tmp_path / "cache")

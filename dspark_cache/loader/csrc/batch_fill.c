@@ -45,7 +45,7 @@
  * else RC_BAD_CODE; the row in *detail either way, a scale checked before the codes it scales.
  *
  * Tokens (WIDEN): the token rule (format/validate.py's token_problem: ids in [0, vocab_size), loss
- * mask values 0 or 1) as limits set by loader/rowplan.py. An id outside the target's vocabulary
+ * mask values 0 or 1) as limits set by loader/segments.py. An id outside the target's vocabulary
  * would become a device-side assert in training's embedding lookup, naming no file; here it is
  * RC_BAD_TOKEN with the token in *detail, after every value was written, so the reader can name
  * the sample by the Python rule from the batch buffer.

@@ -1,4 +1,4 @@
-"""The planner, simulated for world sizes 1-4 on made-up shard sizes (no processes needed)."""
+"""The epoch order, simulated for world sizes 1-4 on made-up shard sizes (no processes needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from dspark_cache.loader.planner import EpochOrder, epoch_steps, rank_batch
+from dspark_cache.loader.order import EpochOrder, epoch_steps, rank_batch
 
 
 @dataclass
@@ -24,7 +24,7 @@ class _Index:
         return len(self.samples)
 
 
-class FakeCatalog:
+class FakeCache:
     """Shards of the given sizes; sample ids ascend across shards, as the producer writes them."""
 
     def __init__(self, sizes: list[int]) -> None:
@@ -37,12 +37,12 @@ class FakeCatalog:
 
 
 def epoch_order(sizes, seed=0, epoch=0, shuffle=True, window=2):
-    catalog = FakeCatalog(sizes)
+    cache = FakeCache(sizes)
     order = EpochOrder(len(sizes), seed, epoch, shuffle, window, streaming=False)
     while not order.complete:
-        order.add_window({s: catalog.indexes[s] for s in order.next_shards()})
-    order.catalog = catalog  # for rank_view's lookups
-    ids = [catalog.indexes[r.shard_id].samples[r.entry].sample_id for r in order.refs]
+        order.add_window({s: cache.indexes[s] for s in order.next_shards()})
+    order.cache = cache  # for rank_view's lookups
+    ids = [cache.indexes[r.shard_id].samples[r.entry].sample_id for r in order.refs]
     return order, ids
 
 
@@ -51,7 +51,7 @@ def rank_view(order, world, rank, batch, drop_last, partial_last=False, offset=0
     out = []
     for step in range(steps):
         rb = rank_batch(order.refs, order.total, offset, step, batch, world, rank, partial_last)
-        out.append([(order.catalog.indexes[r.shard_id].samples[r.entry].sample_id, rep) for r, rep in zip(rb.refs, rb.repeat)])
+        out.append([(order.cache.indexes[r.shard_id].samples[r.entry].sample_id, rep) for r, rep in zip(rb.refs, rb.repeat)])
     return out
 
 

@@ -27,7 +27,7 @@ from dspark_cache.format.sample import (
 
 from dspark_cache.format.validate import MASK_LIMIT
 from dspark_cache.loader.records import (
-    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segments,
+    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segment_table,
 )
 
 # Batch buffers a segment writes to, by index (the program's first buffers, in this order). The
@@ -99,7 +99,7 @@ def row_template(length: int, shape: SampleShape, out_code: str | None = None, *
         elif name == LOSS_MASK:
             rows.append(segment(SEG_WIDEN_U8, start, size, _BUF[name], 0, limit=MASK_LIMIT))
         # alignment fill (__padN__) is read and dropped
-    segs = segments(rows)
+    segs = segment_table(rows)
     segs = segs[segs["len"] > 0]  # a zero-token sample has empty tensors: nothing to read
     segs.setflags(write=False)
     return RowTemplate(placed[-1][2] if placed else 0, segs)
