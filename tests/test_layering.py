@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dspark_cache"
-# Cache file and directory names (format/paths.py); NeMo's own layout is spelled in nemo/layout.py.
+# Cache file and directory names (format/paths.py); NeMo's own format is spelled in nemo/nemo_format.py.
 NAMES = {"manifest.json", "target_weights.safetensors", "shards", "status", "events", "control", "logs",
          "lock", "stop", ".partial", ".idx", ".tar"}
 PREFIXES = ("shard-", "rank-", "complete-", "control/")
-OWNERS = {"format/paths.py", "nemo/layout.py"}
+OWNERS = {"format/paths.py", "nemo/nemo_format.py"}
 
 
 def _path_strings(tree: ast.AST):

@@ -2,13 +2,13 @@
 
 * :func:`read_manifest`, :func:`read_target_weight_modules`,
   :func:`validate_cached_dspark_manifest` and :func:`build_cached_dspark_dataloader` are the
-  recipe's cache calls with NeMo 0.7.0's signatures, return types and errors. Given a NeMo-layout
-  cache they behave exactly like NeMo's; given a dspark cache they yield the same batches, in the
+  recipe's cache calls with NeMo 0.7.0's signatures, return types and errors. Given a NeMo cache
+  they behave exactly like NeMo's; given a dspark cache they yield the same batches, in the
   same order, with the same draws from torch's global RNG as NeMo's loader over NeMo's cache of
   the same rows, so a training run is the same run, only faster.
 * :func:`install` puts them into ``nemo_automodel.recipes.llm.train_dspark``;
   ``python -m dspark_cache.nemo -c recipe.yaml`` runs the recipe with them installed.
-* ``dspark-convert`` moves caches between the two layouts.
+* ``dspark-convert`` moves caches between the two formats.
 """
 
 from __future__ import annotations

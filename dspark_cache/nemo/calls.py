@@ -1,7 +1,7 @@
 """The four cache calls of NeMo 0.7.0's ``train_dspark`` recipe, with NeMo's signatures and types.
 
-Each call looks at the directory it is given: a NeMo-layout cache is handled exactly as NeMo's
-original would handle it (:mod:`.layout`), a dspark cache through our loader. Errors keep NeMo's
+Each call looks at the directory it is given: a NeMo cache is handled exactly as NeMo's
+original would handle it (:mod:`.nemo_format`), a dspark cache through our loader. Errors keep NeMo's
 types (``FileNotFoundError`` for a missing cache, ``ValueError`` for an unusable one), so code
 that catches them keeps working; the messages say what to do.
 
@@ -26,7 +26,7 @@ from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.cache import read_manifest as read_dspark_manifest
 from dspark_cache.format.schema import FP8_DTYPES
-from dspark_cache.nemo import layout
+from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.dataset import DSparkMapDataset, collate
 from dspark_cache.nemo.readahead import ReadAheadDataLoader
 
@@ -37,11 +37,11 @@ def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, A
     """NeMo's ``read_manifest``: the manifest as a dict with every field NeMo writes (same names
     and types; ours come along), refusing an incomplete cache unless ``allow_incomplete``."""
     cache_dir = os.fspath(cache_dir)
-    if layout.is_nemo_layout(cache_dir):
-        return layout.read_manifest(cache_dir, allow_incomplete=allow_incomplete)
+    if nemo_format.is_nemo_cache(cache_dir):
+        return nemo_format.read_manifest(cache_dir, allow_incomplete=allow_incomplete)
     with _nemo_errors():
         manifest = read_dspark_manifest(cache_dir, allow_incomplete=allow_incomplete)
-    fields = {**layout.MANIFEST_DEFAULTS, **msgspec.to_builtins(manifest)}
+    fields = {**nemo_format.MANIFEST_DEFAULTS, **msgspec.to_builtins(manifest)}
     delivered = recipe_dtype(manifest.dtype)
     if delivered is not None:  # what the dataloader hands out; NeMo validates this
         fields.update(dtype=delivered, stored_dtype=manifest.dtype)
@@ -59,14 +59,15 @@ def recipe_dtype(stored: str) -> str | None:
 def read_target_weight_modules(cache_dir: str) -> tuple[SimpleNamespace, SimpleNamespace]:
     """NeMo's ``read_target_weight_modules``: ``(embed_tokens, lm_head)`` objects exposing ``.weight``."""
     cache_dir = os.fspath(cache_dir)
-    if layout.is_nemo_layout(cache_dir):
-        embed, head = layout.read_target_weights(layout.target_weights_path(cache_dir),
-                                                 *layout.nemo_weight_shape(cache_dir))
+    if nemo_format.is_nemo_cache(cache_dir):
+        embed, head = nemo_format.read_target_weights(nemo_format.target_weights_path(cache_dir),
+                                                      *nemo_format.weight_shape(cache_dir))
     else:
         with _nemo_errors():  # an unreadable manifest: FileNotFoundError / ValueError, as NeMo's callers expect
             manifest = read_dspark_manifest(cache_dir, allow_incomplete=True)
-        embed, head = layout.read_target_weights(CachePaths(cache_dir).target_weights, manifest.target_vocab_size,
-                                                 manifest.hidden_size, manifest.target_weights_xxh3)
+        embed, head = nemo_format.read_target_weights(CachePaths(cache_dir).target_weights,
+                                                      manifest.target_vocab_size, manifest.hidden_size,
+                                                      manifest.target_weights_xxh3)
     return SimpleNamespace(weight=embed), SimpleNamespace(weight=head)
 
 
@@ -87,9 +88,9 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
         raise ValueError(f"num_workers={num_workers}: it is the number of DataLoader worker processes, 0 or "
                          "more (0 reads in the training process, the next batch ahead on a thread)")
     cache_dir = os.fspath(cache_dir)
-    if layout.is_nemo_layout(cache_dir):
-        dataset: torch.utils.data.Dataset = layout.NemoCacheDataset(cache_dir)
-        collate_fn = layout.stack_samples
+    if nemo_format.is_nemo_cache(cache_dir):
+        dataset: torch.utils.data.Dataset = nemo_format.NemoCacheDataset(cache_dir)
+        collate_fn = nemo_format.stack_samples
     else:
         with _nemo_errors():
             stored = read_dspark_manifest(cache_dir).dtype
@@ -134,10 +135,10 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
             raise ValueError(f"DSpark cache at {cache_dir} was built for {field}={have!r}, but this run has "
                              f"{field}={want!r}. Use a cache produced for this target and seq_length, or fix "
                              "the config.")
-    cache_dtype = layout.DTYPES.get(str(manifest["dtype"]))
+    cache_dtype = nemo_format.DTYPES.get(str(manifest["dtype"]))
     if cache_dtype is None:
         raise ValueError(f"DSpark cache at {cache_dir} has unsupported dtype={manifest['dtype']!r}; "
-                         f"produce it with --dtype one of {sorted(layout.DTYPES)}.")
+                         f"produce it with --dtype one of {sorted(nemo_format.DTYPES)}.")
     if compute_dtype == torch.float32 and cache_dtype != torch.float32:
         raise ValueError(f"DSpark cache at {cache_dir} stores dtype={manifest['dtype']}, but CPU cached training "
                          "requires fp32 cache tensors. Regenerate with --dtype fp32 or train on CUDA.")

@@ -18,7 +18,7 @@ from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError
 from dspark_cache.loader.order import RankBatch, SampleRef
 from dspark_cache.loader.reader import BatchLayout, BatchReader
-from dspark_cache.nemo.layout import CACHE_KEYS, stack_samples
+from dspark_cache.nemo.nemo_format import CACHE_KEYS, stack_samples
 
 
 class DSparkMapDataset(torch.utils.data.Dataset):

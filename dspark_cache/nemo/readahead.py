@@ -4,7 +4,7 @@ Without worker processes (NeMo's default) a ``DataLoader`` fetches each batch on
 thread when training asks for it. Here the next batch's indices are taken from the sampler as
 soon as a batch is handed out and its samples are read by the dataset's reader thread meanwhile
 (the batch filler runs without the GIL). Taking indices early draws nothing from torch's global
-RNG: samplers draw their seed when an epoch starts (the first batch, as before) and later
+RNG: samplers draw their seed when an epoch starts (its first batch, read ahead or not) and later
 indices come from their own generator, so the run stays exactly NeMo's.
 """
 

@@ -3,7 +3,7 @@
 The recipe looks its cache calls up as module globals of
 ``nemo_automodel.recipes.llm.train_dspark`` when it sets up; :func:`install` points those
 globals at :mod:`.calls`. NeMo's files are never edited, and since every call handles a
-NeMo-layout cache exactly as NeMo does, installing is always safe.
+NeMo cache exactly as NeMo does, installing is always safe.
 """
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ def test_a_bad_scale_is_refused_by_the_loader_and_dspark_verify(tmp_path, execut
 def test_nemo_path_reports_and_hands_out_the_recipe_dtype(fp8_cache, tmp_path):
     from dspark_cache.nemo import calls
     from dspark_cache.nemo.convert import convert_to_nemo
-    from dspark_cache.nemo.layout import NemoCacheDataset
+    from dspark_cache.nemo.nemo_format import NemoCacheDataset
 
     manifest = calls.read_manifest(fp8_cache)
     assert (manifest["dtype"], manifest["stored_dtype"]) == ("fp32", "fp8")  # CPU: the recipe computes in fp32

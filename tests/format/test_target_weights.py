@@ -102,7 +102,7 @@ def test_reader_error_is_a_cache_error_naming_the_file(weights_cache, tmp_path):
 _NEMO_READER = """
 import sys
 import dspark_cache.nemo as n
-from dspark_cache.nemo.layout import NemoCacheDataset
+from dspark_cache.nemo.nemo_format import NemoCacheDataset
 root, what = sys.argv[1], sys.argv[2]
 try:
     {"weights": n.read_target_weight_modules, "manifest": n.read_manifest,
@@ -119,13 +119,13 @@ def test_nemo_layout_reads_refuse_fifos_and_foreign_weights(tmp_path, what, dama
     import torch
     from safetensors.torch import save_file
 
-    from dspark_cache.nemo import layout
+    from dspark_cache.nemo import nemo_format
     from tests.support.convert_fixture import write_tiny_nemo
 
     root = str(tmp_path / "nemo")
     write_tiny_nemo(root, [[5, 6, 9, 0]] * 4, [[0, 1, 1, 0]] * 4, shard_size=2)
-    path = {"weights": layout.target_weights_path(root), "manifest": layout.manifest_path(root),
-            "shard": layout.shard_path(root, 1)}[what]
+    path = {"weights": nemo_format.target_weights_path(root), "manifest": nemo_format.manifest_path(root),
+            "shard": nemo_format.shard_path(root, 1)}[what]
     if damage == "fifo":
         os.unlink(path)
         os.mkfifo(path)

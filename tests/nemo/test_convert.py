@@ -15,7 +15,7 @@ from transformers import AutoConfig
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import decode_payload
-from dspark_cache.nemo import calls, layout
+from dspark_cache.nemo import calls, nemo_format
 from dspark_cache.nemo.convert import convert_to_dspark, convert_to_nemo
 from dspark_cache.nemo.convert.cli import main
 from dspark_cache.nemo.convert.stfile import header_bytes
@@ -93,10 +93,10 @@ def test_export_is_nemos_layout_byte_for_byte(small_cache, exported, embedded, t
     reference = write_nemo_cache(small_cache, str(tmp_path / "ref"), shard_size=5)
     assert _files(exported) == _files(reference)
     manifest = calls.read_manifest(exported)
-    assert set(manifest) == {*layout.MANIFEST_FIELDS, "format_version", "complete"}
+    assert set(manifest) == {*nemo_format.MANIFEST_FIELDS, "format_version", "complete"}
     assert manifest["format_version"] == 1 and manifest["complete"] is True
     # NeMo's consumer: contiguous shards, complete, and the recipe's manifest checks for this target.
-    dataset = layout.NemoCacheDataset(exported)
+    dataset = nemo_format.NemoCacheDataset(exported)
     assert len(dataset) == manifest["num_samples"] == len(dspark_cache.open_cache(small_cache))
     config = AutoConfig.from_pretrained(embedded.stock)
     calls.validate_cached_dspark_manifest(exported, manifest, config, manifest["target_layer_ids"],
@@ -118,7 +118,7 @@ def test_round_trip_dspark_nemo_dspark(small_cache, exported, tmp_path, capsys):
     assert [s["sample_id"] for s in in_id_order] != list(range(len(original)))  # the source has gaps
     _assert_same_as_padded(back, in_id_order)  # ids renumbered densely: 0..n-1
     a, b = original.manifest, dspark_cache.open_cache(back).manifest
-    for name in layout.MANIFEST_FIELDS:
+    for name in nemo_format.MANIFEST_FIELDS:
         if name != "shard_size":
             assert getattr(a, name) == getattr(b, name), name
     assert (b.shard_size, b.num_shards, b.compute_dtype) == (5, -(-len(original) // 5), "")
@@ -248,8 +248,8 @@ def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cac
         handle.write(bytes([last[0] ^ 0xFF]))
     code, _, err = _convert(capsys, src, dst, "--to", "nemo", "--shard-size", "5")
     assert code == 1 and f"shard-{shard_id:06d}.tar" in err and f"sample {entry.sample_id}" in err and "checksum" in err
-    assert layout.shard_indices(dst) == [0] and not [n for n in os.listdir(dst) if n.endswith(".partial")]
-    assert layout.read_manifest(dst, allow_incomplete=True)["complete"] is False
+    assert nemo_format.shard_indices(dst) == [0] and not [n for n in os.listdir(dst) if n.endswith(".partial")]
+    assert nemo_format.read_manifest(dst, allow_incomplete=True)["complete"] is False
 
 
 def test_late_manifest_fields_default_as_nemo_reads_them(tmp_path, capsys):
@@ -296,13 +296,13 @@ def test_wrong_direction_and_same_directory(small_cache, exported, capsys):
 def test_different_cache_in_dst_needs_overwrite(small_cache, tmp_path, capsys):
     dst = str(tmp_path / "nemo")
     assert _convert(capsys, small_cache, dst, "--to", "nemo")[0] == 0
-    assert layout.read_manifest(dst)["shard_size"] == 8  # the source's
+    assert nemo_format.read_manifest(dst)["shard_size"] == 8  # the source's
     code, _, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "7")
     assert code == 1 and "shard_size: DST has 8, this conversion gives 7" in err and "--overwrite" in err
-    assert len(layout.NemoCacheDataset(dst)) > 0  # refused: the cache there is untouched
+    assert len(nemo_format.NemoCacheDataset(dst)) > 0  # refused: the cache there is untouched
     code, _, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "7", "--overwrite")
     assert code == 0, err
-    assert len(layout.NemoCacheDataset(dst)) == len(dspark_cache.open_cache(small_cache))  # no stale shard left
+    assert len(nemo_format.NemoCacheDataset(dst)) == len(dspark_cache.open_cache(small_cache))  # no stale shard left
     ours = str(tmp_path / "ours")
     tiny = str(tmp_path / "tiny")
     write_tiny_nemo(tiny, TINY_IDS, TINY_MASKS)
@@ -314,7 +314,7 @@ def test_different_cache_in_dst_needs_overwrite(small_cache, tmp_path, capsys):
     code, _, err = _convert(capsys, small_cache, ours, "--to", "nemo")  # a dspark cache is in the way
     assert code == 1 and "is not a NeMo manifest" in err
     assert _convert(capsys, small_cache, ours, "--to", "nemo", "--overwrite")[0] == 0
-    assert len(layout.NemoCacheDataset(ours)) == len(dspark_cache.open_cache(small_cache))
+    assert len(nemo_format.NemoCacheDataset(ours)) == len(dspark_cache.open_cache(small_cache))
     assert not os.path.exists(CachePaths(ours).shards_dir)  # our layout's files are gone
 
 
@@ -374,11 +374,11 @@ def test_sigkill_mid_export_then_rerun_equals_uninterrupted(small_cache, exporte
     killed = run(_cmd(small_cache, dst, "--to", "nemo", "--shard-size", "5"),
                  env={"DSPARK_CRASH_AT": "nemo_after_rename:2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert layout.shard_indices(dst) == [0, 1]
+    assert nemo_format.shard_indices(dst) == [0, 1]
     with pytest.raises(ValueError, match="incomplete"):
-        layout.read_manifest(dst)  # NeMo's reader refuses it until the last shard is in
+        nemo_format.read_manifest(dst)  # NeMo's reader refuses it until the last shard is in
     with pytest.raises(ValueError, match="shard indices"):
-        layout.NemoCacheDataset(dst)
+        nemo_format.NemoCacheDataset(dst)
     with open(os.path.join(dst, "shard-000002.safetensors.partial"), "wb") as handle:
         handle.write(b"half a shard")  # what a kill inside a shard leaves
     code, out, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "5")
@@ -386,7 +386,7 @@ def test_sigkill_mid_export_then_rerun_equals_uninterrupted(small_cache, exporte
     assert "2 kept from an earlier run" in out and "allocated on disk" in out
     assert _files(dst) == _files(exported)
     code, out, _ = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "5")
-    assert code == 0 and f"{len(layout.shard_indices(dst))} kept" in out  # complete: nothing redone
+    assert code == 0 and f"{len(nemo_format.shard_indices(dst))} kept" in out  # complete: nothing redone
 
 
 def _flip_last_byte(path: str) -> None:

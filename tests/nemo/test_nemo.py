@@ -1,4 +1,4 @@
-"""``dspark_cache.nemo``: NeMo 0.7.0's recipe calls, checked against a NeMo-layout cache of the same samples."""
+"""``dspark_cache.nemo``: NeMo 0.7.0's recipe calls, checked against a NeMo cache of the same samples."""
 
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ def test_missing_cache_is_file_not_found(tmp_path):
         dn.read_target_weight_modules(str(tmp_path))
 
 
-def test_nemo_layout_with_another_version_is_refused_as_nemo_does(nemo_cache, tmp_path):
+def test_nemo_cache_with_another_version_is_refused_as_nemo_does(nemo_cache, tmp_path):
     copy = _copy(nemo_cache, tmp_path)
-    os.unlink(os.path.join(copy, "manifest.json"))  # shards but no manifest: NeMo's layout, unreadable
+    os.unlink(os.path.join(copy, "manifest.json"))  # shards but no manifest: NeMo's format, unreadable
     with pytest.raises(FileNotFoundError, match="manifest not found"):
         dn.read_manifest(copy)
 

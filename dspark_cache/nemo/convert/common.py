@@ -16,7 +16,7 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.weights import TargetWeightsError, WeightsFile, check_target_weights
-from dspark_cache.nemo import layout
+from dspark_cache.nemo import nemo_format
 from dspark_cache.producer.layout import check_layout, remove_files, written_files
 from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
 
@@ -150,7 +150,7 @@ def _destination_entries(root: str) -> list[os.DirEntry]:
     paths = CachePaths(root)
     top = {os.path.basename(paths.manifest), os.path.basename(paths.target_weights)}
     out = [entry for entry in _scan(root)
-           if entry.name in top or layout.SHARD_RE.match(entry.name) or layout.is_leftover(entry.name)]
+           if entry.name in top or nemo_format.SHARD_RE.match(entry.name) or nemo_format.is_leftover(entry.name)]
     if not os.path.islink(paths.shards_dir):  # a linked shards/ is refused by check_layout, never entered
         out += [entry for entry in _scan(paths.shards_dir) if entry.name.startswith("shard-")]
     return out
@@ -184,7 +184,7 @@ def remove_partials(root: str) -> None:
         os.unlink(leftover)
     names = os.listdir(root) if os.path.isdir(root) else []
     for name in names:
-        if layout.is_leftover(name):  # an interrupted conversion's, in DST's top level
+        if nemo_format.is_leftover(name):  # an interrupted conversion's, in DST's top level
             os.unlink(os.path.join(root, name))
 
 
@@ -194,8 +194,8 @@ def clear_destination(root: str) -> None:
     paths = CachePaths(root)
     check_layout(paths)
     remove_files(written_files(paths))
-    for index in layout.shard_indices(root):
-        os.unlink(layout.shard_path(root, index))
+    for index in nemo_format.shard_indices(root):
+        os.unlink(nemo_format.shard_path(root, index))
     remove_partials(root)
     for sub in (paths.shards_dir, paths.status_dir, paths.events_dir):
         try:

@@ -18,7 +18,7 @@ import torch
 from dspark_cache.format.files import FileTooLargeError, NotARegularFileError, read_regular
 from dspark_cache.format.layers import validate_target_layer_ids
 from dspark_cache.format.validate import MAX_MANIFEST_BYTES
-from dspark_cache.nemo import layout
+from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert.common import ConvertError, ConvertUsageError
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
 
@@ -72,7 +72,7 @@ class NemoSource:
 
     @property
     def dtype(self) -> torch.dtype:
-        return layout.DTYPES[self.manifest["dtype"]]
+        return nemo_format.DTYPES[self.manifest["dtype"]]
 
     @property
     def num_shards(self) -> int:
@@ -80,10 +80,10 @@ class NemoSource:
 
     @property
     def manifest_path(self) -> str:
-        return layout.manifest_path(self.root)
+        return nemo_format.manifest_path(self.root)
 
     def shard_file(self, shard: int) -> str:
-        return layout.shard_path(self.root, shard)
+        return nemo_format.shard_path(self.root, shard)
 
     def rows(self, shard: int) -> range:
         """Sample ids (= NeMo indices) held by ``shard``."""
@@ -111,7 +111,7 @@ class NemoSource:
                 got = handle.tensors.get(key)
                 if got is None:
                     raise ConvertError(f"{handle.path}: no {key} tensor; a NeMo DSpark shard holds "
-                                       f"{', '.join(layout.CACHE_KEYS)}")
+                                       f"{', '.join(nemo_format.CACHE_KEYS)}")
                 if got.dtype != dtype or got.shape != shape:
                     raise ConvertError(f"{handle.path}: {key} is {got.dtype} {list(got.shape)}, but "
                                        f"{self.manifest_path} implies {dtype} {list(shape)} for shard {shard}")
@@ -136,8 +136,8 @@ def _check_fields(path: str, manifest: dict[str, Any]) -> None:
     if manifest.get("train_split") is not None and not isinstance(manifest["train_split"], str):
         raise ConvertError(f"{path}: field train_split must be a string or null, "
                            f"found {manifest['train_split']!r:.100}")
-    if manifest["dtype"] not in layout.DTYPES:
-        raise ConvertError(f"{path}: dtype {manifest['dtype']!r} is not one of {sorted(layout.DTYPES)}")
+    if manifest["dtype"] not in nemo_format.DTYPES:
+        raise ConvertError(f"{path}: dtype {manifest['dtype']!r} is not one of {sorted(nemo_format.DTYPES)}")
     small = [name for name in _POSITIVE_FIELDS if manifest[name] < 1]
     if small or manifest["num_samples"] < 0 or manifest["seq_length"] > _INT32_MAX:
         raise ConvertError(f"{path}: {', '.join(small) or 'seq_length or num_samples'} out of range: "
@@ -163,7 +163,7 @@ def _check_complete(source: NemoSource) -> None:
             f"writing {source.root} (interrupted or still running). Re-run it with the same configuration until "
             "it completes, then convert"
         )
-    found = layout.shard_indices(source.root)
+    found = nemo_format.shard_indices(source.root)
     # num_shards comes from the manifest and may be a lie of 10^12: only the listing sizes anything.
     if len(found) != source.num_shards or found != list(range(len(found))):
         present = set(found)
@@ -184,7 +184,7 @@ def _check_complete(source: NemoSource) -> None:
 def _check_manifest_file(src: str) -> None:
     """SRC's ``manifest.json``, where there is one, must be a plain JSON object a manifest's size:
     a FIFO would block the read, ``/dev/zero`` feed it without end, deep nesting crash the parser."""
-    path = layout.manifest_path(src)
+    path = nemo_format.manifest_path(src)
     try:
         data = read_regular(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
@@ -208,18 +208,18 @@ def open_nemo_source(src: str) -> NemoSource:
     """Open ``src`` as a complete NeMo cache, or raise a :class:`ConvertError` saying what to do
     (a :class:`ConvertUsageError` when ``src`` is not in NeMo's layout at all)."""
     _check_manifest_file(src)
-    if not layout.is_nemo_layout(src):
+    if not nemo_format.is_nemo_cache(src):
         raise ConvertUsageError(f"{src} is not a NeMo-layout cache (no manifest.json with format_version 1); "
                                 "to export a dspark cache use --to nemo")
     try:
-        manifest = layout.read_manifest(src, allow_incomplete=True)
+        manifest = nemo_format.read_manifest(src, allow_incomplete=True)
     except FileNotFoundError as exc:
         raise ConvertError(str(exc)) from exc
     except (ValueError, UnicodeDecodeError) as exc:  # JSON syntax errors are ValueErrors too
-        raise ConvertError(f"{layout.manifest_path(src)}: {exc}") from exc
+        raise ConvertError(f"{nemo_format.manifest_path(src)}: {exc}") from exc
     except AttributeError as exc:  # valid JSON, but not an object
-        raise ConvertError(f"{layout.manifest_path(src)}: not a JSON object") from exc
-    _check_fields(layout.manifest_path(src), manifest)
+        raise ConvertError(f"{nemo_format.manifest_path(src)}: not a JSON object") from exc
+    _check_fields(nemo_format.manifest_path(src), manifest)
     source = NemoSource(src, manifest)
     _check_complete(source)
     for shard in range(source.num_shards):  # every header before anything is sized by num_samples

@@ -28,7 +28,7 @@ from dspark_cache.format.schema import Manifest, SkippedRow, decode_manifest, id
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
 from dspark_cache.format.validate import MAX_MANIFEST_BYTES, token_problem
-from dspark_cache.nemo import layout
+from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert.common import (
     ConvertError, ConvertResult, Progress, check_destination_files, check_paths, clear_destination, ensure_weights,
     file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
@@ -118,11 +118,11 @@ def _existing_manifest(paths: CachePaths, new: Manifest, overwrite: bool) -> Man
         clear_destination(paths.root)
         return None
     if not os.path.exists(paths.manifest):
-        if paths.indexed_shard_ids() or layout.shard_indices(paths.root):
+        if paths.indexed_shard_ids() or nemo_format.shard_indices(paths.root):
             raise ConvertError(f"{paths.root} holds shards but no manifest.json, so they cannot be verified; "
                                "pass --overwrite to replace them, or choose another DST")
         return None
-    if layout.is_nemo_layout(paths.root):
+    if nemo_format.is_nemo_cache(paths.root):
         raise ConvertError(f"{paths.root} holds a NeMo-layout cache; pass --overwrite to replace it, or choose "
                            "another DST")
     try:
@@ -233,7 +233,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     started = time.perf_counter()
     check_paths(src, dst)
     source = open_nemo_source(src)
-    weights = require_weights(layout.target_weights_path(src), source.vocab_size, source.hidden_size)
+    weights = require_weights(nemo_format.target_weights_path(src), source.vocab_size, source.hidden_size)
     rule = resolve_pad_rule(source.manifest["target_model"], source.manifest_path, pad_token_id, eos_token_id,
                             source.vocab_size)
     shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, dtype_code(source.dtype))
@@ -249,7 +249,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
         kept, finished = _reconcile(paths, source, plan, manifest, overwrite)
         if not finished:
             write_manifest(paths, manifest)  # complete: false, before the first shard
-        ensure_weights(layout.target_weights_path(src), paths.target_weights, weights)
+        ensure_weights(nemo_format.target_weights_path(src), paths.target_weights, weights)
         progress_log = Progress(source.num_shards, source.shard_bytes(), progress)
         progress_log.kept(len(kept), sum(os.path.getsize(source.shard_file(k)) for k in kept))
         for shard in (k for k in range(source.num_shards) if k not in kept):

@@ -34,7 +34,7 @@ from dspark_cache.format.faults import crash_point
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.loader.cache import Cache, open_cache
-from dspark_cache.nemo import layout
+from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert.common import (
     ConvertError, ConvertResult, ConvertUsageError, Progress, check_destination_files, check_paths, clear_destination,
     ensure_weights, file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
@@ -47,10 +47,10 @@ Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
 def nemo_manifest(cache: Cache, shard_size: int) -> dict:
-    """Exactly NeMo's manifest fields (``layout.MANIFEST_FIELDS``) for the export of ``cache`` (the
+    """Exactly NeMo's manifest fields (``nemo_format.MANIFEST_FIELDS``) for the export of ``cache`` (the
     dtype its samples are read as: an FP8 cache's dequantised one)."""
     ours = msgspec.structs.asdict(cache.manifest)
-    fields = {name: ours[name] for name in layout.MANIFEST_FIELDS}
+    fields = {name: ours[name] for name in nemo_format.MANIFEST_FIELDS}
     fields.update(num_samples=len(cache), shard_size=shard_size)
     if cache.out_code is not None:
         fields["dtype"] = {code: name for name, code in CACHE_DTYPES.items()}[cache.out_code]
@@ -59,7 +59,7 @@ def nemo_manifest(cache: Cache, shard_size: int) -> dict:
 
 def shard_specs(manifest: dict, rows: int) -> list[Spec]:
     """The four tensors of a shard of ``rows`` samples, in the order ``save_file`` writes them."""
-    seq, dtype = manifest["seq_length"], layout.DTYPES[manifest["dtype"]]
+    seq, dtype = manifest["seq_length"], nemo_format.DTYPES[manifest["dtype"]]
     return [("input_ids", torch.int64, (rows, seq)), ("loss_mask", torch.int64, (rows, seq)),
             ("target_hidden_states", dtype, (rows, seq, manifest["target_hidden_dim"])),
             ("target_last_hidden_states", dtype, (rows, seq, manifest["target_last_hidden_dim"]))]
@@ -82,16 +82,16 @@ def _existing_manifest(dst: str, new: dict, overwrite: bool) -> dict | None:
     if overwrite:
         clear_destination(dst)
         return None
-    path = layout.manifest_path(dst)
+    path = nemo_format.manifest_path(dst)
     if not os.path.exists(path):
-        if layout.shard_indices(dst) or CachePaths(dst).indexed_shard_ids():
+        if nemo_format.shard_indices(dst) or CachePaths(dst).indexed_shard_ids():
             raise ConvertError(f"{dst} holds shards but no manifest.json, so they cannot be verified; pass "
                                "--overwrite to replace them, or choose another DST")
         return None
-    if not layout.is_nemo_layout(dst):
+    if not nemo_format.is_nemo_cache(dst):
         raise ConvertError(f"{path} is not a NeMo manifest (a dspark cache, or unreadable); pass --overwrite to "
                            "replace that cache, or choose another DST")
-    old = layout.read_manifest(dst, allow_incomplete=True)
+    old = nemo_format.read_manifest(dst, allow_incomplete=True)
     # NeMo's own resume rule: every field but the bookkeeping ones must match.
     diff = [k for k in sorted(old.keys() | new.keys())
             if k not in ("format_version", "complete") and old.get(k) != new.get(k)]
@@ -116,7 +116,7 @@ def _write_row(fd: int, ranges: dict[str, TensorRange], row: int, sample: dict, 
 def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec], pad_id: int) -> None:
     header, ranges = header_bytes(specs)
     seq = specs[0][2][1]
-    partial = layout.partial_path(path)
+    partial = nemo_format.partial_path(path)
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         pwrite_all(fd, [memoryview(header)], 0)
@@ -140,7 +140,7 @@ def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec
 
 
 def _open_source(src: str, dtype: str | None) -> Cache:
-    if layout.is_nemo_layout(src):
+    if nemo_format.is_nemo_cache(src):
         raise ConvertUsageError(f"{src} is already a NeMo-layout cache; to import it use --to dspark")
     try:
         cache = open_cache(src, dtype=dtype)
@@ -159,11 +159,11 @@ def _reconcile(dst: str, manifest: dict, shards: list[list[int]], overwrite: boo
     check_destination_files(dst, overwrite)
     existing = _existing_manifest(dst, manifest, overwrite)
     remove_partials(dst)
-    for stale in layout.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
+    for stale in nemo_format.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
         if stale >= len(shards):
-            os.unlink(layout.shard_path(dst, stale))
-    kept = {k for k, rows in enumerate(shards) if os.path.exists(layout.shard_path(dst, k))
-            and _shard_is_complete(layout.shard_path(dst, k), shard_specs(manifest, len(rows)))}
+            os.unlink(nemo_format.shard_path(dst, stale))
+    kept = {k for k, rows in enumerate(shards) if os.path.exists(nemo_format.shard_path(dst, k))
+            and _shard_is_complete(nemo_format.shard_path(dst, k), shard_specs(manifest, len(rows)))}
     return kept, existing is not None and existing.get("complete") is True and len(kept) == len(shards)
 
 
@@ -189,20 +189,20 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         producer_lock = lock_cache(CachePaths(dst), required=False)  # DST may hold our layout (--overwrite)
         kept, finished = _reconcile(dst, manifest, shards, overwrite)
         if not finished:
-            layout.write_manifest(dst, {**manifest, "complete": False})
-        ensure_weights(CachePaths(src).target_weights, layout.target_weights_path(dst), weights)
+            nemo_format.write_manifest(dst, {**manifest, "complete": False})
+        ensure_weights(CachePaths(src).target_weights, nemo_format.target_weights_path(dst), weights)
         out_bytes = [file_size(shard_specs(manifest, len(rows))) for rows in shards]
         progress_log = Progress(len(shards), sum(out_bytes), progress)
         progress_log.kept(len(kept), sum(out_bytes[k] for k in kept))
         for k in (k for k in range(len(shards)) if k not in kept):
             try:
-                _write_shard(cache, shards[k], layout.shard_path(dst, k), shard_specs(manifest, len(shards[k])),
+                _write_shard(cache, shards[k], nemo_format.shard_path(dst, k), shard_specs(manifest, len(shards[k])),
                              cache.manifest.pad_token_id)
             except CorruptShardError as exc:  # names the source shard and sample; published shards stay
                 raise ConvertError(str(exc)) from exc
             progress_log.shard_done(k, len(shards[k]), out_bytes[k])
         if not finished:
-            layout.write_manifest(dst, {**manifest, "complete": True})
+            nemo_format.write_manifest(dst, {**manifest, "complete": True})
     finally:
         if producer_lock is not None:
             producer_lock.release()
@@ -211,7 +211,7 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
     paths = CachePaths(src)
     before = file_bytes([p for s in cache.shards
                          for p in (paths.shard_tar(s.shard_id), paths.shard_index(s.shard_id))])
-    written = [layout.shard_path(dst, k) for k in range(len(shards))]
+    written = [nemo_format.shard_path(dst, k) for k in range(len(shards))]
     return ConvertResult("nemo", total, len(shards), len(kept), before, file_bytes(written),
                          time.perf_counter() - started, cache.manifest.pad_token_id,
                          allocated_after=sum(os.stat(p).st_blocks * 512 for p in written))

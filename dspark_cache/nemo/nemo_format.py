@@ -1,4 +1,4 @@
-"""NeMo Automodel 0.7.0's own DSpark cache layout: the one place that knows its files and fields.
+"""NeMo Automodel 0.7.0's own DSpark cache format: the one place that knows its files and fields.
 
 A NeMo cache is a directory with ``manifest.json`` (``format_version: 1``), the target's
 ``target_weights.safetensors`` and ``shard-NNNNNN.safetensors`` files, each holding the four
@@ -19,7 +19,6 @@ from typing import Any, Iterable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dspark_cache.format import weights
 from dspark_cache.format.atomic import atomic_write_bytes
@@ -64,12 +63,12 @@ def shard_path(cache_dir: str, shard_index: int) -> str:
 
 
 def partial_path(path: str) -> str:
-    """Where a file of this layout is written before it is renamed into place (never read)."""
+    """Where a file of this format is written before it is renamed into place (never read)."""
     return path + PARTIAL_SUFFIX
 
 
 def is_leftover(name: str) -> bool:
-    """A half-written file of this layout (a shard or the weights) or an atomic manifest write."""
+    """A half-written file of this format (a shard or the weights) or an atomic manifest write."""
     return bool(_LEFTOVER_RE.match(name))
 
 
@@ -91,8 +90,8 @@ def _raw_manifest(cache_dir: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def is_nemo_layout(cache_dir: str) -> bool:
-    """True for a directory in NeMo's layout: its manifest says ``format_version: 1`` (the integer;
+def is_nemo_cache(cache_dir: str) -> bool:
+    """True for a directory in NeMo's format: its manifest says ``format_version: 1`` (the integer;
     ours is a string), or it has NeMo shard files and no manifest of any kind."""
     manifest = _raw_manifest(cache_dir)
     if manifest is not None:
@@ -158,14 +157,6 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(manifest_path(cache_dir), text.encode())
 
 
-def write_shard(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one NeMo shard (exactly ``CACHE_KEYS``, no metadata) to ``path``."""
-    missing = [key for key in CACHE_KEYS if key not in tensors]
-    if missing:
-        raise ValueError(f"a NeMo DSpark shard needs {missing} as well")
-    save_file({key: tensors[key].contiguous() for key in CACHE_KEYS}, path)
-
-
 def read_target_weights(path: str, vocab_size: int | None = None, hidden_size: int | None = None,
                         xxh3: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(embed_tokens.weight, lm_head.weight)`` from a ``target_weights.safetensors`` file, checked
@@ -196,7 +187,7 @@ def _weight(data: bytearray, tensor: weights.WeightTensor) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype, count=count, offset=tensor.start).view(tensor.shape)
 
 
-def nemo_weight_shape(cache_dir: str) -> tuple[int | None, int | None]:
+def weight_shape(cache_dir: str) -> tuple[int | None, int | None]:
     """``(target_vocab_size, hidden_size)`` from a NeMo cache's manifest, where it records them."""
     manifest = _raw_manifest(cache_dir) or {}
     vocab, hidden = manifest.get("target_vocab_size"), manifest.get("hidden_size")
@@ -204,7 +195,7 @@ def nemo_weight_shape(cache_dir: str) -> tuple[int | None, int | None]:
 
 
 class NemoCacheDataset(torch.utils.data.Dataset):
-    """Samples of a NeMo-layout cache by index: each a dict of the four padded ``CACHE_KEYS`` tensors.
+    """Samples of a NeMo cache by index: each a dict of the four padded ``CACHE_KEYS`` tensors.
 
     Validates as NeMo's ``CachedDSparkDataset`` does (version, contiguous shards, complete) and
     opens each shard lazily, once.
