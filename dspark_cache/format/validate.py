@@ -22,7 +22,7 @@ from dspark_cache.format.sample import (
     fp8_bad_codes, fp8_bad_scales, fp8_code_reason, fp8_scale_reason, is_fp8,
 )
 from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, Manifest, ShardIndex
-from dspark_cache.format.tar.layout import END_OF_ARCHIVE, TAR_BLOCK, block_padding
+from dspark_cache.format.tar.members import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
 MAX_MANIFEST_BYTES = 256 << 20  # the skipped-row list of a huge input stays far below
 MAX_INDEX_BYTES = 256 << 20  # ~60 bytes per sample

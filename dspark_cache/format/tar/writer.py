@@ -14,7 +14,7 @@ from dspark_cache.format.faults import check_write_budget, crash_point
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import TensorSpec, payload_buffers
 from dspark_cache.format.schema import SampleEntry, ShardIndex, encode_json
-from dspark_cache.format.tar.layout import (
+from dspark_cache.format.tar.members import (
     END_OF_ARCHIVE,
     TarCursor,
     block_padding,

@@ -23,7 +23,7 @@ import numpy as np
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.plan import PLAN_SAMPLE
 from dspark_cache.format.schema import SkippedRow
-from dspark_cache.format.tar.layout import END_OF_ARCHIVE, TAR_BLOCK, block_padding
+from dspark_cache.format.tar.members import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
 __all__ = ["MAX_PAD_FRACTION", "Plan", "PlannedSample", "SampleShape", "ShardPlan", "TokenStore",
            "build_plan", "length_grouped_batches", "padding_waste", "plan_from_rows", "whole_batch_shards"]

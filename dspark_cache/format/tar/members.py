@@ -1,4 +1,4 @@
-"""Byte placement of members in a shard tar, shared by the writer and by size planning."""
+"""A shard tar's members: names, headers and byte placement, shared by the writer and by size planning."""
 
 from __future__ import annotations
 
