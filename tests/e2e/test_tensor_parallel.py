@@ -14,10 +14,10 @@ import signal
 import pytest
 
 import dspark_cache
-from dspark_cache.producer.config import ProduceConfig
-from dspark_cache.producer.device.topology import Layout, ParallelError, check_target, layout_for, target_problem
+from dspark_cache.producer.device.model_group import check_target, target_problem
+from dspark_cache.producer.device.topology import ParallelError, Topology, check_topology
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args, run_produce
+from tests.support.produce import produce_args, run_produce
 from tests.support.proc import BIN, assert_same_samples, events, free_port, producer_cmd, published, run, start, wait_for
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
@@ -232,25 +232,29 @@ def test_usage_errors_name_the_launch():
     assert proc.returncode == 2 and "not whole model-parallel groups of 3" in proc.stderr
 
 
-def _cfg(**kw) -> ProduceConfig:
-    return ProduceConfig(target_model="t", input_data="d", output_dir="o", **kw)
-
-
-def test_layouts():
-    layout = layout_for(_cfg(tp_size=2), rank=5, world_size=8, local_world_size=8)
-    assert (layout.groups, layout.group, layout.writer, layout.ranks(), layout.partners()) == (4, 2, False, [4, 5], [4])
-    assert layout_for(_cfg(ep_size=4), 0, 4, 4) == Layout(0, 4, 1, 4)  # experts and attention over 4 ranks
-    assert layout_for(_cfg(ep_size=4), 0, 4, 4).size == 4
-    for cfg, world, local, words in [
-        (_cfg(tp_size=2, ep_size=4), 4, 4, "--ep-size must equal --tp-size"),
-        (_cfg(tp_size=3), 4, 4, "not whole model-parallel groups of 3"),
-        (_cfg(tp_size=2, device_map="auto"), 2, 2, "does not combine"),
-        (_cfg(device_map="auto"), 2, 2, "--nproc_per_node 1"),
-        (_cfg(tp_size=0), 1, 1, "must be >= 1"),
+def test_topologies(monkeypatch):
+    for name, value in (("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_WORLD_SIZE", "8")):
+        monkeypatch.setenv(name, value)
+    topology = Topology.from_environment(tp_size=2)
+    assert topology == Topology(rank=5, world_size=8, local_world_size=8, tp_size=2)
+    check_topology(topology)
+    assert (topology.groups, topology.group, topology.writer, topology.group_ranks(), topology.partners()) == \
+        (4, 2, False, [4, 5], [4])
+    experts = Topology(rank=0, world_size=4, local_world_size=4, ep_size=4)
+    check_topology(experts)
+    assert experts.group_size == 4  # experts and attention over 4 ranks
+    for (tp, ep, device_map), world, local, words in [
+        ((2, 4, None), 4, 4, "--ep-size must equal --tp-size"),
+        ((3, 1, None), 4, 4, "not whole model-parallel groups of 3"),
+        ((2, 1, "auto"), 2, 2, "does not combine"),
+        ((1, 1, "auto"), 2, 2, "--nproc_per_node 1"),
+        ((0, 1, None), 1, 1, "must be >= 1"),
     ]:
         with pytest.raises(ParallelError, match=words):
-            layout_for(cfg, 0, world, local)
-    assert layout_for(_cfg(device_map="auto"), 1, 2, 1).size == 1  # one rank per node, each node's GPUs
+            check_topology(Topology(0, world, local, tp, ep), device_map=device_map)
+    spread = Topology(rank=1, world_size=2, local_world_size=1)
+    check_topology(spread, device_map="auto")
+    assert spread.group_size == 1  # one rank per node, each node's GPUs
 
 
 def test_targets_that_cannot_be_split_are_named_from_their_config(embedded):
@@ -265,4 +269,4 @@ def test_targets_that_cannot_be_split_are_named_from_their_config(embedded):
     assert "6 experts do not divide over --ep-size 4" in target_problem(moe, 4, 4)
     assert target_problem(moe, 2, 2) is None and target_problem(dense, 2, 1) is None
     with pytest.raises(ParallelError, match="2 key/value heads do not divide over 4"):
-        check_target(embedded.stock, Layout(0, 4, 4))  # the embedded target: 4 heads, 2 KV heads
+        check_target(embedded.stock, Topology(0, 4, tp_size=4))  # the embedded target: 4 heads, 2 KV heads

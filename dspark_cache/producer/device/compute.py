@@ -1,6 +1,6 @@
 """Computing: load the target on this rank's device and run the pipeline over the shards it owns.
 
-Under ``--tp-size``/``--ep-size`` the shards are a model-parallel group's (see ``parallel``): every
+Under ``--tp-size``/``--ep-size`` the shards are a model-parallel group's (see ``model_group``): every
 rank of the group loads its slice of the target and runs the same forwards, batch for batch, but
 only the group's writer stages and writes; the others run :func:`_follow_shards`.
 """
@@ -23,19 +23,20 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.format.weights import weights_problem
-from dspark_cache.producer.device.ranks import RankInfo, job_store
-from dspark_cache.producer.manifest import write_manifest
-from dspark_cache.producer.device.topology import (
-    GroupSync, Layout, PartnerWatch, distributed_config, group_error, join_group, leave_group,
+from dspark_cache.producer.device.model_group import (
+    GroupSync, PartnerWatch, distributed_config, group_error, join_group, leave_group,
 )
+from dspark_cache.producer.device.ranks import job_store
+from dspark_cache.producer.device.target import TargetRunner
+from dspark_cache.producer.device.topology import Topology
+from dspark_cache.producer.manifest import write_manifest
 from dspark_cache.producer.pipeline.loop import PipelineStats, collate, run_pipeline
 from dspark_cache.producer.plan.batches import ShardPlan
 from dspark_cache.producer.prepare import Prepared
 from dspark_cache.producer.report.progress import ProgressLog
-from dspark_cache.producer.resume import bytes_missing
 from dspark_cache.producer.report.signals import StopFlag
 from dspark_cache.producer.report.status import StatusReporter
-from dspark_cache.producer.device.target import TargetRunner
+from dspark_cache.producer.resume import bytes_missing
 
 log = logging.getLogger(__name__)
 
@@ -99,53 +100,53 @@ def ensure_target_weights(p: Prepared, runner: TargetRunner | None, write: bool 
     return True
 
 
-def write_missing_target_weights(p: Prepared, layout: Layout, status: StatusReporter, run_id: str) -> bool:
+def write_missing_target_weights(p: Prepared, topology: Topology, status: StatusReporter, run_id: str) -> bool:
     """Group 0 writes the target weights when they are missing or damaged after its shards (it had
     none to compute, or a rerun found the cache's shards done). Returns whether this rank wrote them."""
-    if layout.group != 0 or weights_problem(p.paths, p.manifest) is None:
+    if topology.group != 0 or weights_problem(p.paths, p.manifest) is None:
         return False
-    if not layout.sharded:
+    if not topology.model_parallel:
         return ensure_target_weights(p, None)
-    with _model_group(p, layout, status, run_id):
-        return ensure_target_weights(p, load_runner(p, distributed_config(layout)), write=layout.writer)
+    with _model_group(p, topology, status, run_id):
+        return ensure_target_weights(p, load_runner(p, distributed_config(topology)), write=topology.writer)
 
 
-def repair_complete_weights(p: Prepared, existing: Manifest, layout: Layout, status: StatusReporter,
+def repair_complete_weights(p: Prepared, existing: Manifest, topology: Topology, status: StatusReporter,
                             run_id: str) -> None:
     """A complete cache whose weights file is missing or damaged: rewrite it (the target is loaded
     for its two weight matrices only, no shard is recomputed) and record its new checksum."""
-    if write_missing_target_weights(p, layout, status, run_id):
+    if write_missing_target_weights(p, topology, status, run_id):
         existing.target_weights_xxh3 = p.manifest.target_weights_xxh3
         write_manifest(p.paths, existing)
         status.event(EventKind.WARNING, f"{p.paths.target_weights} was rewritten (it was missing or damaged)")
 
 
 def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag,
-                   layout: Layout | None = None, run_id: str = "") -> Computed:
+                   topology: Topology | None = None, run_id: str = "") -> Computed:
     """Load the target and compute this rank's shards (its group's, under ``--tp-size``/``--ep-size``),
     reporting as each batch and shard lands.
 
     Group 0 (rank 0 without model parallelism) extracts the target weights: one file per job.
     """
-    layout = layout or Layout(0, 1)
+    topology = topology or Topology()
     status.update(force=True, state=RankState.LOADING)
-    if not layout.sharded:
+    if not topology.model_parallel:
         runner = _loaded(p, status, None)
         if p.cfg.device_map is not None:  # the pipeline works where the spread-out decoder leaves its output
             p = dataclasses.replace(p, device=runner.device)
-        if layout.group == 0:
+        if topology.group == 0:
             ensure_target_weights(p, runner)
         stats, _ = _write_shards(p, owned, status, stop, runner.forward)
         return Computed(stats)
-    with _model_group(p, layout, status, run_id) as sync:
-        runner = _loaded(p, status, distributed_config(layout))
-        if layout.group == 0:
-            ensure_target_weights(p, runner, write=layout.writer)
-        if not layout.writer:
+    with _model_group(p, topology, status, run_id) as sync:
+        runner = _loaded(p, status, distributed_config(topology))
+        if topology.group == 0:
+            ensure_target_weights(p, runner, write=topology.writer)
+        if not topology.writer:
             return _follow_shards(p, owned, status, stop, runner, sync)
         try:
             stats, group_stopped = _write_shards(p, owned, status, stop, _agreed(runner, sync),
-                                                 f" as the writer of model-parallel group {layout.group}")
+                                                 f" as the writer of model-parallel group {topology.group}")
         finally:
             sync.close()
         return Computed(stats, group_stopped)
@@ -170,7 +171,7 @@ def _device_memory(cfg: Any, device: torch.device) -> int | None:
 
 
 def _agreed(runner: TargetRunner, sync: GroupSync) -> Forward:
-    """The writer's forward: the group agrees on each batch first (see ``parallel.GroupSync``)."""
+    """The writer's forward: the group agrees on each batch first (see ``model_group.GroupSync``)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> Any:
         if not sync.vote(True):
@@ -271,27 +272,27 @@ def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
 
 
 @contextmanager
-def _model_group(p: Prepared, layout: Layout, status: StatusReporter, run_id: str) -> Iterator[GroupSync]:
+def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id: str) -> Iterator[GroupSync]:
     """This rank inside its model-parallel group, watched: a partner that fails, dies or falls silent
     ends this rank too (never a hang), and a collective that fails because of one says so."""
-    sync = join_group(layout, p.device, job_store(RankInfo(layout.rank, layout.world_size)))
+    sync = join_group(topology, p.device, job_store(topology))
 
     def abandon(reason: str) -> None:  # the watch thread: this rank is stuck in a collective
-        error = group_error(reason, layout)
+        error = group_error(reason, topology)
         log.error("%s", error)
         status.update(force=True, state=RankState.FAILED, last_error=str(error))
         status.event(EventKind.ERROR, str(error))
         logging.shutdown()
         os._exit(1)  # the main thread cannot be woken from a collective; the group's shards wait for a rerun
 
-    watch = PartnerWatch(p.paths, layout, run_id, p.cfg.rank_timeout, abandon)
+    watch = PartnerWatch(p.paths, topology, run_id, p.cfg.rank_timeout, abandon)
     watch.start()
     try:
         yield sync
     except RuntimeError as exc:  # how a collective fails (gloo at once, NCCL at its timeout)
         reason = watch.wait_gone()
         if reason is not None:
-            raise group_error(reason, layout) from exc
+            raise group_error(reason, topology) from exc
         raise
     finally:
         watch.stop()

@@ -1,4 +1,4 @@
-"""Many producer ranks (``torchrun``), one cache: deterministic shard ownership, no shared file.
+"""The job's ranks with each other: one store, one set-up agreement, votes, who owns which shard.
 
 Ranks exchange no tensors: every rank plans the same plan, rank 0 prepares the directory and
 broadcasts the outcome once (over gloo, on CPU, whatever the device), then the process group
@@ -6,20 +6,18 @@ is released. From there each rank writes only its own shards, status and events,
 that dies cannot block the others in a collective; they finish their shards, wait for the
 owners of the rest while those heartbeat, and name what is missing if an owner is gone.
 
-With ``--tp-size``/``--ep-size`` the unit is a model-parallel group instead of a rank (see
-``parallel``): its ranks meet in collectives of their own, through the job's rendezvous store,
-which is kept for them after the set-up group is released.
+With ``--tp-size``/``--ep-size`` the owner is a model-parallel group instead of a rank (see
+``model_group``): its ranks meet in collectives of their own, through the job's rendezvous
+store, which is kept for them after the set-up group is released.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -27,28 +25,27 @@ import torch
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import RankState, RankStatus
 from dspark_cache.format.status import rank_is_live, read_rank_statuses
-from dspark_cache.producer.plan.batches import ShardPlan
+from dspark_cache.producer.device.topology import Topology
 
 _PAYLOAD_BYTES = 65536
 _SETUP_TIMEOUT = timedelta(minutes=60)
 _store: Any = None  # the job's rendezvous store: the set-up group's, then the model-parallel groups'
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world_size: int
+class Shard(Protocol):
+    """What owning a shard needs to know of it."""
 
     @property
-    def is_leader(self) -> bool:
-        return self.rank == 0
+    def shard_id(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
-def rank_info() -> RankInfo:
-    return RankInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+S = TypeVar("S", bound=Shard)
 
 
-def job_store(info: RankInfo) -> Any:
+def job_store(topology: Topology) -> Any:
     """The job's rendezvous store (torchrun's, or rank 0's from ``MASTER_ADDR``/``MASTER_PORT``).
 
     Kept for the life of the process: rank 0 may host it, and model-parallel groups meet through
@@ -58,61 +55,61 @@ def job_store(info: RankInfo) -> Any:
     if _store is None:
         import torch.distributed as dist
 
-        _store, _, _ = next(dist.rendezvous("env://", rank=info.rank, world_size=info.world_size,
+        _store, _, _ = next(dist.rendezvous("env://", rank=topology.rank, world_size=topology.world_size,
                                             timeout=_SETUP_TIMEOUT))
     return _store
 
 
-def init_group(info: RankInfo) -> None:
+def _init_group(topology: Topology) -> None:
     import torch.distributed as dist
 
-    if info.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.PrefixStore("dspark-setup", job_store(info)), rank=info.rank,
-                                world_size=info.world_size, timeout=_SETUP_TIMEOUT)
+    if topology.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.PrefixStore("dspark-setup", job_store(topology)),
+                                rank=topology.rank, world_size=topology.world_size, timeout=_SETUP_TIMEOUT)
 
 
 def new_run_id() -> str:
     return secrets.token_hex(8)
 
 
-def share_setup(info: RankInfo, error: str | None, run_id: str) -> tuple[str | None, str]:
+def share_setup(topology: Topology, error: str | None, run_id: str) -> tuple[str | None, str]:
     """Rank 0's set-up outcome and run id, known to every rank; then the group is released.
 
     Returns ``(error or None, run_id)``. Other ranks pass ``error=None``; their ``run_id`` is replaced.
     """
     payload = json.dumps({"error": error, "run_id": run_id})
-    if info.world_size == 1:
+    if topology.world_size == 1:
         return error, run_id
     import torch.distributed as dist
 
-    shared = json.loads(all_texts(info, payload if info.is_leader else "")[0])
+    shared = json.loads(all_texts(topology, payload if topology.is_leader else "")[0])
     dist.destroy_process_group()
     return shared["error"], shared["run_id"]
 
 
-def all_true(info: RankInfo, flag: bool) -> bool:
+def all_true(topology: Topology, flag: bool) -> bool:
     """True when ``flag`` is true on every rank (a collective: every rank must call it)."""
-    if info.world_size == 1:
+    if topology.world_size == 1:
         return flag
     import torch.distributed as dist
 
-    init_group(info)
+    _init_group(topology)
     value = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
 
 
-def all_texts(info: RankInfo, text: str) -> list[str]:
+def all_texts(topology: Topology, text: str) -> list[str]:
     """Every rank's ``text`` (at most ~64 KiB each), in rank order (a collective)."""
-    if info.world_size == 1:
+    if topology.world_size == 1:
         return [text]
     import torch.distributed as dist
 
-    init_group(info)
+    _init_group(topology)
     raw = text.encode()[: _PAYLOAD_BYTES - 8]
     mine = torch.zeros(_PAYLOAD_BYTES, dtype=torch.uint8)
     mine.numpy()[: 8 + len(raw)] = np.frombuffer(len(raw).to_bytes(8, "little") + raw, dtype=np.uint8)
-    bufs = [torch.zeros_like(mine) for _ in range(info.world_size)]
+    bufs = [torch.zeros_like(mine) for _ in range(topology.world_size)]
     dist.all_gather(bufs, mine)
     out = []
     for buf in bufs:
@@ -121,34 +118,35 @@ def all_texts(info: RankInfo, text: str) -> list[str]:
     return out
 
 
-def barrier_before_setup(info: RankInfo) -> None:
+def barrier_before_setup(topology: Topology) -> None:
     """Everyone has planned before rank 0 touches the directory (it may clear it)."""
-    if info.world_size > 1:
+    if topology.world_size > 1:
         import torch.distributed as dist
 
-        init_group(info)
+        _init_group(topology)
         dist.barrier()
 
 
-def assign_shards(todo: list[ShardPlan], world_size: int) -> list[list[ShardPlan]]:
-    """Balance planned tokens: largest shard first to the least loaded rank (ties: lowest)."""
-    owned: list[list[ShardPlan]] = [[] for _ in range(world_size)]
-    load = [0] * world_size
+def assign_shards(todo: Sequence[S], owners: int) -> list[list[S]]:
+    """Each owner's shards, in id order: largest shard first to the least loaded owner (ties: lowest),
+    so the planned tokens are balanced."""
+    owned: list[list[S]] = [[] for _ in range(owners)]
+    load = [0] * owners
     for shard in sorted(todo, key=lambda s: (-s.num_tokens, s.shard_id)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owned[rank].append(shard)
-        load[rank] += shard.num_tokens
+        owner = min(range(owners), key=lambda r: (load[r], r))
+        owned[owner].append(shard)
+        load[owner] += shard.num_tokens
     return [sorted(o, key=lambda s: s.shard_id) for o in owned]
 
 
-def may_publish(status: RankStatus) -> bool:
+def _may_publish(status: RankStatus) -> bool:
     """Whether the rank can still publish shards: it has not finished its own work yet, and it
     writes (a model-parallel group's first rank; its partners only compute)."""
     working = status.state in (RankState.PLANNING, RankState.LOADING, RankState.RUNNING)
     return working and status.rank % max(1, status.group_size) == 0
 
 
-def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id: str,
+def await_other_ranks(paths: CachePaths, planned: set[int], topology: Topology, run_id: str,
                       rank_timeout: float, poll: float = 1.0) -> set[int]:
     """Wait while shards are missing and some other rank of this run is alive and may still
     publish them; return missing. (Ranks that wait, as this one does, publish nothing more: two
@@ -159,8 +157,8 @@ def await_other_ranks(paths: CachePaths, planned: set[int], me: RankInfo, run_id
             return missing
         now = time.time()
         alive = [
-            s for s in read_rank_statuses(paths)
-            if s.rank != me.rank and s.run_id == run_id and rank_is_live(s, now, rank_timeout) and may_publish(s)
+            s for s in read_rank_statuses(paths) if s.rank != topology.rank and s.run_id == run_id
+            and rank_is_live(s, now, rank_timeout) and _may_publish(s)
         ]
         if not alive:
             return missing

@@ -19,14 +19,17 @@ import time
 from typing import Any, Callable, TypeVar
 
 from dspark_cache.format.faults import crash_point
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import PLAN_ARRAYS, CachePaths
 from dspark_cache.format.plan import PartHeader
 from dspark_cache.producer.config import ProduceConfig
-from dspark_cache.producer.device.ranks import RankInfo, all_texts, all_true
-from dspark_cache.producer.encode.pool import encode_rows
-from dspark_cache.producer.inputs.source import InputError, InputSource, RawRow
-from dspark_cache.producer.layout import check_layout, plan_files, remove_files
+from dspark_cache.producer.device.ranks import all_texts, all_true
+from dspark_cache.producer.device.target import read_target_info
+from dspark_cache.producer.device.topology import Topology
 from dspark_cache.producer.encode.messages import normalise_row
+from dspark_cache.producer.encode.pool import encode_rows
+from dspark_cache.producer.inputs.rows import InputError, RawRow
+from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.plan.batches import Plan, SampleShape, reason_counts
 from dspark_cache.producer.plan.parts import encode_part
 from dspark_cache.producer.plan.store import (
@@ -34,7 +37,6 @@ from dspark_cache.producer.plan.store import (
     read_parts, save_plan,
 )
 from dspark_cache.producer.report.progress import counter
-from dspark_cache.producer.device.target import read_target_info
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,7 +46,7 @@ class PlanningError(Exception):
     """Another rank of the job failed while planning (its message says why)."""
 
 
-def _together(me: RankInfo, step: Callable[[], T]) -> T:
+def _together(me: Topology, step: Callable[[], T]) -> T:
     """Run ``step`` on this rank; if it fails on any rank, every rank raises (a collective)."""
     result, error, failure = None, None, ""
     try:
@@ -62,7 +64,7 @@ def _together(me: RankInfo, step: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
-def plan_job(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
+def plan_job(cfg: ProduceConfig, paths: CachePaths, me: Topology, source: InputSource, encoder: Any,
              shape: SampleShape, input_sha256: str, vocab_size: int | None = None) -> Plan:
     """The job's plan (see the module's docstring); ``vocab_size``: the target's embedding rows
     (read from its config when not given)."""
@@ -101,9 +103,9 @@ def plan_spec(cfg: ProduceConfig, encoder: Any, shape: SampleShape, input_sha256
                     max_batch_tokens=cfg.batch_token_budget)
 
 
-def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: RankInfo, source: InputSource, encoder: Any,
+def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: Topology, source: InputSource, encoder: Any,
                     spec: PlanSpec) -> PartHeader:
-    check_layout(paths)  # every rank, before writing: the plan directory must not lead out of the cache
+    CacheOutput(paths.root).check()  # every rank, before writing: the plan directory must not lead out of the cache
     started = time.perf_counter()
 
     def encode(row: RawRow):
@@ -145,5 +147,6 @@ def _merge_and_save(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) 
     save_plan(paths, plan, parts, spec.keys)
     keep = {paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS)}
     keep |= {f for p in parts for f in (paths.plan_part_header(p.part), *(paths.plan_part(p.part, k) for k in p.arrays))}
-    remove_files([f for f in plan_files(paths) if f not in keep])  # parts of a larger earlier job, temporaries
+    output = CacheOutput(paths.root)
+    output.remove([f for f in output.plan_files() if f not in keep])  # parts of a larger earlier job, temporaries
     return plan
