@@ -1,12 +1,16 @@
-"""Shared fixtures: the embedded target (both template variants), sample data, a small cache."""
+"""Shared fixtures: the embedded target (both template variants), sample data, its tokenizers, and
+the caches the producer writes from them (each made once a session, read-only to the tests)."""
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import pytest
+
+from tests.support.produce import run_produce
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,6 +22,11 @@ class Embedded:
     stock: str  # target dir, stock Qwen3-style template (no generation blocks)
     generation: str  # same weights and tokenizer, template with {% generation %} blocks
     data: str  # sample JSONL
+
+
+class Tokenizers(NamedTuple):
+    stock: Any  # transformers' tokenizer of Embedded.stock
+    generation: Any  # of Embedded.generation
 
 
 @pytest.fixture(scope="session")
@@ -32,32 +41,39 @@ def embedded(tmp_path_factory) -> Embedded:
     return Embedded(stock, generation, data)
 
 
-def produce_args(target: str, data: str, out: str, *extra: str) -> list[str]:
-    return ["--target-model", target, "--input-data", data, "--output-dir", out, "--device", "cpu",
-            "--log-level", "WARNING", *extra]
+@pytest.fixture(scope="session")
+def tokenizers(embedded) -> Tokenizers:
+    from transformers import AutoTokenizer
 
-
-def run_produce(target: str, data: str, out: str, *extra: str) -> int:
-    from dspark_cache.producer.__main__ import main
-
-    return main(produce_args(target, data, out, *extra))
+    return Tokenizers(AutoTokenizer.from_pretrained(embedded.stock), AutoTokenizer.from_pretrained(embedded.generation))
 
 
 @pytest.fixture(scope="session")
-def small_cache(embedded, tmp_path_factory) -> str:
+def produced(embedded, tmp_path_factory) -> Callable[..., str]:
+    """``produced(*args)``: the cache one in-process producer writes from the sample data through the
+    stock target with ``args``, made the first time a test asks for those arguments."""
+    caches: dict[tuple[str, ...], str] = {}
+
+    def cache(*args: str) -> str:
+        if args not in caches:
+            out = str(tmp_path_factory.mktemp("produced") / "cache")
+            assert run_produce(embedded.stock, embedded.data, out, *args) == 0
+            caches[args] = out
+        return caches[args]
+
+    return cache
+
+
+@pytest.fixture
+def reference(produced, request) -> str:
+    """The single-process cache for the test module's ``ARGS``: what its other runs must equal."""
+    return produced(*request.module.ARGS)
+
+
+@pytest.fixture(scope="session")
+def small_cache(produced) -> str:
     """48 rows of sample data through the stock target: bf16, seq 512, shards of 8."""
-    out = str(tmp_path_factory.mktemp("cache") / "cache")
-    code = run_produce(embedded.stock, embedded.data, out, "--seq-length", "512", "--shard-size", "8",
-                       "--batch-size", "4")
-    assert code == 0
-    return out
-
-
-def write_jsonl(path, rows) -> str:
-    with open(path, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
-    return str(path)
+    return produced("--seq-length", "512", "--shard-size", "8", "--batch-size", "4")
 
 
 @pytest.fixture(params=["native", "python"])

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args
+from tests.support.produce import produce_args
 from tests.support.proc import assert_same_samples, producer_cmd, run
 
 ARGS = ("--seq-length", "256", "--shard-size", "4", "--batch-size", "4")

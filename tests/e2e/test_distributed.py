@@ -11,7 +11,7 @@ import pytest
 
 import dspark_cache
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args, run_produce
+from tests.support.produce import produce_args, run_produce
 from tests.support.proc import BIN, assert_same_samples, free_port, producer_cmd, published, run, start, wait_for
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")

@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from dspark_cache.format.manifest import load_manifest
-from tests.conftest import produce_args, run_produce
+from tests.support.produce import produce_args, run_produce
 from tests.support.proc import assert_same_samples, producer_cmd
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")

@@ -12,7 +12,7 @@ import pytest
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args, run_produce
+from tests.support.produce import produce_args, run_produce
 from tests.support.proc import assert_same_samples, producer_cmd, published, run, start, wait_for
 
 ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 import dspark_cache
 from dspark_cache.embedded.data import sample_rows
 from dspark_cache.embedded.target import build_target
-from tests.conftest import run_produce, write_jsonl
+from tests.support.produce import run_produce, write_jsonl
 from tests.support.reference import normalise
 
 

@@ -32,7 +32,7 @@ from dspark_cache.loader.tensors import decode_dspark_sample
 from dspark_cache.loader.validate import CacheMismatchError, check_expectations
 from dspark_cache.producer.manifest import write_manifest
 from dspark_cache.producer.pipeline.tensors import byte_views, quantize_fp8
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 TORCH_FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 STATES = ("target_hidden_states", "target_last_hidden_states")

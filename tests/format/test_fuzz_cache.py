@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 CASES = int(os.environ.get("DSPARK_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("DSPARK_FUZZ_SEED", "1"))

@@ -17,7 +17,7 @@ from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import ShardIndex, encode_json
 from dspark_cache.cli import verify as verify_main
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import dspark_cache
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 ARGS = ("--seq-length", "64", "--shard-size", "16", "--batch-size", "8", "--dtype", "fp32")
 

@@ -27,7 +27,7 @@ from dspark_cache.nemo.convert.cli import main as convert_main
 from dspark_cache.producer.layout import written_files
 from dspark_cache.producer.manifest import mark_complete
 from dspark_cache.cli import verify as verify_main
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 from tests.support.convert_fixture import write_tiny_nemo
 
 NEMO_KEYS = {"input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"}

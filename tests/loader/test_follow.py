@@ -9,7 +9,7 @@ import time
 
 import dspark_cache
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args
+from tests.support.produce import produce_args
 from tests.support.proc import producer_cmd, published, run, start, wait_for
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2")

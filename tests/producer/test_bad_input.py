@@ -8,7 +8,7 @@ import os
 import pytest
 
 import dspark_cache
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 from tests.support.proc import events
 
 GOOD = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]}

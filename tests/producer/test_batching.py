@@ -7,7 +7,7 @@ import torch
 
 import dspark_cache
 from dspark_cache.producer.plan.batches import PlannedSample, length_grouped_batches, padding_waste, whole_batch_shards
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 
 def _samples(lengths):

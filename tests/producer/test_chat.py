@@ -199,7 +199,7 @@ def test_hostile_template_rows_follow_on_invalid_in_process_and_in_workers(embed
     import json
 
     import dspark_cache
-    from tests.conftest import run_produce, write_jsonl
+    from tests.support.produce import run_produce, write_jsonl
 
     template = ("{% for m in messages %}{% if m.content == 'loop' %}" + HOSTILE["nested range"][0] + "{% endif %}"
                 "{% if m.content == 'huge' %}" + HOSTILE["nested output"][0] + "{% endif %}" + _TURN + "{% endfor %}")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import produce_args, run_produce, write_jsonl
+from tests.support.produce import produce_args, run_produce, write_jsonl
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

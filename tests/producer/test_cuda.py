@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dspark_cache
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

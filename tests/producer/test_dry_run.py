@@ -7,7 +7,7 @@ import os
 import re
 
 import dspark_cache
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 
 def test_dry_run_prints_the_plan_of_the_real_run_and_writes_only_the_plan(embedded, tmp_path, capsys, caplog):

@@ -19,7 +19,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.encode.messages import normalise_row
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args, run_produce, write_jsonl
+from tests.support.produce import produce_args, run_produce, write_jsonl
 from tests.support.proc import producer_cmd, run, start, wait_for
 
 ARGS = ("--seq-length", "128", "--shard-size", "4", "--batch-size", "4", "--num-workers", "0")

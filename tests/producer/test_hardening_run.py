@@ -17,7 +17,7 @@ from dspark_cache.cli.conventions import EXIT_USAGE
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args, run_produce, write_jsonl
+from tests.support.produce import produce_args, run_produce, write_jsonl
 from tests.support.proc import BIN, producer_cmd, run, start, wait_for
 
 ARGS = ("--seq-length", "128", "--shard-size", "4", "--batch-size", "2", "--num-workers", "0")

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import dspark_cache
 from dspark_cache.embedded.target import build_target
 from dspark_cache.verify import verify_cache
-from tests.conftest import run_produce, write_jsonl
+from tests.support.produce import run_produce, write_jsonl
 
 
 @pytest.fixture(scope="module")

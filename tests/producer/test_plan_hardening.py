@@ -25,7 +25,7 @@ import xxhash
 
 import dspark_cache
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args, run_produce, write_jsonl
+from tests.support.produce import produce_args, run_produce, write_jsonl
 from tests.support.proc import assert_same_samples, producer_cmd, run
 
 ARGS = ("--seq-length", "256", "--shard-size", "4", "--batch-size", "4", "--dtype", "fp32", "--num-workers", "0")

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dspark_cache
 from dspark_cache.format.layers import build_target_layer_ids
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 from tests.support.reference import chatml_mask, generation_mask, normalise, reference_hidden
 
 TOLERANCE = {"bf16": dict(rtol=1.6e-2, atol=2e-2), "fp32": dict(rtol=1e-4, atol=1e-5)}

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from dspark_cache.producer.report import progress
-from tests.conftest import write_jsonl
+from tests.support.produce import write_jsonl
 
 BAR = re.compile(r"\d+%\|")  # tqdm's "42%|": only a drawn bar has it, never a log line
 

@@ -13,7 +13,7 @@ import pytest
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
-from tests.conftest import produce_args, run_produce
+from tests.support.produce import produce_args, run_produce
 from tests.support.proc import producer_cmd, run
 
 ARGS = ("--seq-length", "64", "--shard-size", "16", "--batch-size", "8", "--dtype", "fp32")
