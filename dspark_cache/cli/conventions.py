@@ -38,7 +38,7 @@ EXIT_CODES: dict[int, str] = {
                      "ranks) to complete them",
 }
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")  # WARN: logging's alias, as before
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")  # WARN: logging's alias of WARNING
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -102,7 +102,7 @@ def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
 # The module each console script runs, for a hint when the script itself is not installed anywhere.
 SCRIPT_MODULES = {
     "dspark-produce": "dspark_cache.producer",
-    "dspark-monitor": "dspark_cache.tui.cli",
+    "dspark-monitor": "dspark_cache.tui",
     "dspark-verify": "dspark_cache.verify",
     "dspark-convert": "dspark_cache.nemo.convert.cli",
 }

@@ -1,4 +1,4 @@
-"""The monitor application: a watcher thread reads the cache, the UI thread renders its snapshots."""
+"""The monitor application: a watcher thread scans the cache, the UI thread renders its snapshots."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from textual.widgets import Footer
 
 from dspark_cache.tui.fit import Para, words
 from dspark_cache.tui.help import HelpScreen
-from dspark_cache.tui.poller import Poller, SnapshotPolled, StopRequested
+from dspark_cache.tui.scan import CacheScanner
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.watcher import CacheWatcher
+from dspark_cache.tui.watcher import CacheWatcher, SnapshotScanned, StopRequested
 from dspark_cache.tui.widgets import VIEW, SnapshotView
 from dspark_cache.tui.widgets.disk import DiskPanel
 from dspark_cache.tui.widgets.events import EventLog
@@ -40,8 +40,8 @@ TITLES = {"progress": "progress", "throughput": "throughput", "disk": "disk", "r
 class MonitorApp(App[None]):
     """``dspark-monitor``: everything about a run at a glance.
 
-    A :class:`~dspark_cache.tui.poller.Poller` on a thread worker reads the cache every
-    ``refresh`` seconds and posts a :class:`SnapshotPolled`; the UI thread reads and writes no
+    A :class:`~dspark_cache.tui.watcher.CacheWatcher` on a thread worker scans the cache every
+    ``refresh`` seconds and posts a :class:`SnapshotScanned`; the UI thread reads and writes no
     cache file (the stop request is written by the watcher thread too), it renders the snapshot
     in every widget of the class :data:`~dspark_cache.tui.widgets.VIEW`.
 
@@ -73,8 +73,8 @@ class MonitorApp(App[None]):
     def __init__(self, path: str, refresh: float = 1.0, clock: Callable[[], float] = time.time,
                  disk_free: Callable[[str], int | None] | None = None) -> None:
         super().__init__()
-        self.watcher = CacheWatcher(path, clock=clock, disk_free=disk_free)
-        self.poller = Poller(self.watcher, refresh, self.post_message)
+        self.scanner = CacheScanner(path, clock=clock, disk_free=disk_free)
+        self.watcher = CacheWatcher(self.scanner, refresh, self.post_message)
         self.snapshot: Snapshot | None = None  # the one on screen
         self._shown_ticket = 0  # the refresh requests the snapshot on screen answers
         self._shown = asyncio.Event()  # set, and replaced, whenever a snapshot is rendered
@@ -101,7 +101,7 @@ class MonitorApp(App[None]):
             self.query_one(f"#{name}").border_title = title
         self.fit_layout(self.size.width, self.size.height)
         self.query_one("#body").focus()  # the arrows and page keys scroll from the start
-        self.run_worker(self.poller.run, name="cache watcher", thread=True)
+        self.run_worker(self.watcher.run, name="cache watcher", thread=True)
 
     def on_resize(self, event: events.Resize) -> None:
         """Compact below :data:`COMPACT_BELOW`, wide above."""
@@ -118,10 +118,10 @@ class MonitorApp(App[None]):
             self.show_snapshot(self.snapshot)
 
     def on_unmount(self) -> None:
-        """End the watcher thread after the poll in progress, if any."""
-        self.poller.stop()  # else the thread would wait out its period before the app can end
+        """End the watcher thread after the scan in progress, if any."""
+        self.watcher.stop()  # else the thread would wait out its period before the app can end
 
-    def on_snapshot_polled(self, message: SnapshotPolled) -> None:
+    def on_snapshot_scanned(self, message: SnapshotScanned) -> None:
         """Render a snapshot posted by the watcher thread, then wake whoever awaits it."""
         self.snapshot = message.snapshot
         self.show_snapshot(message.snapshot)
@@ -145,10 +145,6 @@ class MonitorApp(App[None]):
         notice.show_paras([text] if text is not None else [])
         notice.display = text is not None
 
-    def refresh_view(self) -> None:
-        """Ask the watcher thread for a snapshot now rather than at the end of its period."""
-        self.poller.request()
-
     async def first_snapshot(self) -> Snapshot:
         """The first snapshot, once it is rendered (for tests and scripts)."""
         while self.snapshot is None:
@@ -157,7 +153,7 @@ class MonitorApp(App[None]):
 
     async def refreshed(self) -> Snapshot:
         """Ask for a snapshot now and return it once it is rendered (for tests and scripts)."""
-        ticket = self.poller.request()
+        ticket = self.watcher.request()
         while self._shown_ticket < ticket:
             await self._shown.wait()
         assert self.snapshot is not None
@@ -175,7 +171,7 @@ class MonitorApp(App[None]):
         if self.snapshot is None or not self.snapshot.can_stop:
             self.notify("nothing to stop: no producer is running here", severity="warning")
             return
-        self.poller.request(stop_producer=True)
+        self.watcher.request(stop_producer=True)
 
     def on_stop_requested(self, message: StopRequested) -> None:
         """Say whether the stop request was written (the snapshot that follows shows the notice)."""

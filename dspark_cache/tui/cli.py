@@ -1,10 +1,13 @@
-"""``dspark-monitor CACHE_DIR``: start-up stays well under a second (no torch, no transformers)."""
+"""``dspark-monitor CACHE_DIR``: the options and the run; start-up stays well under a second (no torch, no transformers).
+
+The parser's conventions and the exit codes come from ``dspark_cache.cli`` (which dispatches the
+console script to :func:`run`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UsageError, exit_codes_epilog
 
@@ -45,14 +48,3 @@ def run(args: argparse.Namespace) -> int:
 
     MonitorApp(args.cache_dir, refresh=args.refresh).run()
     return EXIT_OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``dspark-monitor``: parsed with the shared conventions (``dspark_cache.cli``)."""
-    from dspark_cache.cli import monitor
-
-    return monitor(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

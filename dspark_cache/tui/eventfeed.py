@@ -21,7 +21,7 @@ EVENT_TEXT = 500  # characters of an event's kind and message kept (a line may b
 class EventFeed:
     """Keeps a read position per log in ``events_dir`` and the newest :data:`MAX_EVENTS` events.
 
-    State between polls: only the watcher thread may call :meth:`read`.
+    State between scans: only the watcher thread may call :meth:`read`.
     """
 
     def __init__(self, events_dir: str, reader: CacheReader) -> None:
@@ -43,7 +43,7 @@ class EventFeed:
         return tuple(self._events)
 
     def _new_lines(self, name: str) -> list[bytes]:
-        """The complete lines added to ``events/name`` since the last poll (see :class:`LogTail`)."""
+        """The complete lines added to ``events/name`` since the last scan (see :class:`LogTail`)."""
         path = os.path.join(self.events_dir, name)
         try:
             fd = open_regular(path, self.reader.root_real)

@@ -114,9 +114,9 @@ def _run_key(status: RankStatus) -> tuple:
 
 
 class RateTracker:
-    """Per-rank rates from the heartbeats of successive polls.
+    """Per-rank rates from the heartbeats of successive scans.
 
-    State between polls: only the watcher thread may call :meth:`observe`. Runs no longer in any
+    State between scans: only the watcher thread may call :meth:`observe`. Runs no longer in any
     status file are forgotten, so memory follows the status files, never the length of a run.
     """
 

@@ -19,8 +19,8 @@ from dspark_cache.tui.display import human_bytes
 class CacheReader:
     """Reads files of the cache at ``root``, collecting why it skipped any in :attr:`warnings`.
 
-    Used by the watcher thread only; :meth:`start_poll` resolves the root again (it may be a
-    symlink that was repointed) and forgets the last poll's warnings.
+    Used by the watcher thread only; :meth:`start_scan` resolves the root again (it may be a
+    symlink that was repointed) and forgets the last scan's warnings.
     """
 
     def __init__(self, root: str) -> None:
@@ -28,8 +28,8 @@ class CacheReader:
         self.root_real = os.path.realpath(root)
         self.warnings: list[str] = []
 
-    def start_poll(self) -> None:
-        """Begin a poll: the root resolved afresh, no warnings yet."""
+    def start_scan(self) -> None:
+        """Begin a scan: the root resolved afresh, no warnings yet."""
         self.root_real = os.path.realpath(self.root)
         self.warnings = []
 

@@ -18,8 +18,8 @@ from dspark_cache.format.status import HEARTBEAT_EVERY_S
 from dspark_cache.tui.display import clip, clock_time
 from dspark_cache.tui.fit import Para, fit
 from dspark_cache.tui.rates import MIN_SPAN_S
+from dspark_cache.tui.scan import CacheScanner
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.watcher import CacheWatcher
 from dspark_cache.tui.widgets.disk import disk
 from dspark_cache.tui.widgets.events import event_lines
 from dspark_cache.tui.widgets.header import header
@@ -41,15 +41,15 @@ def has_terminal() -> bool:
     return all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stdout))
 
 
-def measured_snapshot(watcher: CacheWatcher, every: float, sleep: Callable[[float], None] = time.sleep) -> Snapshot:
-    """A snapshot; while a rank is running, polled again every ``every`` s for up to :data:`MEASURE_S`
+def measured_snapshot(scanner: CacheScanner, every: float, sleep: Callable[[float], None] = time.sleep) -> Snapshot:
+    """A snapshot; while a rank is running, scanned again every ``every`` s for up to :data:`MEASURE_S`
     until its rate is measured (a finished or dead cache is reported at once)."""
-    snap = watcher.poll()
+    snap = scanner.scan()
     deadline = time.monotonic() + MEASURE_S
     while (snap.tokens_per_s is None and any(r.state == RankState.RUNNING for r in snap.live_ranks)
            and time.monotonic() < deadline):
         sleep(max(0.0, min(every, deadline - time.monotonic())))
-        snap = watcher.poll()
+        snap = scanner.scan()
     return snap
 
 
@@ -125,6 +125,6 @@ def exit_code(snap: Snapshot) -> int:
 
 def print_report(path: str, every: float, out: TextIO | None = None) -> int:
     """Print one report of the cache at ``path`` and return the exit code (see :func:`exit_code`)."""
-    snap = measured_snapshot(CacheWatcher(path), every)
+    snap = measured_snapshot(CacheScanner(path), every)
     print("\n".join(lines(snap)), file=out or sys.stdout, flush=True)
     return exit_code(snap)

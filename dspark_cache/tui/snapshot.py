@@ -1,8 +1,8 @@
 """What the monitor shows: one immutable view of a cache directory, made on the watcher thread.
 
 The watcher thread makes a :class:`Snapshot` and the UI thread renders it, so nothing in it is
-shared with the watcher's own state: the collections are tuples, frozensets and a read-only
-mapping, and the decoded structs in them are never modified after a poll returns them.
+shared with the scanner's own state: the collections are tuples, frozensets and a read-only
+mapping, and the decoded structs in them are never modified after a scan returns them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dspark_cache.tui.rates import RankRate, RunAverage, run_average, summed, to
 
 @dataclass(frozen=True)
 class Throughput:
-    """The summed rate of the live ranks at one poll."""
+    """The summed rate of the live ranks at one scan."""
 
     time: float
     tokens_per_s: float
@@ -55,16 +55,12 @@ class Snapshot:
     abandoned: frozenset[int] = frozenset()  # a .partial no live rank writes: a killed run's, deleted on resume
     failed: frozenset[int] = frozenset()
     ranks: tuple[RankStatus, ...] = ()
-    rates: tuple[RankRate | None, ...] = ()  # measured by the watcher, one per rank (see tui.rates)
+    rates: tuple[RankRate | None, ...] = ()  # measured by the scanner, one per rank (see tui.rates)
     events: tuple[Event, ...] = ()  # newest last
     history: tuple[Throughput, ...] = ()  # oldest first
     disk_free: int | None = None
     stop_requested: bool = False
-    warnings: tuple[str, ...] = ()  # files skipped this poll and why, and the manifest's problems
-
-    @property
-    def is_cache(self) -> bool:
-        return self.manifest is not None
+    warnings: tuple[str, ...] = ()  # files skipped this scan and why, and the manifest's problems
 
     @property
     def complete(self) -> bool:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
-TAIL_WINDOW = 256 * 1024  # bytes read per log per poll, at most
+TAIL_WINDOW = 256 * 1024  # bytes read per log per scan, at most
 
 
 class LogTail:
     """The read position in one log; each :meth:`read` returns the complete lines added since.
 
-    The first look at a log, or a log that grew by more than ``window`` since the last poll,
+    The first look at a log, or a log that grew by more than ``window`` since the last scan,
     starts ``window`` bytes before its end: older lines are never read, and the line cut by that
-    jump is dropped. A line still being written (no newline yet) waits for the next poll.
+    jump is dropped. A line still being written (no newline yet) waits for the next scan.
     """
 
     def __init__(self, window: int = TAIL_WINDOW) -> None:

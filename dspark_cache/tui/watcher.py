@@ -1,192 +1,100 @@
-"""Everything the monitor shows, read from files only (cheaply, incrementally, never torch).
+"""The watcher thread: scans the cache off the UI thread and posts each snapshot to the app.
 
-The cache directory is the interface: the manifest (identity and plan), shard index files
-(what is published), ``.partial`` files (what is being written), per-rank status heartbeats,
-and the append-only event logs. Reading only files makes the monitor work on a live run, a
-finished cache, a shared filesystem and across producer restarts alike.
-
-Every file is read with format's readers (:mod:`dspark_cache.format.files`, ``status``,
-``schema``), confined to the cache by :class:`~dspark_cache.tui.reading.CacheReader`: what they
-refuse is skipped with a warning, every read is bounded, and nothing is kept per planned shard,
-so a hostile or corrupt cache cannot hang the monitor or grow it without bound.
-
-:class:`CacheWatcher` runs on the monitor's watcher thread (:mod:`~dspark_cache.tui.poller`),
-never on the UI thread, so a slow read delays the next snapshot but never freezes the screen.
+Reading a cache can be slow (a huge file, a shared filesystem), so :meth:`CacheWatcher.run` runs
+as a Textual thread worker: it calls :meth:`~dspark_cache.tui.scan.CacheScanner.scan` every
+period, or at once when asked, and hands the immutable
+:class:`~dspark_cache.tui.snapshot.Snapshot` to the UI thread with ``post_message`` (the model of
+Textualize/toolong's watcher thread). Only this thread touches the cache, the stop request
+included; the UI thread only renders what it is posted.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import time
-from collections import deque
-from dataclasses import replace
-from types import MappingProxyType
+import threading
 from typing import Callable
 
-import msgspec
+from textual.message import Message
 
-from dspark_cache.format.errors import CacheError
-from dspark_cache.format.files import read_regular
-from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Manifest, RankStatus, decode_manifest, decode_shard_index
-from dspark_cache.format.status import partial_is_written, rank_is_live, read_rank_status
-from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, check_manifest
-from dspark_cache.tui.eventfeed import EventFeed, failed_shards
-from dspark_cache.tui.rates import RateTracker
-from dspark_cache.tui.reading import CacheReader, reason
-from dspark_cache.tui.snapshot import ShardSummary, Snapshot, Throughput
-from dspark_cache.tui.stop import request_stop
+from dspark_cache.tui.snapshot import Snapshot
+from dspark_cache.tui.scan import CacheScanner
 
-_DIGITS = re.compile(r"[0-9]+")
+
+class SnapshotScanned(Message):
+    """A fresh snapshot; it answers every refresh request up to ``ticket``."""
+
+    def __init__(self, snapshot: Snapshot, ticket: int) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+        self.ticket = ticket
+
+
+class StopRequested(Message):
+    """The stop request was written (``refused`` is None) or why it could not be; a snapshot follows."""
+
+    def __init__(self, refused: str | None) -> None:
+        super().__init__()
+        self.refused = refused
 
 
 class CacheWatcher:
-    """Reads a cache directory; each :meth:`poll` reads only what changed since the last one.
+    """Scans every ``every`` seconds and when :meth:`request` asks; :meth:`run` is the thread's body."""
 
-    It keeps state between polls (decoded shard indexes, log positions, recent events, the
-    ranks' heartbeats for their rates, the throughput history), so only one thread may call it
-    (the watcher thread).
-    """
+    def __init__(self, scanner: CacheScanner, every: float, post: Callable[[Message], object]) -> None:
+        self.scanner = scanner
+        self.every = every
+        self.post = post
+        self._wake = threading.Condition()
+        self._asked = 1  # the first scan is asked for from the start
+        self._answered = 0
+        self._stop_asked = False  # the user asked for the producer to stop: write the request first
+        self._stop_writing = False  # taken by the thread, not written yet
+        self._stopped = False
 
-    def __init__(self, path: str, clock: Callable[[], float] = time.time,
-                 disk_free: Callable[[str], int | None] | None = None, history: int = 120) -> None:
-        self.paths = CachePaths(path)
-        self.clock = clock
-        self.disk_free = disk_free or _free_bytes
-        self.reader = CacheReader(path)
-        self.events = EventFeed(self.paths.events_dir, self.reader)
-        self.rates = RateTracker()
-        self._indexes: dict[int, ShardSummary] = {}
-        self._history: deque[Throughput] = deque(maxlen=history)
-        self._manifest_key: tuple[int, int, int] | None = None
-        self._manifest: tuple[Manifest | None, str | None, tuple[str, ...]] = (None, None, ())
+    def request(self, stop_producer: bool = False) -> int:
+        """Ask for a scan now (after writing the stop request, with ``stop_producer``); returns the
+        ticket that the snapshot of that scan will carry (or a later one)."""
+        with self._wake:
+            self._asked += 1
+            self._stop_asked |= stop_producer
+            self._wake.notify_all()
+            return self._asked
 
-    def poll(self) -> Snapshot:
-        """A snapshot of the directory now, with the throughput history of the polls so far."""
-        now, root = self.clock(), self.paths.root
-        if not os.path.isdir(root):
-            not_dir = f"{root} is not a directory" if os.path.exists(root) else None
-            return Snapshot(now=now, path=root, exists=not_dir is not None, manifest_error=not_dir)
-        self.reader.start_poll()
-        snap = self._read(now)
-        tokens, written = snap.tokens_per_s, snap.bytes_per_s
-        if tokens is not None and written is not None:  # a live rank, measured
-            self._history.append(Throughput(now, tokens, written))
-        return replace(snap, history=tuple(self._history))
+    def stop(self, grace: float = 2.0) -> None:
+        """Make :meth:`run` return once the scan in progress, if any, is done.
 
-    def request_stop(self) -> str | None:
-        """Write the stop request the producer checks between shards; None, or why it could not.
-
-        Refused unless some rank is live now: a stop request left in a finished cache stops no
-        one (the snapshot on screen may be a refresh old, so the heartbeats are read again).
+        A stop request asked for but not yet written is waited for, up to ``grace`` seconds: the
+        user who presses ``s`` then ``q`` expects the producer to stop (the thread may not outlive
+        the app). Without one pending this returns at once.
         """
-        now = self.clock()
-        if not any(rank_is_live(status, now) for status in self._read_statuses()):
-            return "no producer is running here (no rank has a fresh heartbeat), so there is nothing to stop"
-        return request_stop(self.paths, f"requested by dspark-monitor at {now:.0f}\n")
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+            self._wake.wait_for(lambda: not (self._stop_asked or self._stop_writing), timeout=grace)
 
-    def _read(self, now: float) -> Snapshot:
-        """Everything but the history, read from the files."""
-        manifest, manifest_error, manifest_warnings = self._read_manifest()
-        published, partials = self._read_shards()
-        ranks = tuple(self._read_statuses())
-        writing = frozenset(s for s, mtime in partials.items() if partial_is_written(s, mtime, ranks, now))
-        events = self.events.read()
-        return Snapshot(
-            now=now, path=self.paths.root, manifest=manifest, manifest_error=manifest_error,
-            published=MappingProxyType(published), writing=writing, abandoned=frozenset(partials) - writing,
-            failed=failed_shards(events),
-            ranks=ranks, rates=self.rates.observe(ranks), events=events, disk_free=self.disk_free(self.paths.root),
-            stop_requested=os.path.exists(self.paths.stop_request),
-            warnings=manifest_warnings + tuple(self.reader.warnings),
-        )
+    def run(self) -> None:
+        """Scan and post snapshots until :meth:`stop` (run on a worker thread, never the UI thread)."""
+        while True:
+            ticket, stop_producer, stopped = self._next()
+            if stop_producer:  # written even when the app is ending: the user pressed the key before
+                self.post(StopRequested(self._write_stop_request()))
+            if stopped:
+                return
+            self.post(SnapshotScanned(self.scanner.scan(), ticket))
 
-    def _read_manifest(self) -> tuple[Manifest | None, str | None, tuple[str, ...]]:
-        """The manifest, or why it cannot be shown, and its problems; read again only when it changes."""
+    def _write_stop_request(self) -> str | None:
+        """Write the stop request; None, or why not. Whoever waits in :meth:`stop` is woken after."""
         try:
-            st = os.stat(self.paths.manifest)
-        except FileNotFoundError:
-            self._manifest_key = None
-            return None, None, ()
-        except OSError as exc:
-            return None, f"{self.paths.manifest}: {exc.strerror or exc}", ()
-        key = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if key != self._manifest_key:
-            self._manifest = self._decode_manifest()
-            self._manifest_key = key
-        return self._manifest
+            return self.scanner.request_stop()
+        finally:
+            with self._wake:
+                self._stop_writing = False
+                self._wake.notify_all()
 
-    def _decode_manifest(self) -> tuple[Manifest | None, str | None, tuple[str, ...]]:
-        """Read and decode the manifest; fields out of range are warned about, still shown."""
-        where = self.paths.manifest
-        try:
-            manifest = decode_manifest(read_regular(where, MAX_MANIFEST_BYTES, self.reader.root_real), where)
-        except (CacheError, OSError) as exc:
-            return None, f"{where}: {reason(exc, 'manifest')}", ()
-        except msgspec.DecodeError as exc:  # garbage, or a NeMo or older dspark layout: says which
-            return None, str(exc), ()
-        try:
-            check_manifest(manifest, where)
-        except CacheError as exc:  # shown anyway (out-of-range numbers get placeholders), with each problem
-            problems = [line.strip() for line in str(exc).splitlines() if line.startswith("  ")] or [str(exc)]
-            rel = os.path.relpath(where, self.paths.root)
-            return manifest, None, tuple(f"{rel}: {problem}" for problem in problems)
-        return manifest, None, ()
-
-    def _read_shards(self) -> tuple[dict[int, ShardSummary], dict[int, float]]:
-        """Published shards (a copy) and the ``.partial`` files; none while ``shards/`` is unusable."""
-        if not self.reader.dir_ok(self.paths.shards_dir):
-            return {}, {}
-        return self._read_indexes(), self._partials()
-
-    def _read_indexes(self) -> dict[int, ShardSummary]:
-        """Summaries of the published shards: new index files are read, removed ones forgotten."""
-        present = set(self.paths.indexed_shard_ids())
-        for gone in set(self._indexes) - present:  # --overwrite or repair removed it
-            del self._indexes[gone]
-        for shard_id in sorted(present - set(self._indexes)):
-            data = self.reader.read(self.paths.shard_index(shard_id), MAX_INDEX_BYTES, "shard index")
-            try:
-                if data is not None:
-                    self._indexes[shard_id] = ShardSummary.of(decode_shard_index(data))
-            except msgspec.DecodeError:
-                continue  # mid-replace: next poll
-        return dict(self._indexes)
-
-    def _partials(self) -> dict[int, float]:
-        """Shard id -> modification time of the ``.partial`` files named exactly as the producer names them."""
-        out = {}
-        for path in self.paths.partial_files():
-            digits = _DIGITS.search(os.path.basename(path))
-            if digits and self.paths.shard_partial(int(digits.group())) == path:
-                try:
-                    out[int(digits.group())] = os.lstat(path).st_mtime  # metadata only: a FIFO is never opened
-                except OSError:
-                    continue  # published or deleted since the listing
-        return out
-
-    def _read_statuses(self) -> list[RankStatus]:
-        """Every readable ``status/rank-N.json``, in rank order (a file mid-replace is skipped)."""
-        out = []
-        for name in self.reader.listing(self.paths.status_dir):
-            if not name.endswith(".json"):
-                continue
-            path = os.path.join(self.paths.status_dir, name)
-            try:
-                out.append(read_rank_status(path, self.reader.root_real))
-            except FileNotFoundError:
-                continue
-            except (CacheError, OSError) as exc:
-                self.reader.skip(path, exc, "status")
-            except msgspec.DecodeError:
-                continue
-        return out
-
-
-def _free_bytes(path: str) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
+    def _next(self) -> tuple[int, bool, bool]:
+        """Wait for a request, the end of the period or :meth:`stop`: the requests the next scan
+        answers, whether to write the stop request first, and whether to end after that."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._stopped or self._asked > self._answered, timeout=self.every)
+            self._answered, stop_producer, self._stop_asked = self._asked, self._stop_asked, False
+            self._stop_writing = stop_producer
+            return self._answered, stop_producer, self._stopped

@@ -16,13 +16,13 @@ from rich.text import Text
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
-from dspark_cache.tui.cli import main as monitor_main
+from dspark_cache.cli import monitor as monitor_main
 from dspark_cache.tui.rates import RateTracker
-from dspark_cache.tui.watcher import CacheWatcher
-from dspark_cache.tui.widgets.shardmap import bucketed
+from dspark_cache.tui.scan import CacheScanner
+from dspark_cache.tui.widgets.shardmap import PLACED, shard_map
 from dspark_cache.verify import verify_cache
 from tests.support import tui_states
-from tests.conftest import produce_args
+from tests.support.produce import produce_args
 from tests.support.proc import producer_cmd, published, run, start, wait_for
 
 SNAP_ROOT = os.path.join(tempfile.gettempdir(), "dspark-monitor-snapshot")  # fixed: paths are on screen
@@ -142,7 +142,7 @@ def test_missing_directory_exits_2_only_with_no_wait(tmp_path, capsys, monkeypat
     assert monitor_main([str(tmp_path / "file")]) == 2  # waiting would not help
     assert "is not a directory" in capsys.readouterr().err
     started = []
-    monkeypatch.setattr(MonitorApp, "run", lambda app: started.append(app.watcher.paths.root))
+    monkeypatch.setattr(MonitorApp, "run", lambda app: started.append(app.scanner.paths.root))
     assert monitor_main([str(tmp_path / "later")]) == 0  # without --no-wait the monitor starts and waits
     assert started == [str(tmp_path / "later")]
 
@@ -174,7 +174,7 @@ def test_stale_is_formats_liveness_rule():
 
 def test_thousands_of_shards_stay_readable():
     states = ["published"] * 5000 + ["writing"] + ["pending"] * 4999
-    cells, per = bucketed(states, 800)
+    cells, per, _ = shard_map(len(states), {s: [i for i, x in enumerate(states) if x == s] for s in PLACED}, 800)
     assert len(cells) <= 800 and per == 13
     assert "writing" in cells  # one shard in flight is never averaged away
 
@@ -352,9 +352,9 @@ async def test_stop_is_offered_only_while_a_rank_is_live(tmp_path):
         assert not os.path.exists(CachePaths(root).control_dir)
     stale = tui_states.live_run(str(tmp_path / "stale"))  # a producer that died: every heartbeat old
     tui_states.write_status(stale, tui_states.status(0, 2, "running", 60.0))
-    watcher = CacheWatcher(stale, clock=lambda: tui_states.NOW)
-    assert not watcher.poll().can_stop
-    assert "no producer is running" in watcher.request_stop()  # the watcher thread checks again
+    scanner = CacheScanner(stale, clock=lambda: tui_states.NOW)
+    assert not scanner.scan().can_stop
+    assert "no producer is running" in scanner.request_stop()  # the watcher thread checks again
     assert not os.path.exists(CachePaths(stale).stop_request)
 
 
@@ -410,7 +410,7 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, long_dat
         app = MonitorApp(out, refresh=0.2, clock=lambda: frozen)
         async with app.run_test(size=(140, 60)) as pilot:
             snap = await app.first_snapshot()
-            assert snap.is_cache and snap.ranks[0].state == "running"
+            assert snap.manifest is not None and snap.ranks[0].state == "running"
             await pilot.press("s")
             await pilot.pause()
         os.killpg(producer.pid, signal.SIGCONT)

@@ -14,10 +14,10 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.fit import Para, fit, piece, words
 from dspark_cache.tui.report import lines
-from dspark_cache.tui.watcher import CacheWatcher
+from dspark_cache.tui.scan import CacheScanner
 from dspark_cache.tui.widgets.fitted import Fitted
 from tests.support import tui_states
-from tests.conftest import produce_args
+from tests.support.produce import produce_args
 from tests.support.proc import producer_cmd, run
 
 
@@ -81,7 +81,7 @@ def test_a_killed_producers_partial_is_abandoned_not_writing(embedded, tmp_path)
     partials = CachePaths(out).partial_files()
     assert len(partials) == 1
     later = time.time() + 60  # a minute after the kill: rank 0's last heartbeat says "running", on a shard
-    snap = CacheWatcher(out, clock=lambda: later).poll()
+    snap = CacheScanner(out, clock=lambda: later).scan()
     assert snap.ranks[0].state == "running" and snap.is_stale(snap.ranks[0])
     assert not snap.writing and len(snap.abandoned) == 1
     assert CachePaths(out).shard_partial(next(iter(snap.abandoned))) == partials[0]
@@ -89,7 +89,7 @@ def test_a_killed_producers_partial_is_abandoned_not_writing(embedded, tmp_path)
     assert "0 writing  1 abandoned (rerun resumes)" in report
     assert "rank 0 silent (STALE heartbeat)" in report and "rerun the same dspark-produce command" in report
     os.utime(partials[0])  # the file just changed, but no rank is live: still nobody writing it
-    assert not CacheWatcher(out, clock=lambda: later).poll().writing
+    assert not CacheScanner(out, clock=lambda: later).scan().writing
 
 
 @pytest.mark.anyio
@@ -102,7 +102,7 @@ async def test_a_partial_is_writing_only_while_a_live_rank_writes_it(tmp_path):
         open(paths.shard_partial(shard), "wb").close()
     os.utime(paths.shard_partial(20), (tui_states.NOW - 2, tui_states.NOW - 2))  # appended to 2 s ago
     os.utime(paths.shard_partial(22), (tui_states.NOW - 60, tui_states.NOW - 60))  # just opened, on a slow fs
-    snap = CacheWatcher(root, clock=lambda: tui_states.NOW).poll()
+    snap = CacheScanner(root, clock=lambda: tui_states.NOW).scan()
     assert snap.writing == {20, 22} and snap.abandoned == {21}
     app = MonitorApp(root, refresh=3600, clock=lambda: tui_states.NOW + 30, disk_free=lambda _: 10**12)
     async with app.run_test(size=(80, 24)):

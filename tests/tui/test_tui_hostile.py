@@ -70,7 +70,7 @@ def cell(shown: dict, row: int, column: str) -> str:
 async def show(root: str, keys: str = "", then: Callable[[], None] | None = None) -> dict:
     """What the monitor shows for ``root``, after pressing ``keys``; ``notes`` are its notifications.
 
-    ``then`` changes the files after the first poll (a next heartbeat, to measure a rate).
+    ``then`` changes the files after the first scan (a next heartbeat, to measure a rate).
     """
     app = app_for(root)
     notes: list[str] = []

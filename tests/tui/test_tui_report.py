@@ -10,11 +10,11 @@ import subprocess
 import sys
 import time
 
-from dspark_cache.tui import cli
+from dspark_cache.cli import monitor
 from dspark_cache.tui.report import exit_code, lines, measured_snapshot
-from dspark_cache.tui.watcher import CacheWatcher
+from dspark_cache.tui.scan import CacheScanner
 from tests.support import tui_states
-from tests.conftest import produce_args
+from tests.support.produce import produce_args
 from tests.support.proc import producer_cmd
 
 MONITOR = os.path.join(os.path.dirname(sys.executable), "dspark-monitor")
@@ -74,8 +74,8 @@ def test_without_a_terminal_a_missing_directory_is_not_waited_for(tmp_path, caps
     assert "later does not exist" in err and "only on a terminal" in err
     started = []
     monkeypatch.setattr("dspark_cache.tui.report.has_terminal", lambda: True)
-    monkeypatch.setattr("dspark_cache.tui.app.MonitorApp.run", lambda app: started.append(app.watcher.paths.root))
-    assert cli.main([str(tmp_path / "later")]) == 0  # on a terminal the app starts and waits for it
+    monkeypatch.setattr("dspark_cache.tui.app.MonitorApp.run", lambda app: started.append(app.scanner.paths.root))
+    assert monitor([str(tmp_path / "later")]) == 0  # on a terminal the app starts and waits for it
     assert started == [str(tmp_path / "later")]
 
 
@@ -110,11 +110,11 @@ def test_once_on_a_terminal_prints_the_report_and_exits(tmp_path):
 
 
 def test_a_live_runs_report_waits_for_its_measured_rate(tmp_path):
-    """A running rank's rate needs two heartbeats: the report polls again (here: rank 0's next one)."""
+    """A running rank's rate needs two heartbeats: the report scans again (here: rank 0's next one)."""
     root = tui_states.live_run(str(tmp_path / "c"))
     waits: list[float] = []
-    watcher = CacheWatcher(root, clock=lambda: tui_states.NOW, disk_free=lambda _: 500_000_000)
-    snap = measured_snapshot(watcher, 0.5, sleep=lambda s: (waits.append(s), tui_states.next_heartbeat(root)))
+    scanner = CacheScanner(root, clock=lambda: tui_states.NOW, disk_free=lambda _: 500_000_000)
+    snap = measured_snapshot(scanner, 0.5, sleep=lambda s: (waits.append(s), tui_states.next_heartbeat(root)))
     assert waits == [0.5]
     text = "\n".join(lines(snap))
     assert "progress: samples 220/600  tokens 440.0k/1.2M  shards 22/60  1.5k tok/s  ETA 8m26s" in text

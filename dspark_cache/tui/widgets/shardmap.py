@@ -61,12 +61,6 @@ def _cell_state(marks: Counter, shards: int) -> str:
     return min(marks, key=URGENCY.index)
 
 
-def bucketed(states: list[str], cells: int) -> tuple[list[str], int]:
-    """At most ``cells`` cells for an explicit list of shard states (each cell its most urgent state)."""
-    out, per, _ = shard_map(len(states), {s: [i for i, x in enumerate(states) if x == s] for s in PLACED}, cells)
-    return out, per
-
-
 class ShardMap(Fitted):
     """Counts per shard state, then one cell per shard (or bucket of shards)."""
 

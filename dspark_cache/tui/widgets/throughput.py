@@ -46,7 +46,7 @@ class ThroughputChart(Vertical):
 
 def rate_labels(snap: Snapshot) -> tuple[Para, Para]:
     """The tokens/s and written/s lines: now, the run's average with no rank live, and the peak."""
-    # "now" is this poll's live rate, never the history's last entry: once no rank is live
+    # "now" is this scan's live rate, never the history's last entry: once no rank is live
     # there is no current rate, and the newest run's average is shown instead.
     average = None if snap.live_ranks else snap.run_average()
     return (label("tokens/s", snap.tokens_per_s, average.tokens_per_s if average else None,

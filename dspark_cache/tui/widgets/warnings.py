@@ -13,13 +13,13 @@ MAX_SHOWN = 5  # a directory full of junk must not push the rest of the view off
 
 
 class FileWarnings(Fitted):
-    """The files skipped by the last poll, and why; hidden when there are none."""
+    """The files skipped by the last scan, and why; hidden when there are none."""
 
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "FileWarnings { height: auto; padding: 0 1; color: $warning; }"
 
     def show(self, snap: Snapshot) -> None:
-        # Hidden when there is nothing to say, so that a healthy cache looks exactly as before.
+        # Hidden when there is nothing to say: a healthy cache spends no line on an empty panel.
         self.display = bool(snap.warnings)
         self.show_paras(warning_lines(snap.warnings))
 
