@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dspark_cache.producer.encode import pool as encode_pool
 from dspark_cache.producer.encode.chat import EncodedRow
-from dspark_cache.producer.inputs.source import RawRow
+from dspark_cache.producer.inputs.rows import RawRow
 
 
 def _encode(row: RawRow) -> EncodedRow:

@@ -16,7 +16,10 @@ import pytest
 
 import dspark_cache
 from dspark_cache.producer.inputs import jsonl as input_lines, source as inputs
-from dspark_cache.producer.inputs.source import InputError, InputSource, parse_split, scan_lines
+from dspark_cache.producer.inputs.jsonl import scan_lines
+from dspark_cache.producer.inputs.rows import InputError
+from dspark_cache.producer.inputs.source import InputSource
+from dspark_cache.producer.inputs.split import parse_split
 from tests.conftest import run_produce
 
 N = 40

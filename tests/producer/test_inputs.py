@@ -50,7 +50,7 @@ def test_fifos_and_devices_in_the_input_are_refused_before_anything_opens_them(e
 
     import pytest
 
-    from dspark_cache.producer.inputs.source import InputError
+    from dspark_cache.producer.inputs.rows import InputError
 
     good = tmp_path / "a.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in _rows(2)))

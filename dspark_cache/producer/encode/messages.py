@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dspark_cache.producer.inputs.rows import InvalidRow
+
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -17,18 +19,6 @@ SHAREGPT_ROLES = {
     "bot": "assistant",
     "tool": "tool",
 }
-
-
-class InvalidRow(ValueError):
-    """A row that cannot become a sample; ``reason`` is a short, countable category."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-    def __reduce__(self):  # rows cross to tokenisation workers; keep both fields on the way
-        return (InvalidRow, (self.reason, self.detail))
 
 
 def _content(value: Any, where: str) -> str:

@@ -21,8 +21,7 @@ from typing import Callable, Iterable, Iterator
 from dspark_cache.format.lifetime import die_with_parent
 from dspark_cache.producer.encode.chat import EncodedRow
 from dspark_cache.producer.encode.template import ChatTemplateError
-from dspark_cache.producer.inputs.source import RawRow
-from dspark_cache.producer.encode.messages import InvalidRow
+from dspark_cache.producer.inputs.rows import InvalidRow, RawRow
 
 Encode = Callable[[RawRow], EncodedRow]
 Result = EncodedRow | InvalidRow

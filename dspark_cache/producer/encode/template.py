@@ -17,7 +17,7 @@ from typing import Any, Callable
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dspark_cache.format.files import FileTooLargeError, NotARegularFileError, read_regular
-from dspark_cache.producer.encode.messages import InvalidRow
+from dspark_cache.producer.inputs.rows import InvalidRow
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 MAX_TEMPLATE_BYTES = 16 << 20  # the largest chat templates on the hub are tens of KiB

@@ -1,6 +1,6 @@
 """Comparing renders: where two texts or token lists agree, where a turn ends, lone surrogates.
 
-Pure helpers of the chat encoder (``chat.py``) and its masking rules (``chat_rules.py``).
+Pure helpers of the chat encoder and its loss-mask rules (``chat.py``).
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from dspark_cache.producer.inputs.rows import RawRow, checked_row, nesting_error, open_input
-from dspark_cache.producer.encode.messages import InvalidRow
+from dspark_cache.producer.inputs.rows import InvalidRow, RawRow, checked_row, nesting_error, open_input
 
 _SCAN_CHUNK = 1 << 23  # bytes per read of the line scan (its temporaries are ~2 bytes per byte)
 # Bytes that bytes.strip() removes: a line of only these is blank (not a row).

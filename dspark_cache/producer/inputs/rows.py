@@ -1,5 +1,7 @@
 """What reading the input yields: a :class:`RawRow` (a value, or why the row is invalid, and where
-it is), :class:`InputError` for an input unusable as a whole, and the nesting check every row gets.
+it is), :class:`InvalidRow` for a row that cannot become a sample (reading finds the first ones:
+malformed JSON, invalid UTF-8, nesting; encoding the rest), :class:`InputError` for an input
+unusable as a whole, and the nesting check every row gets.
 
 Hostile rows are invalid rows like any other, never a crash: a row nested deeper than
 ``MAX_NESTING`` levels (anywhere, used or not) is refused before anything recurses over it.
@@ -15,9 +17,21 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
-from dspark_cache.producer.encode.messages import InvalidRow
 
 MAX_NESTING = 100  # a chat row needs ~10 levels; tool schemas a few dozen
+
+
+class InvalidRow(ValueError):
+    """A row that cannot become a sample; ``reason`` is a short, countable category."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[type[InvalidRow], tuple[str, str]]:
+        # Rows cross to tokenisation workers: keep both fields on the way.
+        return (InvalidRow, (self.reason, self.detail))
 
 
 class InputError(Exception):

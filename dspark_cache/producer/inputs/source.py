@@ -6,16 +6,16 @@ Every row carries its location (``file:line`` or ``file row N``) so that any err
 Row indices count every row, valid or not, so sample ids do not depend on the invalid-row
 policy: sample id = 0-based position of the row in the selected input.
 
-``--split`` means the same for every input (Hugging Face's slice syntax, see ``input_split``). The
+``--split`` means the same for every input (Hugging Face's slice syntax, see ``split``). The
 slice is taken after the rows are shuffled with ``--shuffle-seed``. Parquet, ``save_to_disk``
 directories and hub ids are always shuffled (as NeMo does); JSON/JSONL files only when ``--split``
 is given, because NeMo reads them in file order and sample ids must then match NeMo's. A plain
 file has one split, ``train``.
 
-The pieces live in their own modules, importing one way: ``input_rows`` (RawRow, InputError,
-the nesting check) <- ``input_split`` (``--split``) and ``input_lines`` (JSONL lines and their
-index) <- ``input_parts`` (a file or dataset read in order or by position) <- this module. Their
-public names are importable from here as before.
+The pieces live in their own modules, importing one way: ``rows`` (RawRow, InvalidRow,
+InputError, the nesting check) <- ``split`` (``--split``) and ``jsonl`` (JSONL lines and their
+index) <- ``parts`` (a file or dataset read in order or by position) <- this module. Callers
+import each name from the module that defines it.
 """
 
 from __future__ import annotations
@@ -31,13 +31,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dspark_cache.producer.hub import HUB_TIMEOUT_S, OFFLINE, HubRefusal, ask_hub, first_line
-from dspark_cache.producer.inputs.jsonl import LineIndex, scan_lines
+from dspark_cache.producer.inputs.jsonl import LineIndex
 from dspark_cache.producer.inputs.parts import ArrowPart, Handles, JsonlPart, JsonPart, ParquetWhere, Part
-from dspark_cache.producer.inputs.rows import MAX_NESTING, InputError, RawRow, check_input_file, open_input
-from dspark_cache.producer.inputs.split import SPLIT_FORMS, SplitSpec, check_split_name, parse_split
-
-__all__ = ["InputError", "InputSource", "JSON_SUFFIXES", "LineIndex", "MAX_NESTING", "MAX_ROW_BYTES",
-           "PARQUET_SUFFIXES", "RawRow", "SPLIT_FORMS", "SplitSpec", "parse_split", "scan_lines"]
+from dspark_cache.producer.inputs.rows import InputError, RawRow, check_input_file, open_input
+from dspark_cache.producer.inputs.split import SplitSpec, check_split_name, parse_split
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +251,7 @@ class InputSource:
             elif file.endswith(".json"):
                 parts.append(JsonPart(file))
         parquet = [f for f in self.files if f.endswith(PARQUET_SUFFIXES)]
-        if parquet:  # one dataset after the JSON files, as before
+        if parquet:  # one dataset, after the JSON files: row positions run through the parts in order
             load = lambda hf: hf.load_dataset("parquet", data_files=parquet, split="train")  # noqa: E731
             parts.append(ArrowPart(self._dataset(load), ParquetWhere(parquet)))
         return parts

@@ -24,9 +24,8 @@ from dspark_cache.format.plan import (
 )
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.encode.chat import EncodedRow
-from dspark_cache.producer.inputs.source import RawRow
+from dspark_cache.producer.inputs.rows import InvalidRow, RawRow
 from dspark_cache.producer.layout import remove_files
-from dspark_cache.producer.encode.messages import InvalidRow
 
 log = logging.getLogger(__name__)
 
