@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dspark_cache"
 # Cache file and directory names (format/paths.py); NeMo's own format is spelled in nemo/nemo_format.py.
 NAMES = {"manifest.json", "target_weights.safetensors", "shards", "status", "events", "control", "logs",
@@ -46,8 +48,8 @@ def test_only_paths_spells_cache_file_names():
 
 
 def test_parts_never_import_each_other():
-    """producer, loader and tui import format (and the library), never one another."""
-    parts = ("producer", "loader", "tui")
+    """producer, loader, tui and verify import format (and the library), never one another."""
+    parts = ("producer", "loader", "tui", "verify")
     offenders = []
     for part in parts:
         for path in sorted((PACKAGE / part).rglob("*.py")):
@@ -60,6 +62,129 @@ def test_parts_never_import_each_other():
                         if other != part and name and name.startswith(f"dspark_cache.{other}"):
                             offenders.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert not offenders, "\n".join(offenders)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of the package by its dotted name (a package by its own name)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _run_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements that run: at module level and inside functions, not under TYPE_CHECKING."""
+    guards = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+    typing_only = {id(node) for branch in ast.walk(tree)
+                   if isinstance(branch, ast.If) and ast.unparse(branch.test) in guards
+                   for statement in branch.body for node in ast.walk(statement)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only]
+
+
+def _targets(module: str, path: pathlib.Path, node: ast.Import | ast.ImportFrom,
+             modules: dict[str, pathlib.Path]) -> set[str]:
+    """The package's modules one import statement loads by name: a name imported from a package is
+    that package, unless the package has a module of that name."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            anchor = ".".join(package[:len(package) - node.level + 1])
+            base = f"{anchor}.{base}" if base else anchor
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+    out = set()
+    for name in names:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.add(name)
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (every statement that runs, see :func:`_run_imports`)."""
+    modules = _modules()
+    return {module: {target for node in _run_imports(ast.parse(path.read_text()))
+                     for target in _targets(module, path, node, modules)}
+            for module, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle, its modules in import order with the first repeated at the end; [] if none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        path.append(module)
+        for target in sorted(graph[module]):
+            if target in path:
+                return path[path.index(target):] + [target]
+            if target not in done:
+                found = visit(target)
+                if found:
+                    return found
+        done.add(path.pop())
+        return []
+
+    for module in sorted(graph):
+        found = [] if module in done else visit(module)
+        if found:
+            return found
+    return []
+
+
+def test_no_import_cycles():
+    """No module imports, directly or through others, one that imports it back (function-local imports count)."""
+    graph = _import_graph()
+    assert len(graph) > 100 and graph["dspark_cache.verify.cli"], sorted(graph)
+    cycle = _cycle(graph)
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_nemo_uses_only_the_producers_public_names():
+    """nemo (dspark-convert included) takes from the producer only what ``dspark_cache.producer`` exports."""
+    import dspark_cache.producer
+
+    modules = _modules()
+    offenders = []
+    for module, path in modules.items():
+        if not module.startswith("dspark_cache.nemo"):
+            continue
+        for node in _run_imports(ast.parse(path.read_text())):
+            if not any(t.startswith("dspark_cache.producer") for t in _targets(module, path, node, modules)):
+                continue
+            names = [alias.name for alias in node.names]
+            if not (isinstance(node, ast.ImportFrom) and node.module == "dspark_cache.producer"
+                    and set(names) <= set(dspark_cache.producer.__all__)):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "nemo imports producer internals:\n" + "\n".join(offenders)
+
+
+def test_console_scripts_follow_one_pattern():
+    """Every console script is a function of ``dspark_cache.cli``, which dispatches to its part; no part
+    imports ``dspark_cache.cli`` back (only the ``python -m`` entries, ``__main__.py``, start from it)."""
+    import tomllib
+
+    scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts and all(target.startswith("dspark_cache.cli:") for target in scripts.values()), scripts
+    graph, modules = _import_graph(), _modules()
+    offenders = sorted(modules[m].relative_to(PACKAGE).as_posix() for m, targets in graph.items()
+                       if "dspark_cache.cli" in targets and not m.startswith("dspark_cache.cli")
+                       and not m.endswith(".__main__"))
+    if offenders == ["nemo/convert/cli.py"]:
+        pytest.skip("pending (helper A owns nemo/convert/): nemo/convert/cli.py's main() calls back into "
+                    "dspark_cache.cli.convert; its python -m entry becomes nemo/convert/__main__.py")
+    assert not offenders, "parts that import their dispatcher dspark_cache.cli: " + ", ".join(offenders)
+
+
+def test_the_producers_top_level_stays_small():
+    """The producer shows its stages: at most a dozen modules at its top, the rest in sub-packages."""
+    top = sorted(path.name for path in (PACKAGE / "producer").glob("*.py"))
+    assert len(top) <= 12, top
 
 
 def test_monitor_never_imports_torch():

@@ -1,4 +1,4 @@
-"""``dspark-monitor CACHE_DIR``: the options and the run; start-up stays well under a second (no torch, no transformers).
+"""``dspark-monitor CACHE_DIR``: the options and the run (start-up well under a second: no torch, no transformers).
 
 The parser's conventions and the exit codes come from ``dspark_cache.cli`` (which dispatches the
 console script to :func:`run`).
