@@ -8,7 +8,9 @@
 The shared conventions (the exit-code table, ``--version``, ``--log-level``, one-line usage
 errors) are ``cli/conventions.py``. A part's module is imported only when its script runs, so
 the parts never import each other through here and ``dspark-monitor`` never imports torch.
-``--tui`` is handled in ``cli/produce_command.py`` only.
+``--tui`` is handled in ``cli/produce_command.py`` only. A part never imports this package: only
+its ``python -m`` entry (``dspark_cache.tui``, ``dspark_cache.verify``: their ``__main__.py``)
+starts from here, as the console script does.
 """
 
 from __future__ import annotations
