@@ -51,7 +51,8 @@ def make_source(root: str, samples: int, hidden: int, seq: int, shard_size: int)
     from dspark_cache.format.sample import sample_metadata, sample_specs
     from dspark_cache.format.schema import Manifest
     from dspark_cache.format.tar.writer import ShardWriter
-    from dspark_cache.producer import byte_views, write_manifest
+    from dspark_cache.format.manifest import write_manifest
+    from dspark_cache.producer import byte_views
 
     lengths = chat_lengths(samples, seq)
     paths = CachePaths(root)

@@ -51,7 +51,7 @@ from dspark_cache.format.schema import Manifest  # noqa: E402
 from dspark_cache.format.tar.writer import ShardWriter  # noqa: E402
 from dspark_cache.loader.tensors import sample_to_torch  # noqa: E402
 from dspark_cache.producer.pipeline.tensors import byte_views, quantize_fp8  # noqa: E402
-from dspark_cache.producer.manifest import write_manifest  # noqa: E402
+from dspark_cache.format.manifest import write_manifest  # noqa: E402
 
 LAYERS, NUM_LAYERS = [1, 8, 14, 20, 27], 28
 

@@ -98,31 +98,31 @@ def dry_run(cfg) -> int:
     which the real run then reuses instead of tokenising again."""
     import dataclasses
 
-    from dspark_cache.producer.device.ranks import new_run_id, rank_info
+    from dspark_cache.format.output import CacheOutput
+    from dspark_cache.producer.device.ranks import new_run_id
+    from dspark_cache.producer.device.topology import Topology
     from dspark_cache.producer.plan.store import forget_found, found_directory, keep_plan_files, leave_as_found
-    from dspark_cache.producer.prepare import prepare
+    from dspark_cache.producer.prepare import prepare, resolve_settings
     from dspark_cache.producer.resume import take_directory
 
-    me, locks, found = rank_info(), [], []
-
-    def take(paths) -> None:  # as a real run does: a second producer is refused, and refuses us
-        if me.is_leader:
-            before = found_directory(paths)  # before anything is created
-            locks.append(take_directory(paths, new_run_id(), me, cfg.overwrite))
-            found.append((paths, keep_plan_files(paths, before)))  # held now: nobody else writes there
-
+    me = Topology.from_environment(cfg.tp_size, cfg.ep_size)
+    output = CacheOutput(cfg.output_dir)
+    found = None  # what the directory held, once this process holds it
     try:  # planning needs no device: a login node without a GPU can size a GPU job
-        p = prepare(dataclasses.replace(cfg, device="cpu"), take)
+        settings = resolve_settings(dataclasses.replace(cfg, device="cpu"))
+        if me.is_leader:  # as a real run does: a second producer is refused, and refuses us
+            before = found_directory(output)  # before anything is created
+            take_directory(output, new_run_id(), me.world_size, cfg.overwrite)
+            found = keep_plan_files(output, before)  # held now: nobody else writes there
+        p = prepare(settings, output)
     except Exception as exc:
-        if found:  # the directory is ours: a failed dry run leaves it as it found it
-            leave_as_found(*found[0], locks[0])
+        if found is not None:  # the directory is ours: a failed dry run leaves it as it found it
+            leave_as_found(output, found)
         return error(PROG, str(exc))
     finally:
-        for lock in locks:
-            if lock is not None:
-                lock.release()
-    for _, before in found:
-        forget_found(before)
+        output.release()
+    if found is not None:
+        forget_found(output, found)
     if me.is_leader:
         print(plan_report(p.plan, p.manifest, cfg.output_dir))
     return EXIT_OK

@@ -30,8 +30,7 @@ read indexes only. It imports no torch. API:
   ``pin`` is called.
 * ``close()`` (or ``with``) closes every descriptor.
 
-:func:`unpublish_shard` removes a shard (index first, so readers stop seeing it, then its tar):
-what ``dspark-verify --repair`` and the producer's resume do with a shard they cannot trust.
+The write side (publishing and unpublishing shards, the manifest written) is ``output.CacheOutput``.
 """
 
 from __future__ import annotations
@@ -41,10 +40,10 @@ import threading
 import weakref
 from collections import OrderedDict
 
-from dspark_cache.format.errors import CacheError, CorruptShardError, IncompleteCacheError, NotACacheError
+from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
 from dspark_cache.format.files import open_regular
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.manifest import load_manifest
+from dspark_cache.format.manifest import read_manifest
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
@@ -82,26 +81,6 @@ def _close_all(fds: dict[int, int]) -> None:
 
 class CacheReplacedError(CacheError):
     """The cache a reader opened was removed, or replaced by another run (``--overwrite``), under it."""
-
-
-def read_manifest(root: str, *, allow_incomplete: bool = False) -> Manifest:
-    """Read and check ``manifest.json``; an incomplete cache is refused unless ``allow_incomplete``."""
-    manifest = load_manifest(root)
-    if not manifest.complete and not allow_incomplete:
-        raise IncompleteCacheError(
-            f"{root} is incomplete: the producer has not finished (or was stopped). Rerun "
-            "dspark-produce with the same arguments to finish it, or read it while it grows "
-            "with follow=True"
-        )
-    return manifest
-
-
-def unpublish_shard(paths: CachePaths, shard_id: int) -> None:
-    """Remove a shard's index, then its tar: readers stop seeing it first, and a producer rerun
-    recomputes it. A symlink is removed itself, never its target."""
-    for file in (paths.shard_index(shard_id), paths.shard_tar(shard_id)):
-        if os.path.lexists(file):
-            os.unlink(file)
 
 
 class CacheDir:

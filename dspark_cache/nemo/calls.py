@@ -24,7 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.cache import read_manifest as read_dspark_manifest
+from dspark_cache.format.manifest import read_manifest as read_dspark_manifest
 from dspark_cache.format.schema import FP8_DTYPES
 from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.dataset import DSparkMapDataset, collate

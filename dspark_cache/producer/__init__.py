@@ -9,8 +9,8 @@ may change with the producer):
 * ``ChatEncoder`` (``chat``), ``InputSource`` (``inputs``), ``SampleShape`` (``plan``).
 * ``read_target_info``, ``resolve_device``, ``TargetRunner``: the target (``target``).
 * ``run_pipeline``, ``collate``, ``finite_flags``: the device-to-writer pipeline (``pipeline``).
-* ``write_manifest``: publish a manifest as the producer does (``manifest``).
-* ``torch_dtype``, ``byte_views``: torch dtypes of the format's codes, tensors as writer bytes (``tensors``).
+* ``torch_dtype``, ``dtype_code``, ``byte_views``: torch dtypes of the format's codes and back, tensors as
+  writer bytes (``tensors``).
 * ``produce(cfg)``: one rank's whole run (``run``); the command line is ``dspark_cache.cli``, the torchrun entry ``python -m dspark_cache.producer``.
 
 Names are imported on first use, so ``import dspark_cache.producer`` costs nothing.
@@ -34,8 +34,8 @@ _API = {
     "run_pipeline": "pipeline.loop",
     "collate": "pipeline.loop",
     "finite_flags": "pipeline.loop",
-    "write_manifest": "manifest",
     "torch_dtype": "pipeline.tensors",
+    "dtype_code": "pipeline.tensors",
     "byte_views": "pipeline.tensors",
     "produce": "run",
 }

@@ -15,10 +15,11 @@ import time
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.format.weights import TargetWeightsError, check_cache_weights
-from dspark_cache.producer.device.ranks import RankInfo, await_other_ranks
-from dspark_cache.producer.manifest import mark_complete, read_manifest_file
+from dspark_cache.producer.device.ranks import await_other_ranks
+from dspark_cache.producer.device.topology import Topology
 from dspark_cache.producer.prepare import Prepared
 from dspark_cache.producer.report.status import StatusReporter
+from dspark_cache.producer.resume import read_existing
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def target_weights_checksum(p: Prepared) -> int | None:
             time.sleep(0.2)
 
 
-def finish(p: Prepared, status: StatusReporter, run_id: str, me: RankInfo) -> tuple[Manifest, list[int]]:
+def finish(p: Prepared, status: StatusReporter, run_id: str, me: Topology) -> tuple[Manifest, list[int]]:
     """Wait for the other ranks' shards; the rank that claims completion marks the cache complete.
 
     Returns the manifest as this rank last knows it and the planned shards still missing
@@ -66,12 +67,12 @@ def finish(p: Prepared, status: StatusReporter, run_id: str, me: RankInfo) -> tu
         return p.manifest, sorted(missing)
     if claim_completion(p.paths, run_id):
         p.manifest.target_weights_xxh3 = target_weights_checksum(p)
-        mark_complete(p.paths, p.manifest)
+        p.output.complete(p.manifest)
         status.event(EventKind.FINISHED, "cache complete", samples=p.manifest.num_samples, bytes=p.plan.num_bytes)
         return p.manifest, []
     deadline = time.time() + p.cfg.rank_timeout  # another rank claimed it: let it finish writing
     while time.time() < deadline:
-        manifest = read_manifest_file(p.paths)
+        manifest = read_existing(p.output)
         if manifest is not None and manifest.complete:
             return manifest, []
         time.sleep(0.1)

@@ -1,31 +1,36 @@
 """Before the model loads: validate the settings, encode the input, plan it, build the manifest.
 
-Every rank prepares the same thing from the same input and settings, and nothing is written
-yet, so bad input or configuration fails here, before any device work.
+Two steps, so that rank 0 can take the output directory between them: :func:`resolve_settings`
+(the cheap checks, nothing read from the input) and :func:`prepare` (encode, plan, manifest).
+Every rank prepares the same thing from the same input and settings, and nothing but the saved
+plan is written, so bad input or configuration fails here, before any device work.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
+from dspark_cache import __version__
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.faults import crash_point
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import build_target_layer_ids, validate_target_layer_ids
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import Manifest
 from dspark_cache.format.validate import manifest_problems
 from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.config import ProduceConfig, validate_config
-from dspark_cache.producer.device.ranks import rank_info
+from dspark_cache.producer.device.topology import Topology
 from dspark_cache.producer.inputs.source import InputSource
-from dspark_cache.producer.manifest import build_manifest
-from dspark_cache.producer.plan.batches import Plan, SampleShape
+from dspark_cache.producer.plan.batches import Plan
 from dspark_cache.producer.plan.job import plan_job
 from dspark_cache.producer.device.target import TargetInfo, read_target_info, resolve_device
-from dspark_cache.producer.encode.template import resolve_chat_template
+from dspark_cache.producer.encode.template import resolve_chat_template, sha256_text, tokenizer_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -43,9 +48,13 @@ class Prepared:
     shape: SampleShape
     plan: Plan
     manifest: Manifest
-    paths: CachePaths
+    output: CacheOutput  # the directory being written
     device: torch.device
     compute_dtype: str
+
+    @property
+    def paths(self) -> CachePaths:
+        return self.output.paths
 
 
 def load_tokenizer(cfg: ProduceConfig, template: str | None = None) -> Any:
@@ -72,8 +81,40 @@ def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, sh
 
     Raises :class:`InputError` when the input holds no row, or no row gives a supervised sample.
     """
-    return plan_job(cfg, paths or CachePaths(cfg.output_dir), rank_info(), source, encoder, shape,
-                    input_sha256 or source.content_sha256(), vocab_size)
+    return plan_job(cfg, paths or CachePaths(cfg.output_dir), Topology.from_environment(cfg.tp_size, cfg.ep_size),
+                    source, encoder, shape, input_sha256 or source.content_sha256(), vocab_size)
+
+
+def library_versions() -> dict[str, str]:
+    """The versions that shaped the cache's bytes (recorded, not compared on resume)."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"dspark_cache": __version__, "torch": str(torch.__version__),
+            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], plan: Plan, tokenizer: Any,
+                   input_sha256: str, compute_dtype: str) -> Manifest:
+    """The manifest of the cache this run makes: its identity (what resume compares) and its plan's totals."""
+    return Manifest(
+        target_model=cfg.target_model, target_model_type=info.model_type, target_vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size, num_hidden_layers=info.num_layers, seq_length=cfg.seq_length,
+        dtype=cfg.dtype, num_samples=plan.num_samples, shard_size=cfg.shard_size,
+        target_hidden_dim=info.hidden_size * len(layer_ids), target_last_hidden_dim=info.hidden_size,
+        target_layer_ids=layer_ids, train_data_path=str(cfg.input_data), train_split=cfg.split,
+        shuffle_seed=cfg.shuffle_seed, mask_reasoning_content=cfg.mask_reasoning_content,
+        mask_generation_prompt=cfg.mask_generation_prompt,
+        chat_template_sha256=sha256_text(tokenizer.chat_template), input_sha256=input_sha256,
+        tokenizer_sha256=tokenizer_sha256(tokenizer), compute_dtype=compute_dtype,
+        attn_implementation=cfg.target_attn_implementation, pad_token_id=int(tokenizer.pad_token_id),
+        num_rows=plan.num_rows, planned_samples=plan.num_samples, num_shards=len(plan.shards),
+        planned_tokens=plan.num_tokens, planned_loss_tokens=plan.num_loss_tokens, planned_bytes=plan.num_bytes,
+        planned_padded_tokens=plan.padded_tokens, plan_sha256=plan.layout_sha256(),
+        skipped_rows=plan.skipped_counts(), skipped=plan.skipped, versions=library_versions(),
+        target_fingerprint=info.fingerprint, created_at=time.time(),
+    )
 
 
 def _check_readable(manifest: Manifest, cfg: ProduceConfig) -> None:
@@ -87,12 +128,23 @@ def _check_readable(manifest: Manifest, cfg: ProduceConfig) -> None:
                          "--shard-size makes fewer shards), or split the input into several caches")
 
 
-def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | None = None) -> Prepared:
-    """Validate and plan (identical on every rank); nothing is written yet.
+@dataclass
+class Settings:
+    """The run's settings checked and resolved: what the cheap checks give before the input is read."""
 
-    ``before_planning`` runs once the cheap checks have passed and before the input is read
-    (rank 0 takes the directory's lock there, so that a second producer is refused at once).
-    """
+    cfg: ProduceConfig
+    template: str | None
+    info: TargetInfo
+    layer_ids: list[int]
+    source: InputSource
+    device: torch.device
+    compute_dtype: str
+
+
+def resolve_settings(cfg: ProduceConfig) -> Settings:
+    """The cheap checks, identical on every rank: the settings, the chat template, the target's
+    config, its layer ids, where the input is and which device computes. Nothing is read from the
+    input yet, so a producer that cannot have the output directory is refused before it does."""
     validate_config(cfg)
     template = resolve_chat_template(cfg.chat_template) if cfg.chat_template else None
     info = read_target_info(cfg.target_model, cfg.trust_remote_code, cfg.allow_pickle_weights)
@@ -102,18 +154,22 @@ def prepare(cfg: ProduceConfig, before_planning: Callable[[CachePaths], None] | 
     source = InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed, cfg.max_row_bytes)
     device = resolve_device(cfg.device)
     compute_dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    paths = CachePaths(cfg.output_dir)
-    if before_planning is not None:
-        before_planning(paths)
-    tokenizer = load_tokenizer(cfg, template)
+    return Settings(cfg, template, info, layer_ids, source, device, compute_dtype)
+
+
+def prepare(settings: Settings, output: CacheOutput) -> Prepared:
+    """Encode and plan the input (identical on every rank; the plan is saved in ``output``) and build
+    the manifest; nothing else is written yet."""
+    cfg, info, layer_ids = settings.cfg, settings.info, settings.layer_ids
+    tokenizer = load_tokenizer(cfg, settings.template)
     encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
     shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype])
-    input_sha256 = source.content_sha256()
-    plan = plan_input(cfg, encoder, source, shape, paths, input_sha256, info.vocab_size)
+    input_sha256 = settings.source.content_sha256()
+    plan = plan_input(cfg, encoder, settings.source, shape, output.paths, input_sha256, info.vocab_size)
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
              "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
              plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)
-    manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, input_sha256, compute_dtype)
+    manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, input_sha256, settings.compute_dtype)
     _check_readable(manifest, cfg)
     crash_point("planned")
-    return Prepared(cfg, info, layer_ids, shape, plan, manifest, paths, device, compute_dtype)
+    return Prepared(cfg, info, layer_ids, shape, plan, manifest, output, settings.device, settings.compute_dtype)

@@ -5,35 +5,31 @@ Each step is its own module: ``prepare`` (validate, encode, plan, manifest; noth
 (the target and the pipeline over this rank's shards), ``completion`` (the rank that sees every
 shard marks the cache complete) and ``status`` (heartbeats, events). This module only orders them.
 
-With ``--tp-size``/``--ep-size`` (``parallel``) shards belong to model-parallel groups of ranks,
-not to single ranks; the layout and the target's fitness for it are checked before planning.
+With ``--tp-size``/``--ep-size`` (``device.model_group``) shards belong to model-parallel groups of
+ranks, not to single ranks; the topology and the target's fitness for it are checked before planning.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.producer.finish import finish
 from dspark_cache.producer.device.compute import (
     Computed, compute_shards, repair_complete_weights, write_missing_target_weights,
 )
 from dspark_cache.producer.config import ProduceConfig
-from dspark_cache.producer.device.ranks import (
-    RankInfo, assign_shards, barrier_before_setup, new_run_id, rank_info, share_setup,
-)
-from dspark_cache.producer.lock import DirectoryLock, lock_shared
-from dspark_cache.producer.manifest import read_manifest_file
-from dspark_cache.producer.device.topology import Layout, check_device, check_target, layout_for
+from dspark_cache.producer.device.model_group import check_target
+from dspark_cache.producer.device.ranks import assign_shards, barrier_before_setup, new_run_id, share_setup
+from dspark_cache.producer.device.topology import Topology, check_topology
 from dspark_cache.producer.pipeline.loop import PipelineStats
 from dspark_cache.producer.plan.batches import Plan
-from dspark_cache.producer.prepare import Prepared, prepare
-from dspark_cache.producer.resume import reconcile_directory, take_directory
+from dspark_cache.producer.prepare import Prepared, prepare, resolve_settings
+from dspark_cache.producer.resume import read_existing, reconcile_directory, take_directory
 from dspark_cache.producer.report.signals import StopFlag
 from dspark_cache.producer.report.status import StatusReporter, announce
 
@@ -55,52 +51,49 @@ class RunResult:
 def produce(cfg: ProduceConfig) -> RunResult:
     """Run this rank of the producer; bad input or configuration raises before device work."""
     started = time.time()
-    me = rank_info()
-    layout = layout_for(cfg, me.rank, me.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    check_device(layout, cfg.device)
+    topology = Topology.from_environment(cfg.tp_size, cfg.ep_size)
+    check_topology(topology, cfg.device, cfg.device_map)
     run_id = new_run_id()  # rank 0's is the job's: share_setup hands it to every rank
-    lock: DirectoryLock | None = None
-
-    def take(paths: CachePaths) -> None:
-        nonlocal lock
-        check_target(cfg.target_model, layout, cfg.trust_remote_code)  # before planning, on every rank alike
-        if me.is_leader:
-            lock = take_directory(paths, run_id, me, cfg.overwrite)
-
+    output = CacheOutput(cfg.output_dir)
     try:
-        p = prepare(cfg, take)
-        barrier_before_setup(me)
+        settings = resolve_settings(cfg)
+        check_target(cfg.target_model, topology, cfg.trust_remote_code)  # before planning, on every rank alike
+        if topology.is_leader:  # before the input is read: a second producer is refused at once
+            take_directory(output, run_id, topology.world_size, cfg.overwrite)
+        p = prepare(settings, output)
+        barrier_before_setup(topology)
         error, existing = None, None
-        if me.is_leader:
+        if topology.is_leader:
             try:
                 existing = reconcile_directory(p)
-                if lock is not None and me.world_size > 1:
-                    lock.share()  # the job's other ranks join it from here on
+                if topology.world_size > 1:
+                    output.share()  # the job's other ranks join it from here on
             except Exception as exc:
                 error = str(exc)
-                if me.world_size == 1:
+                if topology.world_size == 1:
                     raise
-        error, run_id = share_setup(me, error, run_id)
+        error, run_id = share_setup(topology, error, run_id)
         if error:
-            raise CacheError(error if me.is_leader else f"rank 0 could not prepare {p.paths.root}: {error}")
-        if not me.is_leader:
-            lock = lock_shared(p.paths)
-            existing = read_manifest_file(p.paths)
-        return _run_locked(p, layout, run_id, existing, started)
+            raise CacheError(error if topology.is_leader else f"rank 0 could not prepare {p.paths.root}: {error}")
+        if not topology.is_leader:
+            output.join()
+            existing = read_existing(output)
+        return _run_locked(p, topology, run_id, existing, started)
     finally:
-        if lock is not None:
-            lock.release()
+        output.release()
 
 
-def _run_locked(p: Prepared, layout: Layout, run_id: str, existing: Manifest | None, started: float) -> RunResult:
+def _run_locked(p: Prepared, topology: Topology, run_id: str, existing: Manifest | None,
+                started: float) -> RunResult:
     """Heartbeat and stop handling around the rank's work; a failure is recorded before it propagates."""
-    status = StatusReporter(p.paths, layout.rank, layout.world_size, run_id,
-                            group=layout.group if layout.sharded else None, group_size=layout.size)
+    status = StatusReporter(p.paths, topology.rank, topology.world_size, run_id,
+                            group=topology.group if topology.model_parallel else None,
+                            group_size=topology.group_size)
     status.start_heartbeat()
     stop = StopFlag(p.paths)
     stop.install()
     try:
-        return _run_rank(p, layout, run_id, existing, status, stop, started)
+        return _run_rank(p, topology, run_id, existing, status, stop, started)
     except BaseException as exc:
         status.update(force=True, state=RankState.FAILED, last_error=str(exc) or type(exc).__name__)
         shard = status.status.shard  # the shard in flight failed; the monitor marks it
@@ -111,37 +104,37 @@ def _run_locked(p: Prepared, layout: Layout, run_id: str, existing: Manifest | N
         status.stop_heartbeat()
 
 
-def _run_rank(p: Prepared, layout: Layout, run_id: str, existing: Manifest | None, status: StatusReporter,
+def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest | None, status: StatusReporter,
               stop: StopFlag, started: float) -> RunResult:
-    me = RankInfo(layout.rank, layout.world_size)
-    done = set(p.paths.indexed_shard_ids())
+    done = p.output.published()
     todo = [s for s in p.plan.shards if s.shard_id not in done]
-    owned = assign_shards(todo, layout.groups)[layout.group]  # a group's ranks own the same shards
+    owned = assign_shards(todo, topology.groups)[topology.group]  # a group's ranks own the same shards
     status.update(force=True, shards_owned=len(owned), samples_total=p.plan.num_samples,
                   tokens_total=p.plan.num_tokens, shards_done=0)
-    if me.is_leader:
+    if topology.is_leader:
         announce(status, p.plan, existing, done)
     if existing is not None:  # a completed run's checksum of the target weights: they are checked against it
         p.manifest.target_weights_xxh3 = existing.target_weights_xxh3
     if existing is not None and existing.complete and not todo:
-        repair_complete_weights(p, existing, layout, status, run_id)
+        repair_complete_weights(p, existing, topology, status, run_id)
         log.info("%s is already complete: nothing to do", p.paths.root)
         status.update(force=True, state=RankState.FINISHED)
         return RunResult(existing, p.plan, None, time.time() - started)
-    computed = compute_shards(p, owned, status, stop, layout, run_id) if owned else Computed(None)
+    computed = compute_shards(p, owned, status, stop, topology, run_id) if owned else Computed(None)
     stats = computed.stats
-    write_missing_target_weights(p, layout, status, run_id)
+    write_missing_target_weights(p, topology, status, run_id)
     stopped = stop() or computed.group_stopped
-    if stopped and {s.shard_id for s in p.plan.shards} <= set(p.paths.indexed_shard_ids()):
+    if stopped and {s.shard_id for s in p.plan.shards} <= p.output.scan():
         # The stop came with the last shard in flight, which a stop finishes: the job's work is all done.
         log.info("stop requested (%s) after every shard was published: completing the cache", stop.reason)
         stopped = False
     if stopped:
-        reason = stop.reason if stop() else f"model-parallel group {layout.group} stopped (ranks {layout.ranks()})"
+        reason = stop.reason if stop() else (f"model-parallel group {topology.group} stopped "
+                                             f"(ranks {topology.group_ranks()})")
         status.update(force=True, state=RankState.STOPPED)
         status.event(EventKind.STOPPED, f"stopped ({reason}); rerun the same command to resume")
         return RunResult(p.manifest, p.plan, stats, time.time() - started, stopped=True)
-    manifest, missing = finish(p, status, run_id, me)
+    manifest, missing = finish(p, status, run_id, topology)
     if missing:
         status.update(force=True, state=RankState.INCOMPLETE)
         status.event(EventKind.ERROR, f"shards {missing} were not published (their rank stopped); rerun to "

@@ -28,11 +28,11 @@ from typing import Callable
 import msgspec
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.files import read_regular
+from dspark_cache.format.manifest import ManifestDecodeError, read_manifest
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Manifest, RankStatus, decode_manifest, decode_shard_index
+from dspark_cache.format.schema import Manifest, RankStatus, decode_shard_index
 from dspark_cache.format.status import partial_is_written, rank_is_live, read_rank_status
-from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, check_manifest
+from dspark_cache.format.validate import MAX_INDEX_BYTES, manifest_problems
 from dspark_cache.tui.eventfeed import EventFeed, failed_shards
 from dspark_cache.tui.rates import RateTracker
 from dspark_cache.tui.reading import CacheReader, reason
@@ -122,15 +122,14 @@ class CacheScanner:
         """Read and decode the manifest; fields out of range are warned about, still shown."""
         where = self.paths.manifest
         try:
-            manifest = decode_manifest(read_regular(where, MAX_MANIFEST_BYTES, self.reader.root_real), where)
+            manifest = read_manifest(self.paths.root, missing_ok=True, allow_incomplete=True, checked=False,
+                                     within=self.reader.root_real)
+        except ManifestDecodeError as exc:  # garbage, or a NeMo or older dspark layout: says which
+            return None, str(exc), ()
         except (CacheError, OSError) as exc:
             return None, f"{where}: {reason(exc, 'manifest')}", ()
-        except msgspec.DecodeError as exc:  # garbage, or a NeMo or older dspark layout: says which
-            return None, str(exc), ()
-        try:
-            check_manifest(manifest, where)
-        except CacheError as exc:  # shown anyway (out-of-range numbers get placeholders), with each problem
-            problems = [line.strip() for line in str(exc).splitlines() if line.startswith("  ")] or [str(exc)]
+        problems = list(manifest_problems(manifest)) if manifest is not None else []
+        if problems:  # shown anyway (out-of-range numbers get placeholders), with each problem
             rel = os.path.relpath(where, self.paths.root)
             return manifest, None, tuple(f"{rel}: {problem}" for problem in problems)
         return manifest, None, ()

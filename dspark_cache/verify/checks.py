@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from dspark_cache.format.cache import CacheDir, unpublish_shard
+from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import ShardIndex, encode_json
 from dspark_cache.format.atomic import atomic_write_bytes
@@ -127,7 +128,7 @@ def repair(path: str, report: Report) -> None:
             atomic_write_bytes(paths.shard_index(shard_id), encode_json(index))
             problem["repaired"] = "rebuilt"
             continue
-        unpublish_shard(paths, shard_id)
+        CacheOutput(path).unpublish(shard_id)
         problem["repaired"] = "deleted"
     write_wids_index(paths)  # wids' shard list names exactly the shards still published
 

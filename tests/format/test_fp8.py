@@ -30,7 +30,7 @@ from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.format.wds import decode_dspark_arrays
 from dspark_cache.loader.tensors import decode_dspark_sample
 from dspark_cache.loader.validate import CacheMismatchError, check_expectations
-from dspark_cache.producer.manifest import write_manifest
+from dspark_cache.format.manifest import write_manifest
 from dspark_cache.producer.pipeline.tensors import byte_views, quantize_fp8
 from tests.support.produce import run_produce
 

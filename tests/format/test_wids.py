@@ -15,8 +15,8 @@ import webdataset as wds
 from safetensors.torch import load as safetensors_load
 
 import dspark_cache
-from dspark_cache.format.cache import unpublish_shard
-from dspark_cache.format.manifest import load_manifest
+from dspark_cache.format.manifest import read_manifest
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import PAD_PREFIX, sample_metadata, sample_specs
 from dspark_cache.format.tar.reader import load_shard_index
@@ -24,8 +24,6 @@ from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.format.wds import decode_dspark_arrays, decode_wids_sample
 from dspark_cache.format.wids_index import WIDS_KIND, read_wids_index, write_wids_index
 from dspark_cache.nemo.convert.cli import main as convert_main
-from dspark_cache.producer.layout import written_files
-from dspark_cache.producer.manifest import mark_complete
 from dspark_cache.cli import verify as verify_main
 from tests.support.produce import run_produce
 from tests.support.convert_fixture import write_tiny_nemo
@@ -63,14 +61,14 @@ def _listed(root: str) -> dict[str, int]:
 
 
 def test_webdataset_sample_has_the_final_state_as_a_view_and_no_fill(small_cache):
-    hidden_size = load_manifest(small_cache).hidden_size
+    hidden_size = read_manifest(small_cache).hidden_size
     raw = [safetensors_load(blob) for blob in _raw_blobs(small_cache)]
     # What the issue saw: a generic reader gets the alignment fill and no separate final state.
     assert any(name.startswith(PAD_PREFIX) for tensors in raw for name in tensors)
     assert not any("target_last_hidden_states" in tensors for tensors in raw)
     decoded = [s["safetensors"] for s in wds.WebDataset(_urls(small_cache), shardshuffle=False)
                .decode(decode_dspark_arrays)]
-    assert len(decoded) == len(raw) == load_manifest(small_cache).num_samples
+    assert len(decoded) == len(raw) == read_manifest(small_cache).num_samples
     for sample, stored in zip(decoded, raw):
         assert set(sample) == NEMO_KEYS | {"sample_id"}
         hidden, last = sample["target_hidden_states"].array, sample["target_last_hidden_states"].array
@@ -97,7 +95,7 @@ def test_webdataset_sample_reads_a_separately_stored_final_state(final_apart_cac
 
 def test_wids_index_lists_every_shard_with_its_sample_count(small_cache, capsys):
     paths = CachePaths(small_cache)
-    manifest = load_manifest(small_cache)
+    manifest = read_manifest(small_cache)
     with open(paths.wids_index, encoding="utf-8") as handle:
         data = json.load(handle)
     assert data["__kind__"] == WIDS_KIND == "wids-shard-index-v1" and data["wids_version"] == 1
@@ -167,7 +165,7 @@ def test_publication_keeps_the_index_current_and_completion_makes_it_exact(tmp_p
     data["shardlist"][0]["nsamples"] = 99
     with open(paths.wids_index, "w", encoding="utf-8") as handle:
         json.dump(data, handle)
-    unpublish_shard(paths, 1)
+    CacheOutput(paths.root).unpublish(1)
     entries = write_wids_index(paths)
     assert _listed(paths.root) == {"shard-000000.tar": 3, "shard-000002.tar": 4}
     assert entries == read_wids_index(paths)["shardlist"]
@@ -180,7 +178,7 @@ def test_completion_rewrites_a_stale_index(small_cache, tmp_path):
     exact = _listed(root)
     with open(paths.wids_index, "w", encoding="utf-8") as handle:
         handle.write("[]")
-    mark_complete(paths, load_manifest(root))
+    CacheOutput(root).complete(read_manifest(root))
     assert _listed(root) == exact
 
 
@@ -214,6 +212,6 @@ def test_overwrite_deletes_the_index_and_its_temporaries(tmp_path):
     for name in (paths.wids_index, f"{paths.wids_index}.123.456.tmp", os.path.join(paths.shards_dir, "notes.json")):
         with open(name, "w", encoding="utf-8") as handle:
             handle.write("{}")
-    listed = written_files(paths)
+    listed = CacheOutput(paths.root).written_files()
     assert paths.wids_index in listed and f"{paths.wids_index}.123.456.tmp" in listed
     assert os.path.join(paths.shards_dir, "notes.json") not in listed  # not ours: never deleted

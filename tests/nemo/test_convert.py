@@ -333,7 +333,7 @@ def test_overwrite_never_deletes_through_a_symlink(tmp_path, capsys):
 
 def test_a_running_producer_or_conversion_holds_dst(tmp_path, capsys):
     """The producer's lock on control/lock: a conversion into a directory in use is refused."""
-    from dspark_cache.producer.lock import lock_exclusive
+    from dspark_cache.format.lock import lock_exclusive
 
     src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import dspark_cache
 import dspark_cache.nemo as dn
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.producer.manifest import read_manifest_file, write_manifest
+from dspark_cache.format.manifest import read_manifest, write_manifest
 from tests.support.nemo_fixture import NEMO_FIELDS, write_nemo_cache
 
 FIELD_TYPES = {"target_model": str, "target_model_type": str, "target_vocab_size": int, "hidden_size": int,
@@ -70,7 +70,7 @@ def test_incomplete_cache_is_a_value_error(which, small_cache, nemo_cache, tmp_p
     copy = _copy(small_cache if which == "ours" else nemo_cache, tmp_path)
     if which == "ours":
         paths = CachePaths(copy)
-        manifest = read_manifest_file(paths)
+        manifest = read_manifest(paths.root)
         manifest.complete = False
         write_manifest(paths, manifest)
     else:

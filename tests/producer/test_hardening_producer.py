@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoTokenizer
 
 from dspark_cache.embedded.data import sample_rows
 from dspark_cache.format.paths import CachePaths
@@ -141,7 +140,7 @@ def test_a_killed_holder_never_blocks_the_rerun(embedded, tmp_path, tiny_data):
 HOLD = """
 import sys, time
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.producer.lock import lock_exclusive, lock_shared
+from dspark_cache.format.lock import lock_exclusive, lock_shared
 paths = CachePaths(sys.argv[1])
 if sys.argv[2] == "rank0":
     lock_exclusive(paths, "job-a", 2).share()
@@ -154,7 +153,7 @@ time.sleep(600)
 
 def test_every_rank_of_a_job_holds_the_lock(tmp_path):
     """A job's other ranks keep the directory locked after its rank 0 is gone."""
-    from dspark_cache.producer.lock import CacheLockedError, lock_exclusive
+    from dspark_cache.format.lock import CacheLockedError, lock_exclusive
 
     paths = CachePaths(str(tmp_path / "cache"))
     os.makedirs(os.path.dirname(paths.lock))
@@ -245,12 +244,6 @@ def test_a_huge_row_costs_memory_for_seq_length_tokens_not_for_the_row(embedded,
     assert result["lengths"] == [2048] and result["exact"] == [False]
 
 
-@pytest.fixture(scope="module")
-def tokenizers(embedded):
-    return {"stock": AutoTokenizer.from_pretrained(embedded.stock),
-            "generation": AutoTokenizer.from_pretrained(embedded.generation)}
-
-
 @pytest.mark.parametrize("variant", ["stock", "generation"])
 def test_prefix_tokenisation_gives_the_whole_rows_ids_and_mask(tokenizers, variant):
     """Forced onto the bounded path (tiny prefixes, many growth steps), every row of the sample
@@ -261,7 +254,7 @@ def test_prefix_tokenisation_gives_the_whole_rows_ids_and_mask(tokenizers, varia
             rows.append(normalise_row(raw))
         except Exception:
             continue
-    tok = tokenizers[variant]
+    tok = getattr(tokenizers, variant)
     bounded_rows = 0
     for seq, reasoning, prompt in itertools.product((12, 96, 700), (False, True), (False, True)):
         whole = ChatEncoder(tok, seq, reasoning, prompt)

@@ -18,12 +18,12 @@ import time
 import uuid
 from contextlib import contextmanager
 
-import msgspec
 import numpy as np
 import pytest
 import xxhash
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args, run_produce, write_jsonl
 from tests.support.proc import assert_same_samples, producer_cmd, run
@@ -58,23 +58,23 @@ def _data_xxh3(path: str) -> tuple[int, str]:
         return int(array.shape[0]), xxhash.xxh3_64_hexdigest(handle.read())
 
 
-def rechecksum(plan: str) -> None:
-    """Make every checksum of a plan directory match its (mutated) content, as a forger would."""
-    names = sorted(n for n in os.listdir(plan) if n.startswith("part-") and n.endswith(".json"))
-    for name in names:
-        path = os.path.join(plan, name)
+def rechecksum(paths: CachePaths) -> None:
+    """Make every checksum of a saved plan match its (mutated) content, as a forger would."""
+    parts = range(len(json.load(open(paths.plan_header))["parts"]))
+    for part in parts:
+        path = paths.plan_part_header(part)
         header = json.load(open(path))
         for kind in header["arrays"]:
-            length, digest = _data_xxh3(os.path.join(plan, f"{name[:-5]}.{kind}.npy"))
+            length, digest = _data_xxh3(paths.plan_part(part, kind))
             header["arrays"][kind] = {"length": length, "xxh3_64": digest}
         header["tokens"] = header["arrays"]["ids"]["length"]
         open(path, "w").write(json.dumps(header))
-    path = os.path.join(plan, "plan.json")
+    path = paths.plan_header
     header = json.load(open(path))
     for name in header["arrays"]:
-        length, digest = _data_xxh3(os.path.join(plan, f"{name}.npy"))
+        length, digest = _data_xxh3(paths.plan_array(name))
         header["arrays"][name] = {"length": length, "xxh3_64": digest}
-    raws = [open(os.path.join(plan, n), "rb").read() for n in names]
+    raws = [open(paths.plan_part_header(part), "rb").read() for part in parts]
     header["parts"] = [{"length": len(raw), "xxh3_64": xxhash.xxh3_64_hexdigest(raw)} for raw in raws]
     open(path, "w").write(json.dumps(header))
 
@@ -89,75 +89,69 @@ def _vocab(target: str) -> int:
 
 # -- item 5: values -------------------------------------------------------------------------------
 
-def mask_of_two(plan: str, target: str) -> str:
-    _edit(os.path.join(plan, "part-00000.mask.npy"))[3] = 2
-    return "part-00000.mask.npy"
+def mask_of_two(paths: CachePaths, target: str) -> str:
+    _edit(paths.plan_part(0, "mask"))[3] = 2
+    return paths.plan_part(0, "mask")
 
 
-def id_past_the_vocabulary(plan: str, target: str) -> str:
-    _edit(os.path.join(plan, "part-00000.ids.npy"))[5] = _vocab(target)
-    return "part-00000.ids.npy"
+def id_past_the_vocabulary(paths: CachePaths, target: str) -> str:
+    _edit(paths.plan_part(0, "ids"))[5] = _vocab(target)
+    return paths.plan_part(0, "ids")
 
 
-def negative_id(plan: str, target: str) -> str:
-    _edit(os.path.join(plan, "part-00000.ids.npy"))[7] = -3
-    return "part-00000.ids.npy"
+def negative_id(paths: CachePaths, target: str) -> str:
+    _edit(paths.plan_part(0, "ids"))[7] = -3
+    return paths.plan_part(0, "ids")
 
 
-def sample_length_not_the_row_tables(plan: str, target: str) -> str:
-    samples = _edit(os.path.join(plan, "samples.npy"))
+def sample_length_not_the_row_tables(paths: CachePaths, target: str) -> str:
+    samples = _edit(paths.plan_array("samples"))
     samples["length"][0] -= 1  # still inside its part: only the row table says it is wrong
-    return "samples.npy"
+    return paths.plan_array("samples")
 
 
-def rows_out_of_order(plan: str, target: str) -> str:
+def rows_out_of_order(paths: CachePaths, target: str) -> str:
     """Two rows' token spans swapped in the row table (offsets no longer tile the tokens)."""
-    rows = _edit(os.path.join(plan, "part-00000.rows.npy"))
+    rows = _edit(paths.plan_part(0, "rows"))
     a, b = rows[0].copy(), rows[1].copy()
     rows["offset"][0], rows["offset"][1] = b["offset"], a["offset"]
     rows["length"][0], rows["length"][1] = b["length"], a["length"]
-    samples = _edit(os.path.join(plan, "samples.npy"))
+    samples = _edit(paths.plan_array("samples"))
     for record, old in ((a, b), (b, a)):  # the merged plan agrees with the forged table
         at = np.flatnonzero(samples["sample_id"] == record["sample_id"])[0]
         samples["offset"][at], samples["length"][at] = old["offset"], old["length"]
-    return "part-00000.rows.npy"
+    return paths.plan_part(0, "rows")
 
 
-def loss_tokens_not_the_masks(plan: str, target: str) -> str:
-    rows = _edit(os.path.join(plan, "part-00000.rows.npy"))
+def loss_tokens_not_the_masks(paths: CachePaths, target: str) -> str:
+    rows = _edit(paths.plan_part(0, "rows"))
     rows["loss_tokens"][2] += 1
-    samples = _edit(os.path.join(plan, "samples.npy"))
+    samples = _edit(paths.plan_array("samples"))
     samples["loss_tokens"][samples["sample_id"] == rows["sample_id"][2]] += 1
-    return "part-00000.rows.npy"
+    return paths.plan_part(0, "rows")
 
 
-def a_sample_twice(plan: str, target: str) -> str:
-    rows = _edit(os.path.join(plan, "part-00000.rows.npy"))
+def a_sample_twice(paths: CachePaths, target: str) -> str:
+    rows = _edit(paths.plan_part(0, "rows"))
     rows["sample_id"][16] = rows["sample_id"][15]
-    return "part-00000.rows.npy"
+    return paths.plan_part(0, "rows")
 
 
-def shard_bytes_off_by_a_block(plan: str, target: str) -> str:
-    _edit(os.path.join(plan, "shard_bytes.npy"))[0] += 512
-    return "shard_bytes.npy"
+def shard_bytes_off_by_a_block(paths: CachePaths, target: str) -> str:
+    _edit(paths.plan_array("shard_bytes"))[0] += 512
+    return paths.plan_array("shard_bytes")
 
 
 VALUE_MUTATIONS = (mask_of_two, id_past_the_vocabulary, negative_id, sample_length_not_the_row_tables,
                    rows_out_of_order, loss_tokens_not_the_masks, a_sample_twice, shard_bytes_off_by_a_block)
 
 
-@pytest.fixture(scope="module")
-def reference(embedded, tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("plan-ref") / "cache")
-    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
-    return out
-
-
-def _with_plan_of(reference: str, out: str) -> str:
-    plan = os.path.join(out, "plan")
+def _with_plan_of(reference: str, out: str) -> CachePaths:
+    """``out``, holding only ``reference``'s saved plan."""
+    paths = CachePaths(out)
     os.makedirs(out)
-    shutil.copytree(os.path.join(reference, "plan"), plan)
-    return plan
+    shutil.copytree(CachePaths(reference).plan_dir, paths.plan_dir)
+    return paths
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -168,9 +162,9 @@ def _stamp(path: str) -> tuple[int, int]:
 @pytest.mark.parametrize("mutate", VALUE_MUTATIONS, ids=lambda m: m.__name__)
 def test_hostile_plan_values_with_matching_checksums_are_rebuilt(embedded, reference, tmp_path, mutate):
     out = str(tmp_path / "cache")
-    plan = _with_plan_of(reference, out)
-    damaged = os.path.join(plan, mutate(plan, embedded.stock))
-    rechecksum(plan)
+    paths = _with_plan_of(reference, out)
+    damaged = mutate(paths, embedded.stock)
+    rechecksum(paths)
     before = _stamp(damaged)
     assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
     assert _stamp(damaged) != before  # rebuilt, not trusted
@@ -183,9 +177,9 @@ def test_a_token_the_target_has_no_embedding_for_is_an_invalid_row(embedded, tmp
     a token is an invalid row (named, counted), never written into a shard."""
     out = str(tmp_path / "dry")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--dry-run") == 0
-    part = os.path.join(out, "plan")
-    ids = np.load(os.path.join(part, "part-00000.ids.npy"), allow_pickle=False)
-    rows = np.load(os.path.join(part, "part-00000.rows.npy"), allow_pickle=False)
+    paths = CachePaths(out)
+    ids = np.load(paths.plan_part(0, "ids"), allow_pickle=False)
+    rows = np.load(paths.plan_part(0, "rows"), allow_pickle=False)
     highest = np.maximum.reduceat(ids, rows["offset"])
     vocab = int(np.median(highest)) + 1  # about half of the rows fit
     too_big = int((highest >= vocab).sum())
@@ -222,43 +216,43 @@ def _narrow_target(source: str, dest: str, vocab: int) -> str:
 
 # -- item 9: sizes, counts, kinds of file ------------------------------------------------------------
 
-def a_billion_parts(plan: str) -> str:
-    path = os.path.join(plan, "part-00000.json")
+def a_billion_parts(paths: CachePaths) -> str:
+    path = paths.plan_part_header(0)
     header = json.load(open(path))
     header["num_parts"] = 10 ** 9
     open(path, "w").write(json.dumps(header))
-    return "part-00000.json"
+    return paths.plan_part_header(0)
 
 
-def sparse_terabyte_of_ids(plan: str) -> str:
-    os.truncate(os.path.join(plan, "part-00000.ids.npy"), 1 << 40)
-    return "part-00000.ids.npy"
+def sparse_terabyte_of_ids(paths: CachePaths) -> str:
+    os.truncate(paths.plan_part(0, "ids"), 1 << 40)
+    return paths.plan_part(0, "ids")
 
 
-def sparse_terabyte_of_samples(plan: str) -> str:
-    os.truncate(os.path.join(plan, "samples.npy"), 1 << 40)
-    return "samples.npy"
+def sparse_terabyte_of_samples(paths: CachePaths) -> str:
+    os.truncate(paths.plan_array("samples"), 1 << 40)
+    return paths.plan_array("samples")
 
 
-def a_directory_for_the_ids(plan: str) -> str:
-    os.unlink(os.path.join(plan, "part-00000.ids.npy"))
-    os.mkdir(os.path.join(plan, "part-00000.ids.npy"))
-    return "part-00000.ids.npy"
+def a_directory_for_the_ids(paths: CachePaths) -> str:
+    os.unlink(paths.plan_part(0, "ids"))
+    os.mkdir(paths.plan_part(0, "ids"))
+    return paths.plan_part(0, "ids")
 
 
-def a_directory_for_the_header(plan: str) -> str:
-    os.unlink(os.path.join(plan, "plan.json"))
-    os.mkdir(os.path.join(plan, "plan.json"))
-    return "plan.json"
+def a_directory_for_the_header(paths: CachePaths) -> str:
+    os.unlink(paths.plan_header)
+    os.mkdir(paths.plan_header)
+    return paths.plan_header
 
 
-def a_symlink_for_the_rows(plan: str) -> str:
+def a_symlink_for_the_rows(paths: CachePaths) -> str:
     """A link to an identical copy outside the plan: content right, kind wrong."""
-    path = os.path.join(plan, "part-00000.rows.npy")
-    outside = os.path.join(os.path.dirname(os.path.dirname(plan)), "rows-elsewhere.npy")
+    path = paths.plan_part(0, "rows")
+    outside = os.path.join(os.path.dirname(paths.root), "rows-elsewhere.npy")
     os.replace(path, outside)
     os.symlink(outside, path)
-    return "part-00000.rows.npy"
+    return paths.plan_part(0, "rows")
 
 
 FILE_MUTATIONS = (a_billion_parts, sparse_terabyte_of_ids, sparse_terabyte_of_samples, a_directory_for_the_ids,
@@ -268,8 +262,7 @@ FILE_MUTATIONS = (a_billion_parts, sparse_terabyte_of_ids, sparse_terabyte_of_sa
 @pytest.mark.parametrize("mutate", FILE_MUTATIONS, ids=lambda m: m.__name__)
 def test_hostile_plan_files_are_rebuilt_in_bounded_time(embedded, reference, tmp_path, mutate):
     out = str(tmp_path / "cache")
-    plan = _with_plan_of(reference, out)
-    path = os.path.join(plan, mutate(plan))
+    path = mutate(_with_plan_of(reference, out))
     kind = stat.S_IFMT(os.lstat(path).st_mode)
     with deadline(90):  # the whole run; rejecting the plan itself takes milliseconds (printed below)
         assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
@@ -280,20 +273,19 @@ def test_hostile_plan_files_are_rebuilt_in_bounded_time(embedded, reference, tmp
 
 
 def test_rejecting_a_hostile_plan_takes_milliseconds(embedded, reference, tmp_path):
-    from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer.plan.store import load_plan
 
-    header = json.load(open(os.path.join(reference, "plan", "plan.json")))
+    header = json.load(open(CachePaths(reference).plan_header))
     spec = _spec(reference, header)
     assert load_plan(CachePaths(reference), spec) is not None
     timings = {}
     for mutate in FILE_MUTATIONS:
         out = str(tmp_path / mutate.__name__)
-        plan = _with_plan_of(reference, out)
-        mutate(plan)
+        paths = _with_plan_of(reference, out)
+        mutate(paths)
         started = time.perf_counter()
         with deadline(5):
-            assert load_plan(CachePaths(out), spec) is None
+            assert load_plan(paths, spec) is None
         timings[mutate.__name__] = round(1e3 * (time.perf_counter() - started), 2)
     print(f"\nms to reject each hostile plan: {timings}")
     assert max(timings.values()) < 1000
@@ -333,10 +325,10 @@ def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_d
     full = run(cmd)
     assert full.returncode == 1, full.stderr
     err = full.stderr
-    assert f"disk full while writing the saved plan in {os.path.join(out, 'plan')}" in err, err
+    plan = CachePaths(out).plan_dir
+    assert f"disk full while writing the saved plan in {plan}" in err, err
     assert "needs about" in err and "MB is free" in err and "--output-dir" in err and "rerun" in err
     assert "Traceback" not in err
-    plan = os.path.join(out, "plan")
     assert not [n for n in os.listdir(plan) if n.endswith((".json", ".tmp"))]  # no header: nothing to trust
     os.unlink(filler)
     subprocess.run(["mount", "-o", "remount,size=64m", tiny_fs], check=True)
@@ -356,7 +348,8 @@ def test_a_failed_dry_run_leaves_no_lock_plan_or_directory_behind(embedded, tmp_
     assert "1 invalid input row" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # no lock record, no plan files, no directories it made
     assert run_produce(embedded.stock, write_jsonl(tmp_path / "good.jsonl", good), str(out), *ARGS, "--dry-run") == 0
-    assert sorted(os.listdir(out)) == ["control", "plan"]  # a successful dry run keeps its plan
+    kept = sorted(os.path.relpath(d, out) for d in (CachePaths(str(out)).control_dir, CachePaths(str(out)).plan_dir))
+    assert sorted(os.listdir(out)) == kept  # a successful dry run keeps its plan
 
 
 def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
@@ -377,17 +370,17 @@ def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
             os.unlink(os.path.join(broken, name))
     assert run_produce(broken, embedded.data, out, *ARGS, "--dry-run") == 1
     after = {os.path.join(d, n): _stamp(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names}
+    lock = CachePaths(out).lock
     assert set(after) == set(before)  # the earlier plan and the lock file it was made under are kept
-    assert {k: v for k, v in after.items() if "lock" not in k} == {k: v for k, v in before.items() if "lock" not in k}
+    assert {k: v for k, v in after.items() if k != lock} == {k: v for k, v in before.items() if k != lock}
 
-    from dspark_cache.format.paths import CachePaths
-    from dspark_cache.producer.lock import lock_exclusive
+    from dspark_cache.format.lock import lock_exclusive
 
     held = lock_exclusive(CachePaths(out), "another-run", 1)  # a live producer: the dry run touches nothing
     try:
         assert run_produce(embedded.stock, bad, out, *ARGS, "--dry-run") == 1
         now = {os.path.join(d, n): _stamp(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names}
-        assert set(now) == set(after) and all(now[k] == v for k, v in after.items() if "lock" not in k)
+        assert set(now) == set(after) and all(now[k] == v for k, v in after.items() if k != lock)
     finally:
         held.release()
     assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
@@ -396,8 +389,7 @@ def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
 def test_a_lock_file_removed_by_its_holder_is_not_locked_through_an_old_descriptor(tmp_path, monkeypatch):
     """A process that opened the lock file just before its last holder removed it must not lock the
     removed file: it would then 'hold' a lock that a third producer, creating the file anew, shares."""
-    from dspark_cache.format.paths import CachePaths
-    from dspark_cache.producer import lock as lock_module
+    from dspark_cache.format import lock as lock_module
 
     paths = CachePaths(str(tmp_path / "cache"))
     os.makedirs(paths.control_dir)

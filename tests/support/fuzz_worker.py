@@ -310,7 +310,7 @@ def _read_webdataset(root: str, original: dict) -> bool:
 
     import webdataset as wds
 
-    from dspark_cache.format.cache import read_manifest
+    from dspark_cache.format.manifest import read_manifest
     from dspark_cache.format.errors import CacheError
     from dspark_cache.format.wds import decode_dspark_arrays
     from dspark_cache.loader.tensors import sample_to_torch

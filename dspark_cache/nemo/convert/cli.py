@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; published shards are kept: rerun the same command to resume", file=sys.stderr)
         return EXIT_STOPPED
-    except (CacheError, OSError) as exc:  # ConvertError, and the producer lock's and layout checks' errors
+    except (CacheError, OSError) as exc:  # ConvertError, and CacheOutput's lock and directory checks' errors
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         # No cache at SRC is the exit code dspark-verify gives the same directory.
         return EXIT_NOT_A_CACHE if any(isinstance(e, NotACacheError) for e in (exc, exc.__cause__)) else EXIT_ERROR

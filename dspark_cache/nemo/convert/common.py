@@ -14,11 +14,10 @@ from typing import BinaryIO, TextIO
 from dspark_cache.format.atomic import atomic_write_with
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.weights import TargetWeightsError, WeightsFile, check_target_weights
 from dspark_cache.nemo import nemo_format
-from dspark_cache.producer.layout import check_layout, remove_files, written_files
-from dspark_cache.producer.lock import DirectoryLock, lock_exclusive
 
 _COPY_CHUNK = 16 << 20
 
@@ -151,7 +150,7 @@ def _destination_entries(root: str) -> list[os.DirEntry]:
     top = {os.path.basename(paths.manifest), os.path.basename(paths.target_weights)}
     out = [entry for entry in _scan(root)
            if entry.name in top or nemo_format.SHARD_RE.match(entry.name) or nemo_format.is_leftover(entry.name)]
-    if not os.path.islink(paths.shards_dir):  # a linked shards/ is refused by check_layout, never entered
+    if not os.path.islink(paths.shards_dir):  # a linked shards/ is refused by CacheOutput.check, never entered
         out += [entry for entry in _scan(paths.shards_dir) if entry.name.startswith("shard-")]
     return out
 
@@ -178,25 +177,26 @@ def check_destination_files(root: str, overwrite: bool) -> None:
                            f"replaces only plain files in DST. Remove or rename it{hint}, or choose another DST")
 
 
-def remove_partials(root: str) -> None:
+def remove_partials(output: CacheOutput) -> None:
     """Delete what a killed conversion left half-written (never read by anything)."""
-    for leftover in CachePaths(root).partial_files():
+    for leftover in output.leftovers():
         os.unlink(leftover)
+    root = output.root
     names = os.listdir(root) if os.path.isdir(root) else []
     for name in names:
         if nemo_format.is_leftover(name):  # an interrupted conversion's, in DST's top level
             os.unlink(os.path.join(root, name))
 
 
-def clear_destination(root: str) -> None:
+def clear_destination(output: CacheOutput) -> None:
     """What ``--overwrite`` deletes: the files of either cache layout, one by one, nothing else
     (never the producer's lock file, never through a symlinked directory)."""
-    paths = CachePaths(root)
-    check_layout(paths)
-    remove_files(written_files(paths))
-    for index in nemo_format.shard_indices(root):
-        os.unlink(nemo_format.shard_path(root, index))
-    remove_partials(root)
+    output.check()
+    output.clear()
+    for index in nemo_format.shard_indices(output.root):
+        os.unlink(nemo_format.shard_path(output.root, index))
+    remove_partials(output)
+    paths = output.paths
     for sub in (paths.shards_dir, paths.status_dir, paths.events_dir):
         try:
             os.rmdir(sub)
@@ -204,15 +204,14 @@ def clear_destination(root: str) -> None:
             pass
 
 
-def lock_cache(paths: CachePaths, required: bool) -> DirectoryLock | None:
+def lock_cache(output: CacheOutput, required: bool) -> None:
     """Take the producer's own lock (``control/lock``): no dspark-produce, and no other conversion,
-    writes DST meanwhile. Only where DST is (or will be) in our layout unless ``required``: a NeMo
-    directory gets no ``control/`` of ours."""
-    if not required and not os.path.isdir(paths.control_dir):
-        return None
-    check_layout(paths)
-    os.makedirs(paths.control_dir, exist_ok=True)
-    return lock_exclusive(paths, f"dspark-convert-{os.getpid()}", 1)
+    writes DST meanwhile (``output.release()`` lets go). Only where DST is (or will be) in our layout
+    unless ``required``: a NeMo directory gets no ``control/`` of ours."""
+    if not required and not os.path.isdir(output.paths.control_dir):
+        return
+    output.check()
+    output.lock(f"dspark-convert-{os.getpid()}", 1)
 
 
 def check_paths(src: str, dst: str) -> None:

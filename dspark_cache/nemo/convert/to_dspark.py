@@ -15,19 +15,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-import msgspec
 import numpy as np
 import torch
 
 from dspark_cache import __version__
 from dspark_cache.format.errors import CorruptShardError
-from dspark_cache.format.files import read_regular
-from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.manifest import ManifestDecodeError, adopt_cache_id, read_manifest
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
-from dspark_cache.format.schema import Manifest, SkippedRow, decode_manifest, identity_diff
-from dspark_cache.format.tar.reader import load_shard_index
+from dspark_cache.format.schema import Manifest, SkippedRow, identity_diff
 from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
-from dspark_cache.format.validate import MAX_MANIFEST_BYTES, token_problem
+from dspark_cache.format.validate import token_problem
 from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert.common import (
     ConvertError, ConvertResult, Progress, check_destination_files, check_paths, clear_destination, ensure_weights,
@@ -36,9 +35,7 @@ from dspark_cache.nemo.convert.common import (
 from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
 from dspark_cache.nemo.convert.padding import PadEvidence, PadRule, real_length, resolve_pad_rule
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
-from dspark_cache.producer.manifest import adopt_cache_id, mark_complete, write_manifest
-from dspark_cache.producer.plan.batches import SampleShape
-from dspark_cache.producer.pipeline.tensors import byte_views, dtype_code
+from dspark_cache.producer import byte_views, dtype_code
 
 ALL_PADDING = "no real token (all padding)"
 _INT32_MAX = 2**31 - 1
@@ -72,7 +69,7 @@ def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> Import
     seq = source.seq_length
     evidence = PadEvidence()
     for shard in range(source.num_shards):
-        laid_out = []
+        kept_ids, kept_lengths = [], []
         with source.open_shard(shard) as handle:
             for row, sid in enumerate(source.rows(shard)):
                 ids, mask = handle.read("input_ids", row, seq), handle.read("loss_mask", row, seq)
@@ -85,8 +82,9 @@ def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> Import
                                                    where=f"{os.path.basename(handle.path)} row {row}"))
                     continue
                 plan.lengths[sid], plan.loss_tokens[sid] = length, int(mask[:length].sum())
-                laid_out.append((shape.specs(length), shape.metadata(sid)))
-        plan.shard_bytes.append(predict_shard_bytes(laid_out))
+                kept_ids.append(sid)
+                kept_lengths.append(length)
+        plan.shard_bytes.append(predict_shard_bytes(shape, kept_ids, kept_lengths))
     evidence.check(rule, source.root)
     return plan
 
@@ -112,22 +110,23 @@ def build_manifest(source: NemoSource, rule: PadRule, plan: ImportPlan) -> Manif
     )
 
 
-def _existing_manifest(paths: CachePaths, new: Manifest, overwrite: bool) -> Manifest | None:
+def _existing_manifest(output: CacheOutput, new: Manifest, overwrite: bool) -> Manifest | None:
     """The manifest of an earlier run into DST to resume, None for a fresh start; refuses another cache."""
     if overwrite:
-        clear_destination(paths.root)
+        clear_destination(output)
         return None
+    paths = output.paths
     if not os.path.exists(paths.manifest):
-        if paths.indexed_shard_ids() or nemo_format.shard_indices(paths.root):
+        if output.published() or nemo_format.shard_indices(paths.root):
             raise ConvertError(f"{paths.root} holds shards but no manifest.json, so they cannot be verified; "
                                "pass --overwrite to replace them, or choose another DST")
         return None
     if nemo_format.is_nemo_cache(paths.root):
         raise ConvertError(f"{paths.root} holds a NeMo-layout cache; pass --overwrite to replace it, or choose "
                            "another DST")
-    try:
-        old = decode_manifest(read_regular(paths.manifest, MAX_MANIFEST_BYTES), paths.manifest)
-    except msgspec.DecodeError as exc:
+    try:  # unchecked: a manifest of ours that does not add up is another cache, named by the diff
+        old = read_manifest(paths.root, allow_incomplete=True, checked=False)
+    except ManifestDecodeError as exc:
         raise ConvertError(f"{exc}; pass --overwrite to replace it, or choose another DST") from exc
     diff = identity_diff(old, new)
     if diff:
@@ -137,14 +136,14 @@ def _existing_manifest(paths: CachePaths, new: Manifest, overwrite: bool) -> Man
     return old
 
 
-def _kept_shards(paths: CachePaths, source: NemoSource, plan: ImportPlan, cache_id: str) -> set[int]:
+def _kept_shards(output: CacheOutput, source: NemoSource, plan: ImportPlan, cache_id: str) -> set[int]:
     """Shards an earlier run of this cache published that hold exactly the planned samples; others are removed."""
     kept = set()
-    for shard in paths.indexed_shard_ids():
+    for shard in sorted(output.published()):
         ok = False
         if shard < source.num_shards:
             try:
-                index = load_shard_index(paths, shard)
+                index = output.shard_index(shard)
                 ok = (index.cache_id == cache_id
                       and [e.sample_id for e in index.samples] == plan.kept_ids(source.rows(shard))
                       and index.tar_bytes == plan.shard_bytes[shard] and not index.nonfinite)
@@ -152,10 +151,8 @@ def _kept_shards(paths: CachePaths, source: NemoSource, plan: ImportPlan, cache_
                 ok = False
         if ok:
             kept.add(shard)
-            continue
-        for file in (paths.shard_index(shard), paths.shard_tar(shard)):  # index first: unpublish, then delete
-            if os.path.exists(file):
-                os.unlink(file)
+        else:
+            output.unpublish(shard)
     return kept
 
 
@@ -197,9 +194,9 @@ def _row_tensors(handle: SafetensorsFile, row: int, sid: int, length: int,
     return tensors
 
 
-def _write_shard(paths: CachePaths, source: NemoSource, plan: ImportPlan, shape: SampleShape, shard: int,
+def _write_shard(output: CacheOutput, source: NemoSource, plan: ImportPlan, shape: SampleShape, shard: int,
                  cache_id: str) -> None:
-    writer = ShardWriter(paths, shard, cache_id=cache_id)
+    writer = ShardWriter(output.paths, shard, cache_id=cache_id)
     try:
         with source.open_shard(shard) as handle:
             for row, sid in enumerate(source.rows(shard)):
@@ -207,23 +204,23 @@ def _write_shard(paths: CachePaths, source: NemoSource, plan: ImportPlan, shape:
                 if length:
                     writer.append(sid, int(plan.loss_tokens[sid]), shape.specs(length), shape.metadata(sid),
                                   byte_views(_row_tensors(handle, row, sid, length, shape)))
-        writer.publish()
+        output.publish(writer)
     except BaseException:
         writer.abort()  # nothing half-written is ever visible; published shards stay
         raise
 
 
-def _reconcile(paths: CachePaths, source: NemoSource, plan: ImportPlan, manifest: Manifest,
+def _reconcile(output: CacheOutput, source: NemoSource, plan: ImportPlan, manifest: Manifest,
                overwrite: bool) -> tuple[set[int], bool]:
     """Prepare DST: refuse another cache, clear leftovers; returns (shards to keep, already complete)."""
-    existing = _existing_manifest(paths, manifest, overwrite)
+    existing = _existing_manifest(output, manifest, overwrite)
     adopt_cache_id(manifest, existing)
-    paths.ensure_dirs()
-    remove_partials(paths.root)
+    output.create()
+    remove_partials(output)
     if existing is None:
         return set(), False
     manifest.created_at = existing.created_at
-    kept = _kept_shards(paths, source, plan, manifest.cache_id)
+    kept = _kept_shards(output, source, plan, manifest.cache_id)
     return kept, existing.complete and len(kept) == source.num_shards
 
 
@@ -240,27 +237,26 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     plan = plan_import(source, rule, shape)  # everything is checked before DST is touched
     manifest = build_manifest(source, rule, plan)
     manifest.target_weights_xxh3 = weights.xxh3  # the file copied below is this one, byte for byte
-    paths = CachePaths(dst)
+    output = CacheOutput(dst)
+    paths = output.paths
     lock = lock_destination(dst)
-    producer_lock = None
     try:
-        producer_lock = lock_cache(paths, required=True)
+        lock_cache(output, required=True)
         check_destination_files(dst, overwrite)
-        kept, finished = _reconcile(paths, source, plan, manifest, overwrite)
+        kept, finished = _reconcile(output, source, plan, manifest, overwrite)
         if not finished:
-            write_manifest(paths, manifest)  # complete: false, before the first shard
+            output.write_manifest(manifest)  # complete: false, before the first shard
         ensure_weights(nemo_format.target_weights_path(src), paths.target_weights, weights)
         progress_log = Progress(source.num_shards, source.shard_bytes(), progress)
         progress_log.kept(len(kept), sum(os.path.getsize(source.shard_file(k)) for k in kept))
         for shard in (k for k in range(source.num_shards) if k not in kept):
-            _write_shard(paths, source, plan, shape, shard, manifest.cache_id)
+            _write_shard(output, source, plan, shape, shard, manifest.cache_id)
             progress_log.shard_done(shard, len(plan.kept_ids(source.rows(shard))),
                                     os.path.getsize(source.shard_file(shard)))
         if not finished:
-            mark_complete(paths, manifest)
+            output.complete(manifest)
     finally:
-        if producer_lock is not None:
-            producer_lock.release()
+        output.release()
         os.close(lock)
     after = file_bytes([p for k in range(source.num_shards) for p in (paths.shard_tar(k), paths.shard_index(k))])
     return ConvertResult("dspark", manifest.num_samples, source.num_shards, len(kept), source.shard_bytes(), after,

@@ -31,6 +31,7 @@ import torch
 from dspark_cache.format.atomic import fsync_dir
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.faults import crash_point
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.loader.cache import Cache, open_cache
@@ -77,14 +78,15 @@ def _shard_is_complete(path: str, specs: list[Spec]) -> bool:
     return found == expected and os.path.getsize(path) == file_size(specs)
 
 
-def _existing_manifest(dst: str, new: dict, overwrite: bool) -> dict | None:
+def _existing_manifest(output: CacheOutput, new: dict, overwrite: bool) -> dict | None:
     """DST's NeMo manifest to resume from (None: fresh); refuses a different cache, naming the fields."""
+    dst = output.root
     if overwrite:
-        clear_destination(dst)
+        clear_destination(output)
         return None
     path = nemo_format.manifest_path(dst)
     if not os.path.exists(path):
-        if nemo_format.shard_indices(dst) or CachePaths(dst).indexed_shard_ids():
+        if nemo_format.shard_indices(dst) or output.published():
             raise ConvertError(f"{dst} holds shards but no manifest.json, so they cannot be verified; pass "
                                "--overwrite to replace them, or choose another DST")
         return None
@@ -154,11 +156,13 @@ def _open_source(src: str, dtype: str | None) -> Cache:
     return cache
 
 
-def _reconcile(dst: str, manifest: dict, shards: list[list[int]], overwrite: bool) -> tuple[set[int], bool]:
+def _reconcile(output: CacheOutput, manifest: dict, shards: list[list[int]],
+               overwrite: bool) -> tuple[set[int], bool]:
     """Prepare DST: refuse another cache, clear leftovers; returns (shards to keep, already complete)."""
+    dst = output.root
     check_destination_files(dst, overwrite)
-    existing = _existing_manifest(dst, manifest, overwrite)
-    remove_partials(dst)
+    existing = _existing_manifest(output, manifest, overwrite)
+    remove_partials(output)
     for stale in nemo_format.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
         if stale >= len(shards):
             os.unlink(nemo_format.shard_path(dst, stale))
@@ -184,10 +188,10 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
     order = sorted(range(total), key=ids.__getitem__)
     shards = [order[start : start + size] for start in range(0, total, size)]
     lock = lock_destination(dst)
-    producer_lock = None
+    output = CacheOutput(dst)  # DST may hold our layout (--overwrite)
     try:
-        producer_lock = lock_cache(CachePaths(dst), required=False)  # DST may hold our layout (--overwrite)
-        kept, finished = _reconcile(dst, manifest, shards, overwrite)
+        lock_cache(output, required=False)
+        kept, finished = _reconcile(output, manifest, shards, overwrite)
         if not finished:
             nemo_format.write_manifest(dst, {**manifest, "complete": False})
         ensure_weights(CachePaths(src).target_weights, nemo_format.target_weights_path(dst), weights)
@@ -204,8 +208,7 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         if not finished:
             nemo_format.write_manifest(dst, {**manifest, "complete": True})
     finally:
-        if producer_lock is not None:
-            producer_lock.release()
+        output.release()
         os.close(lock)
         cache.close()
     paths = CachePaths(src)

@@ -29,7 +29,6 @@ from dspark_cache.producer.device.model_group import (
 from dspark_cache.producer.device.ranks import job_store
 from dspark_cache.producer.device.target import TargetRunner
 from dspark_cache.producer.device.topology import Topology
-from dspark_cache.producer.manifest import write_manifest
 from dspark_cache.producer.pipeline.loop import PipelineStats, collate, run_pipeline
 from dspark_cache.producer.plan.batches import ShardPlan
 from dspark_cache.producer.prepare import Prepared
@@ -117,7 +116,7 @@ def repair_complete_weights(p: Prepared, existing: Manifest, topology: Topology,
     for its two weight matrices only, no shard is recomputed) and record its new checksum."""
     if write_missing_target_weights(p, topology, status, run_id):
         existing.target_weights_xxh3 = p.manifest.target_weights_xxh3
-        write_manifest(p.paths, existing)
+        p.output.write_manifest(existing)
         status.event(EventKind.WARNING, f"{p.paths.target_weights} was rewritten (it was missing or damaged)")
 
 
@@ -189,7 +188,7 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, s
     """The pipeline over ``owned``: ``(stats, whether a model-parallel partner stopped the group)``."""
     status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device}{role}",
                  shards=[s.shard_id for s in owned], device=str(p.device))
-    done_before = set(p.paths.indexed_shard_ids())
+    done_before = p.output.published()
     published: set[int] = set()
     base = {"samples": 0, "tokens": 0, "shards": 0}  # what earlier runs published counts as done
     for s in p.plan.shards:
@@ -300,8 +299,8 @@ def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id
 
 
 def _disk_full(p: Prepared, exc: OSError) -> DiskFullError:
-    done = set(p.paths.indexed_shard_ids())
-    needed = bytes_missing(p.paths, p.plan)
+    done = p.output.scan()  # other ranks publish too
+    needed = bytes_missing(done, p.plan)
     free = shutil.disk_usage(p.paths.root).free
     return DiskFullError(
         f"disk full while writing {p.paths.shards_dir} ({exc.strerror}): {len(done)} of {len(p.plan.shards)} shards "

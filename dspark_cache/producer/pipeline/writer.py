@@ -11,12 +11,13 @@ from typing import Callable
 
 import torch
 
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.writer import ShardWriter
-from dspark_cache.producer.manifest import current_cache_id
-from dspark_cache.producer.plan.batches import PlannedSample, SampleShape, ShardPlan
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
 from dspark_cache.producer.pipeline.staging import Region, StagingRing
 from dspark_cache.producer.pipeline.tensors import byte_view
 from dspark_cache.producer.pipeline.timing import BatchClock, StageTimes
@@ -67,7 +68,7 @@ class ShardWriterThread(threading.Thread):
         self.on_published = on_published
         self.on_nonfinite = on_nonfinite
         self.durable = durable
-        self.cache_id = current_cache_id(paths)  # every index this run publishes carries it
+        self.cache_id = CacheOutput(paths.root).cache_id  # every index this run publishes carries it
         self._nonfinite: list[int] = []
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.error: BaseException | None = None

@@ -18,6 +18,7 @@ from typing import Iterable
 import numpy as np
 
 from dspark_cache.format.errors import CacheError
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.plan import (
     LOSS_MASK, PART_ROW, TOKEN_ID, ArrayRecord, ArrayWriter, InvalidRowNote, PartHeader, token_problem, write_header,
@@ -25,7 +26,6 @@ from dspark_cache.format.plan import (
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.encode.chat import EncodedRow
 from dspark_cache.producer.inputs.rows import InvalidRow, RawRow
-from dspark_cache.producer.layout import remove_files
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class PartWriter:
         self.paths, self.part, self.num_parts, self.encode_key = paths, part, num_parts, encode_key
         self.vocab_size = vocab_size
         # This part's arrays are about to be replaced: an earlier header of it must not outlive them.
-        remove_files([paths.plan_part_header(part)])
+        CacheOutput(paths.root).remove([paths.plan_part_header(part)])
         self.ids = ArrayWriter(paths.plan_part(part, "ids"), TOKEN_ID)
         try:
             self.mask = ArrayWriter(paths.plan_part(part, "mask"), LOSS_MASK)

@@ -27,14 +27,13 @@ from dspark_cache import __version__
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular
 from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
 from dspark_cache.format.plan import (
     BOUNDARY, LOSS_MASK, MAX_HEADER_BYTES, PART_ROW, PLAN_SAMPLE, TOKEN_ID, ArrayRecord, PartHeader, PlanError,
     PlanHeader, load_array, read_header, token_problem, write_array, write_header,
 )
 from dspark_cache.format.schema import SkippedRow
-from dspark_cache.producer.layout import check_layout, plan_files, remove_files
-from dspark_cache.producer.lock import DirectoryLock
 from dspark_cache.producer.plan.batches import MAX_PAD_FRACTION, Plan, TokenStore, plan_from_rows
 from dspark_cache.producer.plan.parts import NO_SUPERVISED_TOKEN, plan_disk_full
 from dspark_cache.producer.encode.template import sha256_text, tokenizer_sha256
@@ -82,13 +81,6 @@ def layout_key(key: str, shape: SampleShape, shard_size: int, max_batch_tokens: 
                  "shard_size": shard_size, "max_batch_tokens": max_batch_tokens, "max_pad": MAX_PAD_FRACTION})
 
 
-def clear_plan(paths: CachePaths) -> None:
-    """Delete the saved plan and its parts (the header first: a half-deleted plan is never loaded)."""
-    check_layout(paths)
-    remove_files([paths.plan_header])
-    remove_files(plan_files(paths))
-
-
 def _header_digest(path: str) -> ArrayRecord:
     try:
         raw = read_regular(path, MAX_HEADER_BYTES)
@@ -109,7 +101,7 @@ def read_parts(paths: CachePaths, spec: PlanSpec, verify: bool = False) -> list[
         first = read_header(paths.plan_part_header(0), PartHeader)
         if first is None or first.encode_key != key or first.part != 0:
             return None
-        on_disk = len(plan_files(paths))  # every part has a header there: a count past that is a lie
+        on_disk = len(CacheOutput(paths.root).plan_files())  # every part has a header there: a count past that is a lie
         if not 1 <= first.num_parts <= on_disk:
             raise PlanError(f"{paths.plan_part_header(0)} claims {first.num_parts} parts, and {paths.plan_dir} "
                             f"holds {on_disk} plan files")
@@ -231,7 +223,7 @@ def save_plan(paths: CachePaths, plan: Plan, parts: list[PartHeader], keys: tupl
     values = {"samples": plan.samples, "batches": plan.batch_starts, "shards": plan.shard_starts,
               "shard_bytes": plan.shard_bytes}
     try:
-        remove_files([paths.plan_header])
+        CacheOutput(paths.root).remove([paths.plan_header])
         arrays = {name: write_array(paths.plan_array(name), values[name], dtype)
                   for name, dtype in _PLAN_ARRAYS.items()}
         header = PlanHeader(encode_key=keys[0], layout_key=keys[1], num_rows=plan.num_rows, num_parts=len(parts),
@@ -295,8 +287,9 @@ class FoundDirectory:
     kept: tuple[tuple[str, str], ...]  # (plan file, a hard link to it): what a failed dry run puts back
 
 
-def found_directory(paths: CachePaths) -> FoundDirectory:
+def found_directory(output: CacheOutput) -> FoundDirectory:
     """Note what is there before the dry run creates anything (it writes nothing)."""
+    paths = output.paths
     dirs, up = [paths.control_dir, paths.plan_dir], os.path.abspath(paths.root)
     while up != os.path.dirname(up):  # --output-dir and every parent it makes
         dirs.insert(0, up)
@@ -304,11 +297,12 @@ def found_directory(paths: CachePaths) -> FoundDirectory:
     return FoundDirectory(tuple(d for d in dirs if not os.path.lexists(d)), os.path.lexists(paths.lock), ())
 
 
-def keep_plan_files(paths: CachePaths, found: FoundDirectory) -> FoundDirectory:
+def keep_plan_files(output: CacheOutput, found: FoundDirectory) -> FoundDirectory:
     """Once the directory is held: a hard link to every plan file there (no data is copied), so
     that a failed dry run of other input, which replaces them as it tokenises, puts them back."""
     kept = []
-    for path in plan_files(paths) if os.path.isdir(paths.plan_dir) and not os.path.islink(paths.plan_dir) else []:
+    plan_dir = output.paths.plan_dir
+    for path in output.plan_files() if os.path.isdir(plan_dir) and not os.path.islink(plan_dir) else []:
         link = f"{path}.{os.getpid()}.found.tmp"  # a temporary of a plan file: cleared by the next plan
         try:
             os.link(path, link, follow_symlinks=False)
@@ -319,26 +313,23 @@ def keep_plan_files(paths: CachePaths, found: FoundDirectory) -> FoundDirectory:
     return dataclasses.replace(found, kept=tuple(kept))
 
 
-def forget_found(found: FoundDirectory) -> None:
+def forget_found(output: CacheOutput, found: FoundDirectory) -> None:
     """The dry run succeeded: its plan stays, the links to the earlier files go."""
-    remove_files([link for _, link in found.kept])
+    output.remove([link for _, link in found.kept])
 
 
-def leave_as_found(paths: CachePaths, found: FoundDirectory, lock: DirectoryLock | None) -> None:
+def leave_as_found(output: CacheOutput, found: FoundDirectory) -> None:
     """Undo a failed dry run, still holding the directory: the plan files it wrote go, the earlier
     ones come back, and so do the lock file and directories (if empty) it did not find."""
     links = {link for _, link in found.kept}
-    remove_files([p for p in plan_files(paths) if p not in links])  # plan_files lists names of ours only
+    output.remove([p for p in output.plan_files() if p not in links])  # plan_files lists names of ours only
     for path, link in found.kept:
         try:
             os.replace(link, path)
         except OSError as exc:
             log.warning("could not put back %s after the failed dry run (%s); the next run rebuilds it", path, exc)
     if not found.had_lock:
-        if lock is not None:
-            lock.remove()
-        else:  # a filesystem without locks: nobody can hold it
-            remove_files([paths.lock])
+        output.drop_lock()
     for directory in reversed(found.missing_dirs):
         try:
             os.rmdir(directory)

@@ -1,10 +1,10 @@
-"""One producer job per output directory: an ``flock`` on ``control/lock``.
+"""One writer per cache directory: an ``flock`` on ``control/lock`` (held through ``output.CacheOutput``).
 
-Rank 0 takes the lock exclusively before it reads the input, records its host, pid and run id
-in the lock file, and keeps it exclusive while it prepares (and, with ``--overwrite``, clears)
-the directory. A job of several ranks then downgrades it to shared, and every other rank takes
-it shared as soon as rank 0's set-up is done, so the lock is held until the last rank of the job
-exits, even when rank 0 dies first. Another producer's rank 0 (``--overwrite`` included) cannot
+A producer job's rank 0 (or a ``dspark-convert``) takes the lock exclusively before it reads its
+input, records its host, pid and run id in the lock file, and keeps it exclusive while it
+prepares (and, with ``--overwrite``, clears) the directory. A job of several ranks then
+downgrades it to shared, and every other rank takes it shared as soon as rank 0's set-up is
+done, so the lock is held until the last rank of the job exits, even when rank 0 dies first. Another producer's rank 0 (``--overwrite`` included) cannot
 take it exclusively while any rank of the job lives: it exits at once, naming the holder.
 
 The kernel drops an flock when the process holding it dies, SIGKILL included, so a lock file
