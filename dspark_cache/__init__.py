@@ -1,7 +1,7 @@
 """dspark-cache: precompute a frozen target LLM's hidden states once, stream them into training.
 
-The public loader API is imported lazily so that light consumers (the TUI, ``dspark-verify``)
-never pay for importing torch.
+The public API (the loader, ``open_cache``, the NeMo calls, ``CacheDir``) is imported lazily, on
+first use, so that light consumers (the TUI, ``dspark-verify``) never pay for importing torch.
 """
 
 from __future__ import annotations
@@ -10,11 +10,6 @@ import importlib
 from typing import Any
 
 __version__ = "0.2.0"
-
-
-def add_version_argument(parser: Any) -> None:
-    """``--version`` on a console script's ``argparse`` parser (one wording for all of them)."""
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
 _LAZY = {
     "open_cache": "dspark_cache.loader.cache",

@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Callable, NoReturn
 
-from dspark_cache import add_version_argument
+from dspark_cache import __version__
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -81,7 +81,7 @@ def new_parser(prog: str, description: str, *, log_level: str = "WARNING", epilo
     """A script's parser with the shared options: ``--version`` and ``--log-level``."""
     formatter = RawDescriptionDefaultsHelpFormatter if raw_description else DefaultsHelpFormatter
     parser = UsageParser(prog=prog, description=description, epilog=epilog, formatter_class=formatter)
-    add_version_argument(parser)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=log_level,
                         metavar="LEVEL", help=f"{', '.join(LOG_LEVELS)} (default {log_level})")
     return parser
