@@ -5,7 +5,7 @@
 
 It writes a cache in our format (random tensors through the real shard writer, so the bytes
 are exactly what dspark-produce writes) and the same samples in NeMo's padded safetensors
-layout, warms the page cache, then measures, all in this run:
+format, warms the page cache, then measures, all in this run:
   raw        sequential read of every shard file (one thread) into an 8 MiB buffer (cache
              resident: the kernel-copy ceiling) and into a page-aligned 256 MiB one (every byte
              to DRAM, as a loader's must; the baseline the ratios use)
@@ -88,7 +88,7 @@ def make_cache(root: str, samples: int, hidden: int, seq: int, shard_size: int, 
 
 
 def make_nemo_shards(cache_root: str, nemo_root: str, seq: int) -> list[str]:
-    """The same samples in NeMo's layout: [n, S, ...] padded tensors per safetensors shard."""
+    """The same samples in NeMo's format: [n, S, ...] padded tensors per safetensors shard."""
     import dspark_cache
     from safetensors.torch import save_file
 
