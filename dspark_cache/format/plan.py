@@ -79,12 +79,14 @@ class PlanHeader(msgspec.Struct, kw_only=True):
 
     format: str = PLAN_FORMAT
     encode_key: str
-    layout_key: str  # encode_key plus what batching and shard sizes depend on
+    # encode_key plus what batching and shard sizes depend on (on disk under its first name)
+    batching_key: str = msgspec.field(name="layout_key")
     num_rows: int
     num_parts: int
     parts: list[ArrayRecord]  # each part's header: its size and checksum (the parts it was merged from)
     arrays: dict[str, ArrayRecord]  # "samples", "batches", "shards", "shard_bytes"
-    layout_sha256: str
+    # which samples each shard holds (the manifest's plan_sha256; on disk under its first name)
+    shard_samples_sha256: str = msgspec.field(name="layout_sha256")
     skipped: list[SkippedRow] = []
     invalid: list[InvalidRowNote] = []
 

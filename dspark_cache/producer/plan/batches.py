@@ -189,7 +189,7 @@ class Plan:
         """Padded tokens computed per real token, minus one (0.02 = 2% of the work is padding)."""
         return self.padded_tokens / max(1, self.num_tokens) - 1
 
-    def layout_sha256(self) -> str:
+    def shard_samples_sha256(self) -> str:
         """A fingerprint of which samples each shard holds: a resume may reuse a shard only if
         the new plan puts exactly the same samples in it (a planner or budget change would not)."""
         digest = hashlib.sha256()

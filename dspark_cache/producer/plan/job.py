@@ -33,7 +33,7 @@ from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.plan.batches import Plan, SampleShape, reason_counts
 from dspark_cache.producer.plan.parts import encode_part
 from dspark_cache.producer.plan.store import (
-    PlanSpec, check_invalid_rows, encode_key, layout_key, listed_rows, load_plan, merge_parts, open_store,
+    PlanSpec, check_invalid_rows, encode_key, batching_key, listed_rows, load_plan, merge_parts, open_store,
     read_parts, save_plan,
 )
 from dspark_cache.producer.report.progress import counter
@@ -98,7 +98,7 @@ def plan_job(cfg: ProduceConfig, paths: CachePaths, me: Topology, source: InputS
 def plan_spec(cfg: ProduceConfig, encoder: Any, shape: SampleShape, input_sha256: str, vocab_size: int) -> PlanSpec:
     """The keys and bounds of this job's plan."""
     key = encode_key(cfg, encoder.tokenizer, input_sha256, vocab_size)
-    return PlanSpec(keys=(key, layout_key(key, shape, cfg.shard_size, cfg.batch_token_budget)), vocab_size=vocab_size,
+    return PlanSpec(keys=(key, batching_key(key, shape, cfg.shard_size, cfg.batch_token_budget)), vocab_size=vocab_size,
                     seq_length=cfg.seq_length, shape=shape, shard_size=cfg.shard_size,
                     max_batch_tokens=cfg.batch_token_budget)
 

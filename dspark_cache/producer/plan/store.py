@@ -75,7 +75,7 @@ def encode_key(cfg: Any, tokenizer: Any, input_sha256: str, vocab_size: int) -> 
     })
 
 
-def layout_key(key: str, shape: SampleShape, shard_size: int, max_batch_tokens: int) -> str:
+def batching_key(key: str, shape: SampleShape, shard_size: int, max_batch_tokens: int) -> str:
     """What the batches, shards and their sizes depend on, besides the tokens."""
     return _key({"encode_key": key, "shape": [list(shape.layer_ids), shape.num_layers, shape.hidden_size, shape.dtype],
                  "shard_size": shard_size, "max_batch_tokens": max_batch_tokens, "max_pad": MAX_PAD_FRACTION})
@@ -226,9 +226,9 @@ def save_plan(paths: CachePaths, plan: Plan, parts: list[PartHeader], keys: tupl
         CacheOutput(paths.root).remove([paths.plan_header])
         arrays = {name: write_array(paths.plan_array(name), values[name], dtype)
                   for name, dtype in _PLAN_ARRAYS.items()}
-        header = PlanHeader(encode_key=keys[0], layout_key=keys[1], num_rows=plan.num_rows, num_parts=len(parts),
+        header = PlanHeader(encode_key=keys[0], batching_key=keys[1], num_rows=plan.num_rows, num_parts=len(parts),
                             parts=[_header_digest(paths.plan_part_header(p.part)) for p in parts], arrays=arrays,
-                            layout_sha256=plan.layout_sha256(), skipped=plan.skipped,
+                            shard_samples_sha256=plan.shard_samples_sha256(), skipped=plan.skipped,
                             invalid=sorted((n for p in parts for n in p.invalid), key=lambda n: n.row))
         write_header(paths.plan_header, header)
     except OSError as exc:
@@ -245,7 +245,7 @@ def load_plan(paths: CachePaths, spec: PlanSpec) -> tuple[Plan, list[PartHeader]
     """The saved plan when its keys match and every file checks out; None otherwise (rebuild)."""
     try:
         header = read_header(paths.plan_header, PlanHeader)
-        if header is None or (header.encode_key, header.layout_key) != spec.keys:
+        if header is None or (header.encode_key, header.batching_key) != spec.keys:
             return None
         parts = read_parts(paths, spec)
         if parts is None or len(parts) != header.num_parts or header.parts != [
@@ -272,7 +272,7 @@ def _check_plan(plan: Plan, header: PlanHeader, derived: Plan) -> None:
             and header.skipped == derived.skipped)
     if not same:
         raise PlanError("its samples, batches, shards or sizes are not the ones its parts give")
-    if derived.layout_sha256() != header.layout_sha256:
+    if derived.shard_samples_sha256() != header.shard_samples_sha256:
         raise PlanError("its shard layout does not match its header")
 
 
