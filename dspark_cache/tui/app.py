@@ -141,7 +141,10 @@ class MonitorApp(App[None]):
 
     def show_notice(self, text: Para | None) -> None:
         """The line above the footer; hidden when None."""
-        notice = self.query_one("#notice", Fitted)
+        try:
+            notice = self.query_one("#notice", Fitted)
+        except NoMatches:  # a snapshot that lands while the app ends: its screen is already gone
+            return
         notice.show_paras([text] if text is not None else [])
         notice.display = text is not None
 
