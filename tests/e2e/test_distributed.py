@@ -7,26 +7,14 @@ import signal
 
 import msgspec
 import numpy as np
-import pytest
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
-from tests.support.produce import produce_args, run_produce
-from tests.support.proc import BIN, assert_same_samples, free_port, producer_cmd, published, run, start, wait_for
+from tests.support.produce import produce_args
+from tests.support.proc import assert_same_samples, free_port, producer_cmd, published, run, start, torchrun, wait_for
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
-
-
-@pytest.fixture(scope="module")
-def reference(embedded, tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("ref") / "cache")
-    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
-    return out
-
-
-def torchrun(nproc: int, *args: str) -> list[str]:
-    return [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "dspark_cache.producer", *args]
 
 
 def test_two_ranks_equal_one(embedded, tmp_path, reference):
@@ -37,16 +25,16 @@ def test_two_ranks_equal_one(embedded, tmp_path, reference):
     assert_same_samples(out, reference, exact=False)
     assert verify_cache(out).ok
     for rank in (0, 1):
-        status = open(os.path.join(out, "status", f"rank-{rank:05d}.json")).read()
+        status = open(CachePaths(out).status(rank)).read()
         assert '"state":"finished"' in status and '"shards_owned":0' not in status  # both ranks worked
-    claims = [n for n in os.listdir(os.path.join(out, "control")) if n.startswith("complete-")]
+    claims = [n for n in os.listdir(CachePaths(out).control_dir) if CachePaths.is_completion_claim(n)]
     assert len(claims) == 1  # completion claimed exactly once (next to the directory's lock file)
     # Each rank encoded its own rows (row % 2 == rank), so every row was tokenised exactly once.
-    parts = [msgspec.json.decode(open(os.path.join(out, "plan", f"part-{r:05d}.json"), "rb").read()) for r in (0, 1)]
+    parts = [msgspec.json.decode(open(CachePaths(out).plan_part_header(r), "rb").read()) for r in (0, 1)]
     manifest = dspark_cache.open_cache(out).manifest
     assert sum(p["rows"] for p in parts) == manifest.num_rows and all(p["rows"] > 0 for p in parts)
     for rank in (0, 1):
-        ids = np.load(os.path.join(out, "plan", f"part-{rank:05d}.rows.npy"))["sample_id"]
+        ids = np.load(CachePaths(out).plan_part(rank, "rows"))["sample_id"]
         skipped = [row["row"] for row in parts[rank]["skipped"]]
         assert sorted(ids.tolist() + skipped) == list(range(rank, manifest.num_rows, 2))
 
@@ -103,7 +91,7 @@ def test_sigterm_stops_both_ranks_and_each_says_stopped(embedded, tmp_path):
     assert said[1][0].strip() == "rank 1: stopped", said[1]
     assert said[0][0].startswith("cache incomplete: "), said[0]
     for rank in (0, 1):
-        status = open(os.path.join(out, "status", f"rank-{rank:05d}.json")).read()
+        status = open(CachePaths(out).status(rank)).read()
         assert '"state":"stopped"' in status, status
     report = verify_cache(out)
     assert not report.complete and not report.corrupt

@@ -7,8 +7,6 @@ import random
 import signal
 import time
 
-import pytest
-
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
@@ -18,19 +16,12 @@ from tests.support.proc import assert_same_samples, producer_cmd, published, run
 ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")
 
 
-@pytest.fixture(scope="module")
-def reference(embedded, tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("ref") / "cache")
-    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
-    return out
-
-
 def _cmd(embedded, out):
     return producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS))
 
 
 def _assert_nothing_published_is_corrupt(out):
-    if os.path.exists(os.path.join(out, "manifest.json")):
+    if os.path.exists(CachePaths(out).manifest):
         report = verify_cache(out)
         assert not report.corrupt, report.corrupt
 
@@ -43,7 +34,7 @@ def test_sigkill_at_any_instant_then_resume(embedded, tmp_path, reference):
         assert proc.returncode == -signal.SIGKILL, (point, proc.stderr)
         killed += 1
         _assert_nothing_published_is_corrupt(out)
-    assert any(n.endswith(".partial") for n in os.listdir(os.path.join(out, "shards")))  # mid_shard left one
+    assert any(n.endswith(".partial") for n in os.listdir(CachePaths(out).shards_dir))  # mid_shard left one
     rng = random.Random(7)
     for _ in range(2):  # and at moments nobody chose
         proc = start(_cmd(embedded, out))
@@ -58,7 +49,7 @@ def test_sigkill_at_any_instant_then_resume(embedded, tmp_path, reference):
     assert verify_cache(out).ok
 
 
-def test_sigterm_stops_gracefully_and_resumes(embedded, tmp_path, reference):
+def test_sigterm_stops_gracefully_and_resumes(embedded, tmp_path):
     out = str(tmp_path / "cache")
     proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
                                             "--shard-size", "1", "--batch-size", "1")))
@@ -81,8 +72,9 @@ def test_sigterm_stops_gracefully_and_resumes(embedded, tmp_path, reference):
 def test_mismatch_names_every_field_and_keeps_everything(embedded, tmp_path, capsys):
     out = str(tmp_path / "cache")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
-    weights_mtime = os.path.getmtime(os.path.join(out, "target_weights.safetensors"))
-    manifest_before = open(os.path.join(out, "manifest.json")).read()
+    paths = CachePaths(out)
+    weights_mtime = os.path.getmtime(paths.target_weights)
+    manifest_before = open(paths.manifest).read()
     capsys.readouterr()
     code = run_produce(embedded.stock, embedded.data, out, "--seq-length", "200", "--shard-size", "3",
                        "--batch-size", "2", "--mask-reasoning-content", "--mask-generation-prompt")
@@ -91,8 +83,8 @@ def test_mismatch_names_every_field_and_keeps_everything(embedded, tmp_path, cap
     for field in ("seq_length", "mask_reasoning_content", "mask_generation_prompt", "planned_tokens"):
         assert field in err
     assert "--overwrite" in err
-    assert open(os.path.join(out, "manifest.json")).read() == manifest_before
-    assert os.path.getmtime(os.path.join(out, "target_weights.safetensors")) == weights_mtime
+    assert open(paths.manifest).read() == manifest_before
+    assert os.path.getmtime(paths.target_weights) == weights_mtime
     assert verify_cache(out).ok
     # --overwrite starts over with the new settings.
     assert run_produce(embedded.stock, embedded.data, out, "--seq-length", "200", "--shard-size", "3",
@@ -110,18 +102,21 @@ def test_complete_cache_rerun_does_nothing(embedded, tmp_path, capsys):
 
 
 def test_shards_without_manifest_are_refused(embedded, tmp_path, capsys):
-    out = tmp_path / "cache"
-    (out / "shards").mkdir(parents=True)
-    (out / "shards" / "shard-000000.idx").write_text("{}")
-    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS) == 1
+    out = str(tmp_path / "cache")
+    paths = CachePaths(out)
+    os.makedirs(paths.shards_dir)
+    with open(paths.shard_index(0), "w") as handle:
+        handle.write("{}")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 1
     assert "no manifest.json" in capsys.readouterr().err
 
 
 def test_overwrite_replaces_an_unreadable_manifest(embedded, tmp_path, capsys):
-    out = tmp_path / "cache"
-    out.mkdir()
-    (out / "manifest.json").write_text("{not json")
-    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS) == 1
+    out = str(tmp_path / "cache")
+    os.makedirs(out)
+    with open(CachePaths(out).manifest, "w") as handle:
+        handle.write("{not json")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 1
     assert "--overwrite" in capsys.readouterr().err
-    assert run_produce(embedded.stock, embedded.data, str(out), *ARGS, "--overwrite") == 0
-    assert verify_cache(str(out)).ok
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--overwrite") == 0
+    assert verify_cache(out).ok

@@ -16,21 +16,19 @@ import pytest
 import dspark_cache
 from dspark_cache.producer.device.model_group import check_target, target_problem
 from dspark_cache.producer.device.topology import ParallelError, Topology, check_topology
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args, run_produce
-from tests.support.proc import BIN, assert_same_samples, events, free_port, producer_cmd, published, run, start, wait_for
+from tests.support.proc import (assert_same_samples, events, free_port, producer_cmd, published, run, start, torchrun,
+                                wait_for)
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
 
 
-def torchrun(nproc: int, *args: str) -> list[str]:
-    return [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "dspark_cache.producer", *args]
-
-
 def statuses(out: str) -> dict[int, dict]:
-    directory = os.path.join(out, "status")
-    return {int(n[5:10]): json.load(open(os.path.join(directory, n))) for n in sorted(os.listdir(directory))}
+    paths = CachePaths(out)
+    world = len(os.listdir(paths.status_dir))
+    return {rank: json.load(open(paths.status(rank))) for rank in range(world)}
 
 
 def publishers(out: str) -> dict[int, set[int]]:
@@ -64,13 +62,6 @@ def build_moe_target(out_dir: str) -> str:
     return out_dir
 
 
-@pytest.fixture(scope="module")
-def reference(embedded, tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("ref") / "cache")
-    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
-    return out
-
-
 def test_two_ranks_one_group_equal_one_process(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     proc = run(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")))
@@ -78,8 +69,8 @@ def test_two_ranks_one_group_equal_one_process(embedded, tmp_path, reference):
     assert_same_samples(out, reference, exact=False)  # ids and masks exact, states to fp32 rounding
     assert verify_cache(out).ok
     # lm_head was sharded over the group: gathered, it is the single process's byte for byte.
-    weights = "target_weights.safetensors"
-    assert open(os.path.join(out, weights), "rb").read() == open(os.path.join(reference, weights), "rb").read()
+    weights = CachePaths(out).target_weights, CachePaths(reference).target_weights
+    assert open(weights[0], "rb").read() == open(weights[1], "rb").read()
     ranks, whole = statuses(out), statuses(reference)[0]["weight_bytes"]
     assert [(r["group"], r["group_size"], r["state"]) for r in ranks.values()] == [(0, 2, "finished")] * 2
     for r in ranks.values():  # each rank loaded its half of the weights, never the whole model
@@ -106,7 +97,7 @@ def test_four_ranks_two_groups_equal_one_process(two_groups, reference):
     assert set(by_rank) == {0, 2}  # one writer per group, each with its own shards
     shards = set(range(len(dspark_cache.open_cache(out).shards)))
     assert not by_rank[0] & by_rank[2] and by_rank[0] | by_rank[2] == shards
-    claims = [n for n in os.listdir(os.path.join(out, "control")) if n.startswith("complete-")]
+    claims = [n for n in os.listdir(CachePaths(out).control_dir) if CachePaths.is_completion_claim(n)]
     assert len(claims) == 1
 
 
@@ -219,7 +210,7 @@ def test_a_target_without_a_tp_plan_is_refused_before_planning(embedded, tmp_pat
     assert proc.returncode == 1
     line, = proc.stderr.strip().splitlines()
     assert "gpt2 has no tensor-parallel plan" in line and "--device-map auto" in line
-    assert not os.path.exists(os.path.join(out, "plan"))  # refused before any input was read
+    assert not os.path.exists(CachePaths(out).plan_dir)  # refused before any input was read
 
 
 def test_usage_errors_name_the_launch():

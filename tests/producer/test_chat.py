@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
 from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.encode.template import ChatTemplateError, resolve_chat_template
@@ -20,11 +19,6 @@ MULTI_TURN = [
 
 def _supervised(tok, row) -> str:
     return tok.decode([i for i, m in zip(row.input_ids.tolist(), row.loss_mask.tolist()) if m])
-
-
-@pytest.fixture(scope="module")
-def tokenizers(embedded):
-    return AutoTokenizer.from_pretrained(embedded.stock), AutoTokenizer.from_pretrained(embedded.generation)
 
 
 def test_stock_multi_turn_gets_history_aware_mask(tokenizers):

@@ -20,26 +20,32 @@ ARGS = ("--seq-length", "256", "--shard-size", "4", "--batch-size", "4", "--dtyp
 
 def _stamps(out: str) -> dict[str, tuple[int, int]]:
     """Identity of every plan file: a file written again (atomically, by rename) gets a new inode."""
-    plan = os.path.join(out, "plan")
-    return {n: (os.stat(os.path.join(plan, n)).st_ino, os.stat(os.path.join(plan, n)).st_mtime_ns)
-            for n in sorted(os.listdir(plan))}
+    plan = CachePaths(out).plan_dir
+    files = sorted(os.path.join(plan, n) for n in os.listdir(plan))
+    return {p: (os.stat(p).st_ino, os.stat(p).st_mtime_ns) for p in files}
 
 
-def _parts(stamps: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    return {n: v for n, v in stamps.items() if n.startswith("part-")}
+def _part_files(out: str) -> list[str]:
+    """The files of the tokenised input of a one-process run (its one part)."""
+    paths = CachePaths(out)
+    return [paths.plan_part_header(0), *(paths.plan_part(0, kind) for kind in ("ids", "mask", "rows"))]
+
+
+def _parts(out: str, stamps: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    return {p: stamps[p] for p in _part_files(out)}
 
 
 def test_a_resumed_run_reuses_the_saved_plan(embedded, tmp_path):
     out = str(tmp_path / "cache")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
     before = _stamps(out)
-    assert {"plan.json", "samples.npy", "batches.npy", "shards.npy", "shard_bytes.npy", "part-00000.json",
-            "part-00000.ids.npy", "part-00000.mask.npy", "part-00000.rows.npy"} == set(before)
     paths = CachePaths(out)
+    arrays = [paths.plan_array(name) for name in ("samples", "batches", "shards", "shard_bytes")]
+    assert {paths.plan_header, *arrays, *_part_files(out)} == set(before)
     reference = str(tmp_path / "reference")
     os.rename(out, reference)
     os.makedirs(out)
-    os.rename(os.path.join(reference, "plan"), os.path.join(out, "plan"))  # only the plan, no cache yet
+    os.rename(CachePaths(reference).plan_dir, paths.plan_dir)  # only the plan, no cache yet
     assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
     assert _stamps(out) == before  # nothing tokenised, nothing merged: the same files
     assert verify_cache(out).ok
@@ -56,16 +62,16 @@ def test_sizing_a_job_batches_again_without_tokenising(embedded, tmp_path):
     assert run_produce(embedded.stock, embedded.data, out, *args, "--dry-run") == 0
     assert run_produce(embedded.stock, embedded.data, out, *args) == 0
     after = _stamps(out)
-    assert _parts(after) == _parts(before)  # the tokenised input is reused ...
-    assert after["plan.json"] != before["plan.json"]  # ... and batched again
+    assert _parts(out, after) == _parts(out, before)  # the tokenised input is reused ...
+    header = CachePaths(out).plan_header
+    assert after[header] != before[header]  # ... and batched again
     assert max(_samples_per_shard(out)) == 6
     assert verify_cache(out).ok
 
 
 def _samples_per_shard(out: str) -> list[int]:
     """From the saved plan's arrays: shard s is batches shards[s]:shards[s + 1] of samples batches[b]:..."""
-    batches, shards = (np.load(os.path.join(out, "plan", f"{n}.npy"), allow_pickle=False)
-                       for n in ("batches", "shards"))
+    batches, shards = (np.load(CachePaths(out).plan_array(n), allow_pickle=False) for n in ("batches", "shards"))
     return np.diff(batches[shards]).tolist()
 
 
@@ -78,18 +84,16 @@ def test_overwrite_tokenises_again(embedded, tmp_path):
     assert set(after) == set(before) and all(after[n] != before[n] for n in before)
 
 
-def test_a_damaged_plan_is_rebuilt_not_trusted(embedded, tmp_path):
-    reference = str(tmp_path / "reference")
-    assert run_produce(embedded.stock, embedded.data, reference, *ARGS) == 0
+def test_a_damaged_plan_is_rebuilt_not_trusted(embedded, tmp_path, reference):
     for damage in (_flip_a_token, _point_outside_with_a_valid_checksum, _a_fifo_for_a_part):
         out = str(tmp_path / damage.__name__)
         os.makedirs(out)
-        plan = os.path.join(out, "plan")
+        plan, source = CachePaths(out).plan_dir, CachePaths(reference).plan_dir
         os.makedirs(plan)
-        for name in os.listdir(os.path.join(reference, "plan")):
-            with open(os.path.join(reference, "plan", name), "rb") as src, open(os.path.join(plan, name), "wb") as dst:
+        for name in os.listdir(source):
+            with open(os.path.join(source, name), "rb") as src, open(os.path.join(plan, name), "wb") as dst:
                 dst.write(src.read())
-        damaged = damage(plan)
+        damaged = damage(CachePaths(out))
         before = _stamps(out)
         assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
         assert _stamps(out)[damaged] != before[damaged]  # rebuilt
@@ -97,35 +101,34 @@ def test_a_damaged_plan_is_rebuilt_not_trusted(embedded, tmp_path):
         assert_same_samples(out, reference, exact=True)
 
 
-def _flip_a_token(plan: str) -> str:
-    path = os.path.join(plan, "part-00000.ids.npy")
+def _flip_a_token(paths: CachePaths) -> str:
+    path = paths.plan_part(0, "ids")
     with open(path, "r+b") as handle:
         handle.seek(os.path.getsize(path) - 4)
         value = handle.read(1)
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([value[0] ^ 1]))
-    return "part-00000.ids.npy"
+    return path
 
 
-def _a_fifo_for_a_part(plan: str) -> str:
+def _a_fifo_for_a_part(paths: CachePaths) -> str:
     """A plan file that is not a regular file: opening it to read would block forever."""
-    path = os.path.join(plan, "part-00000.mask.npy")
+    path = paths.plan_part(0, "mask")
     os.unlink(path)
     os.mkfifo(path)
-    return "part-00000.mask.npy"
+    return path
 
 
-def _point_outside_with_a_valid_checksum(plan: str) -> str:
+def _point_outside_with_a_valid_checksum(paths: CachePaths) -> str:
     """A hostile plan: an offset past the part's tokens, its checksum made to match."""
-    path = os.path.join(plan, "samples.npy")
+    path = paths.plan_array("samples")
     samples = np.load(path).copy()
     samples["offset"][0] = 1 << 40
     np.save(path, samples)
-    header_path = os.path.join(plan, "plan.json")
-    header = json.load(open(header_path))
+    header = json.load(open(paths.plan_header))
     header["arrays"]["samples"]["xxh3_64"] = xxhash.xxh3_64_hexdigest(samples.tobytes())
-    open(header_path, "w").write(json.dumps(header))
-    return "samples.npy"
+    open(paths.plan_header, "w").write(json.dumps(header))
+    return path
 
 
 def test_every_invalid_row_is_reported_in_one_run(embedded, tmp_path, capsys):
@@ -141,19 +144,18 @@ def test_every_invalid_row_is_reported_in_one_run(embedded, tmp_path, capsys):
     assert "30 invalid input rows" in err
     listed = [line for line in err.splitlines() if line.strip().startswith(f"{data}:")]
     assert len(listed) == 20 and listed[0].strip().startswith(f"{data}:2:") and "... and 10 more" in err
-    assert "--on-invalid skip" in err and not os.path.exists(os.path.join(out, "manifest.json"))
-    before = _parts(_stamps(out))
+    assert "--on-invalid skip" in err and not os.path.exists(CachePaths(out).manifest)
+    before = _parts(out, _stamps(out))
     assert run_produce(embedded.stock, data, out, *ARGS, "--on-invalid", "skip") == 0
-    assert _parts(_stamps(out)) == before  # skipping them needed no second tokenisation
+    assert _parts(out, _stamps(out)) == before  # skipping them needed no second tokenisation
     manifest = dspark_cache.open_cache(out).manifest
     assert sum(manifest.skipped_rows.values()) == 30 and manifest.num_rows == 60
 
 
-def test_part_header_lists_its_rows(embedded, tmp_path):
-    out = str(tmp_path / "cache")
-    assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
-    part = msgspec.json.decode(open(os.path.join(out, "plan", "part-00000.json"), "rb").read())
-    manifest = dspark_cache.open_cache(out).manifest
+def test_part_header_lists_its_rows(reference):
+    paths = CachePaths(reference)
+    part = msgspec.json.decode(open(paths.plan_part_header(0), "rb").read())
+    manifest = dspark_cache.open_cache(reference).manifest
     assert part["rows"] == manifest.num_rows and part["num_parts"] == 1
-    rows = np.load(os.path.join(out, "plan", "part-00000.rows.npy"), mmap_mode="r", allow_pickle=False)
+    rows = np.load(paths.plan_part(0, "rows"), mmap_mode="r", allow_pickle=False)
     assert rows.shape[0] == manifest.planned_samples and int(rows["length"].sum()) == manifest.planned_tokens

@@ -20,6 +20,12 @@ def producer_cmd(*args: str) -> list[str]:
     return [os.path.join(BIN, "dspark-produce"), *args]
 
 
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """The producer's torchrun entry as ``nproc`` local ranks (gloo on CPU)."""
+    return [os.path.join(BIN, "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m",
+            "dspark_cache.producer", *args]
+
+
 def start(cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -28,14 +28,6 @@ from tests.support.proc import producer_cmd, published, run, start, wait_for
 SNAP_ROOT = os.path.join(tempfile.gettempdir(), "dspark-monitor-snapshot")  # fixed: paths are on screen
 
 
-@pytest.fixture(scope="module")
-def long_data(tmp_path_factory) -> str:
-    """Enough rows (one shard each) that a producer is still running when a test stops it."""
-    from dspark_cache.embedded.data import write_sample_data
-
-    return write_sample_data(str(tmp_path_factory.mktemp("long") / "rows.jsonl"), num_rows=400, seed=11)
-
-
 def plain(widget) -> str:
     content = widget.content
     return content.plain if isinstance(content, Text) else Text.from_markup(str(content)).plain
@@ -396,9 +388,9 @@ def test_monitor_imports_no_torch():
 
 
 @pytest.mark.anyio
-async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, long_data, tmp_path):
+async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, tmp_path):
     out = str(tmp_path / "cache")
-    args = produce_args(embedded.stock, long_data, out, "--seq-length", "256", "--shard-size", "1",
+    args = produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "1",
                         "--batch-size", "1")
     producer = start(producer_cmd(*args))
     try:
@@ -428,12 +420,12 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, long_dat
 
 
 @pytest.mark.anyio
-async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, long_data, tmp_path):
+async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, tmp_path):
     """``dspark-produce --tui``: the monitor owns the child producer; q stops it gracefully."""
     from dspark_cache.tui.foreground import ForegroundMonitor
 
     out = str(tmp_path / "cache")
-    args = produce_args(embedded.stock, long_data, out, "--seq-length", "256", "--shard-size", "1",
+    args = produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "1",
                         "--batch-size", "1")
     log = tmp_path / "produce.log"
     with open(log, "wb") as handle:
