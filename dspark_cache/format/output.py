@@ -35,31 +35,31 @@ from dspark_cache.format.wids_index import write_wids_index
 _NUMBER = re.compile(r"\d+")
 
 
-class CacheLayoutError(CacheError):
-    """A directory of the cache is a symlink or not a directory at all."""
+class CacheDirectoryError(CacheError):
+    """A directory of the cache is a symlink or not a directory at all, or a name of ours is not a file."""
 
 
 def _cache_dirs(paths: CachePaths) -> list[str]:
     return [paths.shards_dir, paths.status_dir, paths.events_dir, paths.control_dir, paths.plan_dir]
 
 
-def _check_layout(paths: CachePaths) -> None:
+def _check_directories(paths: CachePaths) -> None:
     """Refuse a cache whose own directories are symlinks or other non-directories.
 
     The output directory itself may be a symlink (the user chose where the cache lives); its
     sub-directories may not: the producer deletes files in them.
     """
     if os.path.lexists(paths.root) and not os.path.isdir(paths.root):
-        raise CacheLayoutError(f"--output-dir {paths.root} exists and is not a directory; choose another --output-dir")
+        raise CacheDirectoryError(f"--output-dir {paths.root} exists and is not a directory; choose another --output-dir")
     for sub in _cache_dirs(paths):
         if os.path.islink(sub):
-            raise CacheLayoutError(
+            raise CacheDirectoryError(
                 f"{sub} is a symbolic link (to {os.readlink(sub)}); dspark-produce deletes and replaces files in "
                 "this directory, so it refuses to follow a link out of the cache. Replace the link with a real "
                 "directory (moving in the files that belong to this cache), or choose another --output-dir"
             )
         if os.path.lexists(sub) and not os.path.isdir(sub):
-            raise CacheLayoutError(
+            raise CacheDirectoryError(
                 f"{sub} is not a directory; the cache needs a directory there. Remove or rename it, "
                 "or choose another --output-dir"
             )
@@ -89,7 +89,7 @@ def _check_written_names(paths: CachePaths) -> None:
 def _refuse_odd(odd: list[str]) -> None:
     if odd:
         named = "; ".join(f"{path} is {_kind(path)}, not a regular file" for path in odd[:5])
-        raise CacheLayoutError(
+        raise CacheDirectoryError(
             f"{named}{' ...' if len(odd) > 5 else ''}, but named as dspark-produce names the files it writes or "
             "deletes. dspark-produce writes and deletes only its own files: move or rename it, or choose another "
             "--output-dir"
@@ -217,7 +217,7 @@ class CacheOutput:
 
     def check(self, *, written_names: bool = False) -> None:
         """Refuse a cache whose own directories or files are not what this tool would write there."""
-        _check_layout(self.paths)
+        _check_directories(self.paths)
         if written_names:
             _check_written_names(self.paths)
 

@@ -11,7 +11,7 @@ from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.lock import CacheLockedError
 from dspark_cache.format.manifest import read_manifest
-from dspark_cache.format.output import CacheLayoutError, CacheOutput
+from dspark_cache.format.output import CacheDirectoryError, CacheOutput
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import Manifest
 from dspark_cache.format.tar.writer import ShardWriter
@@ -135,7 +135,7 @@ def test_a_symlinked_sub_directory_is_refused(tmp_path, sub):
     output = CacheOutput(str(tmp_path / "cache"))
     os.makedirs(output.root)
     os.symlink(elsewhere, getattr(output.paths, sub), target_is_directory=True)
-    with pytest.raises(CacheLayoutError, match="is a symbolic link"):
+    with pytest.raises(CacheDirectoryError, match="is a symbolic link"):
         output.check()
     assert (elsewhere / "precious").read_text() == "not the cache's"
 

@@ -65,7 +65,7 @@ class StatusReporter:
         os.makedirs(self.paths.events_dir, exist_ok=True)
         path = self.paths.events(self.rank)
         with self._lock:
-            try:  # non-blocking: a FIFO there must not hang the run (check_layout refuses one up front)
+            try:  # non-blocking: a FIFO there must not hang the run (CacheOutput.check refuses one up front)
                 fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             except OSError as exc:
                 raise CacheError(f"{path} cannot be appended to ({exc.strerror}): the event log must be a regular "
