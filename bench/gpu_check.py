@@ -49,8 +49,9 @@ from safetensors.torch import load as load_safetensors  # noqa: E402
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
 from dspark_cache.format.paths import CachePaths  # noqa: E402
 from dspark_cache.producer.pipeline.loop import collate, finite_flags, run_pipeline  # noqa: E402
-from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan, length_grouped_batches  # noqa: E402
-from dspark_cache.producer.pipeline.syncs import HostSyncTrap  # noqa: E402
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan  # noqa: E402
+from tests.support.batching import length_grouped_batches  # noqa: E402
+from tests.support.syncs import HostSyncTrap  # noqa: E402
 
 QWEN3_06B = dict(hidden_size=1024, num_layers=28, intermediate_size=3072, num_heads=16, num_kv_heads=8,
                  head_dim=128, model_vocab_size=151936)

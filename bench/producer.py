@@ -76,10 +76,11 @@ def produce_cli_args(args: argparse.Namespace, target: str, data: str, out: str,
 
 def load_plan(args: argparse.Namespace, target: str, data: str, workers: int | None = None):
     """Tokenise and plan exactly as dspark-produce does."""
+    from dspark_cache.format.geometry import SampleShape
     from dspark_cache.format.layers import build_target_layer_ids
     from dspark_cache.format.sample import CACHE_DTYPES
     from dspark_cache.producer import (
-        ChatEncoder, InputSource, ProduceConfig, SampleShape, load_tokenizer, plan_input, read_target_info,
+        ChatEncoder, InputSource, ProduceConfig, load_tokenizer, plan_input, read_target_info,
     )
 
     # The plan is saved where dspark-produce saves it: in an output directory (a scratch one here).

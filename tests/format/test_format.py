@@ -14,6 +14,7 @@ import webdataset as wds
 
 import dspark_cache
 from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES, is_fp8, sample_metadata, sample_specs
 from dspark_cache.format.tar.reader import ShardReader
@@ -40,16 +41,16 @@ def _write_shard(root, code, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=24
     paths.ensure_dirs()
     writer = ShardWriter(paths, 0)
     k, stores_last = len(layer_ids), layer_ids[-1] != num_layers - 1
-    written, layout = {}, []
+    written = {}
     for sid, length in enumerate(lengths):
         t = _tensors(length, k, h, code, sid, stores_last)
         specs = sample_specs(length, k * h, h, code, stores_last)
         md = sample_metadata(sid, list(layer_ids), num_layers, h)
         writer.append(sid * 3, int(t["loss_mask"].sum()), specs, md, byte_views(t))
         written[sid * 3] = t
-        layout.append((specs, md))
     index = writer.publish()
-    assert index.tar_bytes == predict_shard_bytes(layout) == os.path.getsize(paths.shard_tar(0))
+    shape = SampleShape(layer_ids, num_layers, h, code)  # the metadata above names sample ids 0, 1, ...
+    assert index.tar_bytes == predict_shard_bytes(shape, range(len(lengths)), lengths) == os.path.getsize(paths.shard_tar(0))
     return paths, index, written
 
 

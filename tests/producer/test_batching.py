@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 import dspark_cache
-from dspark_cache.producer.plan.batches import PlannedSample, length_grouped_batches, padding_waste, whole_batch_shards
+from dspark_cache.producer.plan.batches import PlannedSample
+from tests.support.batching import length_grouped_batches, padding_waste, whole_batch_shards
 from tests.support.produce import run_produce
 
 

@@ -126,7 +126,7 @@ def test_producer_loop_has_no_host_sync(embedded, tmp_path):
     from dspark_cache.format.geometry import SampleShape
     from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer.pipeline.loop import run_pipeline
-    from dspark_cache.producer.pipeline.syncs import HostSyncTrap
+    from tests.support.syncs import HostSyncTrap
     from dspark_cache.producer.device.target import TargetRunner
     from tests.producer.test_staging import _plan
 

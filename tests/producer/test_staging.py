@@ -20,8 +20,8 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer.pipeline.loop import run_pipeline
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
 from dspark_cache.producer.pipeline.staging import ALIGN, StagingRing, aligned
-from dspark_cache.producer.pipeline.syncs import HostSyncTrap
 from dspark_cache.producer.device.target import TargetError, TargetRunner, resolve_device
+from tests.support.syncs import HostSyncTrap
 
 HIDDEN = 16
 SHAPE = SampleShape((0, 2), 3, HIDDEN, "F32")  # final state (2) is a feature layer

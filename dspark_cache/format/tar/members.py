@@ -30,7 +30,7 @@ def block_padding(size: int) -> int:
 
 
 class TarCursor:
-    """Tracks the next member position; the writer and the planner advance it identically."""
+    """Tracks the next member position as the writer appends samples."""
 
     def __init__(self) -> None:
         self.offset = 0
@@ -41,6 +41,3 @@ class TarCursor:
         layout = layout_payload(specs, metadata, data_offset)
         self.offset = data_offset + layout.size + block_padding(layout.size)
         return data_offset, layout
-
-    def final_size(self) -> int:
-        return self.offset + END_OF_ARCHIVE

@@ -5,17 +5,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
 from dspark_cache.format.faults import check_write_budget, crash_point
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import TensorSpec, payload_buffers
 from dspark_cache.format.schema import SampleEntry, ShardIndex, encode_json
 from dspark_cache.format.tar.members import (
     END_OF_ARCHIVE,
+    TAR_BLOCK,
     TarCursor,
     block_padding,
     member_header,
@@ -143,9 +145,16 @@ class ShardWriter:
             pass
 
 
-def predict_shard_bytes(samples: list[tuple[list[TensorSpec], dict[str, str]]]) -> int:
-    """Exact size of the tar that :class:`ShardWriter` will write for these samples."""
-    cursor = TarCursor()
-    for specs, metadata in samples:
-        cursor.place(specs, metadata)
-    return cursor.final_size()
+def predict_shard_bytes(shape: SampleShape, sample_ids: Iterable[int], lengths: Iterable[int]) -> int:
+    """Exact size of the tar that :class:`ShardWriter` writes for these samples of ``shape``, in this order.
+
+    Members are placed as :class:`TarCursor` places them, each header taken from the shape's
+    per-length template rather than laid out per sample: a plan of millions of samples is sized
+    in seconds, before anything is computed.
+    """
+    offset = 0
+    for sample_id, length in zip(sample_ids, lengths, strict=True):
+        data_offset = offset + TAR_BLOCK
+        size = len(shape.header(length, sample_id, data_offset)) + shape.data_size(length)
+        offset = data_offset + size + block_padding(size)
+    return offset + END_OF_ARCHIVE

@@ -21,10 +21,11 @@ from typing import Callable
 
 import torch
 
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
-from dspark_cache.producer.plan.batches import PlannedSample, SampleShape, ShardPlan
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
 from dspark_cache.producer.pipeline.staging import Region, StagingRing, region_bytes, ring_capacity
 from dspark_cache.producer.pipeline.tensors import quantize_fp8, torch_dtype
 from dspark_cache.producer.pipeline.timing import BatchClock

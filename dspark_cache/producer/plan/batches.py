@@ -1,10 +1,11 @@
 """The plan: which samples go in which shard, in which batches, and the exact bytes on disk.
 
-Names, one per idea: a row is *encoded* into a sample (``chat.ChatEncoder``, run over the input
-by ``encode_pool`` into the parts of ``plan_parts``); :func:`plan_from_rows` orders the samples,
-cuts batches and shards and sizes every shard; the :class:`Plan` holds the result as a few flat
-arrays (a few tens of bytes per sample, memory-mapped from ``plan/`` by ``plan_store``) and
-hands out :class:`ShardPlan` / :class:`PlannedSample` views one shard at a time.
+Names, one per idea: a row is *encoded* into a sample (``encode.chat.ChatEncoder``, run over the
+input by ``encode.pool`` into the parts of ``plan.parts``); :func:`plan_from_rows` orders the
+samples, cuts batches and shards and sizes every shard (``format.tar.writer.predict_shard_bytes``);
+the :class:`Plan` holds the result as a few flat arrays (a few tens of bytes per sample,
+memory-mapped from ``plan/`` by ``plan.store``) and hands out :class:`ShardPlan` /
+:class:`PlannedSample` views one shard at a time.
 
 The plan is a pure function of the input and the settings, so every rank (and every rerun)
 gets the same one: same shards, same batches, same bytes.
@@ -23,10 +24,7 @@ import numpy as np
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.plan import PLAN_SAMPLE
 from dspark_cache.format.schema import SkippedRow
-from dspark_cache.format.tar.members import END_OF_ARCHIVE, TAR_BLOCK, block_padding
-
-__all__ = ["MAX_PAD_FRACTION", "Plan", "PlannedSample", "SampleShape", "ShardPlan", "TokenStore",
-           "build_plan", "length_grouped_batches", "padding_waste", "plan_from_rows", "whole_batch_shards"]
+from dspark_cache.format.tar.writer import predict_shard_bytes
 
 # A sample joins a batch only if padding it to the batch's width costs at most this fraction of
 # the width: a large budget over a small dataset would otherwise batch lengths 60..30 together
@@ -53,7 +51,7 @@ class PlannedSample:
 
 class TokenStore:
     """Where the samples' tokens are: one ``(ids, mask)`` pair of flat arrays per part
-    (memory-mapped plan files, or arrays in memory for a plan built from samples)."""
+    (memory-mapped plan files)."""
 
     def __init__(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
         self.parts = parts
@@ -252,17 +250,6 @@ def shard_starts_of(batch_sizes: np.ndarray, shard_size: int) -> np.ndarray:
     return np.asarray(starts if len(batch_sizes) else [0], dtype=np.int64)
 
 
-def shard_bytes_of(shape: SampleShape, records: np.ndarray) -> int:
-    """Exact size of the tar the shard writer makes for these samples, in this order (the same
-    placement as ``TarCursor``, with the sample's header from its per-length template)."""
-    offset = 0
-    for sample_id, length in zip(records["sample_id"].tolist(), records["length"].tolist()):
-        data_offset = offset + TAR_BLOCK
-        size = len(shape.header(length, sample_id, data_offset)) + shape.data_size(length)
-        offset = data_offset + size + block_padding(size)
-    return offset + END_OF_ARCHIVE
-
-
 def plan_from_rows(num_rows: int, rows: np.ndarray, store: TokenStore, skipped: list[SkippedRow],
                    shape: SampleShape, *, shard_size: int, max_batch_tokens: int,
                    max_batch_samples: int | None = None) -> Plan:
@@ -277,47 +264,7 @@ def plan_from_rows(num_rows: int, rows: np.ndarray, store: TokenStore, skipped: 
     batch_starts = batch_starts_of(samples["length"], max_batch_tokens, cap)
     shard_starts = shard_starts_of(np.diff(batch_starts), shard_size)
     bounds = batch_starts[shard_starts]
-    sizes = np.array([shard_bytes_of(shape, samples[a:b]) for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
+    ids, lengths = samples["sample_id"], samples["length"]
+    sizes = np.array([predict_shard_bytes(shape, ids[a:b].tolist(), lengths[a:b].tolist())
+                      for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
     return Plan(num_rows, samples, batch_starts, shard_starts, sizes, store, sorted(skipped, key=lambda r: r.row))
-
-
-# -- the same over lists of samples (tests, benches, small plans) -------------------------------
-
-def _in_memory(samples: list[PlannedSample]) -> tuple[np.ndarray, TokenStore]:
-    records = _records_of([samples])
-    records["offset"][1:] = np.cumsum(records["length"][:-1])
-    ids = np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int32)
-    mask = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, np.uint8)
-    return records, TokenStore([(ids, mask)])
-
-
-def build_plan(num_rows: int, samples: list[PlannedSample], skipped: list[SkippedRow], shape: SampleShape, *,
-               shard_size: int, max_batch_tokens: int, max_batch_samples: int | None = None) -> Plan:
-    """:func:`plan_from_rows` for samples in memory."""
-    records, store = _in_memory(samples)
-    return plan_from_rows(num_rows, records, store, skipped, shape, shard_size=shard_size,
-                          max_batch_tokens=max_batch_tokens, max_batch_samples=max_batch_samples)
-
-
-def length_grouped_batches(samples: list[PlannedSample], max_batch_tokens: int,
-                           max_batch_samples: int | None = None) -> list[list[PlannedSample]]:
-    """The batches :func:`plan_from_rows` makes, as lists of the given samples."""
-    ordered = [samples[i] for i in write_order([s.sample_id for s in samples], [s.length for s in samples])]
-    starts = batch_starts_of(np.array([s.length for s in ordered], dtype=np.int64), max_batch_tokens,
-                             max_batch_samples or len(ordered) or 1)
-    return [ordered[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
-
-
-def whole_batch_shards(batches: list[list[PlannedSample]], shard_size: int) -> list[list[list[PlannedSample]]]:
-    """The shards :func:`plan_from_rows` cuts from these batches: a shard holds samples of similar length."""
-    starts = shard_starts_of(np.array([len(b) for b in batches], dtype=np.int64), shard_size)
-    return [batches[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
-
-
-def padding_waste(batches: Iterable[list[PlannedSample]]) -> tuple[int, int]:
-    """``(real tokens, padded tokens)`` the device computes for these batches."""
-    real = padded = 0
-    for batch in batches:
-        real += sum(s.length for s in batch)
-        padded += max(s.length for s in batch) * len(batch)
-    return real, padded

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from dspark_cache.format.faults import crash_point
+from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import PLAN_ARRAYS, CachePaths
 from dspark_cache.format.plan import PartHeader
@@ -30,7 +31,7 @@ from dspark_cache.producer.encode.messages import normalise_row
 from dspark_cache.producer.encode.pool import encode_rows
 from dspark_cache.producer.inputs.rows import InputError, RawRow
 from dspark_cache.producer.inputs.source import InputSource
-from dspark_cache.producer.plan.batches import Plan, SampleShape, reason_counts
+from dspark_cache.producer.plan.batches import Plan, reason_counts
 from dspark_cache.producer.plan.parts import encode_part
 from dspark_cache.producer.plan.store import (
     PlanSpec, check_invalid_rows, encode_key, batching_key, listed_rows, load_plan, merge_parts, open_store,
