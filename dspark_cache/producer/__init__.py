@@ -1,17 +1,27 @@
 """``dspark-produce``: chat rows -> target forward -> compact WebDataset shards.
 
-The public API, for tools such as ``bench/`` (everything else in this package is internal and
-may change with the producer):
+The stages follow the data, one sub-package each (its ``__init__`` names what the others use):
+``inputs`` (``--input-data`` as rows) -> ``encode`` (rows to samples: chat template, loss mask)
+-> ``plan`` (batches and shards with exact bytes, saved, made once per job) -> ``device`` (the
+target, ranks, the compute loop) -> ``pipeline`` (staging ring, writer thread) -> the cache;
+``report`` (heartbeats, events, progress, stop requests) runs alongside. At the top: ``config``,
+``prepare``, ``resume``, ``run``, ``finish``, ``hub`` (the hub asked once) and the torchrun entry
+(``__main__``).
+
+The public API, for tools such as ``bench/`` and ``dspark-convert`` (everything else in this
+package is internal and may change with the producer):
 
 * ``ProduceConfig``: every setting, by the command line's option names (``config``).
 * ``load_tokenizer(cfg, template=None)``, ``plan_input(cfg, encoder, source, shape)``: the
-  tokenizer and the plan exactly as ``dspark-produce`` makes them (``prepare``).
-* ``ChatEncoder`` (``chat``), ``InputSource`` (``inputs``), ``SampleShape`` (``plan``).
-* ``read_target_info``, ``resolve_device``, ``TargetRunner``: the target (``target``).
-* ``run_pipeline``, ``collate``, ``finite_flags``: the device-to-writer pipeline (``pipeline``).
-* ``torch_dtype``, ``dtype_code``, ``byte_views``: torch dtypes of the format's codes and back, tensors as
-  writer bytes (``tensors``).
-* ``produce(cfg)``: one rank's whole run (``run``); the command line is ``dspark_cache.cli``, the torchrun entry ``python -m dspark_cache.producer``.
+  tokenizer and the plan exactly as ``dspark-produce`` makes them (``prepare``); a sample's
+  shape is ``dspark_cache.format.geometry.SampleShape``.
+* ``ChatEncoder`` (``encode.chat``), ``InputSource`` (``inputs.source``).
+* ``read_target_info``, ``resolve_device``, ``TargetRunner``: the target (``device.target``).
+* ``run_pipeline``, ``collate``, ``finite_flags``: the device-to-writer pipeline (``pipeline.loop``).
+* ``torch_dtype``, ``dtype_code``, ``byte_views``: torch dtypes of the format's codes and back,
+  tensors as writer bytes (``pipeline.tensors``).
+* ``produce(cfg)``: one rank's whole run (``run``); the command line is ``dspark_cache.cli``, the
+  torchrun entry ``python -m dspark_cache.producer``.
 
 Names are imported on first use, so ``import dspark_cache.producer`` costs nothing.
 """
@@ -27,7 +37,6 @@ _API = {
     "plan_input": "prepare",
     "ChatEncoder": "encode.chat",
     "InputSource": "inputs.source",
-    "SampleShape": "plan.batches",
     "read_target_info": "device.target",
     "resolve_device": "device.target",
     "TargetRunner": "device.target",

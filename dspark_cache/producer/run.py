@@ -26,7 +26,7 @@ from dspark_cache.producer.config import ProduceConfig
 from dspark_cache.producer.device.model_group import check_target
 from dspark_cache.producer.device.ranks import assign_shards, barrier_before_setup, new_run_id, share_setup
 from dspark_cache.producer.device.topology import Topology, check_topology
-from dspark_cache.producer.pipeline.loop import PipelineStats
+from dspark_cache.producer.pipeline.writer import PipelineStats
 from dspark_cache.producer.plan.batches import Plan
 from dspark_cache.producer.prepare import Prepared, prepare, resolve_settings
 from dspark_cache.producer.resume import read_existing, reconcile_directory, take_directory

@@ -29,7 +29,8 @@ from dspark_cache.producer.device.model_group import (
 from dspark_cache.producer.device.ranks import job_store
 from dspark_cache.producer.device.target import TargetRunner
 from dspark_cache.producer.device.topology import Topology
-from dspark_cache.producer.pipeline.loop import PipelineStats, collate, run_pipeline
+from dspark_cache.producer.pipeline.loop import collate, run_pipeline
+from dspark_cache.producer.pipeline.writer import PipelineStats
 from dspark_cache.producer.plan.batches import ShardPlan
 from dspark_cache.producer.prepare import Prepared
 from dspark_cache.producer.report.progress import ProgressLog

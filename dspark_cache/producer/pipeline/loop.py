@@ -1,8 +1,9 @@
 """The producer's overlapped pipeline: device forward | device->host copy | shard writing.
 
 The main thread runs the target on batch i+1 while batch i is trimmed to its real tokens on
-the device and copied into the staging ring (pinned host memory) on a side stream, and a writer
-thread (:mod:`~dspark_cache.producer.pipeline.writer`) appends earlier batches to their shard. Host
+the device and copied into the staging ring (pinned host memory,
+:mod:`~dspark_cache.producer.pipeline.staging`) on a side stream, and a writer thread
+(:mod:`~dspark_cache.producer.pipeline.writer`) appends earlier batches to their shard. Host
 memory is the ring: the main thread claims a batch's region before it queues the copies and
 waits while the ring is full, so staged bytes never exceed ``--max-inflight-bytes`` (or one
 batch, when a single batch is larger). Nothing in the loop waits for the device: the model's
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -26,12 +26,10 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
-from dspark_cache.producer.pipeline.staging import Region, StagingRing, region_bytes, ring_capacity
+from dspark_cache.producer.pipeline.staging import Stager, StagingRing, region_bytes, ring_capacity
 from dspark_cache.producer.pipeline.tensors import quantize_fp8, torch_dtype
 from dspark_cache.producer.pipeline.timing import BatchClock
-from dspark_cache.producer.pipeline.writer import NonFiniteError, PipelineStats, ShardWriterThread, WriteJob
-
-__all__ = ["NonFiniteError", "PipelineStats", "collate", "finite_flags", "run_pipeline", "stored_states"]
+from dspark_cache.producer.pipeline.writer import PipelineStats, ShardWriterThread, WriteJob
 
 log = logging.getLogger(__name__)
 
@@ -84,46 +82,6 @@ def _staged_shapes(shape: SampleShape, batch: list[PlannedSample]) -> list[tuple
         shapes += [(spec.shape, torch_dtype(spec.dtype)) for spec in shape.specs(sample.length)
                    if spec.name not in _NOT_STAGED]
     return shapes + [((len(batch),), torch.bool)]
-
-
-class Stager:
-    """Copies a batch's real tokens into its ring region (asynchronously on CUDA)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def synchronize(self) -> None:
-        """Wait for every copy queued on the side stream."""
-        if self.stream is not None:
-            self.stream.synchronize()
-
-    def stage(self, region: Region, shapes: list, names: list[str], stored: dict[str, torch.Tensor],
-              finite: torch.Tensor, lengths: list[int], clock: BatchClock
-              ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
-        """Queue the copies of each sample's real tokens of every ``stored`` tensor (``names``: in
-        the order of ``shapes``) into the region; returns the host views, the flags and the event
-        recorded after the last copy (None on a CPU, where the copies are done on return)."""
-        views = iter(region.views(shapes))
-        staged = [{name: next(views) for name in names} for _ in lengths]
-        finite_host = next(views)
-        if self.stream is not None:
-            # Copies wait for the forward on the device, not on the host.
-            self.stream.wait_stream(torch.cuda.current_stream(finite.device))
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            clock.mark("copy", self.stream)
-            for b, (n, sample) in enumerate(zip(lengths, staged)):
-                for name, dst in sample.items():
-                    dst.copy_(stored[name][b, :n], non_blocking=self.cuda)
-            finite_host.copy_(finite, non_blocking=self.cuda)
-            clock.mark("copy_done", self.stream)
-        if self.stream is None:
-            return staged, finite_host, None
-        ready = torch.cuda.Event()
-        ready.record(self.stream)
-        for src in (*stored.values(), finite):
-            src.record_stream(self.stream)  # keep device memory alive until the copy ends
-        return staged, finite_host, ready
 
 
 def collate(batch: list[PlannedSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Host memory between the device and the writer: one fixed ring, claimed before staging.
+"""Host memory between the device and the writer: one fixed ring, claimed before staging, and the
+copies into it (:class:`Stager`).
 
 Every staged batch lives in a region of one block of host memory (pinned when the device is a
 GPU), allocated once and sized by ``--max-inflight-bytes`` (never more than the run needs). The
@@ -11,6 +12,9 @@ one after another. The same ring runs unpinned on a CPU, where the tests exercis
 Regions are claimed and released in the same order (the writer works in plan order), so the
 ring is a FIFO: free space is the gap after the newest region, or the start of the block when
 that gap is too small (the tail end is then skipped until the ring wraps).
+
+On CUDA the copies run on a side stream that waits for the forward on the device, never on the
+host; an event recorded after the last copy tells the writer when the bytes are there.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from dspark_cache.producer.pipeline.timing import BatchClock
 
 ALIGN = 256  # every view starts here-aligned: dtype views need it, copy engines like it
 PAGE = 4096
@@ -151,3 +158,43 @@ class StagingRing:
 def ring_capacity(budget: int, largest_batch: int, total: int) -> int:
     """The budget, but never more than the whole run stages nor less than its largest batch."""
     return max(largest_batch, min(budget, total))
+
+
+class Stager:
+    """Copies a batch's real tokens into its ring region (asynchronously on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued on the side stream."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def stage(self, region: Region, shapes: list[tuple[tuple[int, ...], torch.dtype]], names: list[str],
+              stored: dict[str, torch.Tensor], finite: torch.Tensor, lengths: list[int], clock: BatchClock
+              ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copies of each sample's real tokens of every ``stored`` tensor (``names``: in
+        the order of ``shapes``) into the region; returns the host views, the flags and the event
+        recorded after the last copy (None on a CPU, where the copies are done on return)."""
+        views = iter(region.views(shapes))
+        staged = [{name: next(views) for name in names} for _ in lengths]
+        finite_host = next(views)
+        if self.stream is not None:
+            # Copies wait for the forward on the device, not on the host.
+            self.stream.wait_stream(torch.cuda.current_stream(finite.device))
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            clock.mark("copy", self.stream)
+            for b, (n, sample) in enumerate(zip(lengths, staged)):
+                for name, dst in sample.items():
+                    dst.copy_(stored[name][b, :n], non_blocking=self.cuda)
+            finite_host.copy_(finite, non_blocking=self.cuda)
+            clock.mark("copy_done", self.stream)
+        if self.stream is None:
+            return staged, finite_host, None
+        ready = torch.cuda.Event()
+        ready.record(self.stream)
+        for src in (*stored.values(), finite):
+            src.record_stream(self.stream)  # keep device memory alive until the copy ends
+        return staged, finite_host, ready

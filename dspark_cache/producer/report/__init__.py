@@ -1,1 +1,11 @@
-"""report"""
+"""What a running producer tells people and the monitor, and how it is asked to stop.
+
+* ``status``: the per-rank heartbeat file and event log (``StatusReporter``), and the plan's
+  announcement (``announce``).
+* ``progress``: a bar on a terminal, periodic log lines elsewhere (``counter``, ``ProgressLog``,
+  ``set_progress``).
+* ``signals``: SIGINT/SIGTERM or the monitor's stop file end the run at a shard boundary
+  (``StopFlag``).
+
+The rest of the producer uses the names above.
+"""
