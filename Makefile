@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch
 TORCH_INDEX ?=
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-fast demo bench clean
 
 setup: $(VENV)/.installed
 
@@ -23,8 +23,16 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard dspark_cache/loader/csrc/
 	$(PY) -c "from dspark_cache.loader.fill import native_available; native_available()"
 	touch $@
 
+# Two workers (the suite waits on subprocesses as much as it computes); a file's tests share a worker,
+# so the caches a module builds once are built once.
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+# The inner loop: everything but the tests marked slow (the longest end-to-end runs).
+test-fast: setup
+	$(PYTEST) -m "not slow"
 
 demo: setup
 	$(PY) -m dspark_cache.demo

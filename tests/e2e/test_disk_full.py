@@ -27,6 +27,7 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_disk_full_stops_cleanly_then_resumes(embedded, tmp_path, small_fs):
     reference = str(tmp_path / "ref")
     assert run(producer_cmd(*produce_args(embedded.stock, embedded.data, reference, *ARGS))).returncode == 0

@@ -7,6 +7,7 @@ import signal
 
 import msgspec
 import numpy as np
+import pytest
 
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
@@ -17,6 +18,7 @@ from tests.support.proc import assert_same_samples, free_port, producer_cmd, pub
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     proc = run(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
@@ -39,6 +41,7 @@ def test_two_ranks_equal_one(embedded, tmp_path, reference):
         assert sorted(ids.tolist() + skipped) == list(range(rank, manifest.num_rows, 2))
 
 
+@pytest.mark.slow
 def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     proc = start(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
@@ -52,6 +55,7 @@ def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):
     assert_same_samples(out, reference, exact=False)
 
 
+@pytest.mark.slow
 def test_a_dying_rank_does_not_hang_the_others(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     port = str(free_port())
@@ -73,6 +77,7 @@ def test_a_dying_rank_does_not_hang_the_others(embedded, tmp_path, reference):
     assert dspark_cache.open_cache(out).manifest.complete
 
 
+@pytest.mark.slow
 def test_sigterm_stops_both_ranks_and_each_says_stopped(embedded, tmp_path):
     """SIGTERM to every rank of a 2-rank job (as torchrun forwards it): each finishes its shard in flight,
     reports stopped (rank 1's line too, not "done") and exits 3; a rerun completes the cache."""

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_mode(tmp_path):
     out = tmp_path / "report.json"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--device", "cpu",

@@ -127,6 +127,7 @@ def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until
     return seen
 
 
+@pytest.mark.slow
 def test_sigkill_at_four_moments_leaves_no_process_and_a_rerun_completes(embedded, tmp_path):
     from dspark_cache.embedded.data import write_sample_data
 
@@ -187,6 +188,7 @@ def test_a_program_we_start_gets_sigterm_when_we_are_sigkilled(tmp_path):
     assert note.read_text() == "SIGTERM"
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_stop_when_their_agent_is_sigkilled(embedded, tmp_path):
     """A scheduler's SIGKILL of torchrun's agent forwards nothing: each rank stops by itself (exit 3 at
     a shard boundary), none is left running, and a rerun completes the cache."""

@@ -7,6 +7,8 @@ import random
 import signal
 import time
 
+import pytest
+
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
@@ -26,6 +28,7 @@ def _assert_nothing_published_is_corrupt(out):
         assert not report.corrupt, report.corrupt
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_instant_then_resume(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     killed = 0
@@ -49,6 +52,7 @@ def test_sigkill_at_any_instant_then_resume(embedded, tmp_path, reference):
     assert verify_cache(out).ok
 
 
+@pytest.mark.slow
 def test_sigterm_stops_gracefully_and_resumes(embedded, tmp_path):
     out = str(tmp_path / "cache")
     proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",

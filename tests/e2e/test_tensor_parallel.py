@@ -62,6 +62,7 @@ def build_moe_target(out_dir: str) -> str:
     return out_dir
 
 
+@pytest.mark.slow
 def test_two_ranks_one_group_equal_one_process(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     proc = run(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")))
@@ -88,6 +89,7 @@ def two_groups(embedded, tmp_path_factory) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_four_ranks_two_groups_equal_one_process(two_groups, reference):
     out = two_groups
     assert_same_samples(out, reference, exact=False)
@@ -113,6 +115,7 @@ async def test_the_monitor_shows_groups_and_writers(two_groups):
     assert labels == ["0 g0 w", "1 g0", "2 g1 w", "3 g1"]
 
 
+@pytest.mark.slow
 def test_moe_expert_parallel_equals_one_process(embedded, tmp_path):
     target = build_moe_target(str(tmp_path / "moe"))
     ref, out = str(tmp_path / "ref"), str(tmp_path / "cache")
@@ -132,6 +135,7 @@ def _start_ranks(cmd: list[str], world: int) -> list:
     return [start(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_partner_ends_its_group_and_a_rerun_completes(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     ranks = _start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4)
@@ -155,6 +159,7 @@ def test_sigkill_of_a_partner_ends_its_group_and_a_rerun_completes(embedded, tmp
     assert dspark_cache.open_cache(out).manifest.complete
 
 
+@pytest.mark.slow
 def test_a_frozen_partner_does_not_hang_its_writer(embedded, tmp_path):
     """A stopped (SIGSTOP) partner leaves gloo's sockets open, as a hung NCCL peer would: the
     writer sits in a collective, and only the heartbeat watch can end it."""
@@ -177,6 +182,7 @@ def test_a_frozen_partner_does_not_hang_its_writer(embedded, tmp_path):
     assert report.missing and not report.corrupt
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_partner_stops_its_group_at_a_shard_boundary(embedded, tmp_path):
     """The partner asks to stop; the writer, which got no signal, stops with it after the shard in flight."""
     out = str(tmp_path / "cache")
@@ -192,6 +198,7 @@ def test_sigterm_to_a_partner_stops_its_group_at_a_shard_boundary(embedded, tmp_
     assert not [n for n in os.listdir(os.path.join(out, "shards")) if n.endswith(".partial")]
 
 
+@pytest.mark.slow
 def test_device_map_auto_is_one_process_on_cpu(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--device-map", "auto") == 0

@@ -51,6 +51,7 @@ def _run_worker(pristine: str, workdir: str, first: int, count: int, family: str
     return results
 
 
+@pytest.mark.slow
 def test_hostile_caches_are_refused_or_read_exactly(pristine, tmp_path):
     results = []
     for first in range(0, CASES, PER_WORKER):
@@ -139,6 +140,7 @@ def _weights_mutations(path: str, rng) -> list[tuple[str, object]]:
     return cases
 
 
+@pytest.mark.slow
 def test_fuzz_target_weights(pristine, embedded, tmp_path):
     """Every damaged weights file: dspark-verify reports it, the reader refuses it naming it (in a
     child, so a reader that blocks is a timeout), and a rerun of the producer rewrites it."""
@@ -195,6 +197,7 @@ def pristine_fp8(embedded, tmp_path_factory) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_hostile_fp8_scales_and_codes_are_refused(pristine_fp8, tmp_path):
     """Crafted FP8 damage with matching checksums (NaN, inf, zero, negative, overflowing scales; NaN/inf
     codes) through open_cache (bf16 and raw), both fillers and verify: every reader refuses it by the FP8
@@ -255,6 +258,7 @@ def _inode(path: str) -> int | None:
     return os.lstat(path).st_ino if os.path.lexists(path) else None
 
 
+@pytest.mark.slow
 def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
     """Seeded mutations of a saved plan (``tests/support/plan_fuzz.py``: values forged with matching
     checksums or not, header fields, cut / extended / sparse files, directories, FIFOs, symlinks):

@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 import dspark_cache
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args
@@ -15,6 +17,7 @@ from tests.support.proc import producer_cmd, published, run, start, wait_for
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2")
 
 
+@pytest.mark.slow
 def test_follow_a_producer_that_is_killed_and_resumed(embedded, tmp_path):
     out = str(tmp_path / "cache")
     cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS))

@@ -139,6 +139,7 @@ def test_a_shard_of_another_cache_is_refused_and_recomputed(embedded, inputs, ca
     assert all(torch.equal(ours[s][k], want[s][k]) for s in want for k in ("input_ids", "target_hidden_states"))
 
 
+@pytest.mark.slow
 def test_every_rank_writes_the_id_rank_0_gave_the_cache(embedded, inputs, tmp_path):
     """Under torchrun each rank builds its own manifest; the id is rank 0's, whichever rank writes
     shards or marks the cache complete."""

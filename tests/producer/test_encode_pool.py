@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dspark_cache.producer.encode import pool as encode_pool
 from dspark_cache.producer.encode.chat import EncodedRow
 from dspark_cache.producer.inputs.rows import RawRow
@@ -68,6 +70,7 @@ def test_running_out_of_memory_on_a_row_says_where_and_what_to_do():
             list(encode_pool.encode_rows(rows, _encode_or_run_out, num_workers=workers))
 
 
+@pytest.mark.slow
 def test_two_interrupts_while_workers_encode_exit_3_at_once_and_leave_no_worker(embedded, tmp_path):
     """The second Ctrl-C of two, while the pool encodes rows: exit 3 in seconds, every worker gone.
 
@@ -81,10 +84,8 @@ def test_two_interrupts_while_workers_encode_exit_3_at_once_and_leave_no_worker(
     import time
     import uuid
 
-    import pytest
-
     from dspark_cache.embedded.data import write_sample_data
-    from tests.conftest import produce_args
+    from tests.support.produce import produce_args
     from tests.support.proc import producer_cmd
     from tests.e2e.test_orphans import MARKER, alive, descendants, kill_marked, wait_gone
 

@@ -98,6 +98,7 @@ def _holder_pid(out: str) -> int | None:
         return None
 
 
+@pytest.mark.slow
 def test_second_producer_and_overwrite_are_refused_while_a_run_is_live(embedded, tmp_path, tiny_data, capsys):
     out = str(tmp_path / "cache")
     cmd = producer_cmd(*produce_args(embedded.stock, tiny_data, out, *ARGS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,14 @@ def tiny_data(embedded, tmp_path_factory) -> str:
     with open(embedded.data, encoding="utf-8") as handle:
         rows = handle.read().splitlines()[:10]
     return write_jsonl(tmp_path_factory.mktemp("tiny") / "d.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(embedded, tiny_data, tmp_path_factory) -> str:
+    """A complete cache of ``tiny_data`` with ``ARGS``: tests that damage one damage a copy."""
+    out = str(tmp_path_factory.mktemp("tiny-cache") / "out")
+    assert run_produce(embedded.stock, tiny_data, out, *ARGS) == 0
+    return out
 
 
 # --- settings that cannot work: one usage line, exit 2, nothing read or written -----------------
@@ -171,6 +180,7 @@ def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(embedded
 
 # --- a stop with the last shard in flight -------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_stop_that_lands_on_the_last_shard_completes_the_job(embedded, tmp_path):
     """One shard, so the shard in flight is the last: the stop finishes it, and then the work is all done."""
     out = str(tmp_path / "cache")
@@ -194,6 +204,7 @@ def test_a_stop_that_lands_on_the_last_shard_completes_the_job(embedded, tmp_pat
 
 # --- a resume says what it kept, and its progress is the whole job's ------------------------------
 
+@pytest.mark.slow
 def test_a_resume_says_what_it_kept_and_counts_the_whole_job(embedded, tiny_data, tmp_path):
     out = str(tmp_path / "cache")
     args = produce_args(embedded.stock, tiny_data, out, "--seq-length", "128", "--shard-size", "2",
@@ -220,6 +231,7 @@ def test_a_resume_says_what_it_kept_and_counts_the_whole_job(embedded, tiny_data
 
 # --- two Ctrl-C ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_while_exiting_exits_3_without_a_traceback(embedded, tmp_path):
     """The second SIGINT lands in the interpreter's shutdown (after the stop's last line): one line, exit 3,
     not a KeyboardInterrupt traceback from an atexit callback nor death by SIGINT (-2)."""
@@ -254,22 +266,22 @@ def test_a_plan_with_more_shards_than_readers_accept_is_refused_before_loading(e
     assert run_produce(embedded.stock, embedded.data, out, "--shard-size", "1") == 1
     err = capsys.readouterr().err
     assert "could not be read back" in err and "num_shards" in err and "--shard-size" in err
-    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    assert not os.path.exists(CachePaths(out).manifest)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where,kind", [
-    ("events/rank-00000.jsonl", "fifo"),  # appended to: a FIFO hung the run, deaf to SIGTERM
-    ("control/stop", "directory"),  # read as a stop request: every rerun stopped at once
-    ("shards/shard-000005.tar", "directory"),  # published over: a bare errno after computing the shard
-    ("shards/shard-000005.idx", "directory"),
-    ("status/rank-00000.json", "directory"),  # the heartbeat's rename failed
-])
-def test_a_non_file_under_a_name_the_producer_writes_is_refused_up_front(embedded, tiny_data, tmp_path, where,
-                                                                           kind):
-    out = str(tmp_path / "out")
+    (lambda paths: paths.events(0), "fifo"),  # appended to: a FIFO hung the run, deaf to SIGTERM
+    (lambda paths: paths.stop_request, "directory"),  # read as a stop request: every rerun stopped at once
+    (lambda paths: paths.shard_tar(5), "directory"),  # published over: a bare errno after computing the shard
+    (lambda paths: paths.shard_index(5), "directory"),
+    (lambda paths: paths.status(0), "directory"),  # the heartbeat's rename failed
+], ids=["events-fifo", "stop-directory", "shard-directory", "index-directory", "status-directory"])
+def test_a_non_file_under_a_name_the_producer_writes_is_refused_up_front(embedded, tiny_data, tiny_cache, tmp_path,
+                                                                           where, kind):
+    out = shutil.copytree(tiny_cache, str(tmp_path / "out"), symlinks=True)
     args = produce_args(embedded.stock, tiny_data, out, *ARGS)
-    assert run(producer_cmd(*args)).returncode == 0
-    path = os.path.join(out, where)
+    path = where(CachePaths(out))
     if os.path.lexists(path):
         os.unlink(path)
     os.mkfifo(path) if kind == "fifo" else os.mkdir(path)

@@ -20,7 +20,7 @@ from dspark_cache.producer.inputs.jsonl import scan_lines
 from dspark_cache.producer.inputs.rows import InputError
 from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.inputs.split import parse_split
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 N = 40
 ROWS = [{"messages": [{"role": "user", "content": f"question number {i}"},

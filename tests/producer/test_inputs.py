@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 import dspark_cache
 from dspark_cache.producer.inputs.source import InputSource
-from tests.conftest import run_produce
+from tests.support.produce import run_produce
 
 
 def _rows(n):

@@ -316,6 +316,7 @@ def tiny_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_do(embedded, reference, tiny_fs):
     out = os.path.join(tiny_fs, "cache")
     filler = os.path.join(tiny_fs, "filler")

@@ -244,6 +244,7 @@ def test_uncached_hub_id_without_network_fails_fast_in_one_line(embedded, tmp_pa
     assert took < 15, took  # the interpreter and its imports; the hub is asked once, without retries
 
 
+@pytest.mark.slow
 def test_cached_hub_id_resolves_offline_to_its_commit(embedded, tmp_path):
     hub = str(tmp_path / "hub")
     commit = _fake_hub(embedded, hub, "someorg/tiny")

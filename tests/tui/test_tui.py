@@ -387,6 +387,7 @@ def test_monitor_imports_no_torch():
     assert out.split() == ["False", "False"]
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, tmp_path):
     out = str(tmp_path / "cache")
@@ -419,6 +420,7 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, tmp_path
     assert verify_cache(out).ok
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, tmp_path):
     """``dspark-produce --tui``: the monitor owns the child producer; q stops it gracefully."""

@@ -71,6 +71,7 @@ async def test_80x24_fits_every_value_of_a_huge_run_on_one_line(tmp_path):
         assert "last error" in labels and "heartbeat" in labels
 
 
+@pytest.mark.slow
 def test_a_killed_producers_partial_is_abandoned_not_writing(embedded, tmp_path):
     """A real producer SIGKILLed mid-shard: once its heartbeat is stale, its .partial has no writer."""
     out = str(tmp_path / "cache")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dspark_cache.cli import monitor
 from dspark_cache.tui.report import exit_code, lines, measured_snapshot
 from dspark_cache.tui.scan import CacheScanner
@@ -123,6 +125,7 @@ def test_a_live_runs_report_waits_for_its_measured_rate(tmp_path):
     assert "rank 1, state STALE" in text and exit_code(snap) == 1
 
 
+@pytest.mark.slow
 def test_produce_tui_without_a_terminal_runs_the_producer_and_exits(embedded, tmp_path):
     """``dspark-produce --tui > log``: no app that no one can quit; the producer runs, its code is returned."""
     out = str(tmp_path / "cache")
