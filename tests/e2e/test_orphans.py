@@ -20,77 +20,11 @@ import pytest
 from dspark_cache.format.manifest import read_manifest
 from tests.support.produce import produce_args, run_produce
 from tests.support.proc import assert_same_samples, producer_cmd
+from tests.support.processes import MARKER, descendants, kill_marked, marked, process_stat, wait_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
 
-MARKER = "DSPARK_ORPHAN_TEST_RUN"
 GONE_WITHIN_S = 10.0
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time) of a live process, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return fields[0].decode(), int(fields[1]), int(fields[19])
-
-
-def _pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def descendants(root: int) -> set[tuple[int, int]]:
-    """(pid, start time) of every live descendant of ``root``."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    for pid in _pids():
-        info = _stat(pid)
-        if info is not None and info[0] != "Z":
-            children.setdefault(info[1], []).append(pid)
-            starts[pid] = info[2]
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add((child, starts[child]))
-            todo.append(child)
-    return found
-
-
-def marked(run: str) -> set[int]:
-    """Live (not zombie) processes whose environment carries this run's marker."""
-    needle = f"{MARKER}={run}".encode()
-    out = set()
-    for pid in _pids():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as handle:
-                env = handle.read().split(b"\0")
-        except OSError:
-            continue
-        info = _stat(pid)
-        if needle in env and info is not None and info[0] != "Z":
-            out.add(pid)
-    return out
-
-
-def alive(procs: set[tuple[int, int]]) -> set[int]:
-    return {pid for pid, started in procs
-            if (info := _stat(pid)) is not None and info[0] != "Z" and info[2] == started}
-
-
-def wait_gone(procs: set[tuple[int, int]], run: str, within: float) -> set[int]:
-    """Wait up to ``within`` s for ``procs`` and every process of ``run`` to end; the ones left."""
-    deadline = time.monotonic() + within
-    while (left := alive(procs) | marked(run)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
-def kill_marked(run: str) -> None:
-    """Only processes of this run: never leave them behind, even when a test fails."""
-    for pid in marked(run):
-        os.kill(pid, signal.SIGKILL)
 
 
 def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until=None) -> set[tuple[int, int]]:
@@ -178,11 +112,11 @@ def test_a_program_we_start_gets_sigterm_when_we_are_sigkilled(tmp_path):
     deadline = time.monotonic() + GONE_WITHIN_S
     while not os.path.exists(f"{note}.ready") and time.monotonic() < deadline:  # its handler is installed
         time.sleep(0.05)
-    assert _stat(child) is not None
+    assert process_stat(child) is not None
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + GONE_WITHIN_S
-    while (info := _stat(child)) is not None and info[0] != "Z" and time.monotonic() < deadline:
+    while (info := process_stat(child)) is not None and info[0] != "Z" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert info is None or info[0] == "Z", "the child outlived its SIGKILLed parent"
     assert note.read_text() == "SIGTERM"

@@ -87,7 +87,7 @@ def test_two_interrupts_while_workers_encode_exit_3_at_once_and_leave_no_worker(
     from dspark_cache.embedded.data import write_sample_data
     from tests.support.produce import produce_args
     from tests.support.proc import producer_cmd
-    from tests.e2e.test_orphans import MARKER, alive, descendants, kill_marked, wait_gone
+    from tests.support.processes import MARKER, alive, descendants, kill_marked, wait_gone
 
     if not sys.platform.startswith("linux"):
         pytest.skip("walks /proc")
