@@ -175,9 +175,6 @@ def test_console_scripts_follow_one_pattern():
     offenders = sorted(modules[m].relative_to(PACKAGE).as_posix() for m, targets in graph.items()
                        if "dspark_cache.cli" in targets and not m.startswith("dspark_cache.cli")
                        and not m.endswith(".__main__"))
-    if offenders == ["nemo/convert/cli.py"]:
-        pytest.skip("pending (helper A owns nemo/convert/): nemo/convert/cli.py's main() calls back into "
-                    "dspark_cache.cli.convert; its python -m entry becomes nemo/convert/__main__.py")
     assert not offenders, "parts that import their dispatcher dspark_cache.cli: " + ", ".join(offenders)
 
 

@@ -1,38 +1,58 @@
 """The console scripts: one place for exit codes, argparse conventions and dispatch to each part.
 
-* ``dspark-produce``: options in ``producer/config.py`` (+ ``--tui``), run in ``cli/produce_command.py``
-* ``dspark-monitor``: options and run in ``tui/cli.py`` (the app is ``tui.app.MonitorApp``)
-* ``dspark-verify``: options and run in ``verify/cli.py`` (the checks are ``verify/checks.py``)
-* ``dspark-convert``: options and run in ``nemo/convert/cli.py``
+Each part exposes ``PROG``, ``DESCRIPTION``, ``EPILOG``, ``add_arguments(parser)`` and
+``run(args)`` in its ``cli`` module; this package builds the parser (``cli/conventions.py``: the
+exit-code table, ``--version``, ``--log-level``, one-line usage errors) and runs it:
 
-The shared conventions (the exit-code table, ``--version``, ``--log-level``, one-line usage
-errors) are ``cli/conventions.py``. A part's module is imported only when its script runs, so
-the parts never import each other through here and ``dspark-monitor`` never imports torch.
-``--tui`` is handled in ``cli/produce_command.py`` only. A part never imports this package: only
-its ``python -m`` entry (``dspark_cache.tui``, ``dspark_cache.verify``: their ``__main__.py``)
-starts from here, as the console script does.
+* ``dspark-produce``: ``producer/cli.py``; ``--tui`` (the monitor in the foreground, the producer as
+  its child) joins the producer and the monitor, so it is composed here
+* ``dspark-monitor``: ``tui/cli.py`` (the app is ``tui.app.MonitorApp``)
+* ``dspark-verify``: ``verify/cli.py`` (the checks are ``verify/checks.py``)
+* ``dspark-convert``: ``nemo/convert/cli.py``
+
+A part's module is imported only when its script runs, so the parts never import each other
+through here and ``dspark-monitor`` never imports torch. A part never imports this package: only
+its ``python -m`` entry (its ``__main__.py``) starts from here, as the console script does.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import sys
+from typing import Callable
 
 
-def _dispatch(module: str, argv: list[str] | None, **parser_options: bool) -> int:
+def _dispatch(module: str, argv: list[str] | None, run: Callable[[argparse.Namespace], int] | None = None,
+              **parser_options: bool) -> int:
     """Build the script's parser (conventions + the part's options), parse ``argv``, run the part."""
     from dspark_cache.cli.conventions import new_parser, run_script
 
     part = importlib.import_module(module)
-    parser = new_parser(part.PROG, part.DESCRIPTION, epilog=part.EPILOG, **parser_options)
+    parser = new_parser(part.PROG, part.DESCRIPTION, log_level=getattr(part, "LOG_LEVEL", "WARNING"),
+                        epilog=part.EPILOG, **parser_options)
     part.add_arguments(parser)
-    return run_script(parser, part.run, argv)
+    return run_script(parser, run or part.run, argv)
 
 
 def produce(argv: list[str] | None = None) -> int:
     """``dspark-produce``; with ``--tui``, the producer runs as a child under the monitor."""
-    from dspark_cache.cli.produce_command import main
+    given = list(sys.argv[1:] if argv is None else argv)
 
-    return main(argv)
+    def foreground(cfg) -> int:
+        from dspark_cache.tui.foreground import run_with_monitor
+
+        # The child's output goes to a log file: log lines, never bars, even if the setting were forced.
+        child_argv = [a for a in given if a not in ("--tui", "--no-progress")] + ["--no-progress"]
+        return run_with_monitor(child_argv, cfg.output_dir)
+
+    part = "dspark_cache.producer.cli"
+    return _dispatch(part, argv, lambda args: importlib.import_module(part).run(args, foreground))
+
+
+def produce_rank(argv: list[str] | None = None) -> int:
+    """``python -m dspark_cache.producer``: one torchrun rank, or the child under ``--tui`` (no ``--tui`` itself)."""
+    return _dispatch("dspark_cache.producer.cli", argv)
 
 
 def monitor(argv: list[str] | None = None) -> int:

@@ -104,7 +104,7 @@ SCRIPT_MODULES = {
     "dspark-produce": "dspark_cache.producer",
     "dspark-monitor": "dspark_cache.tui",
     "dspark-verify": "dspark_cache.verify",
-    "dspark-convert": "dspark_cache.nemo.convert.cli",
+    "dspark-convert": "dspark_cache.nemo.convert",
 }
 
 

@@ -1,7 +1,8 @@
 """``python -m dspark_cache.producer``: ``dspark-produce`` as a module, one process per torchrun rank.
 
-The command itself (options, summary, exit codes) is defined once, in ``dspark_cache.cli``;
-this module is only the ``-m`` entry point torchrun and the monitor's ``--tui`` child start.
+The command itself (options, run, summary, exit codes) is ``producer/cli.py``, dispatched by
+``dspark_cache.cli`` as the console script is; this module is only the ``-m`` entry point that
+torchrun and the monitor's ``--tui`` child start.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``dspark-produce`` with ``argv`` (not ``--tui``: this is what ``--tui`` starts as its child)."""
-    from dspark_cache.cli.produce_command import main as produce_main
+    from dspark_cache.cli import produce_rank
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: its agent is our parent
         from dspark_cache.format.lifetime import die_with_parent
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         # An agent SIGKILLed by a scheduler cannot forward its signal: the rank would run on, or wait in
         # a collective for a partner, forever. SIGTERM stops it at a shard boundary, resumable.
         die_with_parent(os.getppid(), signal.SIGTERM)
-    return produce_main(argv, allow_tui=False)
+    return produce_rank(argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.format.wds import decode_dspark_arrays, decode_wids_sample
 from dspark_cache.format.wids_index import WIDS_KIND, read_wids_index, write_wids_index
-from dspark_cache.nemo.convert.cli import main as convert_main
+from tests.support.scripts import convert as convert_main
 from dspark_cache.cli import verify as verify_main
 from tests.support.produce import run_produce
 from tests.support.convert_fixture import write_tiny_nemo

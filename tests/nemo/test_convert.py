@@ -17,7 +17,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import decode_payload
 from dspark_cache.nemo import calls, nemo_format
 from dspark_cache.nemo.convert import convert_to_dspark, convert_to_nemo
-from dspark_cache.nemo.convert.cli import main
+from tests.support.scripts import convert as main
 from dspark_cache.nemo.convert.stfile import header_bytes
 from dspark_cache.verify import verify_cache
 from tests.support.convert_fixture import write_tiny_nemo

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import dspark_cache
 from dspark_cache.nemo.convert import convert_to_dspark
-from dspark_cache.nemo.convert.cli import main
+from tests.support.scripts import convert as main
 from tests.support.convert_fixture import write_tiny_nemo
 from tests.support.convert_worker import run_jobs
 

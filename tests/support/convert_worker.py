@@ -23,7 +23,7 @@ from tests.support.fuzz_worker import MEMORY_LIMIT
 
 def run_job(argv: list[str]) -> dict:
     """One conversion: its exit code and stderr, or what escaped."""
-    from dspark_cache.nemo.convert.cli import main
+    from tests.support.scripts import convert as main
 
     err = io.StringIO()
     try:

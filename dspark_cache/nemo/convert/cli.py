@@ -123,17 +123,3 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NOT_A_CACHE if any(isinstance(e, NotACacheError) for e in (exc, exc.__cause__)) else EXIT_ERROR
     print(summary(result))
     return EXIT_OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``dspark-convert`` as a function: returns the exit code, also for ``--help`` and usage errors."""
-    from dspark_cache.cli import convert
-
-    try:
-        return convert(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2, already printed)
-        return int(exc.code or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

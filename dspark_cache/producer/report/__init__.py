@@ -6,6 +6,8 @@
   ``set_progress``).
 * ``signals``: SIGINT/SIGTERM or the monitor's stop file end the run at a shard boundary
   (``StopFlag``).
+* ``summary``: rank 0's last line, counted from the published indexes (``summary``), and what
+  ``--dry-run`` prints (``plan_report``).
 
 The rest of the producer uses the names above.
 """

@@ -1,0 +1,79 @@
+"""What rank 0 prints when a run ends, or what ``--dry-run`` prints instead of running."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dspark_cache.format.cache import CacheDir
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.schema import Manifest
+
+if TYPE_CHECKING:
+    from dspark_cache.producer.plan.batches import Plan
+    from dspark_cache.producer.run import RunResult
+
+
+@dataclass(frozen=True)
+class Published:
+    """What the cache directory holds now, counted from its shard indexes."""
+
+    shards: int
+    samples: int
+    tokens: int
+    bytes: int
+
+
+def published(output_dir: str) -> Published:
+    """Count the published shards, samples, tokens and bytes from the indexes (a shard exists when its index does)."""
+    shards = samples = tokens = size = 0
+    with CacheDir(output_dir, allow_incomplete=True, strict=False) as cache:
+        for shard_id in cache.indexed_ids():
+            index = cache.published(shard_id)
+            if index is None:
+                continue
+            shards += 1
+            samples += index.num_samples
+            tokens += sum(entry.length for entry in index.samples)
+            size += index.tar_bytes
+    return Published(shards, samples, tokens, size)
+
+
+def summary(result: RunResult, output_dir: str) -> str:
+    """Rank 0's last line: what the cache holds now (read from ``output_dir``), what was planned, what it cost."""
+    m, plan = result.manifest, result.plan
+    try:
+        done = published(output_dir)
+    except (CacheError, OSError) as exc:  # the run's own line must not fail on a damaged index: say so instead
+        return (f"cache {'complete' if m.complete else 'incomplete'}: planned {plan.num_samples} samples in "
+                f"{len(plan.shards)} shards; the published shards could not be counted ({exc}); "
+                f"run dspark-verify {output_dir}")
+    skipped = f"{len(plan.skipped)} rows skipped"
+    if m.complete:
+        return (f"cache complete: {done.samples} samples ({skipped}), {done.tokens} tokens, {done.shards} shards, "
+                f"{done.bytes / 1e6:.1f} MB ({done.bytes / max(done.tokens, 1):.0f} bytes/token), "
+                f"{result.seconds:.1f} s")
+    return (f"cache incomplete: {done.shards} of {len(plan.shards)} shards, {done.samples} of {plan.num_samples} "
+            f"samples, {done.tokens} of {plan.num_tokens} tokens, {done.bytes / 1e6:.1f} of "
+            f"{plan.num_bytes / 1e6:.1f} MB published ({skipped}), {result.seconds:.1f} s")
+
+
+def plan_report(plan: Plan, manifest: Manifest, output_dir: str) -> str:
+    """What ``--dry-run`` prints: enough to size a job before renting devices."""
+    skipped = ", ".join(f"{n} {reason}" for reason, n in plan.skipped_counts().items()) or "none"
+    batches = sum(len(s.batches) for s in plan.shards)
+    probe = output_dir
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = f"{shutil.disk_usage(probe or '.').free / 1e9:.1f} GB free" if probe or output_dir else ""
+    return "\n".join([
+        f"dry run: {plan.num_rows} rows -> {plan.num_samples} samples (skipped: {skipped})",
+        f"  tokens: {plan.num_tokens} ({plan.num_loss_tokens} supervised), seq_length {manifest.seq_length}",
+        f"  batches: {batches}, {plan.padded_tokens} tokens computed (padding {100 * plan.padding_waste:.1f}%)",
+        f"  shards: {len(plan.shards)} of at most {manifest.shard_size} samples, {plan.num_bytes} bytes "
+        f"({plan.num_bytes / 1e9:.3f} GB, {plan.num_bytes / max(1, plan.num_tokens):.0f} bytes/token)",
+        f"  stored per token: layers {manifest.target_layer_ids} x {manifest.hidden_size} in {manifest.dtype}; "
+        f"{output_dir}: {free}",
+    ])
