@@ -267,7 +267,8 @@ def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
     import shutil
 
     from tests.support.plan_fuzz import mutate
-    from tests.producer.test_plan_hardening import ARGS, deadline
+    from tests.support.plan_files import deadline
+    from tests.producer.test_plan_hardening import ARGS
 
     pristine = str(tmp_path / "pristine")
     assert run_produce(embedded.stock, embedded.data, pristine, *ARGS) == 0

@@ -15,11 +15,15 @@ import random
 import numpy as np
 import xxhash
 
-from tests.producer.test_plan_hardening import rechecksum
+from dspark_cache.format.paths import CachePaths
+from tests.support.plan_files import rechecksum
 
-ARRAYS = ("part-00000.ids.npy", "part-00000.mask.npy", "part-00000.rows.npy", "samples.npy", "batches.npy",
-          "shards.npy", "shard_bytes.npy")
-HEADERS = ("part-00000.json", "plan.json")
+_NAMES = CachePaths("")  # only the names of the files inside plan/
+_PART_ARRAYS = {kind: os.path.basename(_NAMES.plan_part(0, kind)) for kind in ("ids", "mask", "rows")}
+ARRAYS = (*_PART_ARRAYS.values(),
+          *(os.path.basename(_NAMES.plan_array(name)) for name in ("samples", "batches", "shards", "shard_bytes")))
+PLAN_HEADER = os.path.basename(_NAMES.plan_header)
+HEADERS = (os.path.basename(_NAMES.plan_part_header(0)), PLAN_HEADER)
 
 
 def _value(rng: random.Random, plan: str, vocab: int) -> str:
@@ -31,7 +35,7 @@ def _value(rng: random.Random, plan: str, vocab: int) -> str:
     old = int(target[at])
     # Never a forged id that is valid but other: no check short of tokenising again can see it.
     choices = {"ids": [vocab, vocab + rng.randrange(1, 1000), -1, -rng.randrange(2, 1 << 30)],
-               "mask": [2, 255, 1 - old]}.get(name.split(".")[1] if name.startswith("part") else "",
+               "mask": [2, 255, 1 - old]}.get({v: k for k, v in _PART_ARRAYS.items()}.get(name, ""),
                                               [old + 1, old - 1, -1, 0, old * 2 + 7, 1 << 40])
     value = rng.choice(choices)
     info = np.iinfo(target.dtype)
@@ -39,7 +43,7 @@ def _value(rng: random.Random, plan: str, vocab: int) -> str:
     array.flush()
     forged = rng.random() < 0.75
     if forged:
-        rechecksum(plan)
+        rechecksum(CachePaths(os.path.dirname(plan)))
     return f"value: {name}[{at}]{'.' + field if field else ''} {old} -> {int(target[at])}{' forged' if forged else ''}"
 
 
@@ -59,12 +63,12 @@ def _header(rng: random.Random, plan: str, vocab: int) -> str:
     else:
         header[field] = rng.choice([0, -1, 2, 10 ** 9, 1 << 62])
     open(path, "w").write(json.dumps(header))
-    forged = name != "plan.json" and rng.random() < 0.5
+    forged = name != PLAN_HEADER and rng.random() < 0.5
     if forged:  # the plan's record of its part header made to match
-        plan_header = json.load(open(os.path.join(plan, "plan.json")))
+        plan_header = json.load(open(os.path.join(plan, PLAN_HEADER)))
         raw = open(path, "rb").read()
         plan_header["parts"][0] = {"length": len(raw), "xxh3_64": xxhash.xxh3_64_hexdigest(raw)}
-        open(os.path.join(plan, "plan.json"), "w").write(json.dumps(plan_header))
+        open(os.path.join(plan, PLAN_HEADER), "w").write(json.dumps(plan_header))
     return f"header: {name} {field}{' forged' if forged else ''}"
 
 
