@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Collection
 
 import numpy as np
 
@@ -83,11 +82,6 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
     return old
 
 
-def bytes_missing(published: Collection[int], plan: Plan) -> int:
-    """What the planned shards not in ``published`` will take on disk."""
-    return sum(s.num_bytes for s in plan.shards if s.shard_id not in published)
-
-
 def preflight_disk(output: CacheOutput, needed: int, force: bool) -> None:
     """Refuse to start when ``needed`` bytes exceed the free space (unless ``--force``)."""
     free = shutil.disk_usage(output.root).free
@@ -114,7 +108,7 @@ def reconcile_directory(p: Prepared) -> Manifest | None:
         p.manifest.created_at = existing.created_at
         reconcile_shards(output, p.plan, p.shape, p.manifest.cache_id)  # removes partials and damaged shards
     done = output.published()
-    preflight_disk(output, bytes_missing(done, p.plan), p.cfg.force)
+    preflight_disk(output, p.plan.bytes_missing(done), p.cfg.force)
     if existing is None or not existing.complete or done != {s.shard_id for s in p.plan.shards}:
         p.manifest.complete = False
         output.write_manifest(p.manifest)

@@ -36,7 +36,6 @@ from dspark_cache.producer.prepare import Prepared
 from dspark_cache.producer.report.progress import ProgressLog
 from dspark_cache.producer.report.signals import StopFlag
 from dspark_cache.producer.report.status import StatusReporter
-from dspark_cache.producer.resume import bytes_missing
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +300,7 @@ def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id
 
 def _disk_full(p: Prepared, exc: OSError) -> DiskFullError:
     done = p.output.scan()  # other ranks publish too
-    needed = bytes_missing(done, p.plan)
+    needed = p.plan.bytes_missing(done)
     free = shutil.disk_usage(p.paths.root).free
     return DiskFullError(
         f"disk full while writing {p.paths.shards_dir} ({exc.strerror}): {len(done)} of {len(p.plan.shards)} shards "

@@ -14,7 +14,7 @@ gets the same one: same shards, same batches, same bytes.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable
@@ -172,6 +172,10 @@ class Plan:
     @property
     def num_bytes(self) -> int:
         return int(self.shard_bytes.sum(dtype=np.int64))
+
+    def bytes_missing(self, published: Collection[int]) -> int:
+        """What the planned shards not in ``published`` will take on disk."""
+        return sum(s.num_bytes for s in self.shards if s.shard_id not in published)
 
     @property
     def padded_tokens(self) -> int:
