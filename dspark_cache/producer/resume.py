@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def take_directory(output: CacheOutput, run_id: str, world_size: int, overwrite: bool) -> None:
-    """Rank 0, before reading the input: refuse a linked-out layout, then lock the directory."""
+    """Rank 0, before reading the input: refuse sub-directories linked elsewhere, then lock the directory."""
     output.check(written_names=True)
     try:
         output.lock(run_id, world_size, overwrite=overwrite)

@@ -1,4 +1,4 @@
-"""``dspark-convert SRC DST --to {dspark,nemo}``: move a cache between NeMo's layout and ours.
+"""``dspark-convert SRC DST --to {dspark,nemo}``: move a cache between NeMo's format and ours.
 
 The options and the run are defined here; the parser's conventions and the exit codes come from
 ``dspark_cache.cli`` (which dispatches the console script to :func:`run`).

@@ -34,7 +34,7 @@ class ConvertUsageError(ConvertError):
 class ConvertResult:
     """What a conversion did (the CLI prints it; the bench reads it)."""
 
-    direction: str  # "dspark" or "nemo": the layout written
+    direction: str  # "dspark" or "nemo": the format written
     samples: int
     shards: int
     shards_kept: int  # published by an earlier, interrupted run and kept
@@ -58,7 +58,7 @@ class Progress:
     def __init__(self, total_shards: int, total_bytes: int, stream: TextIO | None = sys.stderr) -> None:
         self.total_shards, self.total_bytes, self.stream = total_shards, total_bytes, stream
         self.started = time.perf_counter()
-        self.bytes_done = 0  # NeMo-layout (padded) bytes of the shards converted in this run, either way
+        self.bytes_done = 0  # NeMo-format (padded) bytes of the shards converted in this run, either way
         self.bytes_todo = total_bytes
 
     def kept(self, shards: int, nbytes: int) -> None:
@@ -123,7 +123,7 @@ def ensure_weights(src: str, dst: str, source: WeightsFile) -> None:
 
 def require_weights(path: str, vocab_size: int | None, hidden_size: int | None,
                     xxh3: int | None = None) -> WeightsFile:
-    """Both layouts need ``target_weights.safetensors`` (training initialises the draft from it): the
+    """Both formats need ``target_weights.safetensors`` (training initialises the draft from it): the
     source's, checked by format's one rule (shapes ``[vocab, hidden]``, the recorded checksum if any)."""
     try:
         return check_target_weights(path, vocab_size, hidden_size, xxh3)
@@ -189,7 +189,7 @@ def remove_partials(output: CacheOutput) -> None:
 
 
 def clear_destination(output: CacheOutput) -> None:
-    """What ``--overwrite`` deletes: the files of either cache layout, one by one, nothing else
+    """What ``--overwrite`` deletes: the files of either cache format, one by one, nothing else
     (never the producer's lock file, never through a symlinked directory)."""
     output.check()
     output.clear()
@@ -206,7 +206,7 @@ def clear_destination(output: CacheOutput) -> None:
 
 def lock_cache(output: CacheOutput, required: bool) -> None:
     """Take the producer's own lock (``control/lock``): no dspark-produce, and no other conversion,
-    writes DST meanwhile (``output.release()`` lets go). Only where DST is (or will be) in our layout
+    writes DST meanwhile (``output.release()`` lets go). Only where DST is (or will be) in our format
     unless ``required``: a NeMo directory gets no ``control/`` of ours."""
     if not required and not os.path.isdir(output.paths.control_dir):
         return

@@ -1,4 +1,4 @@
-"""A NeMo-layout cache opened for import: manifest and shard set checked, shards opened lazily.
+"""A NeMo-format cache opened for import: manifest and shard set checked, shards opened lazily.
 
 Everything is checked before anything is written: a partial cache (``complete`` false, shards
 missing) is refused, and every shard's tensors must have the names, dtypes and shapes its
@@ -206,7 +206,7 @@ def _check_manifest_file(src: str) -> None:
 
 def open_nemo_source(src: str) -> NemoSource:
     """Open ``src`` as a complete NeMo cache, or raise a :class:`ConvertError` saying what to do
-    (a :class:`ConvertUsageError` when ``src`` is not in NeMo's layout at all)."""
+    (a :class:`ConvertUsageError` when ``src`` is not in NeMo's format at all)."""
     _check_manifest_file(src)
     if not nemo_format.is_nemo_cache(src):
         raise ConvertUsageError(f"{src} is not a NeMo-layout cache (no manifest.json with format_version 1); "

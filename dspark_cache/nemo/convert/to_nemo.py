@@ -1,4 +1,4 @@
-"""``--to nemo``: export a dspark cache in NeMo Automodel 0.7.0's own layout.
+"""``--to nemo``: export a dspark cache in NeMo Automodel 0.7.0's own format.
 
 NeMo's reader needs every row padded to ``seq_length``: ``input_ids`` with the manifest's
 ``pad_token_id``, the other tensors with zeros. (NeMo's own producer stores the target's outputs
@@ -13,7 +13,7 @@ file is sized first and only real tokens (and the ids' pad run) are written: the
 left as holes, which read as zeros and, where the filesystem has sparse files, take no disk and
 no write bandwidth (padding is most of a NeMo cache).
 
-NeMo's layout has no FP8: an FP8 cache is exported dequantised, to bf16 by default (what it
+NeMo's format has no FP8: an FP8 cache is exported dequantised, to bf16 by default (what it
 reads as everywhere) or to ``dtype="fp32"`` (what NeMo's recipe needs to train on a CPU), and the
 manifest says that dtype.
 """
@@ -173,7 +173,7 @@ def _reconcile(output: CacheOutput, manifest: dict, shards: list[list[int]],
 
 def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwrite: bool = False,
                     progress: TextIO | None = sys.stderr, dtype: str | None = None) -> ConvertResult:
-    """Export the dspark cache ``src`` to a NeMo-layout cache in ``dst`` (resumable; see the module doc).
+    """Export the dspark cache ``src`` to a NeMo-format cache in ``dst`` (resumable; see the module doc).
 
     ``dtype`` (FP8 caches only): ``"bf16"`` (the default) or ``"fp32"``, what they are dequantised to."""
     started = time.perf_counter()
@@ -188,7 +188,7 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
     order = sorted(range(total), key=ids.__getitem__)
     shards = [order[start : start + size] for start in range(0, total, size)]
     lock = lock_destination(dst)
-    output = CacheOutput(dst)  # DST may hold our layout (--overwrite)
+    output = CacheOutput(dst)  # DST may hold our format (--overwrite)
     try:
         lock_cache(output, required=False)
         kept, finished = _reconcile(output, manifest, shards, overwrite)

@@ -3,8 +3,8 @@
 Two keys decide what a rerun may reuse. The *encode key* covers everything the tokens depend
 on (input bytes, split, shuffle, tokenizer, template, sequence length, mask rules, this
 version): parts with the same key are reused, whatever the number of ranks that wrote them.
-The *layout key* adds what batching and shard sizes depend on (sample shape, shard size, batch
-budget): a plan with the same layout key is loaded as it is. Everything loaded is checked
+The *batching key* adds what batching and shard sizes depend on (sample shape, shard size, batch
+budget): a plan with the same batching key is loaded as it is. Everything loaded is checked
 (sizes before checksums, then values: a plan forged with matching checksums is still refused),
 and anything wrong is rebuilt, never trusted.
 """
@@ -51,7 +51,7 @@ class InvalidInputError(Exception):
 class PlanSpec:
     """What a saved plan must have been made for, and the bounds every value in it must keep."""
 
-    keys: tuple[str, str]  # (encode key, layout key)
+    keys: tuple[str, str]  # (encode key, batching key)
     vocab_size: int  # the target's embedding rows: every token id is below it
     seq_length: int  # no sample is longer
     shape: SampleShape
