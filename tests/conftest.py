@@ -10,11 +10,16 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from tests.support.produce import run_produce
-
+# Set before anything imports torch or transformers (the imports below may).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread per test process (inherited by the producers, ranks and workers they start):
+# the suite runs in two xdist workers on two cores, and OpenMP threads spinning on the core the
+# other worker needs cost about a third of the suite's CPU time, for no speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests.support.produce import run_produce  # noqa: E402
 
 
 @dataclass(frozen=True)
