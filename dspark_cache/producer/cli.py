@@ -118,3 +118,9 @@ def produce_and_report(cfg: ProduceConfig) -> int:
         print(f"{PROG}: stopped before completion; rerun the same command to resume", file=sys.stderr)
         return EXIT_STOPPED
     return EXIT_OK
+
+
+if __name__ == "__main__":  # a job script written for the entry's old path: exiting 0 having run nothing would read as done
+    print(f"{PROG}: error: python -m dspark_cache.producer.cli is not an entry point; run python -m "
+          "dspark_cache.producer with the same arguments", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
