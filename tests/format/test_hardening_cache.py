@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from operator import attrgetter, methodcaller
 
 import msgspec
 import pytest
@@ -146,7 +147,7 @@ def test_index_damage_is_named(small_cache, tmp_path, damage, needle, capsys):
 def test_manifest_damage_is_named(small_cache, tmp_path, change, needle, capsys):
     copy = str(tmp_path / "c")
     shutil.copytree(small_cache, copy)
-    path = os.path.join(copy, "manifest.json")
+    path = CachePaths(copy).manifest
     data = json.load(open(path))
     data.update(change)
     json.dump(data, open(path, "w"))
@@ -219,11 +220,12 @@ def test_repair_deletes_a_shard_whose_tar_is_damaged(small_cache, tmp_path):
 
 def test_repair_never_deletes_through_a_symlinked_shard_dir(small_cache, tmp_path):
     elsewhere = str(tmp_path / "elsewhere")
-    shutil.copytree(os.path.join(small_cache, "shards"), elsewhere)
+    shutil.copytree(CachePaths(small_cache).shards_dir, elsewhere)
     copy = str(tmp_path / "c")
-    shutil.copytree(small_cache, copy, ignore=shutil.ignore_patterns("shards"))
-    os.symlink(elsewhere, os.path.join(copy, "shards"))
-    with open(os.path.join(elsewhere, "shard-000000.tar"), "r+b") as handle:
+    paths = CachePaths(copy)
+    shutil.copytree(small_cache, copy, ignore=shutil.ignore_patterns(os.path.basename(paths.shards_dir)))
+    os.symlink(elsewhere, paths.shards_dir)
+    with open(os.path.join(elsewhere, os.path.basename(paths.shard_tar(0))), "r+b") as handle:
         handle.seek(6000)
         handle.write(b"\x00\x01")
     before = sorted(os.listdir(elsewhere))
@@ -249,17 +251,17 @@ def test_rank_statuses_skip_fifos_and_huge_files(tmp_path):
 DEEP = "[" * 100_000 + "]" * 100_000  # past every JSON decoder's depth limit
 
 
-@pytest.mark.parametrize("where", ["manifest.json", "shards/shard-000000.idx"])
+@pytest.mark.parametrize("where", [attrgetter("manifest"), methodcaller("shard_index", 0)], ids=["manifest", "index"])
 def test_json_nested_too_deep_is_a_named_error(small_cache, tmp_path, where, capsys):
     copy = str(tmp_path / "c")
     shutil.copytree(small_cache, copy)
-    path = os.path.join(copy, where)
+    path = where(CachePaths(copy))
     text = open(path).read()
     with open(path, "w") as f:  # the deep value in a field every struct ignores
         f.write(text.replace("{", '{"x": ' + DEEP + ", ", 1))
     with pytest.raises(CacheError, match="nested too deep") as err:
         dspark_cache.open_cache(copy)
-    assert os.path.basename(where) in str(err.value)
+    assert os.path.basename(path) in str(err.value)
     with pytest.raises(CacheError, match="nested too deep"):
         list(dspark_cache.build_dataloader(copy, batch_size=4))
     capsys.readouterr()

@@ -10,6 +10,8 @@ import signal
 import socket
 import subprocess
 import sys
+from operator import attrgetter, methodcaller
+from pathlib import Path
 
 import pytest
 
@@ -33,42 +35,51 @@ def tiny_data(tmp_path_factory) -> str:
 
 # --- 1. A cache whose directories lead out of it --------------------------------------------
 
-OURS = {"status": "rank-00000.json", "control": "stop", "events": "rank-00000.jsonl", "shards": "shard-000000.idx"}
+OURS = {  # one file of ours in each of our directories
+    "control": attrgetter("stop_request"),
+    "events": methodcaller("events", 0),
+    "shards": methodcaller("shard_index", 0),
+    "status": methodcaller("status", 0),
+}
 
 
 @pytest.mark.parametrize("sub", sorted(OURS))
 def test_symlinked_cache_dir_is_refused_and_nothing_behind_it_is_touched(embedded, tmp_path, capsys, sub):
+    out = tmp_path / "cache"
+    ours = OURS[sub](CachePaths(str(out)))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    victims = {elsewhere / OURS[sub]: "{}", elsewhere / "precious.txt": "keep me"}
+    victims = {elsewhere / os.path.basename(ours): "{}", elsewhere / "precious.txt": "keep me"}
     for path, text in victims.items():
         path.write_text(text)
-    out = tmp_path / "cache"
     out.mkdir()
-    (out / sub).symlink_to(elsewhere, target_is_directory=True)
+    linked = Path(os.path.dirname(ours))
+    linked.symlink_to(elsewhere, target_is_directory=True)
     for extra in ((), ("--overwrite",)):
         assert run_produce(embedded.stock, embedded.data, str(out), *ARGS, *extra) == 1
         err = capsys.readouterr().err
-        assert f"{out / sub} is a symbolic link (to {elsewhere})" in err, err
+        assert f"{linked} is a symbolic link (to {elsewhere})" in err, err
         assert "real directory" in err and "--output-dir" in err
         assert {p: p.read_text() for p in elsewhere.iterdir()} == victims  # every file behind the link survives
-        assert not (out / "manifest.json").exists()
+        assert not os.path.exists(CachePaths(str(out)).manifest)
 
 
 def test_non_directory_in_place_of_a_cache_dir_is_refused(embedded, tmp_path, capsys):
     out = tmp_path / "cache"
     out.mkdir()
-    (out / "shards").write_text("not a directory")
+    shards = Path(CachePaths(str(out)).shards_dir)
+    shards.write_text("not a directory")
     assert run_produce(embedded.stock, embedded.data, str(out), *ARGS, "--overwrite") == 1
-    assert f"{out / 'shards'} is not a directory" in capsys.readouterr().err
-    assert (out / "shards").read_text() == "not a directory"
+    assert f"{shards} is not a directory" in capsys.readouterr().err
+    assert shards.read_text() == "not a directory"
 
 
 def test_a_symlinked_lock_file_is_refused(embedded, tmp_path, capsys):
     target = tmp_path / "precious.txt"
     target.write_text("keep me")
-    (tmp_path / "cache" / "control").mkdir(parents=True)
-    (tmp_path / "cache" / "control" / "lock").symlink_to(target)
+    paths = CachePaths(str(tmp_path / "cache"))
+    os.makedirs(paths.control_dir)
+    os.symlink(target, paths.lock)
     assert run_produce(embedded.stock, embedded.data, str(tmp_path / "cache"), *ARGS, "--overwrite") == 1
     assert "lock is not a regular file" in capsys.readouterr().err
     assert target.read_text() == "keep me"
@@ -76,8 +87,9 @@ def test_a_symlinked_lock_file_is_refused(embedded, tmp_path, capsys):
 
 def test_overwrite_removes_only_what_the_producer_wrote(embedded, tmp_path, tiny_data):
     out = tmp_path / "cache"
-    (out / "shards").mkdir(parents=True)
-    mine = {out / "NOTES.md": "my notes", out / "shards" / "README": "about these shards"}
+    shards = Path(CachePaths(str(out)).shards_dir)
+    shards.mkdir(parents=True)
+    mine = {out / "NOTES.md": "my notes", shards / "README": "about these shards"}
     for path, text in mine.items():
         path.write_text(text)
     assert run_produce(embedded.stock, tiny_data, str(out), *ARGS) == 0
@@ -187,7 +199,7 @@ def test_a_row_over_max_row_bytes_is_an_invalid_row(embedded, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "d.jsonl:2: the row is 10" in err and "over --max-row-bytes 4096" in err and "--on-invalid skip" in err
     assert run_produce(embedded.stock, data, out, *ARGS, "--max-row-bytes", "4096", "--on-invalid", "skip") == 0
-    m = json.load(open(os.path.join(out, "manifest.json")))
+    m = json.load(open(CachePaths(out).manifest))
     assert m["skipped_rows"] == {"row too long": 1} and m["skipped"][0]["where"] == f"{data}:2"
     assert m["num_samples"] == 2
 
@@ -202,7 +214,7 @@ def test_a_row_the_chat_template_refuses_is_an_invalid_row(embedded, tmp_path, c
     err = capsys.readouterr().err
     assert "d.jsonl:2: the chat template or tokenizer failed on this row" in err and "no boom here" in err
     assert run_produce(embedded.stock, data, out, *ARGS, "--chat-template", template, "--on-invalid", "skip") == 0
-    m = json.load(open(os.path.join(out, "manifest.json")))
+    m = json.load(open(CachePaths(out).manifest))
     assert m["skipped_rows"] == {"cannot encode": 1} and m["num_samples"] == 2
 
 

@@ -154,7 +154,7 @@ def test_fifos_directories_and_outside_symlinks_are_skipped_with_a_warning(tmp_p
     outside.mkdir()
     (outside / "events.jsonl").write_bytes(event_line(1, "OUTSIDE EVENT"))
     write_json(str(outside / "status.json"), status_dict(7))
-    os.mkfifo(outside / "rank-00000.json")  # reached only through a status/ symlinked out of the cache
+    os.mkfifo(outside / os.path.basename(CachePaths(str(tmp_path)).status(0)))  # reached only through a status/ symlinked out of the cache
 
     junk = live(tmp_path / "junk")
     os.remove(junk.events(1))
