@@ -266,6 +266,7 @@ def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
     writes byte for byte the shards of the pristine run."""
     import shutil
 
+    from dspark_cache.format.paths import CachePaths
     from tests.support.plan_fuzz import mutate
     from tests.support.plan_files import deadline
     from tests.producer.test_plan_hardening import ARGS
@@ -273,26 +274,28 @@ def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
     pristine = str(tmp_path / "pristine")
     assert run_produce(embedded.stock, embedded.data, pristine, *ARGS) == 0
     vocab = json.load(open(os.path.join(embedded.stock, "config.json")))["vocab_size"]
-    shards = sorted(n for n in os.listdir(os.path.join(pristine, "shards")) if n.endswith(".tar"))
-    expected = {n: open(os.path.join(pristine, "shards", n), "rb").read() for n in shards}
-    plan_files = sorted(os.listdir(os.path.join(pristine, "plan")))
+    paths = CachePaths(pristine)
+    shards = sorted(n for n in os.listdir(paths.shards_dir) if n.endswith(".tar"))
+    expected = {n: open(os.path.join(paths.shards_dir, n), "rb").read() for n in shards}
+    plan_files = sorted(os.listdir(paths.plan_dir))
     outcomes, failures = collections.Counter(), []
     for case in range(PLAN_CASES):
         out = str(tmp_path / f"case-{case}")
         os.makedirs(out)
-        shutil.copytree(os.path.join(pristine, "plan"), os.path.join(out, "plan"))
-        mutation = mutate(SEED, case, os.path.join(out, "plan"), vocab)
-        before = {n: _inode(os.path.join(out, "plan", n)) for n in plan_files}
+        case_paths = CachePaths(out)
+        shutil.copytree(paths.plan_dir, case_paths.plan_dir)
+        mutation = mutate(SEED, case, case_paths.plan_dir, vocab)
+        before = {n: _inode(os.path.join(case_paths.plan_dir, n)) for n in plan_files}
         try:
             with deadline(60):
                 code = run_produce(embedded.stock, embedded.data, out, *ARGS)
         except BaseException as exc:  # a hang or an exception escaping the command: both are failures
             failures.append(f"case {case} ({mutation}): {type(exc).__name__}: {exc}")
             continue
-        got = sorted(n for n in os.listdir(os.path.join(out, "shards")) if n.endswith(".tar")) if code == 0 else []
+        got = sorted(n for n in os.listdir(case_paths.shards_dir) if n.endswith(".tar")) if code == 0 else []
         same = code == 0 and got == shards and all(
-            open(os.path.join(out, "shards", n), "rb").read() == expected[n] for n in shards)
-        reused = all(_inode(os.path.join(out, "plan", n)) == before[n] for n in plan_files)
+            open(os.path.join(case_paths.shards_dir, n), "rb").read() == expected[n] for n in shards)
+        reused = all(_inode(os.path.join(case_paths.plan_dir, n)) == before[n] for n in plan_files)
         outcome = "reused" if reused else "rebuilt"
         if not same or (mutation == "intact" and not reused):
             failures.append(f"case {case} ({mutation}): exit {code}, same shards {same}, {outcome}")

@@ -20,6 +20,8 @@ import struct
 import sys
 import traceback
 
+from dspark_cache.format.paths import CachePaths
+
 MEMORY_LIMIT = 6 << 30  # address space: a runaway allocation fails here instead of hurting the machine
 
 
@@ -51,10 +53,10 @@ def _nudge(value, rng: random.Random):
 
 
 def _json_files(root: str, rng: random.Random, kind: str) -> str:
+    paths = CachePaths(root)
     if kind == "manifest":
-        return os.path.join(root, "manifest.json")
-    shards = sorted(n for n in os.listdir(os.path.join(root, "shards")) if n.endswith(".idx"))
-    return os.path.join(root, "shards", rng.choice(shards))
+        return paths.manifest
+    return paths.shard_index(rng.choice(paths.indexed_shard_ids()))
 
 
 def mutate(root: str, rng: random.Random) -> str:
@@ -113,8 +115,8 @@ def _mutate_manifest(root: str, rng: random.Random) -> str:
 
 
 def _tars(root: str) -> list[str]:
-    shards = os.path.join(root, "shards")
-    return sorted(os.path.join(shards, n) for n in os.listdir(shards) if n.endswith(".tar"))
+    paths = CachePaths(root)
+    return [paths.shard_tar(shard) for shard in paths.indexed_shard_ids()]
 
 
 def _mutate_tar(root: str, rng: random.Random) -> str:
@@ -139,8 +141,10 @@ def _mutate_tar(root: str, rng: random.Random) -> str:
 
 def _mutate_header(root: str, rng: random.Random) -> str:
     """A byte of a sample's safetensors header (its JSON), where a lie would shape the tensors."""
-    path = rng.choice(_tars(root))
-    index = json.load(open(path[: -len(".tar")] + ".idx"))
+    paths = CachePaths(root)
+    shard = rng.choice(paths.indexed_shard_ids())
+    path = paths.shard_tar(shard)
+    index = json.load(open(paths.shard_index(shard)))
     entry = rng.choice(index["samples"])
     with open(path, "r+b") as handle:
         handle.seek(entry[3] + 8)
@@ -152,7 +156,9 @@ def _mutate_header(root: str, rng: random.Random) -> str:
 
 
 def _mutate_special(root: str, rng: random.Random) -> str:
-    path = rng.choice(_tars(root) + [p[: -len(".tar")] + ".idx" for p in _tars(root)] + [os.path.join(root, "manifest.json")])
+    paths = CachePaths(root)
+    shards = paths.indexed_shard_ids()
+    path = rng.choice([paths.shard_tar(i) for i in shards] + [paths.shard_index(i) for i in shards] + [paths.manifest])
     os.unlink(path)
     how = rng.choice(["fifo", "dev_zero", "directory", "dangling"])
     {"fifo": lambda: os.mkfifo(path), "dev_zero": lambda: os.symlink("/dev/zero", path),
@@ -181,8 +187,10 @@ def _mutate_fp8(root: str, rng: random.Random) -> str:
     """A hostile scale or NaN/inf code in one sample, its sample and tar checksums rewritten to match."""
     import xxhash
 
-    path = rng.choice(_tars(root))
-    index_path = path[: -len(".tar")] + ".idx"
+    paths = CachePaths(root)
+    shard = rng.choice(paths.indexed_shard_ids())
+    path = paths.shard_tar(shard)
+    index_path = paths.shard_index(shard)
     index = json.load(open(index_path))
     raw = bytearray(open(path, "rb").read())
     k = rng.randrange(len(index["samples"]))
@@ -224,9 +232,11 @@ def mutate_tokens(root: str, rng: random.Random) -> str:
     bytes a writer could have written, which only the rule itself can refuse."""
     import xxhash
 
-    vocab = json.load(open(os.path.join(root, "manifest.json")))["target_vocab_size"]
-    path = rng.choice(_tars(root))
-    index_path = path[: -len(".tar")] + ".idx"
+    vocab = json.load(open(CachePaths(root).manifest))["target_vocab_size"]
+    paths = CachePaths(root)
+    shard = rng.choice(paths.indexed_shard_ids())
+    path = paths.shard_tar(shard)
+    index_path = paths.shard_index(shard)
     index = json.load(open(index_path))
     raw = bytearray(open(path, "rb").read())
     entry = rng.choice(index["samples"])
