@@ -60,6 +60,11 @@ def _listed(root: str) -> dict[str, int]:
     return {e["url"]: e["nsamples"] for e in read_wids_index(CachePaths(root))["shardlist"]}
 
 
+def _url(root: str, shard_id: int) -> str:
+    """A shard's url in the wids list: its tar's name, relative to the list."""
+    return os.path.basename(CachePaths(root).shard_tar(shard_id))
+
+
 def test_webdataset_sample_has_the_final_state_as_a_view_and_no_fill(small_cache):
     hidden_size = read_manifest(small_cache).hidden_size
     raw = [safetensors_load(blob) for blob in _raw_blobs(small_cache)]
@@ -148,17 +153,17 @@ def test_publication_keeps_the_index_current_and_completion_makes_it_exact(tmp_p
     paths = CachePaths(str(tmp_path / "c"))
     paths.ensure_dirs()
     _publish(paths, 0, 3)
-    assert _listed(paths.root) == {"shard-000000.tar": 3}
+    assert _listed(paths.root) == {_url(paths.root, 0): 3}
     # Another rank rewrote the file from an older listing: shard 0 missing, a shard 7 never published.
     with open(paths.wids_index, "w", encoding="utf-8") as handle:
         json.dump({"__kind__": WIDS_KIND, "wids_version": 1,
-                   "shardlist": [{"url": "shard-000007.tar", "nsamples": 9, "filesize": 1}]}, handle)
+                   "shardlist": [{"url": _url(paths.root, 7), "nsamples": 9, "filesize": 1}]}, handle)
     _publish(paths, 1, 2)
-    assert _listed(paths.root) == {"shard-000000.tar": 3, "shard-000001.tar": 2}
+    assert _listed(paths.root) == {_url(paths.root, 0): 3, _url(paths.root, 1): 2}
     with open(paths.wids_index, "wb") as handle:  # torn by a crash: rebuilt from the shard indexes
         handle.write(b'{"__kind__": "wids-sh')
     _publish(paths, 2, 4)
-    assert _listed(paths.root) == {"shard-000000.tar": 3, "shard-000001.tar": 2, "shard-000002.tar": 4}
+    assert _listed(paths.root) == {_url(paths.root, 0): 3, _url(paths.root, 1): 2, _url(paths.root, 2): 4}
     # Completion (and repair) rewrite from the shard indexes, whatever the file says.
     with open(paths.wids_index, encoding="utf-8") as handle:
         data = json.load(handle)
@@ -167,7 +172,7 @@ def test_publication_keeps_the_index_current_and_completion_makes_it_exact(tmp_p
         json.dump(data, handle)
     CacheOutput(paths.root).unpublish(1)
     entries = write_wids_index(paths)
-    assert _listed(paths.root) == {"shard-000000.tar": 3, "shard-000002.tar": 4}
+    assert _listed(paths.root) == {_url(paths.root, 0): 3, _url(paths.root, 2): 4}
     assert entries == read_wids_index(paths)["shardlist"]
 
 
@@ -192,7 +197,7 @@ def test_verify_repair_rewrites_the_index_without_unpublished_shards(small_cache
     capsys.readouterr()
     assert not os.path.exists(paths.shard_index(1))
     listed = _listed(root)
-    assert "shard-000001.tar" not in listed
+    assert _url(root, 1) not in listed
     assert listed == {os.path.basename(paths.shard_tar(i)): load_shard_index(paths, i).num_samples
                       for i in paths.indexed_shard_ids()}
 
@@ -203,7 +208,7 @@ def test_convert_to_dspark_writes_the_index(tmp_path, capsys):
     write_tiny_nemo(src, ids, [[0, 1, 1, 0]] * 5, shard_size=2)
     assert convert_main([src, dst, "--to", "dspark", "--pad-token-id", "7", "--quiet"]) == 0
     capsys.readouterr()
-    assert _listed(dst) == {"shard-000000.tar": 2, "shard-000001.tar": 2, "shard-000002.tar": 1}
+    assert _listed(dst) == {_url(dst, 0): 2, _url(dst, 1): 2, _url(dst, 2): 1}
 
 
 def test_overwrite_deletes_the_index_and_its_temporaries(tmp_path):

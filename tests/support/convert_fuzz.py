@@ -20,6 +20,7 @@ import struct
 import torch
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 
 PAD = 7
 _VALUES = [0, -1, 1, 2, 3, 7, 100, 10**12, 2**63, -(2**63), 10**30, "x", "", None, 1.5, True, False, [], {}, [1, 2]]
@@ -182,22 +183,22 @@ def _mutate_dst(src: str, dst: str, reference: str, rng: random.Random) -> str:
     """DST holds what an earlier run left: a whole conversion (resumed) or a file of it replaced by
     something that is not a plain file, or its manifest damaged."""
     shutil.copytree(reference, dst)
-    names = ["manifest.json", "target_weights.safetensors", "shards/shard-000000.idx", "shards/shard-000001.tar",
-             "shard-000000.safetensors", "shards/shard-000002.tar.partial"]
+    paths = CachePaths(dst)
+    victims = [paths.manifest, paths.target_weights, paths.shard_index(0), paths.shard_tar(1),
+               os.path.join(dst, "shard-000000.safetensors"), paths.shard_partial(2)]  # a NeMo shard's name
     how = rng.choice(["resume", "special", "special", "special", "manifest"])
     if how == "resume":
         return "an earlier complete conversion"
     if how == "manifest":
-        path = os.path.join(dst, "manifest.json")
+        path = paths.manifest
         with open(path) as handle:
             text = handle.read()
         text = rng.choice([text[: len(text) // 2], "[]", _nested(100_000), text.replace('"seq_length":', '"x":')])
         with open(path, "w") as handle:
             handle.write(text)
         return "its manifest damaged"
-    name, special = rng.choice(names), rng.choice(sorted(_SPECIALS))
-    path = os.path.join(dst, name)
+    path, special = rng.choice(victims), rng.choice(sorted(_SPECIALS))
     if os.path.lexists(path):
         os.unlink(path)
     _SPECIALS[special](path)
-    return f"{name} replaced by {special}"
+    return f"{os.path.relpath(path, dst)} replaced by {special}"
