@@ -50,13 +50,21 @@ def _files(root: str) -> dict[str, bytes]:
 
 def _shard_files(root: str) -> dict[str, bytes | dict]:
     """The shard files, each index decoded without its ``cache_id`` (every cache draws its own)."""
+    paths = CachePaths(root)
+    indexes = {os.path.relpath(paths.shard_index(i), root) for i in paths.indexed_shard_ids()}
+    shards = os.path.relpath(paths.shards_dir, root)
     out: dict[str, bytes | dict] = {}
     for name, data in _files(root).items():
-        if name.endswith(".idx"):
+        if name in indexes:
             out[name] = {k: v for k, v in json.loads(data).items() if k != "cache_id"}
-        elif name.startswith("shards"):
+        elif name.startswith(shards):
             out[name] = data
     return out
+
+
+def _weights(root: str) -> bytes:
+    with open(CachePaths(root).target_weights, "rb") as handle:
+        return handle.read()
 
 
 def _assert_same_as_padded(dst: str, source_samples: list[dict], renumbered: bool = True) -> None:
@@ -125,7 +133,7 @@ def test_round_trip_dspark_nemo_dspark(small_cache, exported, tmp_path, capsys):
     assert b.pad_token_id == a.pad_token_id
     assert b.planned_tokens == a.planned_tokens and b.planned_loss_tokens == a.planned_loss_tokens
     assert verify_cache(back).ok  # checksums as the producer computes them
-    assert _files(back)["target_weights.safetensors"] == _files(small_cache)["target_weights.safetensors"]
+    assert _weights(back) == _weights(small_cache)
 
 
 def test_import_strips_padding_and_keeps_numbering(tmp_path, capsys):
@@ -324,7 +332,7 @@ def test_overwrite_never_deletes_through_a_symlink(tmp_path, capsys):
     elsewhere.mkdir()
     (elsewhere / "precious.tar").write_bytes(b"keep me")
     dst.mkdir()
-    os.symlink(elsewhere, dst / "shards")
+    os.symlink(elsewhere, CachePaths(str(dst)).shards_dir)
     for extra in ((), ("--overwrite",)):
         code, _, err = _convert(capsys, src, str(dst), "--to", "dspark", "--pad-token-id", str(P), *extra)
         assert code == 1 and "is a symbolic link" in err
@@ -337,7 +345,7 @@ def test_a_running_producer_or_conversion_holds_dst(tmp_path, capsys):
 
     src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS)
-    os.makedirs(os.path.join(dst, "control"))
+    os.makedirs(CachePaths(dst).control_dir)
     held = lock_exclusive(CachePaths(dst), "a-live-run", 1)
     try:
         code, _, err = _convert(capsys, src, dst, "--to", "dspark", "--pad-token-id", str(P), "--overwrite")
@@ -413,5 +421,5 @@ def test_weights_are_checked_recorded_and_never_kept_when_they_differ(small_cach
     _flip_last_byte(weights)  # a damaged copy of the right size: a rerun must replace it, not keep it
     assert not verify_cache(back).ok
     assert _convert(capsys, exported, back, "--to", "dspark")[0] == 0
-    assert _files(back)["target_weights.safetensors"] == _files(small_cache)["target_weights.safetensors"]
+    assert _weights(back) == _weights(small_cache)
     assert verify_cache(back).ok

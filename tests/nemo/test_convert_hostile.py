@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.nemo.convert import convert_to_dspark
 from tests.support.scripts import convert as main
 from tests.support.convert_fixture import write_tiny_nemo
@@ -74,9 +75,9 @@ def test_special_files_in_the_destination_are_refused_and_kept(tmp_path):
     ours = str(tmp_path / "ours")
     convert_to_dspark(nemo, ours, pad_token_id=P, progress=None)  # a dspark source for --to nemo
     jobs, where = [], {}
-    cases = [("dspark", "manifest.json"), ("dspark", "target_weights.safetensors"),
-             ("dspark", "shards/shard-000000.idx"), ("nemo", "manifest.json"), ("nemo", "shard-000000.safetensors"),
-             ("nemo", "target_weights.safetensors")]
+    mine = CachePaths(ours)  # our files, named relative to a cache's root
+    cases = [("dspark", os.path.relpath(p, ours)) for p in (mine.manifest, mine.target_weights, mine.shard_index(0))]
+    cases += [("nemo", "manifest.json"), ("nemo", "shard-000000.safetensors"), ("nemo", "target_weights.safetensors")]
     for to, name in cases:
         for kind in SPECIALS:
             dst = str(tmp_path / f"{to}-{name.replace('/', '_')}-{kind}")
@@ -87,10 +88,10 @@ def test_special_files_in_the_destination_are_refused_and_kept(tmp_path):
             jobs.append({"name": f"{to} {name} {kind}", "argv": argv})
     fifo_dst = str(tmp_path / "overwrite-fifo")
     os.makedirs(fifo_dst)
-    os.mkfifo(os.path.join(fifo_dst, "manifest.json"))
+    os.mkfifo(CachePaths(fifo_dst).manifest)
     jobs.append({"name": "overwrite fifo", "argv": _to_dspark(nemo, fifo_dst, "--overwrite")})
     dir_dst = str(tmp_path / "overwrite-dir")
-    os.makedirs(os.path.join(dir_dst, "manifest.json"))
+    os.makedirs(CachePaths(dir_dst).manifest)
     jobs.append({"name": "overwrite directory", "argv": _to_dspark(nemo, dir_dst, "--overwrite")})
     results = run_jobs(jobs, str(tmp_path), timeout=120)
     for case, path in where.items():
@@ -99,8 +100,9 @@ def test_special_files_in_the_destination_are_refused_and_kept(tmp_path):
         assert os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path))  # left as it was
     assert results["overwrite fifo"]["code"] == 0, results["overwrite fifo"]
     assert len(dspark_cache.open_cache(fifo_dst)) == 4
-    _assert_refused(results["overwrite directory"], 1, f"{dir_dst}/manifest.json is a directory", "Remove or rename")
-    assert os.path.isdir(os.path.join(dir_dst, "manifest.json"))
+    dir_manifest = CachePaths(dir_dst).manifest
+    _assert_refused(results["overwrite directory"], 1, f"{dir_manifest} is a directory", "Remove or rename")
+    assert os.path.isdir(dir_manifest)
 
 
 def _edit_manifest(src: str, **fields) -> None:
