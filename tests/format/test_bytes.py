@@ -10,12 +10,13 @@ from transformers import AutoTokenizer
 import dspark_cache
 from dspark_cache.embedded.data import sample_rows
 from dspark_cache.embedded.target import build_target
+from dspark_cache.format.paths import CachePaths
 from tests.support.produce import run_produce, write_jsonl
 from tests.support.reference import normalise
 
 
 def cache_bytes(cache_dir: str) -> int:
-    shards = os.path.join(cache_dir, "shards")
+    shards = CachePaths(cache_dir).shards_dir
     return sum(os.path.getsize(os.path.join(shards, n)) for n in os.listdir(shards))
 
 

@@ -8,12 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import dspark_cache
 from dspark_cache.format.errors import CorruptShardError, IncompleteCacheError
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.loader.validate import CacheMismatchError
 from tests.support.proc import free_port
 
@@ -129,9 +131,10 @@ def test_expect_names_every_mismatch(small_cache):
 def test_incomplete_cache_needs_follow(small_cache, tmp_path):
     copy = tmp_path / "c"
     shutil.copytree(small_cache, copy)
-    manifest = json.loads((copy / "manifest.json").read_text())
+    path = Path(CachePaths(str(copy)).manifest)
+    manifest = json.loads(path.read_text())
     manifest["complete"] = False
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    path.write_text(json.dumps(manifest))
     with pytest.raises(IncompleteCacheError, match="follow=True"):
         dspark_cache.build_dataloader(str(copy), 2)
 

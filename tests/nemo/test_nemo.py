@@ -101,7 +101,7 @@ def test_nemo_cache_with_another_version_is_refused_as_nemo_does(nemo_cache, tmp
 def test_our_manifest_is_never_taken_for_nemos(small_cache, nemo_cache):
     """NeMo's reader accepts exactly ``format_version == 1``; ours must fail that test, and ours must
     recognise NeMo's and say what to do with it."""
-    ours = json.load(open(os.path.join(small_cache, "manifest.json")))
+    ours = json.load(open(CachePaths(small_cache).manifest))
     assert ours["format_version"] != 1 and isinstance(ours["format_version"], str)
     with pytest.raises(dspark_cache.format.errors.CacheError, match="NeMo Automodel cache.*dspark-convert"):
         dspark_cache.open_cache(nemo_cache)
@@ -109,7 +109,7 @@ def test_our_manifest_is_never_taken_for_nemos(small_cache, nemo_cache):
 
 def test_legacy_dspark_manifest_gets_a_clear_message(small_cache, tmp_path):
     copy = _copy(small_cache, tmp_path)
-    path = os.path.join(copy, "manifest.json")
+    path = CachePaths(copy).manifest
     data = json.load(open(path))
     data.update(format_version=1, cache_format="dspark-wds")  # what dspark-cache 0.1 wrote
     json.dump(data, open(path, "w"))

@@ -8,6 +8,7 @@ import os
 import pytest
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 from tests.support.produce import run_produce
 from tests.support.proc import events
 
@@ -50,7 +51,7 @@ def test_error_policy_names_file_line_and_reason(embedded, tmp_path, capsys, raw
     assert run_produce(embedded.stock, data, out, "--seq-length", "64") == 1
     err = capsys.readouterr().err
     assert "rows.jsonl:3" in err and words in err and "--on-invalid skip" in err
-    assert not os.path.exists(os.path.join(out, "manifest.json"))  # refused during planning
+    assert not os.path.exists(CachePaths(out).manifest)  # refused during planning
 
 
 def test_skip_policy_counts_and_lists_every_bad_row(embedded, tmp_path):

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from dspark_cache.format.paths import CachePaths
 from tests.support.produce import produce_args, run_produce, write_jsonl
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -21,7 +22,8 @@ def _assert_failed(capsys, out, code, *needles):
     assert code == 1, err
     for needle in needles:
         assert needle in err, err
-    assert not os.path.exists(os.path.join(out, "shards")) or not os.listdir(os.path.join(out, "shards"))
+    shards = CachePaths(out).shards_dir
+    assert not os.path.exists(shards) or not os.listdir(shards)
     return err
 
 

@@ -7,6 +7,7 @@ import os
 import re
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 from tests.support.produce import run_produce
 
 
@@ -15,8 +16,10 @@ def test_dry_run_prints_the_plan_of_the_real_run_and_writes_only_the_plan(embedd
     args = ("--seq-length", "512", "--shard-size", "8", "--batch-size", "4")
     assert run_produce(embedded.stock, embedded.data, out, *args, "--dry-run", "--device", "cuda") == 0
     report = capsys.readouterr().out  # planning a GPU job needs no GPU
-    assert set(os.listdir(out)) <= {"plan", "control"}  # the saved plan (and the lock it was written under)
-    assert not os.listdir(os.path.join(out, "control")) or os.listdir(os.path.join(out, "control")) == ["lock"]
+    paths = CachePaths(out)
+    dirs = {os.path.basename(paths.plan_dir), os.path.basename(paths.control_dir)}
+    assert set(os.listdir(out)) <= dirs  # the saved plan (and the lock it was written under)
+    assert not os.listdir(paths.control_dir) or os.listdir(paths.control_dir) == [os.path.basename(paths.lock)]
     caplog.set_level("INFO", logger="dspark_cache")
     assert run_produce(embedded.stock, embedded.data, out, *args) == 0
     assert "reusing the saved plan" in caplog.text  # the real run tokenised nothing

@@ -46,7 +46,7 @@ def test_resume_refuses_a_checkpoint_replaced_at_the_same_path(embedded, tmp_pat
     for name in os.listdir(target):
         os.utime(os.path.join(target, name))
     assert run_produce(target, embedded.data, out, *ARGS) == 0
-    manifest_before = open(os.path.join(out, "manifest.json"), "rb").read()
+    manifest_before = open(CachePaths(out).manifest, "rb").read()
     # An in-place update: another checkpoint of the same architecture copied over this one (same
     # file name, size and safetensors header; other values).
     fine_tune = build_target(str(tmp_path / "fine-tune"), seed=11)
@@ -57,7 +57,7 @@ def test_resume_refuses_a_checkpoint_replaced_at_the_same_path(embedded, tmp_pat
     assert run_produce(target, embedded.data, out, *ARGS) == 1
     err = capsys.readouterr().err
     assert "target_fingerprint" in err and "--overwrite" in err and "checkpoint at --target-model" in err
-    assert open(os.path.join(out, "manifest.json"), "rb").read() == manifest_before  # nothing lost
+    assert open(CachePaths(out).manifest, "rb").read() == manifest_before  # nothing lost
     assert verify_cache(out).ok
 
 
@@ -143,7 +143,7 @@ def test_fingerprint_covers_weight_files_in_subfolders(tmp_path):
 def test_cache_without_a_fingerprint_is_refused_with_how_to_remake_it(embedded, tmp_path, capsys):
     out = str(tmp_path / "cache")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS) == 0
-    path = os.path.join(out, "manifest.json")
+    path = CachePaths(out).manifest
     manifest = json.load(open(path))
     json.dump({**manifest, "target_fingerprint": ""}, open(path, "w"))  # as an older version wrote it
     capsys.readouterr()
@@ -183,7 +183,7 @@ def test_pickle_only_checkpoint_needs_the_opt_in_flag(embedded, tmp_path, capsys
     assert run_produce(target, embedded.data, out, *ARGS) == 1
     err = capsys.readouterr().err
     assert "pytorch_model.bin" in err and "--allow-pickle-weights" in err and "arbitrary code" in err
-    assert not os.path.exists(os.path.join(out, "manifest.json"))  # refused before planning
+    assert not os.path.exists(CachePaths(out).manifest)  # refused before planning
     assert run_produce(target, embedded.data, out, *ARGS, "--allow-pickle-weights") == 0
     assert dspark_cache.open_cache(out).manifest.target_fingerprint.startswith("sha256:")
 

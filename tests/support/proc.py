@@ -12,6 +12,7 @@ import time
 import torch
 
 import dspark_cache
+from dspark_cache.format.paths import CachePaths
 
 BIN = os.path.dirname(sys.executable)
 
@@ -40,7 +41,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 300) -> subpro
 
 def events(cache_dir: str) -> list[dict]:
     out = []
-    directory = os.path.join(cache_dir, "events")
+    directory = CachePaths(cache_dir).events_dir
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         with open(os.path.join(directory, name)) as handle:
             for line in handle:

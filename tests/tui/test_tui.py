@@ -65,7 +65,7 @@ async def test_live_run_stale_rank_failed_shard_and_full_disk(tmp_path):
         await pilot.press("escape")
         await pilot.press("s")
         await app.refreshed()
-        assert os.path.exists(os.path.join(root, "control", "stop"))
+        assert os.path.exists(CachePaths(root).stop_request)
         assert "stop requested" in plain(app.query_one("#notice"))
 
 
@@ -98,7 +98,7 @@ async def test_empty_directory_waits_for_a_producer(tmp_path):
         assert plain(app.query_one("#shards")) == "no shards planned yet"
         await pilot.press("s")  # nothing to stop: no file is written
         await pilot.pause()
-        assert not os.path.exists(os.path.join(tmp_path, "control"))
+        assert not os.path.exists(CachePaths(str(tmp_path)).control_dir)
 
 
 @pytest.mark.anyio
@@ -474,6 +474,6 @@ async def test_no_cache_file_is_touched_on_the_ui_thread(tmp_path):
         await app.first_snapshot()
         await pilot.press("s")
         await app.refreshed()
-    assert os.path.exists(os.path.join(root, "control", "stop"))
+    assert os.path.exists(CachePaths(root).stop_request)
     assert {event for event, _ in seen} >= {"open", "os.listdir", "os.mkdir"}
     assert threading.get_ident() not in {thread for _, thread in seen}
