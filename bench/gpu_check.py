@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from safetensors.torch import load as load_safetensors  # noqa: E402
 
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
+from dspark_cache.format.output import CacheOutput  # noqa: E402
 from dspark_cache.format.paths import CachePaths  # noqa: E402
 from dspark_cache.producer.pipeline.loop import collate, finite_flags, run_pipeline  # noqa: E402
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan  # noqa: E402
@@ -119,7 +120,7 @@ def check_stream_safety(device: torch.device, work: str, budget: int) -> dict:
             return torch.full((*ids.shape, hidden_dim), value, dtype=torch.bfloat16, device=ids.device), None
 
         paths = fresh_dir(work, label)
-        run_pipeline(shards, numbered, paths=paths, shape=shape, device=device, pad_id=0,
+        run_pipeline(shards, numbered, output=CacheOutput(paths.root), shape=shape, device=device, pad_id=0,
                      max_inflight_bytes=budget, check_finite=False, durable=False)
         stored = stored_hidden(paths)
         shutil.rmtree(paths.root, ignore_errors=True)
@@ -233,7 +234,7 @@ def check_efficiency(device: torch.device, work: str, budget: int, rows: int, se
         paths = fresh_dir(work, label)
         rings = []
         start = time.perf_counter()
-        stats = run_pipeline(shards, fwd, paths=paths, shape=shape, device=device, pad_id=0,
+        stats = run_pipeline(shards, fwd, output=CacheOutput(paths.root), shape=shape, device=device, pad_id=0,
                              max_inflight_bytes=budget, check_finite=check,
                              on_batch=lambda st, ring: rings.append((ring.capacity, ring.peak)))
         sync(device)
@@ -260,7 +261,7 @@ def check_efficiency(device: torch.device, work: str, budget: int, rows: int, se
     syncs = SyncRecorder()
     watched = shards[: max(2, len(shards) // 8)]
     with syncs.watching(device), HostSyncTrap() as trap:
-        run_pipeline(watched, runner.forward, paths=fresh_dir(work, "syncs"), shape=shape, device=device,
+        run_pipeline(watched, runner.forward, output=CacheOutput(fresh_dir(work, "syncs").root), shape=shape, device=device,
                      pad_id=0, max_inflight_bytes=budget)
     stored_bytes = stats.bytes
     efficiency = {

@@ -141,6 +141,7 @@ def measure_phases(args: argparse.Namespace) -> dict:
     """(a) device-only, (b) write-only, (c) pipeline, on one plan, in this process."""
     import torch
 
+    from dspark_cache.format.output import CacheOutput
     from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer import collate, finite_flags, run_pipeline
 
@@ -189,7 +190,7 @@ def measure_phases(args: argparse.Namespace) -> dict:
         paths.ensure_dirs()
         t = time.perf_counter()
         # A fake device has no NaN to find; on a real one the check is device work (counted above).
-        stats = run_pipeline(plan.shards, fwd, paths=paths, shape=shape, device=device, pad_id=pad,
+        stats = run_pipeline(plan.shards, fwd, output=CacheOutput(paths.root), shape=shape, device=device, pad_id=pad,
                              max_inflight_bytes=budget, check_finite=not args.synthetic)
         seconds = time.perf_counter() - t
         shutil.rmtree(out)

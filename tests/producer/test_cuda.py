@@ -74,6 +74,7 @@ def test_staged_batches_survive_the_next_forward(tmp_path):
     import numpy as np
 
     from dspark_cache.format.geometry import SampleShape
+    from dspark_cache.format.output import CacheOutput
     from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer.pipeline.loop import run_pipeline
     from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
@@ -93,7 +94,7 @@ def test_staged_batches_survive_the_next_forward(tmp_path):
     import os
 
     os.makedirs(paths.shards_dir)
-    run_pipeline(shards, numbered, paths=paths, shape=SampleShape((0, 1, 2, 3, 4), 5, 512, "BF16"),
+    run_pipeline(shards, numbered, output=CacheOutput(paths.root), shape=SampleShape((0, 1, 2, 3, 4), 5, 512, "BF16"),
                  device=torch.device("cuda"), pad_id=0, max_inflight_bytes=32 << 20, check_finite=False)
     stored = _read_shards(str(tmp_path))
     assert len(stored) == len(samples)
@@ -124,6 +125,7 @@ def test_producer_loop_has_no_host_sync(embedded, tmp_path):
     import warnings
 
     from dspark_cache.format.geometry import SampleShape
+    from dspark_cache.format.output import CacheOutput
     from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer.pipeline.loop import run_pipeline
     from tests.support.syncs import HostSyncTrap
@@ -143,7 +145,7 @@ def test_producer_loop_has_no_host_sync(embedded, tmp_path):
     try:
         with warnings.catch_warnings(record=True) as caught, HostSyncTrap() as trap:
             warnings.simplefilter("always")
-            run_pipeline(_plan([[40, 33], [20], [64, 60, 2]] * 4, 3), runner.forward, paths=paths,
+            run_pipeline(_plan([[40, 33], [20], [64, 60, 2]] * 4, 3), runner.forward, output=CacheOutput(paths.root),
                          shape=SampleShape((1, layers - 1), layers, hidden, "BF16"), device=device, pad_id=0,
                          max_inflight_bytes=1 << 20)
         syncs = [f"{os.path.basename(w.filename)}:{w.lineno} {w.message}" for w in caught

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer.pipeline.loop import run_pipeline
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
@@ -141,7 +142,7 @@ def test_writer_bound_run_keeps_staged_bytes_within_budget_and_exact(tmp_path, b
     largest = max(sum(aligned(n * 2 * HIDDEN * 4) for n in batch) + ALIGN for batch in lengths)
     budget = budget_batches * largest
     seen: list[tuple[int, int]] = []
-    stats = run_pipeline(shards, NumberedForward(), paths=_paths(tmp_path), shape=SHAPE,
+    stats = run_pipeline(shards, NumberedForward(), output=CacheOutput(_paths(tmp_path).root), shape=SHAPE,
                          device=torch.device("cpu"), pad_id=0, max_inflight_bytes=budget,
                          on_batch=lambda stats, ring: seen.append((ring.inflight, ring.capacity)))
     assert stats.samples == sum(len(b) for b in lengths)
@@ -161,7 +162,7 @@ def test_stage_times_add_up_on_a_cpu(tmp_path):
     shards = _numbered_plan([[32, 30]] * 12, shard_size=3)
     forward = NumberedForward(delay=0.02)
     started = time.perf_counter()
-    stats = run_pipeline(shards, forward, paths=_paths(tmp_path), shape=SHAPE, device=torch.device("cpu"),
+    stats = run_pipeline(shards, forward, output=CacheOutput(_paths(tmp_path).root), shape=SHAPE, device=torch.device("cpu"),
                          pad_id=0, max_inflight_bytes=1 << 20)
     wall = time.perf_counter() - started
     times = stats.times
@@ -188,13 +189,13 @@ def test_pipeline_main_loop_never_waits_for_the_device(tiny_target, tmp_path, at
     assert runner.sync_free
     shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
     with HostSyncTrap() as trap:
-        run_pipeline(shards, runner.forward, paths=_paths(tmp_path / "ours"), shape=shape,
+        run_pipeline(shards, runner.forward, output=CacheOutput(_paths(tmp_path / "ours").root), shape=shape,
                      device=torch.device("cpu"), pad_id=0, max_inflight_bytes=1 << 20)
     assert trap.count == 0, trap.where
     # Control: the model's own masks wait once per forward, and the trap sees it.
     runner.sync_free = False
     with HostSyncTrap() as trap:
-        run_pipeline(shards, runner.forward, paths=_paths(tmp_path / "theirs"), shape=shape,
+        run_pipeline(shards, runner.forward, output=CacheOutput(_paths(tmp_path / "theirs").root), shape=shape,
                      device=torch.device("cpu"), pad_id=0, max_inflight_bytes=1 << 20)
     assert trap.count == 3
     ours, theirs = _read_shards(str(tmp_path / "ours")), _read_shards(str(tmp_path / "theirs"))

@@ -225,7 +225,7 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, s
     status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned), samples_done=base["samples"],
                   tokens_done=base["tokens"])
     try:
-        stats = run_pipeline(owned, forward, paths=p.paths, shape=p.shape, device=p.device,
+        stats = run_pipeline(owned, forward, output=p.output, shape=p.shape, device=p.device,
                              pad_id=p.manifest.pad_token_id, max_inflight_bytes=p.cfg.max_inflight_bytes,
                              on_published=on_published, should_stop=stop, on_batch=on_batch,
                              on_nonfinite=p.cfg.on_nonfinite)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
@@ -104,7 +104,7 @@ def run_pipeline(
     shards: list[ShardPlan],
     forward: Forward,
     *,
-    paths: CachePaths,
+    output: CacheOutput,
     shape: SampleShape,
     device: torch.device,
     pad_id: int,
@@ -118,14 +118,15 @@ def run_pipeline(
 ) -> PipelineStats:
     """Compute and write ``shards``; returns when all are published or a stop was honoured.
 
-    A stop request is honoured at shard boundaries, so the shard in flight is finished.
+    Shards are published through ``output``, which keeps its published set current. A stop
+    request is honoured at shard boundaries, so the shard in flight is finished.
     ``check_finite=False`` is for benchmarks with a fake device that has no NaN to find.
     ``on_batch`` sees the ring (``inflight``, ``peak``, ``capacity`` bytes) after each batch.
     """
     sizes = [region_bytes(_staged_shapes(shape, batch)) for shard in shards for batch in shard.batches]
     ring = StagingRing(ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes)), device.type == "cuda")
     stats = PipelineStats()
-    writer = ShardWriterThread(paths, shape, ring, stats, on_published, on_nonfinite, durable)
+    writer = ShardWriterThread(output, shape, ring, stats, on_published, on_nonfinite, durable)
     step: _Step | None = None
     writer.start()
     try:

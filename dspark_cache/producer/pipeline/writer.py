@@ -13,7 +13,6 @@ import torch
 
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.writer import ShardWriter
@@ -60,15 +59,16 @@ class ShardWriterThread(threading.Thread):
     is dropped after an error), which is what lets the main thread stage the next one.
     """
 
-    def __init__(self, paths: CachePaths, shape: SampleShape, ring: StagingRing, stats: PipelineStats,
+    def __init__(self, output: CacheOutput, shape: SampleShape, ring: StagingRing, stats: PipelineStats,
                  on_published: Callable[[ShardPlan, ShardIndex], None], on_nonfinite: str = "error",
                  durable: bool = True) -> None:
         super().__init__(name="dspark-writer", daemon=True)
-        self.paths, self.shape, self.ring, self.stats = paths, shape, ring, stats
+        self.output, self.paths = output, output.paths
+        self.shape, self.ring, self.stats = shape, ring, stats
         self.on_published = on_published
         self.on_nonfinite = on_nonfinite
         self.durable = durable
-        self.cache_id = CacheOutput(paths.root).cache_id  # every index this run publishes carries it
+        self.cache_id = output.cache_id  # every index this run publishes carries it
         self._nonfinite: list[int] = []
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.error: BaseException | None = None
@@ -130,7 +130,7 @@ class ShardWriterThread(threading.Thread):
 
     def _publish(self, shard: ShardPlan) -> None:
         assert self._writer is not None
-        index = self._writer.publish(nonfinite=self._nonfinite)
+        index = self.output.publish(self._writer, self._nonfinite)
         self._nonfinite = []
         self.stats.bytes += index.tar_bytes
         self.stats.shards += 1
