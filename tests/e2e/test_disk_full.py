@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args
 from tests.support.proc import assert_same_samples, producer_cmd, run
@@ -39,13 +40,13 @@ def test_disk_full_stops_cleanly_then_resumes(embedded, tmp_path, small_fs):
     refused = run(cmd, env=env)
     if small_fs:  # pre-flight: the plan does not fit, nothing is loaded or written
         assert refused.returncode == 1 and "GB free" in refused.stderr and "--force" in refused.stderr
-        assert not os.path.exists(os.path.join(out, "shards")) or not os.listdir(os.path.join(out, "shards"))
+        assert not os.path.exists(CachePaths(out).shards_dir) or not os.listdir(CachePaths(out).shards_dir)
     full = run(cmd + ["--force"], env=env)
     assert full.returncode == 1, full.stderr
     assert "disk full" in full.stderr and "GB is free" in full.stderr and "rerun" in full.stderr
     report = verify_cache(out)
     assert report.shards_ok >= 1 and not report.corrupt and report.missing
-    assert not any(f.endswith(".partial") for f in os.listdir(os.path.join(out, "shards")))
+    assert not any(f.endswith(".partial") for f in os.listdir(CachePaths(out).shards_dir))
     if small_fs:
         subprocess.run(["mount", "-o", "remount,size=64m", small_fs], check=True)
     done = run(cmd)  # space freed (or no injected failure): resume finishes

@@ -18,6 +18,7 @@ import uuid
 import pytest
 
 from dspark_cache.format.manifest import read_manifest
+from dspark_cache.format.paths import CachePaths
 from tests.support.produce import produce_args, run_produce
 from tests.support.proc import assert_same_samples, producer_cmd
 from tests.support.processes import MARKER, descendants, kill_marked, marked, process_stat, wait_gone
@@ -74,7 +75,7 @@ def test_sigkill_at_four_moments_leaves_no_process_and_a_rerun_completes(embedde
     assert len(workers) >= 2
     kill_and_check(args, log, crash_at="merging_plan")
     kill_and_check(args, log, crash_at="after_index:1")  # computing: one shard published, more to go
-    published = sum(1 for n in os.listdir(os.path.join(out, "shards")) if n.endswith(".idx"))
+    published = len(CachePaths(out).indexed_shard_ids())
     left = read_manifest(out, allow_incomplete=True).num_shards - published
     assert left >= 2
     kill_and_check(args, log, crash_at=f"mid_shard:{left}")  # the last shard, half written
@@ -151,7 +152,7 @@ def test_torchrun_ranks_stop_when_their_agent_is_sigkilled(embedded, tmp_path):
         for pid in marked(run):
             os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks still running 60 s after their agent was SIGKILLed: {sorted(left)}"
-    states = [open(os.path.join(out, "status", f"rank-{r:05d}.json")).read() for r in (0, 1)]
+    states = [open(CachePaths(out).status(r)).read() for r in (0, 1)]
     assert all('"state":"stopped"' in s for s in states), states
     done = subprocess.run(producer_cmd(*args), capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

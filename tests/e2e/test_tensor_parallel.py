@@ -195,7 +195,7 @@ def test_sigterm_to_a_partner_stops_its_group_at_a_shard_boundary(embedded, tmp_
     assert [s["state"] for s in statuses(out).values()] == ["stopped", "stopped"]
     report = verify_cache(out)
     assert report.missing and not report.corrupt and not report.complete
-    assert not [n for n in os.listdir(os.path.join(out, "shards")) if n.endswith(".partial")]
+    assert not [n for n in os.listdir(CachePaths(out).shards_dir) if n.endswith(".partial")]
 
 
 @pytest.mark.slow
