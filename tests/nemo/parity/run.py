@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+from dspark_cache.format.paths import CachePaths
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
@@ -288,8 +290,8 @@ checkpoint:
             self.check(label, "crash", note="dspark-produce --dtype fp8 or the recipe failed (see logs)")
             return
         report = compare.compare_quantised_run(ref, data, rel_tol=self.args.fp8_loss_rtol, epochs=self.args.epochs)
-        sizes = [sum(os.path.getsize(os.path.join(d, "shards", n)) for n in os.listdir(os.path.join(d, "shards")))
-                 for d in (self.path("ours_cache"), cache)]
+        sizes = [sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+                 for d in (CachePaths(self.path("ours_cache")).shards_dir, CachePaths(cache).shards_dir)]
         report["shard_bytes"] = {"fp32": sizes[0], "fp8": sizes[1]}
         note = "; ".join(report["problems"]) or (
             f"last-epoch mean loss {report['last_epoch_mean']:.5f} vs {report['reference_last_epoch_mean']:.5f} "
