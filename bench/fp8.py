@@ -62,7 +62,7 @@ def produce(target: str, data: str, out: str, dtype: str) -> float:
 
 
 def build_inputs(work: str, rows: int) -> tuple[str, str]:
-    """The H=1024 target and ``rows`` chat rows of 180-700 tokens (tests/test_bytes.py's choice)."""
+    """The H=1024 target and ``rows`` chat rows of 180-700 tokens (tests/format/test_bytes.py's choice)."""
     from transformers import AutoTokenizer
 
     from dspark_cache.embedded.data import sample_rows

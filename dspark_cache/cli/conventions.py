@@ -87,6 +87,14 @@ def new_parser(prog: str, description: str, *, log_level: str = "WARNING", epilo
     return parser
 
 
+def not_an_entry(prog: str, module: str, entry: str) -> NoReturn:
+    """A part's ``cli`` module run as ``python -m`` would run nothing and exit 0, which a job script
+    naming that module reads as done: say which module to run instead, and exit 2."""
+    print(f"{prog}: error: python -m {module} is not an entry point; run python -m {entry} with the same "
+          "arguments", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
 def usage_error(prog: str, message: str) -> int:
     """Report a usage error found after parsing; returns :data:`EXIT_USAGE`."""
     print(f"{prog}: error: {message} (see {prog} --help)", file=sys.stderr)

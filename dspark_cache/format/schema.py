@@ -13,7 +13,7 @@ import msgspec
 T = TypeVar("T")
 
 # The manifest's ``format_version`` is a string so that NeMo Automodel's reader, which accepts
-# exactly the integer 1 for its own ``shard-NNNNNN.safetensors`` layout, rejects our caches with
+# exactly the integer 1 for its own ``shard-NNNNNN.safetensors`` format, rejects our caches with
 # its own clear error instead of failing deep inside its dataset. NeMo will never write a string.
 FORMAT_ID = "dspark-wds/2"
 # Caches of float8 states with scales (``dtype`` ``fp8``/``fp8_e5m2``) say this instead: a reader
@@ -26,7 +26,7 @@ FP8_DTYPES = ("fp8", "fp8_e5m2")  # the manifest dtypes stored as float8 (format
 # layer), value = fp8 * scale (format.sample.SCALE_SCHEME, which every FP8 sample also names).
 FP8_SCALE_SCHEME = "absmax-per-token-layer/F32"
 # The first release wrote ``format_version: 1`` plus ``cache_format: "dspark-wds"``: NeMo's
-# reader took such a manifest for its own layout.
+# reader took such a manifest for its own format.
 LEGACY_FORMAT = "dspark-wds"
 INDEX_FORMAT_VERSION = 1
 
@@ -245,7 +245,7 @@ _DAMAGED = "it was damaged or edited: restore it, or re-produce the cache (dspar
 
 
 def decode_manifest(data: bytes, where: str) -> Manifest:
-    """Decode ``manifest.json``; a NeMo-layout or older dspark manifest gets a message saying what to do."""
+    """Decode ``manifest.json``; a NeMo-format or older dspark manifest gets a message saying what to do."""
     try:
         probe = decode_json(data, _FormatProbe)
     except msgspec.DecodeError as exc:

@@ -18,6 +18,7 @@ from typing import Callable
 
 from dspark_cache.cli.conventions import (
     EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, error, exit_codes_epilog,
+    not_an_entry,
 )
 from dspark_cache.producer.config import DESCRIPTION, ConfigError, ProduceConfig
 from dspark_cache.producer.config import add_arguments as add_settings
@@ -120,7 +121,5 @@ def produce_and_report(cfg: ProduceConfig) -> int:
     return EXIT_OK
 
 
-if __name__ == "__main__":  # a job script written for the entry's old path: exiting 0 having run nothing would read as done
-    print(f"{PROG}: error: python -m dspark_cache.producer.cli is not an entry point; run python -m "
-          "dspark_cache.producer with the same arguments", file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+if __name__ == "__main__":  # the entry's path in job scripts written for an earlier release
+    not_an_entry(PROG, "dspark_cache.producer.cli", "dspark_cache.producer")

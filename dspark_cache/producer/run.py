@@ -1,9 +1,10 @@
 """One producer run (one rank of it): prepare, reconcile the directory, compute, complete.
 
-Each step is its own module: ``prepare`` (validate, encode, plan, manifest; nothing written),
-``reconcile`` (rank 0, holding the lock: the directory made to agree with the plan), ``compute``
-(the target and the pipeline over this rank's shards), ``completion`` (the rank that sees every
-shard marks the cache complete) and ``status`` (heartbeats, events). This module only orders them.
+Each step is its own module: ``prepare`` (validate, encode, plan, manifest; only the saved plan
+is written), ``resume`` (rank 0, holding the lock: the directory made to agree with the plan),
+``device.compute`` (the target and the pipeline over this rank's shards), ``finish`` (the rank
+that sees every shard marks the cache complete) and ``report.status`` (heartbeats, events).
+This module only orders them.
 
 With ``--tp-size``/``--ep-size`` (``device.model_group``) shards belong to model-parallel groups of
 ranks, not to single ranks; the topology and the target's fitness for it are checked before planning.

@@ -48,3 +48,9 @@ def run(args: argparse.Namespace) -> int:
 
     MonitorApp(args.cache_dir, refresh=args.refresh).run()
     return EXIT_OK
+
+
+if __name__ == "__main__":  # the entry's path in scripts written for an earlier release
+    from dspark_cache.cli.conventions import not_an_entry
+
+    not_an_entry(PROG, "dspark_cache.tui.cli", "dspark_cache.tui")

@@ -124,7 +124,7 @@ class CacheScanner:
         try:
             manifest = read_manifest(self.paths.root, missing_ok=True, allow_incomplete=True, checked=False,
                                      within=self.reader.root_real)
-        except ManifestDecodeError as exc:  # garbage, or a NeMo or older dspark layout: says which
+        except ManifestDecodeError as exc:  # garbage, or a NeMo or older dspark format: says which
             return None, str(exc), ()
         except (CacheError, OSError) as exc:
             return None, f"{where}: {reason(exc, 'manifest')}", ()

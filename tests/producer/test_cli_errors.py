@@ -126,12 +126,15 @@ def test_tui_flag_only_on_the_console_script(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--tui" in done.stderr, done.stderr
 
 
-def test_the_command_module_is_not_an_entry_that_does_nothing(tmp_path):
-    """A job script still naming the entry's old path (``-m dspark_cache.producer.cli``) fails with the
-    right command, instead of exiting 0 having produced nothing."""
-    done = subprocess.run([sys.executable, "-m", "dspark_cache.producer.cli", "--output-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "python -m dspark_cache.producer with the same arguments" in done.stderr
+@pytest.mark.parametrize("module,entry", [("dspark_cache.producer.cli", "dspark_cache.producer"),
+                                          ("dspark_cache.tui.cli", "dspark_cache.tui"),
+                                          ("dspark_cache.nemo.convert.cli", "dspark_cache.nemo.convert")])
+def test_a_command_module_is_not_an_entry_that_does_nothing(tmp_path, module, entry):
+    """A script still naming an entry's old path (``-m dspark_cache.producer.cli`` ...) fails naming the
+    right one, instead of exiting 0 having done nothing."""
+    done = subprocess.run([sys.executable, "-m", module, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and f"python -m {entry} with the same arguments" in done.stderr, done.stderr
     assert os.listdir(tmp_path) == []
 
 

@@ -123,3 +123,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NOT_A_CACHE if any(isinstance(e, NotACacheError) for e in (exc, exc.__cause__)) else EXIT_ERROR
     print(summary(result))
     return EXIT_OK
+
+
+if __name__ == "__main__":  # the entry's path in scripts written for an earlier release
+    from dspark_cache.cli.conventions import not_an_entry
+
+    not_an_entry(PROG, "dspark_cache.nemo.convert.cli", "dspark_cache.nemo.convert")
