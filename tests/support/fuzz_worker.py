@@ -183,16 +183,19 @@ def _sample_tensors(raw: bytes, offset: int) -> dict[str, tuple[str, int, int]]:
             for name, t in header.items() if name != "__metadata__" and not name.startswith("__pad")}
 
 
+def _random_shard(paths: CachePaths, rng: random.Random) -> tuple[str, str, dict, bytearray]:
+    """One published shard, drawn by ``rng``: its tar's path, its index's path, the index as JSON and
+    the tar's bytes (to mutate and write back)."""
+    shard = rng.choice(paths.indexed_shard_ids())
+    path, index_path = paths.shard_tar(shard), paths.shard_index(shard)
+    return path, index_path, json.load(open(index_path)), bytearray(open(path, "rb").read())
+
+
 def _mutate_fp8(root: str, rng: random.Random) -> str:
     """A hostile scale or NaN/inf code in one sample, its sample and tar checksums rewritten to match."""
     import xxhash
 
-    paths = CachePaths(root)
-    shard = rng.choice(paths.indexed_shard_ids())
-    path = paths.shard_tar(shard)
-    index_path = paths.shard_index(shard)
-    index = json.load(open(index_path))
-    raw = bytearray(open(path, "rb").read())
+    path, index_path, index, raw = _random_shard(CachePaths(root), rng)
     k = rng.randrange(len(index["samples"]))
     entry = index["samples"][k]
     tensors = _sample_tensors(bytes(raw), entry[3])
@@ -233,12 +236,7 @@ def mutate_tokens(root: str, rng: random.Random) -> str:
     import xxhash
 
     vocab = json.load(open(CachePaths(root).manifest))["target_vocab_size"]
-    paths = CachePaths(root)
-    shard = rng.choice(paths.indexed_shard_ids())
-    path = paths.shard_tar(shard)
-    index_path = paths.shard_index(shard)
-    index = json.load(open(index_path))
-    raw = bytearray(open(path, "rb").read())
+    path, index_path, index, raw = _random_shard(CachePaths(root), rng)
     entry = rng.choice(index["samples"])
     token = rng.randrange(entry[1])
     if rng.random() < 0.6:
