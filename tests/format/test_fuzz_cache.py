@@ -26,12 +26,13 @@ SEED = int(os.environ.get("DSPARK_FUZZ_SEED", "1"))
 PER_WORKER = 100
 
 
-@pytest.fixture(scope="module")
-def pristine(embedded, tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("fuzz") / "cache")
-    assert run_produce(embedded.stock, embedded.data, out, "--seq-length", "48", "--shard-size", "12",
-                       "--dtype", "fp32", "--target-layer-ids", "1", "3") == 0
-    return out
+# The small cache every case copies before mutating it (fp32 here, fp8 for the FP8 families).
+PRISTINE_ARGS = ("--seq-length", "48", "--shard-size", "12", "--target-layer-ids", "1", "3")
+
+
+@pytest.fixture
+def pristine(produced) -> str:
+    return produced(*PRISTINE_ARGS, "--dtype", "fp32")
 
 
 def _run_worker(pristine: str, workdir: str, first: int, count: int, family: str = "cache") -> list[dict]:
@@ -189,12 +190,9 @@ def test_fuzz_target_weights(pristine, embedded, tmp_path):
 FP8_CASES = int(os.environ.get("DSPARK_FUZZ_FP8_CASES", "100"))
 
 
-@pytest.fixture(scope="module")
-def pristine_fp8(embedded, tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("fuzz-fp8") / "cache")
-    assert run_produce(embedded.stock, embedded.data, out, "--seq-length", "48", "--shard-size", "12",
-                       "--dtype", "fp8", "--target-layer-ids", "1", "3") == 0
-    return out
+@pytest.fixture
+def pristine_fp8(produced) -> str:
+    return produced(*PRISTINE_ARGS, "--dtype", "fp8")
 
 
 @pytest.mark.slow
@@ -259,7 +257,7 @@ def _inode(path: str) -> int | None:
 
 
 @pytest.mark.slow
-def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
+def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, produced, tmp_path):
     """Seeded mutations of a saved plan (``tests/support/plan_fuzz.py``: values forged with matching
     checksums or not, header fields, cut / extended / sparse files, directories, FIFOs, symlinks):
     a rerun reuses the plan only when it is intact, else rebuilds it, within a deadline, and
@@ -271,8 +269,7 @@ def test_hostile_saved_plans_are_reused_intact_or_rebuilt(embedded, tmp_path):
     from tests.support.plan_files import deadline
     from tests.producer.test_plan_hardening import ARGS
 
-    pristine = str(tmp_path / "pristine")
-    assert run_produce(embedded.stock, embedded.data, pristine, *ARGS) == 0
+    pristine = produced(*ARGS)  # read only: each case copies its plan
     vocab = json.load(open(os.path.join(embedded.stock, "config.json")))["vocab_size"]
     paths = CachePaths(pristine)
     shards = sorted(n for n in os.listdir(paths.shards_dir) if n.endswith(".tar"))
