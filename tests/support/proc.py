@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import torch
 
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
+from tests.support.processes import alive, descendants
+from tests.support.warm import WarmProcess, popen
 
 BIN = os.path.dirname(sys.executable)
 
@@ -27,14 +30,30 @@ def torchrun(nproc: int, *args: str) -> list[str]:
             "dspark_cache.producer", *args]
 
 
-def start(cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+def start(cmd: list[str], env: dict | None = None, cold: bool = False,
+          code: bool = False) -> subprocess.Popen | WarmProcess:
+    """``cmd`` in a session of its own, its output piped: our console scripts (and, when ``code``,
+    ``python -c``) forked warm (:mod:`tests.support.warm`) unless ``cold``."""
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kw)
+    return popen(cmd, full_env, cold=cold, code=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 start_new_session=True)
 
 
-def run(cmd: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = start(cmd, env)
+def kill_group(proc: subprocess.Popen | WarmProcess) -> None:
+    """SIGKILL ``proc``'s process group (it leads a session of its own) and wait until no process of
+    it is left: a rerun started at once must not find a dying rank or worker still holding the lock."""
+    tree = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it had ended
+        pass
+    proc.wait()
+    wait_for(lambda: not alive(tree), timeout=60)
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300,
+        cold: bool = False, code: bool = False) -> subprocess.CompletedProcess:
+    proc = start(cmd, env, cold, code)
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
