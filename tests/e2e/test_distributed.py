@@ -13,7 +13,8 @@ import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args
-from tests.support.proc import assert_same_samples, free_port, producer_cmd, published, run, start, torchrun, wait_for
+from tests.support.proc import (assert_same_samples, free_port, kill_group, producer_cmd, published, run, start,
+                                torchrun, wait_for)
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
 
@@ -46,8 +47,7 @@ def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
     proc = start(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
     wait_for(lambda: published(out) >= 3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_group(proc)
     report = verify_cache(out)
     assert not report.complete and report.missing and not report.corrupt
     done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS)))

@@ -13,7 +13,7 @@ import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args, run_produce
-from tests.support.proc import assert_same_samples, producer_cmd, published, run, start, wait_for
+from tests.support.proc import assert_same_samples, kill_group, producer_cmd, published, run, start, wait_for
 
 ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")
 
@@ -39,12 +39,16 @@ def test_sigkill_at_any_instant_then_resume(embedded, tmp_path, reference):
         _assert_nothing_published_is_corrupt(out)
     assert any(n.endswith(".partial") for n in os.listdir(CachePaths(out).shards_dir))  # mid_shard left one
     rng = random.Random(7)
-    for _ in range(2):  # and at moments nobody chose
+    for _ in range(2):  # and at moments nobody chose: after a random number of this run's shards, plus a bit
+        left = dspark_cache.open_cache(out, allow_incomplete=True).manifest.num_shards - len(
+            CachePaths(out).indexed_shard_ids())
+        before, then = published(out), rng.randrange(max(1, left - 3))
         proc = start(_cmd(embedded, out))
-        time.sleep(rng.uniform(3.0, 7.0))
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        wait_for(lambda: published(out) - before >= then or proc.poll() is not None)
+        time.sleep(rng.uniform(0.0, 0.1))
+        kill_group(proc)
         _assert_nothing_published_is_corrupt(out)
+    assert not dspark_cache.open_cache(out, allow_incomplete=True).manifest.complete  # the last run has work
     final = run(_cmd(embedded, out))
     assert final.returncode == 0, final.stderr
     assert not CachePaths(out).partial_files()

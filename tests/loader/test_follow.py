@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
@@ -12,7 +10,7 @@ import pytest
 import dspark_cache
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args
-from tests.support.proc import producer_cmd, published, run, start, wait_for
+from tests.support.proc import kill_group, producer_cmd, published, run, start, wait_for
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2")
 
@@ -37,8 +35,7 @@ def test_follow_a_producer_that_is_killed_and_resumed(embedded, tmp_path):
     trainer = threading.Thread(target=train)
     trainer.start()
     wait_for(lambda: published(out) >= 3)
-    os.killpg(producer.pid, signal.SIGKILL)  # the producer dies while training waits for more
-    producer.wait()
+    kill_group(producer)  # the producer dies while training waits for more
     time.sleep(1.0)
     assert trainer.is_alive() and not errors
     resumed = run(cmd)

@@ -21,7 +21,7 @@ from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.encode.messages import normalise_row
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args, run_produce, write_jsonl
-from tests.support.proc import producer_cmd, run, start, wait_for
+from tests.support.proc import kill_group, producer_cmd, run, start, wait_for
 
 ARGS = ("--seq-length", "128", "--shard-size", "4", "--batch-size", "4", "--num-workers", "0")
 GOOD = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]}
@@ -138,12 +138,12 @@ def test_second_producer_and_overwrite_are_refused_while_a_run_is_live(embedded,
         assert json.load(handle)["pid"] == first.pid  # nobody else wrote this cache's status
 
 
+@pytest.mark.slow
 def test_a_killed_holder_never_blocks_the_rerun(embedded, tmp_path, tiny_data):
     out = str(tmp_path / "cache")
     proc = start(producer_cmd(*produce_args(embedded.stock, tiny_data, out, *ARGS)))
     wait_for(lambda: _holder_pid(out) == proc.pid or proc.poll() is not None, timeout=120)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_group(proc)
     assert proc.returncode == -signal.SIGKILL
     assert _holder_pid(out) == proc.pid  # the lock file stays; the kernel dropped the lock with its holder
     assert run_produce(embedded.stock, tiny_data, out, *ARGS) == 0
@@ -249,7 +249,7 @@ def test_a_huge_row_costs_memory_for_seq_length_tokens_not_for_the_row(embedded,
                         {"role": "assistant", "content": words, "reasoning_content": "think " * 50}]}
     data = write_jsonl(tmp_path / "big.jsonl", [row])
     size = os.path.getsize(data)  # ~10 MB on one line
-    proc = run([sys.executable, "-c", MEASURE, embedded.stock, data], timeout=300)
+    proc = run([sys.executable, "-c", MEASURE, embedded.stock, data], timeout=300, code=True)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # Tokenising the whole row took ~127 bytes per input byte; the row itself is held a few times.
