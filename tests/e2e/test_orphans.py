@@ -22,6 +22,7 @@ from dspark_cache.format.paths import CachePaths
 from tests.support.produce import produce_args, run_produce
 from tests.support.proc import assert_same_samples, producer_cmd
 from tests.support.processes import MARKER, descendants, kill_marked, marked, process_stat, wait_gone
+from tests.support import warm
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
 
@@ -79,8 +80,8 @@ def test_sigkill_at_four_moments_leaves_no_process_and_a_rerun_completes(embedde
     left = read_manifest(out, allow_incomplete=True).num_shards - published
     assert left >= 2
     kill_and_check(args, log, crash_at=f"mid_shard:{left}")  # the last shard, half written
-    done = subprocess.run(producer_cmd(*args), capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    done = warm.run(producer_cmd(*args), {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True,
+                    text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     reference = str(tmp_path / "reference")
     assert run_produce(embedded.stock, data, reference, *opts) == 0
@@ -154,7 +155,7 @@ def test_torchrun_ranks_stop_when_their_agent_is_sigkilled(embedded, tmp_path):
     assert not left, f"ranks still running 60 s after their agent was SIGKILLed: {sorted(left)}"
     states = [open(CachePaths(out).status(r)).read() for r in (0, 1)]
     assert all('"state":"stopped"' in s for s in states), states
-    done = subprocess.run(producer_cmd(*args), capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    done = warm.run(producer_cmd(*args), {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True,
+                    text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert read_manifest(out, allow_incomplete=True).complete

@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from tests.support.produce import run_produce
+from tests.support import warm
 
 CASES = int(os.environ.get("DSPARK_FUZZ_CASES", "300"))
 SEED = int(os.environ.get("DSPARK_FUZZ_SEED", "1"))
@@ -38,7 +39,7 @@ def pristine(produced) -> str:
 def _run_worker(pristine: str, workdir: str, first: int, count: int, family: str = "cache") -> list[dict]:
     args = [sys.executable, "-m", "tests.support.fuzz_worker", pristine, workdir, str(SEED), str(first), str(count), family]
     try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=60 + 3 * count, cwd=os.getcwd())
+        done = warm.run(args, capture_output=True, text=True, timeout=60 + 3 * count, cwd=os.getcwd())
         stdout, returncode, why = done.stdout, done.returncode, done.stderr[-2000:]
     except subprocess.TimeoutExpired as exc:
         stdout, returncode, why = (exc.stdout or b"").decode(), None, "timed out (a hang)"
@@ -159,7 +160,7 @@ def test_fuzz_target_weights(pristine, embedded, tmp_path):
         root = shutil.copytree(pristine, str(tmp_path / f"case-{i}" / "cache"))
         apply(CachePaths(root).target_weights)
         roots[root] = name
-    done = subprocess.run([sys.executable, "-c", _WEIGHTS_READER, *roots], capture_output=True, text=True,
+    done = warm.run([sys.executable, "-c", _WEIGHTS_READER, *roots], code=True, capture_output=True, text=True,
                           timeout=60 + 5 * len(roots), cwd=os.getcwd())
     seen = {r["root"]: r for r in map(json.loads, done.stdout.splitlines())}
     bad = [f"{roots[root]}: {seen.get(root, 'no result (the reader hung or crashed)')}" for root in roots

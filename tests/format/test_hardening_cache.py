@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from operator import attrgetter, methodcaller
 
@@ -19,6 +18,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import ShardIndex, encode_json
 from dspark_cache.cli import verify as verify_main
 from tests.support.produce import run_produce
+from tests.support import warm
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_special_files_never_hang_or_stream_forever(small_cache, tmp_path, kind)
     os.unlink(tar)
     {"fifo": lambda: os.mkfifo(tar), "dev_zero": lambda: os.symlink("/dev/zero", tar),
      "directory": lambda: os.mkdir(tar)}[kind]()
-    out = subprocess.run([sys.executable, "-c", HANG_PROBE, copy], capture_output=True, text=True, timeout=120)
+    out = warm.run([sys.executable, "-c", HANG_PROBE, copy], capture_output=True, text=True, timeout=120, code=True)
     assert out.returncode == 0, out.stderr
     assert "verify: 1" in out.stdout
     for who in ("loader:", "open_cache:"):
@@ -241,10 +241,10 @@ def test_rank_statuses_skip_fifos_and_huge_files(tmp_path):
     os.mkfifo(paths.status(0))
     with open(paths.status(1), "wb") as handle:
         handle.write(b" " * (MAX_STATUS_BYTES + 1))
-    done = subprocess.run([sys.executable, "-c", "import sys; from dspark_cache.format.paths import CachePaths; "
-                           "from dspark_cache.format.status import read_rank_statuses; "
-                           "print(len(read_rank_statuses(CachePaths(sys.argv[1]))))", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    done = warm.run([sys.executable, "-c", "import sys; from dspark_cache.format.paths import CachePaths; "
+                     "from dspark_cache.format.status import read_rank_statuses; "
+                     "print(len(read_rank_statuses(CachePaths(sys.argv[1]))))", str(tmp_path)],
+                    code=True, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "0", done.stderr
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import run_produce
+from tests.support import warm
 
 ARGS = ("--seq-length", "64", "--shard-size", "16", "--batch-size", "8", "--dtype", "fp32")
 
@@ -79,7 +79,7 @@ def test_damaged_weights_are_reported_refused_and_rewritten(embedded, weights_ca
     code = ("import sys, dspark_cache.nemo as n\n"
             "try:\n    n.read_target_weight_modules(sys.argv[1])\n"
             "except (FileNotFoundError, ValueError) as e:\n    print('REFUSED', type(e).__name__, e)\n")
-    done = subprocess.run([sys.executable, "-c", code, cache], capture_output=True, text=True, timeout=120)
+    done = warm.run([sys.executable, "-c", code, cache], capture_output=True, text=True, timeout=120, code=True)
     assert done.stdout.startswith("REFUSED") and path in done.stdout, done.stdout + done.stderr
     shards_before = _mtimes(cache)
     assert run_produce(embedded.stock, embedded.data, cache, *ARGS) == 0
@@ -133,6 +133,6 @@ def test_nemo_layout_reads_refuse_fifos_and_foreign_weights(tmp_path, what, dama
         save_file({name: torch.zeros(99, 4, dtype=torch.bfloat16) for name in ("embed_tokens.weight",
                                                                                "lm_head.weight")}, path)
     # In a child: a reader that waits on a FIFO would hang the test run, not fail it.
-    done = subprocess.run([sys.executable, "-c", _NEMO_READER, root, what], capture_output=True, text=True,
+    done = warm.run([sys.executable, "-c", _NEMO_READER, root, what], code=True, capture_output=True, text=True,
                           timeout=120)
     assert done.stdout.startswith("REFUSED") and path in done.stdout, done.stdout + done.stderr[-2000:]

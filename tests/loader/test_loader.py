@@ -18,6 +18,7 @@ from dspark_cache.format.errors import CorruptShardError, IncompleteCacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.loader.validate import CacheMismatchError
 from tests.support.proc import free_port
+from tests.support import warm
 
 
 def ids_of(loader, limit=None):
@@ -181,9 +182,9 @@ print(json.dumps(out))
 
 def test_real_gloo_ranks_take_rank_and_world_from_torch_distributed(small_cache):
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, small_cache], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": port}) for r in range(2)]
+    procs = [warm.popen([sys.executable, "-c", WORKER, small_cache], code=True, stdout=subprocess.PIPE, text=True,
+                        env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": port}) for r in range(2)]
     outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
     assert [o["rank"] for o in outs] == [0, 1] and {o["world"] for o in outs} == {2}
     assert outs[0]["len"] == outs[1]["len"] == len(outs[0]["ids"]) == len(outs[1]["ids"])

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from dspark_cache.format.paths import CachePaths
+from tests.support import warm
 from tests.support.produce import produce_args, run_produce, write_jsonl
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -68,6 +69,7 @@ def test_bad_layer_ids(embedded, tmp_path, capsys):
     _assert_failed(capsys, out, code, "out of range")
 
 
+@pytest.mark.slow
 def test_console_script_exit_code(embedded, tmp_path):
     """The installed entry point, as a real process: usage errors and bad input exit non-zero."""
     exe = os.path.join(os.path.dirname(sys.executable), "dspark-produce")
@@ -91,8 +93,10 @@ SCRIPTS = ["dspark-produce", "dspark-monitor", "dspark-verify", "dspark-convert"
 
 
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """The console script ``name`` on ``args``, forked warm (the installed scripts themselves start cold
+    in the two tests above)."""
     exe = os.path.join(os.path.dirname(sys.executable), name)
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+    return warm.run([exe, *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -120,9 +124,8 @@ def test_readme_exit_codes_are_the_code_table():
 
 def test_tui_flag_only_on_the_console_script(tmp_path):
     """The torchrun module refuses --tui (its child would start another monitor) with one usage line."""
-    done = subprocess.run([sys.executable, "-m", "dspark_cache.producer", "--tui", "--target-model", "x",
-                           "--input-data", "y", "--output-dir", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    done = warm.run([sys.executable, "-m", "dspark_cache.producer", "--tui", "--target-model", "x",
+                     "--input-data", "y", "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--tui" in done.stderr, done.stderr
 
 
@@ -132,8 +135,7 @@ def test_tui_flag_only_on_the_console_script(tmp_path):
 def test_a_command_module_is_not_an_entry_that_does_nothing(tmp_path, module, entry):
     """A script still naming an entry's old path (``-m dspark_cache.producer.cli`` ...) fails naming the
     right one, instead of exiting 0 having done nothing."""
-    done = subprocess.run([sys.executable, "-m", module, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    done = warm.run([sys.executable, "-m", module, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"python -m {entry} with the same arguments" in done.stderr, done.stderr
     assert os.listdir(tmp_path) == []
 
@@ -208,7 +210,7 @@ def test_command_hints_name_a_command_that_runs(script, monkeypatch, tmp_path):
     assert hint.startswith(f"{tmp_path / 'python'} -m dspark_cache.")
     monkeypatch.undo()
     module = hint.split(" -m ", 1)[1]
-    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    done = warm.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith(dspark_version()), done.stderr
 
 

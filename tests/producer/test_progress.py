@@ -18,6 +18,7 @@ import pytest
 
 from dspark_cache.producer.report import progress
 from tests.support.produce import write_jsonl
+from tests.support import warm
 
 BAR = re.compile(r"\d+%\|")  # tqdm's "42%|": only a drawn bar has it, never a log line
 
@@ -139,7 +140,7 @@ def _produce(target: str, data: str, out: str, *extra: str) -> list[str]:
 def run_on_terminal(argv: list[str], timeout: float = 600) -> tuple[int, str]:
     """Run ``argv`` with stdout and stderr on a pseudo-terminal; returns the exit code and what it drew."""
     master, slave = os.openpty()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=_env())
+    proc = warm.popen(argv, _env(), stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
     os.close(slave)
     chunks: list[bytes] = []
 
@@ -196,7 +197,7 @@ def test_stopped_run_counts_published_shards_and_pipes_no_bar(embedded, tmp_path
     paths = CachePaths(out)
     argv = _produce(embedded.stock, embedded.data, out, "--shard-size", "2", "--batch-size", "2")
     with open(tmp_path / "stdout", "w+") as stdout, open(tmp_path / "stderr", "w+") as stderr:
-        proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=_env())
+        proc = warm.popen(argv, _env(), stdout=stdout, stderr=stderr)
         try:
             deadline = time.monotonic() + 600  # a guard against a hang, not a speed check
             while not paths.indexed_shard_ids() and proc.poll() is None and time.monotonic() < deadline:

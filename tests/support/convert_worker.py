@@ -19,6 +19,7 @@ import sys
 import traceback
 
 from tests.support.fuzz_worker import MEMORY_LIMIT
+from tests.support import warm
 
 
 def run_job(argv: list[str]) -> dict:
@@ -46,7 +47,7 @@ def run_jobs(jobs: list[dict], workdir: str, timeout: float) -> dict[str, dict]:
         json.dump(jobs, handle)
     cmd = [sys.executable, "-m", "tests.support.convert_worker", spec]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=os.getcwd())
+        done = warm.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=os.getcwd())
         stdout, why = done.stdout, f"worker exit {done.returncode}: {done.stderr[-1500:]}"
     except subprocess.TimeoutExpired as exc:
         stdout, why = (exc.stdout or b"").decode(), f"timed out after {timeout} s (a hang)"

@@ -24,6 +24,7 @@ from dspark_cache.verify import verify_cache
 from tests.support import tui_states
 from tests.support.produce import produce_args
 from tests.support.proc import producer_cmd, published, run, start, wait_for
+from tests.support import warm
 
 SNAP_ROOT = os.path.join(tempfile.gettempdir(), "dspark-monitor-snapshot")  # fixed: paths are on screen
 
@@ -431,8 +432,8 @@ async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, tmp_p
                         "--batch-size", "1")
     log = tmp_path / "produce.log"
     with open(log, "wb") as handle:
-        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer", *args], stdout=handle,
-                                 stderr=subprocess.STDOUT)
+        child = warm.popen([sys.executable, "-m", "dspark_cache.producer", *args], stdout=handle,
+                           stderr=subprocess.STDOUT)
         try:
             wait_for(lambda: published(out) >= 1)
             os.kill(child.pid, signal.SIGSTOP)  # still mid-run when q is pressed, however slow the start

@@ -18,6 +18,7 @@ from dspark_cache.tui.scan import CacheScanner
 from tests.support import tui_states
 from tests.support.produce import produce_args
 from tests.support.proc import producer_cmd
+from tests.support import warm
 
 MONITOR = os.path.join(os.path.dirname(sys.executable), "dspark-monitor")
 REPORT_TIMEOUT = 60.0  # a report takes about a second (at most MEASURE_S more for a live rate); the app never ends
@@ -27,8 +28,8 @@ def monitor_into_file(tmp_path, *args: str) -> tuple[int, str, str]:
     """``dspark-monitor ARGS > file`` with no terminal anywhere: exit code, the file, stderr."""
     out = tmp_path / "monitor.log"
     with open(out, "wb") as handle:
-        proc = subprocess.run([MONITOR, *args], stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.PIPE,
-                              text=True, timeout=REPORT_TIMEOUT)
+        proc = warm.run([MONITOR, *args], stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.PIPE,
+                        text=True, timeout=REPORT_TIMEOUT)
     return proc.returncode, out.read_text(), proc.stderr
 
 
@@ -84,7 +85,7 @@ def test_without_a_terminal_a_missing_directory_is_not_waited_for(tmp_path, caps
 def test_once_on_a_terminal_prints_the_report_and_exits(tmp_path):
     root = tui_states.finished(str(tmp_path / "c"))
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([MONITOR, root, "--once"], stdin=secondary, stdout=secondary, stderr=secondary)
+    proc = warm.popen([MONITOR, root, "--once"], stdin=secondary, stdout=secondary, stderr=secondary)
     os.close(secondary)
     shown = b""
     try:
@@ -131,7 +132,7 @@ def test_produce_tui_without_a_terminal_runs_the_producer_and_exits(embedded, tm
     out = str(tmp_path / "cache")
     cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--tui"))
     with open(tmp_path / "job.log", "wb") as handle:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.PIPE, timeout=300)
+        proc = warm.run(cmd, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.PIPE, timeout=300)
     text = (tmp_path / "job.log").read_text()
     assert proc.returncode == 0, proc.stderr
     assert "cache complete" in text and "(full producer log:" in text and "\x1b" not in text
