@@ -1,4 +1,5 @@
-"""Targets split over several ranks (--tp-size / --ep-size): real torchrun jobs on gloo (CPU).
+"""Targets split over several ranks (--tp-size / --ep-size) on gloo (CPU): a real torchrun job, and
+ranks started with the environment torchrun gives them.
 
 A model-parallel group computes every batch together and only its first rank writes; the cache
 must be the one a single process writes. Groups own shards as ranks do without model
@@ -62,6 +63,21 @@ def build_moe_target(out_dir: str) -> str:
     return out_dir
 
 
+def _start_ranks(cmd: list[str], world: int) -> list:
+    """``world`` ranks started by hand, with the environment torchrun gives its ranks (but no agent,
+    which would kill the others when one dies)."""
+    env = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
+    return [start(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+
+
+def _run_ranks(cmd: list[str], world: int) -> None:
+    """``world`` ranks of ``cmd`` (:func:`_start_ranks`), each of which must succeed."""
+    ranks = _start_ranks(cmd, world)
+    said = [r.communicate(timeout=300) for r in ranks]
+    assert [r.returncode for r in ranks] == [0] * world, said
+
+
 @pytest.mark.slow
 def test_two_ranks_one_group_equal_one_process(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
@@ -82,10 +98,10 @@ def test_two_ranks_one_group_equal_one_process(embedded, tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def two_groups(embedded, tmp_path_factory) -> str:
-    """A cache written by torchrun's 4 ranks in 2 model-parallel groups of 2."""
+    """A cache written by 4 ranks in 2 model-parallel groups of 2 (started as torchrun starts them;
+    the 2-rank test above runs under torchrun itself)."""
     out = str(tmp_path_factory.mktemp("two-groups") / "cache")
-    proc = run(torchrun(4, *produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")))
-    assert proc.returncode == 0, proc.stderr
+    _run_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4)
     return out
 
 
@@ -120,19 +136,13 @@ def test_moe_expert_parallel_equals_one_process(embedded, tmp_path):
     target = build_moe_target(str(tmp_path / "moe"))
     ref, out = str(tmp_path / "ref"), str(tmp_path / "cache")
     assert run_produce(target, embedded.data, ref, *ARGS) == 0
-    proc = run(torchrun(2, *produce_args(target, embedded.data, out, *ARGS, "--ep-size", "2")))
-    assert proc.returncode == 0, proc.stderr
+    _run_ranks(producer_cmd(*produce_args(target, embedded.data, out, *ARGS, "--ep-size", "2")), 2)
     assert_same_samples(out, ref, exact=False)
     whole = statuses(ref)[0]["weight_bytes"]
     for r in statuses(out).values():  # two of the four experts (and half the attention) per rank
         assert r["group_size"] == 2 and 0.45 * whole < r["weight_bytes"] < 0.55 * whole
 
 
-def _start_ranks(cmd: list[str], world: int) -> list:
-    """``world`` ranks started by hand (no torchrun, which would kill the others when one dies)."""
-    env = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    return [start(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
 
 
 @pytest.mark.slow
