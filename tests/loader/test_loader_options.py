@@ -64,6 +64,7 @@ def test_nemo_builder_zero_workers_reads_in_this_process(small_cache):
     assert sum(len(b["input_ids"]) for b in batches) == len(loader.dataset)
 
 
+@pytest.mark.slow
 def test_loader_bench_makes_its_directories_and_deletes_only_its_own(tmp_path):
     # --workdir outside the repository used to crash after the whole run, writing to a missing .bench/.
     workdir, results = tmp_path / "work", tmp_path / "results" / "loader"

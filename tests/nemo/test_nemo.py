@@ -263,6 +263,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_distributed_sampler_semantics(small_cache, nemo_cache, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(DISTRIBUTED)

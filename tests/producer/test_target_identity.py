@@ -228,6 +228,7 @@ def _closed_port() -> int:
         return sock.getsockname()[1]  # nothing listens once the socket is closed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network", ["offline", "connection refused"])
 def test_uncached_hub_id_without_network_fails_fast_in_one_line(embedded, tmp_path, network):
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "home")}
@@ -259,6 +260,7 @@ def test_cached_hub_id_resolves_offline_to_its_commit(embedded, tmp_path):
     assert dspark_cache.open_cache(out).manifest.target_fingerprint == f"hub someorg/tiny@{commit}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("network", ["offline", "connection refused"])
 def test_an_uncached_hub_dataset_without_network_fails_fast_in_one_line(embedded, tmp_path, network):
     hub = str(tmp_path / "hub")
