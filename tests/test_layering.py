@@ -7,7 +7,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dspark_cache"
 # Cache file and directory names (format/paths.py); NeMo's own format is spelled in nemo/nemo_format.py.

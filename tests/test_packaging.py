@@ -7,7 +7,6 @@ is written into the repository.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
