@@ -150,3 +150,9 @@ def _abandon(pool: ProcessPoolExecutor) -> None:
                 process.kill()
     for process in processes:
         process.join(timeout=_REAP_S)
+    # The executor's manager thread closes its wake-up pipe as it winds down; if the interpreter
+    # exits meanwhile, concurrent.futures' exit hook (Python < 3.12) can write to the pipe as it
+    # closes and print a traceback after our one-line message. Let the thread finish first.
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(timeout=_REAP_S)
