@@ -30,12 +30,11 @@ def torchrun(nproc: int, *args: str) -> list[str]:
             "dspark_cache.producer", *args]
 
 
-def start(cmd: list[str], env: dict | None = None, cold: bool = False,
-          code: bool = False) -> subprocess.Popen | WarmProcess:
+def start(cmd: list[str], env: dict | None = None, code: bool = False) -> subprocess.Popen | WarmProcess:
     """``cmd`` in a session of its own, its output piped: our console scripts (and, when ``code``,
-    ``python -c``) forked warm (:mod:`tests.support.warm`) unless ``cold``."""
+    ``python -c``) forked warm (:mod:`tests.support.warm`)."""
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return popen(cmd, full_env, cold=cold, code=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return popen(cmd, full_env, code=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                  start_new_session=True)
 
 
@@ -52,8 +51,8 @@ def kill_group(proc: subprocess.Popen | WarmProcess) -> None:
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: float = 300,
-        cold: bool = False, code: bool = False) -> subprocess.CompletedProcess:
-    proc = start(cmd, env, cold, code)
+        code: bool = False) -> subprocess.CompletedProcess:
+    proc = start(cmd, env, code)
     out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

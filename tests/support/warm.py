@@ -14,13 +14,14 @@ the test's environment (only ``exec`` writes that, and the orphan tests find pro
 a start is forked from the interpreter that has imported nothing its environment changes: the
 full one when it differs from the session's only in keys read when called
 (:data:`CALL_TIME_KEYS`), one with torch alone when it also changes the hub's settings
-(:data:`HUB_PREFIXES`); any other start runs the installed script cold, as does every start
-with ``cold=True``.
+(:data:`HUB_PREFIXES`); any other start runs the installed script cold. A test about the installed
+script itself starts it with :mod:`subprocess`.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import io
 import json
 import os
@@ -83,6 +84,7 @@ KINDS = (
 )
 
 
+@functools.cache
 def _scripts() -> dict[str, str]:
     """Our console scripts' names and ``module:function`` targets, as installed."""
     from importlib.metadata import entry_points
@@ -192,6 +194,45 @@ def _child(request: dict, fds: list[int], scripts: dict[str, str]) -> Any:
 
     entry = getattr(importlib.import_module(module), function)
     return lambda: sys.exit(entry())
+
+
+def _exit_code(code: object) -> int:
+    """The status the interpreter exits with for ``SystemExit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_child(run: Any) -> None:
+    """Run the child's entry and exit as the interpreter does (its non-daemon threads joined, then
+    ``atexit``, then the streams flushed), but without tearing down the preloaded modules, which
+    costs a second and changes nothing a test can see."""
+    interrupted = False
+    try:
+        run()
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code, interrupted = 1, True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # an unhandled Ctrl-C ends the process by SIGINT, as the interpreter ends it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
 
 
 # -- the test's side --------------------------------------------------------------------------------
@@ -358,14 +399,14 @@ class WarmProcess:
         self.wait()
 
 
-def popen(cmd: list[str], env: dict[str, str] | None = None, *, cold: bool = False, code: bool = False,
+def popen(cmd: list[str], env: dict[str, str] | None = None, *, code: bool = False,
           stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool = False,
           start_new_session: bool = False, cwd: str | None = None) -> subprocess.Popen | WarmProcess:
     """``subprocess.Popen(cmd, ...)``, forked warm when the module docstring's rules allow. ``python -c``
     code is forked warm only when ``code`` says so: code that looks at what an interpreter has imported,
     or limits its address space, must start cold."""
     full_env = dict(os.environ if env is None else env)
-    argv = None if cold else _warm_argv(cmd, code)
+    argv = _warm_argv(cmd, code)
     kind = next((k for k in KINDS if k.accepts(full_env)), None) if argv is not None else None
     if kind is None:
         return subprocess.Popen(cmd, env=full_env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
@@ -374,52 +415,13 @@ def popen(cmd: list[str], env: dict[str, str] | None = None, *, cold: bool = Fal
                        new_session=start_new_session, cwd=cwd)
 
 
-def _exit_code(code: object) -> int:
-    """The status the interpreter exits with for ``SystemExit(code)``."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _run_child(run: Any) -> None:
-    """Run the child's entry and exit as the interpreter does (its non-daemon threads joined, then
-    ``atexit``, then the streams flushed), but without tearing down the preloaded modules, which
-    costs a second and changes nothing a test can see."""
-    interrupted = False
-    try:
-        run()
-        code = 0
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
-        code, interrupted = 1, True
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if interrupted:  # an unhandled Ctrl-C ends the process by SIGINT, as the interpreter ends it
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(code)
-
-
 def run(cmd: list[str], env: dict[str, str] | None = None, *, timeout: float | None = None, stdin: Any = None,
         stdout: Any = None, stderr: Any = None, capture_output: bool = False, text: bool = False,
-        cold: bool = False, code: bool = False, cwd: str | None = None) -> subprocess.CompletedProcess:
+        code: bool = False, cwd: str | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, ...)`` through :func:`popen`."""
     if capture_output:
         stdout = stderr = subprocess.PIPE
-    proc = popen(cmd, env, cold=cold, code=code, stdin=stdin, stdout=stdout, stderr=stderr, text=text, cwd=cwd)
+    proc = popen(cmd, env, code=code, stdin=stdin, stdout=stdout, stderr=stderr, text=text, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
