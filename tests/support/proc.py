@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import torch
@@ -15,9 +14,7 @@ import torch
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from tests.support.processes import alive, descendants
-from tests.support.warm import WarmProcess, popen
-
-BIN = os.path.dirname(sys.executable)
+from tests.support.warm import BIN, WarmProcess, popen
 
 
 def producer_cmd(*args: str) -> list[str]:

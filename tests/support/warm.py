@@ -49,8 +49,6 @@ CALL_TIME_PREFIXES = ("DSPARK_",)
 # TORCHINDUCTOR_CACHE_DIR is set by torch itself, in the test process, the first time it asks.
 CALL_TIME_KEYS = frozenset({"PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                             "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR"})
-# Found in /proc/PID/environ by tests/support/processes.py: only an exec'd process carries it there.
-EXEC_ONLY_KEYS = frozenset({"DSPARK_ORPHAN_TEST_RUN"})
 
 # Read when imported by huggingface_hub, transformers and datasets, and by nothing torch imports.
 HUB_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_")
@@ -66,10 +64,14 @@ class Kind:
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a start with ``env`` sees nothing the preloaded modules read under another one."""
+        # The orphan tests find processes by this marker in /proc/PID/environ: only exec writes it.
+        # (Imported here: the warm interpreter runs this file as a script, without the tests package.)
+        from tests.support.processes import MARKER
+
         for key in set(env) | set(BASE_ENV):
             if env.get(key) == BASE_ENV.get(key):
                 continue
-            if key in EXEC_ONLY_KEYS:
+            if key == MARKER:
                 return False
             if not (key in CALL_TIME_KEYS or key.startswith(CALL_TIME_PREFIXES + self.also_free)):
                 return False
@@ -101,7 +103,6 @@ def _serve(path: str, preload: list[str]) -> Any:
 
     for name in preload:
         importlib.import_module(name)
-    scripts = _scripts()
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -121,7 +122,7 @@ def _serve(path: str, preload: list[str]) -> Any:
                 listener.close()
                 for other in (*waiting.values(), conn):
                     other.close()
-                return _child(request, fds, scripts)
+                return _child(request, fds)
             for fd in fds:
                 os.close(fd)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -148,7 +149,7 @@ def _serve(path: str, preload: list[str]) -> Any:
     return None
 
 
-def _child(request: dict, fds: list[int], scripts: dict[str, str]) -> Any:
+def _child(request: dict, fds: list[int]) -> Any:
     """Become the started process: session, standard streams, directory, environment, argv."""
     # The handlers a fresh interpreter starts with.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -187,7 +188,7 @@ def _child(request: dict, fds: list[int], scripts: dict[str, str]) -> Any:
         sys.argv = [argv[1], *argv[2:]]
         sys.path.insert(0, os.getcwd())
         return lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    module, _, function = scripts[os.path.basename(argv[0])].partition(":")
+    module, _, function = _scripts()[os.path.basename(argv[0])].partition(":")
     sys.argv = list(argv)
     sys.path.insert(0, BIN)
     import importlib
@@ -282,7 +283,7 @@ def _warm_argv(cmd: list[str], code: bool) -> list[str] | None:
 
 class WarmProcess:
     """A started process as :class:`subprocess.Popen` shows one: ``pid``, ``stdout``/``stderr``
-    pipes, ``poll``/``wait``/``communicate``, ``send_signal``/``terminate``/``kill``, ``returncode``
+    pipes, ``poll``/``wait``/``communicate``, ``send_signal``/``kill``, ``returncode``
     (minus the signal for a process a signal ended)."""
 
     def __init__(self, interpreter: _Interpreter, args: list[str], argv: list[str], env: dict[str, str], *,
@@ -383,20 +384,8 @@ class WarmProcess:
         if self.poll() is None:
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def __enter__(self) -> WarmProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in (self.stdout, self.stderr):
-            if handle is not None and not handle.closed:
-                handle.close()
-        self.wait()
 
 
 def popen(cmd: list[str], env: dict[str, str] | None = None, *, code: bool = False,
