@@ -18,9 +18,12 @@ import shutil
 import signal
 import sys
 import threading
-from typing import Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from dspark_cache import __version__
+
+if TYPE_CHECKING:
+    from dspark_cache.format.backing import StorageOptions
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -105,6 +108,36 @@ def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
     """Report a failure (one message that says what to do next); returns ``code``."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
+
+
+def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool = True) -> None:
+    """The options of a cache at an object-store URL (``s3://bucket/prefix``), the same on every script."""
+    group = parser.add_argument_group("caches on object storage (s3://, gs://, az://)")
+    group.add_argument("--storage-options", metavar="JSON", default=None,
+                       help="the object-store client's options as a JSON object (endpoint, region, "
+                       "credentials, client_options, retry_config); default: $DSPARK_STORAGE_OPTIONS, "
+                       "then the AWS_* variables. Values are never printed")
+    if local_cache:
+        group.add_argument("--local-cache-dir", metavar="DIR", default=None,
+                           help="where this node keeps downloaded shards (default $DSPARK_LOCAL_CACHE_DIR or "
+                           "~/.cache/dspark-cache/remote)")
+        group.add_argument("--cache-limit", metavar="SIZE", default=None,
+                           help="bytes of shards kept there, e.g. 200G (default $DSPARK_CACHE_LIMIT or half the "
+                           "free space)")
+
+
+def storage_from_args(args: argparse.Namespace) -> "StorageOptions":
+    """The :class:`StorageOptions` of :func:`add_storage_arguments`; a malformed value is a usage error."""
+    from dspark_cache.format.backing import StorageOptions, parse_size, parse_storage_options
+
+    try:
+        options = None if args.storage_options is None else parse_storage_options(args.storage_options,
+                                                                                    "--storage-options")
+        limit = getattr(args, "cache_limit", None)
+        return StorageOptions(options, getattr(args, "local_cache_dir", None),
+                              None if limit is None else parse_size(limit, "--cache-limit"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # The module each console script runs, for a hint when the script itself is not installed anywhere.

@@ -4,10 +4,12 @@
 ``dspark-verify`` and the NeMo dataset read a cache through, and what the monitor can use to
 read indexes only. It imports no torch. API:
 
-* ``CacheDir(root, *, allow_incomplete=False, follow=False, strict=True, cache_id=None)`` reads and
-  checks ``manifest.json`` (an incomplete cache is refused unless ``allow_incomplete`` or ``follow``);
+* ``CacheDir(root, *, allow_incomplete=False, follow=False, strict=True, cache_id=None, storage=None)``
+  reads and checks ``manifest.json`` (an incomplete cache is refused unless ``allow_incomplete`` or ``follow``);
   ``strict`` refuses published shards the manifest does not plan (``dspark-verify`` reports them);
   ``cache_id`` (another process's ``CacheDir.cache_id``) refuses a cache replaced since that one opened.
+  ``root`` may be an object-store URL (``s3://bucket/prefix``): the cache is then read from a
+  node-local copy (:mod:`.backing`, options in ``storage``), through the same interface.
 * ``manifest``, ``shape`` (:class:`SampleShape`), ``paths``, ``root``, ``follow``, ``cache_id``.
 * ``indexed_ids()`` lists shard ids whose index file exists; ``extra_shards()`` those the
   manifest does not plan.
@@ -28,6 +30,8 @@ read indexes only. It imports no torch. API:
   one is never closed, so its number cannot be reused under a running read. ``identity(id)``
   says which file a pinned descriptor is (:func:`file_identity`). Nothing is opened unless
   ``pin`` is called.
+* ``prefetch(ids)`` fetches a remote cache's shards ahead, in that order (a local cache: nothing);
+  ``hold(index)`` / ``let_go(id)`` bracket a shard file opened by another reader (``open_cache``).
 * ``close()`` (or ``with``) closes every descriptor.
 
 The write side (publishing and unpublishing shards, the manifest written) is ``output.CacheOutput``.
@@ -40,6 +44,7 @@ import threading
 import weakref
 from collections import OrderedDict
 
+from dspark_cache.format.backing import StorageOptions, open_backing
 from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
 from dspark_cache.format.files import open_regular
 from dspark_cache.format.geometry import SampleShape
@@ -50,6 +55,7 @@ from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.validate import ForeignShardError, check_catalog
 
 MAX_OPEN_FILES = 128  # idle descriptors kept open; pinned ones may exceed it for a while
+_REMOTE_OPEN_FILES = 4
 
 FileIdentity = tuple[int, ...]
 
@@ -88,19 +94,26 @@ class CacheDir:
     a bounded pool of open shard files. See the module docstring for the whole API."""
 
     def __init__(self, root: str | os.PathLike, *, allow_incomplete: bool = False, follow: bool = False,
-                 strict: bool = True, max_open_files: int = MAX_OPEN_FILES, cache_id: str | None = None) -> None:
-        self.root = os.fspath(root)
-        self.paths = CachePaths(self.root)
+                 strict: bool = True, max_open_files: int = MAX_OPEN_FILES, cache_id: str | None = None,
+                 storage: StorageOptions | None = None, poll: float | None = None) -> None:
+        self.root = os.fspath(root)  # what messages name: the directory, or the URL
+        self.backing = open_backing(self.root, storage, poll=poll)
+        self.remote = self.backing.remote
+        self.paths = CachePaths(self.backing.root)
         self.follow = follow
+        self.backing.refresh_manifest(force=True)
+        self.backing.refresh_listing(force=True)
         # Taken before the read: a manifest replaced right after it still reads as changed.
         self._manifest_file = path_identity(self.paths.manifest)
-        self.manifest = read_manifest(self.root, allow_incomplete=allow_incomplete or follow)
+        self.manifest = read_manifest(self.paths.root, allow_incomplete=allow_incomplete or follow, shown=self.root)
         self.cache_id = self.manifest.cache_id if cache_id is None else cache_id
         if self.manifest.cache_id != self.cache_id:
             raise self._replaced(f"it is cache {self.manifest.cache_id or '(no id)'} now")
         self._index_files: dict[int, FileIdentity | None] = {}  # shard id -> its index file when loaded
         self.shape = SampleShape.from_manifest(self.manifest)
-        self.max_open_files = max_open_files
+        # A remote cache's open files are shards held on this node: few, so that eviction can
+        # keep its local copy within cache_limit.
+        self.max_open_files = max_open_files if self.remote is None else min(max_open_files, _REMOTE_OPEN_FILES)
         self._indexes: dict[int, ShardIndex] = {}
         self._fds: OrderedDict[int, int] = OrderedDict()  # shard id -> fd, least recently used first
         # Plain ints close with nothing: a CacheDir dropped without close() (a loader per epoch, a
@@ -116,6 +129,7 @@ class CacheDir:
 
     def indexed_ids(self) -> list[int]:
         """Shard ids whose index file exists (published, unless damaged since)."""
+        self.backing.refresh_listing()
         return self.paths.indexed_shard_ids()
 
     def extra_shards(self) -> list[int]:
@@ -144,10 +158,13 @@ class CacheDir:
     def published(self, shard_id: int) -> ShardIndex | None:
         """The shard's index if it is published (index present, tar of the indexed size, this cache's)."""
         index = self._indexes.get(shard_id)
+        if index is None and self.follow and not os.path.exists(self.paths.shard_index(shard_id)):
+            self.backing.refresh_listing()  # a remote store is listed again at a bounded rate
         if index is None and os.path.exists(self.paths.shard_index(shard_id)):
             seen = path_identity(self.paths.shard_index(shard_id))
             try:
-                index = load_shard_index(self.paths, shard_id, self.manifest)
+                index = load_shard_index(self.paths, shard_id, self.manifest,
+                                         tar_size=self.backing.tar_size(shard_id))
             except ForeignShardError:
                 self.check_current(force=True)  # raises when the whole cache was replaced
                 raise  # the manifest is the one opened: a shard of another cache was put here
@@ -208,12 +225,14 @@ class CacheDir:
     def check_current(self, *, force: bool = False) -> Manifest | None:
         """Raise :class:`CacheReplacedError` when ``manifest.json`` is gone or names another ``cache_id``
         than the one opened. Costs one ``stat`` while the file is unchanged (then ``None``); a changed
-        file (or ``force``) is re-read and returned."""
+        file (or ``force``) is re-read and returned. A remote cache's manifest is fetched again at
+        most every few seconds."""
+        self.backing.refresh_manifest(force=force)
         seen = path_identity(self.paths.manifest)
         if seen is not None and seen == self._manifest_file and not force:
             return None
         try:
-            fresh = read_manifest(self.root, allow_incomplete=True)
+            fresh = read_manifest(self.paths.root, allow_incomplete=True, shown=self.root)
         except NotACacheError as exc:
             raise self._replaced("its manifest.json is gone") from exc
         if fresh.cache_id != self.cache_id:
@@ -259,17 +278,34 @@ class CacheDir:
     def _open(self, shard_id: int) -> int:
         """Open the shard's tar and record which file it is; under the lock."""
         path = self.paths.shard_tar(shard_id)
+        self.hold(self.require(shard_id))
         try:
             fd = open_regular(path)
         except CacheError as exc:
+            self.let_go(shard_id)
             raise CorruptShardError(path, str(exc)) from exc
         try:
             self.check_opened(shard_id, fd)
             self._identity[shard_id] = file_identity(fd)
         except BaseException:
             os.close(fd)
+            self.let_go(shard_id)
             raise
         return fd
+
+    def hold(self, index: ShardIndex) -> None:
+        """The shard's tar is a local file (a remote one downloaded) and stays one until :meth:`let_go`."""
+        self.backing.acquire(index)
+
+    def let_go(self, shard_id: int) -> None:
+        self.backing.release(shard_id)
+
+    def prefetch(self, shard_ids: list[int]) -> None:
+        """Fetch these published shards ahead, in this order (a remote cache's; a local one: nothing)."""
+        if self.remote is None:
+            return
+        indexes = [self._indexes[s] for s in shard_ids if s in self._indexes]
+        self.backing.prefetch(indexes)
 
     def identity(self, shard_id: int) -> FileIdentity:
         """The identity of the shard's open file (recorded at open); ask only while it is pinned."""
@@ -293,15 +329,18 @@ class CacheDir:
         for shard_id in idle[: max(0, len(self._fds) - self.max_open_files)]:
             os.close(self._fds.pop(shard_id))
             del self._identity[shard_id]
+            self.let_go(shard_id)
 
     def close(self) -> None:
         """Close every descriptor (indexes stay loaded; a later :meth:`pin` reopens files)."""
         with self._lock:
-            for fd in self._fds.values():
+            for shard_id, fd in self._fds.items():
                 os.close(fd)
+                self.let_go(shard_id)
             self._fds.clear()
             self._pins.clear()
             self._identity.clear()
+            self.backing.close()
 
     def __enter__(self) -> "CacheDir":
         return self

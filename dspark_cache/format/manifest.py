@@ -23,31 +23,33 @@ class ManifestDecodeError(CacheError):
 
 @overload
 def read_manifest(root: str, *, missing_ok: Literal[False] = False, allow_incomplete: bool = False,
-                  checked: bool = True, within: str | None = None) -> Manifest: ...
+                  checked: bool = True, within: str | None = None, shown: str | None = None) -> Manifest: ...
 
 
 @overload
 def read_manifest(root: str, *, missing_ok: bool, allow_incomplete: bool = False,
-                  checked: bool = True, within: str | None = None) -> Manifest | None: ...
+                  checked: bool = True, within: str | None = None, shown: str | None = None) -> Manifest | None: ...
 
 
 def read_manifest(root: str, *, missing_ok: bool = False, allow_incomplete: bool = False,
-                  checked: bool = True, within: str | None = None) -> Manifest | None:
+                  checked: bool = True, within: str | None = None, shown: str | None = None) -> Manifest | None:
     """The manifest of the cache at ``root``.
 
     No manifest raises :class:`NotACacheError`, or gives ``None`` with ``missing_ok``. An incomplete
     cache is refused (:class:`IncompleteCacheError`) unless ``allow_incomplete``. ``checked=False``
     skips the check of its fields against each other, for a caller that reports each problem itself
-    (``validate.manifest_problems``); ``within`` confines the open to that directory (``files``).
+    (``validate.manifest_problems``); ``within`` confines the open to that directory (``files``);
+    ``shown`` is what messages call the cache (a remote cache's URL; ``root`` is then its local copy).
     """
     paths = CachePaths(root)
+    name = shown or root
     try:
         data = read_regular(paths.manifest, MAX_MANIFEST_BYTES, within)
     except (FileNotFoundError, NotADirectoryError) as exc:
         if missing_ok:
             return None
         raise NotACacheError(
-            f"{root} is not a dspark cache (no manifest.json); run dspark-produce --output-dir {root} first"
+            f"{name} is not a dspark cache (no manifest.json); run dspark-produce --output-dir {name} first"
         ) from exc
     try:
         manifest = decode_manifest(data, paths.manifest)
@@ -57,7 +59,7 @@ def read_manifest(root: str, *, missing_ok: bool = False, allow_incomplete: bool
         check_manifest(manifest, paths.manifest)
     if not manifest.complete and not allow_incomplete:
         raise IncompleteCacheError(
-            f"{root} is incomplete: the producer has not finished (or was stopped). Rerun "
+            f"{name} is incomplete: the producer has not finished (or was stopped). Rerun "
             "dspark-produce with the same arguments to finish it, or read it while it grows "
             "with follow=True"
         )

@@ -25,6 +25,7 @@ WIDS_INDEX = f"{SHARDS_DIR}/wids-index.json"  # wids' shard list (format/wids_in
 
 _SHARD_INDEX_RE = re.compile(r"^shard-(\d{6,})\.idx$")  # ids past 999999 take more digits
 _SHARD_PARTIAL_RE = re.compile(r"^shard-(\d{6,})\.tar\.partial$")
+_SHARD_FILE_RE = re.compile(r"^shard-(\d{6,})\.(idx|tar)$")
 # Temporaries: format.atomic's f"{path}.{pid}.{thread}.tmp" (indexes, the wids list, manifest, status) and
 # the plan's array writer's f"{path}.{pid}.tmp".
 _TEMPORARY_RE = re.compile(r"^(.+?)(?:\.\d+){1,2}\.tmp$")
@@ -130,6 +131,15 @@ class CachePaths:
 
     def events(self, rank: int) -> str:
         return os.path.join(self.events_dir, f"rank-{rank:05d}.jsonl")
+
+    def shard_file(self, name: str) -> tuple[int, str] | None:
+        """``(shard id, "idx" or "tar")`` of a published shard's file name in ``shards/``, else ``None``."""
+        match = _SHARD_FILE_RE.match(name)
+        if match is None:
+            return None
+        shard_id, kind = int(match.group(1)), match.group(2)
+        spelled = self.shard_index(shard_id) if kind == "idx" else self.shard_tar(shard_id)
+        return (shard_id, kind) if os.path.basename(spelled) == name else None
 
     def indexed_shard_ids(self) -> list[int]:
         """Shard ids whose index file exists (published, unless damaged afterwards)."""

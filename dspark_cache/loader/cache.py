@@ -8,10 +8,11 @@ bf16 unless ``dtype`` says otherwise; ``dtype="raw"`` keeps its float8 states an
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
+from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.sample import dequantize_arrays
 from dspark_cache.format.schema import SampleEntry, ShardIndex
@@ -28,8 +29,9 @@ class Cache:
     the hidden states' dtype, as ``build_dataloader``'s (FP8 caches: bf16 by default, or ``"fp32"``,
     or ``"raw"``)."""
 
-    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None) -> None:
-        self.cache = CacheDir(path, allow_incomplete=allow_incomplete)
+    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None,
+                 storage: StorageOptions | None = None) -> None:
+        self.cache = CacheDir(path, allow_incomplete=allow_incomplete, storage=storage)
         self.path, self.paths = self.cache.root, self.cache.paths
         self.manifest, self.shape = self.cache.manifest, self.cache.shape
         self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
@@ -56,12 +58,18 @@ class Cache:
         reader = self._readers.pop(shard.shard_id, None)
         if reader is None:
             if len(self._readers) >= self.cache.max_open_files:
-                self._readers.pop(next(iter(self._readers))).close()
-            reader = ShardReader(self.paths, shard.shard_id, shard, self.shape, self.manifest.target_vocab_size)
+                self._drop(next(iter(self._readers)))
+            self.cache.hold(shard)  # a remote cache's shard: downloaded to this node, kept while open
+            try:
+                reader = ShardReader(self.paths, shard.shard_id, shard, self.shape, self.manifest.target_vocab_size)
+            except BaseException:
+                self.cache.let_go(shard.shard_id)
+                raise
             try:
                 self.cache.check_opened(shard.shard_id, reader.fileno())
             except BaseException:
                 reader.close()
+                self.cache.let_go(shard.shard_id)
                 raise
         self._readers[shard.shard_id] = reader  # most recently used last
         return reader
@@ -82,10 +90,13 @@ class Cache:
         for position in range(len(self)):
             yield self.read(position)
 
+    def _drop(self, shard_id: int) -> None:
+        self._readers.pop(shard_id).close()
+        self.cache.let_go(shard_id)
+
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
+        for shard_id in list(self._readers):
+            self._drop(shard_id)
         self.cache.close()
 
     def __enter__(self) -> "Cache":
@@ -95,7 +106,12 @@ class Cache:
         self.close()
 
 
-def open_cache(path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None) -> Cache:
-    """Open a cache directory; refuses an incomplete one unless ``allow_incomplete``. An FP8 cache's
-    samples come dequantised to bf16 (``dtype="fp32"``: float32; ``dtype="raw"``: float8 plus scales)."""
-    return Cache(os.fspath(path), allow_incomplete=allow_incomplete, dtype=dtype)
+def open_cache(path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None,
+               storage_options: dict[str, Any] | None = None, local_cache_dir: str | None = None,
+               cache_limit: int | None = None) -> Cache:
+    """Open a cache directory or object-store URL (``s3://bucket/prefix``: read through a node-local
+    copy, as ``build_dataloader``'s options say); refuses an incomplete one unless ``allow_incomplete``.
+    An FP8 cache's samples come dequantised to bf16 (``dtype="fp32"``: float32; ``dtype="raw"``:
+    float8 plus scales)."""
+    return Cache(os.fspath(path), allow_incomplete=allow_incomplete, dtype=dtype,
+                 storage=StorageOptions(storage_options, local_cache_dir, cache_limit))

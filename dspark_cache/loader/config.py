@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dspark_cache.format.backing import StorageOptions
 from dspark_cache.loader.verify import VERIFY_MODES
 
 PAD_MODES = ("seq_length", "longest")
@@ -31,7 +32,11 @@ class LoaderConfig:
     ``nemo_keys_only`` drops our extra keys; ``verify`` ``"once"`` or ``"always"``; ``dtype`` of the
     hidden states handed out: ``None`` (as stored; an FP8 cache dequantised to bf16), ``"bf16"`` or
     ``"fp32"`` (an FP8 cache dequantised to it), or ``"raw"`` (FP8 bytes plus scales, for
-    ``dspark_cache.dequantize`` on the GPU).
+    ``dspark_cache.dequantize`` on the GPU). A cache at an object-store URL (``s3://bucket/prefix``)
+    is read through a node-local copy: ``local_cache_dir`` (default ``$DSPARK_LOCAL_CACHE_DIR`` or
+    ``~/.cache/dspark-cache/remote``, shared by the node's processes), ``cache_limit`` bytes of shards
+    kept there (default: half its free space), ``storage_options`` for the client (endpoint, region,
+    credentials; see README "Caches on object storage").
     """
 
     batch_size: int
@@ -54,6 +59,9 @@ class LoaderConfig:
     follow_timeout: float | None = None
     verify: str = "once"
     dtype: Any = None  # checked against the cache when the loader opens it (reader.resolve_out_code)
+    storage_options: dict[str, Any] | None = None
+    local_cache_dir: str | None = None
+    cache_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.window < 1:
@@ -65,6 +73,12 @@ class LoaderConfig:
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {self.pad_to!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, not {self.verify!r}")
+        if self.cache_limit is not None and self.cache_limit <= 0:
+            raise ValueError(f"cache_limit={self.cache_limit}: the bytes of shards kept on this node, more than 0")
+
+    @property
+    def storage(self) -> StorageOptions:
+        return StorageOptions(self.storage_options, self.local_cache_dir, self.cache_limit)
 
     @property
     def read_ahead(self) -> int:

@@ -24,6 +24,8 @@ from dspark_cache.loader.reader import BatchLayout, BatchReader
 from dspark_cache.loader.validate import check_expectations
 
 STATE_VERSION = 1
+_PREFETCH_EVERY = 4  # batches between updates of what a remote cache downloads ahead
+_PREFETCH_SHARDS = 64  # shards it may queue at once (its byte budget stops it sooner)
 
 
 class DSparkLoader:
@@ -39,8 +41,9 @@ class DSparkLoader:
         self.config = config = LoaderConfig(batch_size, **options)
         path = os.fspath(path)
         if config.follow:
-            wait_for_manifest(path, config.poll_interval, config.follow_timeout)
-        self.cache = CacheDir(path, follow=config.follow)
+            wait_for_manifest(path, config.poll_interval, config.follow_timeout, config.storage)
+        self.cache = CacheDir(path, follow=config.follow, storage=config.storage,
+                              poll=max(1.0, config.poll_interval) if config.follow else None)
         layout = BatchLayout.from_manifest(self.cache.manifest, config.dtype)  # checks dtype against the cache
         if config.expect:
             check_expectations(self.cache.manifest, config.expect, where=path, delivered=layout.state_code)
@@ -113,6 +116,8 @@ class DSparkLoader:
         step = 0
         exhausted = False
         while True:
+            if step % _PREFETCH_EVERY == 0:  # a remote cache fetches the shards read next ahead
+                self.cache.prefetch(order.shards_from(base + step * self.global_batch, _PREFETCH_SHARDS))
             while not exhausted and len(pending) < self.config.read_ahead:
                 wanted = self._step_batch(order, base, step + len(pending))
                 if wanted is None:

@@ -8,25 +8,29 @@ and, in follow mode, polls until the producer publishes them.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
+from dspark_cache.format.backing import StorageOptions, open_backing
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, NotACacheError
-from dspark_cache.format.paths import CachePaths
 from dspark_cache.loader.order import EpochOrder
 
 log = logging.getLogger(__name__)
 _NOTE_EVERY = 30.0  # seconds between "still waiting" log lines
 
 
-def wait_for_manifest(path: str, poll: float, timeout: float | None) -> None:
-    """Follow mode may start before the producer has planned: wait for the manifest."""
+def wait_for_manifest(path: str, poll: float, timeout: float | None, storage: StorageOptions | None = None) -> None:
+    """Follow mode may start before the producer has planned: wait for the manifest (an object
+    store is asked at most once a second)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while not os.path.exists(CachePaths(path).manifest):
-        if deadline is not None and time.monotonic() > deadline:
-            raise NotACacheError(f"no manifest appeared in {path} within {timeout} s; is dspark-produce running?")
-        time.sleep(poll)
+    backing = open_backing(path, storage)
+    try:
+        while not backing.has_manifest():
+            if deadline is not None and time.monotonic() > deadline:
+                raise NotACacheError(f"no manifest appeared in {path} within {timeout} s; is dspark-produce running?")
+            time.sleep(poll if backing.remote is None else max(poll, 1.0))
+    finally:
+        backing.close()
 
 
 def extend(order: EpochOrder, cache: CacheDir) -> bool:

@@ -10,6 +10,7 @@ every rank gets the same number of batches whatever the shard sizes.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Mapping, Protocol, Sequence
 
@@ -79,6 +80,7 @@ class EpochOrder:
         self.windows = windows(sequence, window)
         self.refs: list[SampleRef] = []
         self.loaded = 0
+        self._ends: list[int] = []  # len(refs) after each window added
 
     @property
     def complete(self) -> bool:
@@ -99,7 +101,14 @@ class EpochOrder:
         by_id = {s: sorted(range(len(indexes[s].samples)), key=lambda k, i=indexes[s]: i.samples[k].sample_id)
                  for s in shards}
         self.refs += window_order(shards, by_id, self.seed, self.epoch, self.loaded, self.shuffle)
+        self._ends.append(len(self.refs))
         self.loaded += 1
+
+    def shards_from(self, position: int, limit: int) -> list[int]:
+        """Up to ``limit`` shard ids in the order they are read from ``position`` on: the window
+        holding that sample, then the later ones (known in advance: what a remote cache fetches ahead)."""
+        window = bisect.bisect_right(self._ends, position)
+        return [s for w in self.windows[window:] for s in w][:limit]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError
 from dspark_cache.loader.order import RankBatch, SampleRef
@@ -26,15 +27,18 @@ class DSparkMapDataset(torch.utils.data.Dataset):
 
     Safe in ``DataLoader`` worker processes: files and reader threads are opened per process.
     ``dtype``: the hidden states' dtype, as ``build_dataloader``'s (FP8 caches are dequantised to it;
-    bf16 by default).
+    bf16 by default). ``cache_dir`` may be an object-store URL: shards are then downloaded to this
+    node on first use (``storage``; by default from ``DSPARK_STORAGE_OPTIONS``, ``DSPARK_LOCAL_CACHE_DIR``
+    and ``DSPARK_CACHE_LIMIT``, so that an unedited NeMo recipe can read one).
     """
 
     def __init__(self, cache_dir: str | os.PathLike, *, batch_size: int = 1, native: bool | None = None,
-                 dtype: object = None) -> None:
+                 dtype: object = None, storage: StorageOptions | None = None) -> None:
         self.cache_dir = os.fspath(cache_dir)
         self.batch_size = max(1, batch_size)
         self.native = native
-        cache = CacheDir(self.cache_dir)
+        self.storage = storage
+        cache = CacheDir(self.cache_dir, storage=storage)
         self.manifest = cache.manifest
         self.layout = BatchLayout.from_manifest(self.manifest, dtype)  # refuses a dtype the cache cannot give
         self._shard, self._entry = _positions(cache)
@@ -78,7 +82,7 @@ class DSparkMapDataset(torch.utils.data.Dataset):
         if self._pid != os.getpid() or self._cache is None:
             # A forked DataLoader worker: reader threads and descriptors belong to the parent.
             # The cache the parent opened, or an error if it was replaced since (positions are the parent's).
-            self._cache = CacheDir(self.cache_dir, cache_id=self.manifest.cache_id)
+            self._cache = CacheDir(self.cache_dir, cache_id=self.manifest.cache_id, storage=self.storage)
             self._reader, self._pid = None, os.getpid()
             if self._cache.manifest.identity() != self.manifest.identity():
                 raise CacheError(f"{self.cache_dir} was replaced by a different cache while training read it; "

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.paths import TARGET_WEIGHTS, CachePaths
 from dspark_cache.format.schema import ShardIndex, encode_json
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.tar.reader import ShardReader
@@ -39,11 +40,20 @@ class Report:
         return self.complete and not self.missing and not self.corrupt and not self.problems
 
 
-def verify_cache(path: str) -> Report:
+def verify_cache(path: str, storage: StorageOptions | None = None) -> Report:
     """Check every planned shard: index valid for the manifest, tar intact, every sample's checksum
     and header. Raises :class:`NotACacheError` (or another ``CacheError``) only when the
-    directory holds no readable dspark manifest; everything else is reported."""
-    cache = CacheDir(path, allow_incomplete=True, strict=False)  # unplanned shards are reported, not raised
+    directory holds no readable dspark manifest; everything else is reported. A remote cache
+    (``s3://...``) streams through its node-local copy one shard at a time (``storage``'s
+    ``cache_limit`` bounds the disk it takes)."""
+    cache = CacheDir(path, allow_incomplete=True, strict=False, storage=storage)  # unplanned shards: reported
+    try:
+        return _verify(cache, path)
+    finally:
+        cache.close()
+
+
+def _verify(cache: CacheDir, path: str) -> Report:
     paths, manifest = cache.paths, cache.manifest
     report = Report(cache=path, complete=manifest.complete, shards_total=manifest.num_shards,
                     leftovers=paths.partial_files())
@@ -54,7 +64,9 @@ def verify_cache(path: str) -> Report:
     for shard_id in range(manifest.num_shards):
         if shard_id not in present:
             report.missing.append(shard_id)
-            if os.path.exists(paths.shard_tar(shard_id)):  # renamed, killed before its index: unpublished
+            if cache.remote is not None and cache.backing.tar_size(shard_id) >= 0:
+                report.leftovers.append(cache.backing.store.name(f"shards/{os.path.basename(paths.shard_tar(shard_id))}"))
+            elif os.path.exists(paths.shard_tar(shard_id)):  # renamed, killed before its index: unpublished
                 report.leftovers.append(paths.shard_tar(shard_id))
             continue
         index = _verify_shard(cache, shard_id, report)
@@ -64,6 +76,8 @@ def verify_cache(path: str) -> Report:
         check_catalog(manifest, indexes, path)
     except CacheError as exc:
         report.problems.append(str(exc))
+    if cache.remote is not None:
+        cache.backing.fetch_file(TARGET_WEIGHTS)
     weights = weights_problem(paths, manifest)  # a running producer may not have written them yet
     if weights is not None and (manifest.complete or os.path.lexists(paths.target_weights)):
         report.problems.append(weights)
@@ -72,27 +86,28 @@ def verify_cache(path: str) -> Report:
 
 def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex | None:
     paths = cache.paths
+    held = bytes_checked = False
     try:
         index = cache.require(shard_id)
+        cache.hold(index)  # a remote shard is downloaded (and checked against its index) here
+        held = True
         with ShardReader(paths, shard_id, index, cache.shape) as reader:
             reader.verify()
-    except CorruptShardError as exc:
-        report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc)})
-        return None
-    except (CacheError, OSError) as exc:
-        report.corrupt.append({"shard": shard_id, "path": paths.shard_tar(shard_id), "sample": None,
-                               "reason": f"{paths.shard_tar(shard_id)}: {exc}"})
-        return None
-    try:
+        bytes_checked = True
         _verify_values(cache, index, shard_id)
-    except CorruptShardError as exc:  # the bytes are the writer's: rebuilding the index cannot help
-        report.corrupt.append({"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc),
-                               "rebuildable": False})
+    except CorruptShardError as exc:
+        problem = {"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc)}
+        if bytes_checked:  # the bytes are the writer's: rebuilding the index cannot help
+            problem["rebuildable"] = False
+        report.corrupt.append(problem)
         return None
     except (CacheError, OSError) as exc:
         report.corrupt.append({"shard": shard_id, "path": paths.shard_tar(shard_id), "sample": None,
                                "reason": f"{paths.shard_tar(shard_id)}: {exc}"})
         return None
+    finally:
+        if held:
+            cache.let_go(shard_id)
     report.shards_ok += 1
     report.samples_ok += index.num_samples
     return index

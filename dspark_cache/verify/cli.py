@@ -12,7 +12,10 @@ from dataclasses import asdict
 
 import msgspec
 
-from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_USAGE, exit_codes_epilog
+from dspark_cache.cli.conventions import (
+    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_USAGE, UsageError, add_storage_arguments, exit_codes_epilog,
+    storage_from_args,
+)
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.schema import FORMAT_ID
 from dspark_cache.format.validate import InvalidManifestError
@@ -30,14 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repair", action="store_true",
                         help="rebuild a damaged index from its intact tar; delete other corrupt shards (tar and "
                         "index) so that a dspark-produce rerun recomputes them")
+    add_storage_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Verify (and repair), print the report; 0 when the cache is complete and intact, 1 when not."""
     from dspark_cache.verify.checks import headline_state, print_report, repair, verify_cache
 
+    from dspark_cache.format.remote.url import is_remote
+
+    storage = storage_from_args(args)
+    if args.repair and is_remote(args.cache_dir):
+        raise UsageError(f"--repair of a cache on object storage ({args.cache_dir}) is not available yet: "
+                         "verify it without --repair, then replace the objects it names from a good copy of the cache")
     try:
-        report = verify_cache(args.cache_dir)
+        report = verify_cache(args.cache_dir, storage)
         if args.repair:
             repair(args.cache_dir, report)
     except InvalidManifestError as exc:  # a cache, but its manifest is damaged: a problem found

@@ -23,13 +23,15 @@ from dspark_cache.format.validate import (
 _HASH_CHUNK = 8 << 20
 
 
-def load_shard_index(paths: CachePaths, shard_id: int, manifest: Manifest | None = None) -> ShardIndex:
+def load_shard_index(paths: CachePaths, shard_id: int, manifest: Manifest | None = None, *,
+                     tar_size: int | None = None) -> ShardIndex:
     """Load a shard's index and check that its tar is a regular file of exactly the indexed size.
 
     With the cache's ``manifest``, every entry is also checked against its geometry and the tar's
     real layout (:func:`~dspark_cache.format.validate.check_index`), so nothing read through
     the index can land outside its sample, and the index must be this cache's
-    (:class:`~dspark_cache.format.validate.ForeignShardError` otherwise).
+    (:class:`~dspark_cache.format.validate.ForeignShardError` otherwise). ``tar_size``: the tar's
+    size where it is not a local file yet (a remote cache's listing); -1 where it is not there.
     """
     idx_path = paths.shard_index(shard_id)
     try:
@@ -42,7 +44,9 @@ def load_shard_index(paths: CachePaths, shard_id: int, manifest: Manifest | None
         raise CorruptShardError(idx_path, "the index vanished or is a dangling link") from exc
     tar_path = paths.shard_tar(shard_id)
     try:
-        size = regular_size(tar_path)
+        if tar_size is not None and tar_size < 0:
+            raise FileNotFoundError(tar_path)
+        size = regular_size(tar_path) if tar_size is None else tar_size
     except FileNotFoundError as exc:
         raise CorruptShardError(tar_path, "the tar is missing although its index exists") from exc
     except CacheError as exc:
@@ -75,9 +79,9 @@ class ShardReader:
         """The open tar's descriptor (``CacheDir.check_opened`` checks it is still the indexed file)."""
         return self._fd
 
-    def close(self) -> None:
+    def close(self, _close=os.close) -> None:  # bound now: at interpreter exit the module's os may be gone
         if self._fd >= 0:
-            os.close(self._fd)
+            _close(self._fd)
             self._fd = -1
 
     def __del__(self) -> None:  # a plain int closes with nothing: a dropped reader must not keep its file

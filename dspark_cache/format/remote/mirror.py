@@ -1,0 +1,425 @@
+"""A remote cache read through a node-local directory: :class:`NodeMirror` (``local_cache_dir``).
+
+Readers (the loader's C filler, ``open_cache``, ``dspark-verify``) read local files by offset,
+so a remote cache is mirrored into an ordinary cache directory on local disk and read there:
+
+* the manifest and the shard indexes (small) are copied in whole and kept current: the manifest
+  at most every ``poll`` seconds, the index listing once at open and, while following a producer,
+  at most every ``poll`` seconds (one LIST per 1000 shards). An object that vanished or changed
+  remotely is removed or replaced locally, so the directory reader's own checks (a replaced
+  cache, an unpublished shard) see what the store holds;
+* a shard's tar is downloaded when a reader needs it or, ahead of that, in the order the epoch
+  will read them (:meth:`prefetch`, several downloads in flight), checked against its index
+  (size and whole-tar xxh3 while it streams: a corrupted download is fetched again once, then
+  reported naming the object), and renamed into place whole;
+* the tars kept locally are bounded by ``cache_limit`` bytes: least recently used first, a shard
+  in use by any process never. Processes and ranks of one node that use the same
+  ``local_cache_dir`` share one copy: a shard is downloaded once per node (an ``flock`` per shard
+  for the download, a shared ``flock`` while a process reads it, which eviction must not see).
+
+Layout: ``<local_cache_dir>/<bucket>/<prefix>/`` is a cache directory (``manifest.json``,
+``shards/``), and its ``.mirror/`` holds the locks, the downloads in progress and, per copied
+object, the ETag it was copied from.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
+from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.format.schema import ShardIndex
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_SHARE = 0.5  # without cache_limit: at most half of the free space where the mirror lives
+_POLL = 2.0  # seconds between checks of the remote manifest / listing
+_IN_FLIGHT = 4  # downloads at once
+_MIRROR = ".mirror"
+_EVICTING = "evicting"  # held by the one process deleting tars to keep the node's copy within its limit
+
+
+def default_local_cache_dir() -> str:
+    return os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dspark-cache", "remote")
+
+
+def _flock(path: str, how: int) -> int | None:
+    """A descriptor holding ``how`` on ``path`` (created), or ``None`` where ``LOCK_NB`` found it held."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, how)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
+
+
+class NodeMirror:
+    """The node-local copy of one remote cache. ``root`` is the local cache directory to read.
+
+    ``refresh_manifest()``/``refresh_listing()`` copy the small objects in (rate-bounded unless
+    ``force``); ``tar_size(id)`` is a published shard's size in the store; ``acquire(index)``
+    makes its tar local and holds it in use until ``release(id)``; ``prefetch(indexes)``
+    downloads ahead in that order. ``close()`` stops downloads and lets go of every shard.
+    """
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None,
+                 local_cache_dir: str | os.PathLike | None = None, cache_limit: int | None = None,
+                 poll: float = _POLL) -> None:
+        self.url = RemoteURL.parse(url)
+        self.remote = str(self.url)
+        self.store = ObjectStore(self.url, storage_options)
+        base = os.path.abspath(os.fspath(local_cache_dir or default_local_cache_dir()))
+        self.root = os.path.join(base, self.url.scheme, self.url.bucket, *filter(None, self.url.prefix.split("/")))
+        self.paths = CachePaths(self.root)
+        self._meta = os.path.join(self.root, _MIRROR)
+        for sub in (self.paths.shards_dir, *(os.path.join(self._meta, d) for d in ("use", "get", "tmp", "seen"))):
+            os.makedirs(sub, exist_ok=True)
+        if cache_limit is not None and cache_limit <= 0:
+            raise ValueError(f"cache_limit={cache_limit}: it is the local cache's size in bytes, more than 0")
+        self.cache_limit = cache_limit if cache_limit is not None else int(
+            shutil.disk_usage(self.root).free * _DEFAULT_SHARE)
+        self.poll = poll
+        self._listing: dict[str, ObjectInfo] = {}
+        self._checked = {"manifest": 0.0, "listing": 0.0}
+        self._in_use: dict[int, tuple[int, int]] = {}  # shard id -> (use-lock fd, holders in this process)
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="dspark-mirror")
+        self._wanted: dict[int, Future] = {}  # shard id -> its prefetch
+        self._wanted_bytes: dict[int, int] = {}
+        self._closed = False
+        self.downloads = 0  # tars this process downloaded (the rest it found on the node)
+
+    def __repr__(self) -> str:
+        return f"NodeMirror({str(self.url)!r} at {self.root!r})"
+
+    # -- small objects ------------------------------------------------------------------------
+
+    def _due(self, what: str, force: bool) -> bool:
+        now = time.monotonic()
+        if not force and now - self._checked[what] < self.poll:
+            return False
+        self._checked[what] = now
+        return True
+
+    def _seen(self, relative: str) -> str:
+        return os.path.join(self._meta, "seen", relative.replace("/", "%"))
+
+    def _copied_from(self, relative: str) -> str | None:
+        try:
+            with open(self._seen(relative)) as handle:
+                return handle.read()
+        except FileNotFoundError:
+            return None
+
+    def _record(self, relative: str, info: ObjectInfo | None) -> None:
+        if info is None:
+            try:
+                os.unlink(self._seen(relative))
+            except FileNotFoundError:
+                pass
+        else:
+            atomic_write_bytes(self._seen(relative), f"{info.size}:{info.etag}".encode(), durable=False)
+
+    def _local(self, relative: str) -> str:
+        return os.path.join(self.root, *relative.split("/"))
+
+    def _remove_local(self, relative: str) -> None:
+        try:
+            os.unlink(self._local(relative))
+        except FileNotFoundError:
+            pass
+        self._record(relative, None)
+
+    def _copy_small(self, relative: str, known: ObjectInfo | None = None) -> None:
+        """Make the local copy of a small object the store's current one (removed where it is gone)."""
+        if known is not None and self._copied_from(relative) == f"{known.size}:{known.etag}" \
+                and os.path.exists(self._local(relative)):
+            return
+        got = self.store.get(relative)
+        if got is None:
+            self._remove_local(relative)
+            return
+        data, info = got
+        if self._copied_from(relative) == f"{info.size}:{info.etag}" and os.path.exists(self._local(relative)):
+            return  # unchanged: keep the file (a reader compares its identity)
+        atomic_write_bytes(self._local(relative), data, durable=False)
+        self._record(relative, info)
+
+    def has_manifest(self) -> bool:
+        """Whether the store holds a manifest now (one request)."""
+        self.refresh_manifest(force=True)
+        return os.path.exists(self.paths.manifest)
+
+    def refresh_manifest(self, *, force: bool = False) -> None:
+        """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``)."""
+        if self._due("manifest", force):
+            self._copy_small(MANIFEST)
+
+    def refresh_listing(self, *, force: bool = False) -> None:
+        """List the shards in the store; copy new or changed indexes in, drop the local copies of
+        shards that are no longer published (at most every ``poll`` s unless ``force``)."""
+        if not self._due("listing", force):
+            return
+        listing = self.store.list(SHARDS_DIR)
+        with self._lock:
+            self._listing = listing
+        for name, info in listing.items():
+            shard = self.paths.shard_file(name)
+            if shard is not None and shard[1] == "idx":
+                self._copy_small(f"{SHARDS_DIR}/{name}", info)
+        for name in os.listdir(self.paths.shards_dir):
+            shard = self.paths.shard_file(name)
+            if shard is None:
+                continue
+            gone = name not in listing
+            stale = shard[1] == "tar" and not gone and self._copied_from(f"{SHARDS_DIR}/{name}") not in (
+                None, f"{listing[name].size}:{listing[name].etag}")
+            if (gone or stale) and not self._used_here(shard[0]):
+                self._remove_local(f"{SHARDS_DIR}/{name}")
+
+    def fetch_file(self, relative: str) -> bool:
+        """Copy one other file of the cache in (the target's weights, for ``dspark-verify``), if the
+        store has it; whether it does."""
+        info = self.store.head(relative)
+        if info is None:
+            self._remove_local(relative)
+            return False
+        if self._copied_from(relative) != f"{info.size}:{info.etag}" or not os.path.exists(self._local(relative)):
+            tmp = os.path.join(self._meta, "tmp", f"{relative.replace('/', '%')}.{os.getpid()}")
+            try:
+                got = self.store.download(relative, tmp)
+                os.replace(tmp, self._local(relative))
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            self._record(relative, got)
+        return True
+
+    def tar_size(self, shard_id: int) -> int:
+        """The size of the shard's tar in the store (as last listed), -1 when it is not there."""
+        with self._lock:
+            info = self._listing.get(os.path.basename(self.paths.shard_tar(shard_id)))
+        return -1 if info is None else info.size
+
+    # -- tars ---------------------------------------------------------------------------------
+
+    def _used_here(self, shard_id: int) -> bool:
+        with self._lock:
+            return shard_id in self._in_use
+
+    def _lock_file(self, kind: str, shard_id: int) -> str:
+        return os.path.join(self._meta, kind, os.path.basename(self.paths.shard_tar(shard_id)))
+
+    def _present(self, index: ShardIndex) -> bool:
+        relative = f"{SHARDS_DIR}/{os.path.basename(self.paths.shard_tar(index.shard_id))}"
+        try:
+            size = os.stat(self._local(relative)).st_size
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            listed = self._listing.get(relative.rsplit("/", 1)[1])
+        same = listed is None or self._copied_from(relative) == f"{listed.size}:{listed.etag}"
+        return size == index.tar_bytes and same
+
+    def _fetch(self, index: ShardIndex) -> None:
+        """Download the tar (once per node: the others wait on its download lock, then find it)."""
+        if self._present(index):
+            return
+        fd = _flock(self._lock_file("get", index.shard_id), fcntl.LOCK_EX)
+        assert fd is not None
+        try:
+            if self._present(index):
+                return
+            self._download(index)
+        finally:
+            os.close(fd)
+        self._evict()
+
+    def _download(self, index: ShardIndex) -> None:
+        tar = self.paths.shard_tar(index.shard_id)
+        relative = f"{SHARDS_DIR}/{os.path.basename(tar)}"
+        tmp = os.path.join(self._meta, "tmp", f"{os.path.basename(tar)}.{os.getpid()}.{threading.get_ident()}")
+        for attempt in (1, 2):  # a corrupted download is fetched again once
+            try:
+                info = self.store.download(relative, tmp)
+                problem = _check_tar(tmp, index)
+                if problem is None:
+                    os.replace(tmp, tar)
+                    self._record(relative, info)
+                    os.utime(self._lock_file("use", index.shard_id) if os.path.exists(
+                        self._lock_file("use", index.shard_id)) else tar)
+                    with self._lock:
+                        self.downloads += 1
+                    return
+            except FileNotFoundError as exc:
+                raise CorruptShardError(self.store.name(relative), "the tar is not in the store although its "
+                                        "index is published") from exc
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            log.warning("download of %s did not match its index (%s)%s", self.store.name(relative), problem,
+                        "; fetching it again" if attempt == 1 else "")
+        raise CorruptShardError(self.store.name(relative), f"downloaded twice, and twice it did not match its "
+                                f"index ({problem}): the object in the store is damaged")
+
+    def acquire(self, index: ShardIndex) -> None:
+        """Make the shard's tar local and hold it in use (never evicted) until :meth:`release`."""
+        shard_id = index.shard_id
+        with self._lock:
+            held = self._in_use.get(shard_id)
+            if held is not None:
+                self._in_use[shard_id] = (held[0], held[1] + 1)
+                return
+        fd = _flock(self._lock_file("use", shard_id), fcntl.LOCK_SH)
+        assert fd is not None
+        try:
+            with self._lock:
+                pending = self._wanted.pop(shard_id, None)
+                self._wanted_bytes.pop(shard_id, None)
+            if pending is not None:
+                try:
+                    pending.result()
+                except CacheError:
+                    pass  # fetched below again, and its error raised here, where the shard is needed
+            self._fetch(index)
+            os.utime(self._lock_file("use", shard_id))  # most recently used: evicted last
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            held = self._in_use.get(shard_id)
+            if held is not None:  # another thread took it meanwhile
+                os.close(fd)
+                self._in_use[shard_id] = (held[0], held[1] + 1)
+            else:
+                self._in_use[shard_id] = (fd, 1)
+
+    def release(self, shard_id: int) -> None:
+        with self._lock:
+            fd, holders = self._in_use[shard_id]
+            if holders > 1:
+                self._in_use[shard_id] = (fd, holders - 1)
+                return
+            del self._in_use[shard_id]
+        os.close(fd)
+
+    def prefetch(self, indexes: list[ShardIndex]) -> None:
+        """Download these shards ahead, in this order, while their bytes fit the limit beside what
+        is in use (later calls replace the queue's order; what is downloading finishes)."""
+        with self._lock:
+            if self._closed:
+                return
+            for shard_id in [s for s, f in self._wanted.items() if f.done()]:
+                del self._wanted[shard_id], self._wanted_bytes[shard_id]
+            budget = self.cache_limit // 2 - sum(self._wanted_bytes.get(s, 0) for s in self._wanted)
+            for index in indexes:
+                if index.shard_id in self._wanted or index.shard_id in self._in_use or self._present(index):
+                    continue
+                if index.tar_bytes > budget:
+                    break
+                budget -= index.tar_bytes
+                self._wanted_bytes[index.shard_id] = index.tar_bytes
+                self._wanted[index.shard_id] = self._pool.submit(self._prefetch_one, index)
+
+    def _prefetch_one(self, index: ShardIndex) -> None:
+        try:
+            self._fetch(index)
+        except CacheError as exc:  # raised again where the shard is read
+            log.debug("prefetch of shard %d failed: %s", index.shard_id, exc)
+            raise
+
+    def _evict(self) -> None:
+        """Delete the least recently used tars not in use by any process while over the limit."""
+        lock = _flock(os.path.join(self._meta, _EVICTING), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if lock is None:
+            return  # another process is evicting now
+        try:
+            tars = []
+            for name in os.listdir(self.paths.shards_dir):
+                shard = self.paths.shard_file(name)
+                if shard is not None and shard[1] == "tar":
+                    shard_id = shard[0]
+                    path = os.path.join(self.paths.shards_dir, name)
+                    use = self._lock_file("use", shard_id)
+                    try:
+                        size = os.stat(path).st_size
+                        used = os.stat(use).st_mtime if os.path.exists(use) else os.stat(path).st_mtime
+                    except FileNotFoundError:
+                        continue
+                    tars.append((used, shard_id, path, size))
+            total = sum(t[3] for t in tars)
+            with self._lock:
+                wanted = set(self._wanted)
+            # Queued prefetches go last: they are what the epoch reads next.
+            for _, shard_id, path, size in sorted(tars, key=lambda t: (t[1] in wanted, t[0])):
+                if total <= self.cache_limit:
+                    break
+                if self._used_here(shard_id):
+                    continue
+                fd = _flock(self._lock_file("use", shard_id), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if fd is None:
+                    continue  # another process reads it
+                try:
+                    self._remove_local(f"{SHARDS_DIR}/{os.path.basename(path)}")
+                    total -= size
+                finally:
+                    os.close(fd)
+            if total > self.cache_limit:
+                log.info("the local cache at %s holds %d bytes, over its limit of %d: every shard there is in use",
+                         self.root, total, self.cache_limit)
+        finally:
+            os.close(lock)
+
+    def local_bytes(self) -> int:
+        """Bytes of tars on this node's copy now."""
+        total = 0
+        for name in os.listdir(self.paths.shards_dir):
+            if (self.paths.shard_file(name) or (0, ""))[1] == "tar":
+                try:
+                    total += os.stat(os.path.join(self.paths.shards_dir, name)).st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            wanted, self._wanted = self._wanted, {}
+        for future in wanted.values():
+            future.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            held, self._in_use = self._in_use, {}
+        for fd, _ in held.values():
+            os.close(fd)
+
+
+def _check_tar(path: str, index: ShardIndex) -> str | None:
+    """Why the downloaded file is not the tar its index describes, or ``None``."""
+    size = os.path.getsize(path)
+    if size != index.tar_bytes:
+        return f"{size} bytes, the index says {index.tar_bytes}"
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    if digest.intdigest() != index.tar_xxh3:
+        return "its xxh3 differs from the index's"
+    return None
