@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard dspark_cache/loader/csrc/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,s3]"
 	$(PY) -c "from dspark_cache.loader.fill import native_available; native_available()"
 	touch $@
 

@@ -20,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.support.produce import run_produce  # noqa: E402
+from tests.support.s3server import s3_bucket, s3_env, s3_server  # noqa: E402,F401  (fixtures)
 
 
 @dataclass(frozen=True)

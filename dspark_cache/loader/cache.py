@@ -22,6 +22,8 @@ from dspark_cache.loader.tensors import sample_to_torch
 
 __all__ = ["Cache", "open_cache"]
 
+_PREFETCH_SHARDS = 8  # a remote cache's shards fetched ahead of a sequential read
+
 
 class Cache:
     """A complete (or, with ``allow_incomplete``, growing) cache: manifest, every published shard
@@ -37,6 +39,7 @@ class Cache:
         self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
         self.shards: list[ShardIndex] = self.cache.load_all()
         self._order = self.cache.sample_order()  # (shard id, entry position), ascending sample id
+        self._sequence = list(dict.fromkeys(shard for shard, _ in self._order))  # shards in read order
         self._readers: dict[int, ShardReader] = {}
 
     def __len__(self) -> int:
@@ -59,6 +62,9 @@ class Cache:
         if reader is None:
             if len(self._readers) >= self.cache.max_open_files:
                 self._drop(next(iter(self._readers)))
+            if self.cache.remote is not None:  # reads go in ascending id: fetch the shards after this one
+                at = self._sequence.index(shard.shard_id)
+                self.cache.prefetch(self._sequence[at + 1: at + 1 + _PREFETCH_SHARDS])
             self.cache.hold(shard)  # a remote cache's shard: downloaded to this node, kept while open
             try:
                 reader = ShardReader(self.paths, shard.shard_id, shard, self.shape, self.manifest.target_vocab_size)

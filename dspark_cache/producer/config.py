@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 import msgspec
 
 from dspark_cache.format.layers import EMBEDDING_LAYER, validate_target_layer_ids
+from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.sample import CACHE_DTYPES, is_fp8  # names -> safetensors codes: no torch
 from dspark_cache.format.schema import SampleEntry
 from dspark_cache.format.status import RANK_TIMEOUT_S
@@ -198,6 +199,10 @@ class ConfigError(ValueError):
 
 def validate_config(cfg: ProduceConfig) -> None:
     """Cheap checks that run before anything is loaded; :class:`ConfigError` names the option and the fix."""
+    if is_remote(cfg.output_dir):
+        raise ConfigError(f"--output-dir {cfg.output_dir}: dspark-produce writes to a local or shared directory, "
+                          "not yet to object storage; produce into a directory, then copy it up with the manifest "
+                          "last (readers, dspark-verify and dspark-convert read s3:// caches)")
     for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes",
                  "max_row_bytes"):
         if getattr(cfg, name) < 1:

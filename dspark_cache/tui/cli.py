@@ -10,6 +10,7 @@ import argparse
 import os
 
 from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_OK, EXIT_USAGE, UsageError, exit_codes_epilog
+from dspark_cache.format.remote.url import is_remote
 
 PROG = "dspark-monitor"
 DESCRIPTION = ("Watch a dspark cache: a live producer run, a finished cache, or one on a shared filesystem. "
@@ -35,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from dspark_cache.tui.report import has_terminal, print_report
 
     once = args.once or not has_terminal()
+    if is_remote(args.cache_dir):
+        raise UsageError(f"{args.cache_dir} is on object storage, where no run writes heartbeats yet (dspark-produce "
+                         "writes to local directories only); run dspark-monitor on the producer's --output-dir, and "
+                         f"dspark-verify {args.cache_dir} to check the cache there")
     if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"{args.cache_dir} is not a directory; pass the --output-dir of a dspark-produce run")
     if (args.no_wait or once) and not os.path.exists(args.cache_dir):

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 EXTRA = "dspark-cache[s3]"
 _CHUNK = 8 << 20  # streamed reads and writes move this much at a time
 _MULTIPART = 64 << 20  # uploads larger than this go in parts, several in flight
-_ATTEMPTS = 4  # whole-object retries on top of the client's own (a stream cut mid-body is not retried there)
+_ATTEMPTS = 2  # one whole-object retry on top of the client's own (which resumes a cut download itself)
 _T = TypeVar("_T")
 
 

@@ -10,9 +10,11 @@ import argparse
 import sys
 
 from dspark_cache.cli.conventions import (
-    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, exit_codes_epilog,
+    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, add_storage_arguments,
+    exit_codes_epilog, storage_from_args,
 )
 from dspark_cache.format.errors import CacheError, NotACacheError
+from dspark_cache.format.remote.url import is_remote
 from dspark_cache.nemo.convert.common import ConvertResult, ConvertUsageError
 
 PROG = "dspark-convert"
@@ -62,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different cache in DST (deletes only cache files of either layout)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_storage_arguments(p)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -77,6 +80,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
     if args.shard_size is not None and args.shard_size < 1:
         raise UsageError("--shard-size must be >= 1")
+    if is_remote(args.dst) or (args.to == "dspark" and is_remote(args.src)):
+        raise UsageError("dspark-convert reads a dspark cache from object storage (--to nemo SRC=s3://...) but "
+                         "writes only local directories, and reads NeMo caches only from them; copy the other "
+                         "side to a local directory first")
 
 
 def summary(result: ConvertResult) -> str:
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                                        eos_token_id=args.eos_token_id, overwrite=args.overwrite, progress=progress)
         else:
             result = convert_to_nemo(args.src, args.dst, shard_size=args.shard_size, overwrite=args.overwrite,
-                                     progress=progress, dtype=args.dtype)
+                                     progress=progress, dtype=args.dtype, storage=storage_from_args(args))
     except ConvertUsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

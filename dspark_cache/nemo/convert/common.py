@@ -16,6 +16,7 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.weights import TargetWeightsError, WeightsFile, check_target_weights
 from dspark_cache.nemo import nemo_format
 
@@ -215,7 +216,11 @@ def lock_cache(output: CacheOutput, required: bool) -> None:
 
 
 def check_paths(src: str, dst: str) -> None:
-    """SRC must be a directory other than DST."""
+    """SRC must be a directory (or an object-store URL) other than DST."""
+    if is_remote(src):
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise ConvertUsageError(f"DST {dst} exists and is not a directory")
+        return
     if not os.path.isdir(src):
         raise ConvertUsageError(f"SRC {src} is not a directory")
     if os.path.exists(dst) and not os.path.isdir(dst):

@@ -29,10 +29,12 @@ import msgspec
 import torch
 
 from dspark_cache.format.atomic import fsync_dir
+from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.faults import crash_point
 from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.paths import TARGET_WEIGHTS
+from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.loader.cache import Cache, open_cache
 from dspark_cache.nemo import nemo_format
@@ -141,11 +143,15 @@ def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec
     crash_point("nemo_after_rename")
 
 
-def _open_source(src: str, dtype: str | None) -> Cache:
-    if nemo_format.is_nemo_cache(src):
+def _open_source(src: str, dtype: str | None, storage: StorageOptions | None) -> Cache:
+    if not is_remote(src) and nemo_format.is_nemo_cache(src):
         raise ConvertUsageError(f"{src} is already a NeMo-layout cache; to import it use --to dspark")
+    storage = storage or StorageOptions()
     try:
-        cache = open_cache(src, dtype=dtype)
+        cache = open_cache(src, dtype=dtype, storage_options=storage.storage_options,
+                           local_cache_dir=storage.local_cache_dir, cache_limit=storage.cache_limit)
+        if cache.cache.remote is not None:
+            cache.cache.backing.fetch_file(TARGET_WEIGHTS)  # read locally below, as a local cache's
     except CacheError as exc:
         raise ConvertError(str(exc)) from exc
     except ValueError as exc:  # a --dtype this cache cannot be read as
@@ -172,14 +178,17 @@ def _reconcile(output: CacheOutput, manifest: dict, shards: list[list[int]],
 
 
 def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwrite: bool = False,
-                    progress: TextIO | None = sys.stderr, dtype: str | None = None) -> ConvertResult:
+                    progress: TextIO | None = sys.stderr, dtype: str | None = None,
+                    storage: StorageOptions | None = None) -> ConvertResult:
     """Export the dspark cache ``src`` to a NeMo-format cache in ``dst`` (resumable; see the module doc).
 
-    ``dtype`` (FP8 caches only): ``"bf16"`` (the default) or ``"fp32"``, what they are dequantised to."""
+    ``dtype`` (FP8 caches only): ``"bf16"`` (the default) or ``"fp32"``, what they are dequantised to.
+    ``src`` may be an object-store URL, read through a node-local copy (``storage``)."""
     started = time.perf_counter()
     check_paths(src, dst)
-    cache = _open_source(src, dtype)
-    weights = require_weights(CachePaths(src).target_weights, cache.manifest.target_vocab_size,
+    cache = _open_source(src, dtype, storage)
+    source = cache.paths  # a remote cache's node-local copy
+    weights = require_weights(source.target_weights, cache.manifest.target_vocab_size,
                               cache.manifest.hidden_size, cache.manifest.target_weights_xxh3)
     manifest = nemo_manifest(cache, shard_size or cache.manifest.shard_size)
     size, total = manifest["shard_size"], len(cache)
@@ -194,7 +203,7 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         kept, finished = _reconcile(output, manifest, shards, overwrite)
         if not finished:
             nemo_format.write_manifest(dst, {**manifest, "complete": False})
-        ensure_weights(CachePaths(src).target_weights, nemo_format.target_weights_path(dst), weights)
+        ensure_weights(source.target_weights, nemo_format.target_weights_path(dst), weights)
         out_bytes = [file_size(shard_specs(manifest, len(rows))) for rows in shards]
         progress_log = Progress(len(shards), sum(out_bytes), progress)
         progress_log.kept(len(kept), sum(out_bytes[k] for k in kept))
@@ -211,9 +220,7 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         output.release()
         os.close(lock)
         cache.close()
-    paths = CachePaths(src)
-    before = file_bytes([p for s in cache.shards
-                         for p in (paths.shard_tar(s.shard_id), paths.shard_index(s.shard_id))])
+    before = sum(s.tar_bytes for s in cache.shards) + file_bytes([source.shard_index(s.shard_id) for s in cache.shards])
     written = [nemo_format.shard_path(dst, k) for k in range(len(shards))]
     return ConvertResult("nemo", total, len(shards), len(kept), before, file_bytes(written),
                          time.perf_counter() - started, cache.manifest.pad_token_id,

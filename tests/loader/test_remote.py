@@ -1,0 +1,289 @@
+"""Reading caches from object storage: a real S3-compatible server (moto, started by the suite on
+127.0.0.1), our fault-injecting proxy in front of it, and the node-local copy the readers use."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import dspark_cache
+from dspark_cache.cli import verify as verify_main
+from dspark_cache.format.backing import StorageOptions
+from dspark_cache.format.cache import CacheDir, CacheReplacedError
+from dspark_cache.format.errors import CorruptShardError, NotACacheError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.remote.store import AccessDeniedError, NoSuchBucketError, ObjectStore, ObjectStoreError
+from dspark_cache.format.remote.url import RemoteURL, is_remote
+from dspark_cache.nemo.dataset import DSparkMapDataset
+from tests.support.faultproxy import FaultProxy, matching
+from tests.support.proc import run, start
+from tests.support.remote import publish_shard, upload_cache
+from tests.support.s3server import S3Server, unique_bucket_name
+
+ARGS = ("--shard-size", "6")  # 47 samples in 10 shards of ~0.85 MB
+TARS = matching(method="GET", suffix=".tar")
+
+
+@pytest.fixture
+def local(produced) -> str:
+    return produced(*ARGS)
+
+
+@pytest.fixture
+def remote(local, s3_bucket, s3_env) -> str:
+    url = f"{s3_bucket}/runs/cache"
+    upload_cache(local, url)
+    return url
+
+
+@pytest.fixture
+def proxy(s3_server):
+    with FaultProxy("127.0.0.1", s3_server.port) as p:
+        yield p
+
+
+def _via(proxy: FaultProxy, **extra) -> dict:
+    return {"endpoint": proxy.endpoint, **extra}
+
+
+def _cache_bytes(local: str) -> list[int]:
+    paths = CachePaths(local)
+    return [os.path.getsize(paths.shard_tar(s)) for s in paths.indexed_shard_ids()]
+
+
+def _epochs(loader, n: int) -> list[list[dict[str, torch.Tensor]]]:
+    return [list(loader) for _ in range(n)]
+
+
+def test_urls_are_remote_and_plain_paths_are_not():
+    assert is_remote("s3://bucket/a/b") and is_remote("gs://b") and not is_remote("/data/cache")
+    assert not is_remote("file:///data/cache") and not is_remote("relative/dir")
+    url = RemoteURL.parse("s3://bucket/a/b/")
+    assert (url.bucket, url.prefix, url.key("shards/shard-000001.idx")) == ("bucket", "a/b", "a/b/shards/shard-000001.idx")
+    for bad, said in [("s3:///x", "no bucket"), ("ftp://b/x", "not an object store"), ("s3://b/a/../c", "'..'")]:
+        with pytest.raises(ValueError, match=said):
+            RemoteURL.parse(bad)
+
+
+def test_loader_over_s3_gives_the_local_batches_within_a_small_local_cache(local, remote, tmp_path):
+    """Two epochs with room for a third of the shards on this node: the same batches as the local
+    cache's, every sample once per epoch, the node's copy never far over its limit."""
+    sizes = _cache_bytes(local)
+    limit = sum(sizes) // 3
+    options = dict(batch_size=4, shuffle=True, seed=7, num_workers=2, window=2)
+    expected = _epochs(dspark_cache.build_dataloader(local, **options), 2)
+    loader = dspark_cache.build_dataloader(remote, local_cache_dir=str(tmp_path / "node"), cache_limit=limit, **options)
+    got = _epochs(loader, 2)
+    mirror = loader.cache.backing
+    assert [len(e) for e in got] == [len(e) for e in expected]
+    for epoch, (ours, theirs) in enumerate(zip(got, expected)):
+        for a, b in zip(ours, theirs):
+            assert a.keys() == b.keys()
+            for key in a:
+                assert torch.equal(a[key], b[key]), (epoch, key)
+        ids = [int(i) for batch in ours for i, repeat in zip(batch["sample_ids"], batch["is_repeat"]) if not repeat]
+        assert sorted(ids) == sorted(dspark_cache.open_cache(local).sample_ids)
+    # A third of the cache fits: the second epoch downloads again what was evicted.
+    assert mirror.downloads > len(sizes)
+    loader.close()
+
+
+def test_open_cache_and_the_nemo_dataset_read_s3(local, remote, tmp_path):
+    storage = dict(local_cache_dir=str(tmp_path / "node"))
+    with dspark_cache.open_cache(local) as a, dspark_cache.open_cache(remote, **storage) as b:
+        assert len(a) == len(b) and a.sample_ids == b.sample_ids
+        for x, y in zip(a.samples(), b.samples()):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x if k != "sample_id")
+    ours = DSparkMapDataset(remote, storage=StorageOptions(local_cache_dir=str(tmp_path / "node")))
+    theirs = DSparkMapDataset(local)
+    picks = [len(theirs) - 1, 0, 5, 17]
+    a, b = ours.__getitems__(picks), theirs.__getitems__(picks)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_transient_faults_are_retried_and_every_sample_still_read(local, remote, proxy, tmp_path):
+    proxy.fail_next(2, "503", match=TARS)
+    proxy.fail_next(2, "reset", match=TARS)
+    proxy.fail_next(1, "500", match=TARS)
+    proxy.fail_next(1, "cut", match=TARS, cut_after=100_000)
+    with dspark_cache.open_cache(remote, storage_options=_via(proxy), local_cache_dir=str(tmp_path / "n")) as cache, \
+            dspark_cache.open_cache(local) as reference:
+        assert [s["sample_id"] for s in cache.samples()] == reference.sample_ids
+    assert proxy.faults["503"] == 2 and proxy.faults["reset"] == 2 and proxy.faults["500"] == 1
+    assert proxy.faults["cut"] == 1
+
+
+def test_a_store_that_stops_answering_ends_in_an_error_naming_the_object(remote, proxy, tmp_path):
+    proxy.fail_next(None, "stall", match=TARS, stall_s=30)
+    options = _via(proxy, client_options={"timeout": "1s"}, retry_config={"max_retries": 1})
+    started = time.monotonic()
+    with dspark_cache.open_cache(remote, storage_options=options, local_cache_dir=str(tmp_path / "n")) as cache:
+        with pytest.raises(ObjectStoreError, match=r"reading s3://.*/runs/cache/shards/shard-\d{6}\.tar"):
+            cache.read(0)
+    assert time.monotonic() - started < 25
+
+
+def test_a_corrupted_object_is_fetched_again_once_then_named(local, remote, proxy, tmp_path):
+    paths = CachePaths(local)
+    store = ObjectStore(remote)
+    damaged = bytearray(open(paths.shard_tar(3), "rb").read())
+    damaged[len(damaged) // 2] ^= 0xFF
+    store.put("shards/shard-000003.tar", bytes(damaged))
+    node = str(tmp_path / "n")
+    with dspark_cache.open_cache(remote, storage_options=_via(proxy), local_cache_dir=node) as cache:
+        first = next(i for i, (shard, _) in enumerate(cache._order) if shard == 3)
+        with pytest.raises(CorruptShardError, match=r"s3://.*/runs/cache/shards/shard-000003\.tar.*downloaded twice"):
+            cache.read(first)
+    assert len(_tar_gets(proxy, "shard-000003.tar")) == 2
+    assert not os.path.exists(os.path.join(node, "s3", RemoteURL.parse(remote).bucket, "runs", "cache",
+                                           "shards", "shard-000003.tar"))  # never kept on the node
+
+
+def _node_tar_bytes(node: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(node) for f in files
+               if f.endswith(".tar") and os.path.basename(d) == "shards")
+
+
+def test_verify_streams_a_remote_cache_and_names_a_damaged_object(local, remote, tmp_path, capsys):
+    node = ["--local-cache-dir", str(tmp_path / "n"), "--cache-limit", "2M"]
+    assert verify_main([remote, *node]) == 0
+    assert "10/10 shards verified" in capsys.readouterr().out
+    # Shard by shard within the limit (8.4 MB of shards went through a 2 MiB local cache).
+    assert 0 < _node_tar_bytes(str(tmp_path / "n")) <= (2 << 20) + max(_cache_bytes(local))
+    store = ObjectStore(remote)
+    data = bytearray(open(CachePaths(local).shard_tar(8), "rb").read())
+    data[-2000] ^= 1
+    store.put("shards/shard-000008.tar", bytes(data))
+    store.delete("shards/shard-000005.idx")  # unpublished: its tar is a leftover
+    assert verify_main([remote, *node, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["missing"] == [5] and [c["shard"] for c in report["corrupt"]] == [8]
+    assert report["corrupt"][0]["path"].endswith("/runs/cache/shards/shard-000008.tar")
+    assert report["corrupt"][0]["path"].startswith("s3://")
+    assert any(p.endswith("/runs/cache/shards/shard-000005.tar") for p in report["leftovers"])
+    assert verify_main([remote, "--repair"]) == 2
+    assert "--repair of a cache on object storage" in capsys.readouterr().err
+
+
+def test_processes_of_one_node_download_each_shard_once(local, remote, proxy, tmp_path, s3_env):
+    """Two processes read every shard at the same time through one local cache directory."""
+    script = (
+        "import sys\n"
+        "from dspark_cache.format.backing import StorageOptions\n"
+        "from dspark_cache.format.cache import CacheDir\n"
+        "cache = CacheDir(sys.argv[1], storage=StorageOptions({'endpoint': sys.argv[2]}, sys.argv[3]))\n"
+        "for index in cache.load_all():\n"
+        "    cache.hold(index)\n"
+        "    assert len(open(cache.paths.shard_tar(index.shard_id), 'rb').read()) == index.tar_bytes\n"
+        "    cache.let_go(index.shard_id)\n"
+        "print(cache.backing.downloads)\n"
+    )
+    node = str(tmp_path / "node")
+    procs = [start([sys.executable, "-c", script, remote, proxy.endpoint, node], env=dict(os.environ))
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    shards = len(_cache_bytes(local))
+    assert sum(int(out.strip().splitlines()[-1]) for out, _ in outs) == shards
+    assert len(_tar_gets(proxy)) == shards
+
+
+def _tar_gets(proxy: FaultProxy, name: str = ".tar") -> list:
+    return [s for s in proxy.log if s.method == "GET" and s.target.split("?")[0].endswith(name)]
+
+
+def test_follow_mode_reads_a_cache_while_it_is_published_to_s3(local, s3_bucket, s3_env, proxy, tmp_path):
+    url = f"{s3_bucket}/growing"
+    paths = CachePaths(local)
+    manifest = json.loads(open(paths.manifest).read())
+    manifest.update(complete=False, completed_at=None)
+    store = upload_cache(local, url, shards=[], manifest=False)
+    store.put("manifest.json", json.dumps(manifest).encode())
+    shard_ids = paths.indexed_shard_ids()
+
+    def publish() -> None:
+        for shard_id in shard_ids:
+            time.sleep(0.3)
+            publish_shard(store, local, shard_id)
+        store.upload("manifest.json", paths.manifest)  # complete
+
+    writer = threading.Thread(target=publish)
+    started = time.monotonic()
+    writer.start()
+    loader = dspark_cache.build_dataloader(url, batch_size=4, follow=True, poll_interval=0.2, follow_timeout=60,
+                                           storage_options=_via(proxy), local_cache_dir=str(tmp_path / "n"))
+    ids = [int(i) for batch in loader for i, r in zip(batch["sample_ids"], batch["is_repeat"]) if not r]
+    writer.join()
+    elapsed = time.monotonic() - started
+    assert sorted(ids) == sorted(dspark_cache.open_cache(local).sample_ids)
+    lists = [s for s in proxy.log if "list-type" in s.target]
+    assert len(lists) <= elapsed / 1.0 + 3  # polled at most once a second
+    loader.close()
+
+
+def test_access_denied_missing_bucket_and_missing_client_are_one_line(remote, tmp_path, capsys, monkeypatch):
+    with S3Server(check_credentials=True) as strict:
+        bucket = unique_bucket_name()
+        strict.make_bucket(bucket)
+        options = {"endpoint": strict.endpoint, "access_key_id": "AKIAWRONG0000000", "secret_access_key": "nope"}
+        with pytest.raises(AccessDeniedError, match=r"access denied \(403\).*AWS_ACCESS_KEY_ID") as denied:
+            CacheDir(f"s3://{bucket}/c", storage=StorageOptions(options, str(tmp_path / "n")))
+        assert "nope" not in str(denied.value) and "\n" not in str(denied.value)
+    with pytest.raises(NoSuchBucketError, match="the bucket no-such-bucket-here does not exist"):
+        CacheDir("s3://no-such-bucket-here/c", storage=StorageOptions(local_cache_dir=str(tmp_path / "n")))
+    with pytest.raises(NotACacheError, match=r"s3://.*/nothing/here is not a dspark cache"):
+        CacheDir(remote.replace("runs/cache", "nothing/here"), storage=StorageOptions(local_cache_dir=str(tmp_path)))
+    assert verify_main(["s3://no-such-bucket-here/c", "--local-cache-dir", str(tmp_path / "n")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not exist" in err
+    code = ("import sys; sys.modules['obstore'] = None\n"
+            "from dspark_cache.cli import verify\n"
+            "sys.exit(verify(sys.argv[1:]))\n")
+    done = run([sys.executable, "-c", code, remote], env=dict(os.environ), timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        'dspark-verify: error: caches on object storage need the optional client: pip install '
+        '"dspark-cache[s3]" (obstore), then rerun']
+
+
+def test_a_cache_replaced_in_the_store_stops_the_reader(local, remote, tmp_path):
+    cache = CacheDir(remote, storage=StorageOptions(local_cache_dir=str(tmp_path / "n")), poll=0.0)
+    assert cache.load_all()
+    other = {**json.loads(open(CachePaths(local).manifest).read()), "cache_id": "another-run"}
+    ObjectStore(remote).put("manifest.json", json.dumps(other).encode())
+    with pytest.raises(CacheReplacedError, match="replaced"):
+        cache.pin({0})
+
+
+def test_convert_exports_a_remote_cache_to_nemo_as_it_exports_the_local_one(local, remote, tmp_path):
+    from dspark_cache.cli import convert as convert_main
+    from dspark_cache.nemo import nemo_format
+
+    node = ["--local-cache-dir", str(tmp_path / "n"), "--cache-limit", "3M", "--quiet"]
+    assert convert_main(["--to", "nemo", local, str(tmp_path / "a"), "--quiet"]) == 0
+    assert convert_main(["--to", "nemo", remote, str(tmp_path / "b"), *node]) == 0
+    for k in nemo_format.shard_indices(str(tmp_path / "a")):
+        a, b = (open(nemo_format.shard_path(str(tmp_path / d), k), "rb").read() for d in "ab")
+        assert a == b, k
+    weights = [open(nemo_format.target_weights_path(str(tmp_path / d)), "rb").read() for d in "ab"]
+    assert weights[0] == weights[1]
+    assert convert_main(["--to", "dspark", remote, str(tmp_path / "c")]) == 2
+
+
+def test_writing_and_monitoring_a_remote_cache_are_refused_in_one_line(embedded, capsys):
+    from dspark_cache.cli import monitor as monitor_main, produce as produce_main
+
+    url = "s3://some-bucket/cache"
+    assert produce_main(["--target-model", embedded.stock, "--input-data", embedded.data, "--output-dir", url]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not yet to object storage" in err[0]
+    assert monitor_main([url, "--once"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"dspark-verify {url}" in err[0]
+    assert not os.path.exists("s3:")  # nothing made in the working directory
