@@ -304,7 +304,12 @@ class CacheDir:
         """Fetch these published shards ahead, in this order (a remote cache's; a local one: nothing)."""
         if self.remote is None:
             return
-        indexes = [self._indexes[s] for s in shard_ids if s in self._indexes]
+        indexes = []
+        for shard_id in shard_ids:  # indexes of later windows are loaded here (local copies: cheap)
+            index = self._indexes.get(shard_id) or self.published(shard_id)
+            if index is None:
+                break  # not published yet (following a producer): nothing after it is read before it
+            indexes.append(index)
         self.backing.prefetch(indexes)
 
     def identity(self, shard_id: int) -> FileIdentity:

@@ -99,6 +99,7 @@ class NodeMirror:
         self._listing: dict[str, ObjectInfo] = {}
         self._checked = {"manifest": 0.0, "listing": 0.0}
         self._in_use: dict[int, tuple[int, int]] = {}  # shard id -> (use-lock fd, holders in this process)
+        self._held_bytes: dict[int, int] = {}  # shard id -> its tar's size, while in use here
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="dspark-mirror")
         self._wanted: dict[int, Future] = {}  # shard id -> its prefetch
@@ -257,9 +258,10 @@ class NodeMirror:
         relative = f"{SHARDS_DIR}/{os.path.basename(tar)}"
         tmp = os.path.join(self._meta, "tmp", f"{os.path.basename(tar)}.{os.getpid()}.{threading.get_ident()}")
         for attempt in (1, 2):  # a corrupted download is fetched again once
+            digest = xxhash.xxh3_64()
             try:
-                info = self.store.download(relative, tmp)
-                problem = _check_tar(tmp, index)
+                info = self.store.download(relative, tmp, seen=digest.update, restart=digest.reset)
+                problem = _check_tar(tmp, index, digest.intdigest())
                 if problem is None:
                     os.replace(tmp, tar)
                     self._record(relative, info)
@@ -310,6 +312,7 @@ class NodeMirror:
                 self._in_use[shard_id] = (held[0], held[1] + 1)
             else:
                 self._in_use[shard_id] = (fd, 1)
+                self._held_bytes[shard_id] = index.tar_bytes
 
     def release(self, shard_id: int) -> None:
         with self._lock:
@@ -318,17 +321,21 @@ class NodeMirror:
                 self._in_use[shard_id] = (fd, holders - 1)
                 return
             del self._in_use[shard_id]
+            self._held_bytes.pop(shard_id, None)
         os.close(fd)
 
     def prefetch(self, indexes: list[ShardIndex]) -> None:
         """Download these shards ahead, in this order, while their bytes fit the limit beside what
-        is in use (later calls replace the queue's order; what is downloading finishes)."""
+        this process holds in use (later calls replace the queue's order; what is downloading
+        finishes); fetched ones are evicted last until they are read."""
         with self._lock:
             if self._closed:
                 return
-            for shard_id in [s for s, f in self._wanted.items() if f.done()]:
+            # A fetched shard stays wanted (evicted last) until it is read, or until the order moves past it.
+            upcoming = {index.shard_id for index in indexes}
+            for shard_id in [s for s, f in self._wanted.items() if f.done() and s not in upcoming]:
                 del self._wanted[shard_id], self._wanted_bytes[shard_id]
-            budget = self.cache_limit // 2 - sum(self._wanted_bytes.get(s, 0) for s in self._wanted)
+            budget = self.cache_limit - sum(self._held_bytes.values()) - sum(self._wanted_bytes.values())
             for index in indexes:
                 if index.shard_id in self._wanted or index.shard_id in self._in_use or self._present(index):
                     continue
@@ -411,15 +418,12 @@ class NodeMirror:
             os.close(fd)
 
 
-def _check_tar(path: str, index: ShardIndex) -> str | None:
-    """Why the downloaded file is not the tar its index describes, or ``None``."""
+def _check_tar(path: str, index: ShardIndex, xxh3: int) -> str | None:
+    """Why the downloaded file (whose bytes hashed to ``xxh3`` as they streamed in) is not the tar
+    its index describes, or ``None``."""
     size = os.path.getsize(path)
     if size != index.tar_bytes:
         return f"{size} bytes, the index says {index.tar_bytes}"
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(8 << 20):
-            digest.update(chunk)
-    if digest.intdigest() != index.tar_xxh3:
+    if xxh3 != index.tar_xxh3:
         return "its xxh3 differs from the index's"
     return None

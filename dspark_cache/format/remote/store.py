@@ -209,17 +209,24 @@ class ObjectStore:
             return data, self._info(result.meta)
         return self._again("reading", relative, attempt)
 
-    def download(self, relative: str, destination: str) -> ObjectInfo:
-        """Stream the object into the file ``destination`` (created or truncated); raises
+    def download(self, relative: str, destination: str, *, seen: Callable[[memoryview], object] | None = None,
+                 restart: Callable[[], object] | None = None) -> ObjectInfo:
+        """Stream the object into the file ``destination`` (created or truncated), handing each chunk
+        to ``seen`` as it passes (a hash, say; ``restart`` is called before each attempt); raises
         ``FileNotFoundError`` when there is no such object."""
         key = self.url.key(relative)
 
         def attempt() -> ObjectInfo:
+            if restart is not None:
+                restart()
             result = self._call("reading", relative, lambda: self._obstore.get(self._store, key))
             with open(destination, "wb") as handle:
                 def copy() -> None:
                     for chunk in result.stream(min_chunk_size=_CHUNK):
-                        handle.write(memoryview(chunk))
+                        view = memoryview(chunk)
+                        handle.write(view)
+                        if seen is not None:
+                            seen(view)
                 self._call("reading", relative, copy)
             return self._info(result.meta)
         return self._again("reading", relative, attempt)
