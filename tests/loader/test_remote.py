@@ -287,3 +287,19 @@ def test_writing_and_monitoring_a_remote_cache_are_refused_in_one_line(embedded,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"dspark-verify {url}" in err[0]
     assert not os.path.exists("s3:")  # nothing made in the working directory
+
+
+def test_an_index_object_over_the_readers_limit_is_refused_not_held_whole(remote, tmp_path, monkeypatch):
+    from dspark_cache.format.remote import mirror
+    from dspark_cache.format.tar import reader
+
+    limit = 512  # stands for MAX_INDEX_BYTES (256 MiB): the same rule at a size a test can afford
+    monkeypatch.setitem(mirror._MAX_SMALL, False, limit)
+    monkeypatch.setattr(reader, "MAX_INDEX_BYTES", limit)
+    ObjectStore(remote).put("shards/shard-000002.idx", b"[" + b" " * 100_000 + b"]")
+    node = tmp_path / "n"
+    cache = CacheDir(remote, storage=StorageOptions(local_cache_dir=str(node)))
+    copied = next(node.rglob("shard-000002.idx"))
+    assert copied.stat().st_size == limit + 1  # cut one byte past the limit
+    with pytest.raises(CorruptShardError, match="shard-000002.idx"):
+        cache.load_all()

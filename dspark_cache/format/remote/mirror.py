@@ -42,12 +42,16 @@ from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import ShardIndex
+from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_SHARE = 0.5  # without cache_limit: at most half of the free space where the mirror lives
 _POLL = 2.0  # seconds between checks of the remote manifest / listing
 _IN_FLIGHT = 4  # downloads at once
+# What is copied of a manifest (True) or an index (False) at most: one byte past the readers' limit,
+# so that a hostile object is refused by their size check, never held whole.
+_MAX_SMALL = {True: MAX_MANIFEST_BYTES, False: MAX_INDEX_BYTES}
 _MIRROR = ".mirror"
 _EVICTING = "evicting"  # held by the one process deleting tars to keep the node's copy within its limit
 
@@ -153,7 +157,7 @@ class NodeMirror:
         if known is not None and self._copied_from(relative) == f"{known.size}:{known.etag}" \
                 and os.path.exists(self._local(relative)):
             return
-        got = self.store.get(relative)
+        got = self.store.get(relative, _MAX_SMALL[relative == MANIFEST])
         if got is None:
             self._remove_local(relative)
             return

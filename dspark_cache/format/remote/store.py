@@ -197,15 +197,28 @@ class ObjectStore:
         meta = self._call("reading", relative, lambda: self._obstore.head(self._store, key), missing=None)
         return None if meta is None else self._info(meta)
 
-    def get(self, relative: str) -> tuple[bytes, ObjectInfo] | None:
-        """The whole object and what it is, or ``None`` when there is none (small objects)."""
+    def get(self, relative: str, limit: int | None = None) -> tuple[bytes, ObjectInfo] | None:
+        """The object and what it is, or ``None`` when there is none (small objects). With ``limit``,
+        at most ``limit + 1`` bytes are read: a larger object comes back cut there, for the reader's
+        own size check to refuse, and never whole in memory."""
         key = self.url.key(relative)
+
+        def read(result: Any) -> bytes:
+            if limit is None:
+                return bytes(result.bytes())
+            parts, size = [], 0
+            for chunk in result.stream(min_chunk_size=min(_CHUNK, limit + 1)):
+                parts.append(bytes(chunk))
+                size += len(parts[-1])
+                if size > limit:
+                    break
+            return b"".join(parts)[: limit + 1]
 
         def attempt() -> tuple[bytes, ObjectInfo] | None:
             result = self._call("reading", relative, lambda: self._obstore.get(self._store, key), missing=None)
             if result is None:
                 return None
-            data = self._call("reading", relative, lambda: bytes(result.bytes()))
+            data = self._call("reading", relative, lambda: read(result))
             return data, self._info(result.meta)
         return self._again("reading", relative, attempt)
 
