@@ -303,3 +303,36 @@ def test_an_index_object_over_the_readers_limit_is_refused_not_held_whole(remote
     assert copied.stat().st_size == limit + 1  # cut one byte past the limit
     with pytest.raises(CorruptShardError, match="shard-000002.idx"):
         cache.load_all()
+
+
+def test_a_forked_worker_does_not_keep_the_parents_shards_held(remote, tmp_path):
+    """DataLoader workers fork: the parent's use locks must not make its shards unevictable for the
+    worker's life (flocks belong to the open file, which a fork shares)."""
+    import fcntl
+
+    from dspark_cache.format.remote.mirror import _flock
+
+    cache = CacheDir(remote, storage=StorageOptions(local_cache_dir=str(tmp_path / "n")))
+    index = cache.require(0)
+    cache.hold(index)
+    use = cache.backing._lock_file("use", 0)
+    reader, writer = os.pipe()
+    started_r, started_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: lives on while the parent lets go
+        os.close(writer)
+        os.write(started_w, b"s")  # past fork()'s own after-fork handlers
+        os.read(reader, 1)
+        os._exit(0)
+    os.close(reader)
+    os.read(started_r, 1)
+    try:
+        assert _flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB) is None  # the parent holds it
+        cache.let_go(0)
+        fd = _flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert fd is not None  # evictable now, although the forked worker still runs
+        os.close(fd)
+    finally:
+        os.write(writer, b"x")
+        os.waitpid(pid, 0)
+        cache.close()

@@ -31,8 +31,10 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+import queue
+import weakref
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import xxhash
 
@@ -105,11 +107,13 @@ class NodeMirror:
         self._in_use: dict[int, tuple[int, int]] = {}  # shard id -> (use-lock fd, holders in this process)
         self._held_bytes: dict[int, int] = {}  # shard id -> its tar's size, while in use here
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="dspark-mirror")
+        self._pool = _Downloads(_IN_FLIGHT)
         self._wanted: dict[int, Future] = {}  # shard id -> its prefetch
         self._wanted_bytes: dict[int, int] = {}
         self._closed = False
         self.downloads = 0  # tars this process downloaded (the rest it found on the node)
+        self._clean_temporaries()
+        _mirrors.add(self)
 
     def __repr__(self) -> str:
         return f"NodeMirror({str(self.url)!r} at {self.root!r})"
@@ -207,7 +211,7 @@ class NodeMirror:
             self._remove_local(relative)
             return False
         if self._copied_from(relative) != f"{info.size}:{info.etag}" or not os.path.exists(self._local(relative)):
-            tmp = os.path.join(self._meta, "tmp", f"{relative.replace('/', '%')}.{os.getpid()}")
+            tmp = self._temporary(relative.replace("/", "%"))
             try:
                 got = self.store.download(relative, tmp)
                 os.replace(tmp, self._local(relative))
@@ -228,6 +232,20 @@ class NodeMirror:
     def _used_here(self, shard_id: int) -> bool:
         with self._lock:
             return shard_id in self._in_use
+
+    def _temporary(self, name: str) -> str:
+        return os.path.join(self._meta, "tmp", f"{name}.{os.getpid()}.{threading.get_ident()}")
+
+    def _clean_temporaries(self) -> None:
+        """Downloads that a process killed mid-way left (its pid is gone): they are nobody's."""
+        directory = os.path.join(self._meta, "tmp")
+        for name in os.listdir(directory):
+            pid = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+            if pid.isdigit() and not _alive(int(pid)):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except FileNotFoundError:
+                    pass
 
     def _lock_file(self, kind: str, shard_id: int) -> str:
         return os.path.join(self._meta, kind, os.path.basename(self.paths.shard_tar(shard_id)))
@@ -260,7 +278,7 @@ class NodeMirror:
     def _download(self, index: ShardIndex) -> None:
         tar = self.paths.shard_tar(index.shard_id)
         relative = f"{SHARDS_DIR}/{os.path.basename(tar)}"
-        tmp = os.path.join(self._meta, "tmp", f"{os.path.basename(tar)}.{os.getpid()}.{threading.get_ident()}")
+        tmp = self._temporary(os.path.basename(tar))
         for attempt in (1, 2):  # a corrupted download is fetched again once
             digest = xxhash.xxh3_64()
             try:
@@ -320,7 +338,10 @@ class NodeMirror:
 
     def release(self, shard_id: int) -> None:
         with self._lock:
-            fd, holders = self._in_use[shard_id]
+            held = self._in_use.get(shard_id)
+            if held is None:  # held by the process this one was forked from
+                return
+            fd, holders = held
             if holders > 1:
                 self._in_use[shard_id] = (fd, holders - 1)
                 return
@@ -415,11 +436,72 @@ class NodeMirror:
             wanted, self._wanted = self._wanted, {}
         for future in wanted.values():
             future.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()  # downloads in flight finish (or time out) on their own, never waited for here
         with self._lock:
             held, self._in_use = self._in_use, {}
         for fd, _ in held.values():
             os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class _Downloads:
+    """Prefetch threads. Daemon threads, so that neither ``close()`` nor the interpreter's exit waits
+    for a download from a store that stopped answering (a download cut short leaves only its
+    temporary, named by its pid, under ``.mirror/tmp``)."""
+
+    def __init__(self, threads: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for n in range(threads):
+            threading.Thread(target=self._work, name=f"dspark-mirror-{n}", daemon=True).start()
+        self._threads = threads
+
+    def submit(self, call: Callable[..., object], *args: object) -> Future:
+        future: Future = Future()
+        self._queue.put((future, call, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            future, call, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call(*args))
+            except BaseException as exc:  # noqa: BLE001  (handed to whoever waits on the shard)
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        for _ in range(self._threads):
+            self._queue.put(None)
+
+
+# A forked DataLoader worker gets the parent's descriptors, flocks included: it must not keep the
+# parent's shards held (unevictable) for its whole life, nor wait on the parent's threads and locks.
+_mirrors: "weakref.WeakSet[NodeMirror]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mirror in list(_mirrors):
+        mirror._lock = threading.RLock()  # one held by another thread at the fork would stay held
+        for fd, _ in mirror._in_use.values():
+            os.close(fd)
+        mirror._in_use.clear()
+        mirror._held_bytes.clear()
+        mirror._wanted.clear()
+        mirror._wanted_bytes.clear()
+        mirror._pool = _Downloads(_IN_FLIGHT)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _check_tar(path: str, index: ShardIndex, xxh3: int) -> str | None:
