@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dspark_cache.format.paths import CachePaths
@@ -34,7 +34,7 @@ class StorageOptions:
     the node-local directory (default ``$DSPARK_LOCAL_CACHE_DIR`` or ``~/.cache/dspark-cache/remote``)
     and its byte limit (default: half the free space there). Ignored for a local cache."""
 
-    storage_options: dict[str, Any] | None = None
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # may hold secrets
     local_cache_dir: str | None = None
     cache_limit: int | None = None
 

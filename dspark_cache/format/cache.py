@@ -55,7 +55,7 @@ from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.validate import ForeignShardError, check_catalog
 
 MAX_OPEN_FILES = 128  # idle descriptors kept open; pinned ones may exceed it for a while
-_REMOTE_OPEN_FILES = 4
+_REMOTE_OPEN_FILES = 1  # an idle open file holds its shard on the node: unevictable
 
 FileIdentity = tuple[int, ...]
 
@@ -295,7 +295,11 @@ class CacheDir:
 
     def hold(self, index: ShardIndex) -> None:
         """The shard's tar is a local file (a remote one downloaded) and stays one until :meth:`let_go`."""
-        self.backing.acquire(index)
+        try:
+            self.backing.acquire(index)
+        except CorruptShardError:
+            self.check_current(force=True)  # a download unlike its index: the whole cache replaced?
+            raise
 
     def let_go(self, shard_id: int) -> None:
         self.backing.release(shard_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ class LoaderConfig:
     follow_timeout: float | None = None
     verify: str = "once"
     dtype: Any = None  # checked against the cache when the loader opens it (reader.resolve_out_code)
-    storage_options: dict[str, Any] | None = None
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # may hold secrets
     local_cache_dir: str | None = None
     cache_limit: int | None = None
 

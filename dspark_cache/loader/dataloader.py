@@ -116,7 +116,7 @@ class DSparkLoader:
         step = 0
         exhausted = False
         while True:
-            if step % _PREFETCH_EVERY == 0:  # a remote cache fetches the shards read next ahead
+            if self.cache.remote is not None and step % _PREFETCH_EVERY == 0:  # fetch what is read next
                 self.cache.prefetch(order.shards_from(base + step * self.global_batch, _PREFETCH_SHARDS))
             while not exhausted and len(pending) < self.config.read_ahead:
                 wanted = self._step_batch(order, base, step + len(pending))

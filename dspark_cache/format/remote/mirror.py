@@ -114,6 +114,8 @@ class NodeMirror:
         self.downloads = 0  # tars this process downloaded (the rest it found on the node)
         self._clean_temporaries()
         _mirrors.add(self)
+        # Dropped without close(): its use locks must not keep shards unevictable for the process's life.
+        weakref.finalize(self, _release_all, self._in_use)
 
     def __repr__(self) -> str:
         return f"NodeMirror({str(self.url)!r} at {self.root!r})"
@@ -362,13 +364,18 @@ class NodeMirror:
                 del self._wanted[shard_id], self._wanted_bytes[shard_id]
             budget = self.cache_limit - sum(self._held_bytes.values()) - sum(self._wanted_bytes.values())
             for index in indexes:
-                if index.shard_id in self._wanted or index.shard_id in self._in_use or self._present(index):
+                if index.shard_id in self._wanted or index.shard_id in self._in_use:
                     continue
                 if index.tar_bytes > budget:
                     break
                 budget -= index.tar_bytes
                 self._wanted_bytes[index.shard_id] = index.tar_bytes
-                self._wanted[index.shard_id] = self._pool.submit(self._prefetch_one, index)
+                if self._present(index):  # already on the node: its room is reserved, it is not evicted
+                    done: Future = Future()
+                    done.set_result(None)
+                    self._wanted[index.shard_id] = done
+                else:
+                    self._wanted[index.shard_id] = self._pool.submit(self._prefetch_one, index)
 
     def _prefetch_one(self, index: ShardIndex) -> None:
         try:
@@ -399,11 +406,12 @@ class NodeMirror:
             total = sum(t[3] for t in tars)
             with self._lock:
                 wanted = set(self._wanted)
-            # Queued prefetches go last: they are what the epoch reads next.
-            for _, shard_id, path, size in sorted(tars, key=lambda t: (t[1] in wanted, t[0])):
+            # Prefetched shards are what the epoch reads next: never evicted before they are read
+            # (prefetch stops at the limit instead).
+            for _, shard_id, path, size in sorted(tars):
                 if total <= self.cache_limit:
                     break
-                if self._used_here(shard_id):
+                if self._used_here(shard_id) or shard_id in wanted:
                     continue
                 fd = _flock(self._lock_file("use", shard_id), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if fd is None:
@@ -441,6 +449,15 @@ class NodeMirror:
             held, self._in_use = self._in_use, {}
         for fd, _ in held.values():
             os.close(fd)
+
+
+def _release_all(in_use: dict[int, tuple[int, int]]) -> None:
+    for fd, _ in in_use.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    in_use.clear()
 
 
 def _alive(pid: int) -> bool:

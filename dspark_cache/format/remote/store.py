@@ -119,6 +119,7 @@ class ObjectStore:
         if "endpoint_url" in config:  # the spelling boto3 and s3fs users know
             config["endpoint"] = config.pop("endpoint_url")
         self._obstore = obstore
+        self._pid = os.getpid()
         try:
             self._store = obstore.store.from_url(self.url.store_url, config=config or None,
                                                  client_options=client_options, retry_config=retry)
@@ -156,6 +157,12 @@ class ObjectStore:
             "the endpoint, then rerun: what was already stored is kept")
 
     def _call(self, what: str, relative: str, call: Callable[[], _T], *, missing: Any = ...) -> _T:
+        if os.getpid() != self._pid:
+            # The client's runtime threads do not survive fork(): a request from the child would hang.
+            raise ObjectStoreError(
+                f"{what} {self.name(relative)} from a forked process: the object-store client does not survive "
+                "fork(). Read remote caches in the main process or in spawned workers: "
+                "DataLoader(..., multiprocessing_context=\"spawn\") (or \"forkserver\")")
         try:
             return call()
         except Exception as exc:
