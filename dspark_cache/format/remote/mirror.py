@@ -445,9 +445,11 @@ class NodeMirror:
         for future in wanted.values():
             future.cancel()
         self._pool.close()  # downloads in flight finish (or time out) on their own, never waited for here
-        with self._lock:
-            held, self._in_use = self._in_use, {}
-        for fd, _ in held.values():
+        with self._lock:  # the same dict emptied: the finalizer holds it, and must not close these again
+            held = list(self._in_use.values())
+            self._in_use.clear()
+            self._held_bytes.clear()
+        for fd, _ in held:
             os.close(fd)
 
 
