@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -341,3 +342,16 @@ def test_a_forked_worker_does_not_keep_the_parents_shards_held(remote, tmp_path)
         os.write(writer, b"x")
         os.waitpid(pid, 0)
         cache.close()
+
+
+def test_a_tar_object_larger_than_its_index_says_is_cut_not_streamed_whole(local, remote, proxy, tmp_path):
+    """Replaced after the listing was read (which would have refused its size at once)."""
+    node = tmp_path / "n"
+    cache = CacheDir(remote, storage=StorageOptions({"endpoint": proxy.endpoint}, str(node)))
+    index = cache.require(1)
+    ObjectStore(remote).put("shards/shard-000001.tar", b"\0" * (40 << 20))  # 40 MiB; the index says < 1 MB
+    with pytest.raises(CorruptShardError, match=r"s3://.*shard-000001\.tar.*downloaded twice") as refused:
+        cache.hold(index)
+    got = int(re.search(r"\((\d+) bytes, the index says", str(refused.value)).group(1))
+    assert index.tar_bytes < got <= index.tar_bytes + (8 << 20)  # cut one chunk past the index's size
+    assert not [p for p in node.rglob("shard-000001.tar") if p.parent.name == "shards"]  # never kept

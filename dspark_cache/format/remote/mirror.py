@@ -284,7 +284,8 @@ class NodeMirror:
         for attempt in (1, 2):  # a corrupted download is fetched again once
             digest = xxhash.xxh3_64()
             try:
-                info = self.store.download(relative, tmp, seen=digest.update, restart=digest.reset)
+                info = self.store.download(relative, tmp, seen=digest.update, restart=digest.reset,
+                                           expected=index.tar_bytes)
                 problem = _check_tar(tmp, index, digest.intdigest())
                 if problem is None:
                     os.replace(tmp, tar)

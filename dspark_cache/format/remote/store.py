@@ -230,10 +230,11 @@ class ObjectStore:
         return self._again("reading", relative, attempt)
 
     def download(self, relative: str, destination: str, *, seen: Callable[[memoryview], object] | None = None,
-                 restart: Callable[[], object] | None = None) -> ObjectInfo:
+                 restart: Callable[[], object] | None = None, expected: int | None = None) -> ObjectInfo:
         """Stream the object into the file ``destination`` (created or truncated), handing each chunk
         to ``seen`` as it passes (a hash, say; ``restart`` is called before each attempt); raises
-        ``FileNotFoundError`` when there is no such object."""
+        ``FileNotFoundError`` when there is no such object. ``expected``: its size, when known; a
+        larger object is cut soon after it, for the caller's size check to refuse (never streamed whole)."""
         key = self.url.key(relative)
 
         def attempt() -> ObjectInfo:
@@ -242,11 +243,15 @@ class ObjectStore:
             result = self._call("reading", relative, lambda: self._obstore.get(self._store, key))
             with open(destination, "wb") as handle:
                 def copy() -> None:
+                    written = 0
                     for chunk in result.stream(min_chunk_size=_CHUNK):
                         view = memoryview(chunk)
                         handle.write(view)
+                        written += len(view)
                         if seen is not None:
                             seen(view)
+                        if expected is not None and written > expected:
+                            break
                 self._call("reading", relative, copy)
             return self._info(result.meta)
         return self._again("reading", relative, attempt)
