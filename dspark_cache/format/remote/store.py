@@ -145,7 +145,7 @@ class ObjectStore:
             return NoSuchBucketError(f"{what} {where}: the bucket {self.url.bucket} does not exist (or this "
                                      "endpoint is not the store it is in); create it or fix the URL / AWS_ENDPOINT_URL")
         if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or "AccessDenied" in text \
-                or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or " 403" in text:
+                or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "403 Forbidden" in text:
             return AccessDeniedError(
                 f"{what} {where}: access denied (403). The credentials in use (AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or the instance's role) may not do this on bucket "
