@@ -311,7 +311,7 @@ def test_a_forked_worker_does_not_keep_the_parents_shards_held(remote, tmp_path)
     worker's life (flocks belong to the open file, which a fork shares)."""
     import fcntl
 
-    from dspark_cache.format.remote.mirror import _flock
+    from dspark_cache.format.remote.node import hold_lock
 
     cache = CacheDir(remote, storage=StorageOptions(local_cache_dir=str(tmp_path / "n")))
     index = cache.require(0)
@@ -333,9 +333,9 @@ def test_a_forked_worker_does_not_keep_the_parents_shards_held(remote, tmp_path)
     os.close(reader)
     assert os.read(started_r, 1) == b"s"
     try:
-        assert _flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB) is None  # the parent holds it
+        assert hold_lock(use, fcntl.LOCK_EX | fcntl.LOCK_NB) is None  # the parent holds it
         cache.let_go(0)
-        fd = _flock(use, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = hold_lock(use, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert fd is not None  # evictable now, although the forked worker still runs
         os.close(fd)
     finally:

@@ -24,23 +24,22 @@ object, the ETag it was copied from.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
 import shutil
 import threading
 import time
-import queue
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
+from dspark_cache.format.remote.node import DownloadThreads, hold_lock, process_alive, release_all
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import ShardIndex
@@ -61,19 +60,6 @@ _EVICTING = "evicting"  # held by the one process deleting tars to keep the node
 def default_local_cache_dir() -> str:
     return os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dspark-cache", "remote")
-
-
-def _flock(path: str, how: int) -> int | None:
-    """A descriptor holding ``how`` on ``path`` (created), or ``None`` where ``LOCK_NB`` found it held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, how)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise
-    return fd
 
 
 class NodeMirror:
@@ -107,7 +93,7 @@ class NodeMirror:
         self._in_use: dict[int, tuple[int, int]] = {}  # shard id -> (use-lock fd, holders in this process)
         self._held_bytes: dict[int, int] = {}  # shard id -> its tar's size, while in use here
         self._lock = threading.RLock()
-        self._pool = _Downloads(_IN_FLIGHT)
+        self._pool = DownloadThreads(_IN_FLIGHT)
         self._wanted: dict[int, Future] = {}  # shard id -> its prefetch
         self._wanted_bytes: dict[int, int] = {}
         self._closed = False
@@ -115,7 +101,7 @@ class NodeMirror:
         self._clean_temporaries()
         _mirrors.add(self)
         # Dropped without close(): its use locks must not keep shards unevictable for the process's life.
-        weakref.finalize(self, _release_all, self._in_use)
+        weakref.finalize(self, release_all, self._in_use)
 
     def __repr__(self) -> str:
         return f"NodeMirror({str(self.url)!r} at {self.root!r})"
@@ -243,7 +229,7 @@ class NodeMirror:
         directory = os.path.join(self._meta, "tmp")
         for name in os.listdir(directory):
             pid = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not process_alive(int(pid)):
                 try:
                     os.unlink(os.path.join(directory, name))
                 except FileNotFoundError:
@@ -267,7 +253,7 @@ class NodeMirror:
         """Download the tar (once per node: the others wait on its download lock, then find it)."""
         if self._present(index):
             return
-        fd = _flock(self._lock_file("get", index.shard_id), fcntl.LOCK_EX)
+        fd = hold_lock(self._lock_file("get", index.shard_id), fcntl.LOCK_EX)
         assert fd is not None
         try:
             if self._present(index):
@@ -314,7 +300,7 @@ class NodeMirror:
             if held is not None:
                 self._in_use[shard_id] = (held[0], held[1] + 1)
                 return
-        fd = _flock(self._lock_file("use", shard_id), fcntl.LOCK_SH)
+        fd = hold_lock(self._lock_file("use", shard_id), fcntl.LOCK_SH)
         assert fd is not None
         try:
             with self._lock:
@@ -387,7 +373,7 @@ class NodeMirror:
 
     def _evict(self) -> None:
         """Delete the least recently used tars not in use by any process while over the limit."""
-        lock = _flock(os.path.join(self._meta, _EVICTING), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock = hold_lock(os.path.join(self._meta, _EVICTING), fcntl.LOCK_EX | fcntl.LOCK_NB)
         if lock is None:
             return  # another process is evicting now
         try:
@@ -414,7 +400,7 @@ class NodeMirror:
                     break
                 if self._used_here(shard_id) or shard_id in wanted:
                     continue
-                fd = _flock(self._lock_file("use", shard_id), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = hold_lock(self._lock_file("use", shard_id), fcntl.LOCK_EX | fcntl.LOCK_NB)
                 if fd is None:
                     continue  # another process reads it
                 try:
@@ -454,56 +440,6 @@ class NodeMirror:
             os.close(fd)
 
 
-def _release_all(in_use: dict[int, tuple[int, int]]) -> None:
-    for fd, _ in in_use.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    in_use.clear()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-class _Downloads:
-    """Prefetch threads. Daemon threads, so that neither ``close()`` nor the interpreter's exit waits
-    for a download from a store that stopped answering (a download cut short leaves only its
-    temporary, named by its pid, under ``.mirror/tmp``)."""
-
-    def __init__(self, threads: int) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        for n in range(threads):
-            threading.Thread(target=self._work, name=f"dspark-mirror-{n}", daemon=True).start()
-        self._threads = threads
-
-    def submit(self, call: Callable[..., object], *args: object) -> Future:
-        future: Future = Future()
-        self._queue.put((future, call, args))
-        return future
-
-    def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            future, call, args = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call(*args))
-            except BaseException as exc:  # noqa: BLE001  (handed to whoever waits on the shard)
-                future.set_exception(exc)
-
-    def close(self) -> None:
-        for _ in range(self._threads):
-            self._queue.put(None)
-
-
 # A forked DataLoader worker gets the parent's descriptors, flocks included: it must not keep the
 # parent's shards held (unevictable) for its whole life, nor wait on the parent's threads and locks.
 _mirrors: "weakref.WeakSet[NodeMirror]" = weakref.WeakSet()
@@ -518,7 +454,7 @@ def _after_fork_in_child() -> None:
         mirror._held_bytes.clear()
         mirror._wanted.clear()
         mirror._wanted_bytes.clear()
-        mirror._pool = _Downloads(_IN_FLIGHT)
+        mirror._pool = DownloadThreads(_IN_FLIGHT)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
