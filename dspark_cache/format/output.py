@@ -20,17 +20,21 @@ import os
 import re
 import stat
 import time
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import kind_of
 from dspark_cache.format.lock import DirectoryLock, check_lock_file, lock_exclusive, lock_shared
 from dspark_cache.format.manifest import read_manifest, write_manifest
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths, temporary_base
+from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.format.wids_index import write_wids_index
+
+if TYPE_CHECKING:
+    from dspark_cache.format.backing import StorageOptions
 
 _NUMBER = re.compile(r"\d+")
 
@@ -167,6 +171,25 @@ def _written_files(paths: CachePaths, dirs: bool = False) -> list[str]:
     return sorted(set(out))
 
 
+def is_written_name(paths: CachePaths, relative: str) -> bool:
+    """Whether ``relative`` (a path under the cache's root, with ``/``) names a file that ``--overwrite``
+    deletes: the rules of :func:`_written_files`, for a cache whose files are objects (no directories
+    to check). The event log's segments count; the lock, the lease and the saved plan do not."""
+    directory, _, name = relative.rpartition("/")
+    if directory == os.path.basename(paths.shards_dir):
+        return (paths.shard_file(name) is not None or paths.is_leftover(name)
+                or _made_by(name, [paths.shard_partial]) or name == os.path.basename(paths.wids_index))
+    if directory == os.path.basename(paths.events_dir):
+        return _made_by(name, [paths.events]) or paths.events_segment_of(name) is not None
+    if directory == os.path.basename(paths.status_dir):
+        return _made_by(name, [paths.status])
+    if directory == os.path.basename(paths.control_dir):
+        return name == os.path.basename(paths.stop_request) or paths.is_completion_claim(name)
+    if directory == "":
+        return name in (os.path.basename(paths.manifest), os.path.basename(paths.target_weights))
+    return False
+
+
 def _plan_files(paths: CachePaths) -> list[str]:
     """The saved plan's files and their temporaries."""
     fixed = [os.path.basename(p) for p in (paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS))]
@@ -209,6 +232,7 @@ class CacheOutput:
     def __init__(self, root: str | os.PathLike) -> None:
         self.paths = CachePaths(os.fspath(root))
         self.root = self.paths.root
+        self.shown = self.root  # what messages call the cache (a remote one's URL; ``root`` is then its staging)
         self._lock: DirectoryLock | None = None
         self._locked = False  # taken (the lock is None where the filesystem has no locks)
         self._published: set[int] | None = None
@@ -308,14 +332,23 @@ class CacheOutput:
 
     def complete(self, manifest: Manifest) -> None:
         """Record what was stored (samples dropped as non-finite included) and flip ``complete``."""
+        self.flush()
         nonfinite = sorted(sid for i in sorted(self.scan()) for sid in self.shard_index(i).nonfinite)
         manifest.nonfinite_samples = nonfinite
         manifest.cache_id = self.cache_id  # another rank's manifest was built without rank 0's id
         manifest.num_samples = manifest.planned_samples - len(nonfinite)
         manifest.complete = True
         manifest.completed_at = time.time()
-        write_wids_index(self.paths)  # exact now that every shard is published (ranks' updates could race)
+        self.write_wids_index()  # exact now that every shard is published (ranks' updates could race)
         self.write_manifest(manifest)
+
+    def write_wids_index(self) -> None:
+        """Rewrite wids' shard list from every published shard."""
+        write_wids_index(self.paths)
+
+    def space_needed(self, missing_bytes: int) -> int:
+        """Bytes this machine's disk must have free for the shards still to be written."""
+        return missing_bytes
 
     # -- shards -------------------------------------------------------------------------------
 
@@ -341,6 +374,9 @@ class CacheOutput:
             self._published.add(index.shard_id)
         return index
 
+    def flush(self) -> None:
+        """Wait until every shard handed to :meth:`publish` is published (a directory's are at once)."""
+
     def unpublish(self, shard_id: int) -> None:
         """Remove a shard's index, then its tar: readers stop seeing it first, and a rerun recomputes
         it. A symlink is removed itself, never its target."""
@@ -349,3 +385,15 @@ class CacheOutput:
                 os.unlink(file)
         if self._published is not None:
             self._published.discard(shard_id)
+
+
+def open_output(path: str | os.PathLike, *, storage: "StorageOptions | None" = None, staging_dir: str | None = None,
+                staging_limit: int | None = None, rank: int = 0) -> CacheOutput:
+    """The write side of the cache at ``path``: a directory's :class:`CacheOutput`, or for an object-store URL
+    a ``remote.output.RemoteOutput`` staged in ``staging_dir`` (``staging_limit`` bytes of tars at most)."""
+    if not is_remote(path):
+        return CacheOutput(path)
+    from dspark_cache.format.remote.output import RemoteOutput  # the client library is an optional extra
+
+    return RemoteOutput(os.fspath(path), storage=storage, staging_dir=staging_dir, staging_limit=staging_limit,
+                        rank=rank)

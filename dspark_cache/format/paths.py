@@ -14,6 +14,8 @@ EVENTS_DIR = "events"
 CONTROL_DIR = "control"
 STOP_REQUEST = f"{CONTROL_DIR}/stop"
 LOCK = f"{CONTROL_DIR}/lock"  # flock-ed by the producer job that owns the directory
+LEASE = f"{CONTROL_DIR}/lease.json"  # on object storage: the producer job's lease (format/remote/lease.py)
+STAGING_MARK = ".dspark-staging"  # in a staging directory: the URL whose cache it stages
 CLAIM_PREFIX = "complete-"  # control/complete-<run id>: the one rank that marks a run's cache complete
 LOGS_DIR = "logs"  # the producer's own log when it runs under the monitor (--tui)
 PLAN_DIR = "plan"  # the tokenised input and its batching, kept for reruns (producer/plan/store.py)
@@ -26,6 +28,7 @@ WIDS_INDEX = f"{SHARDS_DIR}/wids-index.json"  # wids' shard list (format/wids_in
 _SHARD_INDEX_RE = re.compile(r"^shard-(\d{6,})\.idx$")  # ids past 999999 take more digits
 _SHARD_PARTIAL_RE = re.compile(r"^shard-(\d{6,})\.tar\.partial$")
 _SHARD_FILE_RE = re.compile(r"^shard-(\d{6,})\.(idx|tar)$")
+_EVENTS_SEGMENT_RE = re.compile(r"^rank-(\d{5,})\.jsonl\.(\d{6,})$")  # on object storage: events/ in segments
 # Temporaries: format.atomic's f"{path}.{pid}.{thread}.tmp" (indexes, the wids list, manifest, status) and
 # the plan's array writer's f"{path}.{pid}.tmp".
 _TEMPORARY_RE = re.compile(r"^(.+?)(?:\.\d+){1,2}\.tmp$")
@@ -131,6 +134,31 @@ class CachePaths:
 
     def events(self, rank: int) -> str:
         return os.path.join(self.events_dir, f"rank-{rank:05d}.jsonl")
+
+    def events_segment(self, rank: int, segment: int) -> str:
+        """Segment ``segment`` of rank ``rank``'s event log where it is an object (objects are not appended to:
+        the log is uploaded as segments, each rewritten until it is full)."""
+        return f"{self.events(rank)}.{segment:06d}"
+
+    def events_segment_of(self, name: str) -> tuple[int, int] | None:
+        """``(rank, segment)`` of an event-log segment's name in ``events/``, else ``None``."""
+        match = _EVENTS_SEGMENT_RE.match(name)
+        if match is None:
+            return None
+        rank, segment = int(match.group(1)), int(match.group(2))
+        return (rank, segment) if os.path.basename(self.events_segment(rank, segment)) == name else None
+
+    @property
+    def lease(self) -> str:
+        return os.path.join(self.root, LEASE)
+
+    @property
+    def staging_mark(self) -> str:
+        return os.path.join(self.root, STAGING_MARK)
+
+    def relative(self, path: str) -> str:
+        """``path`` (inside the cache) relative to its root, with ``/``: the object key under a remote prefix."""
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def shard_file(self, name: str) -> tuple[int, str] | None:
         """``(shard id, "idx" or "tar")`` of a published shard's file name in ``shards/``, else ``None``."""

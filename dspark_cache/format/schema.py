@@ -207,6 +207,19 @@ class RankStatus(msgspec.Struct, kw_only=True):
     last_error: str | None = None
 
 
+class Lease(msgspec.Struct, kw_only=True):
+    """The producer job's claim on a cache on object storage (``control/lease.json``): created only where
+    none exists, renewed only over the version its holder wrote, free once ``renewed_at + ttl`` has passed."""
+
+    host: str
+    pid: int
+    run_id: str
+    world_size: int = 1
+    started_at: float
+    renewed_at: float
+    ttl: float
+
+
 class Event(msgspec.Struct, kw_only=True):
     """One line of ``events/rank-N.jsonl``."""
 

@@ -59,13 +59,15 @@ def encode_wids_index(entries: list[Entry]) -> bytes:
             f'  "shardlist": [{body}]\n}}\n').encode()
 
 
-def write_wids_index(paths: CachePaths, *, durable: bool = True) -> list[Entry]:
-    """Rewrite the index exactly from every published shard index; returns its entries.
+def write_wids_index(paths: CachePaths, *, durable: bool = True, entries: list[Entry] | None = None) -> list[Entry]:
+    """Rewrite the index exactly from every published shard index (or as ``entries``, where the tars are
+    not in this directory); returns its entries.
 
     A shard whose index cannot be read is left out with a warning (it is not readable either);
     ``dspark-verify`` names it.
     """
-    entries = [e for e in (_entry_from_index(paths, s) for s in paths.indexed_shard_ids()) if e is not None]
+    if entries is None:
+        entries = [e for e in (_entry_from_index(paths, s) for s in paths.indexed_shard_ids()) if e is not None]
     atomic_write_bytes(paths.wids_index, encode_wids_index(entries), durable=durable)
     return entries
 

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace, foreground: Foreground | None = None) -> int:
 def dry_run(cfg: ProduceConfig) -> int:
     """Encode and plan, print the plan; nothing is written but the plan (under the directory's lock),
     which the real run then reuses instead of tokenising again."""
-    from dspark_cache.format.output import CacheOutput
+    from dspark_cache.producer.config import cache_output
     from dspark_cache.producer.device.ranks import new_run_id
     from dspark_cache.producer.device.topology import Topology
     from dspark_cache.producer.plan.store import forget_found, found_directory, keep_plan_files, leave_as_found
@@ -73,7 +73,7 @@ def dry_run(cfg: ProduceConfig) -> int:
     from dspark_cache.producer.resume import take_directory
 
     me = Topology.from_environment(cfg.tp_size, cfg.ep_size)
-    output = CacheOutput(cfg.output_dir)
+    output = cache_output(cfg, me.rank)
     found = None  # what the directory held, once this process holds it
     try:  # planning needs no device: a login node without a GPU can size a GPU job
         settings = resolve_settings(dataclasses.replace(cfg, device="cpu"))

@@ -13,6 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -23,6 +24,9 @@ from dspark_cache.format.schema import SampleEntry
 from dspark_cache.format.status import RANK_TIMEOUT_S
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_SEQ_LENGTH
 from dspark_cache.producer.device.topology import size_argument
+
+if TYPE_CHECKING:
+    from dspark_cache.format.output import CacheOutput
 
 # A target computes in a float dtype; FP8 is a storage format only (quantised after the forward).
 COMPUTE_DTYPES = sorted(name for name, code in CACHE_DTYPES.items() if not is_fp8(code))
@@ -98,6 +102,10 @@ class ProduceConfig:
     tp_size: int = 1
     ep_size: int = 1
     device_map: str | None = None
+    # An --output-dir on object storage (s3://...).
+    storage_options: str | None = None
+    staging_dir: str | None = None
+    staging_limit: str | None = None
 
     @property
     def tokenize_workers(self) -> int:
@@ -181,10 +189,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a heartbeat after which a finished rank stops waiting for another")
     p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
     p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
+    remote = p.add_argument_group("an --output-dir on object storage (s3://bucket/prefix; pip install "
+                                  "\"dspark-cache[s3]\")")
+    remote.add_argument("--storage-options", metavar="JSON", default=None,
+                        help="the object-store client's options as a JSON object (endpoint, region, credentials, "
+                        "client_options, retry_config); default: $DSPARK_STORAGE_OPTIONS, then the AWS_* "
+                        "variables. Values are never printed")
+    remote.add_argument("--staging-dir", metavar="DIR", default=None,
+                        help="local directory shards are written to before their upload (default "
+                        "$DSPARK_LOCAL_CACHE_DIR/staging/... or ~/.cache/dspark-cache/remote/staging/...); one per "
+                        "cache, shared by the ranks of a node")
+    remote.add_argument("--staging-limit", metavar="SIZE", default=None,
+                        help="bytes of finished shards waiting for upload there before the device waits, e.g. 16G "
+                        "(default 8G; one shard always fits)")
     p.add_argument("--dry-run", action="store_true",
                    help="encode and plan the input, print what the cache would hold (samples, tokens, padding, "
                    "shards, exact bytes) and exit without loading the target; only the plan is written (in "
                    "OUTPUT_DIR/plan/), and the real run reuses it")
+
+
+def cache_output_options(cfg: ProduceConfig) -> dict[str, Any]:
+    """``open_output``'s keyword arguments for an --output-dir on object storage; ``ConfigError`` on bad values."""
+    from dspark_cache.format.backing import StorageOptions, parse_size, parse_storage_options
+
+    try:
+        options = None if cfg.storage_options is None else parse_storage_options(cfg.storage_options,
+                                                                                  "--storage-options")
+        limit = None if cfg.staging_limit is None else parse_size(cfg.staging_limit, "--staging-limit")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return {"storage": StorageOptions(options), "staging_dir": cfg.staging_dir, "staging_limit": limit}
+
+
+def cache_output(cfg: ProduceConfig, rank: int = 0) -> "CacheOutput":
+    """The write side of --output-dir: a directory, or a cache on object storage staged on this node."""
+    from dspark_cache.format.output import open_output
+
+    if not is_remote(cfg.output_dir):
+        return open_output(cfg.output_dir)
+    return open_output(cfg.output_dir, rank=rank, **cache_output_options(cfg))
 
 
 def config_from_args(args: argparse.Namespace) -> ProduceConfig:
@@ -199,10 +242,11 @@ class ConfigError(ValueError):
 
 def validate_config(cfg: ProduceConfig) -> None:
     """Cheap checks that run before anything is loaded; :class:`ConfigError` names the option and the fix."""
-    if is_remote(cfg.output_dir):
-        raise ConfigError(f"--output-dir {cfg.output_dir}: dspark-produce writes to a local or shared directory, "
-                          "not yet to object storage; produce into a directory, then copy it up with the manifest "
-                          "last (readers, dspark-verify and dspark-convert read s3:// caches)")
+    if not is_remote(cfg.output_dir) and (cfg.staging_dir or cfg.staging_limit or cfg.storage_options):
+        given = [f"--{n.replace('_', '-')}" for n in ("storage_options", "staging_dir", "staging_limit") if getattr(cfg, n)]
+        raise ConfigError(f"{', '.join(given)} apply to an --output-dir on object storage (s3://bucket/prefix), not to "
+                          f"the directory {cfg.output_dir}; leave them out")
+    cache_output_options(cfg)  # malformed JSON or size: named now
     for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes",
                  "max_row_bytes"):
         if getattr(cfg, name) < 1:

@@ -34,7 +34,7 @@ def take_directory(output: CacheOutput, run_id: str, world_size: int, overwrite:
         output.lock(run_id, world_size, overwrite=overwrite)
     except OSError as exc:  # /proc/..., a read-only mount, no permission: say which path and what to do
         where = exc.filename or output.paths.control_dir
-        raise CacheError(f"--output-dir {output.root} cannot hold a cache: creating {where} failed "
+        raise CacheError(f"--output-dir {output.shown} cannot hold a cache: creating {where} failed "
                          f"({exc.strerror or exc}); choose a directory on a writable filesystem") from None
 
 
@@ -60,7 +60,7 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
     if old is None:
         if output.published() or output.leftovers():
             raise CacheError(
-                f"{output.root} holds shards but no {os.path.basename(output.paths.manifest)}: they cannot be "
+                f"{output.shown} holds shards but no {os.path.basename(output.paths.manifest)}: they cannot be "
                 "verified. Pass --overwrite to start over, or choose another --output-dir"
             )
         return None
@@ -75,7 +75,7 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
             lines += ("\n  (the cache was made by a version that did not fingerprint its target: --overwrite "
                       "remakes it)")
         raise ManifestMismatchError(
-            f"{output.root} holds a cache made with a different configuration:\n{lines}\n"
+            f"{output.shown} holds a cache made with a different configuration:\n{lines}\n"
             "Rerun with the original settings to resume it, pass --overwrite to start over, "
             "or choose another --output-dir."
         )
@@ -84,10 +84,12 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
 
 def preflight_disk(output: CacheOutput, needed: int, force: bool) -> None:
     """Refuse to start when ``needed`` bytes exceed the free space (unless ``--force``)."""
+    needed = output.space_needed(needed)
     free = shutil.disk_usage(output.root).free
     if needed > free and not force:
+        where = "" if output.shown == output.root else f" (the staging directory of {output.shown})"
         raise CacheError(
-            f"the cache needs {needed / 1e9:.2f} GB more but {output.root} has {free / 1e9:.2f} GB free; "
+            f"the cache needs {needed / 1e9:.2f} GB more but {output.root}{where} has {free / 1e9:.2f} GB free; "
             "free space or choose another --output-dir (or pass --force to start anyway)"
         )
 

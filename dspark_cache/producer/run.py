@@ -23,7 +23,7 @@ from dspark_cache.producer.finish import finish
 from dspark_cache.producer.device.compute import (
     Computed, compute_shards, repair_complete_weights, write_missing_target_weights,
 )
-from dspark_cache.producer.config import ProduceConfig
+from dspark_cache.producer.config import ProduceConfig, cache_output
 from dspark_cache.producer.device.model_group import check_target
 from dspark_cache.producer.device.ranks import assign_shards, barrier_before_setup, new_run_id, share_setup
 from dspark_cache.producer.device.topology import Topology, check_topology
@@ -47,6 +47,7 @@ class RunResult:
     seconds: float
     stopped: bool = False
     missing: list[int] = field(default_factory=list)  # shards owned by a rank that died
+    output: CacheOutput | None = None  # what was written to (the summary counts its shards)
 
 
 def produce(cfg: ProduceConfig) -> RunResult:
@@ -55,7 +56,7 @@ def produce(cfg: ProduceConfig) -> RunResult:
     topology = Topology.from_environment(cfg.tp_size, cfg.ep_size)
     check_topology(topology, cfg.device, cfg.device_map)
     run_id = new_run_id()  # rank 0's is the job's: share_setup hands it to every rank
-    output = CacheOutput(cfg.output_dir)
+    output = cache_output(cfg, topology.rank)
     try:
         settings = resolve_settings(cfg)
         check_target(cfg.target_model, topology, cfg.trust_remote_code)  # before planning, on every rank alike
@@ -79,7 +80,9 @@ def produce(cfg: ProduceConfig) -> RunResult:
         if not topology.is_leader:
             output.join()
             existing = read_existing(output)
-        return _run_locked(p, topology, run_id, existing, started)
+        result = _run_locked(p, topology, run_id, existing, started)
+        result.output = output
+        return result
     finally:
         output.release()
 
@@ -122,6 +125,7 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
         status.update(force=True, state=RankState.FINISHED)
         return RunResult(existing, p.plan, None, time.time() - started)
     computed = compute_shards(p, owned, status, stop, topology, run_id) if owned else Computed(None)
+    p.output.flush()  # a cache on object storage: the last shards' uploads (a failed one raises here)
     stats = computed.stats
     write_missing_target_weights(p, topology, status, run_id)
     stopped = stop() or computed.group_stopped

@@ -39,7 +39,7 @@ import xxhash
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
-from dspark_cache.format.remote.node import DownloadThreads, hold_lock, process_alive, release_all
+from dspark_cache.format.remote.node import DaemonThreads, hold_lock, process_alive, release_all
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import ShardIndex
@@ -93,7 +93,7 @@ class NodeMirror:
         self._in_use: dict[int, tuple[int, int]] = {}  # shard id -> (use-lock fd, holders in this process)
         self._held_bytes: dict[int, int] = {}  # shard id -> its tar's size, while in use here
         self._lock = threading.RLock()
-        self._pool = DownloadThreads(_IN_FLIGHT)
+        self._pool = DaemonThreads(_IN_FLIGHT)
         self._wanted: dict[int, Future] = {}  # shard id -> its prefetch
         self._wanted_bytes: dict[int, int] = {}
         self._closed = False
@@ -454,7 +454,7 @@ def _after_fork_in_child() -> None:
         mirror._held_bytes.clear()
         mirror._wanted.clear()
         mirror._wanted_bytes.clear()
-        mirror._pool = DownloadThreads(_IN_FLIGHT)
+        mirror._pool = DaemonThreads(_IN_FLIGHT)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

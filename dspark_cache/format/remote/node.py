@@ -2,7 +2,7 @@
 
 ``hold_lock`` is an ``flock`` on a file (created), blocking or not; ``process_alive`` says whether
 the process that named a temporary still runs; ``release_all`` closes a mirror's held locks (its
-finalizer); :class:`DownloadThreads` runs prefetches on daemon threads.
+finalizer); :class:`DaemonThreads` runs downloads and uploads on daemon threads.
 """
 
 from __future__ import annotations
@@ -48,15 +48,15 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-class DownloadThreads:
-    """Prefetch threads. Daemon threads, so that neither ``close()`` nor the interpreter's exit waits
-    for a download from a store that stopped answering (a download cut short leaves only its
-    temporary, named by its pid, under ``.mirror/tmp``)."""
+class DaemonThreads:
+    """Transfer threads. Daemon threads, so that neither ``close()`` nor the interpreter's exit waits
+    for a store that stopped answering (a download cut short leaves only its temporary, named by its
+    pid, under ``.mirror/tmp``; an upload cut short publishes nothing)."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, name: str = "dspark-mirror") -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         for n in range(threads):
-            threading.Thread(target=self._work, name=f"dspark-mirror-{n}", daemon=True).start()
+            threading.Thread(target=self._work, name=f"{name}-{n}", daemon=True).start()
         self._threads = threads
 
     def submit(self, call: Callable[..., object], *args: object) -> Future:

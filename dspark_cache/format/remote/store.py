@@ -94,7 +94,8 @@ def _default_retry() -> dict[str, Any]:
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
 
 
-def _endpoint(config: dict[str, Any]) -> str | None:
+def client_endpoint(config: dict[str, Any]) -> str | None:
+    """The endpoint the client talks to: the options' spelling of it, else the AWS_ENDPOINT_URL variables."""
     for key in ("aws_endpoint_url_s3", "endpoint_url", "endpoint", "aws_endpoint", "aws_endpoint_url"):
         if config.get(key):
             return str(config[key])
@@ -114,7 +115,7 @@ class ObjectStore:
         self.url = url if isinstance(url, RemoteURL) else RemoteURL.parse(url)
         obstore = _client()
         config = dict(storage_options or {})
-        client_options = {**_default_client_options(_endpoint(config)), **config.pop("client_options", {})}
+        client_options = {**_default_client_options(client_endpoint(config)), **config.pop("client_options", {})}
         retry = config.pop("retry_config", None) or _default_retry()
         if "endpoint_url" in config:  # the spelling boto3 and s3fs users know
             config["endpoint"] = config.pop("endpoint_url")

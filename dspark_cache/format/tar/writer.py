@@ -112,6 +112,15 @@ class ShardWriter:
 
     def publish(self, nonfinite: list[int] | None = None) -> ShardIndex:
         """Seal the tar, make it durable, rename it into place, then publish its index."""
+        index = self.seal(nonfinite)
+        self.commit(index)
+        # After the index: wids' shard list only ever names published shards (exact at completion).
+        add_shard(self.paths, index)
+        return index
+
+    def seal(self, nonfinite: list[int] | None = None) -> ShardIndex:
+        """Finish the tar, make it durable and rename it into place; return its index, not yet written
+        (the shard is not published until :meth:`commit` writes it)."""
         self._write(bytes(END_OF_ARCHIVE))
         if self.durable:
             os.fsync(self._file.fileno())
@@ -121,7 +130,7 @@ class ShardWriter:
         if self.durable:
             fsync_dir(self.paths.shards_dir)
         crash_point("after_rename")
-        index = ShardIndex(
+        return ShardIndex(
             shard_id=self.shard_id,
             tar_bytes=self.bytes_written,
             tar_xxh3=self._hash.intdigest(),
@@ -129,11 +138,16 @@ class ShardWriter:
             nonfinite=list(nonfinite or []),
             cache_id=self.cache_id,
         )
-        atomic_write_bytes(self.paths.shard_index(self.shard_id), encode_json(index), durable=self.durable)
-        crash_point("after_index")
-        # After the index: wids' shard list only ever names published shards (exact at completion).
-        add_shard(self.paths, index)
-        return index
+
+    def commit(self, index: ShardIndex) -> None:
+        """Write the sealed shard's index: the commit that publishes it."""
+        write_index(self.paths, index, durable=self.durable)
+
+
+def write_index(paths: CachePaths, index: ShardIndex, *, durable: bool = True) -> None:
+    """Write a sealed shard's index file (the commit that publishes it in a directory)."""
+    atomic_write_bytes(paths.shard_index(index.shard_id), encode_json(index), durable=durable)
+    crash_point("after_index")
 
     def abort(self) -> None:
         """Drop the unfinished shard; a rerun recomputes it."""

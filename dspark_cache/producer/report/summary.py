@@ -7,8 +7,9 @@ import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dspark_cache.format.cache import CacheDir
-from dspark_cache.format.errors import CacheError
+from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.output import CacheOutput
+from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import Manifest
 
 if TYPE_CHECKING:
@@ -26,18 +27,18 @@ class Published:
     bytes: int
 
 
-def published(output_dir: str) -> Published:
+def published(output: CacheOutput) -> Published:
     """Count the published shards, samples, tokens and bytes from the indexes (a shard exists when its index does)."""
     shards = samples = tokens = size = 0
-    with CacheDir(output_dir, allow_incomplete=True, strict=False) as cache:
-        for shard_id in cache.indexed_ids():
-            index = cache.published(shard_id)
-            if index is None:
-                continue
-            shards += 1
-            samples += index.num_samples
-            tokens += sum(entry.length for entry in index.samples)
-            size += index.tar_bytes
+    for shard_id in sorted(output.scan()):
+        try:
+            index = output.shard_index(shard_id)
+        except CorruptShardError:  # counted as not there; dspark-verify names it
+            continue
+        shards += 1
+        samples += index.num_samples
+        tokens += sum(entry.length for entry in index.samples)
+        size += index.tar_bytes
     return Published(shards, samples, tokens, size)
 
 
@@ -45,7 +46,7 @@ def summary(result: RunResult, output_dir: str) -> str:
     """Rank 0's last line: what the cache holds now (read from ``output_dir``), what was planned, what it cost."""
     m, plan = result.manifest, result.plan
     try:
-        done = published(output_dir)
+        done = published(result.output or CacheOutput(output_dir))
     except (CacheError, OSError) as exc:  # the run's own line must not fail on a damaged index: say so instead
         return (f"cache {'complete' if m.complete else 'incomplete'}: planned {plan.num_samples} samples in "
                 f"{len(plan.shards)} shards; the published shards could not be counted ({exc}); "
@@ -68,6 +69,8 @@ def plan_report(plan: Plan, manifest: Manifest, output_dir: str) -> str:
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe)
     free = f"{shutil.disk_usage(probe or '.').free / 1e9:.1f} GB free" if probe or output_dir else ""
+    if is_remote(output_dir):
+        free = "object storage"
     return "\n".join([
         f"dry run: {plan.num_rows} rows -> {plan.num_samples} samples (skipped: {skipped})",
         f"  tokens: {plan.num_tokens} ({plan.num_loss_tokens} supervised), seq_length {manifest.seq_length}",

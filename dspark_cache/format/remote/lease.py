@@ -1,0 +1,179 @@
+"""One producer per cache on object storage, without ``flock``: a lease object, ``control/lease.json``.
+
+An object store has no locks, but it has conditional writes. The lease is *taken* by creating the
+object only where none exists (``If-None-Match: *``), *renewed* by rewriting it only over the
+version its holder wrote (``If-Match`` on that ETag), and *free* once ``ttl`` seconds have passed
+since its last renewal: a producer killed with SIGKILL stops renewing, and the next one takes the
+expired lease over, again with ``If-Match``, so that of two producers racing for it one wins.
+
+Expiry is judged against the later of the holder's own ``renewed_at`` and the store's
+``Last-Modified`` of the object, so a holder whose clock is behind is not thought dead early.
+
+A holder that cannot renew for a whole ``ttl`` (the store unreachable, or someone else took the
+lease) has *lost* it: :meth:`Lease.check` then raises, and the producer publishes nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import msgspec
+
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.lock import CacheLockedError, describe_holder
+from dspark_cache.format.paths import LEASE
+from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore, ObjectStoreError
+from dspark_cache.format.schema import Lease as LeaseRecord, decode_json, encode_json
+
+log = logging.getLogger(__name__)
+
+TTL = 60.0  # seconds a lease lives without a renewal
+_MAX_LEASE_BYTES = 1 << 16
+
+
+def _ttl() -> float:
+    """``DSPARK_LEASE_TTL`` (seconds), for clusters whose stores are slow to answer, and for tests."""
+    try:
+        return max(1.0, float(os.environ.get("DSPARK_LEASE_TTL", TTL)))
+    except ValueError:
+        return TTL
+
+
+def _read(store: ObjectStore) -> tuple[LeaseRecord | None, ObjectInfo] | None:
+    """The lease and its object's info; ``None`` when there is none; a record of ``None`` when the
+    object is not a lease we can read (it is then treated as held until it expires by its age)."""
+    got = store.get(LEASE, limit=_MAX_LEASE_BYTES)
+    if got is None:
+        return None
+    data, info = got
+    try:
+        return decode_json(data, LeaseRecord), info
+    except (msgspec.DecodeError, CacheError):
+        return None, info
+
+
+def _expires_at(record: LeaseRecord | None, info: ObjectInfo) -> float:
+    renewed = max(record.renewed_at if record is not None else 0.0, info.modified)
+    return renewed + (record.ttl if record is not None else TTL)
+
+
+def describe_lease(record: LeaseRecord | None, info: ObjectInfo, now: float) -> str:
+    holder = describe_holder(msgspec.to_builtins(record) if record is not None else None)
+    left = _expires_at(record, info) - now
+    return f"{holder}; its lease was renewed {max(0.0, now - info.modified):.0f} s ago and expires in {left:.0f} s " \
+           "unless renewed"
+
+
+class Lease:
+    """This producer's hold on a remote cache: :meth:`take` it, keep it renewed (a daemon thread) until
+    :meth:`release`; :meth:`check` raises once it is lost."""
+
+    def __init__(self, store: ObjectStore, run_id: str, world_size: int = 1, ttl: float | None = None) -> None:
+        self.store = store
+        self.ttl = ttl if ttl is not None else _ttl()
+        now = time.time()
+        self.record = LeaseRecord(host=socket.gethostname(), pid=os.getpid(), run_id=run_id, world_size=world_size,
+                                  started_at=now, renewed_at=now, ttl=self.ttl)
+        self._etag: str | None = None
+        self._renewed = 0.0  # when the store last accepted a renewal (this machine's clock)
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- taking -------------------------------------------------------------------------------
+
+    def take(self, *, overwrite: bool = False) -> None:
+        """Hold the lease, or raise :class:`CacheLockedError` naming its holder."""
+        for _ in range(3):  # a lease that vanishes or expires between our reads is raced for again
+            try:
+                self._etag = self.store.put(LEASE, self._encode(), create=True)
+                break
+            except ConditionFailedError:
+                pass
+            found = _read(self.store)
+            if found is None:
+                continue  # released meanwhile
+            record, info = found
+            now = time.time()
+            if now < _expires_at(record, info):
+                what = "--overwrite refused: it does not stop a live run, and " if overwrite else ""
+                raise CacheLockedError(
+                    f"{what}{self.store.url} is in use by another dspark-produce run ({describe_lease(record, info, now)})."
+                    " Two producers on one cache would redo and overwrite each other's work. Wait for that run to "
+                    f"finish, or stop it (press s in dspark-monitor {self.store.url}), then rerun; a producer killed "
+                    "without stopping frees the cache when its lease expires. For a separate cache choose another "
+                    "--output-dir"
+                )
+            try:  # expired: take it over, unless another producer does so first
+                self._etag = self.store.put(LEASE, self._encode(), match=info.etag)
+                log.warning("took over the lease on %s from %s, which stopped renewing it", self.store.url,
+                            describe_holder(msgspec.to_builtins(record) if record is not None else None))
+                break
+            except ConditionFailedError:
+                continue
+        else:
+            raise CacheLockedError(f"{self.store.url}: another producer keeps taking its lease; rerun when it is done")
+        self._renewed = time.monotonic()
+        self._thread = threading.Thread(target=self._keep, name="dspark-lease", daemon=True)
+        self._thread.start()
+
+    def _encode(self) -> bytes:
+        self.record.renewed_at = time.time()
+        return encode_json(self.record)
+
+    # -- keeping ------------------------------------------------------------------------------
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ttl / 6):
+            self.renew()
+
+    def renew(self) -> None:
+        """Rewrite the lease over our own version (what the thread does every ``ttl / 6`` s)."""
+        if self._lost is not None:
+            return
+        try:
+            self._etag = self.store.put(LEASE, self._encode(), match=self._etag)
+            self._renewed = time.monotonic()
+        except ConditionFailedError:
+            found = _read(self.store)
+            holder = (describe_lease(*found, time.time()) if found is not None else "nobody: it was deleted")
+            self._lose(f"another producer took it over ({holder})")
+        except CacheError as exc:  # the store did not answer: try again; past the ttl it may be someone else's
+            if time.monotonic() - self._renewed > self.ttl:
+                self._lose(f"it could not be renewed for {self.ttl:.0f} s ({exc})")
+            else:
+                log.warning("renewing the lease on %s failed (%s); retrying", self.store.url, exc)
+
+    def _lose(self, why: str) -> None:
+        self._lost = why
+        log.error("lost the lease on %s: %s; publishing stops", self.store.url, why)
+
+    def check(self) -> None:
+        """Raise once the lease is lost: nothing may be published without it."""
+        if self._lost is None and self._thread is not None and time.monotonic() - self._renewed > self.ttl:
+            self._lose(f"it was not renewed for {self.ttl:.0f} s")
+        if self._lost is not None:
+            raise CacheLockedError(f"{self.store.url}: this producer lost its lease ({self._lost}); what it "
+                                   "published is kept. Rerun when no other producer writes the cache")
+
+    # -- letting go ---------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease, if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._etag is None or self._lost is not None:
+            return
+        try:
+            found = _read(self.store)
+            if found is not None and found[1].etag == self._etag:
+                self.store.delete(LEASE)
+        except ObjectStoreError as exc:  # it expires by itself
+            log.warning("could not delete the lease on %s (%s); it expires in %.0f s", self.store.url, exc, self.ttl)
+        self._etag = None

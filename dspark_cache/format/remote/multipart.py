@@ -1,0 +1,82 @@
+"""Unfinished multipart uploads under a cache's prefix, aborted when a producer resumes it.
+
+A producer killed while a large tar uploads leaves the parts it sent on S3: invisible to every
+reader (no object exists until the upload completes), but stored and billed until someone aborts
+them. obstore has no call to list them, so this one step goes through boto3 (in the ``s3`` extra),
+with the same endpoint, region and credentials the cache's client uses. The resuming producer
+holds the cache's lease, so every unfinished upload under its prefix belongs to a producer that is
+gone. Other schemes need nothing: Azure drops uncommitted blocks by itself, and GCS uploads
+through obstore complete or leave nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from dspark_cache.format.remote.store import AccessDeniedError, ObjectStoreError, client_endpoint
+from dspark_cache.format.remote.url import RemoteURL
+
+log = logging.getLogger(__name__)
+
+_KEYS = {  # boto3's client argument <- the spellings obstore / s3fs users give in storage_options
+    "region_name": ("region", "aws_region", "aws_default_region", "region_name"),
+    "aws_access_key_id": ("aws_access_key_id", "access_key_id", "key"),
+    "aws_secret_access_key": ("aws_secret_access_key", "secret_access_key", "secret"),
+    "aws_session_token": ("aws_session_token", "session_token", "token"),
+}
+
+
+def _client_arguments(options: dict[str, Any]) -> dict[str, Any]:
+    arguments: dict[str, Any] = {}
+    for argument, spellings in _KEYS.items():
+        for key in spellings:
+            if options.get(key):
+                arguments[argument] = str(options[key])
+                break
+    endpoint = client_endpoint(options)
+    if endpoint:
+        arguments["endpoint_url"] = endpoint
+    if "region_name" not in arguments and not (os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
+        arguments["region_name"] = "us-east-1"  # what obstore assumes too
+    return arguments
+
+
+def abort_unfinished_uploads(url: RemoteURL, storage_options: dict[str, Any] | None) -> int:
+    """Abort every unfinished multipart upload under ``url``'s prefix; how many there were."""
+    if url.scheme not in ("s3", "s3a"):
+        return 0
+    try:
+        import boto3
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        log.warning("boto3 is missing, so unfinished multipart uploads under %s are not aborted (they are "
+                    "invisible but billed): pip install \"dspark-cache[s3]\", or give the bucket a lifecycle rule "
+                    "AbortIncompleteMultipartUpload", url)
+        return 0
+    client = boto3.client("s3", **_client_arguments(dict(storage_options or {})))
+    prefix = url.prefix.strip("/") + "/" if url.prefix.strip("/") else ""
+    aborted, marker, upload_marker = 0, "", ""
+    try:
+        while True:
+            page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=prefix, KeyMarker=marker,
+                                                 UploadIdMarker=upload_marker)
+            for upload in page.get("Uploads", []):
+                client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+            if not page.get("IsTruncated"):
+                return aborted
+            marker, upload_marker = page.get("NextKeyMarker", ""), page.get("NextUploadIdMarker", "")
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("AccessDenied", "403"):
+            raise AccessDeniedError(
+                f"listing unfinished uploads under {url}: access denied (403); the credentials need "
+                "s3:ListBucketMultipartUploads and s3:AbortMultipartUpload on the bucket, or give the bucket a "
+                "lifecycle rule AbortIncompleteMultipartUpload and rerun") from exc
+        raise ObjectStoreError(f"listing unfinished uploads under {url} failed ({code or exc}); check the "
+                               "endpoint and rerun") from exc
+    except BotoCoreError as exc:
+        raise ObjectStoreError(f"listing unfinished uploads under {url} failed ({exc}); check the network and "
+                               "the endpoint, then rerun") from exc

@@ -1,0 +1,359 @@
+"""The write side of a cache on object storage: :class:`RemoteOutput`, a ``CacheOutput`` over a staging directory.
+
+The producer and ``dspark-convert`` write a remote cache exactly as they write a local one, into a
+local *staging directory* (``--staging-dir``); this object makes the store follow it:
+
+* **taking it**: the staging directory's own ``flock`` (the ranks of one node), then the store's
+  lease (``lease.Lease``: one producer per cache, without a shared filesystem);
+* **bringing it down** (:meth:`RemoteOutput.lock`, the job's leader, holding the lease): the store is
+  the truth and the staging directory is made to agree with it: its manifest, plan, target weights,
+  event logs and shard indexes come down (a producer on another machine resumes with an empty
+  staging directory); tars without an index on the store, unfinished multipart uploads and staged
+  files the store does not have are removed;
+* **publishing**: a shard is sealed in staging, then uploaded, size-checked and committed by its
+  index on the store (``uploads.ShardUploads``, bounded by ``staging_limit``), and only then indexed
+  in staging, where its tar is deleted;
+* **the small files** (heartbeats, events, plan, weights) go up from a thread (``sync.StagingSync``);
+* **completing**: every upload is waited for, the wids list and the weights are put, and the manifest
+  last, so that a reader never sees a complete manifest before what it names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Iterable
+
+from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.backing import StorageOptions
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.output import CacheOutput, is_written_name
+from dspark_cache.format.remote.lease import Lease
+from dspark_cache.format.remote.mirror import default_local_cache_dir
+from dspark_cache.format.remote.multipart import abort_unfinished_uploads
+from dspark_cache.format.remote.node import DaemonThreads
+from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.format.remote.sync import StagingSync, segment_starts
+from dspark_cache.format.remote.uploads import ShardUploads
+from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.format.schema import Manifest, ShardIndex
+from dspark_cache.format.tar.reader import load_shard_index
+from dspark_cache.format.tar.writer import ShardWriter, write_index
+from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+from dspark_cache.format.wids_index import shard_entry, write_wids_index
+
+log = logging.getLogger(__name__)
+
+STAGING_LIMIT = 8 << 30  # default bytes of sealed tars staged before the writer waits for uploads
+_PULL_THREADS = 8
+
+
+class StagingDirectoryError(CacheError):
+    """The staging directory belongs to another remote cache."""
+
+
+def default_staging_dir(url: RemoteURL, local_cache_dir: str | None) -> str:
+    """``<local cache dir>/staging/<scheme>/<bucket>/<prefix>``: next to the readers' copies, never one of them."""
+    base = os.path.abspath(local_cache_dir or default_local_cache_dir())
+    return os.path.join(base, "staging", url.scheme, url.bucket, *filter(None, url.prefix.split("/")))
+
+
+class RemoteOutput(CacheOutput):
+    """The cache at ``url``, written through the staging directory (see the module's docstring)."""
+
+    def __init__(self, url: str, *, storage: StorageOptions | None = None, staging_dir: str | None = None,
+                 staging_limit: int | None = None, rank: int = 0) -> None:
+        storage = (storage or StorageOptions()).resolved()
+        self.url = RemoteURL.parse(url)
+        super().__init__(staging_dir or default_staging_dir(self.url, storage.local_cache_dir))
+        self.shown = str(self.url)
+        self.store = ObjectStore(self.url, storage.storage_options)
+        self._storage_options = storage.storage_options
+        self.rank = rank
+        self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
+        self._lease: Lease | None = None
+        self._sync: StagingSync | None = None
+        self._sizes: dict[int, int] = {}  # shard id -> its tar's size on the store (-1: not there)
+        self._sizes_lock = threading.Lock()
+        self._uploads = ShardUploads(self.store, self.paths, self.staging_limit, self._committed)
+
+    def __repr__(self) -> str:
+        return f"RemoteOutput({str(self.url)!r} staged at {self.root!r})"
+
+    # -- the directory ------------------------------------------------------------------------
+
+    def check(self, *, written_names: bool = False) -> None:
+        """The staging directory's checks, that it stages this cache and no other, and that the store answers
+        (a missing bucket or refused credentials are named here, before any work)."""
+        os.makedirs(self.root, exist_ok=True)
+        self._check_mark()
+        super().check(written_names=written_names)
+        self.store.list(self.paths.relative(self.paths.control_dir))
+
+    def _check_mark(self) -> None:
+        mark = self.paths.staging_mark
+        try:
+            with open(mark, encoding="utf-8") as handle:
+                staged = handle.read().strip()
+        except FileNotFoundError:
+            if any(name != os.path.basename(mark) for name in os.listdir(self.root)):
+                raise StagingDirectoryError(
+                    f"staging directory {self.root} is not empty and does not stage a remote cache; give "
+                    "--staging-dir an empty or new directory (it holds shards until they are uploaded)") from None
+            atomic_write_bytes(mark, f"{self.url}\n".encode())
+            return
+        if staged != str(self.url):
+            raise StagingDirectoryError(
+                f"staging directory {self.root} stages {staged}, not {self.url}; two caches cannot share one "
+                "--staging-dir: choose another (or remove that one once its producer is done)")
+
+    # -- the lock -----------------------------------------------------------------------------
+
+    def lock(self, run_id: str, world_size: int = 1, *, overwrite: bool = False) -> None:
+        """This node's lock on the staging directory, the store's lease, then the store brought down."""
+        super().lock(run_id, world_size, overwrite=overwrite)
+        lease = Lease(self.store, run_id, world_size)
+        try:
+            lease.take(overwrite=overwrite)
+        except BaseException:
+            super().release()
+            raise
+        self._lease = lease
+        try:
+            self._sync = StagingSync(self.store, self.paths, self.rank, leader=True)
+            self.pull()
+            self._sync.start()
+        except BaseException:
+            self.release()
+            raise
+
+    def join(self) -> None:
+        super().join()
+        self._sync = StagingSync(self.store, self.paths, self.rank, leader=False)
+        self._sync.start()
+
+    def release(self) -> None:
+        self._let_go()
+        super().release()
+
+    def drop_lock(self) -> None:
+        self._let_go()
+        super().drop_lock()
+
+    def _let_go(self) -> None:
+        """Last files up, the lease given back. Uploads still in flight are not waited for (a run that
+        failed): their shards are unpublished, and a rerun computes them again."""
+        if self._sync is not None:
+            self._sync.stop()
+            self._sync = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        self._uploads.close()
+
+    # -- the store brought down ---------------------------------------------------------------
+
+    def pull(self) -> None:
+        """Make the staging directory agree with the store (the store is the truth)."""
+        listing = dict(self.store.walk())
+        paths = self.paths
+        self._pull_shards(listing)
+        for path in (paths.manifest, paths.target_weights):
+            self._pull_file(path, listing.get(paths.relative(path)))
+        for relative, info in listing.items():
+            if relative.startswith(paths.relative(paths.plan_dir) + "/") and "/" not in relative.split("/", 1)[1]:
+                self._pull_file(os.path.join(paths.root, relative), info, remove_missing=False)
+        self._pull_events(listing)
+        aborted = abort_unfinished_uploads(self.url, self._storage_options)
+        if aborted:
+            log.info("%s: aborted %d unfinished multipart uploads left by an interrupted producer", self.url, aborted)
+
+    def _pull_shards(self, listing: dict[str, ObjectInfo]) -> None:
+        paths = self.paths
+        shards = paths.relative(paths.shards_dir)
+        indexes: dict[int, ObjectInfo] = {}
+        tars: dict[int, int] = {}
+        for relative, info in listing.items():
+            directory, _, name = relative.rpartition("/")
+            found = paths.shard_file(name) if directory == shards else None
+            if found is not None and found[1] == "idx":
+                indexes[found[0]] = info
+            elif found is not None:
+                tars[found[0]] = info.size
+        for shard_id in sorted(set(tars) - set(indexes)):  # uploaded, never committed: nothing reads it
+            log.info("removing %s: its upload was never committed by an index", self.store.name(
+                paths.relative(paths.shard_tar(shard_id))))
+            self.store.delete(paths.relative(paths.shard_tar(shard_id)))
+        for name in os.listdir(paths.shards_dir) if os.path.isdir(paths.shards_dir) else []:
+            found = paths.shard_file(name)
+            if found is None:
+                continue
+            shard_id, kind = found
+            if kind == "tar" or shard_id not in indexes:  # sealed and not committed, or unpublished on the store
+                os.unlink(os.path.join(paths.shards_dir, name))
+        wanted = [(k, info) for k, info in sorted(indexes.items())
+                  if _size(paths.shard_index(k)) != info.size]
+        threads = DaemonThreads(_PULL_THREADS, "dspark-pull")
+        try:
+            for future in [threads.submit(self._pull_index, k) for k, _ in wanted]:
+                future.result()
+        finally:
+            threads.close()
+        with self._sizes_lock:
+            self._sizes = {k: tars.get(k, -1) for k in indexes}
+        self._published = None  # listed again from the staging directory on first use
+
+    def _pull_index(self, shard_id: int) -> None:
+        relative = self.paths.relative(self.paths.shard_index(shard_id))
+        got = self.store.get(relative, limit=MAX_INDEX_BYTES)
+        if got is not None:
+            atomic_write_bytes(self.paths.shard_index(shard_id), got[0], durable=False)
+
+    def _pull_file(self, path: str, info: ObjectInfo | None, *, remove_missing: bool = True) -> None:
+        """Bring one file down where the store's differs in size; remove it where the store has none."""
+        if info is None:
+            if remove_missing and os.path.lexists(path):
+                os.unlink(path)
+            return
+        if _size(path) != info.size:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temporary = f"{path}.{os.getpid()}.tmp"
+            limit = MAX_MANIFEST_BYTES if path == self.paths.manifest else None
+            self.store.download(self.paths.relative(path), temporary, expected=limit)
+            os.replace(temporary, path)
+        assert self._sync is not None
+        self._sync.mark(path)
+
+    def _pull_events(self, listing: dict[str, ObjectInfo]) -> None:
+        """Each rank's event log from its segments, where the staging directory's is shorter."""
+        events = self.paths.relative(self.paths.events_dir)
+        segments: dict[int, dict[int, str]] = {}
+        for relative in listing:
+            directory, _, name = relative.rpartition("/")
+            found = self.paths.events_segment_of(name) if directory == events else None
+            if found is not None:
+                segments.setdefault(found[0], {})[found[1]] = relative
+        for rank, parts in segments.items():
+            sizes = [listing[parts[k]].size for k in sorted(parts)]
+            total = segment_starts(sizes)[-1] + sizes[-1]
+            path = self.paths.events(rank)
+            if _size(path) >= total:
+                continue
+            data = b"".join((self.store.get(parts[k]) or (b"", None))[0] for k in sorted(parts))
+            os.makedirs(self.paths.events_dir, exist_ok=True)
+            atomic_write_bytes(path, data, durable=False)
+
+    # -- our files ----------------------------------------------------------------------------
+
+    def _remove_remote(self, relatives: Iterable[str]) -> None:
+        for relative in relatives:
+            self.store.delete(relative)
+
+    def clear(self) -> None:
+        """``--overwrite``: the store's files of ours, then the staging directory's."""
+        self._remove_remote(r for r, _ in self.store.walk() if is_written_name(self.paths, r))
+        super().clear()
+        with self._sizes_lock:
+            self._sizes = {}
+        if self._sync is not None:
+            self._sync.forget()
+
+    def forget_heartbeats(self) -> None:
+        super().forget_heartbeats()
+        for directory in (self.paths.status_dir, self.paths.control_dir):
+            relative = self.paths.relative(directory)
+            self._remove_remote(f"{relative}/{name}" for name in self.store.list(relative)
+                                if is_written_name(self.paths, f"{relative}/{name}"))
+
+    # -- the manifest -------------------------------------------------------------------------
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        """Staged, then put; a complete manifest only after the weights it names are on the store."""
+        super().write_manifest(manifest)
+        if manifest.complete and os.path.exists(self.paths.target_weights):
+            self._push([self.paths.target_weights])
+        with open(self.paths.manifest, "rb") as handle:
+            self.store.put(self.paths.relative(self.paths.manifest), handle.read())
+
+    def _push(self, files: list[str]) -> None:
+        sync = self._sync or StagingSync(self.store, self.paths, self.rank, leader=False)
+        sync.push_files(files)
+
+    def write_wids_index(self) -> None:
+        entries = [shard_entry(self.paths, self.shard_index(k)) for k in sorted(self.scan())]
+        write_wids_index(self.paths, entries=entries)
+        self._push([self.paths.wids_index])
+
+    def space_needed(self, missing_bytes: int) -> int:
+        return min(missing_bytes, self.staging_limit)
+
+    # -- shards -------------------------------------------------------------------------------
+
+    def published(self) -> frozenset[int]:
+        with self._sizes_lock:  # the transfer threads add to it
+            if self._published is not None:
+                return frozenset(self._published)
+        return self.scan()
+
+    def scan(self) -> frozenset[int]:
+        with self._sizes_lock:
+            return super().scan()
+
+    def shard_index(self, shard_id: int) -> ShardIndex:
+        return load_shard_index(self.paths, shard_id, tar_size=self._tar_size(shard_id))
+
+    def _tar_size(self, shard_id: int) -> int:
+        with self._sizes_lock:
+            known = self._sizes.get(shard_id)
+        if known is None:  # published by another rank of this node: ask the store
+            info = self.store.head(self.paths.relative(self.paths.shard_tar(shard_id)))
+            known = -1 if info is None else info.size
+            with self._sizes_lock:
+                self._sizes[shard_id] = known
+        return known
+
+    def publish(self, writer: ShardWriter, nonfinite: list[int] | None = None) -> ShardIndex:
+        """Seal the shard in staging and queue its upload; it is published once its index is on the store."""
+        if self._lease is not None:
+            self._lease.check()
+        index = writer.seal(nonfinite)
+        self._uploads.submit(index)
+        return index
+
+    def _committed(self, index: ShardIndex) -> None:
+        """On a transfer thread, once the store holds the shard's index: index it in staging, drop its tar."""
+        write_index(self.paths, index)
+        with self._sizes_lock:
+            self._sizes[index.shard_id] = index.tar_bytes
+            if self._published is not None:
+                self._published.add(index.shard_id)
+        try:
+            os.unlink(self.paths.shard_tar(index.shard_id))
+        except FileNotFoundError:
+            pass
+
+    def flush(self) -> None:
+        self._uploads.flush()
+
+    def unpublish(self, shard_id: int) -> None:
+        """The store's index, then its tar (readers stop seeing it first), then the staged copies."""
+        self._remove_remote(self.paths.relative(p) for p in (self.paths.shard_index(shard_id),
+                                                             self.paths.shard_tar(shard_id)))
+        super().unpublish(shard_id)
+        with self._sizes_lock:
+            self._sizes.pop(shard_id, None)
+
+    @property
+    def transfer(self) -> dict[str, Any]:
+        """What the uploads did: bytes up, bytes staged now, seconds the writer waited for room."""
+        return {"uploaded_bytes": self._uploads.uploaded_bytes, "staged_bytes": self._uploads.staged_bytes,
+                "stalled_seconds": self._uploads.stalled_seconds}
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return -1
+
