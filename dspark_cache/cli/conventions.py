@@ -110,9 +110,11 @@ def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
     return code
 
 
-def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool = True) -> None:
-    """The options of a cache at an object-store URL (``s3://bucket/prefix``), the same on every script."""
-    group = parser.add_argument_group("caches on object storage (s3://, gs://, az://)")
+def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool = True, staging: bool = False) -> None:
+    """The options of a cache at an object-store URL (``s3://bucket/prefix``), the same on every script:
+    ``local_cache`` where it is read (the node's copy), ``staging`` where it is written."""
+    group = parser.add_argument_group("caches on object storage (s3://, gs://, az://; pip install "
+                                      "\"dspark-cache[s3]\")")
     group.add_argument("--storage-options", metavar="JSON", default=None,
                        help="the object-store client's options as a JSON object (endpoint, region, "
                        "credentials, client_options, retry_config); default: $DSPARK_STORAGE_OPTIONS, "
@@ -124,6 +126,14 @@ def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool 
         group.add_argument("--cache-limit", metavar="SIZE", default=None,
                            help="bytes of shards kept there, e.g. 200G (default $DSPARK_CACHE_LIMIT or half the "
                            "free space)")
+    if staging:
+        group.add_argument("--staging-dir", metavar="DIR", default=None,
+                           help="local directory shards are written to before their upload (default "
+                           "$DSPARK_LOCAL_CACHE_DIR/staging/... or ~/.cache/dspark-cache/remote/staging/...); one per "
+                           "cache, shared by the processes of a node")
+        group.add_argument("--staging-limit", metavar="SIZE", default=None,
+                           help="bytes of finished shards waiting there for their upload before writing waits, e.g. "
+                           "16G (default 8G; one shard always fits)")
 
 
 def storage_from_args(args: argparse.Namespace) -> "StorageOptions":
@@ -136,6 +146,16 @@ def storage_from_args(args: argparse.Namespace) -> "StorageOptions":
         limit = getattr(args, "cache_limit", None)
         return StorageOptions(options, getattr(args, "local_cache_dir", None),
                               None if limit is None else parse_size(limit, "--cache-limit"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def staging_limit_from_args(args: argparse.Namespace) -> int | None:
+    """``--staging-limit`` in bytes (``None``: the default); a malformed size is a usage error."""
+    from dspark_cache.format.backing import parse_size
+
+    try:
+        return None if args.staging_limit is None else parse_size(args.staging_limit, "--staging-limit")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

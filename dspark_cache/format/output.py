@@ -16,25 +16,22 @@ names this tool writes (as :class:`CachePaths` spells them), never a tree and ne
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import kind_of
 from dspark_cache.format.lock import DirectoryLock, check_lock_file, lock_exclusive, lock_shared
 from dspark_cache.format.manifest import read_manifest, write_manifest
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths, temporary_base
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
-from dspark_cache.format.tar.writer import ShardWriter
+from dspark_cache.format.tar.writer import ShardWriter, write_index
 from dspark_cache.format.wids_index import write_wids_index
-
-if TYPE_CHECKING:
-    from dspark_cache.format.backing import StorageOptions
 
 _NUMBER = re.compile(r"\d+")
 
@@ -377,6 +374,15 @@ class CacheOutput:
     def flush(self) -> None:
         """Wait until every shard handed to :meth:`publish` is published (a directory's are at once)."""
 
+    def replace_index(self, index: ShardIndex) -> None:
+        """Publish a rebuilt index over a published shard's damaged one (``dspark-verify --repair``)."""
+        write_index(self.paths, index)
+
+    @contextlib.contextmanager
+    def shard_tar(self, shard_id: int) -> Iterator[str]:
+        """A published shard's tar as a local file, for as long as the block runs (a remote one is downloaded)."""
+        yield self.paths.shard_tar(shard_id)
+
     def unpublish(self, shard_id: int) -> None:
         """Remove a shard's index, then its tar: readers stop seeing it first, and a rerun recomputes
         it. A symlink is removed itself, never its target."""
@@ -386,14 +392,3 @@ class CacheOutput:
         if self._published is not None:
             self._published.discard(shard_id)
 
-
-def open_output(path: str | os.PathLike, *, storage: "StorageOptions | None" = None, staging_dir: str | None = None,
-                staging_limit: int | None = None, rank: int = 0) -> CacheOutput:
-    """The write side of the cache at ``path``: a directory's :class:`CacheOutput`, or for an object-store URL
-    a ``remote.output.RemoteOutput`` staged in ``staging_dir`` (``staging_limit`` bytes of tars at most)."""
-    if not is_remote(path):
-        return CacheOutput(path)
-    from dspark_cache.format.remote.output import RemoteOutput  # the client library is an optional extra
-
-    return RemoteOutput(os.fspath(path), storage=storage, staging_dir=staging_dir, staging_limit=staging_limit,
-                        rank=rank)

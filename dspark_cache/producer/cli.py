@@ -17,8 +17,8 @@ import sys
 from typing import Callable
 
 from dspark_cache.cli.conventions import (
-    EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, error, exit_codes_epilog,
-    not_an_entry,
+    EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, add_storage_arguments, error,
+    exit_codes_epilog, not_an_entry,
 )
 from dspark_cache.producer.config import DESCRIPTION, ConfigError, ProduceConfig
 from dspark_cache.producer.config import add_arguments as add_settings
@@ -35,6 +35,7 @@ Foreground = Callable[[ProduceConfig], int]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every setting (``config``), ``--tui`` and ``--no-progress``."""
     add_settings(parser)
+    add_storage_arguments(parser, local_cache=False, staging=True)  # an --output-dir on object storage
     parser.add_argument("--tui", action="store_true",
                         help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)")
     parser.add_argument("--no-progress", action="store_true",

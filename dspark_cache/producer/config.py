@@ -189,19 +189,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a heartbeat after which a finished rank stops waiting for another")
     p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
     p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
-    remote = p.add_argument_group("an --output-dir on object storage (s3://bucket/prefix; pip install "
-                                  "\"dspark-cache[s3]\")")
-    remote.add_argument("--storage-options", metavar="JSON", default=None,
-                        help="the object-store client's options as a JSON object (endpoint, region, credentials, "
-                        "client_options, retry_config); default: $DSPARK_STORAGE_OPTIONS, then the AWS_* "
-                        "variables. Values are never printed")
-    remote.add_argument("--staging-dir", metavar="DIR", default=None,
-                        help="local directory shards are written to before their upload (default "
-                        "$DSPARK_LOCAL_CACHE_DIR/staging/... or ~/.cache/dspark-cache/remote/staging/...); one per "
-                        "cache, shared by the ranks of a node")
-    remote.add_argument("--staging-limit", metavar="SIZE", default=None,
-                        help="bytes of finished shards waiting for upload there before the device waits, e.g. 16G "
-                        "(default 8G; one shard always fits)")
     p.add_argument("--dry-run", action="store_true",
                    help="encode and plan the input, print what the cache would hold (samples, tokens, padding, "
                    "shards, exact bytes) and exit without loading the target; only the plan is written (in "
@@ -223,7 +210,7 @@ def cache_output_options(cfg: ProduceConfig) -> dict[str, Any]:
 
 def cache_output(cfg: ProduceConfig, rank: int = 0) -> "CacheOutput":
     """The write side of --output-dir: a directory, or a cache on object storage staged on this node."""
-    from dspark_cache.format.output import open_output
+    from dspark_cache.format.destination import open_output
 
     if not is_remote(cfg.output_dir):
         return open_output(cfg.output_dir)

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, CorruptShardError
-from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.paths import TARGET_WEIGHTS, CachePaths
-from dspark_cache.format.schema import ShardIndex, encode_json
-from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.destination import open_output
+from dspark_cache.format.paths import TARGET_WEIGHTS
+from dspark_cache.format.remote.url import is_remote
+from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
 from dspark_cache.format.validate import check_catalog
-from dspark_cache.format.wids_index import write_wids_index
 from dspark_cache.format.weights import weights_problem
 
 
@@ -125,27 +124,41 @@ def _verify_values(cache: CacheDir, index: ShardIndex, shard_id: int) -> None:
                 reader.check_tokens(entry)
 
 
-def repair(path: str, report: Report) -> None:
+def repair(path: str, report: Report, storage: StorageOptions | None = None) -> None:
     """Rebuild the index of a shard whose tar is provably intact; unpublish the others (index first,
     so readers stop seeing it, then the tar) so that a producer rerun recomputes them. Writes
-    nothing when no shard is corrupt (an intact cache on a read-only filesystem repairs fine)."""
+    nothing when no shard is corrupt (an intact cache on a read-only filesystem repairs fine).
+    A cache on object storage is repaired holding its lease (no producer writes it meanwhile),
+    each tar to rebuild from downloaded and deleted again."""
     if not report.corrupt:
         return
-    paths = CachePaths(path)
-    if os.path.islink(paths.shards_dir):
-        raise CacheError(f"{paths.shards_dir} is a symlink: dspark-verify --repair never deletes through one; "
+    output = open_output(path, storage=storage)
+    remote = is_remote(path)
+    if not remote and os.path.islink(output.paths.shards_dir):
+        raise CacheError(f"{output.paths.shards_dir} is a symlink: dspark-verify --repair never deletes through one; "
                          "replace it with a real directory first")
-    manifest = CacheDir(path, allow_incomplete=True, strict=False).manifest
-    for problem in report.corrupt:
-        shard_id = problem["shard"]
-        index = rebuild_index(paths, shard_id, manifest) if problem.get("rebuildable", True) else None
-        if index is not None:
-            atomic_write_bytes(paths.shard_index(shard_id), encode_json(index))
-            problem["repaired"] = "rebuilt"
-            continue
-        CacheOutput(path).unpublish(shard_id)
-        problem["repaired"] = "deleted"
-    write_wids_index(paths)  # wids' shard list names exactly the shards still published
+    if remote:
+        output.check()
+        output.lock(f"dspark-verify-{os.getpid()}")
+    try:
+        manifest = output.read_manifest()
+        if manifest is None:
+            raise CacheError(f"{output.shown} lost its manifest while it was verified; rerun dspark-verify")
+        for problem in report.corrupt:
+            shard_id = problem["shard"]
+            index = None
+            if problem.get("rebuildable", True) and shard_id in output.published():
+                with output.shard_tar(shard_id):
+                    index = rebuild_index(output.paths, shard_id, manifest)
+            if index is not None:
+                output.replace_index(index)
+                problem["repaired"] = "rebuilt"
+                continue
+            output.unpublish(shard_id)
+            problem["repaired"] = "deleted"
+        output.write_wids_index()  # wids' shard list names exactly the shards still published
+    finally:
+        output.release()
 
 
 def format_ranges(ids: list[int]) -> str:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import msgspec
 
 from dspark_cache.cli.conventions import (
-    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_USAGE, UsageError, add_storage_arguments, exit_codes_epilog,
+    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_USAGE, add_storage_arguments, exit_codes_epilog,
     storage_from_args,
 )
 from dspark_cache.format.errors import CacheError, NotACacheError
@@ -40,16 +40,11 @@ def run(args: argparse.Namespace) -> int:
     """Verify (and repair), print the report; 0 when the cache is complete and intact, 1 when not."""
     from dspark_cache.verify.checks import headline_state, print_report, repair, verify_cache
 
-    from dspark_cache.format.remote.url import is_remote
-
     storage = storage_from_args(args)
-    if args.repair and is_remote(args.cache_dir):
-        raise UsageError(f"--repair of a cache on object storage ({args.cache_dir}) is not available yet: "
-                         "verify it without --repair, then replace the objects it names from a good copy of the cache")
     try:
         report = verify_cache(args.cache_dir, storage)
         if args.repair:
-            repair(args.cache_dir, report)
+            repair(args.cache_dir, report, storage)
     except InvalidManifestError as exc:  # a cache, but its manifest is damaged: a problem found
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_ERROR

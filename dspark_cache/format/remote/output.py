@@ -20,10 +20,11 @@ local *staging directory* (``--staging-dir``); this object makes the store follo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.backing import StorageOptions
@@ -37,7 +38,7 @@ from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.sync import StagingSync, segment_starts
 from dspark_cache.format.remote.uploads import ShardUploads
 from dspark_cache.format.remote.url import RemoteURL
-from dspark_cache.format.schema import Manifest, ShardIndex
+from dspark_cache.format.schema import Manifest, ShardIndex, encode_json
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, write_index
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
@@ -335,6 +336,21 @@ class RemoteOutput(CacheOutput):
 
     def flush(self) -> None:
         self._uploads.flush()
+
+    def replace_index(self, index: ShardIndex) -> None:
+        self.store.put(self.paths.relative(self.paths.shard_index(index.shard_id)), encode_json(index))
+        self._committed(index)
+
+    @contextlib.contextmanager
+    def shard_tar(self, shard_id: int) -> Iterator[str]:
+        path = self.paths.shard_tar(shard_id)
+        os.makedirs(self.paths.shards_dir, exist_ok=True)
+        try:
+            self.store.download(self.paths.relative(path), path)
+            yield path
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
 
     def unpublish(self, shard_id: int) -> None:
         """The store's index, then its tar (readers stop seeing it first), then the staged copies."""

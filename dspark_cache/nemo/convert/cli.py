@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from dspark_cache.cli.conventions import (
-    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, add_storage_arguments,
+    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, add_storage_arguments, staging_limit_from_args,
     exit_codes_epilog, storage_from_args,
 )
 from dspark_cache.format.errors import CacheError, NotACacheError
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different cache in DST (deletes only cache files of either layout)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    add_storage_arguments(p)
+    add_storage_arguments(p, staging=True)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -80,10 +80,14 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
     if args.shard_size is not None and args.shard_size < 1:
         raise UsageError("--shard-size must be >= 1")
-    if is_remote(args.dst) or (args.to == "dspark" and is_remote(args.src)):
-        raise UsageError("dspark-convert reads a dspark cache from object storage (--to nemo SRC=s3://...) but "
-                         "writes only local directories, and reads NeMo caches only from them; copy the other "
-                         "side to a local directory first")
+    if args.to == "dspark" and is_remote(args.src):
+        raise UsageError("dspark-convert --to dspark reads NeMo caches from local directories only (NeMo's own "
+                         "loader reads no object store); copy SRC to a local directory first")
+    if args.to == "nemo" and is_remote(args.dst):
+        raise UsageError("dspark-convert --to nemo writes a local directory (NeMo's recipe reads only those); give "
+                         "DST as a directory")
+    if (args.staging_dir or args.staging_limit) and not (args.to == "dspark" and is_remote(args.dst)):
+        raise UsageError("--staging-dir/--staging-limit apply to --to dspark with DST on object storage (s3://...)")
 
 
 def summary(result: ConvertResult) -> str:
@@ -114,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.to == "dspark":
             result = convert_to_dspark(args.src, args.dst, pad_token_id=args.pad_token_id,
-                                       eos_token_id=args.eos_token_id, overwrite=args.overwrite, progress=progress)
+                                       eos_token_id=args.eos_token_id, overwrite=args.overwrite, progress=progress,
+                                       storage=storage_from_args(args), staging_dir=args.staging_dir,
+                                       staging_limit=staging_limit_from_args(args))
         else:
             result = convert_to_nemo(args.src, args.dst, shard_size=args.shard_size, overwrite=args.overwrite,
                                      progress=progress, dtype=args.dtype, storage=storage_from_args(args))

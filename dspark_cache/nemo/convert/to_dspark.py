@@ -19,9 +19,11 @@ import numpy as np
 import torch
 
 from dspark_cache import __version__
+from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.manifest import ManifestDecodeError, adopt_cache_id, read_manifest
+from dspark_cache.format.destination import open_output
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SkippedRow, identity_diff
@@ -118,11 +120,11 @@ def _existing_manifest(output: CacheOutput, new: Manifest, overwrite: bool) -> M
     paths = output.paths
     if not os.path.exists(paths.manifest):
         if output.published() or nemo_format.shard_indices(paths.root):
-            raise ConvertError(f"{paths.root} holds shards but no manifest.json, so they cannot be verified; "
+            raise ConvertError(f"{output.shown} holds shards but no manifest.json, so they cannot be verified; "
                                "pass --overwrite to replace them, or choose another DST")
         return None
     if nemo_format.is_nemo_cache(paths.root):
-        raise ConvertError(f"{paths.root} holds a NeMo-layout cache; pass --overwrite to replace it, or choose "
+        raise ConvertError(f"{output.shown} holds a NeMo-layout cache; pass --overwrite to replace it, or choose "
                            "another DST")
     try:  # unchecked: a manifest of ours that does not add up is another cache, named by the diff
         old = read_manifest(paths.root, allow_incomplete=True, checked=False)
@@ -131,7 +133,7 @@ def _existing_manifest(output: CacheOutput, new: Manifest, overwrite: bool) -> M
     diff = identity_diff(old, new)
     if diff:
         lines = "\n".join(f"  {name}: DST has {a!r}, this conversion gives {b!r}" for name, a, b in diff)
-        raise ConvertError(f"{paths.root} holds a different cache:\n{lines}\nPass --overwrite to replace it, "
+        raise ConvertError(f"{output.shown} holds a different cache:\n{lines}\nPass --overwrite to replace it, "
                            "or choose another DST")
     return old
 
@@ -225,8 +227,11 @@ def _reconcile(output: CacheOutput, source: NemoSource, plan: ImportPlan, manife
 
 
 def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eos_token_id: int | None = None,
-                      overwrite: bool = False, progress: TextIO | None = sys.stderr) -> ConvertResult:
-    """Import the NeMo cache ``src`` into the dspark cache ``dst`` (resumable; see the module doc)."""
+                      overwrite: bool = False, progress: TextIO | None = sys.stderr,
+                      storage: StorageOptions | None = None, staging_dir: str | None = None,
+                      staging_limit: int | None = None) -> ConvertResult:
+    """Import the NeMo cache ``src`` into the dspark cache ``dst`` (resumable; see the module doc): a
+    directory, or an object-store URL written through the staging directory ``staging_dir``."""
     started = time.perf_counter()
     check_paths(src, dst)
     source = open_nemo_source(src)
@@ -237,12 +242,12 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     plan = plan_import(source, rule, shape)  # everything is checked before DST is touched
     manifest = build_manifest(source, rule, plan)
     manifest.target_weights_xxh3 = weights.xxh3  # the file copied below is this one, byte for byte
-    output = CacheOutput(dst)
+    output = open_output(dst, storage=storage, staging_dir=staging_dir, staging_limit=staging_limit)
     paths = output.paths
-    lock = lock_destination(dst)
+    lock = lock_destination(output.root)
     try:
         lock_cache(output, required=True)
-        check_destination_files(dst, overwrite)
+        check_destination_files(output.root, overwrite)
         kept, finished = _reconcile(output, source, plan, manifest, overwrite)
         if not finished:
             output.write_manifest(manifest)  # complete: false, before the first shard
@@ -258,6 +263,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
     finally:
         output.release()
         os.close(lock)
-    after = file_bytes([p for k in range(source.num_shards) for p in (paths.shard_tar(k), paths.shard_index(k))])
+    after = sum(output.shard_index(k).tar_bytes for k in output.scan()) + file_bytes(
+        [paths.shard_index(k) for k in range(source.num_shards)])  # the tars of a remote cache are not here
     return ConvertResult("dspark", manifest.num_samples, source.num_shards, len(kept), source.shard_bytes(), after,
                          time.perf_counter() - started, rule.pad_id, plan.ambiguous, len(plan.skipped), rule.source)
