@@ -73,15 +73,15 @@ def load_tokenizer(cfg: ProduceConfig, template: str | None = None) -> Any:
 
 
 def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, shape: SampleShape,
-               paths: CachePaths | None = None, input_sha256: str | None = None,
+               output: CacheOutput | None = None, input_sha256: str | None = None,
                vocab_size: int | None = None) -> Plan:
-    """The plan of ``source`` for this job: the saved one in ``paths`` (default ``cfg.output_dir``)
+    """The plan of ``source`` for this job: the saved one in ``output`` (default ``cfg.output_dir``)
     when input and settings are unchanged, else encoded (this rank's share of the rows, across
     ``cfg.tokenize_workers`` processes), merged and saved there.
 
     Raises :class:`InputError` when the input holds no row, or no row gives a supervised sample.
     """
-    return plan_job(cfg, paths or CachePaths(cfg.output_dir), Topology.from_environment(cfg.tp_size, cfg.ep_size),
+    return plan_job(cfg, output or CacheOutput(cfg.output_dir), Topology.from_environment(cfg.tp_size, cfg.ep_size),
                     source, encoder, shape, input_sha256 or source.content_sha256(), vocab_size)
 
 
@@ -165,7 +165,7 @@ def prepare(settings: Settings, output: CacheOutput) -> Prepared:
     encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
     shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype])
     input_sha256 = settings.source.content_sha256()
-    plan = plan_input(cfg, encoder, settings.source, shape, output.paths, input_sha256, info.vocab_size)
+    plan = plan_input(cfg, encoder, settings.source, shape, output, input_sha256, info.vocab_size)
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
              "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
              plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)

@@ -71,9 +71,11 @@ class MonitorApp(App[None]):
     """
 
     def __init__(self, path: str, refresh: float = 1.0, clock: Callable[[], float] = time.time,
-                 disk_free: Callable[[str], int | None] | None = None) -> None:
+                 disk_free: Callable[[str], int | None] | None = None, *, scanner: CacheScanner | None = None) -> None:
+        """Watch the directory ``path``; or, given a ``scanner`` (a cache on object storage:
+        ``tui.remote.RemoteScanner``), what it scans (``path`` is then only a name)."""
         super().__init__()
-        self.scanner = CacheScanner(path, clock=clock, disk_free=disk_free)
+        self.scanner = scanner or CacheScanner(path, clock=clock, disk_free=disk_free)
         self.watcher = CacheWatcher(self.scanner, refresh, self.post_message)
         self.snapshot: Snapshot | None = None  # the one on screen
         self._shown_ticket = 0  # the refresh requests the snapshot on screen answers

@@ -8,8 +8,10 @@ import subprocess
 import sys
 import time
 
+from dspark_cache.cli.conventions import UsageError
 from dspark_cache.format.lifetime import exec_with_parent
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.remote.url import is_remote
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.confirm import ConfirmStop
 from dspark_cache.tui.fit import Para, words
@@ -53,6 +55,9 @@ class ForegroundMonitor(MonitorApp):
 
 def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
     """Start ``dspark-produce producer_argv`` and show the monitor until the user quits."""
+    if is_remote(output_dir):  # its log and the screen's files would be a local directory named s3:/...
+        raise UsageError(f"--tui watches an --output-dir on this machine; to watch {output_dir}, run dspark-produce "
+                         f"without --tui and dspark-monitor {output_dir} beside it")
     paths = CachePaths(output_dir)
     log_dir = paths.logs_dir
     os.makedirs(log_dir, exist_ok=True)

@@ -41,11 +41,12 @@ def has_terminal() -> bool:
     return all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stdout))
 
 
-def measured_snapshot(scanner: CacheScanner, every: float, sleep: Callable[[float], None] = time.sleep) -> Snapshot:
-    """A snapshot; while a rank is running, scanned again every ``every`` s for up to :data:`MEASURE_S`
+def measured_snapshot(scanner: CacheScanner, every: float, sleep: Callable[[float], None] = time.sleep,
+                      measure: float = MEASURE_S) -> Snapshot:
+    """A snapshot; while a rank is running, scanned again every ``every`` s for up to ``measure`` s
     until its rate is measured (a finished or dead cache is reported at once)."""
     snap = scanner.scan()
-    deadline = time.monotonic() + MEASURE_S
+    deadline = time.monotonic() + measure
     while (snap.tokens_per_s is None and any(r.state == RankState.RUNNING for r in snap.live_ranks)
            and time.monotonic() < deadline):
         sleep(max(0.0, min(every, deadline - time.monotonic())))
@@ -123,8 +124,12 @@ def exit_code(snap: Snapshot) -> int:
     return EXIT_OK
 
 
-def print_report(path: str, every: float, out: TextIO | None = None) -> int:
-    """Print one report of the cache at ``path`` and return the exit code (see :func:`exit_code`)."""
-    snap = measured_snapshot(CacheScanner(path), every)
+def print_report(path: str, every: float, out: TextIO | None = None, scanner: CacheScanner | None = None) -> int:
+    """Print one report of the cache at ``path`` (or of what ``scanner`` scans: a cache on object
+    storage) and return the exit code (see :func:`exit_code`)."""
+    scanner = scanner or CacheScanner(path)
+    # A remote rank's heartbeats arrive a refresh apart: two of them must span MIN_SPAN_S.
+    measure = MIN_SPAN_S + 2 * every if scanner.remote else MEASURE_S
+    snap = measured_snapshot(scanner, every, measure=measure)
     print("\n".join(lines(snap)), file=out or sys.stdout, flush=True)
     return exit_code(snap)

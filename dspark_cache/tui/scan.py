@@ -31,13 +31,13 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.manifest import ManifestDecodeError, read_manifest
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, RankStatus, decode_shard_index
-from dspark_cache.format.status import partial_is_written, rank_is_live, read_rank_status
+from dspark_cache.format.status import STALE_AFTER_S, partial_is_written, rank_is_live, read_rank_status
 from dspark_cache.format.validate import MAX_INDEX_BYTES, manifest_problems
 from dspark_cache.tui.eventfeed import EventFeed, failed_shards
 from dspark_cache.tui.rates import RateTracker
 from dspark_cache.tui.reading import CacheReader, reason
 from dspark_cache.tui.snapshot import ShardSummary, Snapshot, Throughput
-from dspark_cache.tui.stop import request_stop
+from dspark_cache.tui.stop import request_stop, stop_note
 
 _DIGITS = re.compile(r"[0-9]+")
 
@@ -50,9 +50,16 @@ class CacheScanner:
     (the watcher thread).
     """
 
+    #: What the snapshots name (the directory; a cache on object storage: its URL), whether it is
+    #: remote, and how long a working rank's heartbeat may be silent before it is STALE.
+    shown: str
+    remote = False
+    patience = STALE_AFTER_S
+
     def __init__(self, path: str, clock: Callable[[], float] = time.time,
                  disk_free: Callable[[str], int | None] | None = None, history: int = 120) -> None:
         self.paths = CachePaths(path)
+        self.shown = path
         self.clock = clock
         self.disk_free = disk_free or _free_bytes
         self.reader = CacheReader(path)
@@ -68,7 +75,8 @@ class CacheScanner:
         now, root = self.clock(), self.paths.root
         if not os.path.isdir(root):
             not_dir = f"{root} is not a directory" if os.path.exists(root) else None
-            return Snapshot(now=now, path=root, exists=not_dir is not None, manifest_error=not_dir)
+            return Snapshot(now=now, path=self.shown, exists=not_dir is not None, manifest_error=not_dir,
+                            remote=self.remote, patience=self.patience)
         self.reader.start_scan()
         snap = self._read(now)
         tokens, written = snap.tokens_per_s, snap.bytes_per_s
@@ -83,24 +91,33 @@ class CacheScanner:
         one (the snapshot on screen may be a refresh old, so the heartbeats are read again).
         """
         now = self.clock()
-        if not any(rank_is_live(status, now) for status in self._read_statuses()):
+        if not any(rank_is_live(status, now, self.patience) for status in self._read_statuses()):
             return "no producer is running here (no rank has a fresh heartbeat), so there is nothing to stop"
-        return request_stop(self.paths, f"requested by dspark-monitor at {now:.0f}\n")
+        return self._write_stop(stop_note(now))
+
+    def _write_stop(self, note: bytes) -> str | None:
+        """Write the stop request; None, or why it could not be written."""
+        return request_stop(self.paths, note)
+
+    def close(self) -> None:
+        """Let go of what the scanner holds (nothing, for a directory read in place)."""
 
     def _read(self, now: float) -> Snapshot:
         """Everything but the history, read from the files."""
         manifest, manifest_error, manifest_warnings = self._read_manifest()
         published, partials = self._read_shards()
         ranks = tuple(self._read_statuses())
-        writing = frozenset(s for s, mtime in partials.items() if partial_is_written(s, mtime, ranks, now))
+        writing = frozenset(s for s, mtime in partials.items()
+                            if partial_is_written(s, mtime, ranks, now, self.patience))
         events = self.events.read()
         return Snapshot(
-            now=now, path=self.paths.root, manifest=manifest, manifest_error=manifest_error,
+            now=now, path=self.shown, manifest=manifest, manifest_error=manifest_error,
             published=MappingProxyType(published), writing=writing, abandoned=frozenset(partials) - writing,
             failed=failed_shards(events),
-            ranks=ranks, rates=self.rates.observe(ranks), events=events, disk_free=self.disk_free(self.paths.root),
+            ranks=ranks, rates=self.rates.observe(ranks), events=events,
+            disk_free=None if self.remote else self.disk_free(self.paths.root),
             stop_requested=os.path.exists(self.paths.stop_request),
-            warnings=manifest_warnings + tuple(self.reader.warnings),
+            warnings=manifest_warnings + tuple(self.reader.warnings), remote=self.remote, patience=self.patience,
         )
 
     def _read_manifest(self) -> tuple[Manifest | None, str | None, tuple[str, ...]]:

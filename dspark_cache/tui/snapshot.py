@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex
-from dspark_cache.format.status import rank_is_live, rank_is_stale
+from dspark_cache.format.status import STALE_AFTER_S, rank_is_live, rank_is_stale
 from dspark_cache.tui.display import as_float
 from dspark_cache.tui.rates import RankRate, RunAverage, run_average, summed, tokens_per_byte
 
@@ -43,7 +43,12 @@ class ShardSummary:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One view of a cache directory at time ``now``, immutable once made."""
+    """One view of a cache directory at time ``now``, immutable once made.
+
+    ``path`` is what the monitor names: the directory, or the URL of a cache on object storage
+    (``remote``), whose local copy the scanner read; its heartbeats reach that copy a sync interval
+    and a refresh late, so a rank is STALE only after ``patience`` seconds of silence.
+    """
 
     now: float
     path: str
@@ -61,6 +66,8 @@ class Snapshot:
     disk_free: int | None = None
     stop_requested: bool = False
     warnings: tuple[str, ...] = ()  # files skipped this scan and why, and the manifest's problems
+    remote: bool = False  # path is an object-store URL: no local disk to fill
+    patience: float = STALE_AFTER_S  # seconds of heartbeat silence before a working rank is STALE
 
     @property
     def complete(self) -> bool:
@@ -69,11 +76,11 @@ class Snapshot:
     @property
     def live_ranks(self) -> list[RankStatus]:
         """Ranks working with a fresh heartbeat (format's liveness rule, the monitor's patience)."""
-        return [r for r in self.ranks if rank_is_live(r, self.now)]
+        return [r for r in self.ranks if rank_is_live(r, self.now, self.patience)]
 
     def is_stale(self, status: RankStatus) -> bool:
         """Whether ``status`` claims to be working but its heartbeat is too old (shown as STALE)."""
-        return rank_is_stale(status, self.now)
+        return rank_is_stale(status, self.now, self.patience)
 
     @property
     def samples_done(self) -> int:
@@ -93,7 +100,7 @@ class Snapshot:
         return list(zip(self.ranks, rates))
 
     def _live_rates(self) -> list[RankRate]:
-        return [rate for r, rate in self.rank_rates() if rate is not None and rank_is_live(r, self.now)]
+        return [rate for r, rate in self.rank_rates() if rate is not None and rank_is_live(r, self.now, self.patience)]
 
     @property
     def can_stop(self) -> bool:

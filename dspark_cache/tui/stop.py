@@ -1,4 +1,5 @@
-"""The monitor's one write: the stop request the producer checks between shards.
+"""The monitor's one write: the stop request the producer checks between shards (:func:`stop_note`
+its bytes, here and on object storage).
 
 Writing is never done into something the cache does not own: ``control/`` must be a directory
 inside the cache, and the request file, if there, a regular file. A FIFO would block a writer
@@ -16,7 +17,12 @@ from dspark_cache.format.files import OUTSIDE, NotARegularFileError, check_direc
 from dspark_cache.format.paths import CachePaths
 
 
-def request_stop(paths: CachePaths, note: str) -> str | None:
+def stop_note(now: float) -> bytes:
+    """What a stop request holds (the producer only checks that it is there): who asked, and when."""
+    return f"requested by dspark-monitor at {now:.0f}\n".encode()
+
+
+def request_stop(paths: CachePaths, note: bytes) -> str | None:
     """Ask the producer to finish the shard in flight and exit, resumable; None once asked.
 
     Otherwise why the request could not be written safely: its directory leads out of the
@@ -25,7 +31,7 @@ def request_stop(paths: CachePaths, note: str) -> str | None:
     try:
         os.makedirs(paths.control_dir, exist_ok=True)
         check_directory(paths.control_dir, os.path.realpath(paths.root))
-        write_regular(paths.stop_request, note.encode())
+        write_regular(paths.stop_request, note)
     except NotARegularFileError as exc:
         return exc.reason if exc.reason == OUTSIDE else f"{os.path.basename(exc.path)} is {exc.reason}"
     except (CacheError, OSError) as exc:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
+import time
 from typing import Any, Iterable, Iterator
 
 from dspark_cache.format.atomic import atomic_write_bytes
@@ -34,7 +36,7 @@ from dspark_cache.format.remote.lease import Lease
 from dspark_cache.format.remote.mirror import default_local_cache_dir
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
 from dspark_cache.format.remote.node import DaemonThreads
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
 from dspark_cache.format.remote.sync import StagingSync, segment_starts
 from dspark_cache.format.remote.uploads import ShardUploads
 from dspark_cache.format.remote.url import RemoteURL
@@ -74,7 +76,11 @@ class RemoteOutput(CacheOutput):
         self.rank = rank
         self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
         self._lease: Lease | None = None
-        self._sync: StagingSync | None = None
+        self._sync = StagingSync(self.store, self.paths, rank)
+        self._syncing = False
+        self._apart = False  # this staging directory is not the job leader's (another node)
+        self._spread = False  # some rank's staging directory is not the leader's: files go through the store
+        self._refreshed = 0.0
         self._sizes: dict[int, int] = {}  # shard id -> its tar's size on the store (-1: not there)
         self._sizes_lock = threading.Lock()
         self._uploads = ShardUploads(self.store, self.paths, self.staging_limit, self._committed)
@@ -122,17 +128,27 @@ class RemoteOutput(CacheOutput):
             raise
         self._lease = lease
         try:
-            self._sync = StagingSync(self.store, self.paths, self.rank, leader=True)
             self.pull()
-            self._sync.start()
+            self._sync.start(leader=True, pull_stop=True)
+            self._syncing = True
         except BaseException:
             self.release()
             raise
 
     def join(self) -> None:
+        """Another rank of the job: this node's lock; on another node than the leader's, the store's
+        published shards and manifest brought down (every rank must see the same published set)."""
+        if self._apart:  # nobody made this node's staging directory a cache's
+            os.makedirs(self.paths.control_dir, exist_ok=True)
+            self.create()
         super().join()
-        self._sync = StagingSync(self.store, self.paths, self.rank, leader=False)
-        self._sync.start()
+        if self._apart:
+            listing = {f"{self.paths.relative(self.paths.shards_dir)}/{name}": info for name, info in
+                       self.store.list(self.paths.relative(self.paths.shards_dir)).items()}
+            self._pull_shards(listing, clean_store=False)
+            self.fetch_file(self.paths.manifest)
+        self._sync.start(leader=False, pull_stop=self._apart)
+        self._syncing = True
 
     def release(self) -> None:
         self._let_go()
@@ -145,9 +161,9 @@ class RemoteOutput(CacheOutput):
     def _let_go(self) -> None:
         """Last files up, the lease given back. Uploads still in flight are not waited for (a run that
         failed): their shards are unpublished, and a rerun computes them again."""
-        if self._sync is not None:
+        if self._syncing:
             self._sync.stop()
-            self._sync = None
+            self._syncing = False
         if self._lease is not None:
             self._lease.release()
             self._lease = None
@@ -161,7 +177,7 @@ class RemoteOutput(CacheOutput):
         paths = self.paths
         self._pull_shards(listing)
         for path in (paths.manifest, paths.target_weights):
-            self._pull_file(path, listing.get(paths.relative(path)))
+            self._pull_file(path, listing.get(paths.relative(path)))  # the store's, or none
         for relative, info in listing.items():
             if relative.startswith(paths.relative(paths.plan_dir) + "/") and "/" not in relative.split("/", 1)[1]:
                 self._pull_file(os.path.join(paths.root, relative), info, remove_missing=False)
@@ -170,7 +186,7 @@ class RemoteOutput(CacheOutput):
         if aborted:
             log.info("%s: aborted %d unfinished multipart uploads left by an interrupted producer", self.url, aborted)
 
-    def _pull_shards(self, listing: dict[str, ObjectInfo]) -> None:
+    def _pull_shards(self, listing: dict[str, ObjectInfo], *, clean_store: bool = True) -> None:
         paths = self.paths
         shards = paths.relative(paths.shards_dir)
         indexes: dict[int, ObjectInfo] = {}
@@ -182,7 +198,7 @@ class RemoteOutput(CacheOutput):
                 indexes[found[0]] = info
             elif found is not None:
                 tars[found[0]] = info.size
-        for shard_id in sorted(set(tars) - set(indexes)):  # uploaded, never committed: nothing reads it
+        for shard_id in sorted(set(tars) - set(indexes)) if clean_store else []:  # uploaded, never committed
             log.info("removing %s: its upload was never committed by an index", self.store.name(
                 paths.relative(paths.shard_tar(shard_id))))
             self.store.delete(paths.relative(paths.shard_tar(shard_id)))
@@ -223,8 +239,7 @@ class RemoteOutput(CacheOutput):
             limit = MAX_MANIFEST_BYTES if path == self.paths.manifest else None
             self.store.download(self.paths.relative(path), temporary, expected=limit)
             os.replace(temporary, path)
-        assert self._sync is not None
-        self._sync.mark(path)
+        self._sync.mark(path, info.etag)
 
     def _pull_events(self, listing: dict[str, ObjectInfo]) -> None:
         """Each rank's event log from its segments, where the staging directory's is shorter."""
@@ -245,6 +260,87 @@ class RemoteOutput(CacheOutput):
             os.makedirs(self.paths.events_dir, exist_ok=True)
             atomic_write_bytes(path, data, durable=False)
 
+    # -- ranks on other nodes ----------------------------------------------------------------
+    # Ranks whose staging directory is the leader's read each other's files there; a rank on
+    # another node gets them through the store (the plan's parts and merged plan, heartbeats,
+    # shard indexes, the weights and the manifest), each brought down only when it changed.
+
+    def identity(self) -> str:
+        """The staging directory as the job's ranks compare it: the same only on the same machine's same directory
+        (made here, and checked to stage this cache: a rank on another node than the leader's starts with this)."""
+        os.makedirs(self.root, exist_ok=True)
+        self._check_mark()
+        st = os.stat(self.root)
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+                machine = handle.read().strip()
+        except OSError:
+            machine = socket.gethostname()
+        return f"{machine}:{st.st_dev}:{st.st_ino}"
+
+    def spread(self, identities: list[str], rank: int) -> None:
+        """Every rank's :meth:`identity` (rank order): which ranks share the leader's staging directory."""
+        self._apart = identities[rank] != identities[0]
+        self._spread = len(set(identities)) > 1
+
+    def put_files(self, files: Iterable[str]) -> None:
+        """Put these files now, for ranks on other nodes (nothing where every rank shares one directory)."""
+        if self._spread:
+            self._push([f for f in files if os.path.exists(f)])
+
+    def fetch(self, directory: str) -> None:
+        """Bring down a directory's files that other nodes put (a rank on another node than the leader's,
+        or the leader of a job spread over nodes)."""
+        if not (self._apart or (self._spread and self._lease is not None)):
+            return
+        relative = self.paths.relative(directory)
+        for name, info in self.store.list(relative).items():
+            self._fetch(os.path.join(directory, name), info)
+
+    def fetch_file(self, path: str) -> None:
+        """Bring down one file that another node may have written last (the weights, the complete manifest)."""
+        if self._spread:
+            self._fetch(path, self.store.head(self.paths.relative(path)))
+
+    def _fetch(self, path: str, info: ObjectInfo | None) -> None:
+        if info is None or self._sync.etag(path) == info.etag:
+            return
+        if os.path.exists(path) and self._sync.etag(path) is None and info.modified <= os.path.getmtime(path):
+            return  # written here after the store's version: this node's own file is the newer one
+        self._pull_file(path, info, remove_missing=False)
+
+    def refresh(self) -> None:
+        """While ranks wait for each other: the store's shard indexes and heartbeats, at most every 2 s."""
+        if not self._spread or time.monotonic() - self._refreshed < 2.0:
+            return
+        self._refreshed = time.monotonic()
+        for shard_id, info in self._list_sizes().items():
+            if _size(self.paths.shard_index(shard_id)) != info.size:
+                self._pull_index(shard_id)
+        self.fetch(self.paths.status_dir)
+
+    def claim_completion(self, run_id: str) -> bool:
+        """One rank of this node (the directory's ``O_EXCL``), then one of the job (a conditional create on the store)."""
+        if not super().claim_completion(run_id):
+            return False
+        try:
+            self.store.put(self.paths.relative(self.paths.completion_claim(run_id)), b"", create=True)
+        except ConditionFailedError:
+            return False
+        return True
+
+    def _list_sizes(self) -> dict[int, ObjectInfo]:
+        """One listing of ``shards/``: the tars' sizes noted; the indexes returned by shard id."""
+        indexes = {}
+        for name, info in self.store.list(self.paths.relative(self.paths.shards_dir)).items():
+            found = self.paths.shard_file(name)
+            if found is not None and found[1] == "tar":
+                with self._sizes_lock:
+                    self._sizes[found[0]] = info.size
+            elif found is not None:
+                indexes[found[0]] = info
+        return indexes
+
     # -- our files ----------------------------------------------------------------------------
 
     def _remove_remote(self, relatives: Iterable[str]) -> None:
@@ -257,8 +353,7 @@ class RemoteOutput(CacheOutput):
         super().clear()
         with self._sizes_lock:
             self._sizes = {}
-        if self._sync is not None:
-            self._sync.forget()
+        self._sync.forget()
 
     def forget_heartbeats(self) -> None:
         super().forget_heartbeats()
@@ -278,10 +373,10 @@ class RemoteOutput(CacheOutput):
             self.store.put(self.paths.relative(self.paths.manifest), handle.read())
 
     def _push(self, files: list[str]) -> None:
-        sync = self._sync or StagingSync(self.store, self.paths, self.rank, leader=False)
-        sync.push_files(files)
+        self._sync.push_files(files)
 
     def write_wids_index(self) -> None:
+        self._list_sizes()  # one LIST, not a HEAD per shard another process published
         entries = [shard_entry(self.paths, self.shard_index(k)) for k in sorted(self.scan())]
         write_wids_index(self.paths, entries=entries)
         self._push([self.paths.wids_index])

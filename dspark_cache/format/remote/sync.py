@@ -10,12 +10,14 @@ or resume the run:
 * its own event log as *segments* (objects cannot be appended to): ``events/rank-N.jsonl.K``, each
   rewritten while it grows and left alone once it holds ``SEGMENT_BYTES`` (cut at a line's end);
   a reader concatenates them in order;
-* the job's leader also puts the plan's files and the target weights once each is written, and
-  brings a stop request (``control/stop``, what ``dspark-monitor`` writes) into the staging
-  directory, where the producer looks for it.
+* the job's leader also puts the plan's files and the target weights once each is written;
+* the leader, and each process whose staging directory is not the leader's (another node), brings
+  a stop request (``control/stop``, what ``dspark-monitor`` writes) into its staging directory,
+  where the producer looks for it.
 
 :meth:`StagingSync.stop` pushes one last time. A file is put again only when its size or
-modification time changed (kept per process; :meth:`StagingSync.mark` records what was brought down).
+modification time changed; the ETag of the version each local file is, put or brought down by this
+process, is kept too (:meth:`StagingSync.mark`, :meth:`StagingSync.etag`).
 """
 
 from __future__ import annotations
@@ -57,30 +59,42 @@ def segment_starts(sizes: list[int]) -> list[int]:
 class StagingSync:
     """Pushes one producer process's small files (``rank``'s; ``leader``: the job's too)."""
 
-    def __init__(self, store: ObjectStore, paths: CachePaths, rank: int, leader: bool,
-                 interval: float | None = None) -> None:
-        self.store, self.paths, self.rank, self.leader = store, paths, rank, leader
+    def __init__(self, store: ObjectStore, paths: CachePaths, rank: int, interval: float | None = None) -> None:
+        self.store, self.paths, self.rank = store, paths, rank
+        self.leader = self.pull_stop = False
         self.interval = interval if interval is not None else float(os.environ.get("DSPARK_SYNC_INTERVAL", INTERVAL))
         self._put: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last put or brought down
+        self._etags: dict[str, str] = {}  # relative path -> the ETag of the store's version the local file is
         self._segment = 0  # the event log's open segment
         self._segment_start = 0  # where it begins in the local log
         self._lock = threading.Lock()  # one push at a time (the thread's and a forced one)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def mark(self, path: str) -> None:
+    def mark(self, path: str, etag: str = "") -> None:
         """``path`` is the same on the store as here (brought down, or put by another process)."""
         stamp = _stamp(path)
         if stamp is not None:
             self._put[self.paths.relative(path)] = stamp
+            if etag:
+                self._etags[self.paths.relative(path)] = etag
+
+    def etag(self, path: str) -> str | None:
+        """The ETag of the store's version that ``path`` is here, if this process knows it and the file is unchanged."""
+        relative = self.paths.relative(path)
+        return self._etags.get(relative) if self._put.get(relative) == _stamp(path) else None
 
     def forget(self) -> None:
         """The store's files of ours were deleted (``--overwrite``): everything goes up again, logs from the start."""
         with self._lock:
             self._put.clear()
+            self._etags.clear()
             self._segment = self._segment_start = 0
 
-    def start(self) -> None:
+    def start(self, *, leader: bool, pull_stop: bool) -> None:
+        """Push this process's files from now on (``leader``: the job's too); ``pull_stop``: bring a stop
+        request down into this staging directory."""
+        self.leader, self.pull_stop = leader, pull_stop
         self._resume_events()
         self._thread = threading.Thread(target=self._run, name="dspark-sync", daemon=True)
         self._thread.start()
@@ -113,6 +127,7 @@ class StagingSync:
             if self.leader:
                 for path in self._job_files():
                     self._put_changed(path)
+            if self.pull_stop:
                 self._pull_stop()
 
     def push_files(self, paths: list[str]) -> None:
@@ -140,12 +155,13 @@ class StagingSync:
         if stamp is None or self._put.get(relative) == stamp:
             return
         if stamp[0] > 64 << 20:
-            self.store.upload(relative, path)
+            etag = self.store.upload(relative, path)
         else:
             with open(path, "rb") as handle:
                 data = handle.read()
-            self.store.put(relative, data)
+            etag = self.store.put(relative, data)
         self._put[relative] = stamp
+        self._etags[relative] = etag
 
     # -- the event log in segments ------------------------------------------------------------
 

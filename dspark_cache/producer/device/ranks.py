@@ -17,7 +17,7 @@ import json
 import secrets
 import time
 from datetime import timedelta
-from typing import Any, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -147,11 +147,12 @@ def _may_publish(status: RankStatus) -> bool:
 
 
 def await_other_ranks(paths: CachePaths, planned: set[int], topology: Topology, run_id: str,
-                      rank_timeout: float, poll: float = 1.0) -> set[int]:
+                      rank_timeout: float, poll: float = 1.0, refresh: Callable[[], None] = lambda: None) -> set[int]:
     """Wait while shards are missing and some other rank of this run is alive and may still
     publish them; return missing. (Ranks that wait, as this one does, publish nothing more: two
-    of them must not wait for each other.)"""
+    of them must not wait for each other.) ``refresh`` brings other nodes' files in before each look."""
     while True:
+        refresh()
         missing = planned - set(paths.indexed_shard_ids())
         if not missing:
             return missing

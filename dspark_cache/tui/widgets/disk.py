@@ -20,15 +20,17 @@ class DiskPanel(Fitted):
 
 
 def disk(snap: Snapshot) -> list[Para]:
-    """Written of projected, free space, and a warning when the rest of the plan will not fit."""
-    free = piece(f"free {human_bytes(snap.disk_free)}")
+    """Written of projected, free space, and a warning when the rest of the plan will not fit (a cache
+    on object storage: stored, with no local disk to fill)."""
+    free = piece("on object storage") if snap.remote else piece(f"free {human_bytes(snap.disk_free)}")
     m = snap.manifest
     if m is None:
         return [Para([free])]
     written = snap.bytes_done
     rest = max(0, m.planned_bytes - written)
     planned = human_bytes(m.planned_bytes)
-    out = [Para([piece(f"written {human_bytes(written)}"), piece(f"of {planned} projected")], " "), Para([free])]
+    stored = "stored" if snap.remote else "written"  # from the published shards' indexes
+    out = [Para([piece(f"{stored} {human_bytes(written)}"), piece(f"of {planned} projected")], " "), Para([free])]
     if not snap.complete and snap.disk_free is not None and rest > snap.disk_free:
         out.append(Para(words("the rest ($rest) will not fit: free space before the disk fills", "bold red",
                               rest=human_bytes(rest)), " "))

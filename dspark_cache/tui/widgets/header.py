@@ -27,7 +27,7 @@ class RunHeader(Fitted):
 def header(snap: Snapshot) -> list[Para]:
     """The header's lines: the identity of a readable cache, or why there is none to show."""
     path = clip(snap.path, 300)
-    where = piece(f"{path}:", "bold")
+    where = piece(f"{path} (object storage):" if snap.remote else f"{path}:", "bold")
     if not snap.exists:  # dspark-monitor waits for it (--no-wait exits instead)
         return [Para([where, *words("does not exist yet; waiting for it to appear (start dspark-produce "
                                     "--output-dir $path)", "yellow", path=path)], " ")]
@@ -51,7 +51,8 @@ def identity(m: Manifest, snap: Snapshot) -> list[Para]:
               piece(f"layers {layer_ids(m)}"),
               piece(f"{clip(m.dtype, 20)} cache / {clip(m.compute_dtype, 20)} compute"),
               piece(f"seq {integer(m.seq_length)}")]),
-        Para([piece(snap.path), piece(f"ranks: {integer(world) if world > 0 else '-'}"),
+        Para([piece(f"{snap.path} (object storage)" if snap.remote else snap.path),
+              piece(f"ranks: {integer(world) if world > 0 else '-'}"),
               piece(f"input: {m.train_data_path}")]),  # a long path is shortened in its middle: keeps its name
     ]
 

@@ -1,0 +1,450 @@
+"""A cache on object storage as a monitor sees it: :class:`RemoteView`, a local directory that follows the store.
+
+``dspark-monitor`` reads a cache directory's small files (manifest, shard indexes, heartbeats, event
+logs, the stop request) and never a tar. For a cache at ``s3://bucket/prefix`` this view keeps a
+local directory, :attr:`RemoteView.root`, holding exactly those files as the store holds them, so
+the monitor's directory reader works on it unchanged:
+
+* :meth:`RemoteView.refresh` brings them down at a bounded cost: a HEAD of the manifest, one LIST
+  of each of ``shards/``, ``status/`` and ``events/`` (one request per 1000 objects), a HEAD of the
+  stop request, and a GET only of an object whose size or ETag changed since it was copied (an
+  index is fetched once; a heartbeat each time its rank re-puts it). Tars are never read. What is
+  gone from the store is removed here.
+* a rank's event log is stored as segments (``events/rank-N.jsonl.K``, the last rewritten while it
+  grows); here it is one file, the concatenation of its segments, that only grows while the run's
+  log grows: from the first look on, the newest segments (at least ``events_tail`` bytes of them),
+  then each segment as it grows or appears. A log that was started again on the store
+  (``--overwrite``) is replaced whole.
+* :meth:`RemoteView.request_stop` puts the stop request (``control/stop``) on the store, where the
+  producer's sync thread brings it into its staging directory.
+
+Layout: ``<local_cache_dir>/monitor/<scheme>/<bucket>/<prefix>/`` (next to the readers' copies,
+never one of them), with ``.view/`` holding what each file was copied from, so that a monitor
+started again fetches nothing that did not change. A second monitor of the same cache on the
+node takes a private directory beside it instead (removed by :meth:`RemoteView.close`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from typing import Any, Iterator
+
+from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.backing import StorageOptions
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.paths import MANIFEST, CachePaths
+from dspark_cache.format.remote.mirror import default_local_cache_dir
+from dspark_cache.format.remote.node import DaemonThreads, hold_lock
+from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.format.remote.sync import INTERVAL
+from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.format.status import MAX_STATUS_BYTES
+from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+
+log = logging.getLogger(__name__)
+
+EVENTS_TAIL = 256 * 1024  # bytes of a log's newest segments fetched at the first look (the monitor's tail window)
+MAX_SEGMENT_BYTES = 16 << 20  # a segment is cut near 1 MiB; one far larger is refused, never held whole
+MAX_LOG_BYTES = 64 << 20  # a whole (unsegmented) log, as a local cache uploaded as it is holds one
+MAX_STOP_BYTES = 1 << 16
+ENV_SYNC_INTERVAL = "DSPARK_SYNC_INTERVAL"  # how often the producer re-puts its heartbeat (format.remote.sync)
+_GET_THREADS = 8  # index GETs in flight at once (a first look at a cache of thousands of shards)
+_STATE = ".view"
+_DIGITS = re.compile(r"[0-9]+")
+_Seen = tuple[int, str]  # (size, ETag) an object was copied from
+
+
+def sync_interval() -> float:
+    """Seconds between the producer's puts of its heartbeat: polling the store more often sees nothing new."""
+    try:
+        return max(0.05, float(os.environ.get(ENV_SYNC_INTERVAL, INTERVAL)))
+    except ValueError:
+        return INTERVAL
+
+
+def default_view_dir(url: RemoteURL, local_cache_dir: str | None) -> str:
+    """``<local cache dir>/monitor/<scheme>/<bucket>/<prefix>``."""
+    base = os.path.abspath(local_cache_dir or default_local_cache_dir())
+    return os.path.join(base, "monitor", url.scheme, url.bucket, *filter(None, url.prefix.split("/")))
+
+
+class _Log:
+    """What the local copy of one rank's event log holds: segments ``first`` on, each as (size, ETag)."""
+
+    def __init__(self, first: int, parts: dict[int, _Seen] | None = None) -> None:
+        self.first = first
+        self.parts: dict[int, _Seen] = dict(parts or {})
+
+    def size(self) -> int:
+        return sum(size for size, _ in self.parts.values())
+
+    def start_of(self, segment: int) -> int:
+        return sum(size for k, (size, _) in self.parts.items() if k < segment)
+
+
+class RemoteView:
+    """The monitor's local copy of the small files of the cache at ``url`` (see the module's docstring).
+
+    ``refresh()`` brings it up to date (it raises a one-line :class:`CacheError`: a missing bucket,
+    refused credentials, a store that does not answer); ``request_stop(note)`` asks the producer to
+    stop; ``requests`` counts the requests made, by kind (``list``, ``head``, ``get``, ``put``);
+    ``warnings`` says what the last refresh refused to copy. One thread at a time (the monitor's
+    watcher thread).
+    """
+
+    def __init__(self, url: str, storage: StorageOptions | None = None, *, events_tail: int = EVENTS_TAIL) -> None:
+        storage = (storage or StorageOptions()).resolved()
+        self.url = RemoteURL.parse(url)
+        self.remote = str(self.url)
+        self.store = ObjectStore(self.url, storage.storage_options)
+        self.events_tail = events_tail
+        self.poll = sync_interval()
+        self.requests: Counter[str] = Counter()
+        self.warnings: list[str] = []
+        self.found = False  # whether the last refresh found any object of a cache under the prefix
+        self._private = False
+        self.root = default_view_dir(self.url, storage.local_cache_dir)
+        os.makedirs(self.root, exist_ok=True)
+        self._held = hold_lock(os.path.join(self._state_dir(self.root), "monitor.held"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if self._held is None:  # another monitor of this cache on this node: a directory of our own
+            self.root = tempfile.mkdtemp(prefix=f"{os.path.basename(self.root) or self.url.bucket}.",
+                                         dir=os.path.dirname(self.root))
+            self._private = True
+        self.paths = CachePaths(self.root)
+        for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir, self.paths.control_dir):
+            os.makedirs(directory, exist_ok=True)
+        self._seen: dict[str, _Seen] = {}  # relative path -> what its local copy was copied from
+        self._logs: dict[int, _Log] = {}
+        self._saved: str | None = None
+        self._threads: DaemonThreads | None = None  # started at the first refresh with several objects to fetch
+        self._load_state()
+
+    def __repr__(self) -> str:
+        return f"RemoteView({self.remote!r} at {self.root!r})"
+
+    # -- requests, counted --------------------------------------------------------------------
+
+    def _list(self, relative_dir: str) -> dict[str, ObjectInfo]:
+        self.requests["list"] += 1
+        return self.store.list(relative_dir)
+
+    def _head(self, relative: str) -> ObjectInfo | None:
+        self.requests["head"] += 1
+        return self.store.head(relative)
+
+    def _get(self, relative: str, limit: int) -> tuple[bytes, ObjectInfo] | None:
+        self.requests["get"] += 1
+        return self.store.get(relative, limit)
+
+    # -- one refresh --------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Bring the local copy up to date with the store (see the module's docstring for its requests)."""
+        self.warnings = []
+        try:
+            manifest = self._copy_small(MANIFEST, self._head(MANIFEST), MAX_MANIFEST_BYTES)
+            shards = self._refresh_shards()
+            status = self._refresh_status()
+            events = self._refresh_events()
+            self._copy_small(self.paths.relative(self.paths.stop_request),
+                             self._head(self.paths.relative(self.paths.stop_request)), MAX_STOP_BYTES)
+            self.found = manifest or bool(shards or status or events)
+        finally:
+            self._save_state()
+
+    def check(self) -> None:
+        """Whether the store answers for this cache (one LIST): a missing bucket or refused credentials
+        raise here, in one line, before anything else is read."""
+        self._list(self.paths.relative(self.paths.status_dir))
+
+    def _local(self, relative: str) -> str:
+        return os.path.join(self.root, *relative.split("/"))
+
+    def _remove(self, relative: str) -> None:
+        try:
+            os.unlink(self._local(relative))
+        except FileNotFoundError:
+            pass
+        self._seen.pop(relative, None)
+
+    def _copy_small(self, relative: str, info: ObjectInfo | None, limit: int) -> bool:
+        """Make the local copy of a small object the store's (``info``: as listed; ``None``: not there).
+        Whether the store has it."""
+        if info is None:
+            self._remove(relative)
+            return False
+        if self._seen.get(relative) == (info.size, info.etag) and os.path.exists(self._local(relative)):
+            return True
+        got = self._get(relative, limit)
+        if got is None:  # deleted since it was listed
+            self._remove(relative)
+            return False
+        self._write(relative, *got)
+        return True
+
+    def _write(self, relative: str, data: bytes, info: ObjectInfo) -> None:
+        """The local copy of what a GET brought (bytes past a reader's limit are kept: its check refuses them)."""
+        atomic_write_bytes(self._local(relative), data, durable=False)
+        self._seen[relative] = (info.size, info.etag)
+
+    def _sweep(self, directory: str, keep: set[str]) -> None:
+        """Remove the files of a local directory the store no longer has (everything here is a copy)."""
+        for name in os.listdir(directory):
+            if name not in keep:
+                path = os.path.join(directory, name)
+                if os.path.isfile(path) or os.path.islink(path):
+                    self._remove(self.paths.relative(path))
+
+    def _copy_changed(self, directory: str, listed: dict[str, ObjectInfo], limit: int) -> set[str]:
+        """Copy the listed small objects of a local directory that changed since they were copied, several
+        at once (a first look at thousands of shards, hundreds of ranks' heartbeats); the rest of the
+        directory removed. The names the store still has."""
+        relative_dir = self.paths.relative(directory)
+        kept = set(listed)
+        wanted = [name for name, info in sorted(listed.items())
+                  if self._seen.get(f"{relative_dir}/{name}") != (info.size, info.etag)
+                  or not os.path.exists(self._local(f"{relative_dir}/{name}"))]
+        self.requests["get"] += len(wanted)  # counted here: the transfer threads only fetch
+        fetched: Iterator[tuple[str, tuple[bytes, ObjectInfo] | None]]
+        if len(wanted) > 1:
+            if self._threads is None:
+                self._threads = DaemonThreads(_GET_THREADS, "dspark-monitor")
+            futures = [(name, self._threads.submit(self.store.get, f"{relative_dir}/{name}", limit)) for name in wanted]
+            fetched = ((name, future.result()) for name, future in futures)
+        else:
+            fetched = ((name, self.store.get(f"{relative_dir}/{name}", limit)) for name in wanted)
+        for name, got in fetched:
+            if got is None:
+                kept.discard(name)  # deleted since the listing
+            else:
+                self._write(f"{relative_dir}/{name}", *got)
+        self._sweep(directory, kept)
+        return kept
+
+    def _refresh_shards(self) -> dict[str, ObjectInfo]:
+        """The indexes (never the tars): new or changed ones fetched; unpublished ones removed."""
+        listing = self._list(self.paths.relative(self.paths.shards_dir))
+        indexes = {name: info for name, info in listing.items() if (self.paths.shard_file(name) or (0, ""))[1] == "idx"}
+        self._copy_changed(self.paths.shards_dir, indexes, MAX_INDEX_BYTES)
+        return listing
+
+    def _refresh_status(self) -> dict[str, ObjectInfo]:
+        """Every rank's heartbeat, fetched when its rank put it again; a heartbeat gone is removed."""
+        listing = self._list(self.paths.relative(self.paths.status_dir))
+        heartbeats = {}
+        for name, info in listing.items():
+            digits = _DIGITS.search(name)
+            if digits is not None and os.path.basename(self.paths.status(int(digits.group()))) == name:
+                heartbeats[name] = info  # only the names the producer gives its heartbeats
+        self._copy_changed(self.paths.status_dir, heartbeats, MAX_STATUS_BYTES)
+        return listing
+
+    # -- event logs ---------------------------------------------------------------------------
+
+    def _refresh_events(self) -> dict[str, ObjectInfo]:
+        """Each rank's log from its segments (or a whole log object, where a cache was uploaded as it is)."""
+        events_dir = self.paths.relative(self.paths.events_dir)
+        listing = self._list(events_dir)
+        segments: dict[int, dict[int, ObjectInfo]] = {}
+        whole: dict[int, ObjectInfo] = {}
+        for name, info in listing.items():
+            found = self.paths.events_segment_of(name)
+            if found is not None:
+                segments.setdefault(found[0], {})[found[1]] = info
+                continue
+            digits = _DIGITS.search(name)
+            if digits is not None and os.path.basename(self.paths.events(int(digits.group()))) == name:
+                whole[int(digits.group())] = info
+        kept = set()
+        for rank in sorted(set(segments) | set(whole)):
+            try:
+                if rank in segments:
+                    self._follow_log(rank, segments[rank])
+                else:
+                    self._copy_whole_log(rank, whole[rank])
+            except _Refused as exc:
+                self.warnings.append(str(exc))
+                self._drop_log(rank)
+                continue
+            kept.add(os.path.basename(self.paths.events(rank)))
+        for rank in set(self._logs) - set(segments):
+            del self._logs[rank]
+        self._sweep(self.paths.events_dir, kept)
+        return listing
+
+    def _drop_log(self, rank: int) -> None:
+        self._logs.pop(rank, None)
+        self._remove(self.paths.relative(self.paths.events(rank)))
+
+    def _segment(self, rank: int, segment: int) -> str:
+        return self.paths.relative(self.paths.events_segment(rank, segment))
+
+    def _get_segment(self, rank: int, segment: int) -> tuple[bytes, ObjectInfo] | None:
+        got = self._get(self._segment(rank, segment), MAX_SEGMENT_BYTES)
+        if got is not None and len(got[0]) > MAX_SEGMENT_BYTES:
+            raise _Refused(f"{self.store.name(self._segment(rank, segment))} is over {MAX_SEGMENT_BYTES >> 20} MiB "
+                           f"(a segment is cut near 1 MiB): rank {rank}'s events are not shown")
+        return got
+
+    def _follow_log(self, rank: int, listed: dict[int, ObjectInfo]) -> None:
+        """The local log made the concatenation of the rank's segments it follows, appending what is new.
+
+        Only the last segment followed grows (the producer rewrites only its open segment), so the
+        local file only grows; a log that does not continue the local one (a segment followed is gone
+        or shrank, or its bytes differ) was started again on the store and is replaced whole."""
+        path = self.paths.events(rank)
+        known = self._logs.get(rank)
+        if known is None or not os.path.exists(path) or any(k not in listed for k in known.parts):
+            self._rebuild_log(rank, listed)
+            return
+        changed = [k for k in sorted(listed)
+                   if k >= known.first and known.parts.get(k) != (listed[k].size, listed[k].etag)]
+        if not changed:
+            return
+        start, last = changed[0], max(known.parts, default=None)
+        if last is not None and (start < last or (start == last and listed[start].size < known.parts[start][0])):
+            self._rebuild_log(rank, listed)
+            return
+        fetched = []
+        for k in (k for k in sorted(listed) if k >= start):
+            got = self._get_segment(rank, k)
+            if got is None:  # deleted since the listing: the next refresh sees what replaced it
+                break
+            fetched.append((k, got))
+        offset = known.start_of(start)
+        if start in known.parts and fetched and not _begins(path, offset, fetched[0][1][0][:known.parts[start][0]]):
+            self._rebuild_log(rank, listed)  # not the same log grown
+            return
+        with open(path, "r+b") as handle:
+            handle.seek(offset)
+            parts = {k: v for k, v in known.parts.items() if k < start}
+            for k, (data, info) in fetched:
+                handle.write(data)
+                parts[k] = (len(data), info.etag)
+            handle.truncate()
+        self._logs[rank] = _Log(known.first, parts)
+
+    def _rebuild_log(self, rank: int, listed: dict[int, ObjectInfo]) -> None:
+        """A first look (or a log started again): its newest segments, at least ``events_tail`` bytes of them."""
+        order = sorted(listed)
+        first, total = order[-1], 0
+        for k in reversed(order):
+            first, total = k, total + listed[k].size
+            if total >= self.events_tail:
+                break
+        chunks, parts = [], {}
+        for k in (k for k in order if k >= first):
+            got = self._get_segment(rank, k)
+            if got is None:
+                break
+            chunks.append(got[0])
+            parts[k] = (len(got[0]), got[1].etag)
+        atomic_write_bytes(self.paths.events(rank), b"".join(chunks), durable=False)
+        self._seen.pop(self.paths.relative(self.paths.events(rank)), None)  # no longer a copy of a whole log
+        self._logs[rank] = _Log(first, parts)
+
+    def _copy_whole_log(self, rank: int, info: ObjectInfo) -> None:
+        """A log stored whole (a local cache uploaded as it is): copied once per version, streamed to disk."""
+        relative = self.paths.relative(self.paths.events(rank))
+        self._logs.pop(rank, None)
+        if self._seen.get(relative) == (info.size, info.etag) and os.path.exists(self._local(relative)):
+            return
+        if info.size > MAX_LOG_BYTES:
+            raise _Refused(f"{self.store.name(relative)} is over {MAX_LOG_BYTES >> 20} MiB: rank {rank}'s events "
+                           "are not shown")
+        temporary = os.path.join(self._state_dir(self.root), f"log.{os.getpid()}.tmp")
+        try:
+            self.requests["get"] += 1
+            got = self.store.download(relative, temporary, expected=MAX_LOG_BYTES)
+            os.replace(temporary, self._local(relative))
+        except FileNotFoundError:
+            self._remove(relative)
+            return
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+        self._seen[relative] = (got.size, got.etag)
+
+    # -- the stop request ---------------------------------------------------------------------
+
+    def request_stop(self, note: bytes) -> None:
+        """Put the stop request on the store (the producer's leader brings it down within its sync interval);
+        the local copy shows it at once."""
+        relative = self.paths.relative(self.paths.stop_request)
+        self.requests["put"] += 1
+        etag = self.store.put(relative, note)
+        self._write(relative, note, ObjectInfo(len(note), etag, 0.0))
+        self._save_state()
+
+    # -- what was copied from what ------------------------------------------------------------
+
+    @staticmethod
+    def _state_dir(root: str) -> str:
+        directory = os.path.join(root, _STATE)
+        os.makedirs(directory, exist_ok=True)
+        return directory
+
+    def _state_file(self) -> str:
+        return os.path.join(self._state_dir(self.root), "copied.json")
+
+    def _load_state(self) -> None:
+        """What an earlier monitor copied here, where the local file is still as it left it."""
+        try:
+            with open(self._state_file(), encoding="utf-8") as handle:
+                state = json.load(handle)
+            if state.get("url") != self.remote:
+                return
+            for relative, (size, etag) in state["seen"].items():
+                if os.path.isfile(self._local(relative)):
+                    self._seen[str(relative)] = (int(size), str(etag))
+            for rank, entry in state["logs"].items():
+                known = _Log(int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()})
+                path = self.paths.events(int(rank))
+                if os.path.isfile(path) and os.path.getsize(path) == known.size():
+                    self._logs[int(rank)] = known
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self._seen, self._logs = {}, {}  # unreadable: everything is fetched again once
+
+    def _save_state(self) -> None:
+        state: dict[str, Any] = {
+            "url": self.remote, "seen": {r: list(v) for r, v in sorted(self._seen.items())},
+            "logs": {str(rank): {"first": known.first,
+                                 "parts": {str(k): list(v) for k, v in sorted(known.parts.items())}}
+                     for rank, known in sorted(self._logs.items())}}
+        text = json.dumps(state, sort_keys=True)
+        if text != self._saved:
+            try:
+                atomic_write_bytes(self._state_file(), text.encode(), durable=False)
+                self._saved = text
+            except OSError as exc:  # the next monitor fetches again: never a reason to stop this one
+                log.debug("could not record the monitor's copies in %s: %s", self.root, exc)
+
+    def close(self) -> None:
+        """Let go of the directory (a private one is removed) and of the transfer threads."""
+        if self._threads is not None:
+            self._threads.close()
+            self._threads = None
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
+        if self._private:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self._private = False
+
+
+class _Refused(CacheError):
+    """An object the view does not copy (too large): a warning, never the end of the monitor."""
+
+
+def _begins(path: str, offset: int, data: bytes) -> bool:
+    """Whether the file at ``path`` holds ``data`` at ``offset``."""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(len(data)) == data

@@ -1,0 +1,466 @@
+"""dspark-produce to object storage (``--output-dir s3://bucket/prefix``): a real moto S3 server on
+127.0.0.1 (``tests.support.s3server``), our fault proxy in front of it where a test needs faults or a
+producer held, the embedded target, real producer processes, real SIGKILLs and torchrun.
+
+The producers get the store through ``--storage-options`` (endpoint and credentials), never the
+``AWS_*`` variables: those would make every start a cold interpreter (``tests.support.warm``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import dspark_cache
+from dspark_cache.cli import produce as produce_main, verify as verify_main
+from dspark_cache.format.paths import LEASE, CachePaths
+from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.format.remote.url import RemoteURL
+from tests.support.faultproxy import FaultProxy, matching
+from tests.support.produce import produce_args
+from tests.support.proc import events, kill_group, producer_cmd, run, start, torchrun, wait_for
+from tests.support.remote import upload_cache
+from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, unique_bucket_name
+
+ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")  # 46 samples in 16 shards (as test_resume)
+ENV = {"DSPARK_SYNC_INTERVAL": "0.2"}  # the small files go up five times a second
+TAR_PUTS = matching(method="PUT", suffix=".tar")
+
+
+def _options(endpoint: str, **extra) -> dict:
+    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "region": REGION,
+            **extra}
+
+
+@dataclass
+class Remote:
+    """One cache URL on the test server, and how to reach it directly."""
+
+    url: str
+    options: dict
+
+    @property
+    def store(self) -> ObjectStore:
+        return ObjectStore(self.url, self.options)
+
+    def listing(self) -> dict[str, ObjectInfo]:
+        return dict(self.store.walk())
+
+    def args(self, embedded, staging, *extra: str, options: dict | None = None) -> list[str]:
+        """``dspark-produce``'s arguments for this URL (``options``: another route to the store, the proxy)."""
+        return produce_args(embedded.stock, embedded.data, self.url, *ARGS, "--storage-options",
+                            json.dumps(options or self.options), "--staging-dir", str(staging), *extra)
+
+    def cmd(self, embedded, staging, *extra: str, options: dict | None = None) -> list[str]:
+        return producer_cmd(*self.args(embedded, staging, *extra, options=options))
+
+    def shard_ids(self, kind: str) -> set[int]:
+        return _shard_ids(self.listing(), kind)
+
+    def manifest(self) -> dict:
+        got = self.store.get("manifest.json")
+        assert got is not None, f"no manifest on {self.url}"
+        return json.loads(got[0])
+
+    def verify(self, node, capsys) -> tuple[int, dict]:
+        """``dspark-verify URL --json`` (in this process): its exit code and report."""
+        capsys.readouterr()
+        code = verify_main([self.url, "--json", "--storage-options", json.dumps(self.options),
+                            "--local-cache-dir", str(node)])
+        out = capsys.readouterr().out
+        return code, json.loads(out.strip().splitlines()[-1])
+
+    def open(self, node):
+        return dspark_cache.open_cache(self.url, storage_options=self.options, local_cache_dir=str(node))
+
+
+def _shard_ids(listing: dict[str, ObjectInfo], kind: str) -> set[int]:
+    out = set()
+    for relative in listing:
+        directory, _, name = relative.rpartition("/")
+        if directory == "shards" and name.startswith("shard-") and name.endswith(f".{kind}"):
+            out.add(int(name[len("shard-"):-len(kind) - 1]))
+    return out
+
+
+@pytest.fixture
+def remote(s3_server, s3_bucket) -> Remote:
+    return Remote(f"{s3_bucket}/runs/cache", _options(s3_server.endpoint))
+
+
+@pytest.fixture
+def proxy(s3_server):
+    with FaultProxy("127.0.0.1", s3_server.port) as p:
+        yield p
+
+
+def _assert_samples_equal(remote: Remote, node, reference: str, exact: bool = True) -> None:
+    """Every sample read from the store equals the local cache's, none missing or extra."""
+    with remote.open(node) as ours, dspark_cache.open_cache(reference) as theirs:
+        assert ours.manifest.identity() == theirs.manifest.identity()
+        assert ours.manifest.num_samples == theirs.manifest.num_samples and ours.manifest.complete
+        assert ours.manifest.cache_id != theirs.manifest.cache_id
+        n = 0
+        for x, y in zip(ours.samples(), theirs.samples(), strict=True):
+            assert x["sample_id"] == y["sample_id"]
+            for key in ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"):
+                if exact or key in ("input_ids", "loss_mask"):
+                    assert torch.equal(x[key], y[key]), (x["sample_id"], key)
+                else:
+                    torch.testing.assert_close(x[key], y[key], rtol=2e-2, atol=2e-2)
+            n += 1
+        assert n == theirs.manifest.num_samples
+
+
+def _assert_verified(remote: Remote, node, capsys) -> dict:
+    code, report = remote.verify(node, capsys)
+    assert code == 0 and report["ok"], report
+    assert not report["missing"] and not report["corrupt"] and not report["leftovers"], report
+    return report
+
+
+def _after_last_resume(staging) -> list[dict]:
+    """The events the last (resuming) run wrote, from its own ``resumed`` event on."""
+    log = events(str(staging))
+    starts = [i for i, e in enumerate(log) if e["kind"] == "resumed"]
+    assert starts, [e["kind"] for e in log]
+    return log[starts[-1]:]
+
+
+def _lease_expiry(remote: Remote) -> tuple[dict, float]:
+    """The lease left on the store and when it expires (the rule of ``format/remote/lease.py``)."""
+    got = remote.store.get(LEASE)
+    assert got is not None, f"no lease on {remote.url}"
+    record = json.loads(got[0])
+    return record, max(record["renewed_at"], got[1].modified) + record["ttl"]
+
+
+def _wait_for_the_lease_to_expire(remote: Remote) -> dict:
+    record, expires = _lease_expiry(remote)
+    time.sleep(max(0.0, expires - time.time()) + 0.3)
+    return record
+
+
+def _published_ids(log: list[dict]) -> list[int]:
+    return [e["data"]["shard"] for e in log if e["kind"] == "shard_published"]
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("dspark-produce: error")]
+
+
+# -- 1. the same cache as a local run -----------------------------------------------------------
+
+def test_produce_to_s3_equals_produce_to_a_directory(embedded, reference, remote, tmp_path, capsys):
+    staging = tmp_path / "staging"
+    done = run(remote.cmd(embedded, staging), env=ENV)
+    assert done.returncode == 0, done.stderr
+    local = CachePaths(reference)
+    shards = set(local.indexed_shard_ids())
+    listing = remote.listing()
+    assert _shard_ids(listing, "tar") == _shard_ids(listing, "idx") == shards
+    for k in shards:  # every tar whole: the size the local run wrote
+        assert listing[f"shards/shard-{k:06d}.tar"].size == os.path.getsize(local.shard_tar(k)), k
+    for name in ("manifest.json", "target_weights.safetensors", "shards/wids-index.json", "plan/plan.json",
+                 "status/rank-00000.json", "events/rank-00000.jsonl.000000"):
+        assert name in listing, (name, sorted(listing))
+    for name in os.listdir(local.plan_dir):  # the saved plan, every file of it
+        assert f"plan/{name}" in listing, name
+    assert LEASE not in listing  # given back at the end
+    store = remote.store
+    with open(local.wids_index, "rb") as handle:
+        assert store.get("shards/wids-index.json")[0] == handle.read()
+    with open(local.target_weights, "rb") as handle:
+        assert store.get("target_weights.safetensors")[0] == handle.read()
+    status = json.loads(store.get("status/rank-00000.json")[0])
+    assert status["state"] == "finished"
+    segment = store.get("events/rank-00000.jsonl.000000")[0].decode()
+    published = [json.loads(line) for line in segment.splitlines() if '"shard_published"' in line]
+    assert sorted(e["data"]["shard"] for e in published) == sorted(shards)
+    # Staging keeps the indexes (the published set), no tar: each was deleted once committed.
+    staged = os.listdir(CachePaths(str(staging)).shards_dir)
+    assert not [n for n in staged if n.endswith(".tar")], staged
+    assert {n for n in staged if n.endswith(".idx")} == {f"shard-{k:06d}.idx" for k in shards}
+    _assert_samples_equal(remote, tmp_path / "node", reference)
+    _assert_verified(remote, tmp_path / "node2", capsys)
+
+
+# -- 2. SIGKILL between a tar and its index, resumed elsewhere ----------------------------------
+
+@pytest.mark.slow
+def test_killed_between_a_tar_and_its_index_then_resumed_from_an_empty_staging_dir(
+        embedded, reference, remote, tmp_path, capsys):
+    env = {**ENV, "DSPARK_LEASE_TTL": "2"}  # a killed producer's lease lives on until it expires
+    killed = run(remote.cmd(embedded, tmp_path / "a"), env={**env, "DSPARK_CRASH_AT": "after_tar_upload:3"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _wait_for_the_lease_to_expire(remote)
+    tars, committed = remote.shard_ids("tar"), remote.shard_ids("idx")
+    orphans = tars - committed
+    assert orphans and committed <= tars  # a tar uploaded, never committed by its index
+    total = len(CachePaths(reference).indexed_shard_ids())
+    assert len(committed) < total
+    # Another machine, as it were: an empty staging directory; INFO to see what it cleans up.
+    resumed = run(remote.cmd(embedded, tmp_path / "b", "--log-level", "INFO"), env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    for k in orphans:
+        assert f"removing {remote.store.name(f'shards/shard-{k:06d}.tar')}: its upload was never committed" \
+            in resumed.stderr, resumed.stderr[-3000:]
+    log = _after_last_resume(tmp_path / "b")
+    assert log[0]["data"]["published"] == len(committed)
+    computed = _published_ids(log)
+    assert len(computed) == len(set(computed))  # none twice in this run
+    assert set(computed) == set(range(total)) - committed  # and none the killed run had committed
+    listing = remote.listing()
+    assert _shard_ids(listing, "tar") == _shard_ids(listing, "idx") == set(range(total))
+    assert LEASE not in listing
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+# -- 3. one producer per cache ------------------------------------------------------------------
+
+def test_a_second_producer_on_the_same_url_is_refused_at_once_naming_the_holder(
+        embedded, remote, proxy, tmp_path, capsys):
+    # The first producer is held: one tar upload stalls, and a staging limit of one shard holds the writer.
+    proxy.fail_next(1, "stall", match=TAR_PUTS, stall_s=5)
+    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=_options(proxy.endpoint)),
+                  env=ENV)
+    try:
+        wait_for(lambda: proxy.faults["stall"] == 1 or first.poll() is not None, timeout=120)
+        assert first.poll() is None, first.communicate()
+        lease = json.loads(remote.store.get(LEASE)[0])
+        assert lease["pid"] == first.pid
+        capsys.readouterr()
+        began = time.monotonic()
+        code = produce_main(remote.args(embedded, tmp_path / "b"))
+        took = time.monotonic() - began
+        err = capsys.readouterr().err
+        assert code == 1, err
+        lines = _error_lines(err)
+        assert len(lines) == 1 and len(err.strip().splitlines()) == 1, err
+        assert "in use by another dspark-produce run" in lines[0]
+        for holder in (f"pid {first.pid}", f"host {socket.gethostname()}", f"run {lease['run_id']}"):
+            assert holder in lines[0], (holder, lines[0])
+        assert took < 4, took  # at once: before the input is read or the target loaded
+        assert first.poll() is None  # the first goes on, its lease untouched
+        assert json.loads(remote.store.get(LEASE)[0])["run_id"] == lease["run_id"]
+        out, err1 = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            kill_group(first)
+    assert first.returncode == 0, err1
+    assert not os.path.exists(CachePaths(str(tmp_path / "b")).shards_dir)  # the second wrote no shard
+    _assert_verified(remote, tmp_path / "node", capsys)
+
+
+# -- 4. a killed producer's lease expires -------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_killed_producers_lease_expires_and_the_next_run_takes_over(
+        embedded, reference, remote, tmp_path, capsys, monkeypatch, s3_server):
+    env = {**ENV, "DSPARK_LEASE_TTL": "3"}
+    staging = tmp_path / "staging"
+    killed = run(remote.cmd(embedded, staging), env={**env, "DSPARK_CRASH_AT": "mid_shard:4"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    record, expires = _lease_expiry(remote)  # the killed producer's lease is still there
+    assert record["ttl"] == 3.0
+    # The same command again at once: refused, the dead holder named, nothing done.
+    monkeypatch.setenv("DSPARK_LEASE_TTL", "3")
+    capsys.readouterr()
+    assert time.time() < expires - 0.5, "too slow to test the live lease"
+    code = produce_main(remote.args(embedded, staging))
+    err = capsys.readouterr().err
+    assert time.time() < expires, "the refusal came after the lease had expired"
+    assert code == 1, err
+    assert "in use by another dspark-produce run" in err and f"pid {record['pid']}" in err, err
+    assert json.loads(remote.store.get(LEASE)[0])["run_id"] == record["run_id"]
+    # Once it has expired, the next run takes it over and completes.
+    _wait_for_the_lease_to_expire(remote)
+    again = run(remote.cmd(embedded, staging), env=env)
+    assert again.returncode == 0, again.stderr + "\n--- moto ---\n" + s3_server.stderr_tail(60)
+    assert "took over the lease" in again.stderr and f"pid {record['pid']}" in again.stderr, again.stderr
+    assert LEASE not in remote.listing()
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+# -- 5. --overwrite ----------------------------------------------------------------------------
+
+def test_overwrite_clears_the_stores_files_and_remakes_the_cache(embedded, reference, remote, tmp_path, capsys):
+    upload_cache(reference, remote.url, storage_options=remote.options)  # a complete cache is there
+    store = remote.store
+    old = remote.manifest()["cache_id"]
+    store.put("shards/shard-000099.tar", b"left by someone")  # ours by its name, outside any plan
+    store.put("status/rank-00007.json", b"{}")  # a heartbeat of a larger job
+    store.put("notes/README.txt", b"not ours")
+    done = run(remote.cmd(embedded, tmp_path / "staging", "--overwrite"), env=ENV)
+    assert done.returncode == 0, done.stderr
+    listing = remote.listing()
+    assert "shards/shard-000099.tar" not in listing and "status/rank-00007.json" not in listing
+    assert store.get("notes/README.txt")[0] == b"not ours"  # what is not ours is kept
+    manifest = remote.manifest()
+    assert manifest["complete"] and manifest["cache_id"] != old
+    shards = set(CachePaths(reference).indexed_shard_ids())
+    assert _shard_ids(listing, "tar") == _shard_ids(listing, "idx") == shards
+    for k in shards:  # remade: every index names the new cache
+        assert json.loads(store.get(f"shards/shard-{k:06d}.idx")[0])["cache_id"] == manifest["cache_id"], k
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+# -- 6. torchrun -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_produce_to_s3(embedded, reference, remote, tmp_path, capsys):
+    staging = tmp_path / "staging"
+    done = run(torchrun(2, *remote.args(embedded, staging, "--num-workers", "0")), env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-5000:]
+    listing = remote.listing()
+    for rank in (0, 1):
+        assert f"events/rank-{rank:05d}.jsonl.000000" in listing, sorted(listing)
+        status = json.loads(remote.store.get(f"status/rank-{rank:05d}.json")[0])
+        assert status["state"] == "finished" and status["shards_owned"] > 0, status  # both ranks worked
+    assert LEASE not in listing
+    assert not [n for n in os.listdir(CachePaths(str(staging)).shards_dir) if n.endswith(".tar")]
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference, exact=False)
+
+
+# -- 7. follow mode over a cache being uploaded ------------------------------------------------
+
+def test_a_follow_loader_reads_every_sample_once_while_the_producer_uploads(
+        embedded, reference, remote, proxy, tmp_path):
+    # Shard 4's upload stalls 3 s and the staging limit holds the writer meanwhile: the loader is
+    # certain to read shards before the cache is complete.
+    proxy.fail_next(1, "stall", match=matching(method="PUT", suffix="/shard-000004.tar"), stall_s=3)
+    producer = start(remote.cmd(embedded, tmp_path / "staging", "--staging-limit", "1",
+                                options=_options(proxy.endpoint)), env=ENV)
+    seen: list[tuple[float, list[int], list[bool]]] = []
+    try:
+        store = remote.store
+        wait_for(lambda: store.head("manifest.json") is not None or producer.poll() is not None, timeout=120)
+        assert producer.poll() is None, producer.communicate()
+        assert not remote.manifest()["complete"]
+        loader = dspark_cache.build_dataloader(remote.url, 3, follow=True, seed=2, poll_interval=0.1,
+                                               follow_timeout=120, storage_options=remote.options,
+                                               local_cache_dir=str(tmp_path / "node"))
+        for batch in loader:
+            seen.append((time.time(), batch["sample_ids"].tolist(), batch["is_repeat"].tolist()))
+        loader.close()
+        _, err = producer.communicate(timeout=120)
+    finally:
+        if producer.poll() is None:
+            kill_group(producer)
+    assert producer.returncode == 0, err
+    assert proxy.faults["stall"] == 1
+    manifest = remote.manifest()
+    assert manifest["complete"] and seen and seen[0][0] < manifest["completed_at"]  # read while produced
+    got = [s for _, ids, repeats in seen for s, r in zip(ids, repeats) if not r]
+    assert sorted(got) == sorted(dspark_cache.open_cache(reference).sample_ids)  # each exactly once
+
+
+# -- 8. the staging directory ------------------------------------------------------------------
+
+def test_a_staging_dir_of_another_url_or_with_other_files_is_refused_in_one_line(
+        embedded, s3_server, s3_bucket, remote, tmp_path, capsys):
+    staging = tmp_path / "staging"
+    mark = CachePaths(str(staging)).staging_mark
+    other = Remote(f"{s3_bucket}/runs/other", remote.options)
+    cases = []
+    # (a) it stages another URL: made by a real run that got that far (the other cache's lease is live).
+    remote.store.put(LEASE, json.dumps({"host": "elsewhere", "pid": 1, "run_id": "r-live", "world_size": 1,
+                                        "started_at": time.time(), "renewed_at": time.time() + 3600,
+                                        "ttl": 60.0}).encode())
+    assert produce_main(remote.args(embedded, staging)) == 1
+    assert "in use by another dspark-produce run" in capsys.readouterr().err
+    with open(mark) as handle:
+        assert handle.read().strip() == remote.url
+    before = sorted(os.listdir(staging))
+    code = produce_main(other.args(embedded, staging))
+    cases.append((code, capsys.readouterr().err))
+    assert sorted(os.listdir(staging)) == before  # nothing changed in it
+    with open(mark) as handle:
+        assert handle.read().strip() == remote.url
+    # (b) a directory with files of its own.
+    unrelated = tmp_path / "mine"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("mine")
+    code = produce_main(other.args(embedded, unrelated))
+    cases.append((code, capsys.readouterr().err))
+    assert sorted(os.listdir(unrelated)) == ["notes.txt"]
+    (stages, not_empty) = cases
+    for code, err in cases:
+        assert code != 0 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("dspark-produce: error"), err
+    assert f"stages {remote.url}, not {other.url}" in stages[1], stages[1]
+    assert "is not empty and does not stage a remote cache" in not_empty[1], not_empty[1]
+    assert other.listing() == {}  # the refused runs put nothing on the store
+
+
+# -- 9. faults ---------------------------------------------------------------------------------
+
+def test_transient_faults_on_tar_uploads_are_retried_and_the_run_completes(
+        embedded, reference, remote, proxy, tmp_path, capsys):
+    proxy.fail_next(2, "503", match=TAR_PUTS)
+    proxy.fail_next(2, "reset", match=TAR_PUTS)
+    proxy.fail_next(1, "500", match=TAR_PUTS)
+    done = run(remote.cmd(embedded, tmp_path / "staging", options=_options(proxy.endpoint)), env=ENV)
+    assert done.returncode == 0, done.stderr
+    assert (proxy.faults["503"], proxy.faults["reset"], proxy.faults["500"]) == (2, 2, 1)
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+def test_a_store_that_keeps_failing_ends_in_an_error_naming_the_object_and_a_rerun_resumes(
+        embedded, reference, remote, proxy, tmp_path, capsys):
+    proxy.fail_next(None, "503", match=matching(method="PUT", suffix="/shard-000002.tar"))
+    failing = _options(proxy.endpoint, retry_config={"max_retries": 1})
+    staging = tmp_path / "staging"
+    failed = run(remote.cmd(embedded, staging, options=failing), env=ENV)
+    assert failed.returncode == 1, failed.stderr
+    lines = _error_lines(failed.stderr)
+    assert len(lines) == 1, failed.stderr
+    assert remote.store.name("shards/shard-000002.tar") in lines[0], lines[0]
+    assert proxy.faults["503"] >= 2
+    committed = remote.shard_ids("idx")
+    assert 2 not in committed and committed, committed  # the others before it were published
+    assert LEASE not in remote.listing()  # a failed run gives its lease back
+    proxy.clear()
+    again = run(remote.cmd(embedded, staging), env=ENV)
+    assert again.returncode == 0, again.stderr
+    log = _after_last_resume(staging)
+    assert log[0]["data"]["published"] == len(committed)
+    total = len(CachePaths(reference).indexed_shard_ids())
+    assert sorted(_published_ids(log)) == sorted(set(range(total)) - committed)
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+# -- 10. refused credentials, a missing bucket --------------------------------------------------
+
+def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, s3_server, tmp_path, capsys):
+    with S3Server(check_credentials=True) as strict:
+        bucket = unique_bucket_name()
+        strict.make_bucket(bucket)
+        wrong = {"endpoint": strict.endpoint, "access_key_id": strict.access_key,
+                 "secret_access_key": "wrong-secret-value", "region": REGION}
+        denied = Remote(f"s3://{bucket}/c", wrong)
+        capsys.readouterr()
+        code = produce_main(denied.args(embedded, tmp_path / "a"))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code != 0 and len(err) == 1, err
+        assert err[0].startswith("dspark-produce: error") and "access denied (403)" in err[0], err
+        assert "wrong-secret-value" not in err[0]
+        assert strict.boto3_client().list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
+    missing = Remote(f"s3://{unique_bucket_name('absent')}/c", _options(s3_server.endpoint))
+    code = produce_main(missing.args(embedded, tmp_path / "b"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1, err
+    assert err[0].startswith("dspark-produce: error") and "does not exist" in err[0], err
+    assert RemoteURL.parse(missing.url).bucket in err[0]

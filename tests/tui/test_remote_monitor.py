@@ -1,0 +1,282 @@
+"""``dspark-monitor s3://bucket/prefix``: caches a real producer writes to a real S3 server (moto), seen
+through the monitor's local copy of their small files (``format/remote/view.py``), polled at a bounded
+cost; the stop request put on the store stops a running producer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import msgspec
+import pytest
+from rich.text import Text
+
+from dspark_cache.cli import monitor as monitor_main
+from dspark_cache.cli.conventions import EXIT_STOPPED
+from dspark_cache.format.backing import StorageOptions
+from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
+from dspark_cache.format.remote.store import ObjectStore
+from dspark_cache.format.remote.view import RemoteView
+from dspark_cache.format.schema import Event, RankStatus, decode_json, encode_json
+from dspark_cache.tui.app import MonitorApp
+from dspark_cache.tui.remote import RemoteScanner
+from dspark_cache.tui.scan import CacheScanner
+from tests.support.faultproxy import FaultProxy
+from tests.support.produce import produce_args, run_produce
+from tests.support.proc import kill_group, producer_cmd, start, wait_for
+from tests.support.s3server import REGION, S3Server, unique_bucket_name
+
+KEYS = CachePaths("/cache")  # a cache's names, relative to its root: its object keys
+ARGS = ("--seq-length", "256", "--shard-size", "8", "--batch-size", "4")
+
+
+def options(server: S3Server, endpoint: str | None = None) -> dict:
+    """The client's options for ``server`` (or a proxy in front of it): no AWS_* variable is set, so
+    the producers the tests start are forked warm."""
+    return {"endpoint": endpoint or server.endpoint, "access_key_id": server.access_key,
+            "secret_access_key": server.secret_key, "region": REGION}
+
+
+def plain(widget) -> str:
+    content = widget.content
+    return content.plain if isinstance(content, Text) else Text.from_markup(str(content)).plain
+
+
+@pytest.fixture(scope="module")
+def complete(s3_server, embedded, tmp_path_factory):
+    """A cache a real producer wrote to s3://.../runs/done (the bucket removed after the module)."""
+    bucket = unique_bucket_name("monitor")
+    url = s3_server.make_bucket(bucket) + "/runs/done"
+    staging = tmp_path_factory.mktemp("staging") / "done"
+    assert run_produce(embedded.stock, embedded.data, url, *ARGS, "--storage-options", json.dumps(options(s3_server)),
+                       "--staging-dir", str(staging)) == 0
+    yield url
+    s3_server.remove_bucket(bucket)
+
+
+def _num_shards(store: ObjectStore) -> int:
+    got = store.get(MANIFEST)
+    assert got is not None
+    return json.loads(got[0])["num_shards"]
+
+
+def test_once_reports_a_complete_remote_cache(complete, s3_server, tmp_path, capsys):
+    store = ObjectStore(complete, options(s3_server))
+    shards = _num_shards(store)
+    argv = [complete, "--once", "--local-cache-dir", str(tmp_path), "--storage-options", json.dumps(options(s3_server))]
+    assert monitor_main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{complete} (object storage)" in out
+    assert "progress: complete" in out and f"{shards} shards" in out
+    assert f"shards: {shards} published  0 writing  0 pending  0 failed" in out
+    assert "on object storage" in out and "stored " in out and "free " not in out
+    assert "rank 0, state finished" in out and "cache complete" in out
+    copied = [name for _, _, names in os.walk(tmp_path) for name in names]
+    assert not [name for name in copied if name.endswith(".tar")]  # never a tar
+    assert sum(name.endswith(".idx") for name in copied) == shards
+
+
+def test_a_refresh_makes_five_requests_when_nothing_changed(complete, s3_server, tmp_path):
+    """The first look fetches each small object once (never a tar); after it, a refresh is a HEAD of
+    the manifest and of the stop request and one LIST of shards/, status/ and events/; a monitor
+    started again on the same local copy fetches nothing that did not change."""
+    shards = _num_shards(ObjectStore(complete, options(s3_server)))
+    with FaultProxy("127.0.0.1", s3_server.port) as proxy:
+        storage = StorageOptions(options(s3_server, proxy.endpoint), str(tmp_path))
+        view = RemoteView(complete, storage)
+        view.refresh()
+        gets = [s.target for s in proxy.log if s.method == "GET" and "list-type" not in s.target]
+        assert not [t for t in gets if ".tar" in t]
+        assert sum(".idx" in t for t in gets) == shards
+        assert len(gets) == shards + 3  # and the manifest, the heartbeat and the event log's segment
+        assert view.requests["get"] == len(gets)
+        for again in range(2):  # the same view, then a new monitor's on the same copy
+            if again:
+                view.close()
+                view = RemoteView(complete, storage)
+            proxy.reset_counters()
+            view.refresh()
+            seen = sorted((s.method, "list" if "list-type" in s.target else s.target.rsplit("/", 1)[-1])
+                          for s in proxy.log)
+            assert seen == [("GET", "list")] * 3 + [("HEAD", "manifest.json"), ("HEAD", "stop")], seen
+        view.close()
+
+
+def test_scans_refresh_at_most_every_period_and_a_failed_refresh_is_a_warning(complete, s3_server, tmp_path):
+    with FaultProxy("127.0.0.1", s3_server.port) as proxy:
+        quick = {"max_retries": 0, "retry_timeout": timedelta(seconds=5)}  # a failure ends the request at once
+        view = RemoteView(complete, StorageOptions({**options(s3_server, proxy.endpoint), "retry_config": quick},
+                                                   str(tmp_path)))
+        ticks = [0.0]
+        scanner = RemoteScanner(view, 30.0, monotonic=lambda: ticks[0])
+        first = scanner.scan()
+        assert first.remote and first.path == complete and first.complete and first.disk_free is None
+        made = proxy.requests
+        ticks[0] = 29.0
+        assert scanner.scan().published == first.published and proxy.requests == made  # within the period: none
+        proxy.fail_next(None, "503")
+        ticks[0] = 30.0
+        failed = scanner.scan()
+        assert failed.published == first.published  # shown as last read
+        assert any(w.startswith(f"could not refresh from {complete}") for w in failed.warnings), failed.warnings
+        proxy.clear()
+        ticks[0] = 60.0
+        assert not scanner.scan().warnings
+        scanner.close()
+
+
+def _copy_small_objects(source: ObjectStore, target: ObjectStore) -> None:
+    """The objects a monitor reads (not the tars) of one cache under another prefix."""
+    for relative, _ in source.walk():
+        if not relative.endswith(".tar"):
+            got = source.get(relative)
+            assert got is not None
+            target.put(relative, got[0])
+
+
+def _event(rank: int, n: int) -> bytes:
+    return encode_json(Event(time=1000.0 + n, rank=rank, kind="note", message=f"event {n}")) + b"\n"
+
+
+def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, tmp_path):
+    url = complete.replace("runs/done", "runs/copy")
+    store = ObjectStore(url, options(s3_server))
+    _copy_small_objects(ObjectStore(complete, options(s3_server)), store)
+    view = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    view.refresh()
+    paths = CachePaths(view.root)
+    scanner = CacheScanner(view.root)
+    before = scanner.scan()
+    assert before.complete and len(before.published) == _num_shards(store) and before.ranks
+    # What is gone from the store is gone from the copy.
+    store.delete(f"{SHARDS_DIR}/shard-000001.idx")
+    store.delete(paths.relative(paths.status(0)))
+    view.refresh()
+    after = scanner.scan()
+    assert 1 not in after.published and len(after.published) == len(before.published) - 1 and not after.ranks
+    assert not os.path.exists(paths.shard_index(1)) and not os.path.exists(paths.status(0))
+    # A log in segments: the local file is their concatenation and only grows while the log does.
+    segment = [paths.relative(paths.events_segment(7, k)) for k in range(2)]
+    store.put(segment[0], _event(7, 0))
+    view.refresh()
+    inode = os.stat(paths.events(7)).st_ino
+    store.put(segment[0], _event(7, 0) + _event(7, 1))  # the open segment rewritten, grown
+    store.put(segment[1], _event(7, 2))
+    view.refresh()
+    assert open(paths.events(7), "rb").read() == _event(7, 0) + _event(7, 1) + _event(7, 2)
+    assert os.stat(paths.events(7)).st_ino == inode  # appended in place: the monitor's tail reads on
+    shown = [e.message for e in scanner.scan().events if e.rank == 7]
+    assert shown == ["event 0", "event 1", "event 2"]
+    gets = view.requests["get"]
+    view.refresh()
+    assert view.requests["get"] == gets  # nothing changed: nothing fetched
+    # The log started again (--overwrite): replaced whole.
+    store.delete(segment[1])
+    store.put(segment[0], _event(7, 9))
+    view.refresh()
+    assert open(paths.events(7), "rb").read() == _event(7, 9)
+    store.delete(segment[0])
+    view.refresh()
+    assert not os.path.exists(paths.events(7))
+    # A manifest that is not one is named by its URL.
+    store.put(MANIFEST, b"garbage")
+    damaged = RemoteScanner(view, 0.0).scan()
+    assert damaged.manifest is None and f"{url}/{MANIFEST}" in damaged.manifest_error, damaged.manifest_error
+    assert view.root not in damaged.manifest_error
+    # A second monitor of the same cache on this node gets a directory of its own.
+    other = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    assert other.root != view.root
+    other.refresh()
+    assert len(CacheScanner(other.root).scan().published) == len(after.published)
+    other.close()
+    assert not os.path.exists(other.root)
+    view.close()
+
+
+def test_errors_are_one_line_and_exit_2(complete, s3_server, tmp_path, capsys):
+    node = ["--local-cache-dir", str(tmp_path)]
+    missing = f"s3://{unique_bucket_name('absent')}/c"
+    assert monitor_main([missing, "--once", *node, "--storage-options", json.dumps(options(s3_server))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dspark-monitor: error:") and "does not exist" in err[0], err
+    nothing = complete.replace("runs/done", "nothing/here")
+    assert monitor_main([nothing, "--once", *node, "--storage-options", json.dumps(options(s3_server))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"no dspark cache is stored at {nothing}" in err[0], err
+    with S3Server(check_credentials=True) as strict:
+        bucket = unique_bucket_name()
+        strict.make_bucket(bucket)
+        wrong = {**options(strict), "access_key_id": "AKIAWRONG0000000", "secret_access_key": "nope"}
+        assert monitor_main([f"s3://{bucket}/c", "--once", *node, "--storage-options", json.dumps(wrong)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "access denied (403)" in err[0] and "nope" not in err[0], err
+    assert monitor_main([str(tmp_path), "--once", "--storage-options", "{}"]) == 2
+    assert "apply to a cache on object storage" in capsys.readouterr().err
+    code = ("import sys; sys.modules['obstore'] = None\n"
+            "from dspark_cache.cli import monitor\n"
+            "sys.exit(monitor(sys.argv[1:]))\n")
+    done = subprocess.run([sys.executable, "-c", code, complete, "--once", *node], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        'dspark-monitor: error: caches on object storage need the optional client: pip install '
+        '"dspark-cache[s3]" (obstore), then rerun']
+
+
+def _running(store: ObjectStore, paths: CachePaths) -> bool:
+    """Whether the producer's heartbeat on the store says it runs, and two shards are published."""
+    got = store.get(paths.relative(paths.status(0)))
+    if got is None:
+        return False
+    try:
+        status = decode_json(got[0], RankStatus)
+    except msgspec.DecodeError:
+        return False
+    indexes = [n for n in store.list(SHARDS_DIR) if n.endswith(".idx")]
+    return status.state == "running" and len(indexes) >= 2
+
+
+@pytest.mark.anyio
+async def test_the_s_key_stops_a_producer_writing_to_s3(embedded, s3_server, s3_bucket, tmp_path, monkeypatch):
+    url = f"{s3_bucket}/live"
+    monkeypatch.setenv("DSPARK_SYNC_INTERVAL", "0.3")  # the producer's and the monitor's
+    storage = options(s3_server)
+    args = produce_args(embedded.stock, embedded.data, url, "--seq-length", "256", "--shard-size", "1",
+                        "--batch-size", "1", "--storage-options", json.dumps(storage),
+                        "--staging-dir", str(tmp_path / "staging"))
+    producer = start(producer_cmd(*args))
+    store = ObjectStore(url, storage)
+    try:
+        wait_for(lambda: producer.poll() is not None or _running(store, KEYS), timeout=120, poll=0.2)
+        assert producer.poll() is None, producer.communicate()
+        # Frozen mid-run, so that it cannot finish before the key is pressed however slow the monitor is.
+        os.killpg(producer.pid, signal.SIGSTOP)
+        frozen = time.time()  # the monitor's clock stops with the producer: its heartbeat stays fresh
+        view = RemoteView(url, StorageOptions(storage, str(tmp_path / "node")))
+        scanner = RemoteScanner(view, 0.3, clock=lambda: frozen)
+        app = MonitorApp(url, refresh=0.3, scanner=scanner)
+        async with app.run_test(size=(140, 60)) as pilot:
+            snap = await app.first_snapshot()
+            assert snap.remote and snap.manifest is not None and not snap.complete
+            assert [r.state for r in snap.live_ranks] == ["running"] and len(snap.published) >= 2
+            assert f"{url} (object storage)" in plain(app.query_one("#header"))
+            assert "on object storage" in plain(app.query_one("#disk"))
+            assert app.check_action("request_stop", ())
+            await pilot.press("s")
+            await pilot.pause()
+            snap = await app.refreshed()
+            assert snap.stop_requested and "stop requested" in plain(app.query_one("#notice"))
+        scanner.close()
+        assert store.head(KEYS.relative(KEYS.stop_request)) is not None
+        os.killpg(producer.pid, signal.SIGCONT)
+        _, err = producer.communicate(timeout=120)
+    finally:
+        if producer.poll() is None:
+            kill_group(producer)
+    assert producer.returncode == EXIT_STOPPED, err
+    assert "stop requested by the monitor" in err
