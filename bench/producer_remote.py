@@ -136,6 +136,13 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS")) / 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (all its threads)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def count(requests: list[tuple[str, str]]) -> dict[str, int]:
     return dict(sorted(Counter(request_kind(m, t) for m, t in requests).items()))
 
@@ -216,6 +223,8 @@ class Bench:
                             pass
                 peak["staging_tar_bytes"] = max(peak["staging_tar_bytes"], on_disk)
 
+        cpu = os.times()
+        moto_cpu = cpu_seconds(self.server._proc.pid) if remote else 0.0  # noqa: SLF001
         t = time.perf_counter()
         stats = run_pipeline(self.plan.shards, forward, output=output, shape=self.shape, device=self.device,
                              pad_id=self.pad, max_inflight_bytes=self.pargs.max_inflight_bytes,
@@ -223,7 +232,9 @@ class Bench:
         pipeline_s = time.perf_counter() - t
         output.flush()
         seconds = time.perf_counter() - t
+        used = os.times()
         out = {"seconds": seconds, "pipeline_s": pipeline_s, "flush_tail_s": seconds - pipeline_s,
+               "cpu_s": used.user + used.system - cpu.user - cpu.system,
                "bytes": stats.bytes, "writer_busy_s": stats.times.write, "backpressure_s": stats.times.backpressure,
                "shards": len(sizes), "tar_sizes": sizes, "stage_times": stats.times.as_dict(),
                "timeline": [(k, n, round(a, 3), round(committed[k], 3) if k in committed else None)
@@ -235,6 +246,7 @@ class Bench:
         output.release()
         shutil.rmtree(where, ignore_errors=True)
         if remote:
+            out["moto_cpu_s"] = cpu_seconds(self.server._proc.pid) - moto_cpu  # noqa: SLF001
             out["moto_rss_mb"] = rss_mb(self.server._proc.pid)  # noqa: SLF001  (objects held, before the wipe)
             time.sleep(0.3)  # moto logs a request after its response
             requests, _ = moto_requests(self.server, start)
@@ -408,6 +420,9 @@ def summarise(args, pargs, bench, runs, write_local, write_s3, small, total_s) -
                 "flush_tail_s": [r["flush_tail_s"] for r in rs],
                 "writer_busy_s": med(r["writer_busy_s"] for r in rs),
                 "backpressure_s": med(r["backpressure_s"] for r in rs),
+                "copy_s": med(r["stage_times"]["copy"] for r in rs),  # the main thread's copies into the ring
+                "cpu_s": med(r["cpu_s"] for r in rs),
+                "moto_cpu_s": med(r.get("moto_cpu_s", 0.0) for r in rs),
             }
         out["s3_vs_local"] = out["s3"]["median_s"] / out["local"]["median_s"]
         out["s3_vs_local_paired"] = med(s["seconds"] / loc["seconds"]
@@ -453,6 +468,12 @@ def report(r: dict) -> str:
                      f"{o['s3_vs_local']:.3f}x ({o['s3_vs_local_paired']:.3f}x) | {lo['efficiency']:.2f} / "
                      f"{s3['efficiency']:.2f} | {lo['device_busy']:.2f} / {s3['device_busy']:.2f} | "
                      f"{statistics.median(s3['stalled_s']):.2f} | {statistics.median(s3['flush_tail_s']):.2f} |")
+    lines += ["", "| ratio | main-thread copy s local / s3 | writer busy s local / s3 | bench CPU s local / s3 | "
+              "moto CPU s |", "|---|---|---|---|---|"]
+    for ratio, o in r["ratios"].items():
+        lo, s3 = o["local"], o["s3"]
+        lines.append(f"| {ratio} | {lo['copy_s']:.2f} / {s3['copy_s']:.2f} | {lo['writer_busy_s']:.2f} / "
+                     f"{s3['writer_busy_s']:.2f} | {lo['cpu_s']:.1f} / {s3['cpu_s']:.1f} | {s3['moto_cpu_s']:.1f} |")
     lines += ["", "| staging limit run | seconds | vs default limit | stalled s | peak staged MB (transfer) | "
               "peak tar MB in staging dir |", "|---|---|---|---|---|---|"]
     for ratio, o in r["ratios"].items():
