@@ -168,8 +168,25 @@ def test_verify_streams_a_remote_cache_and_names_a_damaged_object(local, remote,
     assert report["corrupt"][0]["path"].endswith("/runs/cache/shards/shard-000008.tar")
     assert report["corrupt"][0]["path"].startswith("s3://")
     assert any(p.endswith("/runs/cache/shards/shard-000005.tar") for p in report["leftovers"])
-    assert verify_main([remote, "--repair"]) == 2
-    assert "--repair of a cache on object storage" in capsys.readouterr().err
+    # --repair: an index whose tar is intact is rebuilt on the store, a damaged tar is unpublished there
+    # (index first), and the tar without an index is removed; the repair holds the cache's lease.
+    original = store.get("shards/shard-000003.idx")[0]
+    index = json.loads(original)
+    index["samples"][1][1] += 1  # the second sample's length: the index no longer matches its tar
+    store.put("shards/shard-000003.idx", json.dumps(index).encode())
+    staging = ["--local-cache-dir", str(tmp_path / "repair")]
+    assert verify_main([remote, *node, "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert "index rebuilt" in out and "deleted" in out, out
+    assert store.get("shards/shard-000003.idx")[0] == original
+    assert store.head("shards/shard-000008.idx") is None and store.head("shards/shard-000008.tar") is None
+    assert store.head("shards/shard-000005.tar") is None
+    assert store.head("control/lease.json") is None  # given back
+    wids = json.loads(store.get("shards/wids-index.json")[0])
+    assert [e["url"] for e in wids["shardlist"]] == [f"shard-{k:06d}.tar" for k in range(10) if k not in (5, 8)]
+    assert verify_main([remote, *staging, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["missing"] == [5, 8] and report["corrupt"] == [] and report["shards_ok"] == 8
 
 
 def test_processes_of_one_node_download_each_shard_once(local, remote, proxy, tmp_path, s3_env):

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from rich.text import Text
 
-from dspark_cache.cli import monitor as monitor_main
+from dspark_cache.cli import monitor as monitor_main, produce as produce_main
 from dspark_cache.cli.conventions import EXIT_STOPPED
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
@@ -215,6 +215,9 @@ def test_errors_are_one_line_and_exit_2(complete, s3_server, tmp_path, capsys):
         assert monitor_main([f"s3://{bucket}/c", "--once", *node, "--storage-options", json.dumps(wrong)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "access denied (403)" in err[0] and "nope" not in err[0], err
+    assert produce_main(["--tui", "--target-model", "m", "--input-data", "d", "--output-dir", missing]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"dspark-monitor {missing} beside it" in err[0], err
     assert monitor_main([str(tmp_path), "--once", "--storage-options", "{}"]) == 2
     assert "apply to a cache on object storage" in capsys.readouterr().err
     code = ("import sys; sys.modules['obstore'] = None\n"

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_SHARE = 0.5  # without cache_limit: at most half of the free space where the mirror lives
 _POLL = 2.0  # seconds between checks of the remote manifest / listing
 _IN_FLIGHT = 4  # downloads at once
+_SMALL_IN_FLIGHT = 16  # index copies at once
 # What is copied of a manifest (True) or an index (False) at most: one byte past the readers' limit,
 # so that a hostile object is refused by their size check, never held whole.
 _MAX_SMALL = {True: MAX_MANIFEST_BYTES, False: MAX_INDEX_BYTES}
@@ -144,10 +145,26 @@ class NodeMirror:
             pass
         self._record(relative, None)
 
+    def _unchanged(self, relative: str, info: ObjectInfo) -> bool:
+        return self._copied_from(relative) == f"{info.size}:{info.etag}" and os.path.exists(self._local(relative))
+
+    def _copy_many(self, objects: list[tuple[str, ObjectInfo]]) -> None:
+        """Copy these small objects in, several requests in flight (a cache of 10,000 shards has as
+        many indexes: one at a time, opening it would wait on 10,000 round trips)."""
+        if len(objects) <= 1:
+            for relative, info in objects:
+                self._copy_small(relative, info)
+            return
+        threads = DaemonThreads(min(_SMALL_IN_FLIGHT, len(objects)), "dspark-index")
+        try:
+            for future in [threads.submit(self._copy_small, relative, info) for relative, info in objects]:
+                future.result()
+        finally:
+            threads.close()
+
     def _copy_small(self, relative: str, known: ObjectInfo | None = None) -> None:
         """Make the local copy of a small object the store's current one (removed where it is gone)."""
-        if known is not None and self._copied_from(relative) == f"{known.size}:{known.etag}" \
-                and os.path.exists(self._local(relative)):
+        if known is not None and self._unchanged(relative, known):
             return
         got = self.store.get(relative, _MAX_SMALL[relative == MANIFEST])
         if got is None:
@@ -177,10 +194,10 @@ class NodeMirror:
         listing = self.store.list(SHARDS_DIR)
         with self._lock:
             self._listing = listing
-        for name, info in listing.items():
-            shard = self.paths.shard_file(name)
-            if shard is not None and shard[1] == "idx":
-                self._copy_small(f"{SHARDS_DIR}/{name}", info)
+        changed = [(f"{SHARDS_DIR}/{name}", info) for name, info in listing.items()
+                   if (shard := self.paths.shard_file(name)) is not None and shard[1] == "idx"
+                   and not self._unchanged(f"{SHARDS_DIR}/{name}", info)]
+        self._copy_many(changed)
         for name in os.listdir(self.paths.shards_dir):
             shard = self.paths.shard_file(name)
             if shard is None:

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from dspark_cache.format.remote.store import AccessDeniedError, ObjectStoreError, client_endpoint
+from dspark_cache.format.remote.store import ObjectStoreError, client_endpoint
 from dspark_cache.format.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
@@ -70,11 +70,12 @@ def abort_unfinished_uploads(url: RemoteURL, storage_options: dict[str, Any] | N
             marker, upload_marker = page.get("NextKeyMarker", ""), page.get("NextUploadIdMarker", "")
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
-        if code in ("AccessDenied", "403"):
-            raise AccessDeniedError(
-                f"listing unfinished uploads under {url}: access denied (403); the credentials need "
-                "s3:ListBucketMultipartUploads and s3:AbortMultipartUpload on the bucket, or give the bucket a "
-                "lifecycle rule AbortIncompleteMultipartUpload and rerun") from exc
+        if code in ("AccessDenied", "403"):  # a narrow policy: the run goes on, the parts stay billed
+            log.warning("%s: not allowed to list or abort unfinished multipart uploads (403), so parts left by "
+                        "an interrupted producer stay (invisible, billed); allow s3:ListBucketMultipartUploads and "
+                        "s3:AbortMultipartUpload, or give the bucket an AbortIncompleteMultipartUpload lifecycle rule",
+                        url)
+            return aborted
         raise ObjectStoreError(f"listing unfinished uploads under {url} failed ({code or exc}); check the "
                                "endpoint and rerun") from exc
     except BotoCoreError as exc:

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 STAGING_LIMIT = 8 << 30  # default bytes of sealed tars staged before the writer waits for uploads
 _PULL_THREADS = 8
+_MAX_SEGMENT_BYTES = 64 << 20  # an event-log segment holds 1 MiB, or one line longer than that
 
 
 class StagingDirectoryError(CacheError):
@@ -175,6 +176,7 @@ class RemoteOutput(CacheOutput):
         """Make the staging directory agree with the store (the store is the truth)."""
         listing = dict(self.store.walk())
         paths = self.paths
+        self.create()
         self._pull_shards(listing)
         for path in (paths.manifest, paths.target_weights):
             self._pull_file(path, listing.get(paths.relative(path)))  # the store's, or none
@@ -256,7 +258,8 @@ class RemoteOutput(CacheOutput):
             path = self.paths.events(rank)
             if _size(path) >= total:
                 continue
-            data = b"".join((self.store.get(parts[k]) or (b"", None))[0] for k in sorted(parts))
+            data = b"".join((self.store.get(parts[k], limit=_MAX_SEGMENT_BYTES) or (b"", None))[0][:_MAX_SEGMENT_BYTES]
+                            for k in sorted(parts))
             os.makedirs(self.paths.events_dir, exist_ok=True)
             atomic_write_bytes(path, data, durable=False)
 
