@@ -294,17 +294,18 @@ def test_convert_exports_a_remote_cache_to_nemo_as_it_exports_the_local_one(loca
     assert convert_main(["--to", "dspark", remote, str(tmp_path / "c")]) == 2
 
 
-def test_writing_and_monitoring_a_remote_cache_are_refused_in_one_line(embedded, capsys):
-    from dspark_cache.cli import monitor as monitor_main, produce as produce_main
+def test_staging_options_on_a_local_output_dir_are_a_usage_error(embedded, tmp_path, capsys):
+    from dspark_cache.cli import produce as produce_main
 
-    url = "s3://some-bucket/cache"
-    assert produce_main(["--target-model", embedded.stock, "--input-data", embedded.data, "--output-dir", url]) == 2
+    out = str(tmp_path / "cache")
+    args = ["--target-model", embedded.stock, "--input-data", embedded.data, "--output-dir", out]
+    assert produce_main([*args, "--staging-dir", str(tmp_path / "s"), "--staging-limit", "1G"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not yet to object storage" in err[0]
-    assert monitor_main([url, "--once"]) == 2
+    assert len(err) == 1 and "--staging-dir, --staging-limit apply to an --output-dir on object storage" in err[0]
+    assert produce_main([*args.copy()[:-1], "s3://some-bucket/cache", "--staging-limit", "lots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"dspark-verify {url}" in err[0]
-    assert not os.path.exists("s3:")  # nothing made in the working directory
+    assert len(err) == 1 and "--staging-limit='lots' is not a size" in err[0], err
+    assert not os.path.exists(out) and not os.path.exists("s3:")  # nothing made
 
 
 def test_an_index_object_over_the_readers_limit_is_refused_not_held_whole(remote, tmp_path, monkeypatch):
