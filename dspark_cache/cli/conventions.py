@@ -110,9 +110,11 @@ def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
     return code
 
 
-def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool = True, staging: bool = False) -> None:
+def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool = True, cache_limit: bool = True,
+                          staging: bool = False, local_cache_help: str | None = None) -> None:
     """The options of a cache at an object-store URL (``s3://bucket/prefix``), the same on every script:
-    ``local_cache`` where it is read (the node's copy), ``staging`` where it is written."""
+    ``local_cache`` where something of it is kept on this node (``cache_limit``: its tars, bounded),
+    ``staging`` where it is written."""
     group = parser.add_argument_group("caches on object storage (s3://, gs://, az://; pip install "
                                       "\"dspark-cache[s3]\")")
     group.add_argument("--storage-options", metavar="JSON", default=None,
@@ -121,8 +123,9 @@ def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool 
                        "then the AWS_* variables. Values are never printed")
     if local_cache:
         group.add_argument("--local-cache-dir", metavar="DIR", default=None,
-                           help="where this node keeps downloaded shards (default $DSPARK_LOCAL_CACHE_DIR or "
-                           "~/.cache/dspark-cache/remote)")
+                           help=local_cache_help or "where this node keeps downloaded shards (default "
+                           "$DSPARK_LOCAL_CACHE_DIR or ~/.cache/dspark-cache/remote)")
+    if local_cache and cache_limit:
         group.add_argument("--cache-limit", metavar="SIZE", default=None,
                            help="bytes of shards kept there, e.g. 200G (default $DSPARK_CACHE_LIMIT or half the "
                            "free space)")

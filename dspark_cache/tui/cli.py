@@ -34,10 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="print one plain report and exit, as without a terminal: exit 1 when a rank failed or "
                         "fell silent before the cache completed")
-    add_storage_arguments(parser, local_cache=False)  # no tar is read: no --cache-limit
-    parser.add_argument("--local-cache-dir", metavar="DIR", default=None,
-                        help="a cache on object storage: where the monitor keeps its copy of the cache's small "
-                        "files, under monitor/ (default $DSPARK_LOCAL_CACHE_DIR or ~/.cache/dspark-cache/remote)")
+    add_storage_arguments(parser, cache_limit=False, local_cache_help=(  # no tar is read: no --cache-limit
+        "where the monitor keeps its copy of the cache's small files, under monitor/ (default "
+        "$DSPARK_LOCAL_CACHE_DIR or ~/.cache/dspark-cache/remote)"))
 
 
 def run(args: argparse.Namespace) -> int:

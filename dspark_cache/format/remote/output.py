@@ -5,11 +5,11 @@ local *staging directory* (``--staging-dir``); this object makes the store follo
 
 * **taking it**: the staging directory's own ``flock`` (the ranks of one node), then the store's
   lease (``lease.Lease``: one producer per cache, without a shared filesystem);
-* **bringing it down** (:meth:`RemoteOutput.lock`, the job's leader, holding the lease): the store is
-  the truth and the staging directory is made to agree with it: its manifest, plan, target weights,
-  event logs and shard indexes come down (a producer on another machine resumes with an empty
-  staging directory); tars without an index on the store, unfinished multipart uploads and staged
-  files the store does not have are removed;
+* **bringing it down** (:meth:`RemoteOutput.lock`, the job's leader, holding the lease): the staging
+  directory is made to agree with the store (``pull.StagingPull``: a producer on another machine
+  resumes with an empty one), and unfinished multipart uploads are aborted (``multipart``);
+* **ranks on other nodes** (a torchrun job with no shared filesystem) exchange the files they read of
+  each other's through the store (the ``CacheOutput`` hooks ``identity`` ... ``claim_completion``);
 * **publishing**: a shard is sealed in staging, then uploaded, size-checked and committed by its
   index on the store (``uploads.ShardUploads``, bounded by ``staging_limit``), and only then indexed
   in staging, where its tar is deleted;
@@ -35,22 +35,19 @@ from dspark_cache.format.output import CacheOutput, is_written_name
 from dspark_cache.format.remote.lease import Lease
 from dspark_cache.format.remote.mirror import default_local_cache_dir
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
-from dspark_cache.format.remote.node import DaemonThreads
 from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
-from dspark_cache.format.remote.sync import StagingSync, segment_starts
+from dspark_cache.format.remote.pull import StagingPull, file_size
+from dspark_cache.format.remote.sync import StagingSync
 from dspark_cache.format.remote.uploads import ShardUploads
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import Manifest, ShardIndex, encode_json
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, write_index
-from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from dspark_cache.format.wids_index import shard_entry, write_wids_index
 
 log = logging.getLogger(__name__)
 
 STAGING_LIMIT = 8 << 30  # default bytes of sealed tars staged before the writer waits for uploads
-_PULL_THREADS = 8
-_MAX_SEGMENT_BYTES = 64 << 20  # an event-log segment holds 1 MiB, or one line longer than that
 
 
 class StagingDirectoryError(CacheError):
@@ -78,6 +75,7 @@ class RemoteOutput(CacheOutput):
         self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
         self._lease: Lease | None = None
         self._sync = StagingSync(self.store, self.paths, rank)
+        self._puller = StagingPull(self.store, self.paths, self._sync)
         self._syncing = False
         self._apart = False  # this staging directory is not the job leader's (another node)
         self._spread = False  # some rank's staging directory is not the leader's: files go through the store
@@ -144,9 +142,7 @@ class RemoteOutput(CacheOutput):
             self.create()
         super().join()
         if self._apart:
-            listing = {f"{self.paths.relative(self.paths.shards_dir)}/{name}": info for name, info in
-                       self.store.list(self.paths.relative(self.paths.shards_dir)).items()}
-            self._pull_shards(listing, clean_store=False)
+            self._set_sizes(self._puller.shards(self._puller.listing(self.paths.shards_dir), clean_store=False))
             self.fetch_file(self.paths.manifest)
         self._sync.start(leader=False, pull_stop=self._apart)
         self._syncing = True
@@ -174,94 +170,16 @@ class RemoteOutput(CacheOutput):
 
     def pull(self) -> None:
         """Make the staging directory agree with the store (the store is the truth)."""
-        listing = dict(self.store.walk())
-        paths = self.paths
         self.create()
-        self._pull_shards(listing)
-        for path in (paths.manifest, paths.target_weights):
-            self._pull_file(path, listing.get(paths.relative(path)))  # the store's, or none
-        for relative, info in listing.items():
-            if relative.startswith(paths.relative(paths.plan_dir) + "/") and "/" not in relative.split("/", 1)[1]:
-                self._pull_file(os.path.join(paths.root, relative), info, remove_missing=False)
-        self._pull_events(listing)
+        self._set_sizes(self._puller.pull())
         aborted = abort_unfinished_uploads(self.url, self._storage_options)
         if aborted:
             log.info("%s: aborted %d unfinished multipart uploads left by an interrupted producer", self.url, aborted)
 
-    def _pull_shards(self, listing: dict[str, ObjectInfo], *, clean_store: bool = True) -> None:
-        paths = self.paths
-        shards = paths.relative(paths.shards_dir)
-        indexes: dict[int, ObjectInfo] = {}
-        tars: dict[int, int] = {}
-        for relative, info in listing.items():
-            directory, _, name = relative.rpartition("/")
-            found = paths.shard_file(name) if directory == shards else None
-            if found is not None and found[1] == "idx":
-                indexes[found[0]] = info
-            elif found is not None:
-                tars[found[0]] = info.size
-        for shard_id in sorted(set(tars) - set(indexes)) if clean_store else []:  # uploaded, never committed
-            log.info("removing %s: its upload was never committed by an index", self.store.name(
-                paths.relative(paths.shard_tar(shard_id))))
-            self.store.delete(paths.relative(paths.shard_tar(shard_id)))
-        for name in os.listdir(paths.shards_dir) if os.path.isdir(paths.shards_dir) else []:
-            found = paths.shard_file(name)
-            if found is None:
-                continue
-            shard_id, kind = found
-            if kind == "tar" or shard_id not in indexes:  # sealed and not committed, or unpublished on the store
-                os.unlink(os.path.join(paths.shards_dir, name))
-        wanted = [(k, info) for k, info in sorted(indexes.items())
-                  if _size(paths.shard_index(k)) != info.size]
-        threads = DaemonThreads(_PULL_THREADS, "dspark-pull")
-        try:
-            for future in [threads.submit(self._pull_index, k) for k, _ in wanted]:
-                future.result()
-        finally:
-            threads.close()
+    def _set_sizes(self, sizes: dict[int, int]) -> None:
         with self._sizes_lock:
-            self._sizes = {k: tars.get(k, -1) for k in indexes}
-        self._published = None  # listed again from the staging directory on first use
-
-    def _pull_index(self, shard_id: int) -> None:
-        relative = self.paths.relative(self.paths.shard_index(shard_id))
-        got = self.store.get(relative, limit=MAX_INDEX_BYTES)
-        if got is not None:
-            atomic_write_bytes(self.paths.shard_index(shard_id), got[0], durable=False)
-
-    def _pull_file(self, path: str, info: ObjectInfo | None, *, remove_missing: bool = True) -> None:
-        """Bring one file down where the store's differs in size; remove it where the store has none."""
-        if info is None:
-            if remove_missing and os.path.lexists(path):
-                os.unlink(path)
-            return
-        if _size(path) != info.size:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            temporary = f"{path}.{os.getpid()}.tmp"
-            limit = MAX_MANIFEST_BYTES if path == self.paths.manifest else None
-            self.store.download(self.paths.relative(path), temporary, expected=limit)
-            os.replace(temporary, path)
-        self._sync.mark(path, info.etag)
-
-    def _pull_events(self, listing: dict[str, ObjectInfo]) -> None:
-        """Each rank's event log from its segments, where the staging directory's is shorter."""
-        events = self.paths.relative(self.paths.events_dir)
-        segments: dict[int, dict[int, str]] = {}
-        for relative in listing:
-            directory, _, name = relative.rpartition("/")
-            found = self.paths.events_segment_of(name) if directory == events else None
-            if found is not None:
-                segments.setdefault(found[0], {})[found[1]] = relative
-        for rank, parts in segments.items():
-            sizes = [listing[parts[k]].size for k in sorted(parts)]
-            total = segment_starts(sizes)[-1] + sizes[-1]
-            path = self.paths.events(rank)
-            if _size(path) >= total:
-                continue
-            data = b"".join((self.store.get(parts[k], limit=_MAX_SEGMENT_BYTES) or (b"", None))[0][:_MAX_SEGMENT_BYTES]
-                            for k in sorted(parts))
-            os.makedirs(self.paths.events_dir, exist_ok=True)
-            atomic_write_bytes(path, data, durable=False)
+            self._sizes = sizes
+            self._published = None  # listed again from the staging directory on first use
 
     # -- ranks on other nodes ----------------------------------------------------------------
     # Ranks whose staging directory is the leader's read each other's files there; a rank on
@@ -310,7 +228,7 @@ class RemoteOutput(CacheOutput):
             return
         if os.path.exists(path) and self._sync.etag(path) is None and info.modified <= os.path.getmtime(path):
             return  # written here after the store's version: this node's own file is the newer one
-        self._pull_file(path, info, remove_missing=False)
+        self._puller.file(path, info, remove_missing=False)
 
     def refresh(self) -> None:
         """While ranks wait for each other: the store's shard indexes and heartbeats, at most every 2 s."""
@@ -318,8 +236,8 @@ class RemoteOutput(CacheOutput):
             return
         self._refreshed = time.monotonic()
         for shard_id, info in self._list_sizes().items():
-            if _size(self.paths.shard_index(shard_id)) != info.size:
-                self._pull_index(shard_id)
+            if file_size(self.paths.shard_index(shard_id)) != info.size:
+                self._puller.index(shard_id)
         self.fetch(self.paths.status_dir)
 
     def claim_completion(self, run_id: str) -> bool:
@@ -463,11 +381,4 @@ class RemoteOutput(CacheOutput):
         """What the uploads did: bytes up, bytes staged now, seconds the writer waited for room."""
         return {"uploaded_bytes": self._uploads.uploaded_bytes, "staged_bytes": self._uploads.staged_bytes,
                 "stalled_seconds": self._uploads.stalled_seconds}
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except FileNotFoundError:
-        return -1
 

@@ -35,6 +35,7 @@ from dspark_cache.format.remote.store import ObjectStore
 log = logging.getLogger(__name__)
 
 INTERVAL = 5.0
+ENV_SYNC_INTERVAL = "DSPARK_SYNC_INTERVAL"
 SEGMENT_BYTES = 1 << 20
 _MAX_STOP_BYTES = 1 << 16
 
@@ -45,6 +46,15 @@ def _stamp(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_size, st.st_mtime_ns
+
+
+def sync_interval() -> float:
+    """Seconds between a producer's puts of its heartbeat (``DSPARK_SYNC_INTERVAL``, default 5): polling
+    the store more often sees nothing new."""
+    try:
+        return max(0.05, float(os.environ.get(ENV_SYNC_INTERVAL, INTERVAL)))
+    except ValueError:
+        return INTERVAL
 
 
 def segment_starts(sizes: list[int]) -> list[int]:
@@ -62,7 +72,7 @@ class StagingSync:
     def __init__(self, store: ObjectStore, paths: CachePaths, rank: int, interval: float | None = None) -> None:
         self.store, self.paths, self.rank = store, paths, rank
         self.leader = self.pull_stop = False
-        self.interval = interval if interval is not None else float(os.environ.get("DSPARK_SYNC_INTERVAL", INTERVAL))
+        self.interval = interval if interval is not None else sync_interval()
         self._put: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last put or brought down
         self._etags: dict[str, str] = {}  # relative path -> the ETag of the store's version the local file is
         self._segment = 0  # the event log's open segment

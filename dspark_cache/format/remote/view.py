@@ -43,7 +43,7 @@ from dspark_cache.format.paths import MANIFEST, CachePaths
 from dspark_cache.format.remote.mirror import default_local_cache_dir
 from dspark_cache.format.remote.node import DaemonThreads, hold_lock
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.sync import INTERVAL
+from dspark_cache.format.remote.sync import sync_interval
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.status import MAX_STATUS_BYTES
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
@@ -54,19 +54,10 @@ EVENTS_TAIL = 256 * 1024  # bytes of a log's newest segments fetched at the firs
 MAX_SEGMENT_BYTES = 16 << 20  # a segment is cut near 1 MiB; one far larger is refused, never held whole
 MAX_LOG_BYTES = 64 << 20  # a whole (unsegmented) log, as a local cache uploaded as it is holds one
 MAX_STOP_BYTES = 1 << 16
-ENV_SYNC_INTERVAL = "DSPARK_SYNC_INTERVAL"  # how often the producer re-puts its heartbeat (format.remote.sync)
 _GET_THREADS = 8  # index GETs in flight at once (a first look at a cache of thousands of shards)
 _STATE = ".view"
 _DIGITS = re.compile(r"[0-9]+")
 _Seen = tuple[int, str]  # (size, ETag) an object was copied from
-
-
-def sync_interval() -> float:
-    """Seconds between the producer's puts of its heartbeat: polling the store more often sees nothing new."""
-    try:
-        return max(0.05, float(os.environ.get(ENV_SYNC_INTERVAL, INTERVAL)))
-    except ValueError:
-        return INTERVAL
 
 
 def default_view_dir(url: RemoteURL, local_cache_dir: str | None) -> str:

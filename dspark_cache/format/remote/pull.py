@@ -1,0 +1,136 @@
+"""The store brought down into a staging directory: what a producer resuming a remote cache starts from.
+
+The store is the truth. :meth:`StagingPull.pull` makes the staging directory agree with it: the
+shard indexes the store holds come down (several at once, only those whose size differs), staged
+indexes the store does not hold go, staged tars go (sealed and never committed, or uploaded already),
+and a tar on the store without its index (a producer killed between the two) is deleted there; the
+manifest and the target weights are the store's or none; the plan's files come down where they
+differ in size (the plan's own checksums catch the rest); each rank's event log is rebuilt from its
+segments where the staged one is shorter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from dspark_cache.format.atomic import atomic_write_bytes
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.remote.node import DaemonThreads
+from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.format.remote.sync import StagingSync, segment_starts
+from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+
+log = logging.getLogger(__name__)
+
+_THREADS = 8
+_MAX_SEGMENT_BYTES = 64 << 20  # an event-log segment holds 1 MiB, or one line longer than that
+
+
+def file_size(path: str) -> int:
+    """The file's size, -1 where there is none."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return -1
+
+
+class StagingPull:
+    """Brings ``store``'s objects into the staging directory ``paths``; ``sync`` learns what came down."""
+
+    def __init__(self, store: ObjectStore, paths: CachePaths, sync: StagingSync) -> None:
+        self.store, self.paths, self.sync = store, paths, sync
+
+    def listing(self, directory: str) -> dict[str, ObjectInfo]:
+        """One directory's objects, keyed by their path relative to the cache (as :meth:`pull` lists them)."""
+        relative = self.paths.relative(directory)
+        return {f"{relative}/{name}": info for name, info in self.store.list(relative).items()}
+
+    def pull(self) -> dict[int, int]:
+        """Everything (see the module's docstring); returns each published shard's tar size on the store."""
+        listing = dict(self.store.walk())
+        paths = self.paths
+        sizes = self.shards(listing)
+        for path in (paths.manifest, paths.target_weights):
+            self.file(path, listing.get(paths.relative(path)))  # the store's, or none
+        plan = paths.relative(paths.plan_dir) + "/"
+        for relative, info in listing.items():
+            if relative.startswith(plan) and "/" not in relative[len(plan):]:
+                self.file(os.path.join(paths.root, relative), info, remove_missing=False)
+        self.events(listing)
+        return sizes
+
+    def shards(self, listing: dict[str, ObjectInfo], *, clean_store: bool = True) -> dict[int, int]:
+        """The staged indexes made the store's; ``clean_store``: a tar without an index deleted there
+        (only the lease holder may). Returns each indexed shard's tar size on the store (-1: none)."""
+        paths = self.paths
+        shards = paths.relative(paths.shards_dir)
+        indexes: dict[int, ObjectInfo] = {}
+        tars: dict[int, int] = {}
+        for relative, info in listing.items():
+            directory, _, name = relative.rpartition("/")
+            found = paths.shard_file(name) if directory == shards else None
+            if found is not None and found[1] == "idx":
+                indexes[found[0]] = info
+            elif found is not None:
+                tars[found[0]] = info.size
+        for shard_id in sorted(set(tars) - set(indexes)) if clean_store else []:  # uploaded, never committed
+            tar = paths.relative(paths.shard_tar(shard_id))
+            log.info("removing %s: its upload was never committed by an index", self.store.name(tar))
+            self.store.delete(tar)
+        for name in os.listdir(paths.shards_dir) if os.path.isdir(paths.shards_dir) else []:
+            found = paths.shard_file(name)
+            if found is None:
+                continue
+            shard_id, kind = found
+            if kind == "tar" or shard_id not in indexes:  # sealed and not committed, or unpublished on the store
+                os.unlink(os.path.join(paths.shards_dir, name))
+        wanted = [k for k, info in sorted(indexes.items()) if file_size(paths.shard_index(k)) != info.size]
+        threads = DaemonThreads(_THREADS, "dspark-pull")
+        try:
+            for future in [threads.submit(self.index, k) for k in wanted]:
+                future.result()
+        finally:
+            threads.close()
+        return {k: tars.get(k, -1) for k in indexes}
+
+    def index(self, shard_id: int) -> None:
+        relative = self.paths.relative(self.paths.shard_index(shard_id))
+        got = self.store.get(relative, limit=MAX_INDEX_BYTES)
+        if got is not None:
+            atomic_write_bytes(self.paths.shard_index(shard_id), got[0], durable=False)
+
+    def file(self, path: str, info: ObjectInfo | None, *, remove_missing: bool = True) -> None:
+        """Bring one file down where the store's differs in size; remove it where the store has none."""
+        if info is None:
+            if remove_missing and os.path.lexists(path):
+                os.unlink(path)
+            return
+        if file_size(path) != info.size:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temporary = f"{path}.{os.getpid()}.tmp"
+            limit = MAX_MANIFEST_BYTES if path == self.paths.manifest else None
+            self.store.download(self.paths.relative(path), temporary, expected=limit)
+            os.replace(temporary, path)
+        self.sync.mark(path, info.etag)
+
+    def events(self, listing: dict[str, ObjectInfo]) -> None:
+        """Each rank's event log from its segments, where the staging directory's is shorter."""
+        events = self.paths.relative(self.paths.events_dir)
+        segments: dict[int, dict[int, str]] = {}
+        for relative in listing:
+            directory, _, name = relative.rpartition("/")
+            found = self.paths.events_segment_of(name) if directory == events else None
+            if found is not None:
+                segments.setdefault(found[0], {})[found[1]] = relative
+        for rank, parts in segments.items():
+            sizes = [listing[parts[k]].size for k in sorted(parts)]
+            if file_size(self.paths.events(rank)) >= segment_starts(sizes)[-1] + sizes[-1]:
+                continue
+            data = b"".join(self._segment(parts[k]) for k in sorted(parts))
+            os.makedirs(self.paths.events_dir, exist_ok=True)
+            atomic_write_bytes(self.paths.events(rank), data, durable=False)
+
+    def _segment(self, relative: str) -> bytes:
+        got = self.store.get(relative, limit=_MAX_SEGMENT_BYTES)
+        return b"" if got is None else got[0][:_MAX_SEGMENT_BYTES]
