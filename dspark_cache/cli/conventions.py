@@ -135,8 +135,8 @@ def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool 
                            "$DSPARK_LOCAL_CACHE_DIR/staging/... or ~/.cache/dspark-cache/remote/staging/...); one per "
                            "cache, shared by the processes of a node")
         group.add_argument("--staging-limit", metavar="SIZE", default=None,
-                           help="bytes of finished shards waiting there for their upload before writing waits, e.g. "
-                           "16G (default 8G; one shard always fits)")
+                           help="bytes of finished shards waiting there for their upload before writing waits, per "
+                           "process, e.g. 16G (default 8G; one shard always fits)")
 
 
 def storage_from_args(args: argparse.Namespace) -> "StorageOptions":
