@@ -262,6 +262,20 @@ class CacheDir:
 
     def pin(self, shard_ids: set[int]) -> dict[int, int]:
         """Open descriptors for ``shard_ids`` (read-only, for ``pread``), held open until :meth:`unpin`."""
+        # A remote shard not open yet is made local first, outside the lock: a download takes seconds,
+        # and the other readers' pins and unpins of shards already here must not wait behind it.
+        early = [s for s in shard_ids if s not in self._fds] if self.remote is not None else []
+        held = []
+        try:
+            for shard_id in early:
+                self.hold(self.require(shard_id))
+                held.append(shard_id)
+            return self._pin(shard_ids)
+        finally:
+            for shard_id in held:  # the open took a hold of its own
+                self.let_go(shard_id)
+
+    def _pin(self, shard_ids: set[int]) -> dict[int, int]:
         with self._lock:
             self.check_current()  # one stat per batch: a replaced cache stops the reader here
             fds = {}

@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -401,6 +403,37 @@ def test_a_staging_dir_of_another_url_or_with_other_files_is_refused_in_one_line
     assert f"stages {remote.url}, not {other.url}" in stages[1], stages[1]
     assert "is not empty and does not stage a remote cache" in not_empty[1], not_empty[1]
     assert other.listing() == {}  # the refused runs put nothing on the store
+
+
+_RACER = """
+import json, sys, time
+from dspark_cache.format.backing import StorageOptions
+from dspark_cache.format.remote.output import RemoteOutput
+url, staging, options, at, leader = sys.argv[1:6]
+output = RemoteOutput(url, storage=StorageOptions(json.loads(options)), staging_dir=staging)
+while time.time() < float(at):
+    pass
+try:
+    output.check() if leader == "1" else output.identity()  # rank 0 takes the directory; every rank checks it
+    print("ok")
+except Exception as exc:
+    print(f"refused: {exc}")
+"""
+
+
+def test_the_ranks_of_one_node_starting_together_on_a_new_staging_dir_are_not_refused(remote, tmp_path):
+    """Rank 0 checks the staging directory as it takes it while every other rank of the node checks it too
+    (``identity``, as planning starts): on a new directory both find it empty and mark it, at once."""
+    for attempt in range(3):
+        staging = str(tmp_path / f"staging-{attempt}")
+        at = time.time() + 1.0  # both start their check at this instant
+        racers = [subprocess.Popen([sys.executable, "-c", _RACER, remote.url, staging, json.dumps(remote.options),
+                                    repr(at), leader], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                  for leader in ("1", "0")]
+        said = [p.communicate(timeout=60) for p in racers]
+        assert [out.strip() for out, _ in said] == ["ok", "ok"], (attempt, said)
+        with open(CachePaths(staging).staging_mark) as handle:
+            assert handle.read().strip() == remote.url
 
 
 # -- 9. faults ---------------------------------------------------------------------------------
