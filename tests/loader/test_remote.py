@@ -373,3 +373,11 @@ def test_a_tar_object_larger_than_its_index_says_is_cut_not_streamed_whole(local
     got = int(re.search(r"\((\d+) bytes, the index says", str(refused.value)).group(1))
     assert index.tar_bytes < got <= index.tar_bytes + (8 << 20)  # cut one chunk past the index's size
     assert not [p for p in node.rglob("shard-000001.tar") if p.parent.name == "shards"]  # never kept
+
+
+def test_a_full_local_disk_is_named_at_once_not_retried_as_the_network(remote):
+    store = ObjectStore(remote)
+    started = time.monotonic()
+    with pytest.raises(ObjectStoreError, match=r"the local file /dev/full could not be written \(No space left"):
+        store.download("shards/shard-000000.tar", "/dev/full")  # every write there fails with ENOSPC
+    assert time.monotonic() - started < 5  # no backoff: no retry mends a full disk

@@ -30,7 +30,7 @@ from tests.support.proc import events, kill_group, producer_cmd, run, start, tor
 from tests.support.remote import upload_cache
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, unique_bucket_name
 
-ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")  # 46 samples in 16 shards (as test_resume)
+ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")  # 46 samples in 19 shards (as test_resume)
 ENV = {"DSPARK_SYNC_INTERVAL": "0.2"}  # the small files go up five times a second
 TAR_PUTS = matching(method="PUT", suffix=".tar")
 

@@ -23,6 +23,7 @@ backoff. A missing object is not an error: reads return ``None``.
 from __future__ import annotations
 
 import logging
+import errno
 import os
 import random
 import time
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 EXTRA = "dspark-cache[s3]"
 _CHUNK = 8 << 20  # streamed reads and writes move this much at a time
 _MULTIPART = 64 << 20  # uploads larger than this go in parts, several in flight
+_LOCAL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 _ATTEMPTS = 2  # one whole-object retry on top of the client's own (which resumes a cut download itself)
 _T = TypeVar("_T")
 
@@ -166,13 +168,21 @@ class ObjectStore:
                 "DataLoader(..., multiprocessing_context=\"spawn\") (or \"forkserver\")")
         try:
             return call()
+        except OSError as exc:
+            if exc.errno in _LOCAL_DISK:  # our own write to this machine's disk (see _again)
+                raise
+            return self._failed(exc, what, relative, missing)
         except Exception as exc:
-            absent = isinstance(exc, (FileNotFoundError, self._obstore.exceptions.NotFoundError))
-            if absent and "NoSuchBucket" not in str(exc):  # an absent object; an absent bucket is an error
-                if missing is ...:
-                    raise FileNotFoundError(f"{self.name(relative)} does not exist") from exc
-                return missing
-            raise self._translate(exc, what, relative) from exc
+            return self._failed(exc, what, relative, missing)
+
+    def _failed(self, exc: Exception, what: str, relative: str, missing: Any) -> Any:
+        """``missing`` for an absent object (``FileNotFoundError`` where none is given); else the error translated."""
+        absent = isinstance(exc, (FileNotFoundError, self._obstore.exceptions.NotFoundError))
+        if absent and "NoSuchBucket" not in str(exc):  # an absent object; an absent bucket is an error
+            if missing is ...:
+                raise FileNotFoundError(f"{self.name(relative)} does not exist") from exc
+            return missing
+        raise self._translate(exc, what, relative) from exc
 
     def _again(self, what: str, relative: str, attempt: Callable[[], _T]) -> _T:
         """``attempt`` again (with backoff) where the client gave up mid-stream; errors that
@@ -183,6 +193,11 @@ class ObjectStore:
             except (AccessDeniedError, NoSuchBucketError, ConditionFailedError, FileNotFoundError):
                 raise
             except (ObjectStoreError, OSError) as exc:
+                if isinstance(exc, OSError) and exc.errno in _LOCAL_DISK:  # this machine's disk: no retry mends it
+                    raise ObjectStoreError(
+                        f"{what} {self.name(relative)}: the local file {exc.filename or ''} could not be written "
+                        f"({exc.strerror}); free space there or choose another --local-cache-dir / --staging-dir "
+                        "(or a smaller --cache-limit / --staging-limit), then rerun") from exc
                 if tries == _ATTEMPTS:
                     if isinstance(exc, CacheError):
                         raise
@@ -247,7 +262,11 @@ class ObjectStore:
                     written = 0
                     for chunk in result.stream(min_chunk_size=_CHUNK):
                         view = memoryview(chunk)
-                        handle.write(view)
+                        try:
+                            handle.write(view)
+                        except OSError as exc:
+                            exc.filename = exc.filename or destination  # the message names the file
+                            raise
                         written += len(view)
                         if seen is not None:
                             seen(view)
