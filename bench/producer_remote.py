@@ -175,7 +175,7 @@ class Bench:
                 forward(*self.collate(batch, self.pad, self.device))
         return time.perf_counter() - t
 
-    def through(self, forward, sink: str, staging_limit: int | None = None) -> dict:
+    def through(self, forward, sink: str, staging_limit: int | None = None, ring: int | None = None) -> dict:
         """One ``run_pipeline`` to ``sink`` ("local" or "s3"); for s3 until every shard is on the store."""
         from dspark_cache.format.backing import StorageOptions
         from dspark_cache.format.output import CacheOutput
@@ -227,7 +227,7 @@ class Bench:
         moto_cpu = cpu_seconds(self.server._proc.pid) if remote else 0.0  # noqa: SLF001
         t = time.perf_counter()
         stats = run_pipeline(self.plan.shards, forward, output=output, shape=self.shape, device=self.device,
-                             pad_id=self.pad, max_inflight_bytes=self.pargs.max_inflight_bytes,
+                             pad_id=self.pad, max_inflight_bytes=ring or self.pargs.max_inflight_bytes,
                              on_published=on_published, check_finite=False)
         pipeline_s = time.perf_counter() - t
         output.flush()
@@ -243,6 +243,7 @@ class Bench:
             out.update(output.transfer)
             out.update({f"peak_{k}": v for k, v in peak.items()})
             out["staging_limit"] = output.staging_limit
+        out["ring_budget"] = ring or self.pargs.max_inflight_bytes
         output.release()
         shutil.rmtree(where, ignore_errors=True)
         if remote:
@@ -369,6 +370,14 @@ def measure(args: argparse.Namespace) -> dict:
             r = runs[f"s3_small_limit_{ratio}"][-1]
             print(f"  ratio {ratio}, small limit: s3 {r['seconds']:.2f} s, stalled {r['stalled_seconds']:.2f} s, "
                   f"peak staged {r['peak_staged_bytes'] / 1e6:.0f} MB", flush=True)
+            # The default ring (--max-inflight-bytes 1 GiB) holds this whole run: a writer held by the
+            # staging limit is then invisible to the device. With a ring smaller than the run it reaches it.
+            add(f"s3_small_limit_small_ring_{ratio}", bench.through(forward, "s3", staging_limit=small,
+                                                                    ring=args.small_ring))
+            r = runs[f"s3_small_limit_small_ring_{ratio}"][-1]
+            print(f"  ratio {ratio}, small limit, ring {args.small_ring / 1e6:.0f} MB: s3 {r['seconds']:.2f} s, "
+                  f"stalled {r['stalled_seconds']:.2f} s, device waited for ring space "
+                  f"{r['backpressure_s']:.2f} s", flush=True)
         for rep in range(args.whole_repeat):
             add("whole_local", bench.whole_command("local"))
             add("whole_s3", bench.whole_command("s3"))
@@ -427,11 +436,13 @@ def summarise(args, pargs, bench, runs, write_local, write_s3, small, total_s) -
         out["s3_vs_local"] = out["s3"]["median_s"] / out["local"]["median_s"]
         out["s3_vs_local_paired"] = med(s["seconds"] / loc["seconds"]
                                         for s, loc in zip(runs[f"s3_{ratio}"], runs[f"local_{ratio}"]))
-        sm = runs[f"s3_small_limit_{ratio}"][0]
-        out["s3_small_limit"] = {k: sm[k] for k in ("seconds", "stalled_seconds", "peak_staged_bytes",
-                                                     "peak_staging_tar_bytes", "flush_tail_s", "staging_limit")}
-        out["s3_small_limit"]["vs_default_limit"] = sm["seconds"] / out["s3"]["median_s"]
-        out["s3_small_limit"]["device_busy"] = med(dev) / sm["seconds"]
+        for key, name in (("s3_small_limit", f"s3_small_limit_{ratio}"),
+                          ("s3_small_limit_small_ring", f"s3_small_limit_small_ring_{ratio}")):
+            sm = runs[name][0]
+            out[key] = {k: sm[k] for k in ("seconds", "stalled_seconds", "peak_staged_bytes", "peak_staging_tar_bytes",
+                                           "flush_tail_s", "staging_limit", "backpressure_s", "ring_budget")}
+            out[key]["vs_default_limit"] = sm["seconds"] / out["s3"]["median_s"]
+            out[key]["device_busy"] = med(dev) / sm["seconds"]
         res["ratios"][str(ratio)] = out
     sm = runs["write_s3_small_limit"][0]
     res["write_s3_small_limit"] = {k: sm[k] for k in ("seconds", "stalled_seconds", "peak_staged_bytes",
@@ -481,6 +492,11 @@ def report(r: dict) -> str:
         lines.append(f"| ratio {ratio}, limit {sm['staging_limit'] / mb:.0f} MB | {sm['seconds']:.2f} | "
                      f"{sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} | {sm['peak_staged_bytes'] / mb:.0f} | "
                      f"{sm['peak_staging_tar_bytes'] / mb:.0f} |")
+        sm = o["s3_small_limit_small_ring"]
+        lines.append(f"| ratio {ratio}, limit {sm['staging_limit'] / mb:.0f} MB, ring {sm['ring_budget'] / mb:.0f} MB | "
+                     f"{sm['seconds']:.2f} | {sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} "
+                     f"(device waited {sm['backpressure_s']:.2f}) | {sm['peak_staged_bytes'] / mb:.0f} | "
+                     f"{sm['peak_staging_tar_bytes'] / mb:.0f} |")
     sm = r["write_s3_small_limit"]
     lines.append(f"| instant device, limit {sm['staging_limit'] / mb:.0f} MB | {sm['seconds']:.2f} | "
                  f"{sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} | {sm['peak_staged_bytes'] / mb:.0f} | "
@@ -522,7 +538,9 @@ def main() -> None:
                    help="fake device time as multiples of the fastest s3 write-only time (2: compute-bound, 1: balanced)")
     p.add_argument("--small-limit-shards", type=float, default=2.0,
                    help="the backpressure runs' --staging-limit, in median shards")
-    p.add_argument("--whole-repeat", type=int, default=1, help="whole dspark-produce commands per sink (0: none)")
+    p.add_argument("--small-ring", type=int, default=512 << 20,
+                   help="--max-inflight-bytes of one more backpressure run per ratio (default 512 MiB, under the run's bytes)")
+    p.add_argument("--whole-repeat", type=int, default=2, help="whole dspark-produce commands per sink (0: none)")
     p.add_argument("--whole-shard-size", type=int, default=16)
     p.add_argument("--synthetic-dir", default=None, help="where caches and staging go (default /dev/shm)")
     args = p.parse_args()

@@ -28,7 +28,6 @@ import threading
 import time
 from typing import Any, Iterable, Iterator
 
-from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.output import CacheOutput, is_written_name
@@ -98,17 +97,32 @@ class RemoteOutput(CacheOutput):
         self.store.list(self.paths.relative(self.paths.control_dir))
 
     def _check_mark(self) -> None:
+        """The staging directory names the URL it stages (``.dspark-staging``), made by the first process
+        that finds it empty; the ranks of a node race for that, and one link wins."""
         mark = self.paths.staging_mark
-        try:
-            with open(mark, encoding="utf-8") as handle:
-                staged = handle.read().strip()
-        except FileNotFoundError:
-            if any(name != os.path.basename(mark) for name in os.listdir(self.root)):
-                raise StagingDirectoryError(
-                    f"staging directory {self.root} is not empty and does not stage a remote cache; give "
-                    "--staging-dir an empty or new directory (it holds shards until they are uploaded)") from None
-            atomic_write_bytes(mark, f"{self.url}\n".encode())
-            return
+        for _ in range(2):
+            try:
+                with open(mark, encoding="utf-8") as handle:
+                    staged = handle.read().strip()
+                break
+            except FileNotFoundError:
+                if any(not name.startswith(os.path.basename(mark)) for name in os.listdir(self.root)):
+                    raise StagingDirectoryError(
+                        f"staging directory {self.root} is not empty and does not stage a remote cache; give "
+                        "--staging-dir an empty or new directory (it holds shards until they are uploaded)"
+                    ) from None
+                temporary = f"{mark}.{os.getpid()}.{threading.get_ident()}.tmp"
+                with open(temporary, "w", encoding="utf-8") as handle:
+                    handle.write(f"{self.url}\n")
+                try:
+                    os.link(temporary, mark)  # whole or not at all, and only where no other process made one
+                except FileExistsError:
+                    pass
+                finally:
+                    os.unlink(temporary)
+        else:
+            raise StagingDirectoryError(f"staging directory {self.root}: its {os.path.basename(mark)} keeps "
+                                        "vanishing; is another program clearing it? Choose another --staging-dir")
         if staged != str(self.url):
             raise StagingDirectoryError(
                 f"staging directory {self.root} stages {staged}, not {self.url}; two caches cannot share one "

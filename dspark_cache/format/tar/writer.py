@@ -143,12 +143,6 @@ class ShardWriter:
         """Write the sealed shard's index: the commit that publishes it."""
         write_index(self.paths, index, durable=self.durable)
 
-
-def write_index(paths: CachePaths, index: ShardIndex, *, durable: bool = True) -> None:
-    """Write a sealed shard's index file (the commit that publishes it in a directory)."""
-    atomic_write_bytes(paths.shard_index(index.shard_id), encode_json(index), durable=durable)
-    crash_point("after_index")
-
     def abort(self) -> None:
         """Drop the unfinished shard; a rerun recomputes it."""
         if not self._file.closed:
@@ -157,6 +151,12 @@ def write_index(paths: CachePaths, index: ShardIndex, *, durable: bool = True) -
             os.unlink(self._partial)
         except FileNotFoundError:
             pass
+
+
+def write_index(paths: CachePaths, index: ShardIndex, *, durable: bool = True) -> None:
+    """Write a sealed shard's index file (the commit that publishes it in a directory)."""
+    atomic_write_bytes(paths.shard_index(index.shard_id), encode_json(index), durable=durable)
+    crash_point("after_index")
 
 
 def predict_shard_bytes(shape: SampleShape, sample_ids: Iterable[int], lengths: Iterable[int]) -> int:
