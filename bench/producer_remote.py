@@ -28,13 +28,17 @@ The fake device is calibrated, as producer.py calibrates it against the local wr
 ratio 2 is compute-bound and 1 balanced for the s3 pipeline (and both compute-bound for the local
 one); against the local writer alone moto on this machine would make every s3 run upload-bound.
 Backpressure: an s3 pipeline with ``staging_limit`` = ``--small-limit-shards`` median shards, at each
-ratio, and an instant device to s3 with that limit; the staged bytes (RemoteOutput.transfer and the
-staging directory's tar bytes on disk) are sampled each time a shard is handed over.
+ratio, once with the default ring (``--max-inflight-bytes`` 1 GiB, which holds this whole run, so a
+held writer never reaches the device) and once with a ``--small-ring`` (512 MiB) ring, where it does;
+and an instant device to s3 with that limit. The staged bytes (RemoteOutput.transfer and the staging
+directory's tar bytes on disk) are sampled each time a shard is handed over, and each shard's hand-over
+and commit times are kept (``timeline`` in the JSON).
 Requests: per s3 run, moto's own request log (a line per request: method, path, query) counted by
 kind; one whole ``dspark-produce`` command (the embedded real tiny target, 200 rows) to s3:// through
 tests/support/faultproxy.FaultProxy counts every request of a whole job (lease, heartbeats, event
 log, plan, weights, manifest) by the object it touched, checked against moto's log of the same run;
-the same command to a local directory for its wall time.
+the same command to a local directory for its wall time (``--whole-repeat`` of each, alternating).
+CPU: the bench process's own (all threads: writer, uploads, obstore's runtime) and moto's, per run.
 """
 
 from __future__ import annotations

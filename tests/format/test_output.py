@@ -11,7 +11,8 @@ from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.lock import CacheLockedError
 from dspark_cache.format.manifest import read_manifest
-from dspark_cache.format.output import CacheDirectoryError, CacheOutput
+from dspark_cache.format.output import CacheOutput
+from dspark_cache.format.ours import CacheDirectoryError
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import Manifest
 from dspark_cache.format.tar.writer import ShardWriter

@@ -30,7 +30,8 @@ from typing import Any, Iterable, Iterator
 
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.output import CacheOutput, is_written_name
+from dspark_cache.format.output import CacheOutput
+from dspark_cache.format.ours import is_written_name
 from dspark_cache.format.remote.lease import Lease
 from dspark_cache.format.remote.mirror import default_local_cache_dir
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
