@@ -423,3 +423,26 @@ def test_weights_are_checked_recorded_and_never_kept_when_they_differ(small_cach
     assert _convert(capsys, exported, back, "--to", "dspark")[0] == 0
     assert _weights(back) == _weights(small_cache)
     assert verify_cache(back).ok
+
+
+def test_import_into_object_storage_equals_import_into_a_directory(exported, tmp_path, capsys, s3_bucket, s3_env):
+    """--to dspark with DST on S3 writes through its staging directory: the same samples as a local import,
+    every tar uploaded and gone from staging, and a rerun keeps what the store holds."""
+    from dspark_cache.format.remote.store import ObjectStore
+    from tests.support.proc import assert_same_samples
+
+    local, url, staging = str(tmp_path / "local"), f"{s3_bucket}/imported", str(tmp_path / "staging")
+    assert _convert(capsys, exported, local, "--to", "dspark")[0] == 0
+    code, out, err = _convert(capsys, exported, url, "--to", "dspark", "--staging-dir", staging)
+    assert code == 0, err
+    assert assert_same_samples(local, url) == len(dspark_cache.open_cache(local))
+    assert verify_cache(url).ok
+    assert not [n for n in os.listdir(os.path.join(staging, "shards")) if n.endswith(".tar")]
+    store = ObjectStore(url)
+    assert store.get("target_weights.safetensors")[0] == _weights(local)
+    assert store.head("control/lease.json") is None
+    code, out, err = _convert(capsys, exported, url, "--to", "dspark", "--staging-dir", str(tmp_path / "elsewhere"))
+    assert code == 0, err
+    shards = dspark_cache.open_cache(local).manifest.num_shards
+    assert f"{shards} kept from an earlier run" in out  # resumed from the store into an empty staging dir
+    assert _convert(capsys, local, url, "--to", "nemo")[0] == 2  # DST of an export is a directory
