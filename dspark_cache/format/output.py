@@ -164,8 +164,9 @@ class CacheOutput:
         """Rewrite wids' shard list from every published shard."""
         write_wids_index(self.paths)
 
-    def space_needed(self, missing_bytes: int) -> int:
-        """Bytes this machine's disk must have free for the shards still to be written."""
+    def space_needed(self, missing_bytes: int, largest_shard: int) -> int:
+        """Bytes this machine's disk must have free for the shards still to be written (``largest_shard``:
+        the largest of them)."""
         return missing_bytes
 
     # -- shards -------------------------------------------------------------------------------

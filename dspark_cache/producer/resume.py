@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from typing import Collection
 
 import numpy as np
 
@@ -82,9 +83,10 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
     return old
 
 
-def preflight_disk(output: CacheOutput, needed: int, force: bool) -> None:
-    """Refuse to start when ``needed`` bytes exceed the free space (unless ``--force``)."""
-    needed = output.space_needed(needed)
+def preflight_disk(output: CacheOutput, plan: Plan, done: Collection[int], force: bool) -> None:
+    """Refuse to start when the shards still to write need more than the free space (unless ``--force``)."""
+    todo = plan.bytes_missing(done)
+    needed = output.space_needed(sum(todo), max(todo, default=0))
     free = shutil.disk_usage(output.root).free
     if needed > free and not force:
         where = "" if output.shown == output.root else f" (the staging directory of {output.shown})"
@@ -110,7 +112,7 @@ def reconcile_directory(p: Prepared) -> Manifest | None:
         p.manifest.created_at = existing.created_at
         reconcile_shards(output, p.plan, p.shape, p.manifest.cache_id)  # removes partials and damaged shards
     done = output.published()
-    preflight_disk(output, p.plan.bytes_missing(done), p.cfg.force)
+    preflight_disk(output, p.plan, done, p.cfg.force)
     if existing is None or not existing.complete or done != {s.shard_id for s in p.plan.shards}:
         p.manifest.complete = False
         output.write_manifest(p.manifest)

@@ -317,8 +317,10 @@ class RemoteOutput(CacheOutput):
         write_wids_index(self.paths, entries=entries)
         self._push([self.paths.wids_index])
 
-    def space_needed(self, missing_bytes: int) -> int:
-        return min(missing_bytes, self.staging_limit)
+    def space_needed(self, missing_bytes: int, largest_shard: int) -> int:
+        # Staged at once, at most: the limit's worth waiting, one shard let through past it (its upload
+        # in flight), and the next one sealed before the writer waits.
+        return min(missing_bytes, self.staging_limit + 2 * largest_shard)
 
     # -- shards -------------------------------------------------------------------------------
 

@@ -300,7 +300,8 @@ def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id
 
 def _disk_full(p: Prepared, exc: OSError) -> DiskFullError:
     done = p.output.scan()  # other ranks publish too
-    needed = p.plan.bytes_missing(done)
+    todo = p.plan.bytes_missing(done)
+    needed = p.output.space_needed(sum(todo), max(todo, default=0))
     free = shutil.disk_usage(p.paths.root).free
     return DiskFullError(
         f"disk full while writing {p.paths.shards_dir} ({exc.strerror}): {len(done)} of {len(p.plan.shards)} shards "

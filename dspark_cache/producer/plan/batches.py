@@ -173,9 +173,9 @@ class Plan:
     def num_bytes(self) -> int:
         return int(self.shard_bytes.sum(dtype=np.int64))
 
-    def bytes_missing(self, published: Collection[int]) -> int:
-        """What the planned shards not in ``published`` will take on disk."""
-        return sum(s.num_bytes for s in self.shards if s.shard_id not in published)
+    def bytes_missing(self, published: Collection[int]) -> list[int]:
+        """What each planned shard not in ``published`` will take on disk."""
+        return [s.num_bytes for s in self.shards if s.shard_id not in published]
 
     @property
     def padded_tokens(self) -> int:
