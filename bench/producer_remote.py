@@ -29,7 +29,7 @@ ratio 2 is compute-bound and 1 balanced for the s3 pipeline (and both compute-bo
 one); against the local writer alone moto on this machine would make every s3 run upload-bound.
 Backpressure: an s3 pipeline with ``staging_limit`` = ``--small-limit-shards`` median shards, at each
 ratio, once with the default ring (``--max-inflight-bytes`` 1 GiB, which holds this whole run, so a
-held writer never reaches the device) and once with a ``--small-ring`` (512 MiB) ring, where it does;
+held writer never reaches the device) and once with a ``--small-ring`` (512 MiB) ring, where it could;
 and an instant device to s3 with that limit. The staged bytes (RemoteOutput.transfer and the staging
 directory's tar bytes on disk) are sampled each time a shard is handed over, and each shard's hand-over
 and commit times are kept (``timeline`` in the JSON).

@@ -82,7 +82,8 @@ class ShardUploads:
             self.store.put(self.paths.relative(self.paths.shard_index(shard)), encode_json(index))
             crash_point("after_index_upload")
             self._committed(index)
-            self.uploaded_bytes += index.tar_bytes
+            with self._waiting:
+                self.uploaded_bytes += index.tar_bytes
         except BaseException as exc:  # noqa: BLE001  (kept for the writer, which stops the run)
             with self._waiting:
                 if self.error is None:
