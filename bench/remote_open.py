@@ -32,13 +32,13 @@ from loader import make_cache  # noqa: E402  (bench/loader.py)
 
 from dspark_cache.format.backing import StorageOptions  # noqa: E402
 from dspark_cache.format.cache import CacheDir  # noqa: E402
-from dspark_cache.format.remote import mirror  # noqa: E402
+from dspark_cache.format.remote import copies  # noqa: E402
 from tests.support.remote import upload_cache  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 
 
 def open_seconds(url: str, options: dict, node: str, in_flight: int) -> float:
-    mirror._SMALL_IN_FLIGHT = in_flight
+    copies._SMALL_IN_FLIGHT = in_flight
     t = time.perf_counter()
     cache = CacheDir(url, storage=StorageOptions(options, node))
     seconds = time.perf_counter() - t
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    default = mirror._SMALL_IN_FLIGHT
+    default = copies._SMALL_IN_FLIGHT
     with tempfile.TemporaryDirectory() as work, S3Server() as server:
         root, _ = make_cache(os.path.join(work, "cache"), args.shards, 64, 256, 1, seed=0)
         os.environ.update(server.env())

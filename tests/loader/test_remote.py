@@ -309,11 +309,11 @@ def test_staging_options_on_a_local_output_dir_are_a_usage_error(embedded, tmp_p
 
 
 def test_an_index_object_over_the_readers_limit_is_refused_not_held_whole(remote, tmp_path, monkeypatch):
-    from dspark_cache.format.remote import mirror
+    from dspark_cache.format.remote import copies
     from dspark_cache.format.tar import reader
 
     limit = 512  # stands for MAX_INDEX_BYTES (256 MiB): the same rule at a size a test can afford
-    monkeypatch.setitem(mirror._MAX_SMALL, False, limit)
+    monkeypatch.setitem(copies._MAX_SMALL, False, limit)
     monkeypatch.setattr(reader, "MAX_INDEX_BYTES", limit)
     ObjectStore(remote).put("shards/shard-000002.idx", b"[" + b" " * 100_000 + b"]")
     node = tmp_path / "n"

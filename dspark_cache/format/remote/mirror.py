@@ -36,24 +36,21 @@ from typing import Any
 
 import xxhash
 
-from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
+from dspark_cache.format.remote.copies import LocalCopies
 from dspark_cache.format.remote.node import DaemonThreads, hold_lock, process_alive, release_all
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import ShardIndex
-from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_SHARE = 0.5  # without cache_limit: at most half of the free space where the mirror lives
 _POLL = 2.0  # seconds between checks of the remote manifest / listing
 _IN_FLIGHT = 4  # downloads at once
-_SMALL_IN_FLIGHT = 16  # index copies at once
 # What is copied of a manifest (True) or an index (False) at most: one byte past the readers' limit,
 # so that a hostile object is refused by their size check, never held whole.
-_MAX_SMALL = {True: MAX_MANIFEST_BYTES, False: MAX_INDEX_BYTES}
 _MIRROR = ".mirror"
 _EVICTING = "evicting"  # held by the one process deleting tars to keep the node's copy within its limit
 
@@ -84,6 +81,7 @@ class NodeMirror:
         self._meta = os.path.join(self.root, _MIRROR)
         for sub in (self.paths.shards_dir, *(os.path.join(self._meta, d) for d in ("use", "get", "tmp", "seen"))):
             os.makedirs(sub, exist_ok=True)
+        self.copies = LocalCopies(self.store, self.root, os.path.join(self._meta, "seen"))
         if cache_limit is not None and cache_limit <= 0:
             raise ValueError(f"cache_limit={cache_limit}: it is the local cache's size in bytes, more than 0")
         self.cache_limit = cache_limit if cache_limit is not None else int(
@@ -116,66 +114,6 @@ class NodeMirror:
         self._checked[what] = now
         return True
 
-    def _seen(self, relative: str) -> str:
-        return os.path.join(self._meta, "seen", relative.replace("/", "%"))
-
-    def _copied_from(self, relative: str) -> str | None:
-        try:
-            with open(self._seen(relative)) as handle:
-                return handle.read()
-        except FileNotFoundError:
-            return None
-
-    def _record(self, relative: str, info: ObjectInfo | None) -> None:
-        if info is None:
-            try:
-                os.unlink(self._seen(relative))
-            except FileNotFoundError:
-                pass
-        else:
-            atomic_write_bytes(self._seen(relative), f"{info.size}:{info.etag}".encode(), durable=False)
-
-    def _local(self, relative: str) -> str:
-        return os.path.join(self.root, *relative.split("/"))
-
-    def _remove_local(self, relative: str) -> None:
-        try:
-            os.unlink(self._local(relative))
-        except FileNotFoundError:
-            pass
-        self._record(relative, None)
-
-    def _unchanged(self, relative: str, info: ObjectInfo) -> bool:
-        return self._copied_from(relative) == f"{info.size}:{info.etag}" and os.path.exists(self._local(relative))
-
-    def _copy_many(self, objects: list[tuple[str, ObjectInfo]]) -> None:
-        """Copy these small objects in, several requests in flight (a cache of 10,000 shards has as
-        many indexes: one at a time, opening it would wait on 10,000 round trips)."""
-        if len(objects) <= 1:
-            for relative, info in objects:
-                self._copy_small(relative, info)
-            return
-        threads = DaemonThreads(min(_SMALL_IN_FLIGHT, len(objects)), "dspark-index")
-        try:
-            for future in [threads.submit(self._copy_small, relative, info) for relative, info in objects]:
-                future.result()
-        finally:
-            threads.close()
-
-    def _copy_small(self, relative: str, known: ObjectInfo | None = None) -> None:
-        """Make the local copy of a small object the store's current one (removed where it is gone)."""
-        if known is not None and self._unchanged(relative, known):
-            return
-        got = self.store.get(relative, _MAX_SMALL[relative == MANIFEST])
-        if got is None:
-            self._remove_local(relative)
-            return
-        data, info = got
-        if self._copied_from(relative) == f"{info.size}:{info.etag}" and os.path.exists(self._local(relative)):
-            return  # unchanged: keep the file (a reader compares its identity)
-        atomic_write_bytes(self._local(relative), data, durable=False)
-        self._record(relative, info)
-
     def has_manifest(self) -> bool:
         """Whether the store holds a manifest now (one request)."""
         self.refresh_manifest(force=True)
@@ -184,7 +122,7 @@ class NodeMirror:
     def refresh_manifest(self, *, force: bool = False) -> None:
         """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``)."""
         if self._due("manifest", force):
-            self._copy_small(MANIFEST)
+            self.copies.copy(MANIFEST)
 
     def refresh_listing(self, *, force: bool = False) -> None:
         """List the shards in the store; copy new or changed indexes in, drop the local copies of
@@ -196,34 +134,34 @@ class NodeMirror:
             self._listing = listing
         changed = [(f"{SHARDS_DIR}/{name}", info) for name, info in listing.items()
                    if (shard := self.paths.shard_file(name)) is not None and shard[1] == "idx"
-                   and not self._unchanged(f"{SHARDS_DIR}/{name}", info)]
-        self._copy_many(changed)
+                   and not self.copies.unchanged(f"{SHARDS_DIR}/{name}", info)]
+        self.copies.copy_many(changed)
         for name in os.listdir(self.paths.shards_dir):
             shard = self.paths.shard_file(name)
             if shard is None:
                 continue
             gone = name not in listing
-            stale = shard[1] == "tar" and not gone and self._copied_from(f"{SHARDS_DIR}/{name}") not in (
+            stale = shard[1] == "tar" and not gone and self.copies.copied_from(f"{SHARDS_DIR}/{name}") not in (
                 None, f"{listing[name].size}:{listing[name].etag}")
             if (gone or stale) and not self._used_here(shard[0]):
-                self._remove_local(f"{SHARDS_DIR}/{name}")
+                self.copies.remove(f"{SHARDS_DIR}/{name}")
 
     def fetch_file(self, relative: str) -> bool:
         """Copy one other file of the cache in (the target's weights, for ``dspark-verify``), if the
         store has it; whether it does."""
         info = self.store.head(relative)
         if info is None:
-            self._remove_local(relative)
+            self.copies.remove(relative)
             return False
-        if self._copied_from(relative) != f"{info.size}:{info.etag}" or not os.path.exists(self._local(relative)):
+        if self.copies.copied_from(relative) != f"{info.size}:{info.etag}" or not os.path.exists(self.copies.local(relative)):
             tmp = self._temporary(relative.replace("/", "%"))
             try:
                 got = self.store.download(relative, tmp)
-                os.replace(tmp, self._local(relative))
+                os.replace(tmp, self.copies.local(relative))
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-            self._record(relative, got)
+            self.copies.record(relative, got)
         return True
 
     def tar_size(self, shard_id: int) -> int:
@@ -258,12 +196,12 @@ class NodeMirror:
     def _present(self, index: ShardIndex) -> bool:
         relative = f"{SHARDS_DIR}/{os.path.basename(self.paths.shard_tar(index.shard_id))}"
         try:
-            size = os.stat(self._local(relative)).st_size
+            size = os.stat(self.copies.local(relative)).st_size
         except FileNotFoundError:
             return False
         with self._lock:
             listed = self._listing.get(relative.rsplit("/", 1)[1])
-        same = listed is None or self._copied_from(relative) == f"{listed.size}:{listed.etag}"
+        same = listed is None or self.copies.copied_from(relative) == f"{listed.size}:{listed.etag}"
         return size == index.tar_bytes and same
 
     def _fetch(self, index: ShardIndex) -> None:
@@ -292,7 +230,7 @@ class NodeMirror:
                 problem = _check_tar(tmp, index, digest.intdigest())
                 if problem is None:
                     os.replace(tmp, tar)
-                    self._record(relative, info)
+                    self.copies.record(relative, info)
                     os.utime(self._lock_file("use", index.shard_id) if os.path.exists(
                         self._lock_file("use", index.shard_id)) else tar)
                     with self._lock:
@@ -421,7 +359,7 @@ class NodeMirror:
                 if fd is None:
                     continue  # another process reads it
                 try:
-                    self._remove_local(f"{SHARDS_DIR}/{os.path.basename(path)}")
+                    self.copies.remove(f"{SHARDS_DIR}/{os.path.basename(path)}")
                     total -= size
                 finally:
                     os.close(fd)
