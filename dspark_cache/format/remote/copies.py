@@ -48,6 +48,7 @@ class LocalCopies:
             except FileNotFoundError:
                 pass
         else:
+            os.makedirs(self._seen_dir, exist_ok=True)
             atomic_write_bytes(self._seen(relative), f"{info.size}:{info.etag}".encode(), durable=False)
 
     def remove(self, relative: str) -> None:

@@ -32,11 +32,12 @@ from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.ours import is_written_name
+from dspark_cache.format.remote.copies import LocalCopies
 from dspark_cache.format.remote.lease import Lease
 from dspark_cache.format.remote.mirror import default_local_cache_dir
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
 from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
-from dspark_cache.format.remote.pull import StagingPull, file_size
+from dspark_cache.format.remote.pull import StagingPull
 from dspark_cache.format.remote.sync import StagingSync
 from dspark_cache.format.remote.uploads import ShardUploads
 from dspark_cache.format.remote.url import RemoteURL
@@ -74,8 +75,9 @@ class RemoteOutput(CacheOutput):
         self.rank = rank
         self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
         self._lease: Lease | None = None
-        self._sync = StagingSync(self.store, self.paths, rank)
-        self._puller = StagingPull(self.store, self.paths, self._sync)
+        self._copies = LocalCopies(self.store, self.root, self.paths.staging_seen)
+        self._sync = StagingSync(self.store, self.paths, rank, self._copies)
+        self._puller = StagingPull(self.store, self.paths, self._sync, self._copies)
         self._syncing = False
         self._apart = False  # this staging directory is not the job leader's (another node)
         self._spread = False  # some rank's staging directory is not the leader's: files go through the store
@@ -239,20 +241,17 @@ class RemoteOutput(CacheOutput):
             self._fetch(path, self.store.head(self.paths.relative(path)))
 
     def _fetch(self, path: str, info: ObjectInfo | None) -> None:
-        if info is None or self._sync.etag(path) == info.etag:
-            return
-        if os.path.exists(path) and self._sync.etag(path) is None and info.modified <= os.path.getmtime(path):
-            return  # written here after the store's version: this node's own file is the newer one
-        self._puller.file(path, info, remove_missing=False)
+        if info is not None:  # the store's version, unless the file here is it (put or brought down before)
+            self._puller.file(path, info, remove_missing=False)
 
     def refresh(self) -> None:
         """While ranks wait for each other: the store's shard indexes and heartbeats, at most every 2 s."""
         if not self._spread or time.monotonic() - self._refreshed < 2.0:
             return
         self._refreshed = time.monotonic()
-        for shard_id, info in self._list_sizes().items():
-            if file_size(self.paths.shard_index(shard_id)) != info.size:
-                self._puller.index(shard_id)
+        self._copies.copy_many([(self.paths.relative(self.paths.shard_index(k)), info)
+                                for k, info in self._list_sizes().items()
+                                if not self._copies.unchanged(self.paths.relative(self.paths.shard_index(k)), info)])
         self.fetch(self.paths.status_dir)
 
     def claim_completion(self, run_id: str) -> bool:
@@ -306,7 +305,9 @@ class RemoteOutput(CacheOutput):
         if manifest.complete and os.path.exists(self.paths.target_weights):
             self._push([self.paths.target_weights])
         with open(self.paths.manifest, "rb") as handle:
-            self.store.put(self.paths.relative(self.paths.manifest), handle.read())
+            data = handle.read()
+        relative = self.paths.relative(self.paths.manifest)
+        self._copies.record(relative, ObjectInfo(len(data), self.store.put(relative, data), 0.0))
 
     def _push(self, files: list[str]) -> None:
         self._sync.push_files(files)
@@ -355,9 +356,11 @@ class RemoteOutput(CacheOutput):
         self._uploads.submit(index)
         return index
 
-    def _committed(self, index: ShardIndex) -> None:
-        """On a transfer thread, once the store holds the shard's index: index it in staging, drop its tar."""
+    def _committed(self, index: ShardIndex, etag: str) -> None:
+        """On a transfer thread, once the store holds the shard's index (``etag``): index it in staging, drop its tar."""
         write_index(self.paths, index)
+        relative = self.paths.relative(self.paths.shard_index(index.shard_id))
+        self._copies.record(relative, ObjectInfo(os.path.getsize(self.paths.shard_index(index.shard_id)), etag, 0.0))
         with self._sizes_lock:
             self._sizes[index.shard_id] = index.tar_bytes
             if self._published is not None:
@@ -371,8 +374,8 @@ class RemoteOutput(CacheOutput):
         self._uploads.flush()
 
     def replace_index(self, index: ShardIndex) -> None:
-        self.store.put(self.paths.relative(self.paths.shard_index(index.shard_id)), encode_json(index))
-        self._committed(index)
+        self._committed(index, self.store.put(self.paths.relative(self.paths.shard_index(index.shard_id)),
+                                              encode_json(index)))
 
     @contextlib.contextmanager
     def shard_tar(self, shard_id: int) -> Iterator[str]:

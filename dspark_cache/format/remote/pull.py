@@ -1,12 +1,12 @@
 """The store brought down into a staging directory: what a producer resuming a remote cache starts from.
 
 The store is the truth. :meth:`StagingPull.pull` makes the staging directory agree with it: the
-shard indexes the store holds come down (several at once, only those whose size differs), staged
-indexes the store does not hold go, staged tars go (sealed and never committed, or uploaded already),
-and a tar on the store without its index (a producer killed between the two) is deleted there; the
-manifest and the target weights are the store's or none; the plan's files come down where they
-differ in size (the plan's own checksums catch the rest); each rank's event log is rebuilt from its
-segments where the staged one is shorter.
+shard indexes the store holds come down (several at once), staged indexes the store does not hold
+go, staged tars go (sealed and never committed, or uploaded already), and a tar on the store
+without its index (a producer killed between the two) is deleted there; the manifest and the
+target weights are the store's or none; the plan's files come down; each rank's event log is
+rebuilt from its segments where the staged one is shorter. A file comes down only where the
+store's version (size and ETag, recorded in ``copies``) is not the one the staged file is.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import os
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.node import DaemonThreads
+from dspark_cache.format.remote.copies import LocalCopies
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.sync import StagingSync, segment_starts
-from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 
 log = logging.getLogger(__name__)
 
-_THREADS = 8
 _MAX_SEGMENT_BYTES = 64 << 20  # an event-log segment holds 1 MiB, or one line longer than that
 
 
@@ -38,8 +37,8 @@ def file_size(path: str) -> int:
 class StagingPull:
     """Brings ``store``'s objects into the staging directory ``paths``; ``sync`` learns what came down."""
 
-    def __init__(self, store: ObjectStore, paths: CachePaths, sync: StagingSync) -> None:
-        self.store, self.paths, self.sync = store, paths, sync
+    def __init__(self, store: ObjectStore, paths: CachePaths, sync: StagingSync, copies: LocalCopies) -> None:
+        self.store, self.paths, self.sync, self.copies = store, paths, sync, copies
 
     def listing(self, directory: str) -> dict[str, ObjectInfo]:
         """One directory's objects, keyed by their path relative to the cache (as :meth:`pull` lists them)."""
@@ -84,35 +83,26 @@ class StagingPull:
                 continue
             shard_id, kind = found
             if kind == "tar" or shard_id not in indexes:  # sealed and not committed, or unpublished on the store
-                os.unlink(os.path.join(paths.shards_dir, name))
-        wanted = [k for k, info in sorted(indexes.items()) if file_size(paths.shard_index(k)) != info.size]
-        threads = DaemonThreads(_THREADS, "dspark-pull")
-        try:
-            for future in [threads.submit(self.index, k) for k in wanted]:
-                future.result()
-        finally:
-            threads.close()
+                self.copies.remove(f"{shards}/{name}")
+        self.copies.copy_many([(self.paths.relative(paths.shard_index(k)), info) for k, info in sorted(indexes.items())
+                               if not self.copies.unchanged(self.paths.relative(paths.shard_index(k)), info)])
         return {k: tars.get(k, -1) for k in indexes}
 
-    def index(self, shard_id: int) -> None:
-        relative = self.paths.relative(self.paths.shard_index(shard_id))
-        got = self.store.get(relative, limit=MAX_INDEX_BYTES)
-        if got is not None:
-            atomic_write_bytes(self.paths.shard_index(shard_id), got[0], durable=False)
-
     def file(self, path: str, info: ObjectInfo | None, *, remove_missing: bool = True) -> None:
-        """Bring one file down where the store's differs in size; remove it where the store has none."""
+        """Bring one file down where the staged one is not the store's version; remove it where the store has none."""
+        relative = self.paths.relative(path)
         if info is None:
-            if remove_missing and os.path.lexists(path):
-                os.unlink(path)
+            if remove_missing:
+                self.copies.remove(relative)
             return
-        if file_size(path) != info.size:
+        if not self.copies.unchanged(relative, info):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             temporary = f"{path}.{os.getpid()}.tmp"
             limit = MAX_MANIFEST_BYTES if path == self.paths.manifest else None
-            self.store.download(self.paths.relative(path), temporary, expected=limit)
+            self.store.download(relative, temporary, expected=limit)
             os.replace(temporary, path)
-        self.sync.mark(path, info.etag)
+            self.copies.record(relative, info)
+        self.sync.mark(path)
 
     def events(self, listing: dict[str, ObjectInfo]) -> None:
         """Each rank's event log from its segments, where the staging directory's is shorter."""

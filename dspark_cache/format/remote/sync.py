@@ -16,8 +16,8 @@ or resume the run:
   where the producer looks for it.
 
 :meth:`StagingSync.stop` pushes one last time. A file is put again only when its size or
-modification time changed; the ETag of the version each local file is, put or brought down by this
-process, is kept too (:meth:`StagingSync.mark`, :meth:`StagingSync.etag`).
+modification time changed; the store's version each file put is recorded in ``copies`` (beside the
+staging directory's files, so that every process of the node, and a later run, knows it).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Iterator
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.store import ObjectStore
+from dspark_cache.format.remote.copies import LocalCopies
+from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -69,36 +70,28 @@ def segment_starts(sizes: list[int]) -> list[int]:
 class StagingSync:
     """Pushes one producer process's small files (``rank``'s; ``leader``: the job's too)."""
 
-    def __init__(self, store: ObjectStore, paths: CachePaths, rank: int, interval: float | None = None) -> None:
-        self.store, self.paths, self.rank = store, paths, rank
+    def __init__(self, store: ObjectStore, paths: CachePaths, rank: int, copies: LocalCopies,
+                 interval: float | None = None) -> None:
+        self.store, self.paths, self.rank, self.copies = store, paths, rank, copies
         self.leader = self.pull_stop = False
         self.interval = interval if interval is not None else sync_interval()
         self._put: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last put or brought down
-        self._etags: dict[str, str] = {}  # relative path -> the ETag of the store's version the local file is
         self._segment = 0  # the event log's open segment
         self._segment_start = 0  # where it begins in the local log
         self._lock = threading.Lock()  # one push at a time (the thread's and a forced one)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def mark(self, path: str, etag: str = "") -> None:
-        """``path`` is the same on the store as here (brought down, or put by another process)."""
+    def mark(self, path: str) -> None:
+        """``path`` is the same on the store as here (brought down): no need to put it."""
         stamp = _stamp(path)
         if stamp is not None:
             self._put[self.paths.relative(path)] = stamp
-            if etag:
-                self._etags[self.paths.relative(path)] = etag
-
-    def etag(self, path: str) -> str | None:
-        """The ETag of the store's version that ``path`` is here, if this process knows it and the file is unchanged."""
-        relative = self.paths.relative(path)
-        return self._etags.get(relative) if self._put.get(relative) == _stamp(path) else None
 
     def forget(self) -> None:
         """The store's files of ours were deleted (``--overwrite``): everything goes up again, logs from the start."""
         with self._lock:
             self._put.clear()
-            self._etags.clear()
             self._segment = self._segment_start = 0
 
     def start(self, *, leader: bool, pull_stop: bool) -> None:
@@ -171,7 +164,7 @@ class StagingSync:
                 data = handle.read()
             etag = self.store.put(relative, data)
         self._put[relative] = stamp
-        self._etags[relative] = etag
+        self.copies.record(relative, ObjectInfo(stamp[0], etag, 0.0))
 
     # -- the event log in segments ------------------------------------------------------------
 

@@ -35,7 +35,7 @@ IN_FLIGHT = 4  # shards uploading at once (each a multipart upload of several pa
 
 class ShardUploads:
     def __init__(self, store: ObjectStore, paths: CachePaths, limit: int,
-                 committed: Callable[[ShardIndex], None], threads: int = IN_FLIGHT) -> None:
+                 committed: Callable[[ShardIndex, str], None], threads: int = IN_FLIGHT) -> None:
         self.store, self.paths, self.limit = store, paths, limit
         self._committed = committed
         self._pool: DaemonThreads | None = None
@@ -79,9 +79,9 @@ class ShardUploads:
                     f"{self.store.name(tar)}: after its upload the store holds "
                     f"{'nothing' if info is None else f'{info.size} bytes'}, its index says {index.tar_bytes}; the "
                     "shard is not published (rerun to upload it again; if this repeats, check the store)")
-            self.store.put(self.paths.relative(self.paths.shard_index(shard)), encode_json(index))
+            etag = self.store.put(self.paths.relative(self.paths.shard_index(shard)), encode_json(index))
             crash_point("after_index_upload")
-            self._committed(index)
+            self._committed(index, etag)
             with self._waiting:
                 self.uploaded_bytes += index.tar_bytes
         except BaseException as exc:  # noqa: BLE001  (kept for the writer, which stops the run)
