@@ -316,6 +316,26 @@ def test_overwrite_clears_the_stores_files_and_remakes_the_cache(embedded, refer
     _assert_samples_equal(remote, tmp_path / "node2", reference)
 
 
+def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite(embedded, remote, tmp_path, capsys):
+    """Machine A produced the cache; machine B remade it with --overwrite (same settings: every file the
+    same size, a new cache_id). A's staging directory, reused, must take B's cache, not resume its own."""
+    a, b = tmp_path / "machine-a", tmp_path / "machine-b"
+    assert run(remote.cmd(embedded, a), env=ENV).returncode == 0
+    first = remote.manifest()["cache_id"]
+    assert run(remote.cmd(embedded, b, "--overwrite"), env=ENV).returncode == 0
+    second = remote.manifest()["cache_id"]
+    assert second != first
+    indexes = {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")}
+    tars = {r: i.etag for r, i in remote.listing().items() if r.endswith(".tar")}
+    again = run(remote.cmd(embedded, a), env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert {r: i.etag for r, i in remote.listing().items() if r.endswith(".tar")} == tars  # nothing recomputed
+    assert remote.manifest()["cache_id"] == second
+    assert {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")} == indexes
+    assert json.loads(open(os.path.join(a, "manifest.json"), "rb").read())["cache_id"] == second
+    _assert_verified(remote, tmp_path / "node", capsys)
+
+
 # -- 6. torchrun -------------------------------------------------------------------------------
 
 @pytest.mark.slow
