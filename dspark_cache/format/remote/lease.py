@@ -88,6 +88,7 @@ class Lease:
 
     def take(self, *, overwrite: bool = False) -> None:
         """Hold the lease, or raise :class:`CacheLockedError` naming its holder."""
+        started = time.monotonic()  # the lease lives from before the request, as the store may count it
         for _ in range(3):  # a lease that vanishes or expires between our reads is raced for again
             try:
                 self._etag = self.store.put(LEASE, self._encode(), create=True)
@@ -98,6 +99,9 @@ class Lease:
             if found is None:
                 continue  # released meanwhile
             record, info = found
+            if self._is_ours(record):  # our create landed, its answer was lost, and the client's retry lost to it
+                self._etag = info.etag
+                break
             now = time.time()
             if now < _expires_at(record, info):
                 what = "--overwrite refused: it does not stop a live run, and " if overwrite else ""
@@ -117,9 +121,14 @@ class Lease:
                 continue
         else:
             raise CacheLockedError(f"{self.store.url}: another producer keeps taking its lease; rerun when it is done")
-        self._renewed = time.monotonic()
+        self._renewed = started
         self._thread = threading.Thread(target=self._keep, name="dspark-lease", daemon=True)
         self._thread.start()
+
+    def _is_ours(self, record: LeaseRecord | None) -> bool:
+        """The lease on the store is the version this holder wrote last."""
+        return record is not None and (record.host, record.pid, record.run_id, record.started_at, record.renewed_at) \
+            == (self.record.host, self.record.pid, self.record.run_id, self.record.started_at, self.record.renewed_at)
 
     def _encode(self) -> bytes:
         self.record.renewed_at = time.time()
@@ -135,11 +144,15 @@ class Lease:
         """Rewrite the lease over our own version (what the thread does every ``ttl / 6`` s)."""
         if self._lost is not None:
             return
+        started = time.monotonic()
         try:
             self._etag = self.store.put(LEASE, self._encode(), match=self._etag)
-            self._renewed = time.monotonic()
+            self._renewed = started
         except ConditionFailedError:
             found = _read(self.store)
+            if found is not None and self._is_ours(found[0]):  # our write landed; the retry of it lost to it
+                self._etag, self._renewed = found[1].etag, started
+                return
             holder = (describe_lease(*found, time.time()) if found is not None else "nobody: it was deleted")
             self._lose(f"another producer took it over ({holder})")
         except CacheError as exc:  # the store did not answer: try again; past the ttl it may be someone else's
@@ -147,6 +160,11 @@ class Lease:
                 self._lose(f"it could not be renewed for {self.ttl:.0f} s ({exc})")
             else:
                 log.warning("renewing the lease on %s failed (%s); retrying", self.store.url, exc)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lease was lost, or ``None`` while it is held."""
+        return self._lost
 
     def _lose(self, why: str) -> None:
         self._lost = why
@@ -160,6 +178,16 @@ class Lease:
             raise CacheLockedError(f"{self.store.url}: this producer lost its lease ({self._lost}); what it "
                                    "published is kept. Rerun when no other producer writes the cache")
 
+    def fence(self) -> None:
+        """Return once the last renewal is at most half the ttl old, so that a commit made now lands well
+        before another producer could take the lease over (waits while the store is slow to renew);
+        raise once the lease is lost."""
+        while True:
+            self.check()
+            if self._thread is None or time.monotonic() - self._renewed <= self.ttl / 2:
+                return
+            time.sleep(0.2)
+
     # -- letting go ---------------------------------------------------------------------------
 
     def release(self) -> None:
@@ -168,8 +196,8 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._etag is None or self._lost is not None:
-            return
+        if self._etag is None or self._lost is not None or time.monotonic() - self._renewed > self.ttl / 2:
+            return  # not ours, or perhaps no longer: someone may hold it since (it expires by itself)
         try:
             found = _read(self.store)
             if found is not None and found[1].etag == self._etag:

@@ -5,7 +5,8 @@ reader (no object exists until the upload completes), but stored and billed unti
 them. obstore has no call to list them, so this one step goes through boto3 (in the ``s3`` extra),
 with the same endpoint, region and credentials the cache's client uses. The resuming producer
 holds the cache's lease, so every unfinished upload under its prefix belongs to a producer that is
-gone. Other schemes need nothing: Azure drops uncommitted blocks by itself, and GCS uploads
+gone; only the cache's own files are aborted (a nested cache, or another program's files under the
+same prefix, are not its). Other schemes need nothing: Azure drops uncommitted blocks by itself, and GCS uploads
 through obstore complete or leave nothing.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from dspark_cache.format.remote.store import ObjectStoreError, client_endpoint
 from dspark_cache.format.remote.url import RemoteURL
@@ -43,8 +44,11 @@ def _client_arguments(options: dict[str, Any]) -> dict[str, Any]:
     return arguments
 
 
-def abort_unfinished_uploads(url: RemoteURL, storage_options: dict[str, Any] | None) -> int:
-    """Abort every unfinished multipart upload under ``url``'s prefix; how many there were."""
+def abort_unfinished_uploads(url: RemoteURL, storage_options: dict[str, Any] | None,
+                             ours: Callable[[str], bool]) -> int:
+    """Abort the unfinished multipart uploads of this cache's own files (``ours``: a path relative to the
+    cache is one the producer writes); how many there were. Others under the prefix (a cache nested in
+    it, another program's files) are left alone."""
     if url.scheme not in ("s3", "s3a"):
         return 0
     try:
@@ -63,7 +67,10 @@ def abort_unfinished_uploads(url: RemoteURL, storage_options: dict[str, Any] | N
             page = client.list_multipart_uploads(Bucket=url.bucket, Prefix=prefix, KeyMarker=marker,
                                                  UploadIdMarker=upload_marker)
             for upload in page.get("Uploads", []):
-                client.abort_multipart_upload(Bucket=url.bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                key = upload["Key"]
+                if not key.startswith(prefix) or not ours(key[len(prefix):]):
+                    continue
+                client.abort_multipart_upload(Bucket=url.bucket, Key=key, UploadId=upload["UploadId"])
                 aborted += 1
             if not page.get("IsTruncated"):
                 return aborted

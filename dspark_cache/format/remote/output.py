@@ -76,15 +76,16 @@ class RemoteOutput(CacheOutput):
         self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
         self._lease: Lease | None = None
         self._copies = LocalCopies(self.store, self.root, self.paths.staging_seen)
-        self._sync = StagingSync(self.store, self.paths, rank, self._copies)
+        self._sync = StagingSync(self.store, self.paths, rank, self._copies, self._holds)
         self._puller = StagingPull(self.store, self.paths, self._sync, self._copies)
         self._syncing = False
         self._apart = False  # this staging directory is not the job leader's (another node)
         self._spread = False  # some rank's staging directory is not the leader's: files go through the store
         self._refreshed = 0.0
+        self._fetched: dict[str, float] = {}  # path -> when fetch_file last asked the store
         self._sizes: dict[int, int] = {}  # shard id -> its tar's size on the store (-1: not there)
         self._sizes_lock = threading.Lock()
-        self._uploads = ShardUploads(self.store, self.paths, self.staging_limit, self._committed)
+        self._uploads = ShardUploads(self.store, self.paths, self.staging_limit, self._committed, self._fence)
 
     def __repr__(self) -> str:
         return f"RemoteOutput({str(self.url)!r} staged at {self.root!r})"
@@ -159,6 +160,10 @@ class RemoteOutput(CacheOutput):
             self.create()
         super().join()
         if self._apart:
+            # An earlier run's stop request and heartbeats here are no run's now (the leader forgot the store's);
+            # this rank's event log goes on from the store's segments.
+            CacheOutput.forget_heartbeats(self)
+            self._puller.events(self._puller.listing(self.paths.events_dir), ranks={self.rank})
             self._set_sizes(self._puller.shards(self._puller.listing(self.paths.shards_dir), clean_store=False))
             self.fetch_file(self.paths.manifest)
         self._sync.start(leader=False, pull_stop=self._apart)
@@ -189,7 +194,7 @@ class RemoteOutput(CacheOutput):
         """Make the staging directory agree with the store (the store is the truth)."""
         self.create()
         self._set_sizes(self._puller.pull())
-        aborted = abort_unfinished_uploads(self.url, self._storage_options)
+        aborted = abort_unfinished_uploads(self.url, self._storage_options, lambda r: is_written_name(self.paths, r))
         if aborted:
             log.info("%s: aborted %d unfinished multipart uploads left by an interrupted producer", self.url, aborted)
 
@@ -236,8 +241,11 @@ class RemoteOutput(CacheOutput):
             self._fetch(os.path.join(directory, name), info)
 
     def fetch_file(self, path: str) -> None:
-        """Bring down one file that another node may have written last (the weights, the complete manifest)."""
-        if self._spread:
+        """Bring down one file that another node may have written last (the weights, the complete manifest);
+        asked again within a second, it is not asked of the store again."""
+        now = time.monotonic()
+        if self._spread and now - self._fetched.get(path, -1.0) >= 1.0:
+            self._fetched[path] = now
             self._fetch(path, self.store.head(self.paths.relative(path)))
 
     def _fetch(self, path: str, info: ObjectInfo | None) -> None:
@@ -245,8 +253,11 @@ class RemoteOutput(CacheOutput):
             self._puller.file(path, info, remove_missing=False)
 
     def refresh(self) -> None:
-        """While ranks wait for each other: the store's shard indexes and heartbeats, at most every 2 s."""
-        if not self._spread or time.monotonic() - self._refreshed < 2.0:
+        """While ranks wait for each other: the store's shard indexes and heartbeats, at most every sync
+        interval; only where this node's staging directory is not the leader's, or by the leader (the
+        other ranks of a node read what those bring down)."""
+        if not (self._apart or (self._spread and self._lease is not None)) \
+                or time.monotonic() - self._refreshed < max(2.0, self._sync.interval):
             return
         self._refreshed = time.monotonic()
         self._copies.copy_many([(self.paths.relative(self.paths.shard_index(k)), info)
@@ -258,10 +269,13 @@ class RemoteOutput(CacheOutput):
         """One rank of this node (the directory's ``O_EXCL``), then one of the job (a conditional create on the store)."""
         if not super().claim_completion(run_id):
             return False
+        relative = self.paths.relative(self.paths.completion_claim(run_id))
+        mine = f"{run_id} rank {self.rank} pid {os.getpid()} on {socket.gethostname()}\n".encode()
         try:
-            self.store.put(self.paths.relative(self.paths.completion_claim(run_id)), b"", create=True)
-        except ConditionFailedError:
-            return False
+            self.store.put(relative, mine, create=True)
+        except ConditionFailedError:  # another rank's, or ours landed and the client's retry of it lost
+            got = self.store.get(relative, limit=len(mine))
+            return got is not None and got[0] == mine
         return True
 
     def _list_sizes(self) -> dict[int, ObjectInfo]:
@@ -306,11 +320,17 @@ class RemoteOutput(CacheOutput):
             self._push([self.paths.target_weights])
         with open(self.paths.manifest, "rb") as handle:
             data = handle.read()
+        self._fence()
         relative = self.paths.relative(self.paths.manifest)
         self._copies.record(relative, ObjectInfo(len(data), self.store.put(relative, data), 0.0))
 
     def _push(self, files: list[str]) -> None:
         self._sync.push_files(files)
+
+    def complete(self, manifest: Manifest) -> None:
+        self.flush()
+        self._list_sizes()  # one LIST for the tars' sizes, not a HEAD per shard another process published
+        super().complete(manifest)
 
     def write_wids_index(self) -> None:
         self._list_sizes()  # one LIST, not a HEAD per shard another process published
@@ -347,6 +367,16 @@ class RemoteOutput(CacheOutput):
             with self._sizes_lock:
                 self._sizes[shard_id] = known
         return known
+
+    def _holds(self) -> bool:
+        """Whether this process may still write the job's files: it holds the lease, or does not take one."""
+        return self._lease is None or self._lease.lost is None
+
+    def _fence(self) -> None:
+        """Before a commit (an index, the manifest): the lease this process holds still stands. Ranks
+        other than the leader hold none: the leader's stands for them."""
+        if self._lease is not None:
+            self._lease.fence()
 
     def publish(self, writer: ShardWriter, nonfinite: list[int] | None = None) -> ShardIndex:
         """Seal the shard in staging and queue its upload; it is published once its index is on the store."""

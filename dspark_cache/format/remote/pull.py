@@ -104,8 +104,8 @@ class StagingPull:
             self.copies.record(relative, info)
         self.sync.mark(path)
 
-    def events(self, listing: dict[str, ObjectInfo]) -> None:
-        """Each rank's event log from its segments, where the staging directory's is shorter."""
+    def events(self, listing: dict[str, ObjectInfo], ranks: set[int] | None = None) -> None:
+        """Each rank's event log (``ranks``: these ranks') from its segments, where the staged one is shorter."""
         events = self.paths.relative(self.paths.events_dir)
         segments: dict[int, dict[int, str]] = {}
         for relative in listing:
@@ -114,6 +114,8 @@ class StagingPull:
             if found is not None:
                 segments.setdefault(found[0], {})[found[1]] = relative
         for rank, parts in segments.items():
+            if ranks is not None and rank not in ranks:
+                continue
             sizes = [listing[parts[k]].size for k in sorted(parts)]
             if file_size(self.paths.events(rank)) >= segment_starts(sizes)[-1] + sizes[-1]:
                 continue

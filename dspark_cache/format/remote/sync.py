@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
@@ -71,8 +71,10 @@ class StagingSync:
     """Pushes one producer process's small files (``rank``'s; ``leader``: the job's too)."""
 
     def __init__(self, store: ObjectStore, paths: CachePaths, rank: int, copies: LocalCopies,
-                 interval: float | None = None) -> None:
-        self.store, self.paths, self.rank, self.copies = store, paths, rank, copies
+                 holds: Callable[[], bool] = lambda: True, interval: float | None = None) -> None:
+        """``holds``: whether this process may still write the job's files (false once its lease is lost:
+        another producer's heartbeats and logs are not overwritten)."""
+        self.store, self.paths, self.rank, self.copies, self.holds = store, paths, rank, copies, holds
         self.leader = self.pull_stop = False
         self.interval = interval if interval is not None else sync_interval()
         self._put: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last put or brought down
@@ -124,6 +126,8 @@ class StagingSync:
     # -- one turn -----------------------------------------------------------------------------
 
     def push(self) -> None:
+        if not self.holds():
+            return
         with self._lock:
             self._put_changed(self.paths.status(self.rank))
             self._push_events()

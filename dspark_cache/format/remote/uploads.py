@@ -35,9 +35,10 @@ IN_FLIGHT = 4  # shards uploading at once (each a multipart upload of several pa
 
 class ShardUploads:
     def __init__(self, store: ObjectStore, paths: CachePaths, limit: int,
-                 committed: Callable[[ShardIndex, str], None], threads: int = IN_FLIGHT) -> None:
+                 committed: Callable[[ShardIndex, str], None], fence: Callable[[], None],
+                 threads: int = IN_FLIGHT) -> None:
         self.store, self.paths, self.limit = store, paths, limit
-        self._committed = committed
+        self._committed, self._fence = committed, fence
         self._pool: DaemonThreads | None = None
         self._threads = threads
         self._waiting = threading.Condition()
@@ -79,6 +80,7 @@ class ShardUploads:
                     f"{self.store.name(tar)}: after its upload the store holds "
                     f"{'nothing' if info is None else f'{info.size} bytes'}, its index says {index.tar_bytes}; the "
                     "shard is not published (rerun to upload it again; if this repeats, check the store)")
+            self._fence()  # this producer still holds the cache: the index is the commit
             etag = self.store.put(self.paths.relative(self.paths.shard_index(shard)), encode_json(index))
             crash_point("after_index_upload")
             self._committed(index, etag)
