@@ -381,3 +381,23 @@ def test_a_full_local_disk_is_named_at_once_not_retried_as_the_network(remote):
     with pytest.raises(ObjectStoreError, match=r"the local file /dev/full could not be written \(No space left"):
         store.download("shards/shard-000000.tar", "/dev/full")  # every write there fails with ENOSPC
     assert time.monotonic() - started < 5  # no backoff: no retry mends a full disk
+
+
+def test_resuming_aborts_only_the_caches_own_unfinished_uploads(s3_server, s3_bucket, s3_env):
+    import boto3
+
+    from dspark_cache.format.ours import is_written_name
+    from dspark_cache.format.remote.multipart import abort_unfinished_uploads
+
+    url = RemoteURL.parse(f"{s3_bucket}/caches/run1")
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint)
+    keys = ["caches/run1/shards/shard-000003.tar",  # ours: a producer killed mid-upload
+            "caches/run1/sub/shards/shard-000000.tar",  # a cache nested under ours
+            "caches/run1-other/shards/shard-000000.tar",  # a neighbour whose name starts like ours
+            "other-app/backup.bin"]
+    for key in keys:
+        client.create_multipart_upload(Bucket=url.bucket, Key=key)
+    paths = CachePaths("")
+    assert abort_unfinished_uploads(url, None, lambda relative: is_written_name(paths, relative)) == 1
+    left = sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=url.bucket).get("Uploads", []))
+    assert left == sorted(keys[1:])

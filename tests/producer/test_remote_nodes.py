@@ -33,6 +33,14 @@ def _node(node: int, port: int, target: str, data: str, url: str, staging: str) 
 def test_two_nodes_without_a_shared_filesystem(embedded, produced, s3_bucket, s3_env, tmp_path):
     url = f"{s3_bucket}/cache"
     stagings = [str(tmp_path / "node-a"), str(tmp_path / "node-b")]
+    # Node B's directory staged this cache before, and an old run's stop request (brought down from the
+    # store then) is still in it: it is no request of this run's.
+    old = CachePaths(stagings[1])
+    os.makedirs(old.control_dir)
+    with open(old.staging_mark, "w") as handle:
+        handle.write(f"{url}\n")
+    with open(old.stop_request, "w") as handle:
+        handle.write("stop requested by dspark-monitor\n")
     port = free_port()
     nodes = [_node(n, port, embedded.stock, embedded.data, url, stagings[n]) for n in range(2)]
     try:
