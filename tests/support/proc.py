@@ -85,9 +85,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def assert_same_samples(a_dir: str, b_dir: str, exact: bool = True) -> int:
-    """Every sample of cache ``a`` equals ``b``'s (ids, masks, hidden states), none missing or extra."""
-    a, b = dspark_cache.open_cache(a_dir), dspark_cache.open_cache(b_dir)
+def assert_same_samples(a_dir, b_dir, exact: bool = True, tolerance: tuple[float, float] = (1e-4, 1e-5)) -> int:
+    """Every sample of cache ``a`` equals ``b``'s (ids, masks, hidden states), none missing or extra; each a
+    path or an opened cache. Not ``exact``: the states within ``tolerance`` (rtol, atol)."""
+    a = dspark_cache.open_cache(a_dir) if isinstance(a_dir, str) else a_dir
+    b = dspark_cache.open_cache(b_dir) if isinstance(b_dir, str) else b_dir
     assert a.manifest.identity() == b.manifest.identity()
     n = 0
     for x, y in zip(a.samples(), b.samples(), strict=True):
@@ -96,6 +98,6 @@ def assert_same_samples(a_dir: str, b_dir: str, exact: bool = True) -> int:
             if exact or key in ("input_ids", "loss_mask"):
                 assert torch.equal(x[key], y[key]), (x["sample_id"], key)
             else:
-                torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(x[key], y[key], rtol=tolerance[0], atol=tolerance[1])
         n += 1
     return n
