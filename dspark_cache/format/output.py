@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from dspark_cache.format.lock import DirectoryLock, lock_exclusive, lock_shared
 from dspark_cache.format.manifest import read_manifest, write_manifest
@@ -186,11 +186,16 @@ class CacheOutput:
         """A published shard's index, checked (``CorruptShardError`` when it is damaged)."""
         return load_shard_index(self.paths, shard_id)
 
-    def publish(self, writer: ShardWriter, nonfinite: list[int] | None = None) -> ShardIndex:
-        """Publish the shard ``writer`` wrote: its tar, then its index (the commit)."""
+    def publish(self, writer: ShardWriter, nonfinite: list[int] | None = None,
+                published: Callable[[ShardIndex], None] | None = None) -> ShardIndex:
+        """Publish the shard ``writer`` wrote: its tar, then its index (the commit); ``published`` is called
+        with the index once readers see the shard (here at once; a backend that uploads calls it later,
+        from its own thread)."""
         index = writer.publish(nonfinite=nonfinite)
         if self._published is not None:
             self._published.add(index.shard_id)
+        if published is not None:
+            published(index)
         return index
 
     def flush(self) -> None:

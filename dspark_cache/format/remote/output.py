@@ -26,7 +26,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CacheError
@@ -85,6 +85,8 @@ class RemoteOutput(CacheOutput):
         self._fetched: dict[str, float] = {}  # path -> when fetch_file last asked the store
         self._sizes: dict[int, int] = {}  # shard id -> its tar's size on the store (-1: not there)
         self._sizes_lock = threading.Lock()
+        self._announce: dict[int, Callable[[ShardIndex], None]] = {}  # shard id -> publish()'s callback
+        self._announcing = threading.Lock()  # callbacks one at a time
         self._uploads = ShardUploads(self.store, self.paths, self.staging_limit, self._committed, self._fence)
 
     def __repr__(self) -> str:
@@ -378,11 +380,16 @@ class RemoteOutput(CacheOutput):
         if self._lease is not None:
             self._lease.fence()
 
-    def publish(self, writer: ShardWriter, nonfinite: list[int] | None = None) -> ShardIndex:
-        """Seal the shard in staging and queue its upload; it is published once its index is on the store."""
+    def publish(self, writer: ShardWriter, nonfinite: list[int] | None = None,
+                published: Callable[[ShardIndex], None] | None = None) -> ShardIndex:
+        """Seal the shard in staging and queue its upload; it is published once its index is on the store,
+        and ``published`` is called then (from a transfer thread, one call at a time)."""
         if self._lease is not None:
             self._lease.check()
         index = writer.seal(nonfinite)
+        if published is not None:
+            with self._sizes_lock:
+                self._announce[index.shard_id] = published
         self._uploads.submit(index)
         return index
 
@@ -399,6 +406,11 @@ class RemoteOutput(CacheOutput):
             os.unlink(self.paths.shard_tar(index.shard_id))
         except FileNotFoundError:
             pass
+        with self._sizes_lock:
+            announce = self._announce.pop(index.shard_id, None)
+        if announce is not None:
+            with self._announcing:
+                announce(index)
 
     def flush(self) -> None:
         self._uploads.flush()

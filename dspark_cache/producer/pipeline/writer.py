@@ -130,12 +130,12 @@ class ShardWriterThread(threading.Thread):
 
     def _publish(self, shard: ShardPlan) -> None:
         assert self._writer is not None
-        index = self.output.publish(self._writer, self._nonfinite)
+        # Announced once readers see it: at once in a directory, when its index is on the store for a remote cache.
+        index = self.output.publish(self._writer, self._nonfinite, lambda index: self.on_published(shard, index))
         self._nonfinite = []
         self.stats.bytes += index.tar_bytes
         self.stats.shards += 1
         self._writer = None
-        self.on_published(shard, index)
 
     def abandon(self) -> None:
         """Drop an unfinished shard (its .partial is removed; a rerun recomputes it)."""
