@@ -29,15 +29,14 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.errors import CacheError
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.ours import is_written_name
 from dspark_cache.format.remote.copies import LocalCopies
 from dspark_cache.format.remote.lease import Lease
-from dspark_cache.format.remote.mirror import default_local_cache_dir
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
 from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
 from dspark_cache.format.remote.pull import StagingPull
+from dspark_cache.format.remote.staging import claim_staging, default_staging_dir, staging_identity
 from dspark_cache.format.remote.sync import StagingSync
 from dspark_cache.format.remote.uploads import ShardUploads
 from dspark_cache.format.remote.url import RemoteURL
@@ -49,16 +48,6 @@ from dspark_cache.format.wids_index import shard_entry, write_wids_index
 log = logging.getLogger(__name__)
 
 STAGING_LIMIT = 8 << 30  # default bytes of sealed tars staged before the writer waits for uploads
-
-
-class StagingDirectoryError(CacheError):
-    """The staging directory belongs to another remote cache."""
-
-
-def default_staging_dir(url: RemoteURL, local_cache_dir: str | None) -> str:
-    """``<local cache dir>/staging/<scheme>/<bucket>/<prefix>``: next to the readers' copies, never one of them."""
-    base = os.path.abspath(local_cache_dir or default_local_cache_dir())
-    return os.path.join(base, "staging", url.scheme, url.bucket, *filter(None, url.prefix.split("/")))
 
 
 class RemoteOutput(CacheOutput):
@@ -97,42 +86,9 @@ class RemoteOutput(CacheOutput):
     def check(self, *, written_names: bool = False) -> None:
         """The staging directory's checks, that it stages this cache and no other, and that the store answers
         (a missing bucket or refused credentials are named here, before any work)."""
-        os.makedirs(self.root, exist_ok=True)
-        self._check_mark()
+        claim_staging(self.paths, str(self.url))
         super().check(written_names=written_names)
         self.store.list(self.paths.relative(self.paths.control_dir))
-
-    def _check_mark(self) -> None:
-        """The staging directory names the URL it stages (``.dspark-staging``), made by the first process
-        that finds it empty; the ranks of a node race for that, and one link wins."""
-        mark = self.paths.staging_mark
-        for _ in range(2):
-            try:
-                with open(mark, encoding="utf-8") as handle:
-                    staged = handle.read().strip()
-                break
-            except FileNotFoundError:
-                if any(not name.startswith(os.path.basename(mark)) for name in os.listdir(self.root)):
-                    raise StagingDirectoryError(
-                        f"staging directory {self.root} is not empty and does not stage a remote cache; give "
-                        "--staging-dir an empty or new directory (it holds shards until they are uploaded)"
-                    ) from None
-                temporary = f"{mark}.{os.getpid()}.{threading.get_ident()}.tmp"
-                with open(temporary, "w", encoding="utf-8") as handle:
-                    handle.write(f"{self.url}\n")
-                try:
-                    os.link(temporary, mark)  # whole or not at all, and only where no other process made one
-                except FileExistsError:
-                    pass
-                finally:
-                    os.unlink(temporary)
-        else:
-            raise StagingDirectoryError(f"staging directory {self.root}: its {os.path.basename(mark)} keeps "
-                                        "vanishing; is another program clearing it? Choose another --staging-dir")
-        if staged != str(self.url):
-            raise StagingDirectoryError(
-                f"staging directory {self.root} stages {staged}, not {self.url}; two caches cannot share one "
-                "--staging-dir: choose another (or remove that one once its producer is done)")
 
     # -- the lock -----------------------------------------------------------------------------
 
@@ -213,15 +169,8 @@ class RemoteOutput(CacheOutput):
     def identity(self) -> str:
         """The staging directory as the job's ranks compare it: the same only on the same machine's same directory
         (made here, and checked to stage this cache: a rank on another node than the leader's starts with this)."""
-        os.makedirs(self.root, exist_ok=True)
-        self._check_mark()
-        st = os.stat(self.root)
-        try:
-            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
-                machine = handle.read().strip()
-        except OSError:
-            machine = socket.gethostname()
-        return f"{machine}:{st.st_dev}:{st.st_ino}"
+        claim_staging(self.paths, str(self.url))
+        return staging_identity(self.root)
 
     def spread(self, identities: list[str], rank: int) -> None:
         """Every rank's :meth:`identity` (rank order): which ranks share the leader's staging directory."""

@@ -1,0 +1,74 @@
+"""The staging directory of a cache on object storage: where it is, that it stages one cache, what it is.
+
+A producer (or ``dspark-convert``) writes a remote cache into a local staging directory first
+(``remote.output``). Two caches sharing one would take each other's shards for their own, so the
+directory names the URL it stages in ``.dspark-staging``, made by the first process that finds it
+empty (the ranks of a node race for that, and one link wins) and checked by every later one. The
+ranks of a job compare :func:`staging_identity` to know which of them share rank 0's directory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.remote.mirror import default_local_cache_dir
+from dspark_cache.format.remote.url import RemoteURL
+
+
+class StagingDirectoryError(CacheError):
+    """The staging directory belongs to another remote cache, or holds files of no cache."""
+
+
+def default_staging_dir(url: RemoteURL, local_cache_dir: str | None) -> str:
+    """``<local cache dir>/staging/<scheme>/<bucket>/<prefix>``: next to the readers' copies, never one of them."""
+    base = os.path.abspath(local_cache_dir or default_local_cache_dir())
+    return os.path.join(base, "staging", url.scheme, url.bucket, *filter(None, url.prefix.split("/")))
+
+
+def claim_staging(paths: CachePaths, url: str) -> None:
+    """Make ``paths.root`` the staging directory of ``url`` (created, its mark written), or refuse one that
+    stages another cache or holds other files."""
+    root, mark = paths.root, paths.staging_mark
+    os.makedirs(root, exist_ok=True)
+    for _ in range(2):
+        try:
+            with open(mark, encoding="utf-8") as handle:
+                staged = handle.read().strip()
+            break
+        except FileNotFoundError:
+            if any(not name.startswith(os.path.basename(mark)) for name in os.listdir(root)):
+                raise StagingDirectoryError(
+                    f"staging directory {root} is not empty and does not stage a remote cache; give "
+                    "--staging-dir an empty or new directory (it holds shards until they are uploaded)"
+                ) from None
+            temporary = f"{mark}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(temporary, "w", encoding="utf-8") as handle:
+                handle.write(f"{url}\n")
+            try:
+                os.link(temporary, mark)  # whole or not at all, and only where no other process made one
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(temporary)
+    else:
+        raise StagingDirectoryError(f"staging directory {root}: its {os.path.basename(mark)} keeps vanishing; is "
+                                    "another program clearing it? Choose another --staging-dir")
+    if staged != url:
+        raise StagingDirectoryError(
+            f"staging directory {root} stages {staged}, not {url}; two caches cannot share one --staging-dir: "
+            "choose another (or remove that one once its producer is done)")
+
+
+def staging_identity(root: str) -> str:
+    """The same for two processes only on the same machine's same directory (boot id, device, inode)."""
+    st = os.stat(root)
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            machine = handle.read().strip()
+    except OSError:
+        machine = socket.gethostname()
+    return f"{machine}:{st.st_dev}:{st.st_ino}"
