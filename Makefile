@@ -16,7 +16,7 @@ setup: $(VENV)/.installed
 
 # The loader's batch filler is C (dspark_cache/loader/csrc), built by pip with the system's C
 # compiler; without one the install still works and the loader falls back to a slower Python path.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard dspark_cache/loader/csrc/*.c)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard dspark_cache/loader/csrc/*.[ch])
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) -e ".[test,s3]"

@@ -11,8 +11,9 @@ setup(
     ext_modules=[
         Extension(
             "dspark_cache.loader._batch_fill",
-            # Only our own C, and the C library: checksums are the `xxhash` package's (loader/verify.py).
+            # Only our own C (xxh3.h is our XXH3-64), and the C library.
             sources=["dspark_cache/loader/csrc/batch_fill.c"],
+            depends=["dspark_cache/loader/csrc/xxh3.h"],
             extra_compile_args=["-O3", "-std=gnu11"],
             optional=True,
         )

@@ -2,9 +2,10 @@
 
 The reader describes a batch as ops (records named in :mod:`.records`) over its buffers (the batch tensors' bytes): zero these
 stale pad bytes, fill these int64 slots, and for every sample read ``size`` bytes at ``offset``
-of ``fd`` through a segment table (:mod:`.segments`) that says where each tensor goes. Checksums
-are not the program's: :mod:`.verify` checks them before it runs. ``csrc/batch_fill.c`` runs the
-program without holding the GIL,
+of ``fd`` through a segment table (:mod:`.segments`) that says where each tensor goes, hashing
+the bytes as they are read where the sample's checksum is to be checked (:mod:`.verify` says
+which). ``csrc/batch_fill.c`` runs the program without holding the GIL (its xxh3-64 is our own,
+``csrc/xxh3.h``),
 so a reader thread needs the GIL a few times per batch instead of several times per chunk, and
 a training loop's Python rarely stalls it; :func:`run_python` runs the same program with numpy
 and ``os.preadv`` where the extension is not built. Both check every write against its
@@ -23,34 +24,35 @@ from functools import lru_cache
 from typing import Iterable
 
 import numpy as np
+import xxhash
 
 from dspark_cache.format.sample import dequantize_rows, fp8_bad_codes, fp8_bad_scales
 from dspark_cache.loader.records import (
-    FP8_KINDS, OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEGMENT,
-    OpRecord, SegmentRecord,
+    FP8_KINDS, OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, PICK, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK,
+    SEG_WIDEN_I32, SEGMENT, OpRecord, PickRecord, SegmentRecord, pick_table,
 )
 
 log = logging.getLogger(__name__)
-RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4  # RC_CHECKSUM: verify.py's
+RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4
 # The FP8 rule (format.sample.fp8_bad_scales / fp8_bad_codes) broken; detail: the row (token).
 RC_BAD_SCALE, RC_BAD_CODE = 5, 6
 # A widened value outside its segment's [0, limit): the token rule (format.validate.token_problem) broken;
 # detail: the token. The widened values are written first, so the reader names the sample by that rule.
 RC_BAD_TOKEN = 7
+# Failures of a rule on values, which a checked sample reports only once its checksum has passed.
+_RULE_CODES = (RC_BAD_SCALE, RC_BAD_CODE, RC_BAD_TOKEN)
 _FP8_CODES = {kind: code for code, kind in FP8_KINDS.items()}
 _OUT_CODES = {2: "BF16", 4: "F32"}
-# Bytes per read: a chunk's final-state columns are copied while it is still in the core's L2
-# cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks (when the filler also hashed
-# each chunk) overflowed a 1 MiB L2 and were ~15% slower end to end than 128-512 KiB ones
-# (BENCHMARKS.md).
+# Bytes per read: a chunk is hashed and its final-state columns are copied while it is still in
+# the core's L2 cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks overflowed a 1 MiB
+# L2 and were ~15% slower end to end than 128-512 KiB ones (BENCHMARKS.md).
 CHUNK = 256 << 10
 _U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a program (or a checksum, :mod:`.verify`) failed: the code, the failing op's ``tag`` and a
-    detail (see batch_fill.c)."""
+    """Why a program failed: the code, the failing op's ``tag`` and a detail (see batch_fill.c)."""
 
     code: int
     tag: object
@@ -58,10 +60,14 @@ class Failure:
 
 
 class BatchProgram:
-    """Ops and segments over ``buffers`` (flat uint8 views of the batch tensors)."""
+    """Ops and segments over ``buffers`` (flat uint8 views of the batch tensors); ``picks``: the
+    :data:`~.records.PICK` table the segments' picks index (a layer subset's)."""
 
-    def __init__(self, buffers: list[np.ndarray]) -> None:
+    def __init__(self, buffers: list[np.ndarray], picks: np.ndarray | None = None) -> None:
         self.buffers = buffers
+        self.picks = pick_table([]) if picks is None else picks
+        if self.picks.dtype != PICK:
+            raise TypeError(f"picks must be records of dtype records.PICK, not {self.picks.dtype}")
         self._ops: list[OpRecord] = []
         self._segs: list[np.ndarray] = []
         self._tags: dict[int, object] = {}
@@ -74,13 +80,14 @@ class BatchProgram:
         if count:
             self._ops.append(OpRecord(OP_FILL_I64, buf, offset, count, value & _U64, 0, 0, 0))
 
-    def sample(self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object) -> None:
+    def sample(self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object, xxh3: int | None = None) -> None:
         """Read a payload through ``segs`` (:data:`~.records.SEGMENT` records, absolute: payload
-        offsets, buffer byte offsets)."""
+        offsets, buffer byte offsets); with ``xxh3``, hash it while reading and fail unless it matches."""
         if segs.dtype != SEGMENT:
             raise TypeError(f"segments must be records of dtype records.SEGMENT, not {segs.dtype}")
         self._tags[len(self._ops)] = tag
-        self._ops.append(OpRecord(OP_SAMPLE, fd, offset, size, 0, self._nsegs, len(segs), 0))
+        check = xxh3 is not None
+        self._ops.append(OpRecord(OP_SAMPLE, fd, offset, size, xxh3 if check else 0, self._nsegs, len(segs), int(check)))
         self._segs.append(segs)
         self._nsegs += len(segs)
 
@@ -109,8 +116,8 @@ def _native() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(_batch_fill.__file__)
     fn = lib.dspark_fill_batch
     p = ctypes.c_void_p
-    fn.argtypes = [p, ctypes.c_uint64, p, ctypes.c_uint64, p, p, ctypes.c_uint64, p, ctypes.c_uint64,
-                   ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+    fn.argtypes = [p, ctypes.c_uint64, p, ctypes.c_uint64, p, ctypes.c_uint64, p, p, ctypes.c_uint64, p,
+                   ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
     fn.restype = ctypes.c_int
     return lib
 
@@ -135,12 +142,13 @@ def run_native(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
     if lib is None:
         raise RuntimeError("the native batch filler is not built; reinstall dspark-cache with a C compiler")
     ops, segs = program.arrays()
+    picks = np.ascontiguousarray(program.picks)
     bases = np.array([b.ctypes.data for b in program.buffers], dtype=np.uint64)
     sizes = np.array([b.nbytes for b in program.buffers], dtype=np.uint64)
     fail, detail = ctypes.c_uint64(), ctypes.c_uint64()
-    code = lib.dspark_fill_batch(ops.ctypes.data, len(ops), segs.ctypes.data, len(segs), bases.ctypes.data,
-                                 sizes.ctypes.data, len(bases), scratch.ctypes.data, scratch.nbytes, CHUNK,
-                                 ctypes.byref(fail), ctypes.byref(detail))
+    code = lib.dspark_fill_batch(ops.ctypes.data, len(ops), segs.ctypes.data, len(segs), picks.ctypes.data,
+                                 len(picks), bases.ctypes.data, sizes.ctypes.data, len(bases), scratch.ctypes.data,
+                                 scratch.nbytes, CHUNK, ctypes.byref(fail), ctypes.byref(detail))
     return None if code == RC_OK else Failure(code, program.tag(fail.value), detail.value)
 
 
@@ -162,6 +170,7 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
     """The same program in Python (numpy copies and ``os.preadv``; they release the GIL)."""
     ops, segs = program.arrays()
     bufs = program.buffers
+    picks = [PickRecord._make(p) for p in program.picks.tolist()]
     for index, op in enumerate(map(OpRecord._make, ops.tolist())):
         try:
             if op.kind == OP_ZERO:
@@ -171,7 +180,16 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
                 _span(bufs, op.target, op.offset, 8 * op.count).view(np.int64)[:] = value
             elif op.kind == OP_SAMPLE:
                 chosen = segs[op.seg_first : op.seg_first + op.seg_count].tolist()
-                _SampleRead(bufs, scratch, op.target, op.offset, op.count).run(map(SegmentRecord._make, chosen))
+                read = _SampleRead(bufs, scratch, picks, op.target, op.offset, op.count, op.check)
+                try:
+                    read.run(map(SegmentRecord._make, chosen))
+                except _Stop as stop:
+                    if not (op.check and stop.code in _RULE_CODES):
+                        raise
+                    read.gap(op.count)  # damaged bytes are named as such, not by the rule they happen to break
+                    raise _Stop(RC_CHECKSUM) if read.hasher.intdigest() != op.value else stop
+                if op.check and read.hasher.intdigest() != op.value:
+                    raise _Stop(RC_CHECKSUM)
             else:
                 raise _Stop(RC_INVALID)
         except _Stop as stop:
@@ -180,10 +198,13 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
 
 
 class _SampleRead:
-    """One payload, in file order: bytes outside every segment are read to scratch and dropped."""
+    """One payload, in file order: bytes outside every segment are read to scratch and dropped;
+    with ``check``, every byte read is hashed (xxhash hashes a large buffer without the GIL)."""
 
-    def __init__(self, bufs: list[np.ndarray], scratch: np.ndarray, fd: int, offset: int, size: int) -> None:
-        self.bufs, self.scratch, self.fd, self.offset, self.size = bufs, scratch, fd, offset, size
+    def __init__(self, bufs: list[np.ndarray], scratch: np.ndarray, picks: list[PickRecord], fd: int, offset: int,
+                 size: int, check: int) -> None:
+        self.bufs, self.scratch, self.picks, self.fd, self.offset, self.size = bufs, scratch, picks, fd, offset, size
+        self.hasher = xxhash.xxh3_64() if check else None
         self.pos = 0
 
     def run(self, segs: Iterable[SegmentRecord]) -> None:
@@ -193,6 +214,10 @@ class _SampleRead:
             self.gap(seg.src_off)
             if seg.kind in (SEG_COPY, SEG_COPY_COLS):
                 self.copy(seg)
+            elif seg.kind == SEG_PICK:
+                self.pick(seg)
+            elif seg.kind == SEG_DEQUANT and seg.pick_count:
+                self.dequant_picked(seg)
             elif seg.kind == SEG_DEQUANT:
                 self.dequant(seg)
             else:
@@ -207,6 +232,64 @@ class _SampleRead:
             rows = seg.len // seg.row_bytes
             cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(-1, seg.col_bytes)
         self.rows(_span(self.bufs, seg.buf, seg.off, seg.len), seg.row_bytes, seg.col_off, seg.col_bytes, cols)
+
+    def chosen(self, seg: SegmentRecord, rows: int, unit_out: int = 1) -> list[tuple[PickRecord, np.ndarray]]:
+        """The segment's picks, each with its destination as ``[rows, stride]`` bytes; checked as C checks them
+        (``unit_out``: output bytes per stored byte of a pick's range, for its bounds)."""
+        if seg.pick_first > len(self.picks) or seg.pick_count > len(self.picks) - seg.pick_first or not seg.row_bytes:
+            raise _Stop(RC_INVALID)
+        out = []
+        for p in self.picks[seg.pick_first : seg.pick_first + seg.pick_count]:
+            if p.src + p.len > seg.row_bytes or not p.stride or p.dst + p.len * unit_out > p.stride or p.to_col > 1:
+                raise _Stop(RC_INVALID)
+            buf, off = (seg.col_buf, seg.col_dst) if p.to_col else (seg.buf, seg.off)
+            out.append((p, _span(self.bufs, buf, off, rows * p.stride).reshape(rows, p.stride)))
+        return out
+
+    def pick(self, seg: SegmentRecord) -> None:
+        """Whole rows through scratch; the picks' columns of each go to their places."""
+        row_bytes = seg.row_bytes
+        if not row_bytes or seg.len % row_bytes:
+            raise _Stop(RC_INVALID)
+        rows = seg.len // row_bytes
+        chosen = self.chosen(seg, rows)
+        step = max(1, CHUNK // row_bytes)
+        if step * row_bytes > self.scratch.nbytes:
+            raise _Stop(RC_INVALID)
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            piece = self.read_into(self.scratch[: n * row_bytes]).reshape(n, row_bytes)
+            for p, dst in chosen:
+                dst[first : first + n, p.dst : p.dst + p.len] = piece[:, p.src : p.src + p.len]
+
+    def dequant_picked(self, seg: SegmentRecord) -> None:
+        """Float8 rows through scratch; only the picks' groups dequantised, each into its place."""
+        in_row, group, out_size = seg.row_bytes, seg.group, seg.out_size
+        code, out_code = _FP8_CODES.get(seg.fp8_kind), _OUT_CODES.get(out_size)
+        if code is None or out_code is None or not in_row or not group or in_row % group or seg.len % in_row:
+            raise _Stop(RC_INVALID)
+        rows, groups = seg.len // in_row, in_row // group
+        chosen = self.chosen(seg, rows, out_size)
+        if any(p.src % group or p.len % group for p, _ in chosen):
+            raise _Stop(RC_INVALID)
+        scales = _span(self.bufs, seg.scale_buf, seg.scale_off, rows * groups * 4).view(np.float32)
+        scales = scales.reshape(rows, groups)
+        step = max(1, CHUNK // in_row)
+        if step * in_row > self.scratch.nbytes:
+            raise _Stop(RC_INVALID)
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            piece = self.read_into(self.scratch[: n * in_row]).reshape(n, in_row)
+            for p, dst in chosen:
+                g0, ng = p.src // group, p.len // group
+                part, codes = scales[first : first + n, g0 : g0 + ng], piece[:, p.src : p.src + p.len]
+                bad_scale = fp8_bad_scales(part, code)
+                bad = bad_scale | fp8_bad_codes(codes, code).reshape(n, ng, group).any(2)
+                if bad.any():  # as C: the first bad (row, group) of this pick, a scale before its codes
+                    row, k = (int(i) for i in np.argwhere(bad)[0])
+                    raise _Stop(RC_BAD_SCALE if bad_scale[row, k] else RC_BAD_CODE, first + row)
+                out = dequantize_rows(codes, part, code, out_code).view(np.uint8).reshape(n, p.len * out_size)
+                dst[first : first + n, p.dst : p.dst + p.len * out_size] = out
 
     def dequant(self, seg: SegmentRecord) -> None:
         """Float8 rows through scratch, whole rows per chunk, into bf16/float32 rows (and columns)."""
@@ -275,4 +358,6 @@ class _SampleRead:
                 raise _Stop(RC_SHORT_READ, self.pos + got)
             got += n
         self.pos += got
+        if self.hasher is not None:
+            self.hasher.update(dst)
         return dst

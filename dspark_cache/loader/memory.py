@@ -31,12 +31,14 @@ _ALIGN = 4096
 
 @dataclass(frozen=True)
 class Field:
-    """A batch tensor of ``[rows, width, per_token]`` elements (``[rows, width]`` when 1)."""
+    """A batch tensor of ``[rows, width, per_token]`` elements (``[rows, width]`` when ``scalar``:
+    one value per token, such as the token ids; a one-layer scale field stays 3-D)."""
 
     name: str
     per_token: int
     dtype: torch.dtype
     tracked: bool  # pad slots are zeroed only where an earlier batch wrote (wide fields)
+    scalar: bool = False
 
     def nbytes(self, slots: int) -> int:
         return slots * self.per_token * self.dtype.itemsize
@@ -128,7 +130,7 @@ class Slab:
         out = {}
         for f in self.fields:
             flat = self._flat[f.name][: rows * width * f.per_token]
-            out[f.name] = flat.view(rows, width) if f.per_token == 1 else flat.view(rows, width, f.per_token)
+            out[f.name] = flat.view(rows, width) if f.scalar else flat.view(rows, width, f.per_token)
         return out
 
     def zero_spans(self, ranges: list[tuple[int, int]]) -> list[tuple[str, int, int]]:

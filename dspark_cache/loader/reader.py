@@ -2,13 +2,14 @@
 
 A sample's ``target_hidden_states`` lie contiguously in the shard, page-aligned, exactly as a
 batch row wants them, so they are read straight into the batch (pinned memory where CUDA
-exists): the only host copy. A sample's checksum is checked (:mod:`.verify`) before the batch
-is filled, the first time this process reads the sample (or every time, ``verify="always"``);
-its header is compared with its index entry after every fill. A batch is described as a program
-(:mod:`.fill`) that the native filler runs in one call without the GIL; reader threads work on
+exists): the only host copy. A sample's checksum is computed as its bytes are read, the first
+time this process reads the sample (or every time, ``verify="always"``: :mod:`.verify`), and a
+mismatch fails the batch; its header is compared with its index entry after every fill. A batch
+is described as a program (:mod:`.fill`) that the native filler runs in one call without the GIL; reader threads work on
 different prefetched batches. Batch memory comes from :mod:`.memory` (recycled, zeroed only
 where needed). FP8 caches are dequantised by the filler as their rows are read (to bf16 by
-default), or handed out raw with their scales (:func:`resolve_out_code`).
+default), or handed out raw with their scales (:func:`resolve_out_code`). Training may take a
+subset of the cache's layers in its own order (``BatchLayout.layer_ids``; see :mod:`.segments`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.layers import layer_positions
 from dspark_cache.format.sample import (
     ATTENTION_MASK, CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK,
     TORCH_NAMES, fp8_bad_scales, fp8_code_reason, fp8_scale_reason,
@@ -35,7 +37,7 @@ from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_ze
 from dspark_cache.loader.order import RankBatch
 from dspark_cache.loader.tensors import torch_dtype
 from dspark_cache.loader.records import SEG_COPY, segment, segment_table
-from dspark_cache.loader.segments import BUFFERS, RowTemplate, row_template
+from dspark_cache.loader.segments import BUFFERS, RowTemplate, layer_picks, row_template
 
 
 # A batch row: its index in the batch, the shard, the entry's position in the shard's index, the entry.
@@ -74,20 +76,50 @@ def resolve_out_code(shape: SampleShape, dtype: object = None) -> str | None:
 @dataclass(frozen=True)
 class BatchLayout:
     """A batch: its samples' geometry (the format's one :class:`SampleShape`) plus its padding,
-    the target's vocabulary (every token id below it, checked as ids are read), and for FP8 caches
-    the dtype the states are dequantised to (``None``: raw, with scales)."""
+    the target's vocabulary (every token id below it, checked as ids are read), for FP8 caches
+    the dtype the states are dequantised to (``None``: raw, with scales), and the layers handed
+    out (``layer_ids``: a subset of the stored ones in the caller's order; ``None``: all, as stored)."""
 
     shape: SampleShape
     seq_length: int
     pad_token_id: int
     vocab_size: int
     out_code: str | None = None
+    layer_ids: tuple[int, ...] | None = None
+    # The stored positions of the layers handed out (None: all, as stored); set from layer_ids.
+    select: tuple[int, ...] | None = field(init=False, default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.layer_ids is not None:
+            ids = tuple(int(i) for i in self.layer_ids)
+            select = layer_positions(self.shape.layer_ids, ids)  # raises, naming what the cache lacks
+            identity = ids == self.shape.layer_ids
+            object.__setattr__(self, "layer_ids", None if identity else ids)
+            object.__setattr__(self, "select", None if identity else select)
 
     @classmethod
-    def from_manifest(cls, m: Manifest, dtype: object = None) -> "BatchLayout":
-        """The batches of the cache that ``m`` describes, states as ``dtype`` (:func:`resolve_out_code`)."""
+    def from_manifest(cls, m: Manifest, dtype: object = None,
+                      layer_ids: "tuple[int, ...] | list[int] | None" = None) -> "BatchLayout":
+        """The batches of the cache that ``m`` describes, states as ``dtype`` (:func:`resolve_out_code`),
+        of the layers ``layer_ids`` (default: all the cache holds)."""
         shape = SampleShape.from_manifest(m)
-        return cls(shape, m.seq_length, m.pad_token_id, m.target_vocab_size, resolve_out_code(shape, dtype))
+        return cls(shape, m.seq_length, m.pad_token_id, m.target_vocab_size, resolve_out_code(shape, dtype),
+                   None if layer_ids is None else tuple(layer_ids))
+
+    @property
+    def delivered_layer_ids(self) -> tuple[int, ...]:
+        """The layer ids of the hidden states handed out, in their order."""
+        return self.shape.layer_ids if self.layer_ids is None else self.layer_ids
+
+    @property
+    def hidden_dim(self) -> int:
+        """Columns of the hidden states handed out per token."""
+        return len(self.delivered_layer_ids) * self.shape.hidden_size
+
+    @property
+    def picks(self) -> np.ndarray:
+        """The pick table of a batch program of this layout (empty without a subset)."""
+        return layer_picks(self.shape, self.out_code, self.select).table
 
     @property
     def state_code(self) -> str:
@@ -101,7 +133,7 @@ class BatchLayout:
 
     def template(self, length: int) -> RowTemplate:
         """Where a sample of ``length`` tokens goes in its batch row (cached per length)."""
-        return row_template(length, self.shape, self.out_code, vocab_size=self.vocab_size)
+        return row_template(length, self.shape, self.out_code, vocab_size=self.vocab_size, select=self.select)
 
 
 class PendingBatch:
@@ -129,14 +161,16 @@ class BatchReader:
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
         # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
         dtype = torch_dtype(layout.state_code)
-        fields = [Field(HIDDEN, self.shape.hidden_dim, dtype, True),
+        fields = [Field(HIDDEN, layout.hidden_dim, dtype, True),
                   Field(LAST_HIDDEN, self.shape.hidden_size, dtype, True),
-                  *(Field(name, 1, torch.int64, False) for name in (INPUT_IDS, LOSS_MASK))]
+                  *(Field(name, 1, torch.int64, False, scalar=True) for name in (INPUT_IDS, LOSS_MASK))]
         if self.shape.fp8:  # read before the rows they scale; zero-padded only when handed out
-            fields += [Field(HIDDEN_SCALE, len(self.shape.layer_ids), torch.float32, layout.raw_scales),
+            # Handed out: the delivered layers' scales; kept for the filler: every stored layer's.
+            scales = len(layout.delivered_layer_ids) if layout.raw_scales else len(self.shape.layer_ids)
+            fields += [Field(HIDDEN_SCALE, scales, torch.float32, layout.raw_scales),
                        Field(LAST_HIDDEN_SCALE, 1, torch.float32, layout.raw_scales)]
         if not nemo_keys_only:
-            fields.append(Field(ATTENTION_MASK, 1, torch.int64, False))
+            fields.append(Field(ATTENTION_MASK, 1, torch.int64, False, scalar=True))
         self.extras = not nemo_keys_only
         # Program buffer i: segments.BUFFERS (the scales' empty when not FP8), then the mask.
         self.buffer_names = BUFFERS + (() if nemo_keys_only else (ATTENTION_MASK,))
@@ -187,7 +221,7 @@ class BatchReader:
         dequantised ones drop them."""
         if not self.layout.raw_scales:
             return {name: t for name, t in buffers.items() if name not in (HIDDEN_SCALE, LAST_HIDDEN_SCALE)}
-        return {**buffers, LAST_HIDDEN_SCALE: buffers[LAST_HIDDEN_SCALE].unsqueeze(-1)}
+        return buffers
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[Row]) -> None:
@@ -197,10 +231,8 @@ class BatchReader:
             identity = {shard_id: self.cache.identity(shard_id) for shard_id in shards}
             count = {shard_id: self.cache.require(shard_id).num_samples for shard_id in shards}
             unchecked = [r for r in rows if self.verified.needed(r[1], identity[r[1]], count[r[1]], r[2])]
-            failure = self._verify(unchecked, fds)
-            if failure is None:
-                program = self._program(slab, zero, buffers, rows, fds)
-                failure = fill.run(program, self._scratch(), native=self.native)
+            program = self._program(slab, zero, buffers, rows, fds, {r[0] for r in unchecked})
+            failure = fill.run(program, self._scratch(), native=self.native)
             if failure is not None:
                 self._raise(failure, rows, buffers)
             self._check_headers(rows)
@@ -211,25 +243,15 @@ class BatchReader:
         finally:
             self.cache.unpin(shards)
 
-    def _verify(self, rows: list[Row], fds: dict[int, int]) -> fill.Failure | None:
-        """Hash these rows' payloads from their files; the first failure, if any."""
-        buf = getattr(self._local, "verify", None)
-        if buf is None and rows:
-            buf = self._local.verify = page_aligned_zeros(verify.CHUNK)
-        for row, shard_id, _, entry in rows:
-            failure = verify.check_payload(fds[shard_id], entry.offset, entry.size, entry.xxh3, buf, row)
-            if failure is not None:
-                return failure
-        return None
-
     def _program(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
-                 rows: list[Row], fds: dict[int, int]) -> fill.BatchProgram:
-        """Zero the stale pads, read every row, then give the per-token fields their pads."""
+                 rows: list[Row], fds: dict[int, int], check: set[int]) -> fill.BatchProgram:
+        """Zero the stale pads, read every row (hashing those in ``check``), then give the per-token
+        fields their pads."""
         lay = self.layout
         names = self.buffer_names
         index = {name: i for i, name in enumerate(names)}
         program = fill.BatchProgram([slab.field_bytes(name, buffers[name].nbytes) if name in buffers else _EMPTY
-                                     for name in names] + [self._headers()])
+                                     for name in names] + [self._headers()], lay.picks)
         width = buffers[INPUT_IDS].shape[1]
         stride = np.array([buffers[name].nbytes // buffers[name].shape[0] if name in buffers else 0
                            for name in BUFFERS], dtype=np.int64)  # bytes per row
@@ -242,7 +264,8 @@ class BatchReader:
             segs = np.empty(len(placed) + 1, dtype=placed.dtype)  # not np.concatenate: it re-promotes the record dtype
             segs[0] = self._header_segment(row, header)[0]
             segs[1:] = placed
-            program.sample(fds[shard_id], entry.offset, entry.size, segs, tag=row)
+            program.sample(fds[shard_id], entry.offset, entry.size, segs, tag=row,
+                           xxh3=entry.xxh3 if row in check else None)
             n, pads = entry.length, width - entry.length
             program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
             program.fill_int64(index[LOSS_MASK], (row * width + n) * 8, pads, 0)
@@ -287,9 +310,9 @@ class BatchReader:
         """This thread's buffer for bytes that go nowhere (header, fill) and for ids to widen."""
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
-            # Also one whole FP8 row, which the filler dequantises from here.
+            # Also one whole stored row, which the filler dequantises or picks layers from here.
             scratch = self._local.scratch = page_aligned_zeros(max(fill.CHUNK, 4 * self.layout.seq_length,
-                                                                   self.shape.hidden_dim))
+                                                                   self.shape.hidden_dim * self.shape.itemsize))
         return scratch
 
     def _raise(self, failure: fill.Failure, rows: list[Row], buffers: dict[str, torch.Tensor]) -> None:

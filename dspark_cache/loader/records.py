@@ -12,7 +12,8 @@ An op is one of (unused fields are 0):
 * ``OP_FILL_I64``: write ``value`` (two's complement) into ``count`` int64 slots at ``offset``
   of buffer ``target``;
 * ``OP_SAMPLE``: read the ``count``-byte payload at file ``offset`` of descriptor ``target``
-  through segments ``seg_first .. seg_first + seg_count``.
+  through segments ``seg_first .. seg_first + seg_count``; with ``check`` 1, hash every byte as
+  it is read and fail with ``RC_CHECKSUM`` unless the payload's xxh3-64 is ``value``.
 
 A segment says where a byte range of the payload goes: ``len`` bytes from payload offset
 ``src_off`` to ``off`` of buffer ``buf``, as they are (``SEG_COPY``), as they are plus the
@@ -24,6 +25,14 @@ dequantised (``SEG_DEQUANT``): ``row_bytes`` float8 codes (``fp8_kind``) per row
 of them times one float32 scale read from ``scale_off`` of buffer ``scale_buf`` (row after row),
 written as ``out_size``-byte floats (2: bf16, 4: float32), and ``col_*`` then count output bytes.
 Payload bytes outside every segment are read and dropped.
+
+A segment with ``pick_count`` > 0 (``SEG_PICK``, or ``SEG_DEQUANT``) hands out only parts of each
+``row_bytes`` row: picks ``pick_first .. pick_first + pick_count`` of the program's pick table
+(:data:`PICK`), each ``len`` bytes at ``src`` of a stored row to ``dst`` of the row's place in
+``buf`` at ``off`` (``to_col`` 0) or in ``col_buf`` at ``col_dst`` (``to_col`` 1), rows ``stride``
+bytes apart there. That is how training takes a subset of a cache's layers, in its own order (a
+layer's columns per pick) plus the final state's columns. For ``SEG_DEQUANT``, ``src`` and ``len``
+count stored codes and cover whole groups, ``dst`` and ``stride`` output bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 OP_ZERO, OP_FILL_I64, OP_SAMPLE = 1, 2, 3
-SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEG_DEQUANT = 1, 2, 3, 4, 5
+SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEG_DEQUANT, SEG_PICK = 1, 2, 3, 4, 5, 6
 # SEG_DEQUANT's fp8_kind, by the format's dtype code.
 FP8_KINDS = {"F8_E4M3": 1, "F8_E5M2": 2}
 
@@ -47,10 +56,10 @@ class OpRecord(NamedTuple):
     target: int  # buffer index, or the file descriptor of OP_SAMPLE
     offset: int  # byte offset in the buffer, or in the file
     count: int  # bytes (ZERO, SAMPLE) or int64 slots (FILL_I64)
-    value: int  # FILL_I64's value, as uint64
+    value: int  # FILL_I64's value, as uint64; SAMPLE's xxh3-64 when ``check``
     seg_first: int
     seg_count: int
-    reserved: int
+    check: int  # SAMPLE: 1 to hash the payload while reading it
 
 
 class SegmentRecord(NamedTuple):
@@ -72,21 +81,42 @@ class SegmentRecord(NamedTuple):
     out_size: int  # ... bytes per output value: 2 (bf16) or 4 (float32)
     fp8_kind: int  # ... the codes' format (FP8_KINDS)
     limit: int  # SEG_WIDEN_*: every value must lie in [0, limit) (0: unchecked), else RC_BAD_TOKEN
+    pick_first: int  # SEG_PICK, SEG_DEQUANT: the first of this segment's picks
+    pick_count: int  # ... and how many (0: the whole row)
+
+
+class PickRecord(NamedTuple):
+    """One pick: a byte range of every stored row, handed out (field order = :data:`PICK` = ``pick_t``)."""
+
+    src: int  # offset in the stored row
+    len: int  # bytes (SEG_DEQUANT: codes) taken
+    to_col: int  # 0: to the segment's buf/off, 1: to its col_buf/col_dst
+    dst: int  # offset in the destination row
+    stride: int  # bytes from one destination row to the next
 
 
 OP = np.dtype([(name, _U64) for name in OpRecord._fields])
 SEGMENT = np.dtype([(name, _U64) for name in SegmentRecord._fields])
-assert OP.itemsize == 64 and SEGMENT.itemsize == 128  # sizeof(op_t), sizeof(segment_t)
+PICK = np.dtype([(name, _U64) for name in PickRecord._fields])
+assert OP.itemsize == 64 and SEGMENT.itemsize == 144 and PICK.itemsize == 40  # sizeof(op_t), segment_t, pick_t
 
 
 def segment(kind: int, src_off: int, length: int, buf: int, off: int, *, row_bytes: int = 0, col_off: int = 0,
             col_bytes: int = 0, col_buf: int = 0, col_dst: int = 0, scale_buf: int = 0, scale_off: int = 0,
-            group: int = 0, out_size: int = 0, fp8_kind: int = 0, limit: int = 0) -> tuple[int, ...]:
+            group: int = 0, out_size: int = 0, fp8_kind: int = 0, limit: int = 0, pick_first: int = 0,
+            pick_count: int = 0) -> tuple[int, ...]:
     """One segment's fields in :data:`SEGMENT` order (for ``np.array([...], dtype=SEGMENT)``)."""
     return tuple(SegmentRecord(kind, src_off, length, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst,
-                               scale_buf, scale_off, group, out_size, fp8_kind, limit))
+                               scale_buf, scale_off, group, out_size, fp8_kind, limit, pick_first, pick_count))
 
 
 def segment_table(rows: list[tuple[int, ...]]) -> np.ndarray:
     """A segment table from :func:`segment` tuples."""
     return np.array(rows, dtype=SEGMENT)
+
+
+def pick_table(rows: list[PickRecord]) -> np.ndarray:
+    """A pick table from :class:`PickRecord` s (read-only: layouts share it)."""
+    table = np.array([tuple(r) for r in rows], dtype=PICK) if rows else np.zeros(0, PICK)
+    table.setflags(write=False)
+    return table

@@ -11,6 +11,13 @@ An FP8 sample's scales (stored first) go to their own batch buffers; its float8 
 copied as they are (``out_code=None``: raw batches, scales handed out too) or dequantised into
 bf16/float32 rows by the filler as they are read (``out_code`` ``"BF16"``/``"F32"``), the final
 state's columns taken from the dequantised rows.
+
+Training may take a subset of the cache's layers, in its own order (``select``: their positions
+among the stored ids). The states are stored token-major (each token's row holds every captured
+layer, as NeMo's batch wants them), so a subset cannot skip bytes on disk: the rows are read
+through scratch, chunk by chunk, and only the chosen layers' columns (plus the final state's) are
+written into the batch (picks, :data:`~.records.PICK`). Every stored byte still goes through the
+sample's checksum.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from dspark_cache.format.sample import (
 
 from dspark_cache.format.validate import MASK_LIMIT
 from dspark_cache.loader.records import (
-    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segment_table,
+    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK, SEG_WIDEN_I32, SEG_WIDEN_U8, PickRecord, pick_table,
+    segment, segment_table,
 )
 
 # Batch buffers a segment writes to, by index (the program's first buffers, in this order). The
@@ -51,7 +59,7 @@ class RowTemplate:
     _scale_bufs: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        cols = np.flatnonzero(self.segs["col_bytes"] > 0)
+        cols = np.flatnonzero((self.segs["col_bytes"] > 0) | (self.segs["pick_count"] > 0))
         scaled = np.flatnonzero(self.segs["kind"] == SEG_DEQUANT)
         object.__setattr__(self, "_bufs", self.segs["buf"].astype(np.intp))
         object.__setattr__(self, "_cols", cols)
@@ -73,24 +81,68 @@ class RowTemplate:
         return segs
 
 
+@dataclass(frozen=True)
+class LayerPicks:
+    """The picks of a layer subset: one table for a batch program, and where each segment's lie in it."""
+
+    table: np.ndarray  # records.PICK
+    states: tuple[int, int]  # (first, count) for the hidden states' segment
+    scales: tuple[int, int]  # ... and for raw FP8 scales' (count 0: copied whole)
+
+
+NO_PICKS = LayerPicks(pick_table([]), (0, 0), (0, 0))
+
+
+@lru_cache(maxsize=64)
+def layer_picks(shape: SampleShape, out_code: str | None, select: tuple[int, ...] | None) -> LayerPicks:
+    """The picks that hand out the layers at positions ``select`` of a ``shape`` row (``None``: all, as
+    stored: no picks), each followed by the final state's columns when they lie inside the row."""
+    if select is None:
+        return NO_PICKS
+    last = len(shape.layer_ids) - 1
+    final = [] if shape.stores_last else [last]
+
+    def picks(unit_in: int, unit_out: int) -> list[PickRecord]:
+        """Per layer: ``unit_in`` stored bytes (or codes) in, ``unit_out`` bytes out."""
+        out = [PickRecord(k * unit_in, unit_in, 0, j * unit_out, len(select) * unit_out) for j, k in enumerate(select)]
+        return out + [PickRecord(k * unit_in, unit_in, 1, 0, unit_out) for k in final]
+
+    hidden = shape.hidden_size
+    out = shape.itemsize if out_code is None else DTYPE_SIZES[out_code]
+    states = picks(hidden * (1 if out_code else shape.itemsize), hidden * out)
+    # Raw FP8 batches hand their scales out with the states they scale; dequantised ones keep the
+    # stored scales whole, in a buffer of their own that the filler reads by stored layer.
+    scales = picks(_SCALE_BYTES, _SCALE_BYTES) if shape.fp8 and out_code is None else []
+    return LayerPicks(pick_table(states + scales), (0, len(states)), (len(states), len(scales)))
+
+
 @lru_cache(maxsize=16384)
-def row_template(length: int, shape: SampleShape, out_code: str | None = None, *, vocab_size: int) -> RowTemplate:
+def row_template(length: int, shape: SampleShape, out_code: str | None = None, *, vocab_size: int,
+                 select: tuple[int, ...] | None = None) -> RowTemplate:
     """The segments of a ``length``-token sample of ``shape`` (``shape.stores_last``: the final
     state is its own tensor, else the last ``hidden_size`` columns of the hidden states); its token
     ids must lie in ``[0, vocab_size)`` (the manifest's ``target_vocab_size``, at least 1).
 
     ``out_code`` (FP8 caches): ``None`` copies the float8 rows and their scales as stored,
     ``"BF16"``/``"F32"`` dequantises the rows into that dtype (the scales are still read first,
-    into their buffers, for the filler to use)."""
+    into their buffers, for the filler to use). ``select``: the positions of the layers handed out
+    (:func:`layer_picks`), ``None`` for all of them as stored."""
     if out_code is not None and not shape.fp8:
         raise ValueError(f"only FP8 samples are dequantised; this cache stores {shape.dtype}")
     if vocab_size < 1:  # a segment's limit 0 would leave the ids unchecked
         raise ValueError(f"vocab_size {vocab_size} is not a vocabulary size")
     rows = []
+    picks = layer_picks(shape, out_code, select)
     placed = place_tensors(shape.specs(length))
     for name, start, end in placed:
         size = end - start
-        if name in (HIDDEN, LAST_HIDDEN):
+        if name == HIDDEN and picks.states[1]:
+            rows.append(_picked_states_segment(start, size, shape, out_code, picks.states))
+        elif name == HIDDEN_SCALE and picks.scales[1]:
+            rows.append(segment(SEG_PICK, start, size, _BUF[HIDDEN_SCALE], 0, row_bytes=len(shape.layer_ids) * _SCALE_BYTES,
+                                col_buf=_BUF[LAST_HIDDEN_SCALE], pick_first=picks.scales[0],
+                                pick_count=picks.scales[1]))
+        elif name in (HIDDEN, LAST_HIDDEN):
             rows.append(_states_segment(name, start, size, shape, out_code))
         elif name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE):
             rows.append(_scales_segment(name, start, size, shape, out_code))
@@ -121,6 +173,18 @@ def _states_segment(name: str, start: int, size: int, shape: SampleShape, out_co
     if cols:
         return segment(SEG_COPY_COLS, start, size, _BUF[name], 0, row_bytes=width * out, **cols)
     return segment(SEG_COPY, start, size, _BUF[name], 0)
+
+
+def _picked_states_segment(start: int, size: int, shape: SampleShape, out_code: str | None,
+                           picks: tuple[int, int]) -> tuple[int, ...]:
+    """The hidden states through picks: copied (``SEG_PICK``) or dequantised per picked layer."""
+    first, count = picks
+    if out_code is not None:
+        return segment(SEG_DEQUANT, start, size, _BUF[HIDDEN], 0, row_bytes=shape.hidden_dim, scale_buf=_BUF[HIDDEN_SCALE],
+                       group=shape.hidden_size, out_size=DTYPE_SIZES[out_code], fp8_kind=FP8_KINDS[shape.dtype],
+                       col_buf=_BUF[LAST_HIDDEN], pick_first=first, pick_count=count)
+    return segment(SEG_PICK, start, size, _BUF[HIDDEN], 0, row_bytes=shape.hidden_dim * shape.itemsize,
+                   col_buf=_BUF[LAST_HIDDEN], pick_first=first, pick_count=count)
 
 
 def _scales_segment(name: str, start: int, size: int, shape: SampleShape, out_code: str | None) -> tuple[int, ...]:

@@ -1,13 +1,12 @@
-"""Sample checksums: checked the first time this process reads a sample (``"once"``) or every time.
+"""Which samples' checksums a read checks: the first time this process reads a sample (``"once"``) or every time.
 
-A sample is checked by hashing its payload (xxh3_64, the ``xxhash`` package, as the producer
-writes it) straight from its shard file, in 1 MiB chunks, just before the batch program reads
-it into the batch: a ``preadv`` and a hash per chunk, both without the GIL. The first read of
-a shard comes from disk; the program's read of the same bytes a moment later comes from the
-page cache. With ``verify="once"`` (the default) a checked sample is remembered in a bitmap of
-its shard (one bit per sample, so bounded by the cache's sample count) and later epochs read it
-without hashing: the batch filler then only reads, copies and zeroes. ``verify="always"``
-hashes every read, as ``dspark-verify`` does.
+A checked sample is hashed (xxh3-64, as the producer writes it) while the batch filler reads it
+into the batch: each chunk right after its read, while it is in the CPU cache, so checking costs
+no second read of the file (:mod:`.fill`; the native filler's xxh3 is ``csrc/xxh3.h``, the Python
+one's the ``xxhash`` package). A mismatch fails the batch, naming the shard and sample. With
+``verify="once"`` (the default) a checked sample is remembered in a bitmap of its shard (one bit
+per sample, so bounded by the cache's sample count) and later epochs read it without hashing.
+``verify="always"`` hashes every read, as ``dspark-verify`` does.
 
 What ``"once"`` trusts: bytes this process checked, in a file it still has open (or reopened
 as the same file: ``CacheDir.identity``). A shard's bits are dropped when its file is opened again and is not the
@@ -24,34 +23,9 @@ from __future__ import annotations
 import os
 import threading
 
-import numpy as np
-import xxhash
-
 from dspark_cache.format.cache import FileIdentity
-from dspark_cache.loader.fill import RC_CHECKSUM, RC_READ_ERROR, RC_SHORT_READ, Failure
 
 VERIFY_MODES = ("once", "always")
-# Bytes per read while hashing: the chunk is hashed while it is still in the core's L2 cache,
-# and a chunk costs two GIL hand-overs (preadv, hash).
-CHUNK = 1 << 20
-
-
-def check_payload(fd: int, offset: int, size: int, want: int, buf: np.ndarray, tag: object) -> Failure | None:
-    """Hash ``size`` bytes at ``offset`` of ``fd`` through ``buf``; a Failure unless the xxh3 is ``want``."""
-    hasher = xxhash.xxh3_64()
-    view = memoryview(buf)
-    pos = 0
-    while pos < size:
-        piece = view[: min(len(view), size - pos)]
-        try:
-            got = os.preadv(fd, [piece], offset + pos)
-        except OSError as err:
-            return Failure(RC_READ_ERROR, tag, err.errno or 0)
-        if got == 0:
-            return Failure(RC_SHORT_READ, tag, pos)
-        hasher.update(piece[:got])  # xxhash hashes a large buffer without the GIL
-        pos += got
-    return None if hasher.intdigest() == want else Failure(RC_CHECKSUM, tag, 0)
 
 
 class VerifiedSamples:

@@ -143,3 +143,87 @@ def test_records_match_the_c_layout():
     source = open(os.path.join(os.path.dirname(fill.__file__), "csrc", "batch_fill.c")).read()
     assert f"uint64_t {', '.join(records.OP.names)};" in source
     assert f"uint64_t {', '.join(records.SEGMENT.names)};" in source
+
+
+# -- checksums while reading ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_checked_sample_is_hashed_as_it_is_read(payload, executor):
+    import xxhash
+
+    _, parts, blob, rows, row_bytes = payload
+    want = xxhash.xxh3_64_intdigest(blob)
+    for xxh3, expect in ((want, None), (want ^ 1, fill.Failure(fill.RC_CHECKSUM, "the sample", 0))):
+        program, (hidden, *_), _ = sample_program(payload)
+        program._ops[-1] = program._ops[-1]._replace(value=xxh3, check=1)
+        assert run(program, executor) == expect
+        assert np.array_equal(hidden[: rows * row_bytes], parts["hidden"])  # the bytes still land
+    program, *_ = sample_program(payload, size=len(blob) + 7)  # hashing does not hide a short read
+    program._ops[-1] = program._ops[-1]._replace(value=want, check=1)
+    assert run(program, executor) == fill.Failure(fill.RC_SHORT_READ, "the sample", len(blob))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_damaged_bytes_are_a_checksum_failure_before_a_broken_rule(tmp_path, executor):
+    """A token id out of range fails the token rule; if the sample's checksum fails as well, its
+    bytes are damaged, and that is what a checked read reports."""
+    import xxhash
+
+    ids = np.arange(64, dtype=np.int32)
+    blob = bytearray(b"H" * 128 + ids.tobytes() + b"T" * 300)
+    good = xxhash.xxh3_64_intdigest(bytes(blob))
+    blob[128 + 4 * 10 : 128 + 4 * 11] = np.int32(10**6).tobytes()  # token 10 out of range
+    path = tmp_path / "s"
+    path.write_bytes(bytes(blob))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for xxh3, code in ((good, fill.RC_CHECKSUM), (xxhash.xxh3_64_intdigest(bytes(blob)), fill.RC_BAD_TOKEN),
+                           (None, fill.RC_BAD_TOKEN)):
+            program = fill.BatchProgram([np.zeros(64 * 8, dtype=np.uint8)])
+            program.sample(fd, 0, len(blob), segment_table([segment(SEG_WIDEN_I32, 128, 256, 0, 0, limit=1000)]),
+                           tag=0, xxh3=xxh3)
+            failure = run(program, executor)
+            assert failure.code == code
+            assert failure.detail == (0 if code == fill.RC_CHECKSUM else 10)
+    finally:
+        os.close(fd)
+
+
+# -- picks: a subset of each row's layers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_picks_hand_out_chosen_columns_in_the_callers_order(tmp_path, executor):
+    from dspark_cache.loader.records import SEG_PICK, PickRecord, pick_table
+
+    rng = np.random.default_rng(1)
+    rows, layer, layers = 700, 96, 5  # rows straddle the 256 KiB chunks
+    stored = rng.integers(0, 256, (rows, layers * layer), dtype=np.uint8)
+    path = tmp_path / "s"
+    path.write_bytes(b"h" * 64 + stored.tobytes())
+    chosen = [3, 0, 4]
+    picks = pick_table([PickRecord(k * layer, layer, 0, j * layer, len(chosen) * layer) for j, k in enumerate(chosen)]
+                       + [PickRecord((layers - 1) * layer, layer, 1, 0, layer)])
+    hidden = np.full(rows * len(chosen) * layer + 32, 0xAB, dtype=np.uint8)
+    last = np.full(rows * layer, 0xAB, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        program = fill.BatchProgram([hidden, last], picks)
+        program.sample(fd, 0, 64 + stored.nbytes, segment_table([segment(
+            SEG_PICK, 64, stored.nbytes, 0, 0, row_bytes=layers * layer, col_buf=1, pick_count=4)]), tag=0)
+        assert run(program, executor) is None
+        by_layer = stored.reshape(rows, layers, layer)
+        assert np.array_equal(hidden[:-32].reshape(rows, len(chosen), layer), by_layer[:, chosen])
+        assert (hidden[-32:] == 0xAB).all()
+        assert np.array_equal(last.reshape(rows, layer), by_layer[:, -1])
+        # A pick reaching past its row, or its destination row, is refused before anything is written.
+        for bad in (PickRecord(4 * layer, layer + 1, 0, 0, layer * 3), PickRecord(0, layer, 0, 1, layer)):
+            hidden[:] = 0xAB
+            program = fill.BatchProgram([hidden, last], pick_table([bad]))
+            program.sample(fd, 0, 64 + stored.nbytes, segment_table([segment(
+                SEG_PICK, 64, stored.nbytes, 0, 0, row_bytes=layers * layer, col_buf=1, pick_count=1)]), tag=0)
+            assert run(program, executor).code == fill.RC_INVALID
+            assert (hidden == 0xAB).all()
+    finally:
+        os.close(fd)

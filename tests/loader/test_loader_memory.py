@@ -8,7 +8,7 @@ import torch
 from dspark_cache.loader import fill
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_zeros
 
-FIELDS = (Field("hidden", 3, torch.bfloat16, True), Field("ids", 1, torch.int64, False))
+FIELDS = (Field("hidden", 3, torch.bfloat16, True), Field("ids", 1, torch.int64, False, scalar=True))
 
 
 def zero_claimed(slab: Slab, ranges: list[tuple[int, int]]) -> None:

@@ -11,7 +11,6 @@ import pytest
 import dspark_cache
 from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.loader import fill, verify
-from dspark_cache.loader.memory import page_aligned_zeros
 
 
 def copy_cache(small_cache, tmp_path) -> str:
@@ -46,15 +45,16 @@ def epoch(loader, sample_id=None):
 
 @pytest.fixture
 def hashes(monkeypatch):
-    """Counts payloads hashed (calls of verify.check_payload)."""
+    """Payloads the batch programs hash: (fd, offset, size) of every sample read with its checksum."""
     calls = []
-    real = verify.check_payload
+    real = fill.BatchProgram.sample
 
-    def counting(*args, **kwargs):
-        calls.append(args[:3])
-        return real(*args, **kwargs)
+    def counting(self, fd, offset, size, segs, tag, xxh3=None):
+        if xxh3 is not None:
+            calls.append((fd, offset, size))
+        return real(self, fd, offset, size, segs, tag, xxh3)
 
-    monkeypatch.setattr(verify, "check_payload", counting)
+    monkeypatch.setattr(fill.BatchProgram, "sample", counting)
     return calls
 
 
@@ -146,24 +146,6 @@ def test_a_forked_child_does_not_inherit_checks():
     assert not seen.needed(7, identity, 10, 3)  # the parent keeps its own
     assert seen.needed(7, (1, 2, 3, 4, 6), 10, 3)  # the shard's file is another one now: nothing checked
     assert seen.needed(7, identity, 10, 3)  # and the first one's checks are gone with it
-
-
-def test_check_payload_failures(tmp_path):
-    import xxhash
-
-    blob = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
-    path = tmp_path / "f"
-    path.write_bytes(b"J" * 100 + blob)
-    fd = os.open(path, os.O_RDONLY)
-    buf = page_aligned_zeros(verify.CHUNK)
-    try:
-        want = xxhash.xxh3_64_intdigest(blob)
-        assert verify.check_payload(fd, 100, len(blob), want, buf, "t") is None
-        assert verify.check_payload(fd, 100, len(blob), want ^ 1, buf, "t") == fill.Failure(fill.RC_CHECKSUM, "t", 0)
-        assert verify.check_payload(fd, 100, len(blob) + 7, want, buf, "t") == fill.Failure(
-            fill.RC_SHORT_READ, "t", len(blob))
-    finally:
-        os.close(fd)
 
 
 def test_unknown_verify_mode_is_refused(small_cache):

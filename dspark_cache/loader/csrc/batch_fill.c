@@ -2,29 +2,36 @@
  * Fills one batch of the loader in a single call without the GIL: zero the stale pad slots,
  * read every sample's payload straight into its batch row, copy the final-state columns out of
  * each chunk while it is still in the CPU cache, widen token ids and masks to int64, and fill
- * the pads of the per-token fields. Checksums are not computed here: the loader checks a
- * sample's xxh3 in Python (dspark_cache/loader/verify.py, the `xxhash` package) the first time
- * a process reads it, or on every read with verify="always".
+ * the pads of the per-token fields, and hash each byte as it is read where the sample's checksum
+ * is to be checked (the first time a process reads it, or every time with verify="always":
+ * dspark_cache/loader/verify.py decides). The hash is our own xxh3-64 (xxh3.h): one pass over
+ * each chunk while it is still in the CPU cache, instead of a second read of the file.
  *
  * The work comes as a small "program" built in Python (dspark_cache/loader/fill.py, which also
  * runs the same program in pure Python when this library is not built):
  *
- *   ops  op_t[n_ops]       {kind, target, offset, count, value, seg_first, seg_count, reserved}
+ *   ops  op_t[n_ops]       {kind, target, offset, count, value, seg_first, seg_count, check}
  *                          ZERO 1: count bytes at offset of buffer target
  *                          FILL_I64 2: value into count int64 slots at offset of buffer target
  *                          SAMPLE 3: the count-byte payload at file offset of fd target,
- *                          through segments seg_first .. seg_first + seg_count
+ *                          through segments seg_first .. seg_first + seg_count; with check 1
+ *                          its xxh3-64 must be value, else RC_CHECKSUM
  *   segs segment_t[n]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst,
- *                           scale_buf, scale_off, group, out_size, fp8_kind, limit}
+ *                           scale_buf, scale_off, group, out_size, fp8_kind, limit, pick_first, pick_count}
  *                          kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
  *                          WIDEN_I32 3 and WIDEN_U8 4 (to int64 at buf+off, each value then in
  *                          [0, limit) unless limit is 0, else RC_BAD_TOKEN), DEQUANT 5 (float8
  *                          rows of row_bytes, one float32 scale per group bytes at
  *                          scale_buf+scale_off, to bf16 (out_size 2) or float32 (4) at buf+off;
- *                          col_* as COPY_COLS, in output bytes)
+ *                          col_* as COPY_COLS, in output bytes), PICK 6 (rows of row_bytes through
+ *                          scratch, then picks)
+ *   picks pick_t[n]        {src, len, to_col, dst, stride}: with pick_count > 0 (PICK, DEQUANT),
+ *                          only these ranges of each stored row are handed out: len bytes (DEQUANT:
+ *                          codes, whole groups) at src of the row, to dst of row r at buf+off
+ *                          (to_col 0) or col_buf+col_dst (to_col 1) + r * stride: a layer subset
  *
- * Both are arrays of uint64 fields; dspark_cache/loader/records.py names the same fields in the
- * same order (numpy structured dtypes OP and SEGMENT), so the two sides share one layout.
+ * All are arrays of uint64 fields; dspark_cache/loader/records.py names the same fields in the
+ * same order (numpy structured dtypes OP, SEGMENT and PICK), so the two sides share one layout.
  *
  * Segments of a sample are in file order; payload bytes outside every segment (the JSON header,
  * alignment fill) are read into the scratch buffer and dropped (so a truncated payload is still
@@ -49,6 +56,9 @@
  * would become a device-side assert in training's embedding lookup, naming no file; here it is
  * RC_BAD_TOKEN with the token in *detail, after every value was written, so the reader can name
  * the sample by the Python rule from the batch buffer.
+ *
+ * A checked sample that breaks one of these rules is read (and hashed) to its end first: if its
+ * checksum fails too, the bytes are damaged and RC_CHECKSUM says so.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -57,6 +67,8 @@
 
 #include <Python.h>
 
+#include "xxh3.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
 #include <immintrin.h>
@@ -64,30 +76,45 @@
 #endif
 
 enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
-enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4, SEG_DEQUANT = 5 };
-/* 2: verify.py's */
-enum { RC_OK = 0, RC_SHORT_READ = 1, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5, RC_BAD_CODE = 6,
-       RC_BAD_TOKEN = 7 };
+enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4, SEG_DEQUANT = 5, SEG_PICK = 6 };
+enum { RC_OK = 0, RC_SHORT_READ = 1, RC_CHECKSUM = 2, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5,
+       RC_BAD_CODE = 6, RC_BAD_TOKEN = 7 };
 enum { FP8_E4M3 = 1, FP8_E5M2 = 2 };
 
 /* records.py's OP: one op of the program. */
 typedef struct {
-    uint64_t kind, target, offset, count, value, seg_first, seg_count, reserved;
+    uint64_t kind, target, offset, count, value, seg_first, seg_count, check;
 } op_t;
 
 /* records.py's SEGMENT: where a byte range of a sample's payload goes. */
 typedef struct {
-    uint64_t kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst, scale_buf, scale_off, group, out_size, fp8_kind, limit;
+    uint64_t kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst, scale_buf, scale_off, group, out_size, fp8_kind, limit, pick_first, pick_count;
 } segment_t;
 
-_Static_assert(sizeof(op_t) == 64 && sizeof(segment_t) == 128, "records.py's OP and SEGMENT layouts");
+/* records.py's PICK: a range of every stored row that is handed out. */
+typedef struct {
+    uint64_t src, len, to_col, dst, stride;
+} pick_t;
+
+_Static_assert(sizeof(op_t) == 64 && sizeof(segment_t) == 144 && sizeof(pick_t) == 40,
+               "records.py's OP, SEGMENT and PICK layouts");
 
 typedef struct {
     const uint64_t *bases, *sizes;
     uint64_t n_bufs;
+    const pick_t *picks;
+    uint64_t n_picks;
     uint8_t *scratch;
     uint64_t scratch_size, chunk;
 } context;
+
+/* One payload being read, in file order: pos bytes of it so far, each hashed when hash is set. */
+typedef struct {
+    const context *cx;
+    int fd;
+    uint64_t base, pos;
+    dspark_xxh3 *hash;
+} reading;
 
 /* Batch memory is written once and read later by training (or a DMA engine): stores that
  * bypass the cache skip reading each destination line from DRAM first. */
@@ -140,40 +167,90 @@ static uint8_t *span(const context *cx, uint64_t buf, uint64_t off, uint64_t n) 
     return (uint8_t *)(uintptr_t)cx->bases[buf] + off;
 }
 
-/* Reads exactly n bytes; RC_SHORT_READ at end of file, RC_READ_ERROR with errno in *detail. */
-static int read_exact(int fd, uint8_t *dst, uint64_t n, uint64_t offset, uint64_t *got, uint64_t *detail) {
+/* Reads the next n bytes of the payload into dst (and the hash, while they are in the cache);
+ * RC_SHORT_READ at end of file, RC_READ_ERROR with errno in *detail. */
+static int read_exact(reading *rd, uint8_t *dst, uint64_t n, uint64_t *detail) {
     uint64_t done = 0;
+    int rc = RC_OK;
     while (done < n) {
-        ssize_t r = pread(fd, dst + done, (size_t)(n - done), (off_t)(offset + done));
+        ssize_t r = pread(rd->fd, dst + done, (size_t)(n - done), (off_t)(rd->base + rd->pos + done));
         if (r < 0) {
             if (errno == EINTR) continue;
             *detail = (uint64_t)errno;
-            *got += done;
-            return RC_READ_ERROR;
+            rc = RC_READ_ERROR;
+            break;
         }
         if (r == 0) {
-            *got += done;
-            return RC_SHORT_READ;
+            rc = RC_SHORT_READ;
+            break;
         }
         done += (uint64_t)r;
     }
-    *got += done;
-    return RC_OK;
+    if (rd->hash) dspark_xxh3_update(rd->hash, dst, (size_t)done);
+    rd->pos += done;
+    return rc;
 }
 
-/* Bytes no tensor wants (alignment fill): read into scratch and dropped. */
-static int read_gap(const context *cx, int fd, uint64_t base, uint64_t *pos, uint64_t end,
-                    uint64_t *detail) {
-    while (*pos < end) {
-        uint64_t n = end - *pos < cx->chunk ? end - *pos : cx->chunk;
-        int rc = read_exact(fd, cx->scratch, n, base + *pos, pos, detail);
+/* Bytes no tensor wants (header, alignment fill): read into scratch (and hashed) and dropped. */
+static int read_gap(reading *rd, uint64_t end, uint64_t *detail) {
+    const context *cx = rd->cx;
+    while (rd->pos < end) {
+        uint64_t n = end - rd->pos < cx->chunk ? end - rd->pos : cx->chunk;
+        int rc = read_exact(rd, cx->scratch, n, detail);
         if (rc) return rc;
     }
     return RC_OK;
 }
 
-static int read_rows(const context *cx, int fd, uint64_t base, uint64_t *pos,
-                     const segment_t *g, uint64_t *detail) {
+/* Where row 0 of pick p of segment g goes (checked by segment_picks). */
+static uint8_t *pick_dst(const context *cx, const segment_t *g, const pick_t *p) {
+    uint64_t buf = p->to_col ? g->col_buf : g->buf, off = p->to_col ? g->col_dst : g->off;
+    return (uint8_t *)(uintptr_t)cx->bases[buf] + off + p->dst;
+}
+
+/* The segment's picks, each checked to lie inside its stored row and, for all rows, inside its
+ * destination buffer (out: output bytes per stored unit of a pick); NULL when one does not. */
+static const pick_t *segment_picks(const context *cx, const segment_t *g, uint64_t rows, uint64_t out) {
+    if (g->pick_first > cx->n_picks || g->pick_count > cx->n_picks - g->pick_first) return NULL;
+    const pick_t *picks = cx->picks + g->pick_first;
+    for (uint64_t i = 0; i < g->pick_count; i++) {
+        const pick_t *p = picks + i;
+        if (p->to_col > 1 || p->src > g->row_bytes || p->len > g->row_bytes - p->src || !p->stride ||
+            p->len > UINT64_MAX / out || p->dst > p->stride || p->len * out > p->stride - p->dst ||
+            (rows && p->stride > UINT64_MAX / rows))
+            return NULL;
+        if (!(p->to_col ? span(cx, g->col_buf, g->col_dst, rows * p->stride) : span(cx, g->buf, g->off, rows * p->stride)))
+            return NULL;
+    }
+    return picks;
+}
+
+/* Rows through scratch, a chunk of whole rows at a time; each pick's columns to its place. */
+static int read_picked(reading *rd, const segment_t *g, uint64_t *detail) {
+    const context *cx = rd->cx;
+    uint64_t row_bytes = g->row_bytes;
+    if (!row_bytes || g->len % row_bytes || row_bytes > cx->scratch_size) return RC_INVALID;
+    uint64_t rows = g->len / row_bytes;
+    const pick_t *picks = segment_picks(cx, g, rows, 1);
+    if (!picks) return RC_INVALID;
+    uint64_t step = cx->chunk / row_bytes ? cx->chunk / row_bytes : 1;
+    if (step * row_bytes > cx->scratch_size) step = cx->scratch_size / row_bytes;
+    for (uint64_t first = 0; first < rows; first += step) {
+        uint64_t n = rows - first < step ? rows - first : step;
+        int rc = read_exact(rd, cx->scratch, n * row_bytes, detail);
+        if (rc) return rc;
+        for (uint64_t r = 0; r < n; r++) {
+            const uint8_t *src = cx->scratch + r * row_bytes;
+            for (uint64_t i = 0; i < g->pick_count; i++)
+                store_stream(pick_dst(cx, g, picks + i) + (first + r) * picks[i].stride, src + picks[i].src,
+                             (size_t)picks[i].len);
+        }
+    }
+    return RC_OK;
+}
+
+static int read_rows(reading *rd, const segment_t *g, uint64_t *detail) {
+    const context *cx = rd->cx;
     uint64_t len = g->len, row_bytes = g->row_bytes, col_off = g->col_off, col_bytes = g->col_bytes;
     uint8_t *dst = span(cx, g->buf, g->off, len);
     uint8_t *cols = NULL;
@@ -186,25 +263,24 @@ static int read_rows(const context *cx, int fd, uint64_t base, uint64_t *pos,
         step = cx->chunk / row_bytes * row_bytes; /* whole rows per chunk */
         if (!step) step = row_bytes;
     }
-    for (uint64_t done = 0; done < len;) {
-        uint64_t n = len - done < step ? len - done : step, before = *pos;
-        int rc = read_exact(fd, dst + done, n, base + *pos, pos, detail);
+    for (uint64_t done = 0; done < len; done += step) {
+        uint64_t n = len - done < step ? len - done : step;
+        int rc = read_exact(rd, dst + done, n, detail);
         if (rc) return rc;
         if (cols) { /* still in cache from the read */
             for (uint64_t r = done / row_bytes, end = (done + n) / row_bytes; r < end; r++)
                 store_stream(cols + r * col_bytes, dst + r * row_bytes + col_off, (size_t)col_bytes);
         }
-        done += *pos - before;
     }
     return RC_OK;
 }
 
-static int read_widened(const context *cx, int fd, uint64_t base, uint64_t *pos,
-                        const segment_t *g, uint64_t *detail) {
+static int read_widened(reading *rd, const segment_t *g, uint64_t *detail) {
+    const context *cx = rd->cx;
     uint64_t len = g->len, width = g->kind == SEG_WIDEN_I32 ? 4 : 1, count = len / width;
     int64_t *dst = (int64_t *)span(cx, g->buf, g->off, count * 8);
     if (!dst || len % width || len > cx->scratch_size || ((uintptr_t)dst & 7)) return RC_INVALID;
-    int rc = read_exact(fd, cx->scratch, len, base + *pos, pos, detail);
+    int rc = read_exact(rd, cx->scratch, len, detail);
     if (rc) return rc;
     if (width == 4) {
         for (uint64_t i = 0; i < count; i++) {
@@ -347,95 +423,133 @@ static int dequant_block(const dequantizer *d, const uint8_t *src, size_t n, flo
     return dequant_block_table(d->table, src, n, scale, out_size, d->format.special, out);
 }
 
-/* Float8 rows -> bf16/float32 rows (and the final-state columns), chunk by chunk through scratch. */
-static int read_dequant(const context *cx, int fd, uint64_t base, uint64_t *pos, const segment_t *g,
-                        uint64_t *detail) {
-    uint64_t len = g->len, in_row = g->row_bytes, group = g->group, out_size = g->out_size;
-    dequantizer d;
-    if (!fp8_format_of(g->fp8_kind, &d.format) || !in_row || !group || in_row % group || len % in_row ||
-        (out_size != 2 && out_size != 4))
-        return RC_INVALID;
-    uint64_t rows = len / in_row, groups = in_row / group, out_row = in_row * out_size;
-    uint8_t *dst = span(cx, g->buf, g->off, rows * out_row);
-    const uint8_t *scale_bytes = span(cx, g->scale_buf, g->scale_off, rows * groups * 4);
-    uint8_t *cols = NULL;
-    uint64_t col_off = g->col_off, col_bytes = g->col_bytes;
-    if (!dst || !scale_bytes) return RC_INVALID;
-    if (col_bytes) {
-        if (col_off > out_row || col_bytes > out_row - col_off) return RC_INVALID;
-        if (!(cols = span(cx, g->col_buf, g->col_dst, rows * col_bytes))) return RC_INVALID;
-    }
-    uint64_t step = cx->chunk / in_row ? cx->chunk / in_row : 1; /* whole rows per chunk */
-    if (step * in_row > cx->scratch_size) return RC_INVALID;
-    for (int c = 0; c < 256; c++) d.table[c] = fp8_value((uint8_t)c, d.format);
-    d.avx2 = have_avx2();
+/* Groups [g0, g0 + ng) of one stored row (codes src, their scales) into out, back to back; the
+ * output bytes in [col_off, col_off + col_bytes) of out also to cols (NULL: none). */
+static int dequant_groups(const dequantizer *d, const uint8_t *src, const uint8_t *scales, uint64_t g0, uint64_t ng,
+                          uint64_t group, uint64_t out_size, uint8_t *out, uint8_t *cols, uint64_t col_off,
+                          uint64_t col_bytes) {
     _Alignas(64) uint8_t block[DQ_BLOCK * 4];
-    for (uint64_t first = 0; first < rows; first += step) {
-        uint64_t n = rows - first < step ? rows - first : step;
-        int rc = read_exact(fd, cx->scratch, n * in_row, base + *pos, pos, detail);
-        if (rc) return rc;
-        for (uint64_t r = first; r < first + n; r++) {
-            const uint8_t *src = cx->scratch + (r - first) * in_row;
-            uint8_t *out = dst + r * out_row;
-            for (uint64_t k = 0; k < groups; k++) {
-                float scale;
-                memcpy(&scale, scale_bytes + 4 * (r * groups + k), 4);
-                if (!(scale > 0.0f && scale * d.format.max < FP8_SCALE_LIMIT)) { /* NaN fails both */
-                    *detail = r;
-                    return RC_BAD_SCALE;
-                }
-                for (uint64_t done = 0; done < group; done += DQ_BLOCK) {
-                    uint64_t m = group - done < DQ_BLOCK ? group - done : DQ_BLOCK;
-                    uint64_t at = (k * group + done) * out_size, end = at + m * out_size; /* bytes in the row */
-                    if (dequant_block(&d, src + k * group + done, (size_t)m, scale, (int)out_size, block)) {
-                        *detail = r;
-                        return RC_BAD_CODE;
-                    }
-                    store_stream(out + at, block, (size_t)(m * out_size));
-                    if (cols && at < col_off + col_bytes && end > col_off) { /* the part inside the columns */
-                        uint64_t lo = at > col_off ? at : col_off;
-                        uint64_t hi = end < col_off + col_bytes ? end : col_off + col_bytes;
-                        store_stream(cols + r * col_bytes + (lo - col_off), block + (lo - at), (size_t)(hi - lo));
-                    }
-                }
+    for (uint64_t k = g0; k < g0 + ng; k++) {
+        float scale;
+        memcpy(&scale, scales + 4 * k, 4);
+        if (!(scale > 0.0f && scale * d->format.max < FP8_SCALE_LIMIT)) return RC_BAD_SCALE; /* NaN fails both */
+        for (uint64_t done = 0; done < group; done += DQ_BLOCK) {
+            uint64_t m = group - done < DQ_BLOCK ? group - done : DQ_BLOCK;
+            uint64_t at = ((k - g0) * group + done) * out_size, end = at + m * out_size; /* bytes in out */
+            if (dequant_block(d, src + k * group + done, (size_t)m, scale, (int)out_size, block)) return RC_BAD_CODE;
+            store_stream(out + at, block, (size_t)(m * out_size));
+            if (cols && at < col_off + col_bytes && end > col_off) { /* the part inside the columns */
+                uint64_t lo = at > col_off ? at : col_off;
+                uint64_t hi = end < col_off + col_bytes ? end : col_off + col_bytes;
+                store_stream(cols + (lo - col_off), block + (lo - at), (size_t)(hi - lo));
             }
         }
     }
     return RC_OK;
 }
 
+/* Float8 rows -> bf16/float32 rows (and the final-state columns), chunk by chunk through scratch;
+ * with picks, only the picked groups, each pick into its place. */
+static int read_dequant(reading *rd, const segment_t *g, uint64_t *detail) {
+    const context *cx = rd->cx;
+    uint64_t len = g->len, in_row = g->row_bytes, group = g->group, out_size = g->out_size;
+    dequantizer d;
+    if (!fp8_format_of(g->fp8_kind, &d.format) || !in_row || !group || in_row % group || len % in_row ||
+        (out_size != 2 && out_size != 4))
+        return RC_INVALID;
+    uint64_t rows = len / in_row, groups = in_row / group, out_row = in_row * out_size;
+    const uint8_t *scale_bytes = span(cx, g->scale_buf, g->scale_off, rows * groups * 4);
+    uint8_t *dst = NULL, *cols = NULL;
+    const pick_t *picks = NULL;
+    uint64_t col_off = g->col_off, col_bytes = g->col_bytes;
+    if (!scale_bytes) return RC_INVALID;
+    if (g->pick_count) {
+        if (!(picks = segment_picks(cx, g, rows, out_size))) return RC_INVALID;
+        for (uint64_t i = 0; i < g->pick_count; i++)
+            if (picks[i].src % group || picks[i].len % group) return RC_INVALID;
+    } else {
+        if (!(dst = span(cx, g->buf, g->off, rows * out_row))) return RC_INVALID;
+        if (col_bytes) {
+            if (col_off > out_row || col_bytes > out_row - col_off) return RC_INVALID;
+            if (!(cols = span(cx, g->col_buf, g->col_dst, rows * col_bytes))) return RC_INVALID;
+        }
+    }
+    uint64_t step = cx->chunk / in_row ? cx->chunk / in_row : 1; /* whole rows per chunk */
+    if (step * in_row > cx->scratch_size) return RC_INVALID;
+    for (int c = 0; c < 256; c++) d.table[c] = fp8_value((uint8_t)c, d.format);
+    d.avx2 = have_avx2();
+    for (uint64_t first = 0; first < rows; first += step) {
+        uint64_t n = rows - first < step ? rows - first : step;
+        int rc = read_exact(rd, cx->scratch, n * in_row, detail);
+        if (rc) return rc;
+        for (uint64_t r = first; r < first + n; r++) {
+            const uint8_t *src = cx->scratch + (r - first) * in_row, *scales = scale_bytes + 4 * r * groups;
+            if (picks) {
+                for (uint64_t i = 0; i < g->pick_count && !rc; i++)
+                    rc = dequant_groups(&d, src, scales, picks[i].src / group, picks[i].len / group, group, out_size,
+                                        pick_dst(cx, g, picks + i) + r * picks[i].stride, NULL, 0, 0);
+            } else {
+                rc = dequant_groups(&d, src, scales, 0, groups, group, out_size, dst + r * out_row,
+                                    cols ? cols + r * col_bytes : NULL, col_off, col_bytes);
+            }
+            if (rc) {
+                *detail = r;
+                return rc;
+            }
+        }
+    }
+    return RC_OK;
+}
+
+static int is_rule(int rc) { return rc == RC_BAD_SCALE || rc == RC_BAD_CODE || rc == RC_BAD_TOKEN; }
+
 static int run_sample(const context *cx, const op_t *op, const segment_t *segs, uint64_t n_segs,
                       uint64_t *detail) {
-    int fd = (int)op->target;
-    uint64_t base = op->offset, size = op->count, first = op->seg_first, count = op->seg_count, pos = 0;
-    if (first > n_segs || count > n_segs - first) return RC_INVALID;
+    dspark_xxh3 hash;
+    reading rd = {cx, (int)op->target, op->offset, 0, op->check ? &hash : NULL};
+    uint64_t size = op->count, first = op->seg_first, count = op->seg_count;
+    if (first > n_segs || count > n_segs - first || op->check > 1) return RC_INVALID;
+    if (rd.hash) dspark_xxh3_reset(rd.hash);
     int rc = RC_OK;
     for (uint64_t s = first; s < first + count && !rc; s++) {
         const segment_t *g = segs + s;
-        if (g->src_off < pos || g->src_off > size || g->len > size - g->src_off) return RC_INVALID;
-        rc = read_gap(cx, fd, base, &pos, g->src_off, detail);
+        if (g->src_off < rd.pos || g->src_off > size || g->len > size - g->src_off) return RC_INVALID;
+        if (g->pick_count && g->kind != SEG_PICK && g->kind != SEG_DEQUANT) return RC_INVALID;
+        rc = read_gap(&rd, g->src_off, detail);
         if (rc) break;
         switch (g->kind) {
         case SEG_COPY:
-        case SEG_COPY_COLS: rc = read_rows(cx, fd, base, &pos, g, detail); break;
+        case SEG_COPY_COLS: rc = read_rows(&rd, g, detail); break;
+        case SEG_PICK: rc = read_picked(&rd, g, detail); break;
         case SEG_WIDEN_I32:
-        case SEG_WIDEN_U8: rc = read_widened(cx, fd, base, &pos, g, detail); break;
-        case SEG_DEQUANT: rc = read_dequant(cx, fd, base, &pos, g, detail); break;
+        case SEG_WIDEN_U8: rc = read_widened(&rd, g, detail); break;
+        case SEG_DEQUANT: rc = read_dequant(&rd, g, detail); break;
         default: return RC_INVALID;
         }
     }
-    if (!rc) rc = read_gap(cx, fd, base, &pos, size, detail);
-    if (rc == RC_SHORT_READ) *detail = pos;
+    if (rd.hash && is_rule(rc)) { /* damaged bytes are named as such, not by the rule they happen to break */
+        uint64_t rule_detail = *detail;
+        int tail = read_gap(&rd, size, detail);
+        if (tail == RC_SHORT_READ) *detail = rd.pos;
+        if (tail) return tail;
+        if (dspark_xxh3_digest(rd.hash) != op->value) return (*detail = 0, RC_CHECKSUM);
+        *detail = rule_detail;
+        return rc;
+    }
+    if (!rc) rc = read_gap(&rd, size, detail);
+    if (rc == RC_SHORT_READ) *detail = rd.pos;
+    if (!rc && rd.hash && dspark_xxh3_digest(rd.hash) != op->value) rc = RC_CHECKSUM, *detail = 0;
     return rc;
 }
 
 /* Runs the ops in order; on failure returns its code, the op's index in *fail_op and, for a
  * short read the payload bytes read, for a read error the errno, for a bad scale, code or token
  * its row (token), in *detail. */
-int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, uint64_t n_segs,
-                      const uint64_t *bases, const uint64_t *sizes, uint64_t n_bufs, uint8_t *scratch,
-                      uint64_t scratch_size, uint64_t chunk, uint64_t *fail_op, uint64_t *detail) {
-    context cx = {bases, sizes, n_bufs, scratch, scratch_size, chunk < scratch_size ? chunk : scratch_size};
+int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, uint64_t n_segs, const pick_t *picks,
+                      uint64_t n_picks, const uint64_t *bases, const uint64_t *sizes, uint64_t n_bufs,
+                      uint8_t *scratch, uint64_t scratch_size, uint64_t chunk, uint64_t *fail_op, uint64_t *detail) {
+    context cx = {bases, sizes, n_bufs, picks, n_picks, scratch, scratch_size,
+                  chunk < scratch_size ? chunk : scratch_size};
     int rc = RC_OK;
     uint64_t i = 0;
     if (!cx.chunk) return RC_INVALID;
