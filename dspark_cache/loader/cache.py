@@ -2,13 +2,14 @@
 
 The directory itself (manifest, indexes, their checks) is :class:`~dspark_cache.format.cache.CacheDir`;
 this module adds only the conversion of a sample blob to tensors (an FP8 cache's dequantised, to
-bf16 unless ``dtype`` says otherwise; ``dtype="raw"`` keeps its float8 states and scales).
+bf16 unless ``dtype`` says otherwise; ``dtype="raw"`` keeps its float8 states and scales; token
+ids and loss masks int64, as in batches) and, with ``target_layer_ids``, the choice of layers.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -18,7 +19,8 @@ from dspark_cache.format.sample import dequantize_arrays
 from dspark_cache.format.schema import SampleEntry, ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.loader.reader import resolve_out_code
-from dspark_cache.loader.tensors import sample_to_torch
+from dspark_cache.format.layers import layer_positions
+from dspark_cache.loader.tensors import sample_to_torch, select_layers
 
 __all__ = ["Cache", "open_cache"]
 
@@ -29,14 +31,20 @@ class Cache:
     """A complete (or, with ``allow_incomplete``, growing) cache: manifest, every published shard
     index (loaded and checked when opened), and random access to samples by position. ``dtype``:
     the hidden states' dtype, as ``build_dataloader``'s (FP8 caches: bf16 by default, or ``"fp32"``,
-    or ``"raw"``)."""
+    or ``"raw"``); ``target_layer_ids`` the layers handed out, as ``build_dataloader``'s."""
 
     def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None,
-                 storage: StorageOptions | None = None) -> None:
+                 storage: StorageOptions | None = None, target_layer_ids: Sequence[int] | None = None) -> None:
         self.cache = CacheDir(path, allow_incomplete=allow_incomplete, storage=storage)
         self.path, self.paths = self.cache.root, self.cache.paths
         self.manifest, self.shape = self.cache.manifest, self.cache.shape
-        self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
+        try:
+            self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
+            self.select = None if target_layer_ids is None else \
+                layer_positions(self.shape.layer_ids, target_layer_ids)
+        except BaseException:
+            self.cache.close()
+            raise
         self.shards: list[ShardIndex] = self.cache.load_all()
         self._order = self.cache.sample_order()  # (shard id, entry position), ascending sample id
         self._sequence = list(dict.fromkeys(shard for shard, _ in self._order))  # shards in read order
@@ -89,6 +97,8 @@ class Cache:
         if self.out_code is not None:
             stored = dequantize_arrays(stored, self.out_code)
         sample.update(sample_to_torch(stored))
+        if self.select is not None:
+            sample.update(select_layers(sample, self.select, self.shape.hidden_size))
         return sample
 
     def samples(self) -> Iterator[dict[str, torch.Tensor | int]]:
@@ -114,10 +124,11 @@ class Cache:
 
 def open_cache(path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None,
                storage_options: dict[str, Any] | None = None, local_cache_dir: str | None = None,
-               cache_limit: int | None = None) -> Cache:
+               cache_limit: int | None = None, target_layer_ids: Sequence[int] | None = None) -> Cache:
     """Open a cache directory or object-store URL (``s3://bucket/prefix``: read through a node-local
     copy, as ``build_dataloader``'s options say); refuses an incomplete one unless ``allow_incomplete``.
     An FP8 cache's samples come dequantised to bf16 (``dtype="fp32"``: float32; ``dtype="raw"``:
-    float8 plus scales)."""
+    float8 plus scales); ``target_layer_ids``: only these of its layers, in this order (default: all)."""
     return Cache(os.fspath(path), allow_incomplete=allow_incomplete, dtype=dtype,
-                 storage=StorageOptions(storage_options, local_cache_dir, cache_limit))
+                 storage=StorageOptions(storage_options, local_cache_dir, cache_limit),
+                 target_layer_ids=target_layer_ids)

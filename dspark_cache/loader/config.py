@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -32,7 +32,9 @@ class LoaderConfig:
     ``nemo_keys_only`` drops our extra keys; ``verify`` ``"once"`` or ``"always"``; ``dtype`` of the
     hidden states handed out: ``None`` (as stored; an FP8 cache dequantised to bf16), ``"bf16"`` or
     ``"fp32"`` (an FP8 cache dequantised to it), or ``"raw"`` (FP8 bytes plus scales, for
-    ``dspark_cache.dequantize`` on the GPU). A cache at an object-store URL (``s3://bucket/prefix``)
+    ``dspark_cache.dequantize`` on the GPU); ``target_layer_ids``: the layers whose states are handed
+    out, any subset of the cache's in any order (default: all, as stored; the final state is handed
+    out either way). A cache at an object-store URL (``s3://bucket/prefix``)
     is read through a node-local copy: ``local_cache_dir`` (default ``$DSPARK_LOCAL_CACHE_DIR`` or
     ``~/.cache/dspark-cache/remote``, shared by the node's processes), ``cache_limit`` bytes of shards
     kept there (default: half its free space), ``storage_options`` for the client (endpoint, region,
@@ -59,6 +61,7 @@ class LoaderConfig:
     follow_timeout: float | None = None
     verify: str = "once"
     dtype: Any = None  # checked against the cache when the loader opens it (reader.resolve_out_code)
+    target_layer_ids: Sequence[int] | None = None  # checked against the cache when the loader opens it
     storage_options: dict[str, Any] | None = field(default=None, repr=False)  # may hold secrets
     local_cache_dir: str | None = None
     cache_limit: int | None = None
@@ -73,6 +76,8 @@ class LoaderConfig:
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {self.pad_to!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, not {self.verify!r}")
+        if self.target_layer_ids is not None:
+            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         if self.cache_limit is not None and self.cache_limit <= 0:
             raise ValueError(f"cache_limit={self.cache_limit}: the bytes of shards kept on this node, more than 0")
 

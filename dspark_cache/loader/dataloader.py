@@ -44,9 +44,14 @@ class DSparkLoader:
             wait_for_manifest(path, config.poll_interval, config.follow_timeout, config.storage)
         self.cache = CacheDir(path, follow=config.follow, storage=config.storage,
                               poll=max(1.0, config.poll_interval) if config.follow else None)
-        layout = BatchLayout.from_manifest(self.cache.manifest, config.dtype)  # checks dtype against the cache
+        try:  # checks dtype and layers against the cache
+            layout = BatchLayout.from_manifest(self.cache.manifest, config.dtype, config.target_layer_ids)
+        except BaseException:
+            self.cache.close()
+            raise
         if config.expect:
-            check_expectations(self.cache.manifest, config.expect, where=path, delivered=layout.state_code)
+            check_expectations(self.cache.manifest, config.expect, where=path, delivered=layout.state_code,
+                               layers=layout.delivered_layer_ids)
         self.rank, self.world_size = config.ranks()
         self.epoch, self.offset = config.epoch, 0
         self._orders: dict[int, EpochOrder] = {}
@@ -165,7 +170,7 @@ def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **k
     """Batches of a dspark cache for one training rank (options: :class:`~.config.LoaderConfig`).
 
     Keys: NeMo's ``input_ids``, ``loss_mask`` (int64 ``[B,S]``), ``target_hidden_states``
-    ``[B,S,len(ids)*H]`` and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded; an FP8
+    ``[B,S,len(ids)*H]`` (``ids``: ``target_layer_ids``, default the cache's) and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded; an FP8
     cache's dequantised to ``dtype``, bf16 by default, while read; ``dtype="raw"`` hands out its
     float8 states plus ``target_hidden_states_scale`` ``[B,S,len(ids)]`` and
     ``target_last_hidden_states_scale`` ``[B,S,1]``: ``dspark_cache.dequantize(batch)``),

@@ -3,19 +3,21 @@
 ``dspark_cache.format`` decodes a sample into numpy views tagged with their safetensors dtype
 code (:class:`~dspark_cache.format.sample.StoredTensor`), so that tools which never hand out a
 tensor (``dspark-verify``, the monitor) never import torch. Everything the loader (and NeMo's
-path on top of it) returns goes through here: the same dtypes, shapes and bytes as the blob,
-without a copy. FP8 states come with their scales; :func:`dequantize` applies them on any device,
+path on top of it) returns goes through here: the same shapes and bytes as the blob, states
+without a copy. One rule for token ids and loss masks everywhere a tensor is handed out (a
+sample of ``open_cache``, WebDataset's decoder, a batch): int64, NeMo's dtype for both; the
+blob stores them as int32 and uint8, and widening a few bytes per token costs nothing. FP8 states come with their scales; :func:`dequantize` applies them on any device,
 to the same bits as the loader's batch filler.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from dspark_cache.format.sample import (
-    FP8_MAX, HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, TORCH_NAMES, StoredTensor, dequantize_arrays,
+    FP8_MAX, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK, TORCH_NAMES, StoredTensor, dequantize_arrays,
     fp8_bad_codes, fp8_bad_scales, fp8_code_reason, fp8_scale_reason,
 )
 from dspark_cache.format.wds import decode_dspark_arrays
@@ -32,8 +34,24 @@ def to_torch(stored: StoredTensor) -> torch.Tensor:
 
 
 def sample_to_torch(sample: Mapping[str, StoredTensor]) -> dict[str, torch.Tensor]:
-    """:func:`to_torch` of every tensor of a decoded sample."""
-    return {name: to_torch(stored) for name, stored in sample.items()}
+    """:func:`to_torch` of every tensor of a decoded sample, token ids and loss mask as int64."""
+    out = {name: to_torch(stored) for name, stored in sample.items()}
+    for name in (INPUT_IDS, LOSS_MASK):
+        if name in out:
+            out[name] = out[name].to(torch.int64)
+    return out
+
+
+def select_layers(sample: Mapping[str, torch.Tensor], positions: Sequence[int], hidden_size: int) -> dict[str, torch.Tensor]:
+    """A sample's states (and raw FP8 scales) of the stored layers at ``positions``, in that order
+    (a new tensor each: ``[L, len(positions) * H]``, ``[L, len(positions)]``). The final state is
+    untouched: a sample always carries it, inside the stored states or beside them."""
+    index = torch.as_tensor(list(positions), dtype=torch.long)
+    states = sample[HIDDEN]
+    out = {HIDDEN: states.unflatten(-1, (-1, hidden_size)).index_select(-2, index).flatten(-2)}
+    if HIDDEN_SCALE in sample:
+        out[HIDDEN_SCALE] = sample[HIDDEN_SCALE].index_select(-1, index)
+    return out
 
 
 def dequantize(batch: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:

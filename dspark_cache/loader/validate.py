@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.sample import CACHE_DTYPES
@@ -31,25 +31,34 @@ class CacheMismatchError(CacheError):
 
 
 def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = "the cache",
-                       delivered: str | None = None) -> None:
+                       delivered: str | None = None, layers: Sequence[int] | None = None) -> None:
     """Raise one error listing every field that differs (with both values), NeMo's nine checks.
 
     ``expect`` may hold ``compute_dtype`` (the trainer's, a name like ``"fp32"`` or a torch dtype):
     an fp32 trainer needs fp32 states (an fp32 cache, or an FP8 one dequantised to fp32).
     ``target_layer_ids`` and ``hidden_size`` also imply the two hidden dimensions. ``delivered`` is
     the code of the states the loader hands out (default: the stored dtype); ``expect["dtype"]``
-    may name either.
+    may name either. ``layers``: the layer ids handed out (default: the cache's), which
+    ``expect["target_layer_ids"]`` and ``expect["target_hidden_dim"]`` are compared with.
     """
+    layers = list(manifest.target_layer_ids if layers is None else layers)
     handed_out = _NAME_OF_CODE.get(delivered or "", manifest.dtype)
     unknown = set(expect) - set(_FIELDS) - {"compute_dtype"}
     if unknown:
         raise ValueError(f"unknown expect keys {sorted(unknown)}; known: {sorted(set(_FIELDS) | {'compute_dtype'})}")
     problems: list[str] = []
 
+    delivered_fields = {"target_layer_ids": layers, "target_hidden_dim": len(layers) * manifest.hidden_size}
+
     def differ(field: str, want: Any) -> None:
-        have = getattr(manifest, field)
+        have = delivered_fields.get(field, getattr(manifest, field))
         if have != want:
-            problems.append(f"{field}: the cache has {have!r}, training expects {want!r}")
+            hint = ""
+            if field == "target_layer_ids" and set(want) <= set(manifest.target_layer_ids):
+                hint = f" (it holds {list(manifest.target_layer_ids)}: pass target_layer_ids={list(want)} to take them)"
+            what = "the loader hands out" if field in delivered_fields and layers != list(manifest.target_layer_ids) \
+                else "the cache has"
+            problems.append(f"{field}: {what} {have!r}, training expects {want!r}{hint}")
 
     for key, want in expect.items():
         if key == "compute_dtype" or (key == "dtype" and want == handed_out):

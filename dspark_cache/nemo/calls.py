@@ -8,6 +8,12 @@ that catches them keeps working; the messages say what to do.
 An FP8 dspark cache is dequantised by the loader to the dtype the recipe computes in (fp32 on
 CPU, bf16 on CUDA: NeMo's own rule), and its manifest reports that dtype (the stored one as
 ``stored_dtype``), so NeMo's checks see a cache of the dtype training receives.
+
+One dspark cache can train drafters of several depths: when the recipe's ``target_layer_ids``
+(NeMo derives them from the drafter's depth) are a subset of the cache's layers, the manifest
+check accepts it and remembers the subset for that cache, and the dataloader built next for it
+hands out exactly those layers' states, in the recipe's order (NeMo's recipe passes no layers to
+its dataloader call, so the check is where the recipe says which it wants).
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ from dspark_cache.nemo.dataset import DSparkMapDataset, collate
 from dspark_cache.nemo.readahead import ReadAheadDataLoader
 
 log = logging.getLogger(__name__)
+# The layers each dspark cache's dataloader hands out, as the recipe's manifest check asked.
+_RECIPE_LAYERS: dict[str, tuple[int, ...]] = {}
+
+
+def _cache_key(cache_dir: str) -> str:
+    return cache_dir if "://" in cache_dir else os.path.realpath(cache_dir)
 
 
 def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, Any]:
@@ -77,7 +89,8 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
     so batches come in NeMo's order and torch's global RNG is drawn exactly as NeMo draws it.
 
     Batches hold NeMo's four keys, padded to the manifest's ``seq_length`` (``input_ids`` with the
-    pad token, the rest with zeros). A dspark cache is read a whole batch at a time, checksummed
+    pad token, the rest with zeros); the states of the layers the recipe's manifest check asked for
+    (all the cache's unless that check saw a subset). A dspark cache is read a whole batch at a time, checksummed
     (an FP8 one dequantised to :func:`recipe_dtype` as it is read).
     ``num_workers`` are ``DataLoader`` worker processes, as in NeMo. With 0 (NeMo's default) batches
     are read in the training process, the next one by the dataset's reader thread while training
@@ -94,7 +107,8 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
     else:
         with _nemo_errors():
             stored = read_dspark_manifest(cache_dir).dtype
-            dataset = DSparkMapDataset(cache_dir, batch_size=batch_size, dtype=recipe_dtype(stored))
+            dataset = DSparkMapDataset(cache_dir, batch_size=batch_size, dtype=recipe_dtype(stored),
+                                       target_layer_ids=_RECIPE_LAYERS.get(_cache_key(cache_dir)))
         collate_fn = collate
     sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
     return ReadAheadDataLoader(
@@ -115,14 +129,21 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
     """NeMo's ``_validate_cached_dspark_manifest``: the cache must fit the configured target and draft.
 
     A different ``target_model`` string only warns (paths differ across machines); every
-    structural field raises ``ValueError``. CPU training (fp32) needs an fp32 cache.
+    structural field raises ``ValueError``. CPU training (fp32) needs an fp32 cache. A dspark cache
+    may hold more layers than ``target_layer_ids``: any subset is accepted, and the next dataloader
+    built for this cache hands out that subset (a NeMo cache must match exactly, as in NeMo).
     """
     if str(manifest["target_model"]) != str(target_model):
         log.warning("DSpark cache at %s was built for target_model=%r, but this run configured target_model=%r. "
                     "Continuing because raw paths can differ across machines; structural cache fields will still "
                     "be validated.", cache_dir, manifest["target_model"], target_model)
     hidden_size = int(target_config.hidden_size)
-    expected_hidden_dim = hidden_size * len(target_layer_ids)
+    recorded = [int(x) for x in manifest["target_layer_ids"]]
+    wanted = [int(x) for x in target_layer_ids]
+    ours = not nemo_format.is_nemo_cache(cache_dir)
+    subset = ours and set(wanted) <= set(recorded) and wanted != recorded
+    # A subset is checked against the cache's own layers; the loader then hands out the subset.
+    expected_hidden_dim = hidden_size * len(recorded if subset else wanted)
     checks = (
         ("target_model_type", str(manifest["target_model_type"]), str(target_model_type)),
         ("target_vocab_size", int(manifest["target_vocab_size"]), int(target_config.vocab_size)),
@@ -142,6 +163,18 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
     if compute_dtype == torch.float32 and cache_dtype != torch.float32:
         raise ValueError(f"DSpark cache at {cache_dir} stores dtype={manifest['dtype']}, but CPU cached training "
                          "requires fp32 cache tensors. Regenerate with --dtype fp32 or train on CUDA.")
+
+    def check_layers() -> None:
+        if recorded != wanted and not subset:
+            holds = "holds" if ours else "was built for"
+            raise ValueError(f"DSpark cache at {cache_dir} {holds} target_layer_ids={recorded}, but this run "
+                             f"requested target_layer_ids={wanted}. Set recipe_args.target_layer_ids to "
+                             + ("a subset of the cache's, or produce a cache that holds this run's (dspark-produce "
+                                "--for-draft-layers captures the layers of several drafter depths in one cache)."
+                                if ours else "the cache's, or produce a cache with this run's."))
+
+    if ours:  # which layers are missing says more than the dimension they would have made
+        check_layers()
     dims = (
         ("target_hidden_dim", int(manifest["target_hidden_dim"]), expected_hidden_dim),
         ("target_last_hidden_dim", int(manifest["target_last_hidden_dim"]), hidden_size),
@@ -151,11 +184,11 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
             raise ValueError(f"DSpark cache at {cache_dir} has {field}={have}, but the configured target and "
                              f"layers need {want} (hidden_size {hidden_size} x {len(target_layer_ids)} target "
                              "layers for the first). Produce the cache with this run's target_layer_ids.")
-    recorded = [int(x) for x in manifest["target_layer_ids"]]
-    if recorded != list(target_layer_ids):
-        raise ValueError(f"DSpark cache at {cache_dir} was built for target_layer_ids={recorded}, but this run "
-                         f"requested target_layer_ids={list(target_layer_ids)}. Set recipe_args.target_layer_ids "
-                         "to the cache's, or produce a cache with this run's.")
+    check_layers()
+    if ours:
+        _RECIPE_LAYERS[_cache_key(os.fspath(cache_dir))] = tuple(wanted)
+        if subset:
+            log.info("DSpark cache at %s holds layers %s; training on %s of them", cache_dir, recorded, wanted)
 
 
 class _nemo_errors:

@@ -29,18 +29,24 @@ class DSparkMapDataset(torch.utils.data.Dataset):
     ``dtype``: the hidden states' dtype, as ``build_dataloader``'s (FP8 caches are dequantised to it;
     bf16 by default). ``cache_dir`` may be an object-store URL: shards are then downloaded to this
     node on first use (``storage``; by default from ``DSPARK_STORAGE_OPTIONS``, ``DSPARK_LOCAL_CACHE_DIR``
-    and ``DSPARK_CACHE_LIMIT``, so that an unedited NeMo recipe can read one).
+    and ``DSPARK_CACHE_LIMIT``, so that an unedited NeMo recipe can read one). ``target_layer_ids``:
+    the layers whose states are handed out, as ``build_dataloader``'s (default: all the cache holds).
     """
 
     def __init__(self, cache_dir: str | os.PathLike, *, batch_size: int = 1, native: bool | None = None,
-                 dtype: object = None, storage: StorageOptions | None = None) -> None:
+                 dtype: object = None, storage: StorageOptions | None = None,
+                 target_layer_ids: Sequence[int] | None = None) -> None:
         self.cache_dir = os.fspath(cache_dir)
         self.batch_size = max(1, batch_size)
         self.native = native
         self.storage = storage
         cache = CacheDir(self.cache_dir, storage=storage)
         self.manifest = cache.manifest
-        self.layout = BatchLayout.from_manifest(self.manifest, dtype)  # refuses a dtype the cache cannot give
+        try:  # refuses a dtype the cache cannot give, or layers it does not hold
+            self.layout = BatchLayout.from_manifest(self.manifest, dtype, target_layer_ids)
+        except BaseException:
+            cache.close()
+            raise
         self._shard, self._entry = _positions(cache)
         self._cache: CacheDir | None = cache
         self._reader: BatchReader | None = None

@@ -69,6 +69,19 @@ def test_epochs_differ_and_continue(small_cache):
     assert ids_of(again) == second
 
 
+def test_iterating_again_mid_epoch_continues_and_set_epoch_restarts(small_cache):
+    whole = ids_of(dspark_cache.build_dataloader(small_cache, 4, seed=3))
+    loader = dspark_cache.build_dataloader(small_cache, 4, seed=3, prefetch=3)
+    head = ids_of(loader, 2)  # a break after two batches: the batches read ahead are not lost
+    rest = ids_of(loader)  # a new iteration continues the epoch at its next unread batch
+    assert head + rest == whole and loader.epoch == 1
+    loader.set_epoch(0)  # the DistributedSampler idiom: that epoch again, from its first batch
+    assert ids_of(loader, 3) == whole[:3]
+    loader.set_epoch(0)
+    assert ids_of(loader) == whole
+    loader.close()
+
+
 def test_resume_at_every_step_and_resume_of_resume(small_cache):
     full = ids_of(dspark_cache.build_dataloader(small_cache, 4, seed=9, world_size=2, rank=1))
     for k in range(len(full) + 1):

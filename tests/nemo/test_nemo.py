@@ -142,8 +142,9 @@ def _validate(manifest, **change):
     for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
         if key in change:
             setattr(config, key, change.pop(key))
+    cache_dir = change.pop("cache_dir", "CACHE")
     kwargs.update(change)
-    dn.validate_cached_dspark_manifest("CACHE", manifest, config, layer_ids, **kwargs)
+    dn.validate_cached_dspark_manifest(cache_dir, manifest, config, layer_ids, **kwargs)
 
 
 @pytest.mark.parametrize("change, field", [
@@ -153,7 +154,7 @@ def _validate(manifest, **change):
     ({"num_hidden_layers": 9}, "num_hidden_layers"),
     ({"seq_length": 1024}, "seq_length"),
     ({"compute_dtype": torch.float32}, "fp32"),
-    ({"layer_ids": [0, 1]}, "target_hidden_dim"),
+    ({"layer_ids": [0, 1]}, r"holds target_layer_ids=\[1, 2, 4, 6, 7\].*requested target_layer_ids=\[0, 1\]"),
     ({"layer_ids": [0, 1, 2, 3, 4]}, "target_layer_ids"),
 ])
 def test_validation_names_the_field(small_cache, change, field):
@@ -161,6 +162,33 @@ def test_validation_names_the_field(small_cache, change, field):
     _validate(manifest)  # the cache's own settings pass
     with pytest.raises(ValueError, match=field):
         _validate(manifest, **change)
+
+
+def test_a_recipe_takes_its_layers_from_a_cache_that_holds_more(small_cache, nemo_cache, caplog):
+    """A drafter of depth 2 (NeMo's spread [1, 7]) from a cache made for depth 5 ([1, 2, 4, 6, 7]):
+    the check accepts the subset and the recipe's dataloader hands out exactly those layers."""
+    manifest = dn.read_manifest(small_cache)
+    stored, wanted = manifest["target_layer_ids"], [1, 7]
+    assert stored == [1, 2, 4, 6, 7]
+    with caplog.at_level(logging.INFO):
+        _validate(manifest, layer_ids=wanted, cache_dir=small_cache)
+    assert "training on [1, 7]" in caplog.text
+    try:
+        picked, _ = _run(small_cache, 5, 1, seed=3)
+        _validate(manifest, cache_dir=small_cache)  # the cache's own layers again: all of them
+        whole, _ = _run(small_cache, 5, 1, seed=3)
+    finally:
+        _validate(manifest, cache_dir=small_cache)
+    h = manifest["hidden_size"]
+    for a, b in zip(whole, picked, strict=True):
+        assert b["target_hidden_states"].shape[-1] == 2 * h
+        columns = a["target_hidden_states"].unflatten(-1, (-1, h))[:, :, [0, 4]].flatten(-2)
+        assert torch.equal(columns, b["target_hidden_states"])
+        assert torch.equal(a["target_last_hidden_states"], b["target_last_hidden_states"])
+    with pytest.raises(ValueError, match=r"holds target_layer_ids=\[1, 2, 4, 6, 7\].*requested .*\[1, 3\]"):
+        _validate(manifest, layer_ids=[1, 3], cache_dir=small_cache)
+    with pytest.raises(ValueError, match="target_hidden_dim"):  # NeMo's cache: exactly its layers, as in NeMo
+        _validate(dn.read_manifest(nemo_cache), layer_ids=wanted, cache_dir=nemo_cache)
 
 
 def test_validation_only_warns_on_target_path(small_cache, caplog):
