@@ -70,7 +70,7 @@ def dry_run(cfg: ProduceConfig) -> int:
     from dspark_cache.producer.device.topology import Topology
     from dspark_cache.producer.plan.store import forget_found, found_directory, keep_plan_files, leave_as_found
     from dspark_cache.producer.prepare import prepare, resolve_settings
-    from dspark_cache.producer.report.summary import plan_report
+    from dspark_cache.producer.report.summary import layers_cost, plan_report
     from dspark_cache.producer.resume import take_directory
 
     me = Topology.from_environment(cfg.tp_size, cfg.ep_size)
@@ -92,7 +92,9 @@ def dry_run(cfg: ProduceConfig) -> int:
     if found is not None:
         forget_found(output, found)
     if me.is_leader:
-        print(plan_report(p.plan, p.manifest, cfg.output_dir))
+        note = layers_cost(cfg.for_draft_layers, p.info.num_layers, p.shape, p.plan.num_tokens) \
+            if cfg.for_draft_layers else None
+        print(plan_report(p.plan, p.manifest, cfg.output_dir, note))
     return EXIT_OK
 
 

@@ -79,6 +79,7 @@ class ProduceConfig:
     shuffle_seed: int = 42
     draft_num_hidden_layers: int = 5
     target_layer_ids: list[int] | None = None
+    for_draft_layers: list[int] | None = None
     chat_template: str | None = None
     mask_reasoning_content: bool = False
     mask_generation_prompt: bool = False
@@ -158,7 +159,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-num-hidden-layers", type=int, default=5,
                    help="how many layers NeMo's spread picks when --target-layer-ids is not given")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                   help="explicit layer ids (NeMo convention)")
+                   help="explicit layer ids (NeMo convention); may be more than one drafter uses: training "
+                   "takes any subset (build_dataloader(..., target_layer_ids=...), or NeMo's recipe)")
+    p.add_argument("--for-draft-layers", type=_depths, default=None, metavar="D1,D2,...",
+                   help="capture the union of NeMo's default layer spreads for drafters of these depths (e.g. "
+                   "1,2,3,5), so that one cache trains each of them; the log and --dry-run say what it costs")
     p.add_argument("--chat-template", default=None,
                    help="inline Jinja, a template file or a tokenizer_config.json (default: the tokenizer's own)")
     p.add_argument("--mask-reasoning-content", action="store_true", help="do not supervise reasoning_content")
@@ -193,6 +198,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="encode and plan the input, print what the cache would hold (samples, tokens, padding, "
                    "shards, exact bytes) and exit without loading the target; only the plan is written (in "
                    "OUTPUT_DIR/plan/), and the real run reuses it")
+
+
+def _depths(text: str) -> list[int]:
+    """``1,2,3,5`` -> ``[1, 2, 3, 5]`` (argparse names the option when this raises)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of drafter depths, e.g. 1,2,3,5") \
+            from None
 
 
 def cache_output_options(cfg: ProduceConfig) -> dict[str, Any]:
@@ -262,6 +276,10 @@ def validate_config(cfg: ProduceConfig) -> None:
         raise ConfigError(f"--rank-timeout must be a positive number of seconds, got {cfg.rank_timeout}")
     if cfg.shuffle_seed < 0:
         raise ConfigError(f"--shuffle-seed must be >= 0, got {cfg.shuffle_seed}")
+    if cfg.for_draft_layers is not None and cfg.target_layer_ids is not None:
+        raise ConfigError("--for-draft-layers and --target-layer-ids both choose the layers captured; give one")
+    if cfg.for_draft_layers is not None and (not cfg.for_draft_layers or min(cfg.for_draft_layers) < 1):
+        raise ConfigError(f"--for-draft-layers {cfg.for_draft_layers}: give drafter depths of 1 or more, e.g. 1,2,3,5")
     if cfg.target_layer_ids is not None:  # order and the lower bound need no target; its depth is checked later
         ids = list(cfg.target_layer_ids)
         if min(ids, default=0) < EMBEDDING_LAYER:

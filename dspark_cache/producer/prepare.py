@@ -17,7 +17,7 @@ from dspark_cache import __version__
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.faults import crash_point
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.layers import build_target_layer_ids, validate_target_layer_ids
+from dspark_cache.format.layers import build_target_layer_ids, draft_layer_union, validate_target_layer_ids
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
@@ -30,6 +30,7 @@ from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.plan.batches import Plan
 from dspark_cache.producer.plan.job import plan_job
 from dspark_cache.producer.device.target import TargetInfo, read_target_info, resolve_device
+from dspark_cache.producer.report.summary import layers_cost
 from dspark_cache.producer.encode.template import resolve_chat_template, sha256_text, tokenizer_sha256
 
 if TYPE_CHECKING:
@@ -148,8 +149,12 @@ def resolve_settings(cfg: ProduceConfig) -> Settings:
     validate_config(cfg)
     template = resolve_chat_template(cfg.chat_template) if cfg.chat_template else None
     info = read_target_info(cfg.target_model, cfg.trust_remote_code, cfg.allow_pickle_weights)
-    layer_ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else \
-        build_target_layer_ids(info.num_layers, cfg.draft_num_hidden_layers)
+    if cfg.for_draft_layers:
+        layer_ids = draft_layer_union(info.num_layers, cfg.for_draft_layers)
+    elif cfg.target_layer_ids:
+        layer_ids = list(cfg.target_layer_ids)
+    else:
+        layer_ids = build_target_layer_ids(info.num_layers, cfg.draft_num_hidden_layers)
     validate_target_layer_ids(layer_ids, info.num_layers)
     source = InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed, cfg.max_row_bytes)
     device = resolve_device(cfg.device)
@@ -169,6 +174,8 @@ def prepare(settings: Settings, output: CacheOutput) -> Prepared:
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
              "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
              plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)
+    if cfg.for_draft_layers:
+        log.info("%s", layers_cost(cfg.for_draft_layers, info.num_layers, shape, plan.num_tokens))
     manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, input_sha256, settings.compute_dtype)
     _check_readable(manifest, cfg)
     crash_point("planned")

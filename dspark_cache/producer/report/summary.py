@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
+from dspark_cache.format.geometry import SampleShape
+from dspark_cache.format.layers import build_target_layer_ids
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import Manifest
@@ -61,8 +64,23 @@ def summary(result: RunResult, output_dir: str) -> str:
             f"{plan.num_bytes / 1e6:.1f} MB published ({skipped}), {result.seconds:.1f} s")
 
 
-def plan_report(plan: Plan, manifest: Manifest, output_dir: str) -> str:
-    """What ``--dry-run`` prints: enough to size a job before renting devices."""
+def bytes_per_token(shape: SampleShape) -> int:
+    """Stored bytes of one token of a sample of ``shape`` (states, their scales, id and mask)."""
+    return sum(spec.nbytes for spec in shape.specs(1))
+
+
+def layers_cost(depths: list[int], num_layers: int, shape: SampleShape, tokens: int) -> str:
+    """What ``--for-draft-layers`` costs: the union's bytes against one cache per drafter depth."""
+    own = bytes_per_token(shape)
+    alone = sum(bytes_per_token(dataclasses.replace(shape, layer_ids=tuple(build_target_layer_ids(num_layers, d))))
+                for d in depths)
+    return (f"--for-draft-layers {','.join(map(str, depths))}: layers {list(shape.layer_ids)} ({len(shape.layer_ids)} of "
+            f"{num_layers}) serve all {len(depths)} drafter depths: {own} bytes/token, {own * tokens / 1e9:.3f} GB "
+            f"for these {tokens} tokens; one cache per depth would store {alone} bytes/token ({alone / own:.2f}x)")
+
+
+def plan_report(plan: Plan, manifest: Manifest, output_dir: str, note: str | None = None) -> str:
+    """What ``--dry-run`` prints: enough to size a job before renting devices (``note``: one more line)."""
     skipped = ", ".join(f"{n} {reason}" for reason, n in plan.skipped_counts().items()) or "none"
     batches = sum(len(s.batches) for s in plan.shards)
     probe = output_dir
@@ -79,4 +97,5 @@ def plan_report(plan: Plan, manifest: Manifest, output_dir: str) -> str:
         f"({plan.num_bytes / 1e9:.3f} GB, {plan.num_bytes / max(1, plan.num_tokens):.0f} bytes/token)",
         f"  stored per token: layers {manifest.target_layer_ids} x {manifest.hidden_size} in {manifest.dtype}; "
         f"{output_dir}: {free}",
+        *([f"  {note}"] if note else []),
     ])
