@@ -12,7 +12,10 @@ Run with OUR venv's python; NeMo's pieces run as subprocesses of .venv-nemo (see
 3. trains NeMo's ``train_dspark`` recipe from each cache and compares per-step losses with the run
    on NeMo's own cache (modes: nemo, ours, imported, exported, nemo-cache+dspark); mode ``fp8``
    trains from ``dspark-produce --dtype fp8`` of the same rows (dequantised to fp32 by
-   ``dspark_cache.nemo``): the same micro-batches, a last-epoch mean loss within ``--fp8-loss-rtol``.
+   ``dspark_cache.nemo``): the same micro-batches, a last-epoch mean loss within ``--fp8-loss-rtol``;
+   mode ``superset`` trains the same recipe (layers 1, 2) from one dspark cache that holds every
+   layer (-1..3, as ``--for-draft-layers`` would for several drafters): its losses must equal those
+   of the cache made for this drafter alone (mode ``ours``) and NeMo's.
 
 Pieces of our side that do not exist yet are reported as ``pending``; the exit code is non-zero
 only on a mismatch or a crash. Results: ``WORKDIR/results.json``; logs: ``WORKDIR/logs/``.
@@ -38,6 +41,7 @@ sys.path.insert(0, HERE)
 import compare  # noqa: E402
 
 TARGET_LAYER_IDS = [1, 2]
+SUPERSET_LAYER_IDS = [-1, 0, 1, 2, 3]  # every layer of the 4-layer target; the final state inside
 MIN_SUPERVISED = 16  # assistant tokens inside the first seq_length tokens, so no producer skips a row
 
 
@@ -271,6 +275,8 @@ checkpoint:
                        report=report)
         if "fp8" in self.args.modes:
             self.fp8(ref, recipe, have_dspark_nemo)
+        if "superset" in self.args.modes:
+            self.superset(ref, recipe, have_dspark_nemo, sample_of_row)
         if self.args.negative_control:
             self.negative_control(ref, sample_of_row)
 
@@ -298,6 +304,41 @@ checkpoint:
             f"({report['relative_diff']:.3%}), worst step {report['max_relative_step_diff']:.2%}, hidden sums moved "
             f"up to {report['max_hidden_sum_rel_diff']:.2e}; "
             f"shards {sizes[1] / sizes[0]:.3f}x the fp32 cache's")
+        self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
+                   report=report)
+
+    def superset(self, ref: dict[str, Any], recipe: str, have_dspark_nemo: bool, sample_of_row: dict[str, int]) -> None:
+        """One cache of every layer trains the recipe's drafter (layers 1, 2) as the cache made for it does."""
+        label = "train superset cache"
+        if not have_dspark_nemo:
+            self.check(label, "pending", note="dspark_cache.nemo missing")
+            return
+        cache = self.path("ours_cache_superset")
+        flags = self.producer_flags(cache, mgp=False)
+        at = flags.index("--target-layer-ids") + 1
+        flags[at : at + len(TARGET_LAYER_IDS)] = map(str, SUPERSET_LAYER_IDS)
+        ok, _ = self.sh("produce_ours_superset", [self.ours_bin("dspark-produce"), *flags])
+        data = self.train("superset", "dspark", cache, recipe) if ok else None
+        if data is None:
+            self.check(label, "crash", note="dspark-produce of the superset cache or the recipe failed (see logs)")
+            return
+        report = compare.compare_runs(ref, data, tol=self.args.loss_tol, sample_of_row=sample_of_row)
+        dedicated = self.path("train", "ours.json")
+        if os.path.exists(dedicated):  # against the cache made for this drafter alone, too
+            with open(dedicated) as handle:
+                alone = compare.compare_runs(json.load(handle), data, tol=self.args.loss_tol,
+                                             sample_of_row=sample_of_row)
+            report["vs_dedicated"] = alone
+            report["problems"] += [f"vs the dedicated cache: {p}" for p in alone["problems"]]
+            if alone["status"] != "ok":
+                report["status"] = alone["status"]
+        sizes = [sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+                 for d in (CachePaths(self.path("ours_cache")).shards_dir, CachePaths(cache).shards_dir)]
+        note = "; ".join(report["problems"]) or (
+            f"layers {SUPERSET_LAYER_IDS} stored, {TARGET_LAYER_IDS} trained; losses vs NeMo max "
+            f"{report['max_abs_diff']:.2e}, vs the dedicated cache max "
+            f"{report.get('vs_dedicated', {}).get('max_abs_diff', float('nan')):.2e}; shards "
+            f"{sizes[1] / sizes[0]:.2f}x the dedicated cache's")
         self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
                    report=report)
 
@@ -385,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234, help="torch/numpy/random seed before NeMo's main()")
     parser.add_argument("--loss-tol", type=float, default=1e-4)
     parser.add_argument("--hidden-tol", type=float, default=1e-4)
-    parser.add_argument("--modes", nargs="+", default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8"],
+    parser.add_argument("--modes", nargs="+",
+                        default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset"],
                         help="training modes besides the nemo reference")
     parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
                         help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")
