@@ -10,14 +10,23 @@ format, warms the page cache, then measures, all in this run:
              resident: the kernel-copy ceiling) and into a page-aligned 256 MiB one (every byte
              to DRAM, as a loader's must; the baseline the ratios use)
   ours       build_dataloader(...) batches materialised (pad_to longest and seq_length), timed
-             over its first epoch (batch memory faulted in, every sample's checksum checked)
-             and in steady state (median of epochs 5-7; verify="once": no re-hashing), with the
-             native batch filler and with the Python one, and with verify="always"
+             over its first epoch (a fresh process: batch memory faulted in, every sample's
+             checksum checked), in steady state (median of epochs 5-7; verify="once": no
+             re-hashing), and over a first read with warm batch memory (epoch 8 with the
+             checked-samples bitmap cleared: every sample hashed, as in the first epoch of a
+             cache far larger than the batch memory), with the native batch filler and with
+             the Python one, and with verify="always"
   webdataset webdataset.WebDataset(urls).decode(our handler), sample by sample
   nemo       NeMo's reader: safe_open + get_slice(key)[row] per sample, then torch.stack
 Numbers: GB/s of real-token payload, samples/s, and ratios against raw, medians of --repeat.
 
+    python bench/loader.py --cold         # every read from the disk (pages dropped before each epoch)
+    python bench/loader.py --samples 960 --ours-only   # a 4.4 GB cache: the first epoch at scale
     python bench/loader.py --fp8          # FP8 mode: the same states as a bf16 and an fp8 cache
+
+--cold drops the shards' pages (posix_fadvise DONTNEED, after an fsync) before every raw read and
+every loader epoch, so both read the disk, not the page cache (the CPU-bound readers, the Python
+filler, WebDataset and NeMo's, are left out).
 
 --fp8 writes the samples twice (the same bf16 states, and those states quantised as the producer
 does) and measures, interleaved: the raw read of each cache's shards, the loader on the bf16
@@ -162,21 +171,27 @@ def evict(files: list[str]) -> None:
             os.close(fd)
 
 
-def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool,
-               verify: str = "once", dtype: str | None = None, cold: list[str] | None = None) -> tuple[float, float]:
-    """Seconds for the loader's first epoch (batch memory faulted in) and its steady state.
+def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool, verify: str = "once",
+               dtype: str | None = None, cold: list[str] | None = None) -> tuple[float, float, float]:
+    """Seconds for the loader's first epoch (batch memory faulted in), its steady state, and a
+    first read of every sample with warm batch memory.
 
     Steady state is the median of epochs 5-7: until then, rows that see a longer sample than
     before fault in fresh pages often (the first 250 batches here). A training run's epochs are
-    thousands of batches long, so that is what it sees after its first few minutes.
+    thousands of batches long, so that is what it sees after its first few minutes. The last
+    epoch runs with the checked-samples bitmap cleared: every sample is hashed again, as each is
+    in the first epoch of a cache whose size dwarfs the batch memory's one-time faults.
     """
     import dspark_cache
+    from dspark_cache.loader.verify import VerifiedSamples
 
     os.environ["DSPARK_NATIVE"] = "1" if native else "0"
     loader = dspark_cache.build_dataloader(root, batch, shuffle=True, seed=0, pad_to=pad_to, num_workers=threads,
                                            prefetch=4, pin_memory=False, verify=verify, dtype=dtype)
     seconds = []
-    for _ in range(8):
+    for epoch in range(9):
+        if epoch == 8:
+            loader.reader.verified = VerifiedSamples(verify)
         if cold:  # every epoch from the disk
             evict(cold)
         t = time.perf_counter()
@@ -184,7 +199,7 @@ def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool,
             pass
         seconds.append(time.perf_counter() - t)
     loader.close()
-    return seconds[0], statistics.median(seconds[5:])
+    return seconds[0], statistics.median(seconds[5:8]), seconds[8]
 
 
 def bench_webdataset(files: list[str]) -> float:
@@ -278,8 +293,10 @@ def main() -> None:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this run (threads hand the GIL over sooner)")
     p.add_argument("--fp8", action="store_true", help="FP8 mode: bf16 vs fp8 caches of the same states (see above)")
+    p.add_argument("--ours-only", action="store_true",
+                   help="leave out the WebDataset and NeMo readers (and NeMo's padded copy of the cache, ~5x its size)")
     p.add_argument("--cold", action="store_true",
-                   help="--fp8: drop the caches' pages before every epoch and raw read (reads come from the disk)")
+                   help="drop the caches' pages before every epoch and raw read (reads come from the disk)")
     args = p.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -306,35 +323,43 @@ def measure(args: argparse.Namespace, work: str) -> dict:
     root, lengths = make_cache(os.path.join(work, "cache"), args.samples, args.hidden, args.seq_length,
                                args.shard_size)
     tars = [CachePaths(root).shard_tar(i) for i in range(-(-args.samples // args.shard_size))]
-    nemo_files = make_nemo_shards(root, os.path.join(work, "nemo"), args.seq_length)
+    nemo_files = [] if args.ours_only else make_nemo_shards(root, os.path.join(work, "nemo"), args.seq_length)
     payload = sum(n * (args.hidden * len(LAYERS) * 2 + 5) for n in lengths)
     tar_bytes = sum(os.path.getsize(f) for f in tars)
-    nemo_bytes = sum(os.path.getsize(f) for f in nemo_files)
+    nemo_bytes = sum(os.path.getsize(f) for f in nemo_files) or None
     warm(tars)
     warm(nemo_files)
-    runs: dict[str, list[float]] = {k: [] for k in (
-        "raw_cache_resident", "raw", "ours_longest", "ours_longest_first_epoch", "ours_longest_python_filler",
-        "ours_seq_length", "ours_seq_length_first_epoch", "ours_seq_length_python_filler",
-        "ours_longest_verify_always", "ours_seq_length_verify_always", "webdataset", "nemo")}
+    runs: dict[str, list[float]] = {}
     from dspark_cache.loader.fill import native_available
 
     native = native_available()
+    cold = tars if args.cold else None
+
+    def add(name: str, seconds: float) -> None:
+        runs.setdefault(name, []).append(seconds)
+
     for _ in range(args.repeat):  # interleaved so that drift hits every reader alike
-        runs["raw_cache_resident"].append(bench_raw(tars))
-        runs["raw"].append(bench_raw(tars, 256 << 20))
+        if not args.cold:
+            add("raw_cache_resident", bench_raw(tars))
+        else:
+            evict(tars)
+        add("raw", bench_raw(tars, 256 << 20))
         for pad_to in ("longest", "seq_length"):
-            first, steady = bench_ours(root, args.batch_size, pad_to, args.threads, native)
-            runs[f"ours_{pad_to}_first_epoch"].append(first)
-            runs[f"ours_{pad_to}"].append(steady)
-            runs[f"ours_{pad_to}_python_filler"].append(
-                bench_ours(root, args.batch_size, pad_to, args.threads, native=False)[1])
-            runs[f"ours_{pad_to}_verify_always"].append(
-                bench_ours(root, args.batch_size, pad_to, args.threads, native, verify="always")[1])
-        runs["webdataset"].append(bench_webdataset(tars))
-        runs["nemo"].append(bench_nemo(nemo_files, args.shard_size, args.samples, args.batch_size))
+            first, steady, first_read = bench_ours(root, args.batch_size, pad_to, args.threads, native, cold=cold)
+            add(f"ours_{pad_to}_first_epoch", first)
+            add(f"ours_{pad_to}", steady)
+            add(f"ours_{pad_to}_first_read_warm_memory", first_read)
+            if not args.cold:
+                add(f"ours_{pad_to}_python_filler",
+                    bench_ours(root, args.batch_size, pad_to, args.threads, native=False)[1])
+            add(f"ours_{pad_to}_verify_always",
+                bench_ours(root, args.batch_size, pad_to, args.threads, native, verify="always", cold=cold)[1])
+        if not (args.cold or args.ours_only):
+            add("webdataset", bench_webdataset(tars))
+            add("nemo", bench_nemo(nemo_files, args.shard_size, args.samples, args.batch_size))
     med = {k: statistics.median(v) for k, v in runs.items()}
     result = {
-        "samples": args.samples, "mean_tokens": statistics.mean(lengths), "payload_bytes": payload,
+        "cold": args.cold, "samples": args.samples, "mean_tokens": statistics.mean(lengths), "payload_bytes": payload,
         "tar_bytes": tar_bytes, "nemo_bytes": nemo_bytes, "mb_per_sample": payload / args.samples / 1e6,
         "seconds": med, "runs": runs,
         "gb_per_s": {k: payload / v / 1e9 for k, v in med.items()},
