@@ -21,7 +21,7 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import xxhash
@@ -197,6 +197,25 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
     return None
 
 
+def _check_fp8(codes: np.ndarray, scales: np.ndarray, code: str, group: int, runs: list[tuple[int, int]],
+               first: int) -> None:
+    """The FP8 rule on a chunk of rows, for groups ``[g0, g0 + ng)`` of each run: stops where the C
+    filler does (the first bad row; in it, the runs and groups in order, a scale before its codes)."""
+    found = []
+    for g0, ng in runs:
+        bad_scale = fp8_bad_scales(scales[:, g0 : g0 + ng], code)
+        bad = bad_scale | fp8_bad_codes(codes[:, g0 * group : (g0 + ng) * group], code).reshape(-1, ng, group).any(2)
+        found.append((bad_scale, bad))
+    rows = [int(np.argmax(bad.any(1))) for _, bad in found if bad.any()]
+    if not rows:
+        return
+    row = min(rows)
+    for bad_scale, bad in found:
+        if bad[row].any():
+            k = int(np.argmax(bad[row]))
+            raise _Stop(RC_BAD_SCALE if bad_scale[row, k] else RC_BAD_CODE, first + row)
+
+
 class _SampleRead:
     """One payload, in file order: bytes outside every segment are read to scratch and dropped;
     with ``check``, every byte read is hashed (xxhash hashes a large buffer without the GIL)."""
@@ -216,8 +235,6 @@ class _SampleRead:
                 self.copy(seg)
             elif seg.kind == SEG_PICK:
                 self.pick(seg)
-            elif seg.kind == SEG_DEQUANT and seg.pick_count:
-                self.dequant_picked(seg)
             elif seg.kind == SEG_DEQUANT:
                 self.dequant(seg)
             else:
@@ -246,6 +263,16 @@ class _SampleRead:
             out.append((p, _span(self.bufs, buf, off, rows * p.stride).reshape(rows, p.stride)))
         return out
 
+    def whole_rows(self, row_bytes: int, rows: int) -> Iterator[tuple[int, np.ndarray]]:
+        """``(first row, [n, row_bytes] bytes)`` of a segment's rows, read through scratch a chunk of
+        whole rows at a time (one row when a row is larger than a chunk)."""
+        step = max(1, CHUNK // row_bytes)
+        if step * row_bytes > self.scratch.nbytes:
+            raise _Stop(RC_INVALID)
+        for first in range(0, rows, step):
+            n = min(step, rows - first)
+            yield first, self.read_into(self.scratch[: n * row_bytes]).reshape(n, row_bytes)
+
     def pick(self, seg: SegmentRecord) -> None:
         """Whole rows through scratch; the picks' columns of each go to their places."""
         row_bytes = seg.row_bytes
@@ -253,75 +280,42 @@ class _SampleRead:
             raise _Stop(RC_INVALID)
         rows = seg.len // row_bytes
         chosen = self.chosen(seg, rows)
-        step = max(1, CHUNK // row_bytes)
-        if step * row_bytes > self.scratch.nbytes:
-            raise _Stop(RC_INVALID)
-        for first in range(0, rows, step):
-            n = min(step, rows - first)
-            piece = self.read_into(self.scratch[: n * row_bytes]).reshape(n, row_bytes)
+        for first, piece in self.whole_rows(row_bytes, rows):
             for p, dst in chosen:
-                dst[first : first + n, p.dst : p.dst + p.len] = piece[:, p.src : p.src + p.len]
-
-    def dequant_picked(self, seg: SegmentRecord) -> None:
-        """Float8 rows through scratch; only the picks' groups dequantised, each into its place."""
-        in_row, group, out_size = seg.row_bytes, seg.group, seg.out_size
-        code, out_code = _FP8_CODES.get(seg.fp8_kind), _OUT_CODES.get(out_size)
-        if code is None or out_code is None or not in_row or not group or in_row % group or seg.len % in_row:
-            raise _Stop(RC_INVALID)
-        rows, groups = seg.len // in_row, in_row // group
-        chosen = self.chosen(seg, rows, out_size)
-        if any(p.src % group or p.len % group for p, _ in chosen):
-            raise _Stop(RC_INVALID)
-        scales = _span(self.bufs, seg.scale_buf, seg.scale_off, rows * groups * 4).view(np.float32)
-        scales = scales.reshape(rows, groups)
-        step = max(1, CHUNK // in_row)
-        if step * in_row > self.scratch.nbytes:
-            raise _Stop(RC_INVALID)
-        for first in range(0, rows, step):
-            n = min(step, rows - first)
-            piece = self.read_into(self.scratch[: n * in_row]).reshape(n, in_row)
-            for p, dst in chosen:
-                g0, ng = p.src // group, p.len // group
-                part, codes = scales[first : first + n, g0 : g0 + ng], piece[:, p.src : p.src + p.len]
-                bad_scale = fp8_bad_scales(part, code)
-                bad = bad_scale | fp8_bad_codes(codes, code).reshape(n, ng, group).any(2)
-                if bad.any():  # as C: the first bad (row, group) of this pick, a scale before its codes
-                    row, k = (int(i) for i in np.argwhere(bad)[0])
-                    raise _Stop(RC_BAD_SCALE if bad_scale[row, k] else RC_BAD_CODE, first + row)
-                out = dequantize_rows(codes, part, code, out_code).view(np.uint8).reshape(n, p.len * out_size)
-                dst[first : first + n, p.dst : p.dst + p.len * out_size] = out
+                dst[first : first + len(piece), p.dst : p.dst + p.len] = piece[:, p.src : p.src + p.len]
 
     def dequant(self, seg: SegmentRecord) -> None:
-        """Float8 rows through scratch, whole rows per chunk, into bf16/float32 rows (and columns)."""
+        """Float8 rows through scratch, whole rows per chunk, into bf16/float32 rows (and columns);
+        with picks, only the picked groups, each pick into its place."""
         in_row, group, out_size = seg.row_bytes, seg.group, seg.out_size
         code, out_code = _FP8_CODES.get(seg.fp8_kind), _OUT_CODES.get(out_size)
         if code is None or out_code is None or not in_row or not group or in_row % group or seg.len % in_row:
             raise _Stop(RC_INVALID)
         rows, groups, out_row = seg.len // in_row, in_row // group, in_row * out_size
-        dst = _span(self.bufs, seg.buf, seg.off, rows * out_row).reshape(rows, out_row)
         scales = _span(self.bufs, seg.scale_buf, seg.scale_off, rows * groups * 4).view(np.float32)
         scales = scales.reshape(rows, groups)
         cols = None
-        if seg.col_bytes:
-            if seg.col_off + seg.col_bytes > out_row:
+        if seg.pick_count:  # runs: (first group, groups, destination rows, byte offset in them)
+            chosen = self.chosen(seg, rows, out_size)
+            if any(p.src % group or p.len % group for p, _ in chosen):
                 raise _Stop(RC_INVALID)
-            cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(rows, seg.col_bytes)
-        step = max(1, CHUNK // in_row)
-        if step * in_row > self.scratch.nbytes:
-            raise _Stop(RC_INVALID)
-        for first in range(0, rows, step):
-            n = min(step, rows - first)
-            piece = self.read_into(self.scratch[: n * in_row]).reshape(n, in_row)
+            runs = [(p.src // group, p.len // group, dst, p.dst) for p, dst in chosen]
+        else:
+            runs = [(0, groups, _span(self.bufs, seg.buf, seg.off, rows * out_row).reshape(rows, out_row), 0)]
+            if seg.col_bytes:
+                if seg.col_off + seg.col_bytes > out_row:
+                    raise _Stop(RC_INVALID)
+                cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(rows, seg.col_bytes)
+        for first, piece in self.whole_rows(in_row, rows):
+            n = len(piece)
             part = scales[first : first + n]
-            bad_scale = fp8_bad_scales(part, code)
-            bad = bad_scale | fp8_bad_codes(piece, code).reshape(n, groups, group).any(2)
-            if bad.any():  # the C filler stops at the same (row, group): a scale before the codes it scales
-                row, k = (int(i) for i in np.argwhere(bad)[0])
-                raise _Stop(RC_BAD_SCALE if bad_scale[row, k] else RC_BAD_CODE, first + row)
-            out = dequantize_rows(piece, part, code, out_code).view(np.uint8).reshape(n, out_row)
-            dst[first : first + n] = out
-            if cols is not None:
-                cols[first : first + n] = out[:, seg.col_off : seg.col_off + seg.col_bytes]
+            _check_fp8(piece, part, code, group, [(g0, ng) for g0, ng, _, _ in runs], first)
+            for g0, ng, dst, at in runs:
+                codes = piece[:, g0 * group : (g0 + ng) * group]
+                out = dequantize_rows(codes, part[:, g0 : g0 + ng], code, out_code).view(np.uint8).reshape(n, -1)
+                dst[first : first + n, at : at + out.shape[1]] = out
+                if cols is not None:
+                    cols[first : first + n] = out[:, seg.col_off : seg.col_off + seg.col_bytes]
 
     def widen(self, seg: SegmentRecord) -> None:
         item = 4 if seg.kind == SEG_WIDEN_I32 else 1
