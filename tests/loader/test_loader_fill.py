@@ -227,3 +227,34 @@ def test_picks_hand_out_chosen_columns_in_the_callers_order(tmp_path, executor):
             assert (hidden == 0xAB).all()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_picked_fp8_layers_stop_at_the_first_bad_row_in_both_fillers(tmp_path, executor):
+    """Layer 2 breaks the FP8 rule at row 5 (a NaN code), layer 0 at row 2 (a zero scale): the
+    first bad row wins, whichever pick it lies in; unpicked layers are not judged."""
+    from dspark_cache.loader.records import FP8_KINDS, SEG_DEQUANT, PickRecord, pick_table
+
+    rows, group, layers = 9, 16, 3
+    codes = np.full((rows, layers * group), 0x38, dtype=np.uint8)  # 1.0 in e4m3
+    codes[5, 2 * group + 3] = 0x7F  # NaN code in layer 2
+    codes[1, 1 * group] = 0x7F  # in layer 1, which is not picked
+    scales = np.ones((rows, layers), dtype=np.float32)
+    path = tmp_path / "s"
+    path.write_bytes(codes.tobytes())
+    picks = pick_table([PickRecord(2 * group, group, 0, 0, 2 * group * 2), PickRecord(0, group, 0, group * 2, 2 * group * 2)])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for bad_scale_row, expect in ((None, (fill.RC_BAD_CODE, 5)), (2, (fill.RC_BAD_SCALE, 2)), (7, (fill.RC_BAD_CODE, 5))):
+            s = scales.copy()
+            if bad_scale_row is not None:
+                s[bad_scale_row, 0] = 0.0
+            out = np.zeros(rows * 2 * group * 2, dtype=np.uint8)
+            program = fill.BatchProgram([out, s.view(np.uint8).reshape(-1).copy()], picks)
+            program.sample(fd, 0, codes.nbytes, segment_table([segment(
+                SEG_DEQUANT, 0, codes.nbytes, 0, 0, row_bytes=layers * group, scale_buf=1, group=group, out_size=2,
+                fp8_kind=FP8_KINDS["F8_E4M3"], pick_count=2)]), tag=0)
+            failure = run(program, executor)
+            assert (failure.code, failure.detail) == expect
+    finally:
+        os.close(fd)
