@@ -28,8 +28,8 @@ import xxhash
 
 from dspark_cache.format.sample import dequantize_rows, fp8_bad_codes, fp8_bad_scales
 from dspark_cache.loader.records import (
-    FP8_KINDS, OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, PICK, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK,
-    SEG_WIDEN_I32, SEGMENT, OpRecord, PickRecord, SegmentRecord, pick_table,
+    FILL_ABI, FP8_KINDS, OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, PICK, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK,
+    SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, OpRecord, PickRecord, SegmentRecord, pick_table,
 )
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ _OUT_CODES = {2: "BF16", 4: "F32"}
 # L2 and were ~15% slower end to end than 128-512 KiB ones (BENCHMARKS.md).
 CHUNK = 256 << 10
 _U64 = (1 << 64) - 1
+_INT32_MAX, _INT64_MAX = (1 << 31) - 1, (1 << 63) - 1
+_SEG_KINDS = (SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEG_DEQUANT, SEG_PICK)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,13 @@ def _native() -> ctypes.CDLL | None:
                     "(or `rm .venv/.installed && make setup`) to build it")
         return None
     lib = ctypes.CDLL(_batch_fill.__file__)
+    abi = getattr(lib, "dspark_fill_abi", None)
+    built = abi() if abi is not None else None
+    if built != FILL_ABI:
+        log.warning("the native batch filler at %s was built from other sources (records %s, these are %s): the "
+                    "loader reads in Python, slower, until it is rebuilt: `pip install -e .` in the checkout (or "
+                    "`rm .venv/.installed && make setup`)", _batch_fill.__file__, built, FILL_ABI)
+        return None
     fn = lib.dspark_fill_batch
     p = ctypes.c_void_p
     fn.argtypes = [p, ctypes.c_uint64, p, ctypes.c_uint64, p, ctypes.c_uint64, p, p, ctypes.c_uint64, p,
@@ -140,7 +149,8 @@ def run(program: BatchProgram, scratch: np.ndarray, *, native: bool) -> Failure 
 def run_native(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
     lib = _native()
     if lib is None:
-        raise RuntimeError("the native batch filler is not built; reinstall dspark-cache with a C compiler")
+        raise RuntimeError("the native batch filler is not built, or was built from other sources; rebuild it: "
+                           "`pip install -e .` in the checkout, with a C compiler")
     ops, segs = program.arrays()
     picks = np.ascontiguousarray(program.picks)
     bases = np.array([b.ctypes.data for b in program.buffers], dtype=np.uint64)
@@ -179,6 +189,11 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
                 value = op.value - (1 << 64) if op.value >> 63 else op.value  # two's complement
                 _span(bufs, op.target, op.offset, 8 * op.count).view(np.int64)[:] = value
             elif op.kind == OP_SAMPLE:
+                # As C refuses them: segments outside the table, an unknown check, a descriptor that is
+                # not one, a payload past the largest file offset, no scratch to read through.
+                if (op.seg_first > len(segs) or op.seg_count > len(segs) - op.seg_first or op.check > 1
+                        or op.target > _INT32_MAX or op.offset > _INT64_MAX - op.count or not scratch.nbytes):
+                    raise _Stop(RC_INVALID)
                 chosen = segs[op.seg_first : op.seg_first + op.seg_count].tolist()
                 read = _SampleRead(bufs, scratch, picks, op.target, op.offset, op.count, op.check)
                 try:
@@ -228,7 +243,9 @@ class _SampleRead:
 
     def run(self, segs: Iterable[SegmentRecord]) -> None:
         for seg in segs:
-            if seg.src_off < self.pos or seg.src_off + seg.len > self.size:
+            if seg.src_off < self.pos or seg.src_off + seg.len > self.size or seg.kind not in _SEG_KINDS:
+                raise _Stop(RC_INVALID)
+            if seg.pick_count and seg.kind not in (SEG_PICK, SEG_DEQUANT):
                 raise _Stop(RC_INVALID)
             self.gap(seg.src_off)
             if seg.kind in (SEG_COPY, SEG_COPY_COLS):

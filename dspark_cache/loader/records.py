@@ -1,10 +1,11 @@
 """The records of a batch program, named once for Python and for ``csrc/batch_fill.c``.
 
-A program is two arrays of little-endian uint64 records that the C filler reads as the structs
-``op_t`` and ``segment_t`` (same fields, same order, 64 and 128 bytes): :data:`OP` and
-:data:`SEGMENT` are those layouts as numpy structured dtypes, so Python reads and writes them by
-field name (``segs["off"]``), and :class:`OpRecord` / :class:`SegmentRecord` name the fields of
-one record in the Python filler's loops.
+A program is three arrays of little-endian uint64 records that the C filler reads as the structs
+``op_t``, ``segment_t`` and ``pick_t`` (same fields, same order, 64, 144 and 40 bytes): :data:`OP`,
+:data:`SEGMENT` and :data:`PICK` are those layouts as numpy structured dtypes, so Python reads and
+writes them by field name (``segs["off"]``), and :class:`OpRecord`, :class:`SegmentRecord` and
+:class:`PickRecord` name the fields of one record in the Python filler's loops. :data:`FILL_ABI`
+names this layout; the native library reports the one it was built with.
 
 An op is one of (unused fields are 0):
 
@@ -70,7 +71,7 @@ class SegmentRecord(NamedTuple):
     len: int  # payload bytes
     buf: int
     off: int  # byte offset in ``buf``
-    row_bytes: int  # SEG_COPY_COLS: bytes per row of the copy
+    row_bytes: int  # SEG_COPY_COLS, SEG_PICK: bytes per stored row; SEG_DEQUANT: codes per row
     col_off: int  # ... the columns' offset within a row
     col_bytes: int  # ... and their width
     col_buf: int  # ... copied to this buffer
@@ -95,6 +96,7 @@ class PickRecord(NamedTuple):
     stride: int  # bytes from one destination row to the next
 
 
+FILL_ABI = 2  # csrc/batch_fill.c's dspark_fill_abi(): bumped with any change to these records
 OP = np.dtype([(name, _U64) for name in OpRecord._fields])
 SEGMENT = np.dtype([(name, _U64) for name in SegmentRecord._fields])
 PICK = np.dtype([(name, _U64) for name in PickRecord._fields])

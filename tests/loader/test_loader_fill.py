@@ -258,3 +258,54 @@ def test_picked_fp8_layers_stop_at_the_first_bad_row_in_both_fillers(tmp_path, e
             assert (failure.code, failure.detail) == expect
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_both_fillers_refuse_the_same_hostile_programs(tmp_path, executor):
+    """Programs no reader makes: each is RC_INVALID in both fillers, nothing written, nothing hangs."""
+    from dspark_cache.loader.records import SEG_DEQUANT, FP8_KINDS
+
+    path = tmp_path / "s"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDONLY)
+    huge = (1 << 62) + 4
+    cases = {
+        "unknown kind": dict(segs=[segment(9, 0, 64, 0, 0)]),
+        "picks on a copy": dict(segs=[segment(SEG_COPY, 0, 64, 0, 0, pick_count=1)]),
+        "check 2": dict(segs=[segment(SEG_COPY, 0, 64, 0, 0)], check=2),
+        "segments past the table": dict(segs=[segment(SEG_COPY, 0, 64, 0, 0)], seg_count=2),
+        "no scratch": dict(segs=[segment(SEG_COPY, 8, 64, 0, 0)], scratch=0),
+        "not a descriptor": dict(segs=[segment(SEG_COPY, 0, 64, 0, 0)], fd=1 << 40),
+        "sizes that wrap": dict(size=huge, segs=[segment(SEG_DEQUANT, 0, huge, 0, 0, row_bytes=4, scale_buf=1, group=1,
+                                                           out_size=4, fp8_kind=FP8_KINDS["F8_E4M3"])]),
+    }
+    try:
+        for name, case in cases.items():
+            out = np.full(16, 0xAB, dtype=np.uint8)
+            program = fill.BatchProgram([out, np.ones(16, dtype=np.uint8)])
+            program.sample(case.get("fd", fd), 0, case.get("size", 4096), segment_table(case["segs"]), tag=name)
+            program._ops[-1] = program._ops[-1]._replace(check=case.get("check", 0),
+                                                         seg_count=case.get("seg_count", len(case["segs"])))
+            failure = run(program, executor, scratch_bytes=case.get("scratch", 1 << 20))
+            assert failure == fill.Failure(fill.RC_INVALID, name, 0), name
+            assert (out == 0xAB).all(), name
+    finally:
+        os.close(fd)
+
+
+def test_a_native_library_built_from_other_sources_is_not_called(monkeypatch, caplog):
+    """A library left from an older build reads the records another way: refused, named, never called."""
+    from dspark_cache.loader import records
+
+    if not fill.native_available():
+        pytest.skip("the native batch filler is not built")
+    assert fill._native().dspark_fill_abi() == records.FILL_ABI
+    monkeypatch.setattr(fill, "FILL_ABI", records.FILL_ABI + 1)
+    fill._native.cache_clear()
+    try:
+        assert fill._native() is None
+        assert "built from other sources" in caplog.text and "pip install -e ." in caplog.text
+    finally:
+        monkeypatch.undo()
+        fill._native.cache_clear()
+    assert fill.native_available()

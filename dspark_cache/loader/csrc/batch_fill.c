@@ -167,6 +167,12 @@ static uint8_t *span(const context *cx, uint64_t buf, uint64_t off, uint64_t n) 
     return (uint8_t *)(uintptr_t)cx->bases[buf] + off;
 }
 
+/* span() of count items of size bytes; NULL also when count * size does not fit 64 bits. */
+static uint8_t *span_of(const context *cx, uint64_t buf, uint64_t off, uint64_t count, uint64_t size) {
+    uint64_t n;
+    return __builtin_mul_overflow(count, size, &n) ? NULL : span(cx, buf, off, n);
+}
+
 /* Reads the next n bytes of the payload into dst (and the hash, while they are in the cache);
  * RC_SHORT_READ at end of file, RC_READ_ERROR with errno in *detail. */
 static int read_exact(reading *rd, uint8_t *dst, uint64_t n, uint64_t *detail) {
@@ -278,7 +284,7 @@ static int read_rows(reading *rd, const segment_t *g, uint64_t *detail) {
 static int read_widened(reading *rd, const segment_t *g, uint64_t *detail) {
     const context *cx = rd->cx;
     uint64_t len = g->len, width = g->kind == SEG_WIDEN_I32 ? 4 : 1, count = len / width;
-    int64_t *dst = (int64_t *)span(cx, g->buf, g->off, count * 8);
+    int64_t *dst = (int64_t *)span_of(cx, g->buf, g->off, count, 8);
     if (!dst || len % width || len > cx->scratch_size || ((uintptr_t)dst & 7)) return RC_INVALID;
     int rc = read_exact(rd, cx->scratch, len, detail);
     if (rc) return rc;
@@ -457,8 +463,9 @@ static int read_dequant(reading *rd, const segment_t *g, uint64_t *detail) {
     if (!fp8_format_of(g->fp8_kind, &d.format) || !in_row || !group || in_row % group || len % in_row ||
         (out_size != 2 && out_size != 4))
         return RC_INVALID;
+    if (in_row > UINT64_MAX / 8) return RC_INVALID; /* so that in_row * out_size and groups * 4 fit */
     uint64_t rows = len / in_row, groups = in_row / group, out_row = in_row * out_size;
-    const uint8_t *scale_bytes = span(cx, g->scale_buf, g->scale_off, rows * groups * 4);
+    const uint8_t *scale_bytes = span_of(cx, g->scale_buf, g->scale_off, rows, groups * 4); /* groups <= in_row */
     uint8_t *dst = NULL, *cols = NULL;
     const pick_t *picks = NULL;
     uint64_t col_off = g->col_off, col_bytes = g->col_bytes;
@@ -468,10 +475,10 @@ static int read_dequant(reading *rd, const segment_t *g, uint64_t *detail) {
         for (uint64_t i = 0; i < g->pick_count; i++)
             if (picks[i].src % group || picks[i].len % group) return RC_INVALID;
     } else {
-        if (!(dst = span(cx, g->buf, g->off, rows * out_row))) return RC_INVALID;
+        if (!(dst = span_of(cx, g->buf, g->off, rows, out_row))) return RC_INVALID;
         if (col_bytes) {
             if (col_off > out_row || col_bytes > out_row - col_off) return RC_INVALID;
-            if (!(cols = span(cx, g->col_buf, g->col_dst, rows * col_bytes))) return RC_INVALID;
+            if (!(cols = span_of(cx, g->col_buf, g->col_dst, rows, col_bytes))) return RC_INVALID;
         }
     }
     uint64_t step = cx->chunk / in_row ? cx->chunk / in_row : 1; /* whole rows per chunk */
@@ -508,7 +515,9 @@ static int run_sample(const context *cx, const op_t *op, const segment_t *segs, 
     dspark_xxh3 hash;
     reading rd = {cx, (int)op->target, op->offset, 0, op->check ? &hash : NULL};
     uint64_t size = op->count, first = op->seg_first, count = op->seg_count;
-    if (first > n_segs || count > n_segs - first || op->check > 1) return RC_INVALID;
+    if (first > n_segs || count > n_segs - first || op->check > 1 || op->target > INT32_MAX ||
+        op->offset > (uint64_t)INT64_MAX - size)
+        return RC_INVALID;
     if (rd.hash) dspark_xxh3_reset(rd.hash);
     int rc = RC_OK;
     for (uint64_t s = first; s < first + count && !rc; s++) {
@@ -577,6 +586,10 @@ int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, ui
     *fail_op = rc ? i - 1 : n_ops;
     return rc;
 }
+
+/* The layout of the records this library reads: records.py's FILL_ABI, compared before the first
+ * call, so that a library left from an older build is never called with records it misreads. */
+int dspark_fill_abi(void) { return 2; }
 
 /* An importable (empty) module, so that Python finds the library through the import system. */
 static struct PyModuleDef batch_fill_module = {PyModuleDef_HEAD_INIT, "_batch_fill",
