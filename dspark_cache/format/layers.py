@@ -9,6 +9,7 @@ among the ids, ``target_last_hidden_states`` is the last ``H`` columns of the st
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 EMBEDDING_LAYER = -1
@@ -59,6 +60,9 @@ def layer_positions(stored: Sequence[int], wanted: Sequence[int], where: str = "
 
     Raises ``ValueError`` naming the ids the cache lacks (or repeats), and what to do.
     """
+    odd = [i for i in wanted if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
+    if odd:
+        raise ValueError(f"target_layer_ids {list(wanted)}: {odd} are not layer ids (integers, NeMo's convention)")
     wanted = [int(i) for i in wanted]
     position = {layer: k for k, layer in enumerate(stored)}
     missing = [i for i in wanted if i not in position]

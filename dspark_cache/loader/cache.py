@@ -41,7 +41,9 @@ class Cache:
         try:
             self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
             self.select = None if target_layer_ids is None else \
-                layer_positions(self.shape.layer_ids, target_layer_ids)
+                layer_positions(self.shape.layer_ids, target_layer_ids, where=f"the cache at {self.path}")
+            if self.select == tuple(range(len(self.shape.layer_ids))):  # all of them, as stored: nothing to pick
+                self.select = None
         except BaseException:
             self.cache.close()
             raise

@@ -76,8 +76,8 @@ class LoaderConfig:
             raise ValueError(f"pad_to must be 'seq_length' or 'longest', not {self.pad_to!r}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, not {self.verify!r}")
-        if self.target_layer_ids is not None:
-            object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.target_layer_ids is not None:  # checked against the cache's layers when it is opened
+            object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         if self.cache_limit is not None and self.cache_limit <= 0:
             raise ValueError(f"cache_limit={self.cache_limit}: the bytes of shards kept on this node, more than 0")
 

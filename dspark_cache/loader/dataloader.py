@@ -45,7 +45,8 @@ class DSparkLoader:
         self.cache = CacheDir(path, follow=config.follow, storage=config.storage,
                               poll=max(1.0, config.poll_interval) if config.follow else None)
         try:  # checks dtype and layers against the cache
-            layout = BatchLayout.from_manifest(self.cache.manifest, config.dtype, config.target_layer_ids)
+            layout = BatchLayout.from_manifest(self.cache.manifest, config.dtype, config.target_layer_ids,
+                                               where=f"the cache at {path}")
         except BaseException:
             self.cache.close()
             raise

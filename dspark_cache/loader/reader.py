@@ -99,10 +99,12 @@ class BatchLayout:
 
     @classmethod
     def from_manifest(cls, m: Manifest, dtype: object = None,
-                      layer_ids: "tuple[int, ...] | list[int] | None" = None) -> "BatchLayout":
-        """The batches of the cache that ``m`` describes, states as ``dtype`` (:func:`resolve_out_code`),
-        of the layers ``layer_ids`` (default: all the cache holds)."""
+                      layer_ids: "tuple[int, ...] | list[int] | None" = None, where: str = "the cache") -> "BatchLayout":
+        """The batches of the cache that ``m`` describes (``where``: its name in errors), states as
+        ``dtype`` (:func:`resolve_out_code`), of the layers ``layer_ids`` (default: all the cache holds)."""
         shape = SampleShape.from_manifest(m)
+        if layer_ids is not None:
+            layer_positions(shape.layer_ids, layer_ids, where)
         return cls(shape, m.seq_length, m.pad_token_id, m.target_vocab_size, resolve_out_code(shape, dtype),
                    None if layer_ids is None else tuple(layer_ids))
 

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from dspark_cache.format.errors import CacheError, NotACacheError
+from dspark_cache.format.layers import layer_positions
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.manifest import read_manifest as read_dspark_manifest
 from dspark_cache.format.schema import FP8_DTYPES
@@ -37,12 +38,22 @@ from dspark_cache.nemo.dataset import DSparkMapDataset, collate
 from dspark_cache.nemo.readahead import ReadAheadDataLoader
 
 log = logging.getLogger(__name__)
-# The layers each dspark cache's dataloader hands out, as the recipe's manifest check asked.
-_RECIPE_LAYERS: dict[str, tuple[int, ...]] = {}
+# The layers each dspark cache's dataloader hands out, as the recipe's manifest check asked: by
+# cache location, with the cache id the check saw (a cache re-produced there since is not that one).
+_RECIPE_LAYERS: dict[str, tuple[str | None, tuple[int, ...]]] = {}
 
 
 def _cache_key(cache_dir: str) -> str:
-    return cache_dir if "://" in cache_dir else os.path.realpath(cache_dir)
+    cache_dir = os.fspath(cache_dir)
+    return cache_dir.rstrip("/") if "://" in cache_dir else os.path.realpath(cache_dir)
+
+
+def _recipe_layers(cache_dir: str, cache_id: str | None) -> tuple[int, ...] | None:
+    """The layers the recipe's check asked of this cache, or None (all of them)."""
+    known = _RECIPE_LAYERS.get(_cache_key(cache_dir))
+    if known is None or known[0] != cache_id:
+        return None
+    return known[1]
 
 
 def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, Any]:
@@ -106,9 +117,13 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
         collate_fn = nemo_format.stack_samples
     else:
         with _nemo_errors():
-            stored = read_dspark_manifest(cache_dir).dtype
-            dataset = DSparkMapDataset(cache_dir, batch_size=batch_size, dtype=recipe_dtype(stored),
-                                       target_layer_ids=_RECIPE_LAYERS.get(_cache_key(cache_dir)))
+            manifest = read_dspark_manifest(cache_dir)
+            layers = _recipe_layers(cache_dir, manifest.cache_id)
+            dataset = DSparkMapDataset(cache_dir, batch_size=batch_size, dtype=recipe_dtype(manifest.dtype),
+                                       target_layer_ids=layers)
+        if layers is not None:
+            log.info("DSpark cache at %s: the dataloader hands out layers %s of %s", cache_dir, list(layers),
+                     manifest.target_layer_ids)
         collate_fn = collate
     sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
     return ReadAheadDataLoader(
@@ -142,6 +157,8 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
     wanted = [int(x) for x in target_layer_ids]
     ours = not nemo_format.is_nemo_cache(cache_dir)
     subset = ours and set(wanted) <= set(recorded) and wanted != recorded
+    if subset:  # the loader's own rule, named now: no id twice, none missing
+        layer_positions(recorded, wanted, where=f"the DSpark cache at {cache_dir}")
     # A subset is checked against the cache's own layers; the loader then hands out the subset.
     expected_hidden_dim = hidden_size * len(recorded if subset else wanted)
     checks = (
@@ -182,11 +199,11 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
     for field, have, want in dims:
         if have != want:
             raise ValueError(f"DSpark cache at {cache_dir} has {field}={have}, but the configured target and "
-                             f"layers need {want} (hidden_size {hidden_size} x {len(target_layer_ids)} target "
+                             f"layers need {want} (hidden_size {hidden_size} x {want // hidden_size} target "
                              "layers for the first). Produce the cache with this run's target_layer_ids.")
     check_layers()
     if ours:
-        _RECIPE_LAYERS[_cache_key(os.fspath(cache_dir))] = tuple(wanted)
+        _RECIPE_LAYERS[_cache_key(cache_dir)] = (manifest.get("cache_id"), tuple(wanted))
         if subset:
             log.info("DSpark cache at %s holds layers %s; training on %s of them", cache_dir, recorded, wanted)
 

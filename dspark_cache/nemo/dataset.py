@@ -43,7 +43,8 @@ class DSparkMapDataset(torch.utils.data.Dataset):
         cache = CacheDir(self.cache_dir, storage=storage)
         self.manifest = cache.manifest
         try:  # refuses a dtype the cache cannot give, or layers it does not hold
-            self.layout = BatchLayout.from_manifest(self.manifest, dtype, target_layer_ids)
+            self.layout = BatchLayout.from_manifest(self.manifest, dtype, target_layer_ids,
+                                                    where=f"the cache at {self.cache_dir}")
         except BaseException:
             cache.close()
             raise

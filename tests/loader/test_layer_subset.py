@@ -138,8 +138,14 @@ def test_layers_the_cache_lacks_are_refused_naming_both(tmp_path, wanted, says):
     root = write_cache(str(tmp_path / "c"), "bf16", (0, 1, 3))
     for opener in (lambda: dspark_cache.build_dataloader(root, 2, target_layer_ids=wanted),
                    lambda: dspark_cache.open_cache(root, target_layer_ids=wanted)):
-        with pytest.raises(ValueError, match=rf"{says}.*\(layers \[0, 1, 3\]\)|\(layers \[0, 1, 3\]\) for {says}"):
+        with pytest.raises(ValueError, match=rf"the cache at .*\(layers \[0, 1, 3\]\) for {says}"):
             opener()
+
+
+def test_layer_ids_that_are_not_integers_are_refused(tmp_path):
+    root = write_cache(str(tmp_path / "c"), "bf16", (0, 1, 3))
+    with pytest.raises(ValueError, match=r"\[1.5\] are not layer ids"):
+        dspark_cache.build_dataloader(root, 2, target_layer_ids=[1.5])
 
 
 def test_expect_compares_the_layers_handed_out(tmp_path):

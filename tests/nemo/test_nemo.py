@@ -187,6 +187,12 @@ def test_a_recipe_takes_its_layers_from_a_cache_that_holds_more(small_cache, nem
         assert torch.equal(a["target_last_hidden_states"], b["target_last_hidden_states"])
     with pytest.raises(ValueError, match=r"holds target_layer_ids=\[1, 2, 4, 6, 7\].*requested .*\[1, 3\]"):
         _validate(manifest, layer_ids=[1, 3], cache_dir=small_cache)
+    with pytest.raises(ValueError, match=r"layer ids \[1\] more than once"):  # refused by the check, not later
+        _validate(manifest, layer_ids=[1, 1], cache_dir=small_cache)
+    _validate({**manifest, "cache_id": "another"}, layer_ids=wanted, cache_dir=small_cache + "/")
+    again, _ = _run(small_cache, 5, 1, seed=3)  # a check of another cache at that place: not this one's layers
+    assert again[0]["target_hidden_states"].shape[-1] == 5 * h
+    _validate(manifest, cache_dir=small_cache)
     with pytest.raises(ValueError, match="target_hidden_dim"):  # NeMo's cache: exactly its layers, as in NeMo
         _validate(dn.read_manifest(nemo_cache), layer_ids=wanted, cache_dir=nemo_cache)
 
