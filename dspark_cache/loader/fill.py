@@ -9,9 +9,11 @@ which). ``csrc/batch_fill.c`` runs the program without holding the GIL (its xxh3
 so a reader thread needs the GIL a few times per batch instead of several times per chunk, and
 a training loop's Python rarely stalls it; :func:`run_python` runs the same program with numpy
 and ``os.preadv`` where the extension is not built. Both check every write against its
-buffer's bounds and report failures the same way, both dequantise FP8 rows to the same bits
-(``format.sample.dequantize_rows``'s rule), and both check widened token ids and masks against
-their segment's ``limit`` (the token rule, ``format.validate.token_problem``).
+buffer's bounds, refuse the same invalid programs and report failures the same way (what a
+failed program left in its buffers may differ: the reader drops that batch), both dequantise
+FP8 rows to the same bits (``format.sample.dequantize_rows``'s rule), and both check widened
+token ids and masks against their segment's ``limit`` (the token rule,
+``format.validate.token_problem``).
 """
 
 from __future__ import annotations
