@@ -45,6 +45,12 @@ SUPERSET_LAYER_IDS = [-1, 0, 1, 2, 3]  # every layer of the 4-layer target; the 
 MIN_SUPERVISED = 16  # assistant tokens inside the first seq_length tokens, so no producer skips a row
 
 
+def shard_bytes(cache: str) -> int:
+    """Bytes of a dspark cache's shards directory."""
+    shards = CachePaths(cache).shards_dir
+    return sum(os.path.getsize(os.path.join(shards, name)) for name in os.listdir(shards))
+
+
 class Harness:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -296,8 +302,7 @@ checkpoint:
             self.check(label, "crash", note="dspark-produce --dtype fp8 or the recipe failed (see logs)")
             return
         report = compare.compare_quantised_run(ref, data, rel_tol=self.args.fp8_loss_rtol, epochs=self.args.epochs)
-        sizes = [sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
-                 for d in (CachePaths(self.path("ours_cache")).shards_dir, CachePaths(cache).shards_dir)]
+        sizes = [shard_bytes(self.path("ours_cache")), shard_bytes(cache)]
         report["shard_bytes"] = {"fp32": sizes[0], "fp8": sizes[1]}
         note = "; ".join(report["problems"]) or (
             f"last-epoch mean loss {report['last_epoch_mean']:.5f} vs {report['reference_last_epoch_mean']:.5f} "
@@ -332,8 +337,7 @@ checkpoint:
             report["problems"] += [f"vs the dedicated cache: {p}" for p in alone["problems"]]
             if alone["status"] != "ok":
                 report["status"] = alone["status"]
-        sizes = [sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
-                 for d in (CachePaths(self.path("ours_cache")).shards_dir, CachePaths(cache).shards_dir)]
+        sizes = [shard_bytes(self.path("ours_cache")), shard_bytes(cache)]
         note = "; ".join(report["problems"]) or (
             f"layers {SUPERSET_LAYER_IDS} stored, {TARGET_LAYER_IDS} trained; losses vs NeMo max "
             f"{report['max_abs_diff']:.2e}, vs the dedicated cache max "
