@@ -29,6 +29,7 @@ import os
 import socket
 import stat
 import time
+from typing import Callable
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
@@ -181,34 +182,44 @@ def _flock(path: str, fd: int, mode: int) -> bool:
         return False
 
 
-def lock_exclusive(paths: CachePaths, run_id: str, world_size: int, overwrite: bool = False) -> DirectoryLock | None:
-    """Rank 0: take the directory (its ``control/`` must exist) or raise naming who holds it."""
-    fd = _open(paths.lock)
+def hold_exclusive(path: str, record: dict, refusal: Callable[[str], CacheError]) -> DirectoryLock | None:
+    """Take ``path``'s flock exclusively and write ``record`` (who holds it) into it; ``refusal(holder)``
+    is raised when another process holds it. None: the filesystem has no locks (warned). Any writer that
+    needs one process per output uses this (a cache directory, ``dspark-regenerate``'s output file)."""
+    fd = _open(path)
     try:
-        if not _flock(paths.lock, fd, fcntl.LOCK_EX):
+        if not _flock(path, fd, fcntl.LOCK_EX):
             os.close(fd)
             return None
     except BlockingIOError:
         holder = describe_holder(_read_holder(fd))
         os.close(fd)
-        what = "--overwrite refused: it does not stop a live run, and " if overwrite else ""
-        raise CacheLockedError(
+        raise refusal(holder) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    if not _still_there(path, fd):
+        os.close(fd)
+        return hold_exclusive(path, record, refusal)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), **record, "started_at": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
+    return DirectoryLock(path, fd)
+
+
+def lock_exclusive(paths: CachePaths, run_id: str, world_size: int, overwrite: bool = False) -> DirectoryLock | None:
+    """Rank 0: take the directory (its ``control/`` must exist) or raise naming who holds it."""
+    what = "--overwrite refused: it does not stop a live run, and " if overwrite else ""
+
+    def refusal(holder: str) -> CacheError:
+        return CacheLockedError(
             f"{what}{paths.root} is in use by another dspark-produce run ({holder}). Two producers on one "
             f"--output-dir would redo and overwrite each other's work. Wait for that run to finish, or stop it "
             f"(press s in dspark-monitor {paths.root}, or kill -TERM its pid on its host), then rerun; for a "
             f"separate cache choose another --output-dir"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    if not _still_there(paths.lock, fd):
-        os.close(fd)
-        return lock_exclusive(paths, run_id, world_size, overwrite)
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id, "world_size": world_size,
-              "started_at": time.time()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode() + b"\n", 0)
-    return DirectoryLock(paths.lock, fd)
+        )
+
+    return hold_exclusive(paths.lock, {"run_id": run_id, "world_size": world_size}, refusal)
 
 
 def lock_shared(paths: CachePaths) -> DirectoryLock | None:
