@@ -32,10 +32,45 @@ INDEX_FORMAT_VERSION = 1
 
 # Manifest fields that describe progress or provenance, not what the cache contains. Every
 # other field is identity: resume refuses a cache whose identity differs from the new run's.
+# ``regenerated`` is provenance: it is read from the input rows, whose bytes ``input_sha256`` already
+# makes identity, so it can only differ when the input does (and an older cache without it resumes).
 NON_IDENTITY_FIELDS = frozenset(
     {"complete", "versions", "created_at", "completed_at", "num_samples", "nonfinite_samples", "cache_id",
-     "target_weights_xxh3"}
+     "target_weights_xxh3", "regenerated"}
 )
+TURN_MODES = ("all", "last")  # dspark-regenerate --turns: every assistant turn, or the last one only
+
+
+class Regeneration(msgspec.Struct, kw_only=True, frozen=True):
+    """How ``dspark-regenerate`` made a row's assistant turns: the served model and the sampling
+    settings of its run (``seed`` is the run's ``--seed``; each row's own seed is derived from it)."""
+
+    model: str
+    turns: str
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class RowRegeneration(Regeneration, kw_only=True, frozen=True):
+    """The ``regenerated`` record of one output row: its run's settings, the seed its requests were
+    sent with, each regenerated turn's finish reason and the tokens generated."""
+
+    row_seed: int
+    finish_reasons: list[str] = msgspec.field(default_factory=list)
+    completion_tokens: int = 0
+
+    def run(self) -> Regeneration:
+        """The run's settings alone (what rows of one run share)."""
+        return Regeneration(**{f: getattr(self, f) for f in Regeneration.__struct_fields__})
+
+
+class RegeneratedInput(Regeneration, kw_only=True, frozen=True):
+    """A manifest's ``regenerated`` entry: ``rows`` input rows were regenerated with these settings."""
+
+    rows: int = 0
 
 
 class RankState:
@@ -126,6 +161,9 @@ class Manifest(msgspec.Struct, kw_only=True):
     skipped: list[SkippedRow] = msgspec.field(default_factory=list)
     nonfinite_samples: list[int] = msgspec.field(default_factory=list)
     versions: dict[str, str] = msgspec.field(default_factory=dict)
+    # Input rows that dspark-regenerate made, per distinct run (model and sampling settings); empty
+    # when the rows say nothing of it (and in caches made before this field).
+    regenerated: list[RegeneratedInput] = msgspec.field(default_factory=list)
     created_at: float = 0.0
     completed_at: float | None = None
 

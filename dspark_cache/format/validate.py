@@ -21,7 +21,7 @@ from dspark_cache.format.sample import (
     CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK, StoredTensor,
     fp8_bad_codes, fp8_bad_scales, fp8_code_reason, fp8_scale_reason, is_fp8,
 )
-from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, Manifest, ShardIndex
+from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, TURN_MODES, Manifest, ShardIndex
 from dspark_cache.format.tar.members import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
 MAX_MANIFEST_BYTES = 256 << 20  # the skipped-row list of a huge input stays far below
@@ -96,6 +96,20 @@ def manifest_problems(m: Manifest) -> Iterable[str]:
                f"shard_size {m.shard_size}")
     if not 0 <= m.pad_token_id < max(m.target_vocab_size, 1):  # loaders pad input_ids with it
         yield f"pad_token_id {m.pad_token_id} is not in [0, target_vocab_size {m.target_vocab_size})"
+    yield from _regenerated_problems(m)
+
+
+def _regenerated_problems(m: Manifest) -> Iterable[str]:
+    """Each ``regenerated`` entry names a model, a --turns mode and counts rows the input holds."""
+    for i, entry in enumerate(m.regenerated):
+        if not entry.model:
+            yield f"regenerated[{i}] names no model"
+        if entry.turns not in TURN_MODES:
+            yield f"regenerated[{i}].turns {entry.turns!r} is not one of {list(TURN_MODES)}"
+        if not 1 <= entry.rows <= m.num_rows:
+            yield f"regenerated[{i}].rows {entry.rows} is not in [1, num_rows {m.num_rows}]"
+    if sum(entry.rows for entry in m.regenerated) > m.num_rows:
+        yield f"regenerated lists {sum(e.rows for e in m.regenerated)} rows, more than num_rows {m.num_rows}"
 
 
 def _scheme_problems(m: Manifest) -> Iterable[str]:
