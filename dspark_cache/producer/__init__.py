@@ -15,7 +15,10 @@ package is internal and may change with the producer):
 * ``load_tokenizer(cfg, template=None)``, ``plan_input(cfg, encoder, source, shape)``: the
   tokenizer and the plan exactly as ``dspark-produce`` makes them (``prepare``); a sample's
   shape is ``dspark_cache.format.geometry.SampleShape``.
-* ``ChatEncoder`` (``encode.chat``), ``InputSource`` (``inputs.source``).
+* ``ChatEncoder`` (``encode.chat``), ``InputSource`` (``inputs.source``); what it yields, ``RawRow``,
+  ``InvalidRow``, ``InputError`` (``inputs.rows``), and ``normalise_row`` (``encode.messages``): a row
+  as the producer reads it (``dspark-regenerate`` reads its input through these).
+* ``counter``, ``set_progress``: the progress bars and their log lines (``report.progress``).
 * ``read_target_info``, ``resolve_device``, ``TargetRunner``: the target (``device.target``).
 * ``run_pipeline``, ``collate``, ``finite_flags``: the device-to-writer pipeline (``pipeline.loop``).
 * ``torch_dtype``, ``dtype_code``, ``byte_views``: torch dtypes of the format's codes and back,
@@ -37,6 +40,12 @@ _API = {
     "plan_input": "prepare",
     "ChatEncoder": "encode.chat",
     "InputSource": "inputs.source",
+    "RawRow": "inputs.rows",
+    "InvalidRow": "inputs.rows",
+    "InputError": "inputs.rows",
+    "normalise_row": "encode.messages",
+    "counter": "report.progress",
+    "set_progress": "report.progress",
     "read_target_info": "device.target",
     "resolve_device": "device.target",
     "TargetRunner": "device.target",

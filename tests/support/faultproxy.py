@@ -1,6 +1,7 @@
-"""A fault-injecting HTTP/1.1 proxy for the object-store tests: it stands between a client and the
-S3 server (:mod:`tests.support.s3server`) and, on the requests a test picks, misbehaves the ways a
-real store and network do, so retries, timeouts and error mapping are tested for real.
+"""A fault-injecting HTTP/1.1 proxy: it stands between a client and a real server (the S3 server of
+:mod:`tests.support.s3server` for the object-store tests, ``transformers serve`` for
+``dspark-regenerate``'s) and, on the requests a test picks, misbehaves the ways a real server and
+network do, so retries, timeouts and error mapping are tested for real.
 
 Plain pass-through is a real HTTP/1.1 relay (keep-alive, ``Content-Length`` and chunked bodies,
 ``Expect: 100-continue``), not a byte pump, because faults are counted *per request*: a pooled
@@ -19,6 +20,9 @@ Fault kinds (:data:`KINDS`), each hitting one request:
   ``503``    drain the request body and answer ``503 Slow Down`` with S3's ``SlowDown`` XML error,
              ``Connection: close``.
   ``500``    the same with ``500 Internal Server Error`` and ``InternalError``.
+  ``429``    the same with ``429 Too Many Requests`` (an inference server's rate limit).
+The error bodies are S3's XML (``dialect="s3"``, the default) or an OpenAI-style JSON error
+(``dialect="openai"``), as the server behind the proxy would send them.
   ``cut``    forward the request, relay the response head and ``cut_after`` bytes of its body,
              then RST: a download that dies midway.
 
@@ -28,6 +32,7 @@ Stdlib only; one thread per client connection. ``stop()`` unblocks and ends ever
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import select
 import socket
@@ -40,7 +45,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-KINDS = ("reset", "stall", "503", "500", "cut")
+KINDS = ("reset", "stall", "503", "500", "429", "cut")
+DIALECTS = ("s3", "openai")
 DEFAULT_STALL_S = 3600.0
 _CHUNK = 1 << 20
 _MAX_HEAD = 64 * 1024
@@ -48,6 +54,7 @@ _ERRORS = {
     "503": ("503 Slow Down", "SlowDown", "Please reduce your request rate."),
     "500": ("500 Internal Server Error", "InternalError",
             "We encountered an internal error. Please try again."),
+    "429": ("429 Too Many Requests", "SlowDown", "Please reduce your request rate."),
 }
 
 
@@ -249,7 +256,10 @@ class FaultProxy:
     """A proxy on ``127.0.0.1`` and a free port in front of ``upstream_host:upstream_port``."""
 
     def __init__(self, upstream_host: str, upstream_port: int, *, host: str = "127.0.0.1", port: int = 0,
-                 stall_s: float = DEFAULT_STALL_S) -> None:
+                 stall_s: float = DEFAULT_STALL_S, dialect: str = "s3") -> None:
+        if dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {DIALECTS}, not {dialect!r}")
+        self.dialect = dialect
         self.upstream = (upstream_host, upstream_port)
         self.host = host
         self._want_port = port
@@ -540,9 +550,14 @@ class FaultProxy:
             if head.headers.get("expect", "").lower() != "100-continue":
                 head.relay_body(reader, _Sink(None))  # read it all, so closing sends no RST
             status, code, message = _ERRORS[plan.kind]
-            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                    f"<Message>{message}</Message><RequestId>faultproxy</RequestId></Error>").encode()
-            client.sendall((f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+            if self.dialect == "openai":
+                content_type = "application/json"
+                body = json.dumps({"error": {"message": message, "type": code, "code": int(plan.kind)}}).encode()
+            else:
+                content_type = "application/xml"
+                body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                        f"<Message>{message}</Message><RequestId>faultproxy</RequestId></Error>").encode()
+            client.sendall((f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
                             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
             try:
                 client.shutdown(socket.SHUT_WR)

@@ -118,6 +118,7 @@ class Counter:
         self._total = total
         self._bar = bar
         self._clock = _Throttle(LOG_INTERVAL_S)
+        self._note = ""
 
     @property
     def total(self) -> int | None:
@@ -130,6 +131,12 @@ class Counter:
         if self._bar is not None:
             self._bar.total = value
             self._bar.refresh()
+
+    def note(self, text: str) -> None:
+        """A few words drawn after the count (the bar's postfix, the log line's tail), e.g. a second rate."""
+        self._note = text
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
 
     def update(self, n: int = 1) -> None:
         """Count ``n`` more."""
@@ -148,7 +155,8 @@ class Counter:
             tail = f" in {format_duration(self._clock.elapsed())}"
         elif self._total is not None and rate > 0:
             tail = f", ETA {format_duration((self._total - self.n) / rate)}"
-        return f"{self.desc}: {done} {self.unit}, {rate:.0f} {self.unit}/s{tail}"
+        note = f", {self._note}" if self._note else ""
+        return f"{self.desc}: {done} {self.unit}, {rate:.0f} {self.unit}/s{note}{tail}"
 
     def close(self) -> None:
         """End the bar (left on screen), or log the final line."""
