@@ -9,6 +9,7 @@ exit-code table, ``--version``, ``--log-level``, one-line usage errors) and runs
 * ``dspark-monitor``: ``tui/cli.py`` (the app is ``tui.app.MonitorApp``)
 * ``dspark-verify``: ``verify/cli.py`` (the checks are ``verify/checks.py``)
 * ``dspark-convert``: ``nemo/convert/cli.py``
+* ``dspark-regenerate``: ``regenerate/cli.py`` (the run is ``regenerate/run.py``)
 
 A part's module is imported only when its script runs, so the parts never import each other
 through here and ``dspark-monitor`` never imports torch. A part never imports this package: only
@@ -68,3 +69,8 @@ def verify(argv: list[str] | None = None) -> int:
 def convert(argv: list[str] | None = None) -> int:
     """``dspark-convert SRC DST --to {dspark,nemo}``."""
     return _dispatch("dspark_cache.nemo.convert.cli", argv, raw_description=True)
+
+
+def regenerate(argv: list[str] | None = None) -> int:
+    """``dspark-regenerate --input-data ROWS --output OUT.jsonl --endpoint URL [--endpoint URL ...]``."""
+    return _dispatch("dspark_cache.regenerate.cli", argv)

@@ -169,6 +169,7 @@ SCRIPT_MODULES = {
     "dspark-monitor": "dspark_cache.tui",
     "dspark-verify": "dspark_cache.verify",
     "dspark-convert": "dspark_cache.nemo.convert",
+    "dspark-regenerate": "dspark_cache.regenerate",
 }
 
 

@@ -1,0 +1,146 @@
+"""One HTTP request to one endpoint, and what its failure means.
+
+The standard library's ``http.client``, one keep-alive connection per (thread, endpoint): 16 requests
+in flight are 16 threads blocked in ``recv``, which costs the client almost nothing next to the
+seconds a server spends generating (BENCHMARKS.md measures the client's CPU per request).
+
+A failure is sorted for the retry loop (``endpoints``):
+* :class:`Unreachable`: nothing listens (connection refused, no route, DNS): the endpoint is down,
+  not the row's fault; it leaves the rotation for a while.
+* :class:`Transient`: the server answered 429/5xx, the request timed out, or the connection broke
+  mid-request: worth retrying after a backoff.
+* :class:`Rejected`: any other status (400: a prompt too long for the model, a bad parameter):
+  retrying sends the same request again, so the row fails at once with the server's words.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+_ERROR_TEXT = 300  # characters of a server's error body kept in a row's failure reason
+
+
+class RequestFailed(Exception):
+    """A request that got no usable answer; ``reason`` is short and says what happened."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Unreachable(RequestFailed):
+    """No server answers at the endpoint."""
+
+
+class Transient(RequestFailed):
+    """Worth retrying: overloaded, a server error, a timeout or a broken connection."""
+
+
+class Rejected(RequestFailed):
+    """The server refused this request: sending it again gives the same answer."""
+
+
+def base_url(url: str) -> str:
+    """``http://host:port`` from what a user passes (``.../v1``, a trailing slash); ValueError when not HTTP(S)."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--endpoint {url!r} is not an http:// or https:// URL; pass e.g. http://127.0.0.1:8000")
+    path = parts.path.rstrip("/")
+    path = path[: -len("/v1")] if path.endswith("/v1") else path
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def _error_text(body: bytes) -> str:
+    """The server's message from an error body (OpenAI's ``{"error": {"message": ...}}``, or the text)."""
+    text = body.decode("utf-8", "replace")
+    try:
+        doc = json.loads(text)
+        if isinstance(doc, dict):
+            err = doc.get("error", doc.get("detail", doc))
+            text = str(err.get("message", err) if isinstance(err, dict) else err)
+    except ValueError:
+        pass
+    text = " ".join(text.split())
+    return text if len(text) <= _ERROR_TEXT else text[:_ERROR_TEXT] + "..."
+
+
+class Client:
+    """JSON over HTTP to one endpoint; thread-safe (each thread keeps its own connection)."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        self.url = base_url(url)
+        parts = urlsplit(self.url)
+        self._https = parts.scheme == "https"
+        self._host, self._port, self._prefix = parts.hostname, parts.port, parts.path
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection, and whether it has carried a request before (a server may have closed it idle)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            return conn, True
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = cls(self._host, self._port, timeout=timeout)
+        self._local.conn = conn
+        return conn, False
+
+    def close(self) -> None:
+        """Close this thread's connection (the next request opens a new one)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def request(self, method: str, path: str, payload: Any = None, timeout: float | None = None) -> Any:
+        """The decoded JSON answer of ``method path``; raises a :class:`RequestFailed` subclass."""
+        body = None if payload is None else json.dumps(payload).encode()
+        timeout = self.timeout if timeout is None else timeout
+        for fresh_try in (False, True):
+            conn, reused = self._connection(timeout)
+            try:
+                conn.request(method, self._prefix + path, body=body, headers=self._headers)
+                resp = conn.getresponse()
+                data = resp.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self.close()
+                if reused and not fresh_try:  # an idle keep-alive connection the server had closed: once more
+                    continue
+                raise Transient(f"connection to {self.url} broke ({type(exc).__name__})") from None
+            except ConnectionRefusedError:
+                self.close()
+                raise Unreachable(f"{self.url} refused the connection") from None
+            except socket.gaierror as exc:
+                self.close()
+                raise Unreachable(f"{self.url}: host not found ({exc.strerror})") from None
+            except (TimeoutError, socket.timeout):
+                self.close()
+                raise Transient(f"{self.url} did not answer within {timeout:g} s") from None
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, ConnectionError):
+                    raise Unreachable(f"{self.url}: {exc.strerror or exc}") from None
+                raise Transient(f"connection to {self.url} failed ({type(exc).__name__}: {exc})") from None
+            if resp.will_close:
+                self.close()
+            if resp.status in RETRY_STATUSES:
+                raise Transient(f"HTTP {resp.status} from {self.url}: {_error_text(data)}")
+            if resp.status != 200:
+                raise Rejected(f"HTTP {resp.status} from {self.url}: {_error_text(data)}")
+            try:
+                return json.loads(data)
+            except ValueError:
+                raise Transient(f"{self.url} answered {len(data)} bytes that are not JSON") from None
+        raise AssertionError("unreachable")

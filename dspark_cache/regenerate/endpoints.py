@@ -1,0 +1,213 @@
+"""The endpoints in rotation, and one chat request carried through them with retries.
+
+Requests go round-robin over the endpoints that are up. One that refuses connections is taken out
+of the rotation and tried again after a delay that doubles while it stays down (up to
+:data:`MAX_DOWN_S`); any answer puts it back. When every endpoint is down the requests wait for the
+first to come back, and after ``give_up_after`` seconds of none answering the run stops with
+:class:`NoEndpointError`, one line naming each endpoint and why (rerun to resume).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dspark_cache.regenerate.client import Client, Rejected, RequestFailed, Transient, Unreachable
+
+log = logging.getLogger(__name__)
+
+FIRST_DOWN_S = 1.0  # an endpoint that refused is tried again after this, then twice as long each time
+MAX_DOWN_S = 30.0
+BACKOFF_S = 0.5  # the first retry's wait; doubled each retry, capped, with jitter
+MAX_BACKOFF_S = 30.0
+PROBE_TIMEOUT_S = 10.0
+
+
+class NoEndpointError(Exception):
+    """No endpoint answers (at the start, or for ``give_up_after`` seconds during the run)."""
+
+
+class ModelMismatchError(Exception):
+    """The endpoints serve another model than the run's (at the start, or a server restarted with another)."""
+
+
+class RowFailed(Exception):
+    """A row's request failed for good; ``reason`` goes into OUTPUT.failed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Reply:
+    """One regenerated assistant turn as the server gave it."""
+
+    message: dict[str, Any]
+    finish_reason: str
+    completion_tokens: int
+
+
+def parse_reply(doc: Any, url: str) -> tuple[Reply, str]:
+    """The reply and the model named in a chat completion; :class:`Transient` when it is not one."""
+    try:
+        choice = doc["choices"][0]
+        msg = choice["message"]
+        message: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
+        # vLLM names the thinking "reasoning_content" (newer releases also "reasoning"); SGLang and
+        # transformers serve "reasoning_content". The producer reads reasoning_content.
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if reasoning:
+            message["reasoning_content"] = str(reasoning)
+        if msg.get("tool_calls"):
+            message["tool_calls"] = msg["tool_calls"]
+        usage = doc.get("usage") or {}
+        return (Reply(message, str(choice.get("finish_reason") or "stop"), int(usage.get("completion_tokens") or 0)),
+                str(doc.get("model") or ""))
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        raise Transient(f"{url} answered JSON that is not a chat completion") from None
+
+
+@dataclass
+class _Endpoint:
+    client: Client
+    down_until: float = 0.0
+    down_for: float = 0.0
+    last_error: str = ""
+    served: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+class EndpointPool:
+    """The endpoints, their state, and :meth:`chat` (a request with retries); thread-safe."""
+
+    def __init__(self, urls: list[str], api_key: str | None = None, timeout: float = 600.0, retries: int = 6,
+                 give_up_after: float = 300.0) -> None:
+        self._endpoints = [_Endpoint(Client(u, api_key, timeout)) for u in dict.fromkeys(urls)]
+        self.retries = retries
+        self.give_up_after = give_up_after
+        self.model = ""
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._all_down_since: float | None = None
+        self._stopping = threading.Event()
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self._endpoints]
+
+    def stop(self) -> None:
+        """Wake every request waiting for an endpoint or a backoff: they raise :class:`NoEndpointError`."""
+        self._stopping.set()
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def probe(self, wanted: str | None = None) -> str:
+        """Ask every endpoint's ``/v1/models``; the model the run uses (``wanted`` or the one served).
+
+        Endpoints that do not answer leave the rotation (tried again later); none answering is a
+        :class:`NoEndpointError`, endpoints that disagree a :class:`ModelMismatchError`."""
+        for ep in self._endpoints:
+            try:
+                doc = ep.client.request("GET", "/v1/models", timeout=PROBE_TIMEOUT_S)
+                ep.served = [str(m["id"]) for m in doc["data"]]
+            except RequestFailed as exc:
+                self._mark_down(ep, exc.reason)
+                log.warning("endpoint %s does not answer (%s); it is left out and tried again later", ep.url,
+                            exc.reason)
+            except (KeyError, TypeError):
+                self._mark_down(ep, "its /v1/models is not an OpenAI model list")
+                log.warning("endpoint %s: /v1/models is not an OpenAI model list; left out", ep.url)
+        live = [ep for ep in self._endpoints if ep.served]
+        if not live:
+            raise NoEndpointError(self.why_none())
+        model = wanted or live[0].served[0]
+        for ep in live:
+            if model not in ep.served:
+                raise ModelMismatchError(f"{ep.url} serves {', '.join(ep.served) or 'no model'}, not {model}: "
+                                         "point every --endpoint at servers of the same model"
+                                         + ("" if wanted else ", or choose one with --model"))
+            if not wanted and len(ep.served) > 1:
+                raise ModelMismatchError(f"{ep.url} serves several models ({', '.join(ep.served)}); choose one "
+                                         "with --model")
+        self.model = model
+        return model
+
+    def why_none(self) -> str:
+        detail = "; ".join(f"{ep.url} ({ep.last_error or 'no answer'})" for ep in self._endpoints)
+        return (f"no endpoint answers: {detail}. Start the server (vllm serve / transformers serve ...) or fix "
+                "--endpoint, then rerun the same command")
+
+    # -- rotation ----------------------------------------------------------------------------
+
+    def _mark_down(self, ep: _Endpoint, reason: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            ep.down_for = min(MAX_DOWN_S, ep.down_for * 2 or FIRST_DOWN_S)
+            ep.down_until = now + ep.down_for
+            ep.last_error = reason
+            if self._all_down_since is None and all(e.down_until > now for e in self._endpoints):
+                self._all_down_since = now
+
+    def _mark_up(self, ep: _Endpoint) -> None:
+        with self._lock:
+            if ep.down_for:
+                log.info("endpoint %s answers again", ep.url)
+            ep.down_for, ep.down_until = 0.0, 0.0
+            self._all_down_since = None
+
+    def _pick(self) -> _Endpoint:
+        """The next endpoint that is up, waiting while none is; :class:`NoEndpointError` once given up."""
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                up = [e for e in self._endpoints if e.down_until <= now]
+                if up:
+                    self._turn += 1
+                    return up[self._turn % len(up)]
+                if self._all_down_since is not None and now - self._all_down_since > self.give_up_after:
+                    raise NoEndpointError(self.why_none().replace("no endpoint answers",
+                                                                  f"no endpoint answered for {self.give_up_after:g} s"))
+                wait = min(e.down_until for e in self._endpoints) - now
+            if self._stopping.wait(min(max(wait, 0.01), 1.0)):
+                raise NoEndpointError("stopped")
+
+    # -- one request -------------------------------------------------------------------------
+
+    def chat(self, body: dict[str, Any]) -> Reply:
+        """``body`` (model added) sent to ``/v1/chat/completions``, retried on the endpoints in rotation."""
+        body = {"model": self.model, **body}
+        tries = 0
+        while True:
+            ep = self._pick()
+            try:
+                doc = ep.client.request("POST", "/v1/chat/completions", body)
+                reply, model = parse_reply(doc, ep.url)
+            except Unreachable as exc:  # the endpoint's fault, not the row's: no retry spent
+                log.warning("endpoint %s is down (%s); left out of the rotation for a while", ep.url, exc.reason)
+                self._mark_down(ep, exc.reason)
+                continue
+            except Rejected as exc:
+                self._mark_up(ep)
+                raise RowFailed(exc.reason) from None
+            except Transient as exc:
+                tries += 1
+                if tries > self.retries:
+                    raise RowFailed(f"{exc.reason} (after {self.retries} retries)") from None
+                delay = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (tries - 1)) * random.uniform(0.5, 1.0)
+                log.info("%s; retry %d/%d in %.1f s", exc.reason, tries, self.retries, delay)
+                if self._stopping.wait(delay):
+                    raise NoEndpointError("stopped") from None
+                continue
+            self._mark_up(ep)
+            if model and model != self.model:
+                raise ModelMismatchError(f"{ep.url} now serves {model}, not {self.model} (the model this run records): "
+                                         "restart it with the original model, or write to another --output")
+            return reply

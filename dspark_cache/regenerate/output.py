@@ -1,0 +1,285 @@
+"""The output file, its sidecars, the resume index and the writer that appends rows in input order.
+
+``OUTPUT`` (e.g. ``regen.jsonl``) holds one JSON object per line, what ``dspark-produce`` reads;
+next to it:
+
+* ``OUTPUT.state``: the run's :class:`~dspark_cache.regenerate.settings.Identity` (msgspec JSON),
+  written before the first row; a rerun with other settings is refused.
+* ``OUTPUT.lock``: an flock (``format.lock``): one run per output.
+* ``OUTPUT.skipped``: rows that are done but not in the output (invalid, or dropped as truncated),
+  one JSON object per line: they are not asked again.
+* ``OUTPUT.failed``: rows whose requests failed after the retries (rewritten by each run; a rerun
+  asks them again).
+
+Rows are appended in input order (a row that finishes early waits for those before it), so a run
+killed at any instant leaves a prefix, and its rerun appends the rest: the same bytes as an
+uninterrupted run. Appends go through ``O_APPEND`` writes of whole lines, fsynced every
+``fsync_rows`` rows and at the end; a kill can leave at most a torn last line, which resume cuts off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import msgspec
+
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.lock import DirectoryLock, hold_exclusive
+from dspark_cache.regenerate.settings import Identity, identity_diff
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "dspark-regenerate/1"
+
+
+class OutputError(CacheError):
+    """The output cannot be written or resumed; the message says what to do."""
+
+
+class State(msgspec.Struct, kw_only=True):
+    """``OUTPUT.state``."""
+
+    format: str = STATE_FORMAT
+    identity: Identity
+    created_at: float = 0.0
+
+
+class Source(msgspec.Struct):
+    """An output row's ``source``: its position in the selected input and where it is there."""
+
+    index: int
+    where: str = ""
+
+
+class _Done(msgspec.Struct):
+    """What resume reads of each written line: its source's position."""
+
+    source: Source
+
+
+class Skipped(msgspec.Struct, kw_only=True):
+    """A line of ``OUTPUT.skipped`` or ``OUTPUT.failed``."""
+
+    index: int
+    where: str
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class OutputFiles:
+    """The output and its sidecars' paths (named here only)."""
+
+    path: str
+
+    @property
+    def state(self) -> str:
+        return self.path + ".state"
+
+    @property
+    def lock(self) -> str:
+        return self.path + ".lock"
+
+    @property
+    def skipped(self) -> str:
+        return self.path + ".skipped"
+
+    @property
+    def failed(self) -> str:
+        return self.path + ".failed"
+
+    def data_files(self) -> list[str]:
+        """What ``--overwrite`` removes (never the lock file: someone may be waiting on it)."""
+        return [self.path, self.state, self.skipped, self.failed]
+
+    def exists(self) -> bool:
+        return any(os.path.exists(p) for p in (self.path, self.state, self.skipped))
+
+
+def take_lock(files: OutputFiles) -> DirectoryLock | None:
+    """Hold ``OUTPUT.lock`` for this run, or raise naming the run that holds it."""
+    def refusal(holder: str) -> CacheError:
+        return OutputError(f"{files.path} is being written by another dspark-regenerate run ({holder}); wait for it "
+                           "to finish or stop it (kill -TERM its pid), then rerun; or choose another --output")
+
+    os.makedirs(os.path.dirname(os.path.abspath(files.path)), exist_ok=True)
+    return hold_exclusive(files.lock, {"output": files.path}, refusal)
+
+
+def read_state(files: OutputFiles) -> State | None:
+    try:
+        with open(files.state, "rb") as handle:
+            return msgspec.json.decode(handle.read(), type=State)
+    except FileNotFoundError:
+        return None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise OutputError(f"{files.state} is not a dspark-regenerate state file ({exc}); pass --overwrite to start "
+                          "over, or choose another --output") from None
+
+
+def check_resume(files: OutputFiles, new: Identity, overwrite: bool) -> bool:
+    """Make the output ready for this run (holding its lock); whether earlier rows are resumed."""
+    if overwrite:
+        for path in files.data_files():
+            if os.path.exists(path):
+                os.unlink(path)
+    old = read_state(files)
+    if old is None:
+        if os.path.exists(files.path) and os.path.getsize(files.path) > 0:
+            raise OutputError(f"{files.path} exists but was not written by dspark-regenerate (no {files.state}); "
+                              "pass --overwrite to replace it, or choose another --output")
+        _write_state(files, State(identity=new, created_at=time.time()))
+        return False
+    diff = identity_diff(old.identity, new)
+    if diff:
+        lines = "\n".join(f"  {name}: the output has {a!r}, this run has {b!r}" for name, a, b in diff)
+        raise OutputError(f"{files.path} was made with a different configuration:\n{lines}\nRerun with the "
+                          "original settings to resume it, pass --overwrite to start over, or choose another --output")
+    return True
+
+
+def _write_state(files: OutputFiles, state: State) -> None:
+    tmp = files.state + ".tmp"
+    with open(tmp, "wb") as handle:
+        handle.write(msgspec.json.encode(state) + b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, files.state)
+    _fsync_dir(files.state)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, line) of each complete line; a torn last line (no newline: a kill mid-append) is cut off."""
+    try:
+        handle = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with handle:
+        offset = 0
+        for line in handle:
+            if not line.endswith(b"\n"):
+                log.info("%s: cutting off a torn last line (%d bytes) left by an interrupted run", path, len(line))
+                handle.truncate(offset)
+                return
+            yield offset, line
+            offset += len(line)
+
+
+def done_rows(files: OutputFiles) -> set[int]:
+    """Positions of the input rows already done: written to the output, or listed as skipped."""
+    done: set[int] = set()
+    decoder = msgspec.json.Decoder(_Done)
+    for path, what in ((files.path, "row"), (files.skipped, "skipped row")):
+        for number, (_, line) in enumerate(_lines(path), 1):
+            try:
+                index = decoder.decode(line).source.index if what == "row" else \
+                    msgspec.json.decode(line, type=Skipped).index
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise OutputError(f"{path} line {number} is not a {what} dspark-regenerate wrote ({exc}); the file was "
+                                  "edited or damaged: pass --overwrite to start over, or choose another --output") \
+                    from None
+            done.add(index)
+    return done
+
+
+class Appender:
+    """Whole lines appended to one file, fsynced every ``every`` lines and on :meth:`sync`."""
+
+    def __init__(self, path: str, every: int) -> None:
+        self.path = path
+        self.every = every
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._unsynced = 0
+
+    def append(self, line: bytes) -> None:
+        view = memoryview(line)
+        while view:  # a short write (a signal, a full pipe) must not leave half a line behind the next one
+            view = view[os.write(self._fd, view):]
+        self._unsynced += 1
+        if self._unsynced >= self.every:
+            self.sync()
+
+    def sync(self) -> None:
+        if self._unsynced:
+            os.fsync(self._fd)
+            self._unsynced = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self.sync()
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass
+class Finished:
+    """A row's outcome, for the writer: a line for the output, a line for ``skipped``, or a failure."""
+
+    row: bytes | None = None
+    skipped: Skipped | None = None
+    failed: Skipped | None = None
+    tokens: int = 0
+
+
+class OrderedWriter:
+    """Appends outcomes in the order rows were handed out (``seq``), whatever order they finish in."""
+
+    def __init__(self, files: OutputFiles, fsync_rows: int) -> None:
+        self.files = files
+        self._rows = Appender(files.path, fsync_rows)
+        self._skipped = Appender(files.skipped, fsync_rows)
+        self._waiting: dict[int, Finished] = {}
+        self.next_seq = 0
+        self.written = self.skipped = 0
+        self.failed: list[Skipped] = []
+
+    @property
+    def waiting(self) -> int:
+        """Outcomes held back for an earlier row still in flight."""
+        return len(self._waiting)
+
+    def put(self, seq: int, outcome: Finished) -> list[Finished]:
+        """Hand over row ``seq``'s outcome; the outcomes written now (in order)."""
+        self._waiting[seq] = outcome
+        out = []
+        while self.next_seq in self._waiting:
+            done = self._waiting.pop(self.next_seq)
+            self.next_seq += 1
+            if done.row is not None:
+                self._rows.append(done.row)
+                self.written += 1
+            elif done.skipped is not None:
+                self._skipped.append(msgspec.json.encode(done.skipped) + b"\n")
+                self.skipped += 1
+            elif done.failed is not None:
+                self.failed.append(done.failed)
+            out.append(done)
+        return out
+
+    def close(self) -> None:
+        """fsync and close the appended files, and write this run's failed rows (none: no file)."""
+        self._rows.close()
+        self._skipped.close()
+        if self.failed:
+            tmp = self.files.failed + ".tmp"
+            with open(tmp, "wb") as handle:
+                for entry in self.failed:
+                    handle.write(msgspec.json.encode(entry) + b"\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.files.failed)
+        elif os.path.exists(self.files.failed):
+            os.unlink(self.files.failed)
+        _fsync_dir(self.files.path)

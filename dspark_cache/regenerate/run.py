@@ -1,0 +1,263 @@
+"""A whole ``dspark-regenerate`` run: read the rows, ask the endpoints, write in input order.
+
+The main thread reads the input (the producer's ``InputSource``, so every input form and bad-row rule
+of ``dspark-produce`` holds) and hands rows to ``--concurrency`` worker threads, never more than a
+window ahead of the oldest row not yet written (what waits in memory stays bounded); each worker
+regenerates one row's turns (sequential requests: each turn needs the one before) and hands the
+outcome back; the main thread writes outcomes in input order (``output.OrderedWriter``).
+Interrupted (Ctrl-C, SIGTERM), it writes what is complete in order, fsyncs and exits 3: a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from dspark_cache.format.schema import RowRegeneration
+from dspark_cache.producer import InputError, InputSource, InvalidRow, RawRow, counter, normalise_row
+from dspark_cache.regenerate.conversation import regenerate
+from dspark_cache.regenerate.endpoints import EndpointPool, ModelMismatchError, NoEndpointError, Reply, RowFailed
+from dspark_cache.regenerate.output import (
+    Finished, OrderedWriter, OutputFiles, Skipped, check_resume, done_rows, take_lock,
+)
+from dspark_cache.regenerate.settings import RegenerateConfig, identity, regeneration, row_seed
+
+log = logging.getLogger(__name__)
+
+SOURCE_KEY, REGENERATED_KEY = "source", "regenerated"  # the keys each output row adds (producer reads the latter)
+_ROW_KEYS = ("messages", "conversations")  # the input's turns, replaced by the regenerated "messages"
+
+
+class RunError(Exception):
+    """The run stopped on a row, an endpoint or the output; the message says what to do next."""
+
+
+@dataclass
+class Result:
+    """What a run did: rows written, skipped (invalid or truncated), failed; and what was already done."""
+
+    model: str
+    total: int | None
+    resumed: int
+    written: int = 0
+    skipped: int = 0
+    failed: list[Skipped] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def open_input(cfg: RegenerateConfig) -> InputSource:
+    try:
+        return InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed, cfg.max_row_bytes)
+    except InputError as exc:
+        raise RunError(str(exc)) from None
+
+
+def count_rows(source: InputSource) -> int | None:
+    """The rows ``source`` yields, when known without parsing them; JSONL read in order: its non-blank lines
+    (every such line is a row, valid or not)."""
+    hint = source.count_hint()
+    if hint is not None or not source.files or not all(f.endswith((".jsonl", ".ndjson")) for f in source.files):
+        return hint
+    total = 0
+    for file in source.files:
+        with open(file, "rb") as handle:
+            total += sum(1 for line in handle if line.strip())
+    return total
+
+
+def connect(cfg: RegenerateConfig) -> EndpointPool:
+    """The endpoints, probed: raises :class:`RunError` when none answers or they disagree on the model."""
+    try:
+        pool = EndpointPool(cfg.endpoint, cfg.key, cfg.request_timeout, cfg.retries, cfg.give_up_after)
+        pool.probe(cfg.model)
+    except (NoEndpointError, ModelMismatchError) as exc:
+        raise RunError(str(exc)) from None
+    return pool
+
+
+class _Job:
+    """One row handed to a worker."""
+
+    def __init__(self, seq: int, row: RawRow, messages: list[dict[str, Any]], tools: Any) -> None:
+        self.seq, self.row, self.messages, self.tools = seq, row, messages, tools
+
+
+class Regenerator:
+    """The run's parts, so that the worker threads and the main loop share them."""
+
+    def __init__(self, cfg: RegenerateConfig, pool: EndpointPool) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.settings = regeneration(cfg, pool.model)
+        self.sampling: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p,
+                                         "max_tokens": cfg.max_tokens}
+        if cfg.template_kwargs:
+            self.sampling["chat_template_kwargs"] = cfg.template_kwargs
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.results: queue.Queue[tuple[int, Finished | BaseException]] = queue.Queue()
+
+    def row_outcome(self, job: _Job) -> Finished:
+        """Regenerate one row: its output line, or why it is skipped or failed (raises a run-stopping error)."""
+        row, seed = job.row, row_seed(self.cfg.seed, job.row.index)
+
+        def generate(history: list[dict[str, Any]]) -> Reply:
+            body = {"messages": history, "seed": seed, **self.sampling}
+            if job.tools:
+                body["tools"] = job.tools
+            return self.pool.chat(body)
+
+        try:
+            messages, replies = regenerate(job.messages, self.cfg.turns, generate)
+        except RowFailed as exc:
+            return Finished(failed=Skipped(index=row.index, where=row.where, reason="request failed",
+                                           detail=exc.reason))
+        tokens = sum(r.completion_tokens for r in replies)
+        reasons = [r.finish_reason for r in replies]
+        if self.cfg.on_truncated == "drop" and "length" in reasons:
+            return Finished(skipped=Skipped(index=row.index, where=row.where, reason="truncated",
+                                            detail=f"a turn reached --max-tokens {self.cfg.max_tokens}"), tokens=tokens)
+        record = RowRegeneration(**msgspec.structs.asdict(self.settings), row_seed=seed, finish_reasons=reasons,
+                                 completion_tokens=tokens)
+        kept = {k: v for k, v in row.value.items() if k not in (*_ROW_KEYS, SOURCE_KEY, REGENERATED_KEY)}
+        out = {"messages": messages, **kept, SOURCE_KEY: {"index": row.index, "where": row.where},
+               REGENERATED_KEY: msgspec.to_builtins(record)}
+        line = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        return Finished(row=line, tokens=tokens)
+
+    def work(self) -> None:
+        """A worker thread: jobs until ``None``."""
+        while (job := self.jobs.get()) is not None:
+            try:
+                self.results.put((job.seq, self.row_outcome(job)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which stops the run
+                self.results.put((job.seq, exc))
+
+
+def _invalid(row: RawRow, error: InvalidRow) -> Skipped:
+    return Skipped(index=row.index, where=row.where, reason=error.reason, detail=error.detail)
+
+
+def run_regenerate(cfg: RegenerateConfig, progress_total: bool = True) -> Result:
+    """The run (see the module's docstring); raises :class:`RunError` with the message for the user."""
+    source = open_input(cfg)
+    pool = connect(cfg)  # before anything is written: no endpoint, no files
+    files = OutputFiles(cfg.output)
+    try:
+        lock = take_lock(files)
+    except OSError as exc:
+        raise RunError(f"--output {cfg.output} cannot be written ({exc.strerror or exc}); choose a writable path") \
+            from None
+    try:
+        try:
+            sha = source.content_sha256()
+            resumed = check_resume(files, identity(cfg, sha, pool.model), cfg.overwrite)
+            done = done_rows(files) if resumed else set()
+        except InputError as exc:
+            raise RunError(str(exc)) from None
+        total = count_rows(source) if progress_total else None
+        if done:
+            log.info("resuming %s: %d rows already done", cfg.output, len(done))
+        result = Result(pool.model, total, len(done))
+        _loop(cfg, Regenerator(cfg, pool), source, files, done, result)
+        return result
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files: OutputFiles, done: set[int],
+          result: Result) -> None:
+    writer = OrderedWriter(files, cfg.fsync_rows)
+    threads = [threading.Thread(target=regen.work, daemon=True, name=f"regenerate-{i}") for i in range(cfg.concurrency)]
+    for thread in threads:
+        thread.start()
+    window = 4 * cfg.concurrency  # rows handed out ahead of the oldest unwritten one
+    started = time.monotonic()
+    seq = 0
+    todo = None if result.total is None else max(result.total - len(done), 0)
+    stop: BaseException | None = None
+
+    with counter("regenerating", "rows", total=todo) as bar:
+        def hand(got_seq: int, outcome: Finished) -> None:
+            """Give the writer one outcome; count what it writes now; a failed row under --on-failed error stops."""
+            nonlocal stop
+            for written in writer.put(got_seq, outcome):
+                result.tokens += written.tokens
+                bar.update()
+                bar.note(f"{result.tokens / max(time.monotonic() - started, 1e-9):.0f} generated tok/s")
+                if written.failed is None:
+                    continue
+                log.warning("%s: %s", written.failed.where, written.failed.detail)
+                if cfg.on_failed == "error" and stop is None:
+                    stop = RunError(f"{written.failed.where}: the request failed after the retries: "
+                                    f"{written.failed.detail}. Check the server's log; rerun the same command to "
+                                    "resume (or pass --on-failed skip to list such rows and go on)")
+                    regen.pool.stop()
+
+        def settle(block: bool) -> None:
+            """Take the finished outcomes (waiting a moment for one when ``block``); stop on a run-stopping error."""
+            nonlocal stop
+            while True:
+                try:
+                    got_seq, outcome = regen.results.get(timeout=0.2 if block else 0)
+                except queue.Empty:
+                    return
+                if isinstance(outcome, BaseException):
+                    stop = stop or outcome
+                    regen.pool.stop()
+                    return
+                hand(got_seq, outcome)
+                block = False
+
+        try:
+            for row in source.rows():
+                if stop is not None:
+                    break
+                if row.index in done:
+                    continue
+                messages, tools, error = None, None, row.error
+                if error is None:
+                    try:
+                        messages, tools = normalise_row(row.value)
+                    except InvalidRow as exc:
+                        error = exc
+                if error is not None:
+                    if cfg.on_invalid == "error":
+                        while writer.next_seq < seq and stop is None:  # rows before it are written first
+                            settle(True)
+                        stop = stop or RunError(f"{row.where}: invalid row ({error.reason}): {error.detail}. Fix the "
+                                                "row, or pass --on-invalid skip to skip such rows (listed in "
+                                                f"{files.skipped}); rerun the same command to resume")
+                        break
+                    hand(seq, Finished(skipped=_invalid(row, error)))
+                else:
+                    regen.jobs.put(_Job(seq, row, messages, tools))
+                seq += 1
+                while seq - writer.next_seq >= window and stop is None:
+                    settle(True)
+                settle(False)
+            while writer.next_seq < seq and stop is None:
+                settle(True)
+        except InputError as exc:
+            stop = stop or RunError(str(exc))
+        except BaseException as exc:  # Ctrl-C, SIGTERM: what is done in order is kept
+            stop = stop or exc
+            regen.pool.stop()
+        finally:
+            for _ in threads:
+                regen.jobs.put(None)
+            writer.close()
+            result.written, result.skipped, result.failed = writer.written, writer.skipped, writer.failed
+            result.seconds = time.monotonic() - started
+    if stop is not None:
+        if isinstance(stop, (NoEndpointError, ModelMismatchError)):
+            raise RunError(f"{stop}") from None
+        raise stop
