@@ -120,14 +120,15 @@ class EndpointPool:
                 ep.served = [str(m["id"]) for m in doc["data"]]
             except RequestFailed as exc:
                 self._mark_down(ep, exc.reason)
-                log.warning("endpoint %s does not answer (%s); it is left out and tried again later", ep.url,
-                            exc.reason)
             except (KeyError, TypeError):
                 self._mark_down(ep, "its /v1/models is not an OpenAI model list")
-                log.warning("endpoint %s: /v1/models is not an OpenAI model list; left out", ep.url)
         live = [ep for ep in self._endpoints if ep.served]
         if not live:
             raise NoEndpointError(self.why_none())
+        for ep in self._endpoints:
+            if not ep.served:
+                log.warning("endpoint %s does not answer (%s); it is left out and tried again later", ep.url,
+                            ep.last_error)
         model = wanted or live[0].served[0]
         for ep in live:
             if model not in ep.served:

@@ -179,7 +179,8 @@ class Identity(msgspec.Struct, kw_only=True, frozen=True):
 
     Not identity: the endpoints (a server may move), ``--concurrency``, retries and timeouts (they change
     when a row is written, never what), ``--on-failed`` (failed rows are not in the output; a rerun
-    retries them) and the API key."""
+    retries them), ``--on-invalid`` (under ``error`` no invalid row is ever recorded, so a rerun with
+    ``skip`` after a stop on one continues the same output) and the API key."""
 
     input_data: str
     input_sha256: str
@@ -188,13 +189,12 @@ class Identity(msgspec.Struct, kw_only=True, frozen=True):
     max_row_bytes: int
     regeneration: Regeneration
     on_truncated: str
-    on_invalid: str
 
 
 def identity(cfg: RegenerateConfig, input_sha256: str, model: str) -> Identity:
     return Identity(input_data=cfg.input_data, input_sha256=input_sha256, split=cfg.split,
                     shuffle_seed=cfg.shuffle_seed, max_row_bytes=cfg.max_row_bytes,
-                    regeneration=regeneration(cfg, model), on_truncated=cfg.on_truncated, on_invalid=cfg.on_invalid)
+                    regeneration=regeneration(cfg, model), on_truncated=cfg.on_truncated)
 
 
 def identity_diff(old: Identity, new: Identity) -> list[tuple[str, Any, Any]]:

@@ -1,0 +1,322 @@
+"""``dspark-regenerate`` end to end against a real ``transformers serve`` (one for the module): the rows it
+writes, what ``dspark-produce`` makes of them, resume after SIGKILL, endpoints down, injected faults,
+the turn, truncation and bad-row policies.
+
+Greedy decoding (``--temperature 0``) on a server without batching gives each prompt one answer,
+whatever else is in flight: the expected turns are asked of the server directly, and runs at any
+``--concurrency`` (or interrupted and resumed) must write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dspark_cache.producer import normalise_row
+from dspark_cache.regenerate.output import OutputFiles, take_lock
+from dspark_cache.regenerate.settings import row_seed
+from tests.support.faultproxy import FaultProxy, matching
+from tests.support.produce import run_produce, write_jsonl
+from tests.support.proc import kill_group, wait_for
+from tests.support.regenerate import count_lines, read_jsonl, regenerate, start_regenerate
+from tests.support.serving import free_port
+
+MAX_TOKENS = 24  # tests.support.regenerate.BASE
+CHAT = matching(method="POST", suffix="/v1/chat/completions")
+
+
+def _multi_turn_rows() -> list[dict]:
+    """Rows with several assistant turns, a trailing user turn, a system turn and a prompt-only row."""
+    return [
+        {"messages": [{"role": "user", "content": "what is a cache"}, {"role": "assistant", "content": "old one"},
+                      {"role": "user", "content": "and a shard"}, {"role": "assistant", "content": "old two"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "read the disk"},
+                      {"role": "assistant", "content": "old"}, {"role": "user", "content": "write the model"},
+                      {"role": "assistant", "content": "old"}, {"role": "user", "content": "train it"}]},
+        {"conversations": [{"from": "human", "value": "token speed"}, {"from": "gpt", "value": "old"},
+                           {"from": "human", "value": "layer state"}, {"from": "gpt", "value": "old"}],
+         "id": "sharegpt-3"},
+        {"messages": [{"role": "user", "content": "only a prompt here"}]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def rows_file(embedded, tmp_path_factory) -> str:
+    """The sample data's 48 rows (OpenAI and ShareGPT forms, single and multi-turn)."""
+    return embedded.data
+
+
+@pytest.fixture(scope="module")
+def reference(server, rows_file, tmp_path_factory) -> bytes:
+    """An uninterrupted run over the sample data: what every other run of it must write."""
+    out = str(tmp_path_factory.mktemp("reference") / "regen.jsonl")
+    done = regenerate([server.url], rows_file, out, "--concurrency", "4")
+    assert done.returncode == 0, done.stderr
+    with open(out, "rb") as handle:
+        return handle.read()
+
+
+def _expected(server, messages: list[dict], turns: str, seed: int) -> list[dict]:
+    """The row as the server itself answers it, asked turn by turn here (the rule of ``--turns``)."""
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    wanted = (assistant if turns == "all" else assistant[-1:]) or [len(messages)]
+    out: list[dict] = []
+    for i in range(len(messages) + 1):
+        if i in wanted:
+            reply = server.chat(out, max_tokens=MAX_TOKENS, temperature=0, top_p=1.0, seed=seed)
+            out.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"] or ""})
+        elif i < len(messages):
+            out.append(messages[i])
+    return out
+
+
+def _lines(data: bytes) -> list[bytes]:
+    return data.splitlines(keepends=True)
+
+
+def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_path):
+    inputs = read_jsonl(rows_file)
+    out = tmp_path / "regen.jsonl"
+    out.write_bytes(reference)
+    rows = read_jsonl(str(out))
+    assert [r["source"] for r in rows] == [{"index": i, "where": f"{rows_file}:{i + 1}"} for i in range(len(inputs))]
+    for i, (row, raw) in enumerate(zip(rows, inputs)):
+        messages, _ = normalise_row(raw)
+        record = row["regenerated"]
+        assert record["model"] == server.model and record["row_seed"] == row_seed(0, i)
+        assert (record["turns"], record["temperature"], record["top_p"], record["max_tokens"]) == ("all", 0.0, 1.0,
+                                                                                                   MAX_TOKENS)
+        assert len(record["finish_reasons"]) == max(1, sum(m["role"] == "assistant" for m in messages))
+        assert [m["role"] for m in row["messages"]] == [m["role"] for m in messages] + \
+            ([] if any(m["role"] == "assistant" for m in messages) else ["assistant"])
+        # Every non-assistant turn is the input's; the assistant turns are what the server says.
+        assert [m for m in row["messages"] if m["role"] != "assistant"] == \
+            [m for m in messages if m["role"] != "assistant"]
+        if i < 6:  # asking the server for every row again would double the test's time
+            assert row["messages"] == _expected(server, messages, "all", record["row_seed"])
+    assert any(r["messages"] != normalise_row(raw)[0] for r, raw in zip(rows, inputs))
+    tokens = sum(r["regenerated"]["completion_tokens"] for r in rows)
+    assert tokens > len(rows)
+
+    cache = tmp_path / "cache"
+    assert run_produce(embedded.stock, str(out), str(cache), "--seq-length", "512") == 0
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["num_rows"] == len(inputs)
+    assert manifest["regenerated"] == [{"model": server.model, "turns": "all", "temperature": 0.0, "top_p": 1.0,
+                                        "max_tokens": MAX_TOKENS, "seed": 0, "chat_template_kwargs": {},
+                                        "rows": len(inputs)}]
+    # The input the sample data itself is says nothing of regeneration: no entry.
+    plain = tmp_path / "plain"
+    assert run_produce(embedded.stock, rows_file, str(plain), "--seq-length", "512") == 0
+    assert json.loads((plain / "manifest.json").read_text())["regenerated"] == []
+
+
+def test_same_bytes_at_any_concurrency(server, rows_file, reference, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    done = regenerate([server.url], rows_file, str(out), "--concurrency", "16")
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == reference
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, reference, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    total = len(_lines(reference))
+    for at in (3, 17, 33):  # killed three times, each further in
+        proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "4", "--fsync-rows", "1")
+        wait_for(lambda: count_lines(str(out)) >= at or proc.poll() is not None, timeout=120)
+        kill_group(proc)
+        written = count_lines(str(out))
+        assert written < total, f"the run finished before the kill at {at} rows: the test proves nothing"
+        assert out.read_bytes().startswith(b"".join(_lines(reference)[:written]))
+    done = regenerate([server.url], rows_file, str(out), "--concurrency", "4")
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == reference
+    assert "done before" in done.stdout
+
+
+def test_torn_last_line_is_cut_off_on_resume(server, rows_file, reference, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    lines = _lines(reference)
+    first = regenerate([server.url], rows_file, str(out), "--concurrency", "2")
+    assert first.returncode == 0, first.stderr
+    out.write_bytes(b"".join(lines[:5]) + lines[5][:40])  # as a kill in the middle of an append leaves it
+    done = regenerate([server.url], rows_file, str(out), "--concurrency", "2")
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == reference
+
+
+def test_two_endpoints_one_dead_then_back(server, rows_file, reference, tmp_path):
+    """The dead endpoint leaves the rotation, the run goes on with the other; once it answers it is used again."""
+    port = free_port()
+    proxy = FaultProxy("127.0.0.1", server.port, port=port, dialect="openai")
+    out = tmp_path / "regen.jsonl"
+    proc = start_regenerate([f"http://127.0.0.1:{port}", server.url], rows_file, str(out), "--concurrency", "4",
+                            "--log-level", "INFO")
+    try:
+        wait_for(lambda: count_lines(str(out)) >= 3 or proc.poll() is not None, timeout=120)
+        proxy.start()  # the endpoint comes up in the middle of the run
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proxy.stop()
+    assert proc.returncode == 0, stderr
+    assert f"endpoint http://127.0.0.1:{port} does not answer" in stderr
+    assert proxy.requests > 0, "the endpoint that came back was never tried again"
+    assert out.read_bytes() == reference
+
+
+def test_no_endpoint_answers_is_one_line(rows_file, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    done = regenerate(dead, rows_file, str(out))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dspark-regenerate: error: no endpoint answers: "), done.stderr
+    assert all(url in lines[0] for url in dead) and "refused" in lines[0] and "rerun" in lines[0]
+    assert not os.listdir(tmp_path), "nothing is written when no endpoint answers"
+
+
+def test_429_503_and_resets_are_retried(server, rows_file, reference, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
+        proxy.fail_next(3, "429", match=CHAT)
+        proxy.fail_next(2, "503", match=CHAT)
+        proxy.fail_next(2, "reset", match=CHAT)
+        proxy.fail_next(1, "cut", match=CHAT, cut_after=10)
+        done = regenerate([proxy.endpoint], rows_file, str(out), "--concurrency", "4")
+        faults = proxy.faults
+    assert done.returncode == 0, done.stderr
+    assert (faults["429"], faults["503"], faults["reset"], faults["cut"]) == (3, 2, 2, 1)
+    assert out.read_bytes() == reference
+    assert not (tmp_path / "regen.jsonl.failed").exists()
+
+
+def _small(rows_file: str, tmp_path, n: int = 6) -> str:
+    with open(rows_file) as handle:
+        return write_jsonl(tmp_path / "small.jsonl", [line.rstrip("\n") for line in handle][:n])
+
+
+def test_rows_failing_after_retries_are_listed_then_retried(server, rows_file, tmp_path):
+    data = _small(rows_file, tmp_path)
+    out = tmp_path / "regen.jsonl"
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
+        proxy.fail_next(None, "503", match=CHAT)
+        done = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--concurrency", "2")
+        assert done.returncode == 0, done.stderr
+        failed = read_jsonl(str(out) + ".failed")
+        assert [f["index"] for f in failed] == list(range(6))
+        assert all("HTTP 503" in f["detail"] and f["where"] == f"{data}:{f['index'] + 1}" for f in failed)
+        assert count_lines(str(out)) == 0 and "6 rows failed" in done.stderr and "rerun" in done.stderr
+
+        stop = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--on-failed", "error")
+        assert stop.returncode == 1
+        assert f"{data}:1: the request failed after the retries: HTTP 503" in stop.stderr
+
+        proxy.clear()
+        again = regenerate([proxy.endpoint], data, str(out), "--concurrency", "2")
+    assert again.returncode == 0, again.stderr
+    assert [r["source"]["index"] for r in read_jsonl(str(out))] == list(range(6))
+    assert not os.path.exists(str(out) + ".failed")
+    direct = tmp_path / "direct.jsonl"
+    assert regenerate([server.url], data, str(direct)).returncode == 0
+    assert out.read_bytes() == direct.read_bytes()
+
+
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_turns_on_multi_turn_rows(server, tmp_path, turns):
+    data = write_jsonl(tmp_path / "multi.jsonl", _multi_turn_rows())
+    out = tmp_path / "regen.jsonl"
+    done = regenerate([server.url], data, str(out), "--turns", turns, "--seed", "7")
+    assert done.returncode == 0, done.stderr
+    rows = read_jsonl(str(out))
+    for i, (row, raw) in enumerate(zip(rows, _multi_turn_rows())):
+        messages, _ = normalise_row(raw)
+        assert row["messages"] == _expected(server, messages, turns, row_seed(7, i))
+        assert row["regenerated"]["turns"] == turns and row["regenerated"]["row_seed"] == row_seed(7, i)
+    if turns == "last":  # earlier assistant turns are kept as they were
+        assert rows[0]["messages"][1]["content"] == "old one" and rows[0]["messages"][3]["content"] != "old two"
+    else:
+        assert "old one" not in json.dumps(rows[0]["messages"])
+    assert rows[1]["messages"][-1] == {"role": "user", "content": "train it"}  # a trailing turn stays
+    assert rows[2]["id"] == "sharegpt-3" and "conversations" not in rows[2]  # ShareGPT written as messages
+    assert [m["role"] for m in rows[3]["messages"]] == ["user", "assistant"]  # a prompt gets its answer
+
+
+def test_truncation_policies(server, rows_file, reference, tmp_path):
+    kept = read_jsonl_bytes(reference)
+    truncated = {r["source"]["index"] for r in kept if "length" in r["regenerated"]["finish_reasons"]}
+    assert truncated and len(truncated) < len(kept), "the stopping target must end some turns both ways"
+    out = tmp_path / "regen.jsonl"
+    done = regenerate([server.url], rows_file, str(out), "--concurrency", "4", "--on-truncated", "drop")
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == b"".join(line for line, row in zip(_lines(reference), kept)
+                                        if row["source"]["index"] not in truncated)
+    skipped = read_jsonl(str(out) + ".skipped")
+    assert {s["index"] for s in skipped} == truncated and {s["reason"] for s in skipped} == {"truncated"}
+    assert all(r["regenerated"]["finish_reasons"] and set(r["regenerated"]["finish_reasons"]) == {"stop"}
+               for r in read_jsonl(str(out)))
+    # The policy is part of the output's identity: a rerun that keeps them is refused.
+    again = regenerate([server.url], rows_file, str(out), "--on-truncated", "keep")
+    assert again.returncode == 1 and "on_truncated: the output has 'drop', this run has 'keep'" in again.stderr
+
+
+def read_jsonl_bytes(data: bytes) -> list[dict]:
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def test_bad_rows(server, tmp_path):
+    good = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
+    data = write_jsonl(tmp_path / "bad.jsonl", [good[0], good[1], "{not json", {"text": "no messages"},
+                                                {"messages": [{"role": "wizard", "content": "x"}]}, good[2], good[3]])
+    out = tmp_path / "regen.jsonl"
+    stop = regenerate([server.url], data, str(out), "--concurrency", "4")
+    assert stop.returncode == 1
+    assert f"{data}:3: invalid row" in stop.stderr and "--on-invalid skip" in stop.stderr
+    assert [r["source"]["index"] for r in read_jsonl(str(out))] == [0, 1]  # the rows before it are kept
+    done = regenerate([server.url], data, str(out), "--on-invalid", "skip")
+    assert done.returncode == 0, done.stderr
+    assert [r["source"]["index"] for r in read_jsonl(str(out))] == [0, 1, 5, 6]
+    skipped = read_jsonl(str(out) + ".skipped")
+    assert [(s["index"], s["where"]) for s in skipped] == [(2, f"{data}:3"), (3, f"{data}:4"), (4, f"{data}:5")]
+    assert [s["reason"] for s in skipped][1:] == ["missing messages", "unknown role"]
+
+
+def test_changed_configuration_and_a_second_run_are_refused(server, tmp_path):
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}])
+    out = tmp_path / "regen.jsonl"
+    assert regenerate([server.url], data, str(out)).returncode == 0
+    changed = regenerate([server.url], data, str(out), "--temperature", "0.5", "--seed", "3")
+    assert changed.returncode == 1
+    assert "regeneration.temperature: the output has 0.0, this run has 0.5" in changed.stderr
+    assert "regeneration.seed: the output has 0, this run has 3" in changed.stderr and "--overwrite" in changed.stderr
+    write_jsonl(data, [{"messages": [{"role": "user", "content": "another input"}]}])
+    assert "input_sha256" in regenerate([server.url], data, str(out)).stderr
+
+    lock = take_lock(OutputFiles(str(out)))
+    try:
+        held = regenerate([server.url], data, str(out), "--overwrite")
+    finally:
+        lock.release()
+    assert held.returncode == 1 and f"pid {os.getpid()}" in held.stderr and "another dspark-regenerate" in held.stderr
+    assert regenerate([server.url], data, str(out), "--overwrite").returncode == 0
+    assert read_jsonl(str(out))[0]["messages"][0]["content"] == "another input"
+
+
+def test_dry_run_checks_endpoints_and_counts_rows(server, rows_file, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    done = regenerate([server.url, f"http://127.0.0.1:{free_port()}"], rows_file, str(out), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert f"serving {server.model}" in done.stdout and f"input: 48 rows in {rows_file}; 0 already done" in done.stdout
+    assert "does not answer" in done.stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_concurrency_opens_a_connection_per_request_in_flight(server, rows_file, tmp_path):
+    """--concurrency N keeps N keep-alive connections (one per worker), reused from request to request."""
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
+        done = regenerate([proxy.endpoint], _small(rows_file, tmp_path, 24), str(tmp_path / "o.jsonl"),
+                          "--concurrency", "6")
+        connections, requests = proxy.connections, proxy.requests
+    assert done.returncode == 0, done.stderr
+    assert requests > 24 and 3 <= connections <= 7, (connections, requests)  # 6 workers and the probe
