@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dspark_cache"
 # Cache file and directory names (format/paths.py); NeMo's own format is spelled in nemo/nemo_format.py.
@@ -144,14 +145,16 @@ def test_no_import_cycles():
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
-def test_nemo_uses_only_the_producers_public_names():
-    """nemo (dspark-convert included) takes from the producer only what ``dspark_cache.producer`` exports."""
+@pytest.mark.parametrize("part", ["nemo", "regenerate"])
+def test_tools_use_only_the_producers_public_names(part):
+    """nemo (dspark-convert included) and regenerate take from the producer only what
+    ``dspark_cache.producer`` exports."""
     import dspark_cache.producer
 
     modules = _modules()
     offenders = []
     for module, path in modules.items():
-        if not module.startswith("dspark_cache.nemo"):
+        if not module.startswith(f"dspark_cache.{part}"):
             continue
         for node in _run_imports(ast.parse(path.read_text())):
             if not any(t.startswith("dspark_cache.producer") for t in _targets(module, path, node, modules)):
@@ -160,7 +163,20 @@ def test_nemo_uses_only_the_producers_public_names():
             if not (isinstance(node, ast.ImportFrom) and node.module == "dspark_cache.producer"
                     and set(names) <= set(dspark_cache.producer.__all__)):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
-    assert not offenders, "nemo imports producer internals:\n" + "\n".join(offenders)
+    assert not offenders, f"{part} imports producer internals:\n" + "\n".join(offenders)
+
+
+def test_regenerate_stands_before_the_cache():
+    """regenerate makes the producer's input: it never imports the cache's readers (loader, monitor,
+    verifier) nor the NeMo converter, and nothing but its own dispatcher imports it."""
+    graph = _import_graph()
+    ours = {m: targets for m, targets in graph.items() if m.startswith("dspark_cache.regenerate")}
+    assert "dspark_cache.regenerate.run" in ours
+    banned = tuple(f"dspark_cache.{p}" for p in ("loader", "tui", "verify", "nemo"))
+    offenders = sorted(f"{m} imports {t}" for m, targets in ours.items() for t in targets if t.startswith(banned))
+    offenders += sorted(f"{m} imports {t}" for m, targets in graph.items() if not m.startswith("dspark_cache.regenerate")
+                        and m != "dspark_cache.cli" for t in targets if t.startswith("dspark_cache.regenerate"))
+    assert not offenders, "\n".join(offenders)
 
 
 def test_console_scripts_follow_one_pattern():
