@@ -10,7 +10,7 @@ TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo "torch
 TORCH_INDEX ?=
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast demo demo-regenerate bench clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ test-fast: setup
 
 demo: setup
 	$(PY) -m dspark_cache.demo
+
+# The step before: transformers serve (CPU) regenerates the sample answers, then dspark-produce.
+demo-regenerate: setup
+	$(PY) -m dspark_cache.regenerate.demo
 
 bench: setup
 	$(PY) bench/producer.py
