@@ -22,6 +22,7 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit
 
+CONNECT_TIMEOUT_S = 10.0
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 _ERROR_TEXT = 300  # characters of a server's error body kept in a row's failure reason
 
@@ -93,7 +94,15 @@ class Client:
                 conn.sock.settimeout(timeout)
             return conn, True
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = cls(self._host, self._port, timeout=timeout)
+        conn = cls(self._host, self._port, timeout=min(CONNECT_TIMEOUT_S, timeout))
+        try:  # connected here, with a short timeout: a host that drops packets is down, not slow
+            conn.connect()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            reason = "refused the connection" if isinstance(exc, ConnectionRefusedError) else \
+                f"cannot be reached ({getattr(exc, 'strerror', None) or type(exc).__name__})"
+            raise Unreachable(f"{self.url} {reason}") from None
+        conn.sock.settimeout(timeout)
         self._local.conn = conn
         return conn, False
 
@@ -109,7 +118,7 @@ class Client:
         body = None if payload is None else json.dumps(payload).encode()
         timeout = self.timeout if timeout is None else timeout
         for fresh_try in (False, True):
-            conn, reused = self._connection(timeout)
+            conn, reused = self._connection(timeout)  # Unreachable when it cannot connect
             try:
                 conn.request(method, self._prefix + path, body=body, headers=self._headers)
                 resp = conn.getresponse()
@@ -119,19 +128,11 @@ class Client:
                 if reused and not fresh_try:  # an idle keep-alive connection the server had closed: once more
                     continue
                 raise Transient(f"connection to {self.url} broke ({type(exc).__name__})") from None
-            except ConnectionRefusedError:
-                self.close()
-                raise Unreachable(f"{self.url} refused the connection") from None
-            except socket.gaierror as exc:
-                self.close()
-                raise Unreachable(f"{self.url}: host not found ({exc.strerror})") from None
             except (TimeoutError, socket.timeout):
                 self.close()
                 raise Transient(f"{self.url} did not answer within {timeout:g} s") from None
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, http.client.HTTPException) as exc:  # connected, then broken: the request's fault or not
                 self.close()
-                if isinstance(exc, OSError) and exc.errno is not None and not isinstance(exc, ConnectionError):
-                    raise Unreachable(f"{self.url}: {exc.strerror or exc}") from None
                 raise Transient(f"connection to {self.url} failed ({type(exc).__name__}: {exc})") from None
             if resp.will_close:
                 self.close()

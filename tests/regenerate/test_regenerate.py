@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 
@@ -134,6 +135,21 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, refe
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == reference
     assert "done before" in done.stdout
+
+
+def test_sigterm_keeps_what_is_done_and_exits_3(server, rows_file, reference, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "4")
+    wait_for(lambda: count_lines(str(out)) >= 4 or proc.poll() is not None, timeout=120)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and "rerun the same command to resume" in stderr, stderr
+    written = count_lines(str(out))
+    assert 4 <= written < len(_lines(reference))
+    assert out.read_bytes() == b"".join(_lines(reference)[:written])  # whole rows, in order, synced
+    done = regenerate([server.url], rows_file, str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == reference
 
 
 def test_torn_last_line_is_cut_off_on_resume(server, rows_file, reference, tmp_path):

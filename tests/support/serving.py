@@ -52,8 +52,9 @@ def stopping_target(target: str, out: str) -> str:
 class Server:
     """``transformers serve MODEL`` on 127.0.0.1:``port``; its log in ``log_path``."""
 
-    def __init__(self, model: str, log_path: str, port: int | None = None) -> None:
+    def __init__(self, model: str, log_path: str, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
         self.model = model
+        self.extra = extra  # more `transformers serve` options, e.g. --continuous-batching
         self.port = port or free_port()
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -68,7 +69,7 @@ class Server:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [os.path.join(BIN, "transformers"), "serve", self.model, "--host", "127.0.0.1", "--port",
-                 str(self.port), "--device", "cpu"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                 str(self.port), "--device", "cpu", *self.extra], env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
