@@ -16,7 +16,7 @@ import torch
 
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.schema import Manifest
-from dspark_cache.loader import shims
+from dspark_cache.loader.shims import NemoAttributes
 from dspark_cache.loader.config import ORDER_OPTIONS, LoaderConfig
 from dspark_cache.loader.follow import Follower, extend_all, wait_for_manifest
 from dspark_cache.loader.order import EpochOrder, RankBatch, epoch_steps, rank_batch
@@ -28,7 +28,7 @@ _PREFETCH_EVERY = 4  # batches between updates of what a remote cache downloads 
 _PREFETCH_SHARDS = 64  # shards it may queue at once (its byte budget stops it sooner)
 
 
-class DSparkLoader:
+class DSparkLoader(NemoAttributes):
     """Iterable of batches for one rank; ``len()``, ``state_dict()``/``load_state_dict()``.
 
     Options: :class:`~.config.LoaderConfig`. Iterating continues the current epoch from the
@@ -63,7 +63,6 @@ class DSparkLoader:
                                   verify_mode=config.verify,
                                   # In flight, the batch training holds, the one it just dropped.
                                   keep=config.read_ahead + 2)
-        shims.attach(self)
 
     # -- order --------------------------------------------------------------------------------
 

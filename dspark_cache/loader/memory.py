@@ -187,3 +187,8 @@ class BatchMemory:
             self._pool[self._replaced % self.keep] = slab
             self._replaced += 1
         return slab
+
+    def release(self) -> None:
+        """Let go of every slab: each is freed now, or once training drops the batch it holds."""
+        with self._lock:
+            self._pool.clear()

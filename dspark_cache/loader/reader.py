@@ -350,3 +350,4 @@ class BatchReader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.memory.release()

@@ -1,7 +1,10 @@
 """What NeMo's training loop expects of a ``DataLoader``, on top of ours.
 
 NeMo logs ``len(loader.dataset)`` and calls ``loader.sampler.set_epoch(epoch)`` every epoch;
-our loader is its own sampler (it computes the order), so both are thin views of it.
+our loader is its own sampler (it computes the order), so both are thin views of it. They are
+properties, not attributes: an attribute pointing back at the loader would make a reference
+cycle, and the loader's batch memory (hundreds of MB) would then outlive the last reference to
+it until a full garbage collection happens to run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ class SizedView:
         return self._loader.num_samples()
 
 
-def attach(loader: _Loader) -> None:
-    """Give ``loader`` the ``dataset`` and ``sampler`` attributes NeMo's loop uses."""
-    loader.dataset = SizedView(loader)  # type: ignore[attr-defined]
-    loader.sampler = loader  # type: ignore[attr-defined]  # set_epoch is the loader's own
+class NemoAttributes:
+    """``dataset`` and ``sampler`` for a loader class that has ``num_samples`` and ``set_epoch``."""
+
+    @property
+    def dataset(self: _Loader) -> SizedView:
+        return SizedView(self)
+
+    @property
+    def sampler(self: _Loader) -> _Loader:
+        return self  # set_epoch is the loader's own

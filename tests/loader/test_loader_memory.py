@@ -82,3 +82,45 @@ def test_batch_memory_is_allocated_off_the_training_thread(small_cache, monkeypa
     for _ in dspark_cache.build_dataloader(small_cache, 3, seed=1, num_workers=2):
         pass
     assert made_on and all(name.startswith("dspark-read") for name in made_on), made_on
+
+
+def _slabs_of(loader) -> list:
+    import weakref
+
+    return [weakref.ref(slab) for slab in loader.reader.memory._pool]
+
+
+def test_a_dropped_loader_frees_its_batch_memory_without_a_garbage_collection(small_cache):
+    """No reference cycle through the loader: its slabs go with its last reference, not at the next
+    full collection (which may not come for a long time, holding hundreds of MB)."""
+    import gc
+
+    import dspark_cache
+
+    gc.disable()
+    try:
+        loader = dspark_cache.build_dataloader(small_cache, 3, seed=1, num_workers=2)
+        assert len(loader.dataset) > 0 and loader.sampler is loader  # NeMo's attributes still there
+        for batch in loader:
+            pass
+        slabs = _slabs_of(loader)
+        loader.close()
+        del loader, batch
+        assert slabs and all(ref() is None for ref in slabs)
+    finally:
+        gc.enable()
+
+
+def test_close_frees_the_batch_memory_but_never_a_batch_training_holds(small_cache):
+    import dspark_cache
+
+    loader = dspark_cache.build_dataloader(small_cache, 3, seed=1, num_workers=2)
+    batches = list(loader)
+    kept = batches[0]["target_hidden_states"].clone()
+    slabs = _slabs_of(loader)
+    loader.close()  # the loader object lives on: its memory must not
+    held = {id(ref()) for ref in slabs if ref() is not None}
+    assert len(held) <= len(batches)  # only slabs that a batch in ``batches`` still views
+    assert torch.equal(batches[0]["target_hidden_states"], kept)
+    del batches
+    assert all(ref() is None for ref in slabs)
