@@ -21,6 +21,7 @@ import urllib.request
 
 from dspark_cache.cli.conventions import command_hint
 from dspark_cache.demo import ensure_embedded
+from dspark_cache.format.paths import CachePaths
 
 START_TIMEOUT_S = 180.0
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--output-dir", cache, "--overwrite", "--seq-length", "2048", "--batch-size", "16",
                   "--shard-size", "64"])
     if code == 0:
-        with open(os.path.join(cache, "manifest.json")) as handle:
+        with open(CachePaths(cache).manifest) as handle:
             print(f"the manifest records: regenerated = {json.load(handle)['regenerated']}")
     return code
 
