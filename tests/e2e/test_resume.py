@@ -42,10 +42,13 @@ def test_sigkill_at_any_instant_then_resume(embedded, tmp_path, reference):
     for _ in range(2):  # and at moments nobody chose: after a random number of this run's shards, plus a bit
         left = dspark_cache.open_cache(out, allow_incomplete=True).manifest.num_shards - len(
             CachePaths(out).indexed_shard_ids())
-        before, then = published(out), rng.randrange(max(1, left // 2))  # half the rest is left to do
+        # Half the rest is left to do. Shards are counted on disk (events can reach the file later than
+        # the shard) and polled often: an idle machine publishes a shard of this cache every ~20 ms.
+        before, then = len(CachePaths(out).indexed_shard_ids()), rng.randrange(max(1, left // 2))
         proc = start(_cmd(embedded, out))
-        wait_for(lambda: published(out) - before >= then or proc.poll() is not None)
-        time.sleep(rng.uniform(0.0, 0.05))
+        wait_for(lambda: len(CachePaths(out).indexed_shard_ids()) - before >= then or proc.poll() is not None,
+                 poll=0.002)
+        time.sleep(rng.uniform(0.0, 0.01))
         kill_group(proc)
         _assert_nothing_published_is_corrupt(out)
     assert not dspark_cache.open_cache(out, allow_incomplete=True).manifest.complete  # the last run has work
