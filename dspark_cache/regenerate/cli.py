@@ -8,7 +8,8 @@ import sys
 
 from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, error, \
     exit_codes_epilog
-from dspark_cache.regenerate.settings import DESCRIPTION, ConfigError, config_from_args, validate_config
+from dspark_cache.regenerate.settings import DESCRIPTION, ConfigError, config_from_args, validate_config  # noqa: F401
+# (DESCRIPTION: read by the dispatcher, dspark_cache.cli, with PROG, EPILOG, add_arguments and run)
 from dspark_cache.regenerate.settings import add_arguments as add_settings
 
 PROG = "dspark-regenerate"

@@ -179,7 +179,9 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
     threads = [threading.Thread(target=regen.work, daemon=True, name=f"regenerate-{i}") for i in range(cfg.concurrency)]
     for thread in threads:
         thread.start()
-    window = 4 * cfg.concurrency  # rows handed out ahead of the oldest unwritten one
+    # Rows handed out ahead of the oldest unwritten one: room for a slow row (a long conversation) not to
+    # idle the other workers, while what waits for it in memory stays bounded.
+    window = max(64, 8 * cfg.concurrency)
     started = time.monotonic()
     seq = 0
     todo = None if result.total is None else max(result.total - len(done), 0)

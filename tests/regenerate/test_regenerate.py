@@ -298,6 +298,26 @@ def test_bad_rows(server, tmp_path):
     assert [s["reason"] for s in skipped][1:] == ["missing messages", "unknown role"]
 
 
+def test_parquet_and_split_read_as_the_producer_reads_them(server, tmp_path):
+    """The producer's input code: a Parquet file, shuffled and sliced by --split as dspark-produce does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dspark_cache.producer import InputSource
+
+    rows = [{"messages": [{"role": "user", "content": f"question number {i}"}]} for i in range(10)]
+    data = str(tmp_path / "rows.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    out = tmp_path / "regen.jsonl"
+    done = regenerate([server.url], data, str(out), "--split", "train[2:6]", "--shuffle-seed", "5")
+    assert done.returncode == 0, done.stderr
+    expected = list(InputSource(data, "train[2:6]", 5).rows())
+    got = read_jsonl(str(out))
+    assert [r["source"] for r in got] == [{"index": r.index, "where": r.where} for r in expected]
+    assert [r["messages"][0] for r in got] == [r.value["messages"][0] for r in expected]
+    assert {r["source"]["where"] for r in got} <= {f"{data} row {i}" for i in range(10)}
+
+
 def test_changed_configuration_and_a_second_run_are_refused(server, tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}])
     out = tmp_path / "regen.jsonl"
