@@ -249,9 +249,12 @@ async def test_the_s_key_stops_a_producer_writing_to_s3(embedded, s3_server, s3_
     url = f"{s3_bucket}/live"
     monkeypatch.setenv("DSPARK_SYNC_INTERVAL", "0.3")  # the producer's and the monitor's
     storage = options(s3_server)
+    # One sample a shard (48 shards), and staging that holds one shard: the producer computes at most a shard
+    # ahead of its uploads, so when two are on the store most of the job is still to do (without the limit,
+    # a fast machine computes every shard before the third upload ends, and the stop finds nothing left).
     args = produce_args(embedded.stock, embedded.data, url, "--seq-length", "256", "--shard-size", "1",
                         "--batch-size", "1", "--storage-options", json.dumps(storage),
-                        "--staging-dir", str(tmp_path / "staging"))
+                        "--staging-dir", str(tmp_path / "staging"), "--staging-limit", "1K")
     producer = start(producer_cmd(*args))
     store = ObjectStore(url, storage)
     try:
