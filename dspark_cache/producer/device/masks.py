@@ -35,12 +35,14 @@ def _mask_builders() -> dict[str, Callable[..., Any]] | None:
 
 def _call(builder: Callable[..., Any], config: Any, embeds: torch.Tensor) -> Any:
     """``builder`` for a causal, unpadded, uncached batch shaped like ``embeds``; argument names
-    differ between transformers releases, so they are read from the signature."""
+    differ between transformers releases, so they are read from the signature. Of the cache's
+    names only the one a release requires is passed: a release that renamed it (``past_key_values``
+    -> ``cache``) keeps the old one as an optional keyword and warns when both are given."""
     params = inspect.signature(builder).parameters
     kwargs: dict[str, Any] = {"config": config, "attention_mask": None}
     kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = embeds
     for name in ("cache", "past_key_values", "position_ids"):
-        if name in params:
+        if name in params and params[name].default is inspect.Parameter.empty:
             kwargs[name] = None
     if "cache_position" in params:
         kwargs["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
