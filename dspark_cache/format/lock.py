@@ -112,7 +112,8 @@ def describe_holder(record: dict | None) -> str:
         world = int(record.get("world_size", 1))
     except (TypeError, ValueError, OverflowError, OSError):
         when, world = "?", 1
-    text = f"pid {record.get('pid')} on host {record.get('host')}, run {record.get('run_id')}, started {when}"
+    run = f", run {record['run_id']}" if record.get("run_id") else ""  # a dspark-regenerate output's lock has none
+    text = f"pid {record.get('pid')} on host {record.get('host')}{run}, started {when}"
     if world > 1:
         text = f"rank 0 of a {world}-rank job: {text}; every rank of that job holds the lock until it exits"
     return text

@@ -54,13 +54,27 @@ class Regeneration(msgspec.Struct, kw_only=True, frozen=True):
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+REGENERATED_KEY = "regenerated"  # the key of a row's RowRegeneration, in dspark-regenerate's output rows
+
+
+class RowSource(msgspec.Struct, kw_only=True, frozen=True):
+    """Where a regenerated row came from: its position in the selected input, and ``file:line`` (or
+    ``file row N``) there."""
+
+    index: int
+    where: str = ""
+
+
 class RowRegeneration(Regeneration, kw_only=True, frozen=True):
     """The ``regenerated`` record of one output row: its run's settings, the seed its requests were
-    sent with, each regenerated turn's finish reason and the tokens generated."""
+    sent with, each regenerated turn's finish reason, the tokens generated, and the input row it was
+    made from (inside the record, so that an input column of any name, ``source`` included, is kept
+    as it was)."""
 
     row_seed: int
     finish_reasons: list[str] = msgspec.field(default_factory=list)
     completion_tokens: int = 0
+    source: RowSource | None = None
 
     def run(self) -> Regeneration:
         """The run's settings alone (what rows of one run share)."""

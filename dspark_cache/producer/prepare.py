@@ -23,7 +23,7 @@ from dspark_cache.format.layers import build_target_layer_ids, draft_layer_union
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
-from dspark_cache.format.schema import Manifest, RegeneratedInput, RowRegeneration
+from dspark_cache.format.schema import REGENERATED_KEY, Manifest, RegeneratedInput, RowRegeneration
 from dspark_cache.format.validate import manifest_problems
 from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.config import ProduceConfig, validate_config
@@ -96,9 +96,6 @@ def library_versions() -> dict[str, str]:
 
     return {"dspark_cache": __version__, "torch": str(torch.__version__),
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-
-
-REGENERATED_KEY = "regenerated"  # the row's record of how dspark-regenerate made its assistant turns
 
 
 def regenerated_inputs(source: InputSource) -> list[RegeneratedInput]:

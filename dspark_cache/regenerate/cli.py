@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
-from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, error, \
-    exit_codes_epilog
+from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_INCOMPLETE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, \
+    error, exit_codes_epilog
 from dspark_cache.regenerate.settings import DESCRIPTION, ConfigError, config_from_args, validate_config  # noqa: F401
 # (DESCRIPTION: read by the dispatcher, dspark_cache.cli, with PROG, EPILOG, add_arguments and run)
 from dspark_cache.regenerate.settings import add_arguments as add_settings
 
 PROG = "dspark-regenerate"
-EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED)
+EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED, EXIT_INCOMPLETE)
 LOG_LEVEL = "INFO"  # as dspark-produce: the progress lines are what a user watches
 
 log = logging.getLogger("dspark_cache.regenerate")
@@ -39,21 +39,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def dry_run(cfg) -> int:
-    """Check the endpoints and count the rows (and those already done); nothing is written."""
-    from dspark_cache.regenerate.output import OutputError, OutputFiles, done_rows, read_state
+    """Check the endpoints, the input and what the output holds (refused as the run would refuse it); count
+    the rows and those already done. Nothing is written, not even a torn line cut: a run may be appending."""
+    from dspark_cache.producer import InputError
+    from dspark_cache.regenerate.output import OutputError, OutputFiles, check_identity, done_rows
     from dspark_cache.regenerate.run import RunError, connect, count_rows, open_input
+    from dspark_cache.regenerate.settings import identity
 
     try:
         source = open_input(cfg)
         pool = connect(cfg)
         total = count_rows(source)
         files = OutputFiles(cfg.output)
-        done = len(done_rows(files)) if read_state(files) is not None else 0
-    except (RunError, OutputError) as exc:
+        if cfg.overwrite:
+            done = "--overwrite: none kept"
+        else:
+            state = check_identity(files, identity(cfg, source.content_sha256(), pool.model))
+            done = f"{len(done_rows(files, cut=False)) if state is not None else 0} already done"
+    except (RunError, OutputError, InputError) as exc:
         return error(PROG, str(exc))
     counted = "an unknown number of" if total is None else str(total)
     print(f"endpoints: {', '.join(pool.urls)} serving {pool.model}\n"
-          f"input: {counted} rows in {cfg.input_data}; {done} already done in {cfg.output}\n"
+          f"input: {counted} rows in {cfg.input_data}; {done} in {cfg.output}\n"
           f"would regenerate --turns {cfg.turns} with temperature {cfg.temperature}, top-p {cfg.top_p}, "
           f"max-tokens {cfg.max_tokens}, seed {cfg.seed}, {cfg.concurrency} requests in flight")
     return EXIT_OK
@@ -78,6 +85,9 @@ def regenerate_and_report(cfg) -> int:
           f"{result.skipped} skipped, {len(result.failed)} failed; {result.tokens} tokens generated, "
           f"{rate:.0f} tokens/s")
     if result.failed:
-        print(f"{PROG}: {len(result.failed)} rows failed after the retries; they are listed in {OutputFiles(cfg.output).failed} "
-              "with the reason: rerun the same command to try them again", file=sys.stderr)
+        # Not 0: `dspark-regenerate ... && dspark-produce ...` must not go on with rows missing.
+        print(f"{PROG}: {len(result.failed)} rows failed; they are listed in {OutputFiles(cfg.output).failed} with the "
+              "reason: rerun the same command to try them again (they are appended after the rows written)",
+              file=sys.stderr)
+        return EXIT_INCOMPLETE
     return EXIT_OK

@@ -9,8 +9,11 @@ A failure is sorted for the retry loop (``endpoints``):
   not the row's fault; it leaves the rotation for a while.
 * :class:`Transient`: the server answered 429/5xx, the request timed out, or the connection broke
   mid-request: worth retrying after a backoff.
-* :class:`Rejected`: any other status (400: a prompt too long for the model, a bad parameter):
-  retrying sends the same request again, so the row fails at once with the server's words.
+* :class:`Rejected`: any other status (400: a prompt too long for the model, a bad parameter), or
+  an answer larger than any chat completion (:data:`MAX_ANSWER_BYTES`): retrying sends the same
+  request again, so the row fails at once with the server's words.
+* :class:`Refused`: 401 or 403: the endpoint refuses the credentials. Every row would fail the same
+  way, so the run stops instead.
 """
 
 from __future__ import annotations
@@ -24,15 +27,21 @@ from urllib.parse import urlsplit
 
 CONNECT_TIMEOUT_S = 10.0
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+REFUSED_STATUSES = frozenset({401, 403})
+# A chat completion of 128k tokens is well under a megabyte of JSON: an answer past this is not one, and
+# reading it whole (times --concurrency) could take the machine's memory.
+MAX_ANSWER_BYTES = 32 << 20
 _ERROR_TEXT = 300  # characters of a server's error body kept in a row's failure reason
 
 
 class RequestFailed(Exception):
-    """A request that got no usable answer; ``reason`` is short and says what happened."""
+    """A request that got no usable answer; ``reason`` is short and says what happened, ``status`` is the
+    HTTP status when the server answered one."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, status: int | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.status = status
 
 
 class Unreachable(RequestFailed):
@@ -45,6 +54,10 @@ class Transient(RequestFailed):
 
 class Rejected(RequestFailed):
     """The server refused this request: sending it again gives the same answer."""
+
+
+class Refused(RequestFailed):
+    """The endpoint refuses our credentials (401/403): no request of this run can succeed there."""
 
 
 def base_url(url: str) -> str:
@@ -122,7 +135,7 @@ class Client:
             try:
                 conn.request(method, self._prefix + path, body=body, headers=self._headers)
                 resp = conn.getresponse()
-                data = resp.read()
+                data = resp.read(MAX_ANSWER_BYTES + 1)
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                 self.close()
                 if reused and not fresh_try:  # an idle keep-alive connection the server had closed: once more
@@ -134,12 +147,18 @@ class Client:
             except (OSError, http.client.HTTPException) as exc:  # connected, then broken: the request's fault or not
                 self.close()
                 raise Transient(f"connection to {self.url} failed ({type(exc).__name__}: {exc})") from None
+            if len(data) > MAX_ANSWER_BYTES:
+                self.close()  # the rest of the body is never read: the connection cannot carry another request
+                raise Rejected(f"{self.url} answered more than {MAX_ANSWER_BYTES >> 20} MiB, which no chat completion "
+                               "is")
             if resp.will_close:
                 self.close()
             if resp.status in RETRY_STATUSES:
-                raise Transient(f"HTTP {resp.status} from {self.url}: {_error_text(data)}")
+                raise Transient(f"HTTP {resp.status} from {self.url}: {_error_text(data)}", resp.status)
+            if resp.status in REFUSED_STATUSES:
+                raise Refused(f"HTTP {resp.status} from {self.url}: {_error_text(data)}", resp.status)
             if resp.status != 200:
-                raise Rejected(f"HTTP {resp.status} from {self.url}: {_error_text(data)}")
+                raise Rejected(f"HTTP {resp.status} from {self.url}: {_error_text(data)}", resp.status)
             try:
                 return json.loads(data)
             except ValueError:

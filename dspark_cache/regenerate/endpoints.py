@@ -1,8 +1,10 @@
 """The endpoints in rotation, and one chat request carried through them with retries.
 
-Requests go round-robin over the endpoints that are up. One that refuses connections is taken out
-of the rotation and tried again after a delay that doubles while it stays down (up to
-:data:`MAX_DOWN_S`); any answer puts it back. When every endpoint is down the requests wait for the
+Requests go round-robin over the endpoints that are up. One that refuses connections, or fails
+:data:`DOWN_AFTER` requests in a row while another is up (5xx, timeouts, broken connections: a server
+that hangs or keeps erroring is as dead as one that is gone), is taken out of the rotation and tried
+again after a delay that doubles while it stays down (up to :data:`MAX_DOWN_S`); a good answer puts
+it back. A 429 is a busy server, not a dead one: the request backs off and the endpoint stays. When every endpoint is down the requests wait for the
 first to come back, and after ``give_up_after`` seconds of none answering the run stops with
 :class:`NoEndpointError`, one line naming each endpoint and why (rerun to resume).
 """
@@ -16,12 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark_cache.regenerate.client import Client, Rejected, RequestFailed, Transient, Unreachable
+from dspark_cache.regenerate.client import Client, Refused, Rejected, RequestFailed, Transient, Unreachable
 
 log = logging.getLogger(__name__)
 
 FIRST_DOWN_S = 1.0  # an endpoint that refused is tried again after this, then twice as long each time
 MAX_DOWN_S = 30.0
+DOWN_AFTER = 3  # failed requests in a row (not 429s) that take an answering endpoint out of the rotation
+BUSY_STATUS = 429
 BACKOFF_S = 0.5  # the first retry's wait; doubled each retry, capped, with jitter
 MAX_BACKOFF_S = 30.0
 PROBE_TIMEOUT_S = 10.0
@@ -31,8 +35,31 @@ class NoEndpointError(Exception):
     """No endpoint answers (at the start, or for ``give_up_after`` seconds during the run)."""
 
 
-class ModelMismatchError(Exception):
+class EndpointError(Exception):
+    """An endpoint no request of this run can succeed on; the run stops (the message says what to fix)."""
+
+
+class ModelMismatchError(EndpointError):
     """The endpoints serve another model than the run's (at the start, or a server restarted with another)."""
+
+
+def same_model(answered: str, served: str) -> bool:
+    """Whether a completion's ``model`` names the model ``/v1/models`` lists as ``served``. ``transformers
+    serve`` answers for a hub id with the revision it resolved (``org/name@main``); hub ids never hold an ``@``."""
+    return answered == served or answered.startswith(served + "@")
+
+
+def _text(value: Any, what: str) -> str | None:
+    """``value`` when it is text (or None) that JSON can carry as UTF-8; else ValueError naming ``what``."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"its {what} is {type(value).__name__}, not text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"its {what} holds a lone UTF-16 surrogate, which is not text") from None
+    return value
 
 
 class RowFailed(Exception):
@@ -53,22 +80,32 @@ class Reply:
 
 
 def parse_reply(doc: Any, url: str) -> tuple[Reply, str]:
-    """The reply and the model named in a chat completion; :class:`Transient` when it is not one."""
+    """The reply and the model named in a chat completion; :class:`Transient` when it is not one (what is
+    written comes from here: text that ``dspark-produce`` reads, or nothing)."""
     try:
         choice = doc["choices"][0]
         msg = choice["message"]
-        message: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
+        if not isinstance(msg, dict):
+            raise ValueError("its message is not an object")
+        message: dict[str, Any] = {"role": "assistant", "content": _text(msg.get("content"), "content") or ""}
         # vLLM names the thinking "reasoning_content" (newer releases also "reasoning"); SGLang and
         # transformers serve "reasoning_content". The producer reads reasoning_content.
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        reasoning = _text(msg.get("reasoning_content"), "reasoning_content") or _text(msg.get("reasoning"), "reasoning")
         if reasoning:
-            message["reasoning_content"] = str(reasoning)
-        if msg.get("tool_calls"):
-            message["tool_calls"] = msg["tool_calls"]
+            message["reasoning_content"] = reasoning
+        calls = msg.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                      for c in calls):
+                raise ValueError("its tool_calls are not a list of function calls")
+            message["tool_calls"] = calls
         usage = doc.get("usage") or {}
-        return (Reply(message, str(choice.get("finish_reason") or "stop"), int(usage.get("completion_tokens") or 0)),
-                str(doc.get("model") or ""))
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        reply = Reply(message, _text(choice.get("finish_reason"), "finish_reason") or "stop",
+                      int(usage.get("completion_tokens") or 0))
+        return reply, _text(doc.get("model"), "model") or ""
+    except ValueError as exc:
+        raise Transient(f"{url} answered a chat completion whose message cannot be written: {exc}") from None
+    except (KeyError, IndexError, TypeError, AttributeError):
         raise Transient(f"{url} answered JSON that is not a chat completion") from None
 
 
@@ -79,6 +116,7 @@ class _Endpoint:
     down_for: float = 0.0
     last_error: str = ""
     served: list[str] = field(default_factory=list)
+    failures: int = 0  # failed requests in a row since its last good answer (429s not counted)
 
     @property
     def url(self) -> str:
@@ -118,6 +156,8 @@ class EndpointPool:
             try:
                 doc = ep.client.request("GET", "/v1/models", timeout=PROBE_TIMEOUT_S)
                 ep.served = [str(m["id"]) for m in doc["data"]]
+            except Refused as exc:
+                raise EndpointError(refused_message(exc)) from None
             except RequestFailed as exc:
                 self._mark_down(ep, exc.reason)
             except (KeyError, TypeError):
@@ -161,8 +201,23 @@ class EndpointPool:
         with self._lock:
             if ep.down_for:
                 log.info("endpoint %s answers again", ep.url)
-            ep.down_for, ep.down_until = 0.0, 0.0
+            ep.down_for, ep.down_until, ep.failures = 0.0, 0.0, 0
             self._all_down_since = None
+
+    def _failed(self, ep: _Endpoint, exc: Transient) -> None:
+        """Count a failed request against ``ep``: the :data:`DOWN_AFTER`-th in a row takes it out of the rotation
+        while another endpoint is up to take its requests (alone, it would only delay the retries' own backoff)."""
+        if exc.status == BUSY_STATUS:
+            return
+        with self._lock:
+            ep.failures += 1
+            now = time.monotonic()
+            others = any(e is not ep and e.down_until <= now for e in self._endpoints)
+            failing = ep.failures >= DOWN_AFTER and ep.down_until <= now and others
+        if failing:
+            log.warning("endpoint %s failed %d requests in a row (last: %s); left out of the rotation for a while",
+                        ep.url, ep.failures, exc.reason)
+            self._mark_down(ep, f"failed {ep.failures} requests in a row, the last: {exc.reason}")
 
     def _pick(self) -> _Endpoint:
         """The next endpoint that is up, waiting while none is; :class:`NoEndpointError` once given up."""
@@ -195,10 +250,13 @@ class EndpointPool:
                 log.warning("endpoint %s is down (%s); left out of the rotation for a while", ep.url, exc.reason)
                 self._mark_down(ep, exc.reason)
                 continue
+            except Refused as exc:
+                raise EndpointError(refused_message(exc)) from None
             except Rejected as exc:
                 self._mark_up(ep)
                 raise RowFailed(exc.reason) from None
             except Transient as exc:
+                self._failed(ep, exc)
                 tries += 1
                 if tries > self.retries:
                     raise RowFailed(f"{exc.reason} (after {self.retries} retries)") from None
@@ -208,7 +266,12 @@ class EndpointPool:
                     raise NoEndpointError("stopped") from None
                 continue
             self._mark_up(ep)
-            if model and model != self.model:
+            if model and not same_model(model, self.model):
                 raise ModelMismatchError(f"{ep.url} now serves {model}, not {self.model} (the model this run records): "
                                          "restart it with the original model, or write to another --output")
             return reply
+
+
+def refused_message(exc: RequestFailed) -> str:
+    return (f"{exc.reason}: the endpoint refuses this client's credentials. Pass --api-key (or set "
+            "$DSPARK_API_KEY) to the key the server was started with, then rerun the same command")

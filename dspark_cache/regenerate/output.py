@@ -29,6 +29,7 @@ import msgspec
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.lock import DirectoryLock, hold_exclusive
+from dspark_cache.format.schema import REGENERATED_KEY, RowSource
 from dspark_cache.regenerate.settings import Identity, identity_diff
 
 log = logging.getLogger(__name__)
@@ -48,17 +49,14 @@ class State(msgspec.Struct, kw_only=True):
     created_at: float = 0.0
 
 
-class Source(msgspec.Struct):
-    """An output row's ``source``: its position in the selected input and where it is there."""
-
-    index: int
-    where: str = ""
+class _DoneRecord(msgspec.Struct):
+    source: RowSource
 
 
 class _Done(msgspec.Struct):
-    """What resume reads of each written line: its source's position."""
+    """What resume reads of each written line: its input row's position (``regenerated.source.index``)."""
 
-    source: Source
+    regenerated: _DoneRecord = msgspec.field(name=REGENERATED_KEY)
 
 
 class Skipped(msgspec.Struct, kw_only=True):
@@ -121,24 +119,36 @@ def read_state(files: OutputFiles) -> State | None:
                           "over, or choose another --output") from None
 
 
+def check_identity(files: OutputFiles, new: Identity) -> State | None:
+    """The output's state when a run of ``new`` may resume it, None when there is nothing to resume; raises
+    :class:`OutputError` when the output was made otherwise, or holds rows with no state to say how."""
+    old = read_state(files)
+    if old is None:
+        # Rows without a state: not ours, or ours with the state deleted. Either way nothing says how they were
+        # made, and a run must not count them (a leftover OUTPUT.skipped would silently drop its rows).
+        leftovers = [p for p in (files.path, files.skipped) if os.path.exists(p) and os.path.getsize(p) > 0]
+        if leftovers:
+            raise OutputError(f"{' and '.join(leftovers)} exist{'s' if len(leftovers) == 1 else ''} but {files.state} "
+                              "does not, so nothing says how those rows were made: pass --overwrite to start over, "
+                              "or choose another --output")
+        return None
+    diff = identity_diff(old.identity, new)
+    if diff:
+        lines = "\n".join(f"  {name}: the output has {a!r}, this run has {b!r}" for name, a, b in diff)
+        raise OutputError(f"{files.path} was made with a different configuration:\n{lines}\nRerun with the "
+                          "original settings to resume it, pass --overwrite to start over, or choose another --output")
+    return old
+
+
 def check_resume(files: OutputFiles, new: Identity, overwrite: bool) -> bool:
     """Make the output ready for this run (holding its lock); whether earlier rows are resumed."""
     if overwrite:
         for path in files.data_files():
             if os.path.exists(path):
                 os.unlink(path)
-    old = read_state(files)
-    if old is None:
-        if os.path.exists(files.path) and os.path.getsize(files.path) > 0:
-            raise OutputError(f"{files.path} exists but was not written by dspark-regenerate (no {files.state}); "
-                              "pass --overwrite to replace it, or choose another --output")
+    if check_identity(files, new) is None:
         _write_state(files, State(identity=new, created_at=time.time()))
         return False
-    diff = identity_diff(old.identity, new)
-    if diff:
-        lines = "\n".join(f"  {name}: the output has {a!r}, this run has {b!r}" for name, a, b in diff)
-        raise OutputError(f"{files.path} was made with a different configuration:\n{lines}\nRerun with the "
-                          "original settings to resume it, pass --overwrite to start over, or choose another --output")
     return True
 
 
@@ -160,31 +170,34 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """(byte offset, line) of each complete line; a torn last line (no newline: a kill mid-append) is cut off."""
+def _lines(path: str, cut: bool) -> Iterator[bytes]:
+    """Each complete line; a torn last line (no newline: a kill mid-append) is cut off when ``cut`` (a run
+    holding the lock), left alone otherwise (a dry run, which may look while a run appends)."""
     try:
-        handle = open(path, "rb+")
+        handle = open(path, "rb+" if cut else "rb")
     except FileNotFoundError:
         return
     with handle:
         offset = 0
         for line in handle:
             if not line.endswith(b"\n"):
-                log.info("%s: cutting off a torn last line (%d bytes) left by an interrupted run", path, len(line))
-                handle.truncate(offset)
+                if cut:
+                    log.info("%s: cutting off a torn last line (%d bytes) left by an interrupted run", path, len(line))
+                    handle.truncate(offset)
                 return
-            yield offset, line
+            yield line
             offset += len(line)
 
 
-def done_rows(files: OutputFiles) -> set[int]:
-    """Positions of the input rows already done: written to the output, or listed as skipped."""
+def done_rows(files: OutputFiles, cut: bool = True) -> set[int]:
+    """Positions of the input rows already done: written to the output, or listed as skipped. ``cut``: cut
+    off a torn last line (only the run that holds the lock may)."""
     done: set[int] = set()
     decoder = msgspec.json.Decoder(_Done)
     for path, what in ((files.path, "row"), (files.skipped, "skipped row")):
-        for number, (_, line) in enumerate(_lines(path), 1):
+        for number, line in enumerate(_lines(path, cut), 1):
             try:
-                index = decoder.decode(line).source.index if what == "row" else \
+                index = decoder.decode(line).regenerated.source.index if what == "row" else \
                     msgspec.json.decode(line, type=Skipped).index
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise OutputError(f"{path} line {number} is not a {what} dspark-regenerate wrote ({exc}); the file was "

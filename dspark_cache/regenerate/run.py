@@ -10,20 +10,24 @@ Interrupted (Ctrl-C, SIGTERM), it writes what is complete in order, fsyncs and e
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import json
 import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from dspark_cache.format.schema import RowRegeneration
+from dspark_cache.format.schema import REGENERATED_KEY, RowRegeneration, RowSource
 from dspark_cache.producer import InputError, InputSource, InvalidRow, RawRow, counter, normalise_row
-from dspark_cache.regenerate.conversation import regenerate
-from dspark_cache.regenerate.endpoints import EndpointPool, ModelMismatchError, NoEndpointError, Reply, RowFailed
+from dspark_cache.regenerate.conversation import regenerate, targets
+from dspark_cache.regenerate.endpoints import EndpointError, EndpointPool, NoEndpointError, Reply, RowFailed
 from dspark_cache.regenerate.output import (
     Finished, OrderedWriter, OutputFiles, Skipped, check_resume, done_rows, take_lock,
 )
@@ -31,7 +35,6 @@ from dspark_cache.regenerate.settings import RegenerateConfig, identity, regener
 
 log = logging.getLogger(__name__)
 
-SOURCE_KEY, REGENERATED_KEY = "source", "regenerated"  # the keys each output row adds (producer reads the latter)
 _ROW_KEYS = ("messages", "conversations")  # the input's turns, replaced by the regenerated "messages"
 
 
@@ -78,9 +81,60 @@ def connect(cfg: RegenerateConfig) -> EndpointPool:
     try:
         pool = EndpointPool(cfg.endpoint, cfg.key, cfg.request_timeout, cfg.retries, cfg.give_up_after)
         pool.probe(cfg.model)
-    except (NoEndpointError, ModelMismatchError) as exc:
+    except (NoEndpointError, EndpointError) as exc:
         raise RunError(str(exc)) from None
     return pool
+
+
+def _json_value(value: Any) -> Any:
+    """What JSON holds for a value of an input column that JSON has no type for (Parquet and datasets
+    give timestamps, decimals and binary columns): ISO 8601 text, seconds, digits, base64 text, lists."""
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy scalars and arrays
+        return value.tolist()
+    raise TypeError(f"a value of type {type(value).__name__}, which JSON cannot hold")
+
+
+def encode_row(out: dict[str, Any]) -> bytes:
+    """One output line (UTF-8, no ASCII escapes, as compact as JSON gets); TypeError, ValueError or
+    UnicodeEncodeError when a value cannot be written."""
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":"), default=_json_value).encode("utf-8") + b"\n"
+
+
+def _kept(value: dict[str, Any]) -> dict[str, Any]:
+    """The input row's other columns, written as they are: everything but its turns and an older record."""
+    return {k: v for k, v in value.items() if k not in (*_ROW_KEYS, REGENERATED_KEY)}
+
+
+def check_row(value: dict[str, Any], messages: list[dict[str, Any]], tools: Any, turns: str) -> None:
+    """Raise :class:`InvalidRow` for a row no server can answer or whose output line cannot be written, before
+    any request is sent for it: the same bad-row policy as every other invalid row."""
+    if not messages:
+        raise InvalidRow("empty conversation", "'messages' is empty: there is nothing to answer")
+    if targets(messages, turns)[0] == 0:
+        raise InvalidRow("nothing to answer", "the conversation starts with the assistant's turn, and the turns "
+                         f"to regenerate (--turns {turns}) include it: no turn comes before it to answer")
+    for name, part in (("messages", messages), ("tools", tools), *_kept(value).items()):
+        try:
+            encode_row({name: part})
+        except UnicodeEncodeError:
+            raise InvalidRow("lone surrogate", f"{_where(name)} holds a lone UTF-16 surrogate, which is not valid "
+                             "Unicode text") from None
+        except (TypeError, ValueError) as exc:
+            raise InvalidRow("value not JSON", f"{_where(name)} holds {exc}") from None
+
+
+def _where(name: str) -> str:
+    return f"'{name}'" if name in ("messages", "tools") else f"column {name!r}"
 
 
 class _Job:
@@ -125,12 +179,9 @@ class Regenerator:
             return Finished(skipped=Skipped(index=row.index, where=row.where, reason="truncated",
                                             detail=f"a turn reached --max-tokens {self.cfg.max_tokens}"), tokens=tokens)
         record = RowRegeneration(**msgspec.structs.asdict(self.settings), row_seed=seed, finish_reasons=reasons,
-                                 completion_tokens=tokens)
-        kept = {k: v for k, v in row.value.items() if k not in (*_ROW_KEYS, SOURCE_KEY, REGENERATED_KEY)}
-        out = {"messages": messages, **kept, SOURCE_KEY: {"index": row.index, "where": row.where},
-               REGENERATED_KEY: msgspec.to_builtins(record)}
-        line = json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-        return Finished(row=line, tokens=tokens)
+                                 completion_tokens=tokens, source=RowSource(index=row.index, where=row.where))
+        out = {"messages": messages, **_kept(row.value), REGENERATED_KEY: msgspec.to_builtins(record)}
+        return Finished(row=encode_row(out), tokens=tokens)  # check_row and parse_reply vouch for every value
 
     def work(self) -> None:
         """A worker thread: jobs until ``None``."""
@@ -199,9 +250,9 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
                     continue
                 log.warning("%s: %s", written.failed.where, written.failed.detail)
                 if cfg.on_failed == "error" and stop is None:
-                    stop = RunError(f"{written.failed.where}: the request failed after the retries: "
-                                    f"{written.failed.detail}. Check the server's log; rerun the same command to "
-                                    "resume (or pass --on-failed skip to list such rows and go on)")
+                    stop = RunError(f"{written.failed.where}: the request failed: {written.failed.detail}. Check the "
+                                    "server's log; rerun the same command to resume (or pass --on-failed skip to "
+                                    "list such rows and go on)")
                     regen.pool.stop()
 
         def settle(block: bool) -> None:
@@ -229,6 +280,7 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
                 if error is None:
                     try:
                         messages, tools = normalise_row(row.value)
+                        check_row(row.value, messages, tools, cfg.turns)
                     except InvalidRow as exc:
                         error = exc
                 if error is not None:
@@ -260,6 +312,6 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
             result.written, result.skipped, result.failed = writer.written, writer.skipped, writer.failed
             result.seconds = time.monotonic() - started
     if stop is not None:
-        if isinstance(stop, (NoEndpointError, ModelMismatchError)):
+        if isinstance(stop, (NoEndpointError, EndpointError)):
             raise RunError(f"{stop}") from None
         raise stop

@@ -192,7 +192,9 @@ class Identity(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def identity(cfg: RegenerateConfig, input_sha256: str, model: str) -> Identity:
-    return Identity(input_data=cfg.input_data, input_sha256=input_sha256, split=cfg.split,
+    # A local input by its absolute path: a rerun from another directory, or spelling it another way, resumes.
+    where = os.path.abspath(cfg.input_data) if os.path.exists(cfg.input_data) else cfg.input_data
+    return Identity(input_data=where, input_sha256=input_sha256, split=cfg.split,
                     shuffle_seed=cfg.shuffle_seed, max_row_bytes=cfg.max_row_bytes,
                     regeneration=regeneration(cfg, model), on_truncated=cfg.on_truncated)
 

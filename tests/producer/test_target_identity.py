@@ -13,6 +13,7 @@ import pytest
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
+from tests.support.hub import fake_hub
 from tests.support.produce import produce_args, run_produce
 from tests.support.proc import producer_cmd, run
 
@@ -210,14 +211,8 @@ def test_allow_pickle_weights_help_says_what_it_risks():
 # -- item 22: a hub id without network fails fast, in one line ----------------------------------------
 
 
-def _fake_hub(embedded, root: str, repo: str, commit: str = "0123456789abcdef0123456789abcdef01234567") -> str:
-    """A Hugging Face cache holding ``repo`` at ``commit`` (the layout huggingface_hub resolves offline)."""
-    base = os.path.join(root, "models--" + repo.replace("/", "--"))
-    shutil.copytree(embedded.stock, os.path.join(base, "snapshots", commit))
-    os.makedirs(os.path.join(base, "refs"))
-    with open(os.path.join(base, "refs", "main"), "w") as handle:
-        handle.write(commit)
-    return commit
+def _fake_hub(embedded, root: str, repo: str) -> str:
+    return fake_hub(embedded.stock, root, repo)
 
 
 def _closed_port() -> int:

@@ -14,8 +14,11 @@ from dspark_cache.format.schema import Manifest, RegeneratedInput
 from dspark_cache.format.validate import manifest_problems
 from dspark_cache.regenerate.client import base_url
 from dspark_cache.regenerate.conversation import regenerate, targets
-from dspark_cache.regenerate.endpoints import Reply, parse_reply
-from dspark_cache.regenerate.output import OutputError, OutputFiles, done_rows
+from dspark_cache.producer import InvalidRow
+from dspark_cache.regenerate.client import Transient
+from dspark_cache.regenerate.endpoints import Reply, parse_reply, same_model
+from dspark_cache.regenerate.output import OutputError, OutputFiles, check_resume, done_rows
+from dspark_cache.regenerate.run import check_row, encode_row
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, identity_diff, row_seed
 
 BIN = os.path.dirname(sys.executable)
@@ -55,6 +58,59 @@ def test_regenerated_history_and_reasoning_kept():
     assert reply == Reply({"role": "assistant", "content": "", "reasoning_content": "r"}, "length", 0) and model == "m"
 
 
+@pytest.mark.parametrize("message, why", [
+    ({"content": 12345}, "its content is int, not text"),
+    ({"content": "ok", "reasoning_content": ["x"]}, "its reasoning_content is list, not text"),
+    ({"content": "bad \ud800 text"}, "its content holds a lone UTF-16 surrogate"),
+    ({"content": None, "tool_calls": "call it"}, "its tool_calls are not a list of function calls"),
+    ({"content": None, "tool_calls": [{"id": "1"}]}, "its tool_calls are not a list of function calls"),
+    ("just text", "its message is not an object"),
+])
+def test_a_reply_that_cannot_be_written_is_not_taken(message, why):
+    """What a server answers is written as it is: anything dspark-produce could not read is a failed answer
+    (retried, then the row is listed as failed), never a line in the output."""
+    with pytest.raises(Transient, match=why):
+        parse_reply({"model": "m", "choices": [{"message": message, "finish_reason": "stop"}]}, "http://x")
+    call = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    reply, _ = parse_reply({"model": "m", "choices": [{"message": {"content": None, "tool_calls": call}}]}, "http://x")
+    assert reply.message == {"role": "assistant", "content": "", "tool_calls": call}
+
+
+def test_a_reply_may_name_the_served_model_with_its_revision():
+    """transformers serve lists a hub id as given and answers with the revision it resolved."""
+    assert same_model("org/tiny", "org/tiny") and same_model("org/tiny@main", "org/tiny")
+    assert not same_model("org/tiny-2", "org/tiny") and not same_model("org/other@main", "org/tiny")
+
+
+def test_rows_no_server_can_answer_or_no_line_can_hold_are_invalid():
+    import datetime
+    import decimal
+
+    u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}
+    cases = [([], {}, "empty conversation"), ([a, u], {}, "nothing to answer"),
+             ([u, {"role": "user", "content": "bad \ud800"}], {}, "lone surrogate"),
+             ([u], {"title": "x \udfff"}, "lone surrogate"), ([u], {"handle": object()}, "value not JSON")]
+    for messages, columns, reason in cases:
+        with pytest.raises(InvalidRow) as err:
+            check_row({"messages": messages, **columns}, messages, None, "all")
+        assert err.value.reason == reason
+    assert "column 'handle' holds a value of type object, which JSON cannot hold" in str(check_row_error([u], handle=object()))
+    check_row({"messages": [a, u, a]}, [a, u, a], None, "last")  # the turn regenerated has a turn before it
+    # Columns of Parquet and datasets that JSON has no type for are written as text, and kept.
+    when = datetime.datetime(2024, 5, 1, 12, 30)
+    row = {"messages": [u], "timestamp": when, "blob": b"\x00\xff", "price": decimal.Decimal("1.50"),
+           "source": "sharegpt"}
+    check_row(row, [u], None, "all")
+    assert encode_row(row) == ('{"messages":[{"role":"user","content":"q"}],"timestamp":"2024-05-01T12:30:00",'
+                               '"blob":"AP8=","price":"1.50","source":"sharegpt"}\n').encode()
+
+
+def check_row_error(messages, **columns) -> InvalidRow:
+    with pytest.raises(InvalidRow) as err:
+        check_row({"messages": messages, **columns}, messages, None, "all")
+    return err.value
+
+
 def test_endpoint_urls():
     assert base_url("http://h:8000/v1/") == base_url("http://h:8000") == "http://h:8000"
     with pytest.raises(ValueError, match="is not an http"):
@@ -64,13 +120,40 @@ def test_endpoint_urls():
 def test_resume_index_cuts_a_torn_line_and_refuses_an_edited_file(tmp_path):
     files = OutputFiles(str(tmp_path / "o.jsonl"))
     with open(files.path, "wb") as handle:
-        handle.write(b'{"source":{"index":3,"where":"a:4"}}\n{"source":{"index":1}}\n{"source":{"ind')
+        handle.write(b'{"regenerated":{"source":{"index":3,"where":"a:4"}}}\n{"regenerated":{"source":{"index":1}}}\n'
+                     b'{"regenerated":{"sour')
+    torn = open(files.path, "rb").read()
+    assert done_rows(files, cut=False) == {1, 3}
+    assert open(files.path, "rb").read() == torn  # a dry run looks while a run may append: it never cuts
     assert done_rows(files) == {1, 3}
-    assert open(files.path, "rb").read().endswith(b'{"source":{"index":1}}\n')
+    assert open(files.path, "rb").read().endswith(b'{"regenerated":{"source":{"index":1}}}\n')
     with open(files.path, "ab") as handle:
         handle.write(b'{"messages":[]}\n')
     with pytest.raises(OutputError, match="line 3 is not a row dspark-regenerate wrote"):
         done_rows(files)
+
+
+def test_rows_without_a_state_are_not_resumed_nor_counted(tmp_path):
+    """An output (or its skipped list) whose state file is gone says nothing of how its rows were made: a run
+    refuses it instead of skipping the rows it lists."""
+    files = OutputFiles(str(tmp_path / "o.jsonl"))
+    new = identity(RegenerateConfig(input_data="in.jsonl", output=files.path), "abc", "m")
+    with open(files.skipped, "wb") as handle:
+        handle.write(b'{"index":0,"where":"in.jsonl:1","reason":"truncated"}\n')
+    with pytest.raises(OutputError, match=r"o\.jsonl\.skipped exists but .*o\.jsonl\.state does not.*--overwrite"):
+        check_resume(files, new, overwrite=False)
+    assert check_resume(files, new, overwrite=True) is False and not os.path.exists(files.skipped)
+    assert check_resume(files, new, overwrite=False) is True
+
+
+def test_a_local_input_is_identified_by_its_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    here = identity(RegenerateConfig(input_data="in.jsonl", output="o.jsonl"), "abc", "m")
+    there = identity(RegenerateConfig(input_data=str(tmp_path / "in.jsonl"), output="o.jsonl"), "abc", "m")
+    assert identity_diff(here, there) == [] and here.input_data == str(tmp_path / "in.jsonl")
+    hub = identity(RegenerateConfig(input_data="org/chats", output="o.jsonl"), "abc", "m")
+    assert hub.input_data == "org/chats"
 
 
 def test_identity_names_what_changed():

@@ -25,6 +25,9 @@ The error bodies are S3's XML (``dialect="s3"``, the default) or an OpenAI-style
 (``dialect="openai"``), as the server behind the proxy would send them.
   ``cut``    forward the request, relay the response head and ``cut_after`` bytes of its body,
              then RST: a download that dies midway.
+  ``answer`` drain the request body and answer ``status`` with ``body`` (JSON), never asking the
+             server: a server that answers what no real one should (a reply that is not a chat
+             message, a refused key).
 
 Stdlib only; one thread per client connection. ``stop()`` unblocks and ends every thread.
 """
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-KINDS = ("reset", "stall", "503", "500", "429", "cut")
+KINDS = ("reset", "stall", "503", "500", "429", "cut", "answer")
 DIALECTS = ("s3", "openai")
 DEFAULT_STALL_S = 3600.0
 _CHUNK = 1 << 20
@@ -102,6 +105,7 @@ class _Plan:
     match: Match | None
     stall_s: float
     cut_after: int
+    answer: tuple[str, bytes] = ("200 OK", b"")  # ``answer``: status line's status and body
 
 
 @dataclass(frozen=True)
@@ -330,17 +334,19 @@ class FaultProxy:
     # -- the fault plan ----------------------------------------------------------------------
 
     def fail_next(self, n: int | None = 1, kind: str = "503", *, match: Match | None = None,
-                  stall_s: float | None = None, cut_after: int = 0) -> None:
+                  stall_s: float | None = None, cut_after: int = 0, status: str = "200 OK",
+                  body: object = None) -> None:
         """Fault the next ``n`` requests that ``match`` accepts (all requests when None) with
         ``kind``; ``n=None``: every such request until :meth:`clear`. Plans queue up: a request
         takes the first pending plan that matches it. ``cut_after``: body bytes a ``cut`` lets
-        through."""
+        through; ``status`` and ``body`` (sent as JSON): what an ``answer`` says."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
         if n is not None and n < 1:
             raise ValueError("n must be >= 1 or None")
         with self._lock:
-            self._plans.append(_Plan(kind, n, match, self.stall_s if stall_s is None else stall_s, cut_after))
+            self._plans.append(_Plan(kind, n, match, self.stall_s if stall_s is None else stall_s, cut_after,
+                                     (status, json.dumps(body).encode())))
 
     def clear(self) -> None:
         """Drop every pending fault (stalls in progress go on until ``stall_s`` or :meth:`stop`)."""
@@ -549,20 +555,25 @@ class FaultProxy:
         else:
             if head.headers.get("expect", "").lower() != "100-continue":
                 head.relay_body(reader, _Sink(None))  # read it all, so closing sends no RST
-            status, code, message = _ERRORS[plan.kind]
-            if self.dialect == "openai":
-                content_type = "application/json"
-                body = json.dumps({"error": {"message": message, "type": code, "code": int(plan.kind)}}).encode()
-            else:
-                content_type = "application/xml"
-                body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                        f"<Message>{message}</Message><RequestId>faultproxy</RequestId></Error>").encode()
+            status, content_type, body = self._answer(plan)
             client.sendall((f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
                             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
             try:
                 client.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
+
+    def _answer(self, plan: _Plan) -> tuple[str, str, bytes]:
+        """The status, content type and body an ``answer`` or an error kind sends."""
+        if plan.kind == "answer":
+            return plan.answer[0], "application/json", plan.answer[1]
+        status, code, message = _ERRORS[plan.kind]
+        if self.dialect == "openai":
+            return status, "application/json", json.dumps(
+                {"error": {"message": message, "type": code, "code": int(plan.kind)}}).encode()
+        return status, "application/xml", (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                                           f"<Message>{message}</Message><RequestId>faultproxy</RequestId></Error>"
+                                           ).encode()
 
 
 def _framing(method: str, status: int, headers: dict[str, str]) -> str:

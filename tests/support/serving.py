@@ -52,9 +52,11 @@ def stopping_target(target: str, out: str) -> str:
 class Server:
     """``transformers serve MODEL`` on 127.0.0.1:``port``; its log in ``log_path``."""
 
-    def __init__(self, model: str, log_path: str, port: int | None = None, extra: tuple[str, ...] = ()) -> None:
-        self.model = model
+    def __init__(self, model: str, log_path: str, port: int | None = None, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.model = model  # a local checkpoint, or a hub id that ``env``'s HF_HUB_CACHE holds
         self.extra = extra  # more `transformers serve` options, e.g. --continuous-batching
+        self.env = env or {}
         self.port = port or free_port()
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -65,7 +67,7 @@ class Server:
 
     def start(self) -> Server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false", **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [os.path.join(BIN, "transformers"), "serve", self.model, "--host", "127.0.0.1", "--port",
