@@ -9,22 +9,29 @@ whatever else is in flight: the expected turns are asked of the server directly,
 
 from __future__ import annotations
 
+import base64
+import datetime
 import json
 import os
+import shutil
 import signal
+from pathlib import Path
 
+import msgspec
 import pytest
 
+from dspark_cache.cli.conventions import EXIT_INCOMPLETE
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer import normalise_row
+from dspark_cache.regenerate.endpoints import DOWN_AFTER
 from dspark_cache.regenerate.output import OutputFiles, take_lock
 from dspark_cache.regenerate.settings import row_seed
 from tests.support.faultproxy import FaultProxy, matching
 from tests.support.produce import run_produce, write_jsonl
 from tests.support.proc import kill_group, wait_for
-from tests.support.regenerate import count_lines, read_jsonl, regenerate, start_regenerate
+from tests.support.regenerate import MAX_TOKENS, count_lines, read_jsonl, regenerate, start_regenerate
 from tests.support.serving import free_port
 
-MAX_TOKENS = 24  # tests.support.regenerate.BASE
 CHAT = matching(method="POST", suffix="/v1/chat/completions")
 
 
@@ -50,12 +57,17 @@ def rows_file(embedded, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(server, rows_file, tmp_path_factory) -> bytes:
-    """An uninterrupted run over the sample data: what every other run of it must write."""
+def reference_files(server, rows_file, tmp_path_factory) -> OutputFiles:
+    """An uninterrupted run over the sample data (read-only to the tests): what every other run of it must write."""
     out = str(tmp_path_factory.mktemp("reference") / "regen.jsonl")
     done = regenerate([server.url], rows_file, out, "--concurrency", "4")
     assert done.returncode == 0, done.stderr
-    with open(out, "rb") as handle:
+    return OutputFiles(out)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_files) -> bytes:
+    with open(reference_files.path, "rb") as handle:
         return handle.read()
 
 
@@ -82,7 +94,7 @@ def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_pat
     out = tmp_path / "regen.jsonl"
     out.write_bytes(reference)
     rows = read_jsonl(str(out))
-    assert [r["source"] for r in rows] == [{"index": i, "where": f"{rows_file}:{i + 1}"} for i in range(len(inputs))]
+    assert [r["regenerated"]["source"] for r in rows] == [{"index": i, "where": f"{rows_file}:{i + 1}"} for i in range(len(inputs))]
     for i, (row, raw) in enumerate(zip(rows, inputs)):
         messages, _ = normalise_row(raw)
         record = row["regenerated"]
@@ -98,12 +110,14 @@ def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_pat
         if i < 6:  # asking the server for every row again would double the test's time
             assert row["messages"] == _expected(server, messages, "all", record["row_seed"])
     assert any(r["messages"] != normalise_row(raw)[0] for r, raw in zip(rows, inputs))
+    # The premise of serving a hub id: the server answers with the revision it resolved, which the run accepts.
+    assert server.chat([{"role": "user", "content": "hi"}], max_tokens=1)["model"] == f"{server.model}@main"
     tokens = sum(r["regenerated"]["completion_tokens"] for r in rows)
     assert tokens > len(rows)
 
     cache = tmp_path / "cache"
     assert run_produce(embedded.stock, str(out), str(cache), "--seq-length", "512") == 0
-    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest = msgspec.json.decode(Path(CachePaths(str(cache)).manifest).read_bytes())
     assert manifest["num_rows"] == len(inputs)
     assert manifest["regenerated"] == [{"model": server.model, "turns": "all", "temperature": 0.0, "top_p": 1.0,
                                         "max_tokens": MAX_TOKENS, "seed": 0, "chat_template_kwargs": {},
@@ -111,9 +125,10 @@ def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_pat
     # The input the sample data itself is says nothing of regeneration: no entry.
     plain = tmp_path / "plain"
     assert run_produce(embedded.stock, rows_file, str(plain), "--seq-length", "512") == 0
-    assert json.loads((plain / "manifest.json").read_text())["regenerated"] == []
+    assert msgspec.json.decode(Path(CachePaths(str(plain)).manifest).read_bytes())["regenerated"] == []
 
 
+@pytest.mark.slow
 def test_same_bytes_at_any_concurrency(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "16")
@@ -121,6 +136,7 @@ def test_same_bytes_at_any_concurrency(server, rows_file, reference, tmp_path):
     assert out.read_bytes() == reference
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     total = len(_lines(reference))
@@ -137,6 +153,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, refe
     assert "done before" in done.stdout
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_what_is_done_and_exits_3(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "4")
@@ -152,17 +169,18 @@ def test_sigterm_keeps_what_is_done_and_exits_3(server, rows_file, reference, tm
     assert out.read_bytes() == reference
 
 
-def test_torn_last_line_is_cut_off_on_resume(server, rows_file, reference, tmp_path):
+def test_torn_last_line_is_cut_off_on_resume(server, rows_file, reference_files, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     lines = _lines(reference)
-    first = regenerate([server.url], rows_file, str(out), "--concurrency", "2")
-    assert first.returncode == 0, first.stderr
-    out.write_bytes(b"".join(lines[:5]) + lines[5][:40])  # as a kill in the middle of an append leaves it
+    # The reference run's output as a kill in the middle of an append leaves it: whole rows, then part of one.
+    shutil.copyfile(reference_files.state, OutputFiles(str(out)).state)
+    out.write_bytes(b"".join(lines[:-6]) + lines[-6][:40])
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "2")
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == reference
 
 
+@pytest.mark.slow
 def test_two_endpoints_one_dead_then_back(server, rows_file, reference, tmp_path):
     """The dead endpoint leaves the rotation, the run goes on with the other; once it answers it is used again."""
     port = free_port()
@@ -193,6 +211,7 @@ def test_no_endpoint_answers_is_one_line(rows_file, tmp_path):
     assert not os.listdir(tmp_path), "nothing is written when no endpoint answers"
 
 
+@pytest.mark.slow
 def test_429_503_and_resets_are_retried(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
@@ -213,13 +232,14 @@ def _small(rows_file: str, tmp_path, n: int = 6) -> str:
         return write_jsonl(tmp_path / "small.jsonl", [line.rstrip("\n") for line in handle][:n])
 
 
+@pytest.mark.slow
 def test_rows_failing_after_retries_are_listed_then_retried(server, rows_file, tmp_path):
     data = _small(rows_file, tmp_path)
     out = tmp_path / "regen.jsonl"
     with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
         proxy.fail_next(None, "503", match=CHAT)
         done = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--concurrency", "2")
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == EXIT_INCOMPLETE, done.stderr  # not 0: `regenerate && produce` must not go on
         failed = read_jsonl(str(out) + ".failed")
         assert [f["index"] for f in failed] == list(range(6))
         assert all("HTTP 503" in f["detail"] and f["where"] == f"{data}:{f['index'] + 1}" for f in failed)
@@ -227,12 +247,12 @@ def test_rows_failing_after_retries_are_listed_then_retried(server, rows_file, t
 
         stop = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--on-failed", "error")
         assert stop.returncode == 1
-        assert f"{data}:1: the request failed after the retries: HTTP 503" in stop.stderr
+        assert f"{data}:1: the request failed: HTTP 503" in stop.stderr
 
         proxy.clear()
         again = regenerate([proxy.endpoint], data, str(out), "--concurrency", "2")
     assert again.returncode == 0, again.stderr
-    assert [r["source"]["index"] for r in read_jsonl(str(out))] == list(range(6))
+    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == list(range(6))
     assert not os.path.exists(str(out) + ".failed")
     direct = tmp_path / "direct.jsonl"
     assert regenerate([server.url], data, str(direct)).returncode == 0
@@ -261,13 +281,13 @@ def test_turns_on_multi_turn_rows(server, tmp_path, turns):
 
 def test_truncation_policies(server, rows_file, reference, tmp_path):
     kept = read_jsonl_bytes(reference)
-    truncated = {r["source"]["index"] for r in kept if "length" in r["regenerated"]["finish_reasons"]}
+    truncated = {r["regenerated"]["source"]["index"] for r in kept if "length" in r["regenerated"]["finish_reasons"]}
     assert truncated and len(truncated) < len(kept), "the stopping target must end some turns both ways"
     out = tmp_path / "regen.jsonl"
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "4", "--on-truncated", "drop")
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == b"".join(line for line, row in zip(_lines(reference), kept)
-                                        if row["source"]["index"] not in truncated)
+                                        if row["regenerated"]["source"]["index"] not in truncated)
     skipped = read_jsonl(str(out) + ".skipped")
     assert {s["index"] for s in skipped} == truncated and {s["reason"] for s in skipped} == {"truncated"}
     assert all(r["regenerated"]["finish_reasons"] and set(r["regenerated"]["finish_reasons"]) == {"stop"}
@@ -289,10 +309,10 @@ def test_bad_rows(server, tmp_path):
     stop = regenerate([server.url], data, str(out), "--concurrency", "4")
     assert stop.returncode == 1
     assert f"{data}:3: invalid row" in stop.stderr and "--on-invalid skip" in stop.stderr
-    assert [r["source"]["index"] for r in read_jsonl(str(out))] == [0, 1]  # the rows before it are kept
+    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == [0, 1]  # the rows before it are kept
     done = regenerate([server.url], data, str(out), "--on-invalid", "skip")
     assert done.returncode == 0, done.stderr
-    assert [r["source"]["index"] for r in read_jsonl(str(out))] == [0, 1, 5, 6]
+    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == [0, 1, 5, 6]
     skipped = read_jsonl(str(out) + ".skipped")
     assert [(s["index"], s["where"]) for s in skipped] == [(2, f"{data}:3"), (3, f"{data}:4"), (4, f"{data}:5")]
     assert [s["reason"] for s in skipped][1:] == ["missing messages", "unknown role"]
@@ -305,7 +325,11 @@ def test_parquet_and_split_read_as_the_producer_reads_them(server, tmp_path):
 
     from dspark_cache.producer import InputSource
 
-    rows = [{"messages": [{"role": "user", "content": f"question number {i}"}]} for i in range(10)]
+    # With the columns real datasets carry beside the turns, kept as they are: a "source" of their own, and
+    # types JSON has none for (a timestamp, bytes), written as text.
+    when = datetime.datetime(2024, 5, 1, 12, 30)
+    rows = [{"messages": [{"role": "user", "content": f"question number {i}"}], "source": f"set-{i}",
+             "timestamp": when, "blob": bytes([i, 255])} for i in range(10)]
     data = str(tmp_path / "rows.parquet")
     pq.write_table(pa.Table.from_pylist(rows), data)
     out = tmp_path / "regen.jsonl"
@@ -313,9 +337,13 @@ def test_parquet_and_split_read_as_the_producer_reads_them(server, tmp_path):
     assert done.returncode == 0, done.stderr
     expected = list(InputSource(data, "train[2:6]", 5).rows())
     got = read_jsonl(str(out))
-    assert [r["source"] for r in got] == [{"index": r.index, "where": r.where} for r in expected]
+    assert [r["regenerated"]["source"] for r in got] == [{"index": r.index, "where": r.where} for r in expected]
     assert [r["messages"][0] for r in got] == [r.value["messages"][0] for r in expected]
-    assert {r["source"]["where"] for r in got} <= {f"{data} row {i}" for i in range(10)}
+    assert {r["regenerated"]["source"]["where"] for r in got} <= {f"{data} row {i}" for i in range(10)}
+    number = [int(r["messages"][0]["content"].split()[-1]) for r in got]
+    assert [r["source"] for r in got] == [f"set-{i}" for i in number]
+    assert {r["timestamp"] for r in got} == {"2024-05-01T12:30:00"}
+    assert [base64.b64decode(r["blob"]) for r in got] == [bytes([i, 255]) for i in number]
 
 
 def test_changed_configuration_and_a_second_run_are_refused(server, tmp_path):
@@ -339,13 +367,79 @@ def test_changed_configuration_and_a_second_run_are_refused(server, tmp_path):
     assert read_jsonl(str(out))[0]["messages"][0]["content"] == "another input"
 
 
-def test_dry_run_checks_endpoints_and_counts_rows(server, rows_file, tmp_path):
+def test_dry_run_checks_endpoints_and_counts_rows(server, rows_file, reference_files, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     done = regenerate([server.url, f"http://127.0.0.1:{free_port()}"], rows_file, str(out), "--dry-run")
     assert done.returncode == 0, done.stderr
     assert f"serving {server.model}" in done.stdout and f"input: 48 rows in {rows_file}; 0 already done" in done.stdout
     assert "does not answer" in done.stderr
     assert not os.listdir(tmp_path)
+    # An output a run is appending to, seen mid-line: counted, left exactly as it is (the line is the run's).
+    shutil.copyfile(reference_files.state, OutputFiles(str(out)).state)
+    lines = _lines(reference)
+    out.write_bytes(b"".join(lines[:10]) + lines[10][:30])
+    done = regenerate([server.url], rows_file, str(out), "--dry-run")
+    assert done.returncode == 0 and "10 already done" in done.stdout, done.stdout + done.stderr
+    assert out.read_bytes() == b"".join(lines[:10]) + lines[10][:30]
+    # Settings the run would refuse, the dry run refuses the same way.
+    changed = regenerate([server.url], rows_file, str(out), "--dry-run", "--temperature", "0.5")
+    assert changed.returncode == 1 and "regeneration.temperature: the output has 0.0, this run has 0.5" in changed.stderr
+
+
+def test_replies_no_output_line_can_hold_are_retried_never_written(server, rows_file, tmp_path):
+    """A server answering what is not a chat message (content that is not text, a lone surrogate, tool calls
+    that are not calls): the request is retried, and what is written is the real server's answer."""
+    data = _small(rows_file, tmp_path)
+    bad = [{"content": 12345}, {"content": "half \ud800 a character"}, {"content": None, "tool_calls": "call"}]
+    out = tmp_path / "regen.jsonl"
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
+        for message in bad:
+            proxy.fail_next(1, "answer", match=CHAT, body={"model": server.model, "choices": [
+                {"message": message, "finish_reason": "stop"}], "usage": {"completion_tokens": 1}})
+        done = regenerate([proxy.endpoint], data, str(out), "--concurrency", "2", "--log-level", "INFO")
+        answered = proxy.faults["answer"]
+    assert done.returncode == 0, done.stderr
+    assert answered == 3 and done.stderr.count("whose message cannot be written: its ") >= 3, done.stderr
+    for why in ("its content is int, not text", "its content holds a lone UTF-16 surrogate",
+                "its tool_calls are not a list of function calls"):
+        assert why in done.stderr
+    direct = tmp_path / "direct.jsonl"
+    assert regenerate([server.url], data, str(direct)).returncode == 0
+    assert out.read_bytes() == direct.read_bytes()
+
+
+def test_an_endpoint_that_keeps_failing_leaves_the_rotation(server, rows_file, tmp_path):
+    """Beside a good server, one that answers every chat request 503: after DOWN_AFTER failures in a row it
+    is left out (tried again after a pause), instead of taking half the requests and their retries."""
+    data = _small(rows_file, tmp_path, 16)
+    out = tmp_path / "regen.jsonl"
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as failing:
+        failing.fail_next(None, "503", match=CHAT)
+        done = regenerate([failing.endpoint, server.url], data, str(out), "--concurrency", "2")
+        faults = failing.faults["503"]
+    assert done.returncode == 0, done.stderr
+    assert f"endpoint {failing.endpoint} failed {DOWN_AFTER} requests in a row" in done.stderr
+    assert DOWN_AFTER <= faults <= DOWN_AFTER + 4, faults  # 16 rows: without the rule, about 8 rows and retries
+    direct = tmp_path / "direct.jsonl"
+    assert regenerate([server.url], data, str(direct)).returncode == 0
+    assert out.read_bytes() == direct.read_bytes()
+
+
+def test_refused_credentials_stop_the_run_in_one_line(server, rows_file, tmp_path):
+    """401/403 would fail every row alike: the run stops at once (at the probe, or at the first request when
+    only chat completions are guarded), one line saying which key to pass."""
+    data = _small(rows_file, tmp_path)
+    out = tmp_path / "regen.jsonl"
+    refused = {"error": {"message": "Invalid API key", "type": "invalid_request_error", "code": 401}}
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
+        for match in (None, CHAT):
+            proxy.clear()
+            proxy.fail_next(None, "answer", match=match, status="401 Unauthorized", body=refused)
+            done = regenerate([proxy.endpoint], data, str(out))
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 1 and len(lines) == 1, done.stderr
+            assert "HTTP 401" in lines[0] and "Invalid API key" in lines[0] and "--api-key" in lines[0], lines[0]
+    assert count_lines(str(out)) == 0 and not os.path.exists(str(out) + ".failed")
 
 
 def test_concurrency_opens_a_connection_per_request_in_flight(server, rows_file, tmp_path):

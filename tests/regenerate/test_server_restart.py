@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.support.faultproxy import FaultProxy
 from tests.support.proc import wait_for
 from tests.support.regenerate import count_lines, regenerate, start_regenerate
 
@@ -34,17 +35,22 @@ def test_server_killed_mid_run_then_restarted(server, embedded, tmp_path):
 
 
 def test_server_gone_for_good_stops_the_run_with_one_line(server, embedded, tmp_path):
+    """The run's only endpoint dies for good: a proxy in front of the server, stopped (its port refuses, its
+    connections are cut, as when a server is killed), so that the module's server need not start again."""
     out = tmp_path / "regen.jsonl"
-    proc = start_regenerate([server.url], embedded.data, str(out), "--concurrency", "2", "--give-up-after", "3")
-    wait_for(lambda: count_lines(str(out)) >= 2 or proc.poll() is not None, timeout=120)
-    server.kill()
+    proxy = FaultProxy("127.0.0.1", server.port, dialect="openai").start()
     try:
+        proc = start_regenerate([proxy.endpoint], embedded.data, str(out), "--concurrency", "2", "--give-up-after",
+                                "3")
+        wait_for(lambda: count_lines(str(out)) >= 2 or proc.poll() is not None, timeout=120)
+        proxy.stop()
         _, stderr = proc.communicate(timeout=120)
     finally:
-        server.start()
+        proxy.stop()
     assert proc.returncode == 1
     assert stderr.strip().splitlines()[-1].startswith("dspark-regenerate: error: no endpoint answered for 3 s: ")
+    assert proxy.endpoint in stderr.strip().splitlines()[-1]
     assert not (tmp_path / "regen.jsonl.failed").exists(), "rows in flight are not failed rows: a rerun resumes them"
-    done = regenerate([server.url], embedded.data, str(out), "--concurrency", "2")
+    done = regenerate([server.url], embedded.data, str(out), "--concurrency", "2")  # the endpoint is not identity
     assert done.returncode == 0, done.stderr
     assert count_lines(str(out)) == 48
