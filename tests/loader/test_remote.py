@@ -120,6 +120,7 @@ def test_transient_faults_are_retried_and_every_sample_still_read(local, remote,
     assert proxy.faults["cut"] == 1
 
 
+@pytest.mark.slow
 def test_a_store_that_stops_answering_ends_in_an_error_naming_the_object(remote, proxy, tmp_path):
     proxy.fail_next(None, "stall", match=TARS, stall_s=30)
     options = _via(proxy, client_options={"timeout": "1s"}, retry_config={"max_retries": 1})
@@ -216,6 +217,7 @@ def _tar_gets(proxy: FaultProxy, name: str = ".tar") -> list:
     return [s for s in proxy.log if s.method == "GET" and s.target.split("?")[0].endswith(name)]
 
 
+@pytest.mark.slow
 def test_follow_mode_reads_a_cache_while_it_is_published_to_s3(local, s3_bucket, s3_env, proxy, tmp_path):
     url = f"{s3_bucket}/growing"
     paths = CachePaths(local)

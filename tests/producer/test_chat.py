@@ -189,6 +189,7 @@ def copy_with_template(tok, template: str):
     return other
 
 
+@pytest.mark.slow
 def test_hostile_template_rows_follow_on_invalid_in_process_and_in_workers(embedded, tmp_path, capsys):
     import json
 

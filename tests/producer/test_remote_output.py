@@ -217,6 +217,7 @@ def test_killed_between_a_tar_and_its_index_then_resumed_from_an_empty_staging_d
 
 # -- 3. one producer per cache ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_producer_on_the_same_url_is_refused_at_once_naming_the_holder(
         embedded, remote, proxy, tmp_path, capsys):
     # The first producer is held: one tar upload stalls, and a staging limit of one shard holds the writer.
@@ -306,6 +307,7 @@ def test_overwrite_clears_the_stores_files_and_remakes_the_cache(embedded, refer
     _assert_samples_equal(remote, tmp_path / "node2", reference)
 
 
+@pytest.mark.slow
 def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite(embedded, remote, tmp_path, capsys):
     """Machine A produced the cache; machine B remade it with --overwrite (same settings: every file the
     same size, a new cache_id). A's staging directory, reused, must take B's cache, not resume its own."""
@@ -346,6 +348,7 @@ def test_two_ranks_under_torchrun_produce_to_s3(embedded, reference, remote, tmp
 
 # -- 7. follow mode over a cache being uploaded ------------------------------------------------
 
+@pytest.mark.slow
 def test_a_follow_loader_reads_every_sample_once_while_the_producer_uploads(
         embedded, reference, remote, proxy, tmp_path):
     # Shard 4's upload stalls 3 s and the staging limit holds the writer meanwhile: the loader is
@@ -431,6 +434,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.slow
 def test_the_ranks_of_one_node_starting_together_on_a_new_staging_dir_are_not_refused(remote, tmp_path):
     """Rank 0 checks the staging directory as it takes it while every other rank of the node checks it too
     (``identity``, as planning starts): on a new directory, all at the same instant, none is refused."""
@@ -460,6 +464,7 @@ def test_transient_faults_on_tar_uploads_are_retried_and_the_run_completes(
     _assert_samples_equal(remote, tmp_path / "node2", reference)
 
 
+@pytest.mark.slow
 def test_a_store_that_keeps_failing_ends_in_an_error_naming_the_object_and_a_rerun_resumes(
         embedded, reference, remote, proxy, tmp_path, capsys):
     proxy.fail_next(None, "503", match=matching(method="PUT", suffix="/shard-000002.tar"))
