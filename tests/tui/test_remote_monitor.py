@@ -18,6 +18,7 @@ from rich.text import Text
 
 from dspark_cache.cli import monitor as monitor_main, produce as produce_main
 from dspark_cache.cli.conventions import EXIT_STOPPED
+from dspark_cache.embedded.data import write_sample_data
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
 from dspark_cache.format.remote.store import ObjectStore
@@ -249,10 +250,12 @@ async def test_the_s_key_stops_a_producer_writing_to_s3(embedded, s3_server, s3_
     url = f"{s3_bucket}/live"
     monkeypatch.setenv("DSPARK_SYNC_INTERVAL", "0.3")  # the producer's and the monitor's
     storage = options(s3_server)
-    # One sample a shard (48 shards), and staging that holds one shard: the producer computes at most a shard
-    # ahead of its uploads, so when two are on the store most of the job is still to do (without the limit,
-    # a fast machine computes every shard before the third upload ends, and the stop finds nothing left).
-    args = produce_args(embedded.stock, embedded.data, url, "--seq-length", "256", "--shard-size", "1",
+    # One sample a shard, 240 of them, and staging that holds one shard: the producer computes at most a shard
+    # ahead of its uploads, and when the test sees two on the store most of the job is still to do (48 shards
+    # were all uploaded, on a loaded machine, in the time the test took to see two and freeze the producer:
+    # the stop then found nothing left).
+    data = write_sample_data(str(tmp_path / "rows.jsonl"), num_rows=240, seed=3)
+    args = produce_args(embedded.stock, data, url, "--seq-length", "256", "--shard-size", "1",
                         "--batch-size", "1", "--storage-options", json.dumps(storage),
                         "--staging-dir", str(tmp_path / "staging"), "--staging-limit", "1K")
     producer = start(producer_cmd(*args))
