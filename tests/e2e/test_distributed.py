@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import dspark_cache
+from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args
 from tests.support.proc import (assert_same_samples, free_port, kill_group, producer_cmd, published, run, start,
@@ -32,6 +34,11 @@ def test_two_ranks_equal_one(embedded, tmp_path, reference):
         assert '"state":"finished"' in status and '"shards_owned":0' not in status  # both ranks worked
     claims = [n for n in os.listdir(CachePaths(out).control_dir) if CachePaths.is_completion_claim(n)]
     assert len(claims) == 1  # completion claimed exactly once (next to the directory's lock file)
+    # Each rank builds its own manifest; every shard, whichever rank wrote it, carries rank 0's cache id, the
+    # one the completed manifest names (a loader's replaced-cache check relies on it).
+    paths, cache_id = CachePaths(out), CacheDir(out).cache_id
+    assert len(cache_id) == 32
+    assert {load_shard_index(paths, s).cache_id for s in paths.indexed_shard_ids()} == {cache_id}
     # Each rank encoded its own rows (row % 2 == rank), so every row was tokenised exactly once.
     parts = [msgspec.json.decode(open(CachePaths(out).plan_part_header(r), "rb").read()) for r in (0, 1)]
     manifest = dspark_cache.open_cache(out).manifest

@@ -139,24 +139,6 @@ def test_a_shard_of_another_cache_is_refused_and_recomputed(embedded, inputs, ca
     assert all(torch.equal(ours[s][k], want[s][k]) for s in want for k in ("input_ids", "target_hidden_states"))
 
 
-@pytest.mark.slow
-def test_every_rank_writes_the_id_rank_0_gave_the_cache(embedded, inputs, tmp_path):
-    """Under torchrun each rank builds its own manifest; the id is rank 0's, whichever rank writes
-    shards or marks the cache complete."""
-    from tests.support.produce import produce_args
-    from tests.support.proc import BIN, run
-
-    out = str(tmp_path / "cache")
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dspark_cache.producer",
-           *produce_args(embedded.stock, inputs[0], out, *ARGS, "--num-workers", "0")]
-    done = run(cmd)
-    assert done.returncode == 0, done.stderr
-    paths, cache_id = CachePaths(out), CacheDir(out).cache_id
-    assert len(cache_id) == 32
-    assert {load_shard_index(paths, s).cache_id for s in paths.indexed_shard_ids()} == {cache_id}
-    assert not verify_cache(out).corrupt and len(_samples(out)) == CacheDir(out).manifest.num_samples
-
-
 def test_a_loader_state_of_the_old_cache_is_not_restored_on_the_new_one(embedded, inputs, cache_a, tmp_path):
     """Restarting training from a checkpoint after --overwrite would continue the old cache's epoch
     position in the new cache's order: refused, with what to do instead."""

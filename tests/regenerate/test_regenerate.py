@@ -1,6 +1,6 @@
 """``dspark-regenerate`` end to end against a real ``transformers serve`` (one for the module): the rows it
 writes, what ``dspark-produce`` makes of them, resume after SIGKILL, endpoints down, injected faults,
-the turn, truncation and bad-row policies.
+the turn, truncation and bad-row policies, and last the server itself killed and started again.
 
 Greedy decoding (``--temperature 0``) on a server without batching gives each prompt one answer,
 whatever else is in flight: the expected turns are asked of the server directly, and runs at any
@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -450,3 +451,48 @@ def test_concurrency_opens_a_connection_per_request_in_flight(server, rows_file,
         connections, requests = proxy.connections, proxy.requests
     assert done.returncode == 0, done.stderr
     assert requests > 24 and 3 <= connections <= 7, (connections, requests)  # 6 workers and the probe
+
+
+# -- the server dies: last in this file, since one of them kills the module's server (and starts it again) --
+
+@pytest.mark.slow
+def test_server_gone_for_good_stops_the_run_with_one_line(server, rows_file, tmp_path):
+    """The run's only endpoint dies for good: a proxy in front of the server, stopped (its port refuses, its
+    connections are cut, as when a server is killed)."""
+    out = tmp_path / "regen.jsonl"
+    proxy = FaultProxy("127.0.0.1", server.port, dialect="openai").start()
+    try:
+        proc = start_regenerate([proxy.endpoint], rows_file, str(out), "--concurrency", "2", "--give-up-after", "3")
+        wait_for(lambda: count_lines(str(out)) >= 2 or proc.poll() is not None, timeout=120)
+        proxy.stop()
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proxy.stop()
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("dspark-regenerate: error: no endpoint answered for 3 s: ") and proxy.endpoint in last
+    assert not (tmp_path / "regen.jsonl.failed").exists(), "rows in flight are not failed rows: a rerun resumes them"
+    done = regenerate([server.url], rows_file, str(out), "--concurrency", "2")  # the endpoint is not identity
+    assert done.returncode == 0, done.stderr
+    assert count_lines(str(out)) == 48
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_then_restarted(server, rows_file, reference, tmp_path):
+    """The server dies in the middle of a run (SIGKILL) and comes back on the same port: the requests in flight
+    fail, the endpoint leaves the rotation, is tried again, and the run ends with every row, the same bytes as
+    an uninterrupted run."""
+    out = tmp_path / "regen.jsonl"
+    proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "4", "--log-level", "INFO")
+    wait_for(lambda: count_lines(str(out)) >= 5 or proc.poll() is not None, timeout=120)
+    server.kill()
+    killed_at = count_lines(str(out))
+    time.sleep(2)  # the run is left with no endpoint for a while: it must wait, not fail the rows
+    assert proc.poll() is None, proc.communicate()
+    server.start()
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert killed_at < len(_lines(reference)), "the run finished before the server was killed"
+    assert "is down" in stderr and "answers again" in stderr
+    assert "0 failed" in stdout
+    assert out.read_bytes() == reference
