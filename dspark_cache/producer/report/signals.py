@@ -15,6 +15,21 @@ log = logging.getLogger(__name__)
 DEATH_NOTICE_S = 2.0  # how long after the first a parent-death signal may come again (see StopFlag)
 
 
+def _dying(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, or gone) although it may still be our parent:
+    a process killed with several threads stays our parent, through its other threads, until the
+    last of them has exited. False where there is no ``/proc`` to tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except FileNotFoundError:
+        return os.path.isdir("/proc/self")  # gone, where /proc would show it
+    except OSError:
+        return False
+    fields = stat.rpartition(b")")[2].split()  # the command name may hold spaces and parentheses
+    return bool(fields) and fields[0] in (b"Z", b"X")
+
+
 class StopFlag:
     """Callable: True once a stop was requested. A second signal aborts at once."""
 
@@ -51,9 +66,12 @@ class StopFlag:
 
     def _repeated_death_notice(self) -> bool:
         """The kernel's parent-death signal (``format.lifetime``) comes again each time the dying
-        parent's next thread exits and we are handed to it: within moments, and with our parent gone.
-        That is one stop, not a second signal asking to abort."""
-        return os.getppid() != self._parent and time.monotonic() - self._first_at < DEATH_NOTICE_S
+        parent's next thread exits and we are handed to it. That is one stop, not a second signal
+        asking to abort. While we are handed from thread to thread our parent's pid stays the same,
+        and this handler may run late (the main thread in a long call): a repeat is a death notice
+        when the parent is dying or gone, or when it comes within moments of the first."""
+        return _dying(self._parent) or (os.getppid() != self._parent
+                                        and time.monotonic() - self._first_at < DEATH_NOTICE_S)
 
     def __call__(self) -> bool:
         if not self.event.is_set() and os.path.isfile(self.paths.stop_request):  # a file, as the monitor writes
