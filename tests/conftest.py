@@ -90,12 +90,3 @@ def executor(request, monkeypatch):
     monkeypatch.setenv("DSPARK_NATIVE", "1" if request.param == "native" else "0")
     return request.param
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files with the most ``slow`` tests first, each file's tests in their order. ``make test`` spreads
-    whole files over two workers (``--dist loadfile``) in this order: the long end-to-end files started
-    last (regenerate, tui) left one worker running alone for their length."""
-    weight: dict[Any, int] = {}
-    for item in items:
-        weight[item.path] = weight.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -weight[item.path])

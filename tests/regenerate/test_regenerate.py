@@ -34,6 +34,7 @@ from tests.support.regenerate import MAX_TOKENS, count_lines, read_jsonl, regene
 from tests.support.serving import free_port
 
 CHAT = matching(method="POST", suffix="/v1/chat/completions")
+ROWS = 24
 
 
 def _multi_turn_rows() -> list[dict]:
@@ -53,8 +54,11 @@ def _multi_turn_rows() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rows_file(embedded, tmp_path_factory) -> str:
-    """The sample data's 48 rows (OpenAI and ShareGPT forms, single and multi-turn)."""
-    return embedded.data
+    """The sample data's first ROWS rows: OpenAI and ShareGPT forms, one to four assistant turns, a prompt
+    alone (44 turns to answer, about a second of the server's time)."""
+    with open(embedded.data, encoding="utf-8") as handle:
+        lines = handle.readlines()[:ROWS]
+    return write_jsonl(tmp_path_factory.mktemp("rows") / "rows.jsonl", [line.rstrip("\n") for line in lines])
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +145,11 @@ def test_same_bytes_at_any_concurrency(server, rows_file, reference, tmp_path):
 def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     total = len(_lines(reference))
-    for at in (3, 17, 33):  # killed three times, each further in
-        proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "4", "--fsync-rows", "1")
-        wait_for(lambda: count_lines(str(out)) >= at or proc.poll() is not None, timeout=120)
+    for at, concurrency in ((3, "4"), (9, "1"), (16, "1")):  # killed three times, each further in
+        # One request at a time writes rows one by one (a row of four turns holds back the rows after it
+        # at 4 in flight, then they land together): the kill finds rows left to do.
+        proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", concurrency, "--fsync-rows", "1")
+        wait_for(lambda: count_lines(str(out)) >= at or proc.poll() is not None, timeout=120, poll=0.01)
         kill_group(proc)
         written = count_lines(str(out))
         assert written < total, f"the run finished before the kill at {at} rows: the test proves nothing"
@@ -157,8 +163,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, refe
 @pytest.mark.slow
 def test_sigterm_keeps_what_is_done_and_exits_3(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
-    proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "4")
-    wait_for(lambda: count_lines(str(out)) >= 4 or proc.poll() is not None, timeout=120)
+    proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "2")
+    wait_for(lambda: count_lines(str(out)) >= 4 or proc.poll() is not None, timeout=120, poll=0.01)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 3 and "rerun the same command to resume" in stderr, stderr
@@ -372,7 +378,7 @@ def test_dry_run_checks_endpoints_and_counts_rows(server, rows_file, reference_f
     out = tmp_path / "regen.jsonl"
     done = regenerate([server.url, f"http://127.0.0.1:{free_port()}"], rows_file, str(out), "--dry-run")
     assert done.returncode == 0, done.stderr
-    assert f"serving {server.model}" in done.stdout and f"input: 48 rows in {rows_file}; 0 already done" in done.stdout
+    assert f"serving {server.model}" in done.stdout and f"input: {ROWS} rows in {rows_file}; 0 already done" in done.stdout
     assert "does not answer" in done.stderr
     assert not os.listdir(tmp_path)
     # An output a run is appending to, seen mid-line: counted, left exactly as it is (the line is the run's).
@@ -474,7 +480,7 @@ def test_server_gone_for_good_stops_the_run_with_one_line(server, rows_file, tmp
     assert not (tmp_path / "regen.jsonl.failed").exists(), "rows in flight are not failed rows: a rerun resumes them"
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "2")  # the endpoint is not identity
     assert done.returncode == 0, done.stderr
-    assert count_lines(str(out)) == 48
+    assert count_lines(str(out)) == ROWS
 
 
 @pytest.mark.slow

@@ -41,8 +41,11 @@ def kill_group(proc: subprocess.Popen | WarmProcess) -> None:
     tree = descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # it had ended
-        pass
+    except ProcessLookupError:  # it had ended, or was started a moment ago and does not lead its group yet
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     wait_for(lambda: not alive(tree), timeout=60)
 
