@@ -23,16 +23,19 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard dspark_cache/loader/csrc/
 	$(PY) -c "from dspark_cache.loader.fill import native_available; native_available()"
 	touch $@
 
-# Two workers (the suite waits on subprocesses as much as it computes); a file's tests share a worker,
-# so the caches a module builds once are built once.
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+# Three workers on two cores: the suite waits on the processes and servers it starts (producers, torchrun
+# jobs, an S3 server, transformers serve) for about a quarter of its time, which a third worker fills
+# (BENCHMARKS.md, "The suite"). A file's tests share a worker, so the caches a module builds once are built once.
+PYTEST_WORKERS ?= 3
+PYTEST := $(PY) -m pytest -q --dist loadfile
 
 test: setup
-	$(PYTEST)
+	$(PYTEST) -n $(PYTEST_WORKERS)
 
-# The inner loop: everything but the tests marked slow (the longest end-to-end runs).
+# The inner loop: everything but the tests marked slow (the longest end-to-end runs). Two workers: with
+# the waiting runs left out, a third worker's own start-up costs more than it fills.
 test-fast: setup
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -n 2 -m "not slow"
 
 demo: setup
 	$(PY) -m dspark_cache.demo

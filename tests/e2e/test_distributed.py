@@ -1,4 +1,5 @@
-"""Several producer ranks: torchrun (gloo, CPU), kills, a different world size, a dying rank."""
+"""Several producer ranks: a real torchrun job (gloo, CPU), and ranks started with torchrun's environment:
+kills, a different world size, a dying rank, SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args
-from tests.support.proc import (assert_same_samples, free_port, kill_group, producer_cmd, published, run, start,
-                                torchrun, wait_for)
+from tests.support.proc import (assert_same_samples, kill_group, producer_cmd, published, run, start_ranks, torchrun,
+                                wait_for)
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
 
@@ -52,9 +53,10 @@ def test_two_ranks_equal_one(embedded, tmp_path, reference):
 @pytest.mark.slow
 def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
-    proc = start(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS)))
+    ranks = start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS)), 2)
     wait_for(lambda: published(out) >= 3)
-    kill_group(proc)
+    for rank in ranks:
+        kill_group(rank)
     report = verify_cache(out)
     assert not report.complete and report.missing and not report.corrupt
     done = run(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS)))
@@ -65,11 +67,8 @@ def test_two_ranks_killed_then_one_rank_finishes(embedded, tmp_path, reference):
 @pytest.mark.slow
 def test_a_dying_rank_does_not_hang_the_others(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
-    port = str(free_port())
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "LOCAL_WORLD_SIZE": "2"}
     cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--rank-timeout", "4"))
-    ranks = [start(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r),
-                             **({"DSPARK_CRASH_AT": "mid_shard:3"} if r == 1 else {})}) for r in (0, 1)]
+    ranks = start_ranks(cmd, 2, rank_env={1: {"DSPARK_CRASH_AT": "mid_shard:3"}})
     out0, err0 = ranks[0].communicate(timeout=240)
     ranks[1].wait(timeout=60)
     assert ranks[1].returncode == -signal.SIGKILL
@@ -89,10 +88,9 @@ def test_sigterm_stops_both_ranks_and_each_says_stopped(embedded, tmp_path):
     """SIGTERM to every rank of a 2-rank job (as torchrun forwards it): each finishes its shard in flight,
     reports stopped (rank 1's line too, not "done") and exits 3; a rerun completes the cache."""
     out = str(tmp_path / "cache")
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_WORLD_SIZE": "2"}
     cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256", "--shard-size", "1",
                                      "--batch-size", "1", "--dtype", "fp32", "--num-workers", "0"))
-    ranks = [start(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    ranks = start_ranks(cmd, 2)
     try:
         wait_for(lambda: published(out) >= 2 or any(r.poll() is not None for r in ranks), timeout=240)
     finally:

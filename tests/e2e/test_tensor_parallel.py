@@ -20,8 +20,8 @@ from dspark_cache.producer.device.topology import ParallelError, Topology, check
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args, run_produce
-from tests.support.proc import (assert_same_samples, events, free_port, producer_cmd, published, run, start, torchrun,
-                                wait_for)
+from tests.support.proc import (assert_same_samples, events, producer_cmd, published, run, run_ranks, start_ranks,
+                                torchrun, wait_for)
 
 ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
 
@@ -63,21 +63,6 @@ def build_moe_target(out_dir: str) -> str:
     return out_dir
 
 
-def _start_ranks(cmd: list[str], world: int) -> list:
-    """``world`` ranks started by hand, with the environment torchrun gives its ranks (but no agent,
-    which would kill the others when one dies)."""
-    env = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"}
-    return [start(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
-
-
-def _run_ranks(cmd: list[str], world: int) -> None:
-    """``world`` ranks of ``cmd`` (:func:`_start_ranks`), each of which must succeed."""
-    ranks = _start_ranks(cmd, world)
-    said = [r.communicate(timeout=300) for r in ranks]
-    assert [r.returncode for r in ranks] == [0] * world, said
-
-
 @pytest.mark.slow
 def test_two_ranks_one_group_equal_one_process(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
@@ -101,7 +86,7 @@ def two_groups(embedded, tmp_path_factory) -> str:
     """A cache written by 4 ranks in 2 model-parallel groups of 2 (started as torchrun starts them;
     the 2-rank test above runs under torchrun itself)."""
     out = str(tmp_path_factory.mktemp("two-groups") / "cache")
-    _run_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4)
+    run_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4)
     return out
 
 
@@ -119,6 +104,7 @@ def test_four_ranks_two_groups_equal_one_process(two_groups, reference):
     assert len(claims) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_the_monitor_shows_groups_and_writers(two_groups):
     from dspark_cache.tui.app import MonitorApp
@@ -136,7 +122,7 @@ def test_moe_expert_parallel_equals_one_process(embedded, tmp_path):
     target = build_moe_target(str(tmp_path / "moe"))
     ref, out = str(tmp_path / "ref"), str(tmp_path / "cache")
     assert run_produce(target, embedded.data, ref, *ARGS) == 0
-    _run_ranks(producer_cmd(*produce_args(target, embedded.data, out, *ARGS, "--ep-size", "2")), 2)
+    run_ranks(producer_cmd(*produce_args(target, embedded.data, out, *ARGS, "--ep-size", "2")), 2)
     assert_same_samples(out, ref, exact=False)
     whole = statuses(ref)[0]["weight_bytes"]
     for r in statuses(out).values():  # two of the four experts (and half the attention) per rank
@@ -148,7 +134,7 @@ def test_moe_expert_parallel_equals_one_process(embedded, tmp_path):
 @pytest.mark.slow
 def test_sigkill_of_a_partner_ends_its_group_and_a_rerun_completes(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
-    ranks = _start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4)
+    ranks = start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4)
     wait_for(lambda: published(out) >= 2)
     os.kill(ranks[1].pid, signal.SIGKILL)  # the partner of group 0's writer
     _, err0 = ranks[0].communicate(timeout=120)
@@ -176,7 +162,7 @@ def test_a_frozen_partner_does_not_hang_its_writer(embedded, tmp_path):
     out = str(tmp_path / "cache")
     args = (*ARGS, "--tp-size", "2", "--rank-timeout", "3")
     cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, *args))
-    ranks = _start_ranks(cmd, 2)
+    ranks = start_ranks(cmd, 2)
     try:
         wait_for(lambda: published(out) >= 1)
         os.kill(ranks[1].pid, signal.SIGSTOP)
@@ -196,7 +182,7 @@ def test_a_frozen_partner_does_not_hang_its_writer(embedded, tmp_path):
 def test_sigterm_to_a_partner_stops_its_group_at_a_shard_boundary(embedded, tmp_path):
     """The partner asks to stop; the writer, which got no signal, stops with it after the shard in flight."""
     out = str(tmp_path / "cache")
-    ranks = _start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 2)
+    ranks = start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 2)
     wait_for(lambda: published(out) >= 1)
     os.kill(ranks[1].pid, signal.SIGTERM)
     for proc in ranks:

@@ -1,6 +1,6 @@
 """dspark-produce to object storage (``--output-dir s3://bucket/prefix``): a real moto S3 server on
 127.0.0.1 (``tests.support.s3server``), our fault proxy in front of it where a test needs faults or a
-producer held, the embedded target, real producer processes, real SIGKILLs and torchrun.
+producer held, the embedded target, real producer processes, real SIGKILLs, ranks with torchrun's environment.
 
 The producers get the store through ``--storage-options`` (endpoint and credentials), never the
 ``AWS_*`` variables: those would make every start a cold interpreter (``tests.support.warm``)."""
@@ -25,7 +25,7 @@ from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.url import RemoteURL
 from tests.support.faultproxy import FaultProxy, matching
 from tests.support.produce import produce_args
-from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, start, torchrun, wait_for
+from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
 from tests.support.remote import upload_cache
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, unique_bucket_name
 
@@ -285,6 +285,7 @@ def test_a_killed_producers_lease_expires_and_the_next_run_takes_over(
 
 # -- 5. --overwrite ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_overwrite_clears_the_stores_files_and_remakes_the_cache(embedded, reference, remote, tmp_path, capsys):
     upload_cache(reference, remote.url, storage_options=remote.options)  # a complete cache is there
     store = remote.store
@@ -331,10 +332,10 @@ def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite
 # -- 6. torchrun -------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_two_ranks_under_torchrun_produce_to_s3(embedded, reference, remote, tmp_path, capsys):
+def test_two_ranks_produce_to_s3(embedded, reference, remote, tmp_path, capsys):
+    """Two ranks with torchrun's environment on one node (one staging directory); the 2-node test runs torchrun."""
     staging = tmp_path / "staging"
-    done = run(torchrun(2, *remote.args(embedded, staging, "--num-workers", "0")), env=ENV, timeout=300)
-    assert done.returncode == 0, done.stderr[-5000:]
+    run_ranks(producer_cmd(*remote.args(embedded, staging, "--num-workers", "0")), 2, env=ENV)
     listing = remote.listing()
     for rank in (0, 1):
         assert f"events/rank-{rank:05d}.jsonl.000000" in listing, sorted(listing)
@@ -452,6 +453,7 @@ def test_the_ranks_of_one_node_starting_together_on_a_new_staging_dir_are_not_re
 
 # -- 9. faults ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_transient_faults_on_tar_uploads_are_retried_and_the_run_completes(
         embedded, reference, remote, proxy, tmp_path, capsys):
     proxy.fail_next(2, "503", match=TAR_PUTS)

@@ -1,5 +1,6 @@
 """The parts of dspark-regenerate that need no server: the seed rule, the turn rule, reading a
-reply, the resume index, the identity and the manifest's record (the server tests cover the rest)."""
+reply, the rows it refuses, the resume index, the identity, the manifest's record, the command line,
+and a run with no server at all (the server tests cover the rest)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import pytest
 
 from dspark_cache.format.schema import Manifest, RegeneratedInput
 from dspark_cache.format.validate import manifest_problems
-from dspark_cache.regenerate.client import base_url
-from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.producer import InvalidRow
-from dspark_cache.regenerate.client import Transient
+from dspark_cache.regenerate.client import Transient, base_url
+from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import Reply, parse_reply, same_model
 from dspark_cache.regenerate.output import OutputError, OutputFiles, check_resume, done_rows
 from dspark_cache.regenerate.run import check_row, encode_row
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, identity_diff, row_seed
+from tests.support.regenerate import regenerate as run_regenerate
+from tests.support.serving import free_port
 
 BIN = os.path.dirname(sys.executable)
 
@@ -211,3 +213,14 @@ def test_help_imports_no_torch():
             "except SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH", done.stdout + done.stderr
+
+
+def test_no_endpoint_answers_is_one_line(embedded, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    done = run_regenerate(dead, embedded.data, str(out))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dspark-regenerate: error: no endpoint answers: "), done.stderr
+    assert all(url in lines[0] for url in dead) and "refused" in lines[0] and "rerun" in lines[0]
+    assert not os.listdir(tmp_path), "nothing is written when no endpoint answers"

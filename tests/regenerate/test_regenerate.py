@@ -35,6 +35,9 @@ from tests.support.serving import free_port
 
 CHAT = matching(method="POST", suffix="/v1/chat/completions")
 ROWS = 24
+# Every test here asks a real server (10 s to start, then a second or more of generation per run): make
+# test-fast leaves them to make test; the parts that need no server are in test_parts.py.
+pytestmark = pytest.mark.slow
 
 
 def _multi_turn_rows() -> list[dict]:
@@ -133,7 +136,6 @@ def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_pat
     assert msgspec.json.decode(Path(CachePaths(str(plain)).manifest).read_bytes())["regenerated"] == []
 
 
-@pytest.mark.slow
 def test_same_bytes_at_any_concurrency(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "16")
@@ -141,7 +143,6 @@ def test_same_bytes_at_any_concurrency(server, rows_file, reference, tmp_path):
     assert out.read_bytes() == reference
 
 
-@pytest.mark.slow
 def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     total = len(_lines(reference))
@@ -160,7 +161,6 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, refe
     assert "done before" in done.stdout
 
 
-@pytest.mark.slow
 def test_sigterm_keeps_what_is_done_and_exits_3(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", "2")
@@ -187,7 +187,6 @@ def test_torn_last_line_is_cut_off_on_resume(server, rows_file, reference_files,
     assert out.read_bytes() == reference
 
 
-@pytest.mark.slow
 def test_two_endpoints_one_dead_then_back(server, rows_file, reference, tmp_path):
     """The dead endpoint leaves the rotation, the run goes on with the other; once it answers it is used again."""
     port = free_port()
@@ -207,18 +206,6 @@ def test_two_endpoints_one_dead_then_back(server, rows_file, reference, tmp_path
     assert out.read_bytes() == reference
 
 
-def test_no_endpoint_answers_is_one_line(rows_file, tmp_path):
-    out = tmp_path / "regen.jsonl"
-    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
-    done = regenerate(dead, rows_file, str(out))
-    assert done.returncode == 1
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dspark-regenerate: error: no endpoint answers: "), done.stderr
-    assert all(url in lines[0] for url in dead) and "refused" in lines[0] and "rerun" in lines[0]
-    assert not os.listdir(tmp_path), "nothing is written when no endpoint answers"
-
-
-@pytest.mark.slow
 def test_429_503_and_resets_are_retried(server, rows_file, reference, tmp_path):
     out = tmp_path / "regen.jsonl"
     with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
@@ -239,7 +226,6 @@ def _small(rows_file: str, tmp_path, n: int = 6) -> str:
         return write_jsonl(tmp_path / "small.jsonl", [line.rstrip("\n") for line in handle][:n])
 
 
-@pytest.mark.slow
 def test_rows_failing_after_retries_are_listed_then_retried(server, rows_file, tmp_path):
     data = _small(rows_file, tmp_path)
     out = tmp_path / "regen.jsonl"
@@ -461,7 +447,6 @@ def test_concurrency_opens_a_connection_per_request_in_flight(server, rows_file,
 
 # -- the server dies: last in this file, since one of them kills the module's server (and starts it again) --
 
-@pytest.mark.slow
 def test_server_gone_for_good_stops_the_run_with_one_line(server, rows_file, tmp_path):
     """The run's only endpoint dies for good: a proxy in front of the server, stopped (its port refuses, its
     connections are cut, as when a server is killed)."""
@@ -483,7 +468,6 @@ def test_server_gone_for_good_stops_the_run_with_one_line(server, rows_file, tmp
     assert count_lines(str(out)) == ROWS
 
 
-@pytest.mark.slow
 def test_server_killed_mid_run_then_restarted(server, rows_file, reference, tmp_path):
     """The server dies in the middle of a run (SIGKILL) and comes back on the same port: the requests in flight
     fail, the endpoint leaves the rotation, is tried again, and the run ends with every row, the same bytes as

@@ -27,6 +27,24 @@ def torchrun(nproc: int, *args: str) -> list[str]:
             "dspark_cache.producer", *args]
 
 
+def start_ranks(cmd: list[str], world: int, env: dict | None = None,
+                rank_env: dict[int, dict] | None = None) -> list[subprocess.Popen | WarmProcess]:
+    """``world`` ranks of ``cmd`` started by hand, with the environment torchrun gives its ranks (forked warm,
+    and with no agent, which would kill the others when one dies), ``env`` for all and ``rank_env[r]`` for
+    rank ``r``. The tests of torchrun itself run it."""
+    base = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", **(env or {})}
+    return [start(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r), **(rank_env or {}).get(r, {})})
+            for r in range(world)]
+
+
+def run_ranks(cmd: list[str], world: int, env: dict | None = None, timeout: float = 300) -> None:
+    """``world`` ranks of ``cmd`` (:func:`start_ranks`), each of which must succeed."""
+    ranks = start_ranks(cmd, world, env)
+    said = [r.communicate(timeout=timeout) for r in ranks]
+    assert [r.returncode for r in ranks] == [0] * world, said
+
+
 def start(cmd: list[str], env: dict | None = None, code: bool = False) -> subprocess.Popen | WarmProcess:
     """``cmd`` in a session of its own, its output piped: our console scripts (and, when ``code``,
     ``python -c``) forked warm (:mod:`tests.support.warm`)."""

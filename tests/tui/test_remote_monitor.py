@@ -245,6 +245,7 @@ def _running(store: ObjectStore, paths: CachePaths) -> bool:
     return status.state == "running" and len(indexes) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_the_s_key_stops_a_producer_writing_to_s3(embedded, s3_server, s3_bucket, tmp_path, monkeypatch):
     url = f"{s3_bucket}/live"
