@@ -3,8 +3,11 @@ the caches the producer writes from them (each made once a session, read-only to
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
-from collections.abc import Callable
+import pathlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -15,8 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One torch thread per test process (inherited by the producers, ranks and workers they start):
-# the suite runs in two xdist workers on two cores, and OpenMP threads spinning on the core the
-# other worker needs cost about a third of the suite's CPU time, for no speed.
+# the suite runs in xdist workers on two cores, and OpenMP threads spinning on the core another
+# worker needs cost about a third of the suite's CPU time, for no speed.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.support.produce import run_produce  # noqa: E402
@@ -35,16 +38,33 @@ class Tokenizers(NamedTuple):
     generation: Any  # of Embedded.generation
 
 
+@contextlib.contextmanager
+def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[pathlib.Path, bool]]:
+    """``(directory, done)``: a directory every xdist worker of this session shares (the process's own
+    without xdist), held under a lock while the caller fills it; ``done`` when a worker already has."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path, marker = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = marker.exists()
+        yield path, done
+        marker.touch()
+
+
 @pytest.fixture(scope="session")
 def embedded(tmp_path_factory) -> Embedded:
-    from dspark_cache.embedded.data import write_sample_data
-    from dspark_cache.embedded.target import build_target
+    """Built once for the whole session, whatever the number of workers: read-only to every test."""
+    with once_per_session(tmp_path_factory, "embedded") as (root, done):
+        made = Embedded(str(root / "stock"), str(root / "generation"), str(root / "data.jsonl"))
+        if not done:
+            from dspark_cache.embedded.data import write_sample_data
+            from dspark_cache.embedded.target import build_target
 
-    root = tmp_path_factory.mktemp("embedded")
-    stock = build_target(str(root / "stock"), template="stock")
-    generation = build_target(str(root / "generation"), template="generation")
-    data = write_sample_data(str(root / "data.jsonl"), num_rows=48, seed=3)
-    return Embedded(stock, generation, data)
+            build_target(made.stock, template="stock")
+            build_target(made.generation, template="generation")
+            write_sample_data(made.data, num_rows=48, seed=3)
+    return made
 
 
 @pytest.fixture(scope="session")
