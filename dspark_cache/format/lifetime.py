@@ -10,7 +10,9 @@ the request was made.
 Linux sends that signal when the *thread* that started the child ends, not the process: start
 children from a thread that lives as long as they should (we start them from the main thread).
 A dying parent with several threads hands the child to each next thread in turn, and the signal
-comes again each time: a handler must take repeats within moments as one (producer.signals does).
+comes again each time, while ``getppid()`` still names the dying parent. A child that stops
+gracefully therefore gets :data:`PARENT_DEATH_SIGNAL`, which means nothing else, rather than a
+SIGTERM whose repeats it could not tell from a user's second SIGTERM (producer.report.signals).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import time
 from typing import Callable
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# What our own programs that stop gracefully (a torchrun rank of the producer, the monitor's producer) get
+# when their parent dies. SIGUSR2: nothing we run sends it, and nohup does not ignore it, as it does SIGHUP.
+PARENT_DEATH_SIGNAL = signal.SIGUSR2
 _WATCH_S = 0.5  # how often the fallback thread looks at the parent's pid
 
 

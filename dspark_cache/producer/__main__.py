@@ -8,7 +8,6 @@ torchrun and the monitor's ``--tui`` child start.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 
@@ -17,11 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_cache.cli import produce_rank
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: its agent is our parent
-        from dspark_cache.format.lifetime import die_with_parent
+        from dspark_cache.format.lifetime import PARENT_DEATH_SIGNAL, die_with_parent
 
         # An agent SIGKILLed by a scheduler cannot forward its signal: the rank would run on, or wait in
-        # a collective for a partner, forever. SIGTERM stops it at a shard boundary, resumable.
-        die_with_parent(os.getppid(), signal.SIGTERM)
+        # a collective for a partner, forever. The notice stops it at a shard boundary, resumable.
+        die_with_parent(os.getppid(), PARENT_DEATH_SIGNAL)
     return produce_rank(argv)
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 
 from dspark_cache.cli.conventions import UsageError
-from dspark_cache.format.lifetime import exec_with_parent
+from dspark_cache.format.lifetime import PARENT_DEATH_SIGNAL, exec_with_parent
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.remote.url import is_remote
 from dspark_cache.tui.app import MonitorApp
@@ -63,9 +63,9 @@ def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"produce-{time.strftime('%Y%m%d-%H%M%S')}.log")
     with open(log_path, "ab") as log:
-        # If the monitor dies (even by SIGKILL) the producer gets SIGTERM: it stops at a shard boundary, resumable.
+        # If the monitor dies (even by SIGKILL) the producer is told: it stops at a shard boundary, resumable.
         child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer", *producer_argv],
-                                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=exec_with_parent(signal.SIGTERM))
+                                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=exec_with_parent(PARENT_DEATH_SIGNAL))
         try:
             if has_terminal():  # else no one could quit the app: the producer just runs, and its log tail is shown
                 ForegroundMonitor(paths.root, child, log_path).run()

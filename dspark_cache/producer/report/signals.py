@@ -1,4 +1,5 @@
-"""Graceful stop: SIGINT/SIGTERM or the monitor's stop file end the run at a shard boundary."""
+"""Graceful stop: SIGINT/SIGTERM, the monitor's stop file, or our parent's death end the run at a
+shard boundary."""
 
 from __future__ import annotations
 
@@ -6,47 +7,36 @@ import logging
 import os
 import signal
 import threading
-import time
 
+from dspark_cache.format.lifetime import PARENT_DEATH_SIGNAL
 from dspark_cache.format.paths import CachePaths
 
 log = logging.getLogger(__name__)
 
-DEATH_NOTICE_S = 2.0  # how long after the first a parent-death signal may come again (see StopFlag)
-
-
-def _dying(pid: int) -> bool:
-    """Whether process ``pid`` has exited (a zombie, or gone) although it may still be our parent:
-    a process killed with several threads stays our parent, through its other threads, until the
-    last of them has exited. False where there is no ``/proc`` to tell."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except FileNotFoundError:
-        return os.path.isdir("/proc/self")  # gone, where /proc would show it
-    except OSError:
-        return False
-    fields = stat.rpartition(b")")[2].split()  # the command name may hold spaces and parentheses
-    return bool(fields) and fields[0] in (b"Z", b"X")
-
 
 class StopFlag:
-    """Callable: True once a stop was requested. A second signal aborts at once."""
+    """Callable: True once a stop was requested. A second SIGINT/SIGTERM, after a first one or the
+    monitor's request, aborts at once.
+
+    The kernel's notice that our parent died (:data:`PARENT_DEATH_SIGNAL`, asked for by the torchrun
+    entry and by ``dspark-produce --tui`` for its child) is a signal of its own because it comes
+    again each time one of a killed parent's threads exits and we are handed to the next, whenever
+    this handler gets to run: counted as SIGTERMs, those repeats aborted the shard in flight. It
+    stops the run, and never aborts it."""
 
     def __init__(self, paths: CachePaths) -> None:
         self.paths = paths
         self.event = threading.Event()
         self.reason = ""
-        self._parent = os.getppid()
-        self._first_at = 0.0
+        self._asked = False  # a signal or the monitor asked: the next signal aborts
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        self._parent = os.getppid()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._previous[PARENT_DEATH_SIGNAL] = signal.signal(PARENT_DEATH_SIGNAL, self._on_parent_death)
 
     def uninstall(self) -> None:
         """Give the handlers back (the producer may run inside a longer-lived process)."""
@@ -55,27 +45,27 @@ class StopFlag:
         self._previous.clear()
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self.event.is_set():  # the second signal: abandon the shard in flight
-            if self._repeated_death_notice():
-                return
+        if self._asked:  # the second signal: abandon the shard in flight
             raise KeyboardInterrupt
-        self._first_at = time.monotonic()
-        self.reason = signal.Signals(signum).name
-        log.warning("%s received: finishing the shard in flight, then stopping (send again to abort now)", self.reason)
+        self._asked = True
+        if not self.event.is_set():
+            self.reason = signal.Signals(signum).name
+        log.warning("%s received: finishing the shard in flight, then stopping (send again to abort now)",
+                    signal.Signals(signum).name)
         self.event.set()
 
-    def _repeated_death_notice(self) -> bool:
-        """The kernel's parent-death signal (``format.lifetime``) comes again each time the dying
-        parent's next thread exits and we are handed to it. That is one stop, not a second signal
-        asking to abort. While we are handed from thread to thread our parent's pid stays the same,
-        and this handler may run late (the main thread in a long call): a repeat is a death notice
-        when the parent is dying or gone, or when it comes within moments of the first."""
-        return _dying(self._parent) or (os.getppid() != self._parent
-                                        and time.monotonic() - self._first_at < DEATH_NOTICE_S)
+    def _on_parent_death(self, _signum: int, _frame: object) -> None:
+        if self.event.is_set():
+            return
+        self.reason = "parent process died"
+        log.warning("our parent process (torchrun's agent, or the monitor) died: finishing the shard in flight, "
+                    "then stopping")
+        self.event.set()
 
     def __call__(self) -> bool:
         if not self.event.is_set() and os.path.isfile(self.paths.stop_request):  # a file, as the monitor writes
             self.reason = "stop requested by the monitor"
+            self._asked = True
             log.warning("stop requested by the monitor: finishing the shard in flight, then stopping")
             self.event.set()
         return self.event.is_set()
