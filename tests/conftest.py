@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import pathlib
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -48,6 +49,8 @@ def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str) -> Ite
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = marker.exists()
+        if not done and path.exists():  # a worker's build that failed half-way
+            shutil.rmtree(path)
         yield path, done
         marker.touch()
 

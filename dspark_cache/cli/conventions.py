@@ -37,9 +37,9 @@ EXIT_CODES: dict[int, str] = {
     EXIT_ERROR: "failed, or problems found: the message names the file and says what to do next",
     EXIT_USAGE: "usage error (one line on stderr), or a path that is not the cache the command needs",
     EXIT_STOPPED: "stopped on request or interrupted: rerun the same command to resume",
-    EXIT_INCOMPLETE: "finished, but part of the work is missing (dspark-produce: shards of a rank that died; "
-                     "dspark-regenerate: rows whose requests failed): rerun the same command (any number of ranks) "
-                     "to complete it",
+    EXIT_INCOMPLETE: "finished, but part of the work is missing (dspark-produce: shards of a rank that died, "
+                     "rerun with any number of ranks; dspark-regenerate: rows whose requests failed): rerun the same "
+                     "command to complete it",
 }
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")  # WARN: logging's alias of WARNING

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 CONNECT_TIMEOUT_S = 10.0
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 REFUSED_STATUSES = frozenset({401, 403})
+BUSY_STATUS = 429  # a busy server, not a failing one: retried, but never a reason to leave the rotation
 # A chat completion of 128k tokens is well under a megabyte of JSON: an answer past this is not one, and
 # reading it whole (times --concurrency) could take the machine's memory.
 MAX_ANSWER_BYTES = 32 << 20

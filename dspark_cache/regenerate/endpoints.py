@@ -18,14 +18,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark_cache.regenerate.client import Client, Refused, Rejected, RequestFailed, Transient, Unreachable
+from dspark_cache.regenerate.client import (
+    BUSY_STATUS, Client, Refused, Rejected, RequestFailed, Transient, Unreachable,
+)
+from dspark_cache.regenerate.output import encode_line
+from dspark_cache.regenerate.settings import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 
 FIRST_DOWN_S = 1.0  # an endpoint that refused is tried again after this, then twice as long each time
 MAX_DOWN_S = 30.0
 DOWN_AFTER = 3  # failed requests in a row (not 429s) that take an answering endpoint out of the rotation
-BUSY_STATUS = 429
 BACKOFF_S = 0.5  # the first retry's wait; doubled each retry, capped, with jitter
 MAX_BACKOFF_S = 30.0
 PROBE_TIMEOUT_S = 10.0
@@ -63,11 +66,14 @@ def _text(value: Any, what: str) -> str | None:
 
 
 class RowFailed(Exception):
-    """A row's request failed for good; ``reason`` goes into OUTPUT.failed."""
+    """A row's request failed for good; ``reason`` goes into OUTPUT.failed, or OUTPUT.skipped when ``final``:
+    the server refused this very request (a 4xx) or answered what no output line can hold, and would
+    again (the same messages, sampling settings and seed)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, final: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.final = final
 
 
 @dataclass
@@ -80,8 +86,9 @@ class Reply:
 
 
 def parse_reply(doc: Any, url: str) -> tuple[Reply, str]:
-    """The reply and the model named in a chat completion; :class:`Transient` when it is not one (what is
-    written comes from here: text that ``dspark-produce`` reads, or nothing)."""
+    """The reply and the model named in a chat completion: :class:`Transient` when it is not one (a
+    gateway's page, a cut answer), :class:`Rejected` when its message cannot be written (what is written
+    comes from here: text that ``dspark-produce`` reads, or nothing)."""
     try:
         choice = doc["choices"][0]
         msg = choice["message"]
@@ -99,12 +106,18 @@ def parse_reply(doc: Any, url: str) -> tuple[Reply, str]:
                                                       for c in calls):
                 raise ValueError("its tool_calls are not a list of function calls")
             message["tool_calls"] = calls
+        try:
+            encode_line(message)
+        except (TypeError, ValueError, UnicodeEncodeError) as exc:
+            raise ValueError(f"it holds what JSON text cannot ({type(exc).__name__}: {exc})") from None
         usage = doc.get("usage") or {}
-        reply = Reply(message, _text(choice.get("finish_reason"), "finish_reason") or "stop",
-                      int(usage.get("completion_tokens") or 0))
+        tokens = usage.get("completion_tokens") or 0
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise TypeError("completion_tokens is not a count")
+        reply = Reply(message, _text(choice.get("finish_reason"), "finish_reason") or "stop", tokens)
         return reply, _text(doc.get("model"), "model") or ""
     except ValueError as exc:
-        raise Transient(f"{url} answered a chat completion whose message cannot be written: {exc}") from None
+        raise Rejected(f"{url} answered a chat completion whose message cannot be written: {exc}") from None
     except (KeyError, IndexError, TypeError, AttributeError):
         raise Transient(f"{url} answered JSON that is not a chat completion") from None
 
@@ -190,12 +203,15 @@ class EndpointPool:
 
     def _mark_down(self, ep: _Endpoint, reason: str) -> None:
         with self._lock:
-            now = time.monotonic()
-            ep.down_for = min(MAX_DOWN_S, ep.down_for * 2 or FIRST_DOWN_S)
-            ep.down_until = now + ep.down_for
-            ep.last_error = reason
-            if self._all_down_since is None and all(e.down_until > now for e in self._endpoints):
-                self._all_down_since = now
+            self._down(ep, reason, time.monotonic())
+
+    def _down(self, ep: _Endpoint, reason: str, now: float) -> None:
+        """Take ``ep`` out of the rotation (the lock held)."""
+        ep.down_for = min(MAX_DOWN_S, ep.down_for * 2 or FIRST_DOWN_S)
+        ep.down_until = now + ep.down_for
+        ep.last_error = reason
+        if self._all_down_since is None and all(e.down_until > now for e in self._endpoints):
+            self._all_down_since = now
 
     def _mark_up(self, ep: _Endpoint) -> None:
         with self._lock:
@@ -213,11 +229,11 @@ class EndpointPool:
             ep.failures += 1
             now = time.monotonic()
             others = any(e is not ep and e.down_until <= now for e in self._endpoints)
-            failing = ep.failures >= DOWN_AFTER and ep.down_until <= now and others
-        if failing:
+            if ep.failures < DOWN_AFTER or ep.down_until > now or not others:
+                return
             log.warning("endpoint %s failed %d requests in a row (last: %s); left out of the rotation for a while",
                         ep.url, ep.failures, exc.reason)
-            self._mark_down(ep, f"failed {ep.failures} requests in a row, the last: {exc.reason}")
+            self._down(ep, f"failed {ep.failures} requests in a row, the last: {exc.reason}", now)
 
     def _pick(self) -> _Endpoint:
         """The next endpoint that is up, waiting while none is; :class:`NoEndpointError` once given up."""
@@ -254,7 +270,7 @@ class EndpointPool:
                 raise EndpointError(refused_message(exc)) from None
             except Rejected as exc:
                 self._mark_up(ep)
-                raise RowFailed(exc.reason) from None
+                raise RowFailed(exc.reason, final=True) from None
             except Transient as exc:
                 self._failed(ep, exc)
                 tries += 1
@@ -273,5 +289,6 @@ class EndpointPool:
 
 
 def refused_message(exc: RequestFailed) -> str:
-    return (f"{exc.reason}: the endpoint refuses this client's credentials. Pass --api-key (or set "
-            "$DSPARK_API_KEY) to the key the server was started with, then rerun the same command")
+    keys = " or ".join(f"${name}" for name in API_KEY_ENV)
+    return (f"{exc.reason}: the endpoint refuses this client's credentials. Pass --api-key (or set {keys}) to the "
+            "key the server was started with, then rerun the same command")

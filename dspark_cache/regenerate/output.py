@@ -6,24 +6,26 @@ next to it:
 * ``OUTPUT.state``: the run's :class:`~dspark_cache.regenerate.settings.Identity` (msgspec JSON),
   written before the first row; a rerun with other settings is refused.
 * ``OUTPUT.lock``: an flock (``format.lock``): one run per output.
-* ``OUTPUT.skipped``: rows that are done but not in the output (invalid, or dropped as truncated),
-  one JSON object per line: they are not asked again.
+* ``OUTPUT.skipped``: rows that are done but not in the output (invalid, dropped as truncated, or
+  rejected by the server), one JSON object per line: they are not asked again.
 * ``OUTPUT.failed``: rows whose requests failed after the retries (rewritten by each run; a rerun
-  asks them again).
+  asks them again and appends them after the rows already written).
 
 Rows are appended in input order (a row that finishes early waits for those before it), so a run
-killed at any instant leaves a prefix, and its rerun appends the rest: the same bytes as an
-uninterrupted run. Appends go through ``O_APPEND`` writes of whole lines, fsynced every
+killed at any instant leaves a prefix, and its rerun appends the rest: with no failed row, the same
+bytes as an uninterrupted run. Appends go through ``O_APPEND`` writes of whole lines, fsynced every
 ``fsync_rows`` rows and at the end; a kill can leave at most a torn last line, which resume cuts off.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import msgspec
 
@@ -34,7 +36,35 @@ from dspark_cache.regenerate.settings import Identity, identity_diff
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "dspark-regenerate/1"
+# /2: the row's source moved inside its ``regenerated`` record, a local input is named by its absolute path.
+STATE_FORMAT = "dspark-regenerate/2"
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as null: what JSON holds of them (a float column's missing values)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def encode_line(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
+    """``value`` as one output line: UTF-8 JSON (no ASCII escapes, compact, NaN and infinities as null, which
+    strict readers, resume's among them, refuse as numbers), ``default`` for values JSON has no type for.
+    TypeError, ValueError or UnicodeEncodeError (a lone surrogate) when it cannot be written."""
+    def dump(obj: Any, convert: Callable[[Any], Any] | None) -> str:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=convert, allow_nan=False)
+
+    try:
+        text = dump(value, default)
+    except ValueError as exc:
+        if "Out of range float" not in str(exc):
+            raise
+        text = dump(_finite(value), None if default is None else lambda v: _finite(default(v)))
+    return text.encode("utf-8") + b"\n"
 
 
 class OutputError(CacheError):
@@ -50,6 +80,8 @@ class State(msgspec.Struct, kw_only=True):
 
 
 class _DoneRecord(msgspec.Struct):
+    """The part of a row's ``RowRegeneration`` resume reads."""
+
     source: RowSource
 
 
@@ -111,12 +143,17 @@ def take_lock(files: OutputFiles) -> DirectoryLock | None:
 def read_state(files: OutputFiles) -> State | None:
     try:
         with open(files.state, "rb") as handle:
-            return msgspec.json.decode(handle.read(), type=State)
+            state = msgspec.json.decode(handle.read(), type=State)
     except FileNotFoundError:
         return None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise OutputError(f"{files.state} is not a dspark-regenerate state file ({exc}); pass --overwrite to start "
                           "over, or choose another --output") from None
+    if state.format != STATE_FORMAT:
+        raise OutputError(f"{files.path} was written by another version of dspark-regenerate ({state.format}, this "
+                          f"one writes {STATE_FORMAT}): resume it with that version, pass --overwrite to start over, "
+                          "or choose another --output")
+    return state
 
 
 def check_identity(files: OutputFiles, new: Identity) -> State | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import datetime
 import decimal
-import json
 import logging
 import queue
 import threading
@@ -29,7 +28,7 @@ from dspark_cache.producer import InputError, InputSource, InvalidRow, RawRow, c
 from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import EndpointError, EndpointPool, NoEndpointError, Reply, RowFailed
 from dspark_cache.regenerate.output import (
-    Finished, OrderedWriter, OutputFiles, Skipped, check_resume, done_rows, take_lock,
+    Finished, OrderedWriter, OutputFiles, Skipped, check_resume, done_rows, encode_line, take_lock,
 )
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, regeneration, row_seed
 
@@ -93,8 +92,12 @@ def _json_value(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, datetime.timedelta):
         return value.total_seconds()
-    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+    if isinstance(value, decimal.Decimal):
+        return format(value, "f")  # digits, never 1E+2
+    if isinstance(value, uuid.UUID):
         return str(value)
+    if getattr(getattr(value, "dtype", None), "kind", None) in ("M", "m"):  # numpy datetime64 / timedelta64
+        return value.astype(str).tolist()  # ISO 8601 text, not a count of nanoseconds
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(value)).decode("ascii")
     if isinstance(value, (set, frozenset)):
@@ -105,9 +108,8 @@ def _json_value(value: Any) -> Any:
 
 
 def encode_row(out: dict[str, Any]) -> bytes:
-    """One output line (UTF-8, no ASCII escapes, as compact as JSON gets); TypeError, ValueError or
-    UnicodeEncodeError when a value cannot be written."""
-    return json.dumps(out, ensure_ascii=False, separators=(",", ":"), default=_json_value).encode("utf-8") + b"\n"
+    """One output line (``output.encode_line``, input columns' types as :func:`_json_value` writes them)."""
+    return encode_line(out, _json_value)
 
 
 def _kept(value: dict[str, Any]) -> dict[str, Any]:
@@ -120,9 +122,10 @@ def check_row(value: dict[str, Any], messages: list[dict[str, Any]], tools: Any,
     any request is sent for it: the same bad-row policy as every other invalid row."""
     if not messages:
         raise InvalidRow("empty conversation", "'messages' is empty: there is nothing to answer")
-    if targets(messages, turns)[0] == 0:
-        raise InvalidRow("nothing to answer", "the conversation starts with the assistant's turn, and the turns "
-                         f"to regenerate (--turns {turns}) include it: no turn comes before it to answer")
+    first = targets(messages, turns)[0]
+    if all(m["role"] == "system" for m in messages[:first]):
+        raise InvalidRow("nothing to answer", f"no user or tool turn comes before turn {first}, the first one to "
+                         f"regenerate (--turns {turns}): there is nothing to answer")
     for name, part in (("messages", messages), ("tools", tools), *_kept(value).items()):
         try:
             encode_row({name: part})
@@ -171,6 +174,9 @@ class Regenerator:
         try:
             messages, replies = regenerate(job.messages, self.cfg.turns, generate)
         except RowFailed as exc:
+            if exc.final and self.cfg.on_failed == "skip":  # the server's answer will not change: not asked again
+                return Finished(skipped=Skipped(index=row.index, where=row.where, reason="rejected",
+                                                detail=exc.reason))
             return Finished(failed=Skipped(index=row.index, where=row.where, reason="request failed",
                                            detail=exc.reason))
         tokens = sum(r.completion_tokens for r in replies)

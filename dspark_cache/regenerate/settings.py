@@ -98,11 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="invalid input rows (as dspark-produce judges them): stop, or skip them (listed in "
                    "OUTPUT.skipped)")
     p.add_argument("--on-failed", choices=["skip", "error"], default="skip",
-                   help="a row whose request still fails after --retries: list it in OUTPUT.failed and go on (a "
-                   "rerun tries it again), or stop")
+                   help="a row whose request still fails after --retries: list it in OUTPUT.failed, go on and exit 4 "
+                   "(a rerun tries it again); a row the server rejects (4xx, or an answer no line can hold): list "
+                   "it in OUTPUT.skipped. Or stop on either")
     p.add_argument("--retries", type=int, default=6,
-                   help="retries of a request answered 429/5xx, timed out or reset, with exponential backoff "
-                   "(an endpoint that refuses connections costs no retry: it leaves the rotation instead)")
+                   help="retries of a request answered 429/5xx or not a chat completion, timed out or reset, with "
+                   "exponential backoff (an endpoint that refuses connections costs no retry: it leaves the "
+                   "rotation instead, as does one failing 3 requests in a row while another is up)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--give-up-after", type=float, default=300.0,
                    help="seconds with no endpoint answering before the run stops (rerun to resume)")
@@ -115,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "these; a killed process loses only the rows in flight)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing OUTPUT and its sidecars and start over")
     p.add_argument("--dry-run", action="store_true",
-                   help="check the endpoints, count the rows (and those already done), write nothing")
+                   help="check the endpoints, the input (read whole, for its hash) and the output (settings a run "
+                   "would refuse are refused), count the rows and those already done; write nothing")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (log lines at INFO instead); a bar is drawn only when stderr is a terminal")
 

@@ -329,7 +329,7 @@ def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite
     _assert_verified(remote, tmp_path / "node", capsys)
 
 
-# -- 6. torchrun -------------------------------------------------------------------------------
+# -- 6. two ranks on one node ------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_two_ranks_produce_to_s3(embedded, reference, remote, tmp_path, capsys):

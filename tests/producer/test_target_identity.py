@@ -211,10 +211,6 @@ def test_allow_pickle_weights_help_says_what_it_risks():
 # -- item 22: a hub id without network fails fast, in one line ----------------------------------------
 
 
-def _fake_hub(embedded, root: str, repo: str) -> str:
-    return fake_hub(embedded.stock, root, repo)
-
-
 def _closed_port() -> int:
     import socket
 
@@ -243,7 +239,7 @@ def test_uncached_hub_id_without_network_fails_fast_in_one_line(embedded, tmp_pa
 @pytest.mark.slow
 def test_cached_hub_id_resolves_offline_to_its_commit(embedded, tmp_path):
     hub = str(tmp_path / "hub")
-    commit = _fake_hub(embedded, hub, "someorg/tiny")
+    commit = fake_hub(embedded.stock, hub, "someorg/tiny")
     out = str(tmp_path / "cache")
     for offline in ("1", "0"):  # offline, then online with the hub unreachable: the cached commit both times
         env = {"HF_HUB_CACHE": hub, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": offline,

@@ -14,7 +14,7 @@ import pytest
 from dspark_cache.format.schema import Manifest, RegeneratedInput
 from dspark_cache.format.validate import manifest_problems
 from dspark_cache.producer import InvalidRow
-from dspark_cache.regenerate.client import Transient, base_url
+from dspark_cache.regenerate.client import Rejected, Transient, base_url
 from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import Reply, parse_reply, same_model
 from dspark_cache.regenerate.output import OutputError, OutputFiles, check_resume, done_rows
@@ -66,16 +66,20 @@ def test_regenerated_history_and_reasoning_kept():
     ({"content": "bad \ud800 text"}, "its content holds a lone UTF-16 surrogate"),
     ({"content": None, "tool_calls": "call it"}, "its tool_calls are not a list of function calls"),
     ({"content": None, "tool_calls": [{"id": "1"}]}, "its tool_calls are not a list of function calls"),
+    ({"content": None, "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{\"x\": \"\ud83d\"}"}}]},
+     "it holds what JSON text cannot"),
     ("just text", "its message is not an object"),
 ])
 def test_a_reply_that_cannot_be_written_is_not_taken(message, why):
-    """What a server answers is written as it is: anything dspark-produce could not read is a failed answer
-    (retried, then the row is listed as failed), never a line in the output."""
-    with pytest.raises(Transient, match=why):
+    """What a server answers is written as it is: anything dspark-produce could not read is a rejected answer
+    (the row is listed as skipped with the reason: the same request would get it again), never a line."""
+    with pytest.raises(Rejected, match=why):
         parse_reply({"model": "m", "choices": [{"message": message, "finish_reason": "stop"}]}, "http://x")
     call = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     reply, _ = parse_reply({"model": "m", "choices": [{"message": {"content": None, "tool_calls": call}}]}, "http://x")
     assert reply.message == {"role": "assistant", "content": "", "tool_calls": call}
+    with pytest.raises(Transient, match="not a chat completion"):  # a gateway's page, a cut answer: retried
+        parse_reply({"model": "m", "choices": []}, "http://x")
 
 
 def test_a_reply_may_name_the_served_model_with_its_revision():
@@ -88,8 +92,11 @@ def test_rows_no_server_can_answer_or_no_line_can_hold_are_invalid():
     import datetime
     import decimal
 
-    u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}
-    cases = [([], {}, "empty conversation"), ([a, u], {}, "nothing to answer"),
+    import numpy
+
+    u, a, s = {"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}, {"role": "system", "content": "s"}
+    cases = [([], {}, "empty conversation"), ([a, u], {}, "nothing to answer"), ([s, a, u], {}, "nothing to answer"),
+             ([s], {}, "nothing to answer"),
              ([u, {"role": "user", "content": "bad \ud800"}], {}, "lone surrogate"),
              ([u], {"title": "x \udfff"}, "lone surrogate"), ([u], {"handle": object()}, "value not JSON")]
     for messages, columns, reason in cases:
@@ -101,10 +108,12 @@ def test_rows_no_server_can_answer_or_no_line_can_hold_are_invalid():
     # Columns of Parquet and datasets that JSON has no type for are written as text, and kept.
     when = datetime.datetime(2024, 5, 1, 12, 30)
     row = {"messages": [u], "timestamp": when, "blob": b"\x00\xff", "price": decimal.Decimal("1.50"),
-           "source": "sharegpt"}
+           "source": "sharegpt", "seen": numpy.datetime64("2024-05-01T12:30:00"), "count": decimal.Decimal("1E+2"),
+           "score": float("nan"), "scores": numpy.array([0.5, numpy.inf])}
     check_row(row, [u], None, "all")
     assert encode_row(row) == ('{"messages":[{"role":"user","content":"q"}],"timestamp":"2024-05-01T12:30:00",'
-                               '"blob":"AP8=","price":"1.50","source":"sharegpt"}\n').encode()
+                               '"blob":"AP8=","price":"1.50","source":"sharegpt","seen":"2024-05-01T12:30:00",'
+                               '"count":"100","score":null,"scores":[0.5,null]}\n').encode()
 
 
 def check_row_error(messages, **columns) -> InvalidRow:

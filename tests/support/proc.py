@@ -60,10 +60,11 @@ def kill_group(proc: subprocess.Popen | WarmProcess) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:  # it had ended, or was started a moment ago and does not lead its group yet
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if proc.poll() is None:  # not reaped: the pid is still its own
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     proc.wait()
     wait_for(lambda: not alive(tree), timeout=60)
 
