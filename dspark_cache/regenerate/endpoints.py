@@ -4,9 +4,11 @@ Requests go round-robin over the endpoints that are up. One that refuses connect
 :data:`DOWN_AFTER` requests in a row while another is up (5xx, timeouts, broken connections: a server
 that hangs or keeps erroring is as dead as one that is gone), is taken out of the rotation and tried
 again after a delay that doubles while it stays down (up to :data:`MAX_DOWN_S`); a good answer puts
-it back. A 429 is a busy server, not a dead one: the request backs off and the endpoint stays. When every endpoint is down the requests wait for the
-first to come back, and after ``give_up_after`` seconds of none answering the run stops with
-:class:`NoEndpointError`, one line naming each endpoint and why (rerun to resume).
+it back. A 429 is a busy server, not a dead one: the request backs off and the endpoint stays. When
+every endpoint is down the requests wait for the first to come back, and after ``give_up_after``
+seconds of none answering the run stops with :class:`NoEndpointError`, one line naming each endpoint
+and why (rerun to resume). An endpoint that refuses our credentials stops the run
+(:class:`EndpointError`), as one that serves another model does.
 """
 
 from __future__ import annotations
