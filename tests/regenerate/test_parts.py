@@ -94,7 +94,8 @@ def test_rows_no_server_can_answer_or_no_line_can_hold_are_invalid():
 
     import numpy
 
-    u, a, s = {"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}, {"role": "system", "content": "s"}
+    u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}
+    s = {"role": "system", "content": "be brief"}
     cases = [([], {}, "empty conversation"), ([a, u], {}, "nothing to answer"), ([s, a, u], {}, "nothing to answer"),
              ([s], {}, "nothing to answer"),
              ([u, {"role": "user", "content": "bad \ud800"}], {}, "lone surrogate"),
@@ -103,7 +104,8 @@ def test_rows_no_server_can_answer_or_no_line_can_hold_are_invalid():
         with pytest.raises(InvalidRow) as err:
             check_row({"messages": messages, **columns}, messages, None, "all")
         assert err.value.reason == reason
-    assert "column 'handle' holds a value of type object, which JSON cannot hold" in str(check_row_error([u], handle=object()))
+    unwritable = str(check_row_error([u], handle=object()))
+    assert "column 'handle' holds a value of type object, which JSON cannot hold" in unwritable
     check_row({"messages": [a, u, a]}, [a, u, a], None, "last")  # the turn regenerated has a turn before it
     # Columns of Parquet and datasets that JSON has no type for are written as text, and kept.
     when = datetime.datetime(2024, 5, 1, 12, 30)

@@ -102,7 +102,8 @@ def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_pat
     out = tmp_path / "regen.jsonl"
     out.write_bytes(reference)
     rows = read_jsonl(str(out))
-    assert [r["regenerated"]["source"] for r in rows] == [{"index": i, "where": f"{rows_file}:{i + 1}"} for i in range(len(inputs))]
+    assert [r["regenerated"]["source"] for r in rows] == [{"index": i, "where": f"{rows_file}:{i + 1}"}
+                                                          for i in range(len(inputs))]
     for i, (row, raw) in enumerate(zip(rows, inputs)):
         messages, _ = normalise_row(raw)
         record = row["regenerated"]
@@ -364,7 +365,8 @@ def test_dry_run_checks_endpoints_and_counts_rows(server, rows_file, reference_f
     out = tmp_path / "regen.jsonl"
     done = regenerate([server.url, f"http://127.0.0.1:{free_port()}"], rows_file, str(out), "--dry-run")
     assert done.returncode == 0, done.stderr
-    assert f"serving {server.model}" in done.stdout and f"input: {ROWS} rows in {rows_file}; 0 already done" in done.stdout
+    assert f"serving {server.model}" in done.stdout
+    assert f"input: {ROWS} rows in {rows_file}; 0 already done" in done.stdout
     assert "does not answer" in done.stderr
     assert not os.listdir(tmp_path)
     # An output a run is appending to, seen mid-line: counted, left exactly as it is (the line is the run's).
@@ -376,7 +378,8 @@ def test_dry_run_checks_endpoints_and_counts_rows(server, rows_file, reference_f
     assert out.read_bytes() == b"".join(lines[:10]) + lines[10][:30]
     # Settings the run would refuse, the dry run refuses the same way.
     changed = regenerate([server.url], rows_file, str(out), "--dry-run", "--temperature", "0.5")
-    assert changed.returncode == 1 and "regeneration.temperature: the output has 0.0, this run has 0.5" in changed.stderr
+    assert changed.returncode == 1
+    assert "regeneration.temperature: the output has 0.0, this run has 0.5" in changed.stderr
 
 
 def test_replies_no_output_line_can_hold_are_rejected_never_written(server, rows_file, tmp_path):
