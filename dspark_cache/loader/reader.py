@@ -36,8 +36,7 @@ from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_zeros
 from dspark_cache.loader.order import RankBatch
 from dspark_cache.loader.tensors import torch_dtype
-from dspark_cache.loader.records import SEG_COPY, segment, segment_table
-from dspark_cache.loader.segments import BUFFERS, RowTemplate, layer_picks, row_template
+from dspark_cache.loader.segments import BUFFERS, RowTemplate, layer_picks, place_rows, row_template
 
 
 # A batch row: its index in the batch, the shard, the entry's position in the shard's index, the entry.
@@ -248,37 +247,35 @@ class BatchReader:
     def _program(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
                  rows: list[Row], fds: dict[int, int], check: set[int]) -> fill.BatchProgram:
         """Zero the stale pads, read every row (hashing those in ``check``), then give the per-token
-        fields their pads."""
+        fields their pads: a few array operations per batch, whatever its size (:func:`place_rows`)."""
         lay = self.layout
-        names = self.buffer_names
-        index = {name: i for i, name in enumerate(names)}
+        index = {name: i for i, name in enumerate(self.buffer_names)}
         program = fill.BatchProgram([slab.field_bytes(name, buffers[name].nbytes) if name in buffers else _EMPTY
-                                     for name in names] + [self._headers()], lay.picks)
+                                     for name in self.buffer_names] + [self._headers()], lay.picks)
+        spans = slab.zero_spans(zero)
+        if spans:
+            program.zeros([index[name] for name, _, _ in spans], [offset for _, offset, _ in spans],
+                          [nbytes for _, _, nbytes in spans])
         width = buffers[INPUT_IDS].shape[1]
         stride = np.array([buffers[name].nbytes // buffers[name].shape[0] if name in buffers else 0
-                           for name in BUFFERS], dtype=np.int64)  # bytes per row
-        for name, offset, nbytes in slab.zero_spans(zero):
-            program.zero(index[name], offset, nbytes)
-        for row, shard_id, _, entry in rows:
-            template = lay.template(entry.length)
-            header = entry.size - template.data_size
-            placed = template.place(header, row * stride)
-            segs = np.empty(len(placed) + 1, dtype=placed.dtype)  # not np.concatenate: it re-promotes the record dtype
-            segs[0] = self._header_segment(row, header)[0]
-            segs[1:] = placed
-            program.sample(fds[shard_id], entry.offset, entry.size, segs, tag=row,
-                           xxh3=entry.xxh3 if row in check else None)
-            n, pads = entry.length, width - entry.length
-            program.fill_int64(index[INPUT_IDS], (row * width + n) * 8, pads, lay.pad_token_id)
-            program.fill_int64(index[LOSS_MASK], (row * width + n) * 8, pads, 0)
-            if ATTENTION_MASK in index:
-                program.fill_int64(index[ATTENTION_MASK], row * width * 8, n, 1)
-                program.fill_int64(index[ATTENTION_MASK], (row * width + n) * 8, pads, 0)
+                           for name in BUFFERS], dtype=np.uint64)  # bytes per row
+        entries = [entry for _, _, _, entry in rows]
+        templates = [lay.template(entry.length) for entry in entries]
+        sizes = np.array([entry.size for entry in entries], dtype=np.uint64)
+        headers = sizes - np.array([t.data_size for t in templates], dtype=np.uint64)
+        row_ids = np.array([row for row, _, _, _ in rows], dtype=np.int64)
+        segs, counts = place_rows(templates, headers, row_ids, stride, self.header_buffer, MAX_HEADER)
+        program.samples([fds[shard_id] for _, shard_id, _, _ in rows], [entry.offset for entry in entries], sizes,
+                        segs, counts, row_ids.tolist(),
+                        [entry.xxh3 if row in check else None for row, _, _, entry in rows])
+        lengths = np.array([entry.length for entry in entries], dtype=np.int64)
+        starts, pads = (row_ids * width + lengths) * 8, width - lengths
+        program.fills([index[INPUT_IDS]] * len(rows), starts, pads, lay.pad_token_id)
+        program.fills([index[LOSS_MASK]] * len(rows), starts, pads, 0)
+        if ATTENTION_MASK in index:
+            program.fills([index[ATTENTION_MASK]] * len(rows), row_ids * width * 8, lengths, 1)
+            program.fills([index[ATTENTION_MASK]] * len(rows), starts, pads, 0)
         return program
-
-    def _header_segment(self, row: int, header: int) -> np.ndarray:
-        """Copy the sample's header into its row of the header buffer, to compare after the fill."""
-        return segment_table([segment(SEG_COPY, 0, header, self.header_buffer, row * MAX_HEADER)])
 
     def _headers(self) -> np.ndarray:
         """This thread's buffer for the headers of one batch (``MAX_HEADER`` bytes per row)."""

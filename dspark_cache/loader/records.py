@@ -117,6 +117,13 @@ def segment_table(rows: list[tuple[int, ...]]) -> np.ndarray:
     return np.array(rows, dtype=SEGMENT)
 
 
+def as_table(records: np.ndarray) -> np.ndarray:
+    """Records (:data:`OP`, :data:`SEGMENT` or :data:`PICK`) as a ``[n, fields]`` uint64 view, whose
+    columns are the fields in order: plain arrays, which numpy joins and computes on without the
+    per-field work that record arrays cost."""
+    return np.ascontiguousarray(records).view(np.uint64).reshape(len(records), -1)
+
+
 def pick_table(rows: list[PickRecord]) -> np.ndarray:
     """A pick table from :class:`PickRecord` s (read-only: layouts share it)."""
     table = np.array([tuple(r) for r in rows], dtype=PICK) if rows else np.zeros(0, PICK)

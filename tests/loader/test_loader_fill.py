@@ -10,7 +10,9 @@ import pytest
 
 from dspark_cache.loader import fill
 from dspark_cache.loader.memory import page_aligned_zeros
-from dspark_cache.loader.records import SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segment_table
+from dspark_cache.loader.records import (
+    OP, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segment_table,
+)
 
 EXECUTORS = ["native", "python"]
 NOT_BUILT = "the native batch filler is not built: install gcc, then `rm .venv/.installed && make setup`"
@@ -48,6 +50,13 @@ def payload(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     yield fd, parts, blob, rows, row_bytes
     os.close(fd)
+
+
+def set_last_op(program: fill.BatchProgram, **fields: int) -> None:
+    """Overwrite fields of the program's last op (a program the public methods cannot build)."""
+    last = program._ops[-1][-1]
+    for name, value in fields.items():
+        last[OP.names.index(name)] = value
 
 
 def sample_program(payload, *, size=None, hidden_buf_bytes=None):
@@ -156,11 +165,11 @@ def test_a_checked_sample_is_hashed_as_it_is_read(payload, executor):
     want = xxhash.xxh3_64_intdigest(blob)
     for xxh3, expect in ((want, None), (want ^ 1, fill.Failure(fill.RC_CHECKSUM, "the sample", 0))):
         program, (hidden, *_), _ = sample_program(payload)
-        program._ops[-1] = program._ops[-1]._replace(value=xxh3, check=1)
+        set_last_op(program, value=xxh3, check=1)
         assert run(program, executor) == expect
         assert np.array_equal(hidden[: rows * row_bytes], parts["hidden"])  # the bytes still land
     program, *_ = sample_program(payload, size=len(blob) + 7)  # hashing does not hide a short read
-    program._ops[-1] = program._ops[-1]._replace(value=want, check=1)
+    set_last_op(program, value=want, check=1)
     assert run(program, executor) == fill.Failure(fill.RC_SHORT_READ, "the sample", len(blob))
 
 
@@ -284,8 +293,7 @@ def test_both_fillers_refuse_the_same_hostile_programs(tmp_path, executor):
             out = np.full(16, 0xAB, dtype=np.uint8)
             program = fill.BatchProgram([out, np.ones(16, dtype=np.uint8)])
             program.sample(case.get("fd", fd), 0, case.get("size", 4096), segment_table(case["segs"]), tag=name)
-            program._ops[-1] = program._ops[-1]._replace(check=case.get("check", 0),
-                                                         seg_count=case.get("seg_count", len(case["segs"])))
+            set_last_op(program, check=case.get("check", 0), seg_count=case.get("seg_count", len(case["segs"])))
             failure = run(program, executor, scratch_bytes=case.get("scratch", 1 << 20))
             assert failure == fill.Failure(fill.RC_INVALID, name, 0), name
             assert (out == 0xAB).all(), name

@@ -11,6 +11,7 @@ import pytest
 import dspark_cache
 from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.loader import fill, verify
+from dspark_cache.loader.records import OP_SAMPLE
 
 
 def copy_cache(small_cache, tmp_path) -> str:
@@ -45,16 +46,17 @@ def epoch(loader, sample_id=None):
 
 @pytest.fixture
 def hashes(monkeypatch):
-    """Payloads the batch programs hash: (fd, offset, size) of every sample read with its checksum."""
+    """Payloads the batch programs hash: (fd, offset, size) of every sample op run with its checksum."""
     calls = []
-    real = fill.BatchProgram.sample
+    real = fill.run
 
-    def counting(self, fd, offset, size, segs, tag, xxh3=None):
-        if xxh3 is not None:
-            calls.append((fd, offset, size))
-        return real(self, fd, offset, size, segs, tag, xxh3)
+    def counting(program, scratch, *, native):
+        ops, _ = program.arrays()
+        checked = ops[(ops["kind"] == OP_SAMPLE) & (ops["check"] == 1)]
+        calls.extend(zip(checked["target"].tolist(), checked["offset"].tolist(), checked["count"].tolist()))
+        return real(program, scratch, native=native)
 
-    monkeypatch.setattr(fill.BatchProgram, "sample", counting)
+    monkeypatch.setattr(fill, "run", counting)
     return calls
 
 
