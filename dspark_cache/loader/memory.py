@@ -138,20 +138,29 @@ class Slab:
         return [(f.name, start * f.nbytes(1), f.nbytes(end - start))
                 for f in self.fields if f.tracked for start, end in ranges]
 
-    def claim(self, width: int, lengths: list[int]) -> list[tuple[int, int]]:
-        """Slot ranges of the tracked fields to zero before a batch of these row lengths is read.
-
-        Row ``r`` writes slots ``[r*width, r*width + n)`` and must show zeros in the rest of its
-        row; only pad slots that an earlier batch may have written need zeroing.
-        """
+    def stale(self, width: int, lengths: list[int]) -> list[tuple[int, int]]:
+        """Slot ranges of the tracked fields that an earlier batch wrote and that a batch of these row
+        lengths, padded to ``width``, shows as pads: what :meth:`claim` zeroes (one range per row:
+        from its first stale pad slot to its last)."""
         zero = []
         for row, n in enumerate(lengths):
             start, end = row * width + n, (row + 1) * width
             written = np.flatnonzero(self.dirty[start:end])
             if written.size:
                 zero.append((start + int(written[0]), start + int(written[-1]) + 1))
+        return zero
+
+    def claim(self, width: int, lengths: list[int]) -> list[tuple[int, int]]:
+        """Slot ranges of the tracked fields to zero before a batch of these row lengths is read.
+
+        Row ``r`` writes slots ``[r*width, r*width + n)`` and must show zeros in the rest of its
+        row; only pad slots that an earlier batch may have written need zeroing.
+        """
+        zero = self.stale(width, lengths)
+        for row, n in enumerate(lengths):
+            start = row * width + n
             self.dirty[row * width : start] = True
-            self.dirty[start:end] = False
+            self.dirty[start : (row + 1) * width] = False
         return zero
 
 
@@ -170,14 +179,21 @@ class BatchMemory:
         slot ranges to zero. Thread-safe: reader threads check slabs out (allocating off the
         training thread); ``stream`` is where the training thread queues its copies (pinned)."""
         with self._lock:  # the views make the slab busy before another thread can look at it
-            slab = self.take(rows, width, stream)
+            slab = self.take(rows, width, stream, lengths)
             return slab, slab.views(rows, width), slab.claim(width, lengths)
 
-    def take(self, rows: int, width: int, stream: "torch.cuda.Stream | None" = None) -> Slab:
-        for slab in self._pool:
-            if slab.reusable(stream):
-                slab.handed_out()
-                return slab
+    def take(self, rows: int, width: int, stream: "torch.cuda.Stream | None" = None,
+             lengths: list[int] | None = None) -> Slab:
+        """A reusable slab, or a new one. With the batch's row ``lengths``, the reusable slab with the
+        fewest stale pad slots to zero for it: zeroing writes 30-45% as many bytes as the reads
+        (long-tailed lengths), and two slabs are usually idle to choose from (BENCHMARKS.md)."""
+        idle = [slab for slab in self._pool if slab.reusable(stream)]
+        if idle:
+            slab = idle[0]
+            if lengths is not None and len(idle) > 1:
+                slab = min(idle, key=lambda s: sum(end - start for start, end in s.stale(width, lengths)))
+            slab.handed_out()
+            return slab
         # Every kept slab is in flight, held by training or (pinned) still being copied from:
         # allocate. Slabs are sized for the longest possible batch, so a recycled one always fits.
         slab = Slab(self.fields, self.max_slots, pinned=self.pinned)

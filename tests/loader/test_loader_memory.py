@@ -65,6 +65,22 @@ def test_slab_is_recycled_only_when_nothing_outside_holds_it():
     assert memory.take(2, 8) in (second, third)
 
 
+def test_the_idle_slab_with_the_fewest_stale_pads_is_recycled():
+    memory = BatchMemory(FIELDS, 2 * 8, pinned=False, keep=2)
+    long_rows, held, _ = memory.checkout(2, 8, [8, 8])
+    short_rows, batch, _ = memory.checkout(2, 8, [2, 2])  # the first is held: another slab
+    assert long_rows is not short_rows
+    del held, batch  # both idle now
+    # A batch of two 3-token rows: the slab that held 2-token rows has nothing to zero.
+    slab, batch, zero = memory.checkout(2, 8, [3, 3])
+    assert slab is short_rows and zero == []
+    del batch
+    # Rows of 1 token now: that slab has 2 stale pad slots (3-token rows), the other 14.
+    slab, _, zero = memory.checkout(2, 8, [1, 1])
+    assert slab is short_rows and zero == [(1, 3), (9, 11)]
+    assert long_rows.stale(8, [1, 1]) == [(1, 8), (9, 16)]
+
+
 def test_batch_memory_is_allocated_off_the_training_thread(small_cache, monkeypatch):
     import threading
 
