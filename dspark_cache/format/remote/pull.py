@@ -18,12 +18,10 @@ from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.remote.copies import LocalCopies
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.sync import StagingSync, segment_starts
+from dspark_cache.format.remote.sync import MAX_SEGMENT_BYTES, StagingSync, segment_starts
 from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 
 log = logging.getLogger(__name__)
-
-_MAX_SEGMENT_BYTES = 64 << 20  # an event-log segment holds 1 MiB, or one line longer than that
 
 
 def file_size(path: str) -> int:
@@ -124,5 +122,5 @@ class StagingPull:
             atomic_write_bytes(self.paths.events(rank), data, durable=False)
 
     def _segment(self, relative: str) -> bytes:
-        got = self.store.get(relative, limit=_MAX_SEGMENT_BYTES)
-        return b"" if got is None else got[0][:_MAX_SEGMENT_BYTES]
+        got = self.store.get(relative, limit=MAX_SEGMENT_BYTES)
+        return b"" if got is None else got[0][:MAX_SEGMENT_BYTES]

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 INTERVAL = 5.0
 ENV_SYNC_INTERVAL = "DSPARK_SYNC_INTERVAL"
 SEGMENT_BYTES = 1 << 20
-_MAX_STOP_BYTES = 1 << 16
+# A segment holds SEGMENT_BYTES, or one event line longer than that; readers take no more of one.
+MAX_SEGMENT_BYTES = 64 << 20
+MAX_STOP_BYTES = 1 << 16  # a stop request is a short note
 
 
 def _stamp(path: str) -> tuple[int, int] | None:
@@ -217,7 +219,7 @@ class StagingSync:
         relative = self.paths.relative(self.paths.stop_request)
         if os.path.exists(self.paths.stop_request):
             return
-        got = self.store.get(relative, limit=_MAX_STOP_BYTES)
+        got = self.store.get(relative, limit=MAX_STOP_BYTES)
         if got is not None:
             os.makedirs(self.paths.control_dir, exist_ok=True)
-            atomic_write_bytes(self.paths.stop_request, got[0][:_MAX_STOP_BYTES])
+            atomic_write_bytes(self.paths.stop_request, got[0][:MAX_STOP_BYTES])
