@@ -199,6 +199,30 @@ def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, 
     view.close()
 
 
+def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_path, monkeypatch):
+    from dspark_cache.format.remote import eventlog
+
+    url = complete.replace("runs/done", "runs/huge-segment")
+    store = ObjectStore(url, options(s3_server))
+    paths = CachePaths("/cache")
+    limit = len(_event(8, 0)) + 1  # one event fits, two do not
+    monkeypatch.setattr(eventlog, "MAX_SEGMENT_BYTES", limit)
+    store.put(paths.relative(paths.events_segment(8, 0)), _event(8, 0))
+    store.put(paths.relative(paths.events_segment(9, 0)), _event(9, 0) + _event(9, 1))
+    view = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    view.refresh()
+    local = CachePaths(view.root)
+    assert open(local.events(8), "rb").read() == _event(8, 0)
+    assert not os.path.exists(local.events(9))
+    assert len(view.warnings) == 1 and "rank 9's events are not shown" in view.warnings[0], view.warnings
+    assert f"{url}/{paths.relative(paths.events_segment(9, 0))}" in view.warnings[0]
+    # Once the store holds a log that fits, it is shown.
+    store.put(paths.relative(paths.events_segment(9, 0)), _event(9, 5))
+    view.refresh()
+    assert open(local.events(9), "rb").read() == _event(9, 5) and not view.warnings
+    view.close()
+
+
 def test_errors_are_one_line_and_exit_2(complete, s3_server, tmp_path, capsys):
     node = ["--local-cache-dir", str(tmp_path)]
     missing = f"s3://{unique_bucket_name('absent')}/c"

@@ -11,10 +11,7 @@ the monitor's directory reader works on it unchanged:
   index is fetched once; a heartbeat each time its rank re-puts it). Tars are never read. What is
   gone from the store is removed here.
 * a rank's event log is stored as segments (``events/rank-N.jsonl.K``, the last rewritten while it
-  grows); here it is one file, the concatenation of its segments, that only grows while the run's
-  log grows: from the first look on, the newest segments (at least ``events_tail`` bytes of them),
-  then each segment as it grows or appears. A log that was started again on the store
-  (``--overwrite``) is replaced whole.
+  grows); here it is one file that only grows while the run's log grows (:mod:`.eventlog`).
 * :meth:`RemoteView.request_stop` puts the stop request (``control/stop``) on the store, where the
   producer's sync thread brings it into its staging directory.
 
@@ -38,12 +35,12 @@ from typing import Any, Iterator
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import MANIFEST, CachePaths
+from dspark_cache.format.remote.eventlog import LogCopy, Refused, SegmentedLogs, Seen
 from dspark_cache.format.remote.mirror import default_local_cache_dir
 from dspark_cache.format.remote.node import DaemonThreads, hold_lock
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.sync import sync_interval
+from dspark_cache.format.remote.sync import MAX_STOP_BYTES, sync_interval
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.status import MAX_STATUS_BYTES
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
@@ -51,33 +48,16 @@ from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 log = logging.getLogger(__name__)
 
 EVENTS_TAIL = 256 * 1024  # bytes of a log's newest segments fetched at the first look (the monitor's tail window)
-MAX_SEGMENT_BYTES = 16 << 20  # a segment is cut near 1 MiB; one far larger is refused, never held whole
 MAX_LOG_BYTES = 64 << 20  # a whole (unsegmented) log, as a local cache uploaded as it is holds one
-MAX_STOP_BYTES = 1 << 16
 _GET_THREADS = 8  # index GETs in flight at once (a first look at a cache of thousands of shards)
 _STATE = ".view"
 _DIGITS = re.compile(r"[0-9]+")
-_Seen = tuple[int, str]  # (size, ETag) an object was copied from
 
 
 def default_view_dir(url: RemoteURL, local_cache_dir: str | None) -> str:
     """``<local cache dir>/monitor/<scheme>/<bucket>/<prefix>``."""
     base = os.path.abspath(local_cache_dir or default_local_cache_dir())
     return os.path.join(base, "monitor", url.scheme, url.bucket, *filter(None, url.prefix.split("/")))
-
-
-class _Log:
-    """What the local copy of one rank's event log holds: segments ``first`` on, each as (size, ETag)."""
-
-    def __init__(self, first: int, parts: dict[int, _Seen] | None = None) -> None:
-        self.first = first
-        self.parts: dict[int, _Seen] = dict(parts or {})
-
-    def size(self) -> int:
-        return sum(size for size, _ in self.parts.values())
-
-    def start_of(self, segment: int) -> int:
-        return sum(size for k, (size, _) in self.parts.items() if k < segment)
 
 
 class RemoteView:
@@ -95,7 +75,6 @@ class RemoteView:
         self.url = RemoteURL.parse(url)
         self.remote = str(self.url)
         self.store = ObjectStore(self.url, storage.storage_options)
-        self.events_tail = events_tail
         self.poll = sync_interval()
         self.requests: Counter[str] = Counter()
         self.warnings: list[str] = []
@@ -111,8 +90,8 @@ class RemoteView:
         self.paths = CachePaths(self.root)
         for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir, self.paths.control_dir):
             os.makedirs(directory, exist_ok=True)
-        self._seen: dict[str, _Seen] = {}  # relative path -> what its local copy was copied from
-        self._logs: dict[int, _Log] = {}
+        self._seen: dict[str, Seen] = {}  # relative path -> what its local copy was copied from
+        self.logs = SegmentedLogs(self.paths, self._get, self.store.name, events_tail)
         self._saved: str | None = None
         self._threads: DaemonThreads | None = None  # started at the first refresh with several objects to fetch
         self._load_state()
@@ -255,100 +234,32 @@ class RemoteView:
                 whole[int(digits.group())] = info
         kept = set()
         for rank in sorted(set(segments) | set(whole)):
+            relative = self.paths.relative(self.paths.events(rank))
             try:
                 if rank in segments:
-                    self._follow_log(rank, segments[rank])
+                    self._seen.pop(relative, None)  # followed from segments: not a copy of one object
+                    self.logs.follow(rank, segments[rank])
                 else:
                     self._copy_whole_log(rank, whole[rank])
-            except _Refused as exc:
+            except Refused as exc:
                 self.warnings.append(str(exc))
-                self._drop_log(rank)
+                self.logs.copies.pop(rank, None)
+                self._remove(relative)
                 continue
             kept.add(os.path.basename(self.paths.events(rank)))
-        for rank in set(self._logs) - set(segments):
-            del self._logs[rank]
+        for rank in set(self.logs.copies) - set(segments):
+            del self.logs.copies[rank]
         self._sweep(self.paths.events_dir, kept)
         return listing
-
-    def _drop_log(self, rank: int) -> None:
-        self._logs.pop(rank, None)
-        self._remove(self.paths.relative(self.paths.events(rank)))
-
-    def _segment(self, rank: int, segment: int) -> str:
-        return self.paths.relative(self.paths.events_segment(rank, segment))
-
-    def _get_segment(self, rank: int, segment: int) -> tuple[bytes, ObjectInfo] | None:
-        got = self._get(self._segment(rank, segment), MAX_SEGMENT_BYTES)
-        if got is not None and len(got[0]) > MAX_SEGMENT_BYTES:
-            raise _Refused(f"{self.store.name(self._segment(rank, segment))} is over {MAX_SEGMENT_BYTES >> 20} MiB "
-                           f"(a segment is cut near 1 MiB): rank {rank}'s events are not shown")
-        return got
-
-    def _follow_log(self, rank: int, listed: dict[int, ObjectInfo]) -> None:
-        """The local log made the concatenation of the rank's segments it follows, appending what is new.
-
-        Only the last segment followed grows (the producer rewrites only its open segment), so the
-        local file only grows; a log that does not continue the local one (a segment followed is gone
-        or shrank, or its bytes differ) was started again on the store and is replaced whole."""
-        path = self.paths.events(rank)
-        known = self._logs.get(rank)
-        if known is None or not os.path.exists(path) or any(k not in listed for k in known.parts):
-            self._rebuild_log(rank, listed)
-            return
-        changed = [k for k in sorted(listed)
-                   if k >= known.first and known.parts.get(k) != (listed[k].size, listed[k].etag)]
-        if not changed:
-            return
-        start, last = changed[0], max(known.parts, default=None)
-        if last is not None and (start < last or (start == last and listed[start].size < known.parts[start][0])):
-            self._rebuild_log(rank, listed)
-            return
-        fetched = []
-        for k in (k for k in sorted(listed) if k >= start):
-            got = self._get_segment(rank, k)
-            if got is None:  # deleted since the listing: the next refresh sees what replaced it
-                break
-            fetched.append((k, got))
-        offset = known.start_of(start)
-        if start in known.parts and fetched and not _begins(path, offset, fetched[0][1][0][:known.parts[start][0]]):
-            self._rebuild_log(rank, listed)  # not the same log grown
-            return
-        with open(path, "r+b") as handle:
-            handle.seek(offset)
-            parts = {k: v for k, v in known.parts.items() if k < start}
-            for k, (data, info) in fetched:
-                handle.write(data)
-                parts[k] = (len(data), info.etag)
-            handle.truncate()
-        self._logs[rank] = _Log(known.first, parts)
-
-    def _rebuild_log(self, rank: int, listed: dict[int, ObjectInfo]) -> None:
-        """A first look (or a log started again): its newest segments, at least ``events_tail`` bytes of them."""
-        order = sorted(listed)
-        first, total = order[-1], 0
-        for k in reversed(order):
-            first, total = k, total + listed[k].size
-            if total >= self.events_tail:
-                break
-        chunks, parts = [], {}
-        for k in (k for k in order if k >= first):
-            got = self._get_segment(rank, k)
-            if got is None:
-                break
-            chunks.append(got[0])
-            parts[k] = (len(got[0]), got[1].etag)
-        atomic_write_bytes(self.paths.events(rank), b"".join(chunks), durable=False)
-        self._seen.pop(self.paths.relative(self.paths.events(rank)), None)  # no longer a copy of a whole log
-        self._logs[rank] = _Log(first, parts)
 
     def _copy_whole_log(self, rank: int, info: ObjectInfo) -> None:
         """A log stored whole (a local cache uploaded as it is): copied once per version, streamed to disk."""
         relative = self.paths.relative(self.paths.events(rank))
-        self._logs.pop(rank, None)
+        self.logs.copies.pop(rank, None)
         if self._seen.get(relative) == (info.size, info.etag) and os.path.exists(self._local(relative)):
             return
         if info.size > MAX_LOG_BYTES:
-            raise _Refused(f"{self.store.name(relative)} is over {MAX_LOG_BYTES >> 20} MiB: rank {rank}'s events "
+            raise Refused(f"{self.store.name(relative)} is over {MAX_LOG_BYTES >> 20} MiB: rank {rank}'s events "
                            "are not shown")
         temporary = os.path.join(self._state_dir(self.root), f"log.{os.getpid()}.tmp")
         try:
@@ -396,19 +307,19 @@ class RemoteView:
                 if os.path.isfile(self._local(relative)):
                     self._seen[str(relative)] = (int(size), str(etag))
             for rank, entry in state["logs"].items():
-                known = _Log(int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()})
+                known = LogCopy(int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()})
                 path = self.paths.events(int(rank))
                 if os.path.isfile(path) and os.path.getsize(path) == known.size():
-                    self._logs[int(rank)] = known
+                    self.logs.copies[int(rank)] = known
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            self._seen, self._logs = {}, {}  # unreadable: everything is fetched again once
+            self._seen, self.logs.copies = {}, {}  # unreadable: everything is fetched again once
 
     def _save_state(self) -> None:
         state: dict[str, Any] = {
             "url": self.remote, "seen": {r: list(v) for r, v in sorted(self._seen.items())},
             "logs": {str(rank): {"first": known.first,
                                  "parts": {str(k): list(v) for k, v in sorted(known.parts.items())}}
-                     for rank, known in sorted(self._logs.items())}}
+                     for rank, known in sorted(self.logs.copies.items())}}
         text = json.dumps(state, sort_keys=True)
         if text != self._saved:
             try:
@@ -428,14 +339,3 @@ class RemoteView:
         if self._private:
             shutil.rmtree(self.root, ignore_errors=True)
             self._private = False
-
-
-class _Refused(CacheError):
-    """An object the view does not copy (too large): a warning, never the end of the monitor."""
-
-
-def _begins(path: str, offset: int, data: bytes) -> bool:
-    """Whether the file at ``path`` holds ``data`` at ``offset``."""
-    with open(path, "rb") as handle:
-        handle.seek(offset)
-        return handle.read(len(data)) == data
