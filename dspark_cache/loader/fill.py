@@ -97,10 +97,11 @@ class BatchProgram:
 
     def fills(self, bufs: Sequence[int], offsets: Sequence[int], counts: Sequence[int],
               values: int | Sequence[int]) -> None:
-        """Write ``values[i]`` (int64) into ``counts[i]`` int64 slots at ``offsets[i]`` of buffer ``bufs[i]``."""
+        """Write ``values[i]`` (one value for all, or one each; int64 or uint64, stored as its 64 bits) into
+        ``counts[i]`` int64 slots at ``offsets[i]`` of buffer ``bufs[i]``."""
         ops = self._add(OP_FILL_I64, len(offsets))
         ops[:, _TARGET], ops[:, _OFFSET], ops[:, _COUNT] = bufs, offsets, counts
-        ops[:, _VALUE] = np.asarray(values, dtype=np.int64).view(np.uint64)  # two's complement
+        ops[:, _VALUE] = [int(v) & _U64 for v in np.atleast_1d(values)]  # any int64 or uint64, as its bits
 
     def samples(self, fds: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], segs: np.ndarray,
                 seg_counts: Sequence[int], tags: Sequence[object], xxh3: Sequence[int | None]) -> None:
@@ -127,8 +128,7 @@ class BatchProgram:
 
     def fill_int64(self, buf: int, offset: int, count: int, value: int) -> None:
         if count:
-            value &= _U64  # any int64 or uint64, as its int64 bits
-            self.fills([buf], [offset], [count], [value - (1 << 64) if value >> 63 else value])
+            self.fills([buf], [offset], [count], [value])
 
     def sample(self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object, xxh3: int | None = None) -> None:
         """One payload (:meth:`samples`)."""

@@ -121,7 +121,8 @@ def as_table(records: np.ndarray) -> np.ndarray:
     """Records (:data:`OP`, :data:`SEGMENT` or :data:`PICK`) as a ``[n, fields]`` uint64 view, whose
     columns are the fields in order: plain arrays, which numpy joins and computes on without the
     per-field work that record arrays cost."""
-    return np.ascontiguousarray(records).view(np.uint64).reshape(len(records), -1)
+    records = np.ascontiguousarray(records)
+    return records.view(np.uint64).reshape(len(records), records.dtype.itemsize // 8)  # also when empty
 
 
 def pick_table(rows: list[PickRecord]) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 from dspark_cache.loader import fill
 from dspark_cache.loader.memory import page_aligned_zeros
 from dspark_cache.loader.records import (
-    OP, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, segment, segment_table,
+    OP, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, segment, segment_table,
 )
 
 EXECUTORS = ["native", "python"]
@@ -100,11 +100,24 @@ def test_zero_and_fill_ops(executor):
     program.zero(0, 5, 1000)
     program.fill_int64(0, 2048, 3, -100)  # a negative pad id survives the uint64 encoding
     program.fill_int64(0, 3000, 2, 1)
+    program.fills([0, 0], [3200, 3208], [1, 1], [(1 << 64) - 1, 1 << 63])  # uint64 values: their bits
     assert run(program, executor) is None
     assert (data[5:1005] == 0).all() and data[4] == 7 and data[1005] == 7
     assert data[2048:2072].view(np.int64).tolist() == [-100, -100, -100]
     assert data[3000:3016].view(np.int64).tolist() == [1, 1]
-    assert (data[2072:3000] == 7).all() and (data[3016:] == 7).all()
+    assert data[3200:3216].view(np.int64).tolist() == [-1, -(1 << 63)]
+    assert (data[2072:3000] == 7).all() and (data[3016:3200] == 7).all() and (data[3216:] == 7).all()
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_payload_without_segments_is_read_and_dropped(payload, executor):
+    fd, _, blob, _, _ = payload
+    data = np.full(64, 7, dtype=np.uint8)
+    program = fill.BatchProgram([data])
+    program.sample(fd, 100, len(blob), np.zeros(0, SEGMENT), tag="empty")  # a zero-token sample's table
+    program.sample(fd, 100, len(blob) + 1, np.zeros(0, SEGMENT), tag="past the end")
+    assert run(program, executor) == fill.Failure(fill.RC_SHORT_READ, "past the end", len(blob))
+    assert (data == 7).all()
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
