@@ -223,6 +223,38 @@ def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_pa
     view.close()
 
 
+def test_a_log_stored_whole_is_copied_once_per_version(complete, s3_server, tmp_path, monkeypatch):
+    from dspark_cache.format.remote import view as view_module
+
+    url = complete.replace("runs/done", "runs/whole-log")
+    store = ObjectStore(url, options(s3_server))
+    paths = CachePaths("/cache")
+    whole = paths.relative(paths.events(3))  # a local cache uploaded as it is: one object per log
+    store.put(whole, _event(3, 0) + _event(3, 1))
+    view = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    view.refresh()
+    local = CachePaths(view.root)
+    assert open(local.events(3), "rb").read() == _event(3, 0) + _event(3, 1)
+    gets = view.requests["get"]
+    view.refresh()
+    assert view.requests["get"] == gets  # the same version: not fetched again
+    # The run resumed onto the store: the log goes on in segments, then (uploaded again) whole.
+    store.delete(whole)
+    store.put(paths.relative(paths.events_segment(3, 0)), _event(3, 7))
+    view.refresh()
+    assert open(local.events(3), "rb").read() == _event(3, 7)
+    store.delete(paths.relative(paths.events_segment(3, 0)))
+    store.put(whole, _event(3, 0) + _event(3, 1))
+    view.refresh()
+    assert open(local.events(3), "rb").read() == _event(3, 0) + _event(3, 1)
+    # One past the limit is a warning, and no log.
+    monkeypatch.setattr(view_module, "MAX_LOG_BYTES", 8)
+    store.put(whole, _event(3, 2))
+    view.refresh()
+    assert not os.path.exists(local.events(3)) and "rank 3's events are not shown" in view.warnings[0]
+    view.close()
+
+
 def test_errors_are_one_line_and_exit_2(complete, s3_server, tmp_path, capsys):
     node = ["--local-cache-dir", str(tmp_path)]
     missing = f"s3://{unique_bucket_name('absent')}/c"
