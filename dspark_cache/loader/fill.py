@@ -1,4 +1,4 @@
-"""A batch as a small program, run by the native filler (one call, no GIL) or, failing that, here.
+"""A batch program (:mod:`.program`), run by the native filler (one call, no GIL) or, failing that, here.
 
 The reader describes a batch as ops (records named in :mod:`.records`) over its buffers (the batch tensors' bytes): zero these
 stale pad bytes, fill these int64 slots, and for every sample read ``size`` bytes at ``offset``
@@ -23,15 +23,16 @@ import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 import numpy as np
 import xxhash
 
 from dspark_cache.format.sample import dequantize_rows, fp8_bad_codes, fp8_bad_scales
+from dspark_cache.loader.program import BatchProgram
 from dspark_cache.loader.records import (
-    FILL_ABI, FP8_KINDS, OP, OP_FILL_I64, OP_SAMPLE, OP_ZERO, PICK, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK,
-    SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, OpRecord, PickRecord, SegmentRecord, as_table, pick_table,
+    FILL_ABI, FP8_KINDS, OP_FILL_I64, OP_SAMPLE, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK,
+    SEG_WIDEN_I32, SEG_WIDEN_U8, OpRecord, PickRecord, SegmentRecord,
 )
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,8 @@ _OUT_CODES = {2: "BF16", 4: "F32"}
 # the core's L2 cache (512 KiB to 2 MiB on current server CPUs). 1 MiB chunks overflowed a 1 MiB
 # L2 and were ~15% slower end to end than 128-512 KiB ones (BENCHMARKS.md).
 CHUNK = 256 << 10
-_U64 = (1 << 64) - 1
 _INT32_MAX, _INT64_MAX = (1 << 31) - 1, (1 << 63) - 1
 _SEG_KINDS = (SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEG_DEQUANT, SEG_PICK)
-_KIND, _TARGET, _OFFSET, _COUNT, _VALUE, _SEG_FIRST, _SEG_COUNT, _CHECK = range(len(OP.names))  # OP's columns
 
 
 @dataclass(frozen=True)
@@ -62,86 +61,6 @@ class Failure:
     code: int
     tag: object
     detail: int
-
-
-class BatchProgram:
-    """Ops and segments over ``buffers`` (flat uint8 views of the batch tensors); ``picks``: the
-    :data:`~.records.PICK` table the segments' picks index (a layer subset's).
-
-    Ops are added in groups of arrays (one call per kind of op for a whole batch: :meth:`zeros`,
-    :meth:`fills`, :meth:`samples`); :meth:`zero`, :meth:`fill_int64` and :meth:`sample` add one."""
-
-    def __init__(self, buffers: list[np.ndarray], picks: np.ndarray | None = None) -> None:
-        self.buffers = buffers
-        self.picks = pick_table([]) if picks is None else picks
-        if self.picks.dtype != PICK:
-            raise TypeError(f"picks must be records of dtype records.PICK, not {self.picks.dtype}")
-        self._ops: list[np.ndarray] = []  # [n, fields] uint64 (records.as_table)
-        self._segs: list[np.ndarray] = []
-        self._tags: dict[int, object] = {}
-        self._nops = 0
-        self._nsegs = 0
-
-    def _add(self, kind: int, count: int) -> np.ndarray:
-        """``count`` new ops of ``kind``, as rows of their uint64 fields (in :data:`~.records.OP` order)."""
-        table = np.zeros((count, len(OP.names)), dtype=np.uint64)
-        table[:, _KIND] = kind
-        self._ops.append(table)
-        self._nops += count
-        return table
-
-    def zeros(self, bufs: Sequence[int], offsets: Sequence[int], nbytes: Sequence[int]) -> None:
-        """Zero ``nbytes[i]`` bytes at ``offsets[i]`` of buffer ``bufs[i]``, for every i."""
-        ops = self._add(OP_ZERO, len(bufs))
-        ops[:, _TARGET], ops[:, _OFFSET], ops[:, _COUNT] = bufs, offsets, nbytes
-
-    def fills(self, bufs: Sequence[int], offsets: Sequence[int], counts: Sequence[int],
-              values: int | Sequence[int]) -> None:
-        """Write ``values[i]`` (one value for all, or one each; int64 or uint64, stored as its 64 bits) into
-        ``counts[i]`` int64 slots at ``offsets[i]`` of buffer ``bufs[i]``."""
-        ops = self._add(OP_FILL_I64, len(offsets))
-        ops[:, _TARGET], ops[:, _OFFSET], ops[:, _COUNT] = bufs, offsets, counts
-        ops[:, _VALUE] = [int(v) & _U64 for v in np.atleast_1d(values)]  # any int64 or uint64, as its bits
-
-    def samples(self, fds: Sequence[int], offsets: Sequence[int], sizes: Sequence[int], segs: np.ndarray,
-                seg_counts: Sequence[int], tags: Sequence[object], xxh3: Sequence[int | None]) -> None:
-        """Read payload i (``sizes[i]`` bytes at ``offsets[i]`` of ``fds[i]``) through its ``seg_counts[i]``
-        segments, the next ones of ``segs`` (:data:`~.records.SEGMENT` records, absolute: payload
-        offsets, buffer byte offsets); with an ``xxh3[i]`` (not None), hash it while reading and fail
-        unless it matches. A failure names the op's tag."""
-        if segs.dtype != SEGMENT:
-            raise TypeError(f"segments must be records of dtype records.SEGMENT, not {segs.dtype}")
-        first = self._nops
-        ops = self._add(OP_SAMPLE, len(fds))
-        counts = np.asarray(seg_counts, dtype=np.uint64)
-        ops[:, _TARGET], ops[:, _OFFSET], ops[:, _COUNT] = fds, offsets, sizes
-        ops[:, _VALUE] = [0 if h is None else h for h in xxh3]
-        ops[:, _CHECK] = [h is not None for h in xxh3]
-        ops[:, _SEG_FIRST] = self._nsegs + np.cumsum(counts) - counts
-        ops[:, _SEG_COUNT] = counts
-        self._tags.update(zip(range(first, first + len(fds)), tags))
-        self._segs.append(as_table(segs))
-        self._nsegs += len(segs)
-
-    def zero(self, buf: int, offset: int, nbytes: int) -> None:
-        self.zeros([buf], [offset], [nbytes])
-
-    def fill_int64(self, buf: int, offset: int, count: int, value: int) -> None:
-        if count:
-            self.fills([buf], [offset], [count], [value])
-
-    def sample(self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object, xxh3: int | None = None) -> None:
-        """One payload (:meth:`samples`)."""
-        self.samples([fd], [offset], [size], segs, [len(segs)], [tag], [xxh3])
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """The ops and the segments as contiguous :data:`~.records.OP` and ``SEGMENT`` arrays."""
-        ops = np.concatenate(self._ops).view(OP).reshape(-1) if self._ops else np.zeros(0, OP)
-        segs = np.concatenate(self._segs).view(SEGMENT).reshape(-1) if self._segs else np.zeros(0, SEGMENT)
-        return ops, segs
-
-    def tag(self, op: int) -> object:
-        return self._tags.get(op)
 
 
 # -- native -------------------------------------------------------------------------------------

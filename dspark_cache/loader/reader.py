@@ -5,7 +5,7 @@ batch row wants them, so they are read straight into the batch (pinned memory wh
 exists): the only host copy. A sample's checksum is computed as its bytes are read, the first
 time this process reads the sample (or every time, ``verify="always"``: :mod:`.verify`), and a
 mismatch fails the batch; its header is compared with its index entry after every fill. A batch
-is described as a program (:mod:`.fill`) that the native filler runs in one call without the GIL; reader threads work on
+is described as a program (:mod:`.program`) that the native filler (:mod:`.fill`) runs in one call without the GIL; reader threads work on
 different prefetched batches. Batch memory comes from :mod:`.memory` (recycled, zeroed only
 where needed). FP8 caches are dequantised by the filler as their rows are read (to bf16 by
 default), or handed out raw with their scales (:func:`resolve_out_code`). Training may take a
@@ -35,6 +35,7 @@ from dspark_cache.loader import fill, verify
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_zeros
 from dspark_cache.loader.order import RankBatch
+from dspark_cache.loader.program import BatchProgram
 from dspark_cache.loader.tensors import torch_dtype
 from dspark_cache.loader.segments import BUFFERS, RowTemplate, layer_picks, place_rows, row_template
 
@@ -245,12 +246,12 @@ class BatchReader:
             self.cache.unpin(shards)
 
     def _program(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
-                 rows: list[Row], fds: dict[int, int], check: set[int]) -> fill.BatchProgram:
+                 rows: list[Row], fds: dict[int, int], check: set[int]) -> BatchProgram:
         """Zero the stale pads, read every row (hashing those in ``check``), then give the per-token
         fields their pads: a few array operations per batch, whatever its size (:func:`place_rows`)."""
         lay = self.layout
         index = {name: i for i, name in enumerate(self.buffer_names)}
-        program = fill.BatchProgram([slab.field_bytes(name, buffers[name].nbytes) if name in buffers else _EMPTY
+        program = BatchProgram([slab.field_bytes(name, buffers[name].nbytes) if name in buffers else _EMPTY
                                      for name in self.buffer_names] + [self._headers()], lay.picks)
         spans = slab.zero_spans(zero)
         if spans:

@@ -117,10 +117,15 @@ def segment_table(rows: list[tuple[int, ...]]) -> np.ndarray:
     return np.array(rows, dtype=SEGMENT)
 
 
+# A field's column in an as_table() view, by name.
+OP_COLUMN = {name: i for i, name in enumerate(OP.names)}
+SEGMENT_COLUMN = {name: i for i, name in enumerate(SEGMENT.names)}
+
+
 def as_table(records: np.ndarray) -> np.ndarray:
     """Records (:data:`OP`, :data:`SEGMENT` or :data:`PICK`) as a ``[n, fields]`` uint64 view, whose
-    columns are the fields in order: plain arrays, which numpy joins and computes on without the
-    per-field work that record arrays cost."""
+    columns are the fields in order (:data:`OP_COLUMN`, :data:`SEGMENT_COLUMN`): plain arrays, which
+    numpy joins and computes on without the per-field work that record arrays cost."""
     records = np.ascontiguousarray(records)
     return records.view(np.uint64).reshape(len(records), records.dtype.itemsize // 8)  # also when empty
 

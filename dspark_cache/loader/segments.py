@@ -1,7 +1,7 @@
 """How one sample's payload maps onto its batch row: a segment table, computed once per length.
 
 Each tensor of the sample's data section becomes a segment of the batch program
-(:mod:`.fill`): the hidden states are read straight into the batch row (and their final-state
+(:mod:`.program`): the hidden states are read straight into the batch row (and their final-state
 columns copied out, when the final state is stored inside them), token ids and the loss mask
 are widened to int64 and checked by the token rule as they are (ids in ``[0, vocab_size)``, mask
 values 0 or 1), and alignment fill is read and dropped. Placement depends on the length
@@ -35,8 +35,8 @@ from dspark_cache.format.sample import (
 
 from dspark_cache.format.validate import MASK_LIMIT
 from dspark_cache.loader.records import (
-    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK, SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, PickRecord,
-    as_table, pick_table, segment, segment_table,
+    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK, SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, SEGMENT_COLUMN,
+    PickRecord, as_table, pick_table, segment, segment_table,
 )
 
 # Batch buffers a segment writes to, by index (the program's first buffers, in this order). The
@@ -59,7 +59,6 @@ class RowTemplate:
         return as_table(self.segs)
 
 
-_FIELD = {name: i for i, name in enumerate(SEGMENT.names)}  # a segment's uint64 fields, by column
 # A sample's first segment, completed by place_rows: its header, copied to be checked after the fill
 # (buffer 0 until then, so that the row arithmetic below may treat it as any other).
 _HEADER_SLOT = as_table(segment_table([segment(SEG_COPY, 0, 0, 0, 0)]))
@@ -84,7 +83,7 @@ def place_rows(templates: Sequence[RowTemplate], headers: np.ndarray, rows: np.n
     # record arrays promotes their dtype in Python pair by pair, and field arithmetic is slower too.
     table = np.concatenate([part for t in templates for part in (_HEADER_SLOT, t.table)])
     kind, src_off, length, buf, off, col_bytes, col_buf, col_dst, scale_buf, scale_off, pick_count = (
-        table[:, _FIELD[name]] for name in ("kind", "src_off", "len", "buf", "off", "col_bytes", "col_buf", "col_dst",
+        table[:, SEGMENT_COLUMN[name]] for name in ("kind", "src_off", "len", "buf", "off", "col_bytes", "col_buf", "col_dst",
                                              "scale_buf", "scale_off", "pick_count"))  # views: written in place
     row_of = np.repeat(rows, counts)
     src_off += np.repeat(headers, counts)

@@ -10,15 +10,16 @@ import pytest
 
 from dspark_cache.loader import fill
 from dspark_cache.loader.memory import page_aligned_zeros
+from dspark_cache.loader.program import BatchProgram
 from dspark_cache.loader.records import (
-    OP, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, segment, segment_table,
+    OP_COLUMN, SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, segment, segment_table,
 )
 
 EXECUTORS = ["native", "python"]
 NOT_BUILT = "the native batch filler is not built: install gcc, then `rm .venv/.installed && make setup`"
 
 
-def run(program: fill.BatchProgram, executor: str, scratch_bytes: int = 1 << 20) -> fill.Failure | None:
+def run(program: BatchProgram, executor: str, scratch_bytes: int = 1 << 20) -> fill.Failure | None:
     if executor == "native" and not fill.native_available():
         if os.environ.get("DSPARK_NATIVE") == "0":
             pytest.skip("DSPARK_NATIVE=0 and the native batch filler is not built")
@@ -52,11 +53,11 @@ def payload(tmp_path):
     os.close(fd)
 
 
-def set_last_op(program: fill.BatchProgram, **fields: int) -> None:
+def set_last_op(program: BatchProgram, **fields: int) -> None:
     """Overwrite fields of the program's last op (a program the public methods cannot build)."""
     last = program._ops[-1][-1]
     for name, value in fields.items():
-        last[OP.names.index(name)] = value
+        last[OP_COLUMN[name]] = value
 
 
 def sample_program(payload, *, size=None, hidden_buf_bytes=None):
@@ -66,7 +67,7 @@ def sample_program(payload, *, size=None, hidden_buf_bytes=None):
     last = np.full(rows * col_bytes, 0xAB, dtype=np.uint8)
     ids = np.full(rows * 8 + 16, 0xAB, dtype=np.uint8)
     mask = np.full(rows * 8, 0xAB, dtype=np.uint8)
-    program = fill.BatchProgram([hidden, last, ids, mask])
+    program = BatchProgram([hidden, last, ids, mask])
     h = 4096
     f = h + rows * row_bytes + 64
     segs = segment_table([
@@ -96,7 +97,7 @@ def test_sample_lands_in_every_buffer(payload, executor):
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_zero_and_fill_ops(executor):
     data = np.full(4096, 7, dtype=np.uint8)
-    program = fill.BatchProgram([data])
+    program = BatchProgram([data])
     program.zero(0, 5, 1000)
     program.fill_int64(0, 2048, 3, -100)  # a negative pad id survives the uint64 encoding
     program.fill_int64(0, 3000, 2, 1)
@@ -113,7 +114,7 @@ def test_zero_and_fill_ops(executor):
 def test_a_payload_without_segments_is_read_and_dropped(payload, executor):
     fd, _, blob, _, _ = payload
     data = np.full(64, 7, dtype=np.uint8)
-    program = fill.BatchProgram([data])
+    program = BatchProgram([data])
     program.sample(fd, 100, len(blob), np.zeros(0, SEGMENT), tag="empty")  # a zero-token sample's table
     program.sample(fd, 100, len(blob) + 1, np.zeros(0, SEGMENT), tag="past the end")
     assert run(program, executor) == fill.Failure(fill.RC_SHORT_READ, "past the end", len(blob))
@@ -134,7 +135,7 @@ def test_a_segment_too_large_for_its_buffer_writes_nothing_past_it(payload, exec
     program, (hidden, *_), _ = sample_program(payload, hidden_buf_bytes=rows * row_bytes - 1)
     assert run(program, executor) == fill.Failure(fill.RC_INVALID, "the sample", 0)
     assert (hidden == 0xAB).all()
-    program = fill.BatchProgram([np.zeros(64, dtype=np.uint8)])
+    program = BatchProgram([np.zeros(64, dtype=np.uint8)])
     program.zero(0, 60, 8)
     assert run(program, executor).code == fill.RC_INVALID
 
@@ -149,7 +150,7 @@ def test_ids_larger_than_scratch_are_refused(payload, executor):
 def test_read_error_reports_errno(tmp_path, executor):
     fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails with EISDIR
     try:
-        program = fill.BatchProgram([np.zeros(64, dtype=np.uint8)])
+        program = BatchProgram([np.zeros(64, dtype=np.uint8)])
         program.sample(fd, 0, 64, segment_table([segment(SEG_COPY, 0, 64, 0, 0)]), tag=3)
         assert run(program, executor) == fill.Failure(fill.RC_READ_ERROR, 3, errno.EISDIR)
     finally:
@@ -202,7 +203,7 @@ def test_damaged_bytes_are_a_checksum_failure_before_a_broken_rule(tmp_path, exe
     try:
         for xxh3, code in ((good, fill.RC_CHECKSUM), (xxhash.xxh3_64_intdigest(bytes(blob)), fill.RC_BAD_TOKEN),
                            (None, fill.RC_BAD_TOKEN)):
-            program = fill.BatchProgram([np.zeros(64 * 8, dtype=np.uint8)])
+            program = BatchProgram([np.zeros(64 * 8, dtype=np.uint8)])
             program.sample(fd, 0, len(blob), segment_table([segment(SEG_WIDEN_I32, 128, 256, 0, 0, limit=1000)]),
                            tag=0, xxh3=xxh3)
             failure = run(program, executor)
@@ -231,7 +232,7 @@ def test_picks_hand_out_chosen_columns_in_the_callers_order(tmp_path, executor):
     last = np.full(rows * layer, 0xAB, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:
-        program = fill.BatchProgram([hidden, last], picks)
+        program = BatchProgram([hidden, last], picks)
         program.sample(fd, 0, 64 + stored.nbytes, segment_table([segment(
             SEG_PICK, 64, stored.nbytes, 0, 0, row_bytes=layers * layer, col_buf=1, pick_count=4)]), tag=0)
         assert run(program, executor) is None
@@ -242,7 +243,7 @@ def test_picks_hand_out_chosen_columns_in_the_callers_order(tmp_path, executor):
         # A pick reaching past its row, or its destination row, is refused before anything is written.
         for bad in (PickRecord(4 * layer, layer + 1, 0, 0, layer * 3), PickRecord(0, layer, 0, 1, layer)):
             hidden[:] = 0xAB
-            program = fill.BatchProgram([hidden, last], pick_table([bad]))
+            program = BatchProgram([hidden, last], pick_table([bad]))
             program.sample(fd, 0, 64 + stored.nbytes, segment_table([segment(
                 SEG_PICK, 64, stored.nbytes, 0, 0, row_bytes=layers * layer, col_buf=1, pick_count=1)]), tag=0)
             assert run(program, executor).code == fill.RC_INVALID
@@ -272,7 +273,7 @@ def test_picked_fp8_layers_stop_at_the_first_bad_row_in_both_fillers(tmp_path, e
             if bad_scale_row is not None:
                 s[bad_scale_row, 0] = 0.0
             out = np.zeros(rows * 2 * group * 2, dtype=np.uint8)
-            program = fill.BatchProgram([out, s.view(np.uint8).reshape(-1).copy()], picks)
+            program = BatchProgram([out, s.view(np.uint8).reshape(-1).copy()], picks)
             program.sample(fd, 0, codes.nbytes, segment_table([segment(
                 SEG_DEQUANT, 0, codes.nbytes, 0, 0, row_bytes=layers * group, scale_buf=1, group=group, out_size=2,
                 fp8_kind=FP8_KINDS["F8_E4M3"], pick_count=2)]), tag=0)
@@ -304,7 +305,7 @@ def test_both_fillers_refuse_the_same_hostile_programs(tmp_path, executor):
     try:
         for name, case in cases.items():
             out = np.full(16, 0xAB, dtype=np.uint8)
-            program = fill.BatchProgram([out, np.ones(16, dtype=np.uint8)])
+            program = BatchProgram([out, np.ones(16, dtype=np.uint8)])
             program.sample(case.get("fd", fd), 0, case.get("size", 4096), segment_table(case["segs"]), tag=name)
             set_last_op(program, check=case.get("check", 0), seg_count=case.get("seg_count", len(case["segs"])))
             failure = run(program, executor, scratch_bytes=case.get("scratch", 1 << 20))

@@ -7,7 +7,7 @@
  * dspark_cache/loader/verify.py decides). The hash is our own xxh3-64 (xxh3.h): one pass over
  * each chunk while it is still in the CPU cache, instead of a second read of the file.
  *
- * The work comes as a small "program" built in Python (dspark_cache/loader/fill.py, which also
+ * The work comes as a small "program" built in Python (dspark_cache/loader/program.py; loader/fill.py also
  * runs the same program in pure Python when this library is not built):
  *
  *   ops  op_t[n_ops]       {kind, target, offset, count, value, seg_first, seg_count, check}
