@@ -14,13 +14,16 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 
 setup: $(VENV)/.installed
 
-# The loader's batch filler is C (dspark_cache/loader/csrc), built by pip with the system's C
-# compiler; without one the install still works and the loader falls back to a slower Python path.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard dspark_cache/loader/csrc/*.[ch])
+# The loader's batch filler (dspark_cache/loader/csrc) and the shard writer's hot loop
+# (dspark_cache/format/tar/csrc) are C, built by pip with the system's C compiler; without one the
+# install still works and both fall back to slower Python paths.
+NATIVE_SOURCES := $(wildcard dspark_cache/loader/csrc/*.c dspark_cache/format/csrc/*.h dspark_cache/format/tar/csrc/*.c)
+$(VENV)/.installed: pyproject.toml setup.py $(NATIVE_SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) -e ".[test,s3]"
 	$(PY) -c "from dspark_cache.loader.fill import native_available; native_available()"
+	$(PY) -c "from dspark_cache.format.tar.append import native_available; native_available()"
 	touch $@
 
 # Three workers on two cores: the suite waits on the processes and servers it starts (producers, torchrun

@@ -1,8 +1,9 @@
-"""Builds the loader's optional native batch filler; everything else is in pyproject.toml.
+"""Builds the optional native parts; everything else is in pyproject.toml.
 
-The extension is optional: without a C compiler the install still succeeds and the loader runs
-the same batch program in Python (slower; `dspark_cache.loader.fill.native_available()` says
-which one runs).
+The loader's batch filler and the shard writer's hot loop are C. Both extensions are optional:
+without a C compiler the install still succeeds and the same work runs in Python, slower
+(`dspark_cache.loader.fill.native_available()` and `dspark_cache.format.tar.append.native_available()`
+say which one runs). Both hash with our own XXH3-64, `dspark_cache/format/csrc/xxh3.h`.
 """
 
 from setuptools import Extension, setup
@@ -13,9 +14,16 @@ setup(
             "dspark_cache.loader._batch_fill",
             # Only our own C (xxh3.h is our XXH3-64), and the C library.
             sources=["dspark_cache/loader/csrc/batch_fill.c"],
-            depends=["dspark_cache/loader/csrc/xxh3.h"],
+            depends=["dspark_cache/format/csrc/xxh3.h"],
             extra_compile_args=["-O3", "-std=gnu11"],
             optional=True,
-        )
+        ),
+        Extension(
+            "dspark_cache.format.tar._append",
+            sources=["dspark_cache/format/tar/csrc/append.c"],
+            depends=["dspark_cache/format/csrc/xxh3.h"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
     ]
 )

@@ -1,4 +1,4 @@
-"""XXH3-64 throughput: our C implementation (dspark_cache/loader/csrc/xxh3.h) against `xxhash`.
+"""XXH3-64 throughput: our C implementation (dspark_cache/format/csrc/xxh3.h) against `xxhash`.
 
     python bench/xxh3.py               # ~10 s
     python bench/xxh3.py --big-mib 64  # smaller DRAM case

@@ -24,7 +24,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -200,16 +200,18 @@ def layout_payload(specs: list[TensorSpec], metadata: dict[str, str], file_offse
     return PayloadLayout(struct.pack("<Q", padded) + raw.ljust(padded, b" "), placed)
 
 
-def payload_buffers(layout: PayloadLayout, tensors: Mapping[str, Any]) -> list[memoryview]:
+def payload_buffers(layout: PayloadLayout, tensors: Mapping[str, Any],
+                    zeros: Callable[[int], memoryview] = lambda n: memoryview(bytes(n))) -> list[memoryview]:
     """The blob as a list of buffers (no copy of tensor data) to write in order.
 
     ``tensors`` maps names to C-contiguous buffers (numpy arrays, memoryviews, bytes) holding
-    each tensor's bytes as stored (little-endian, the spec's dtype).
+    each tensor's bytes as stored (little-endian, the spec's dtype); ``zeros(n)`` gives the
+    padding between them (a shared zero buffer, for a writer).
     """
     buffers = [memoryview(layout.header)]
     for name, start, end in layout.placed:
         if name.startswith(PAD_PREFIX):
-            buffers.append(memoryview(bytes(end - start)))
+            buffers.append(zeros(end - start))
             continue
         buffers.append(_byte_view(name, tensors[name], end - start))
     return buffers

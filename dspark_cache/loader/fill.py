@@ -5,7 +5,7 @@ stale pad bytes, fill these int64 slots, and for every sample read ``size`` byte
 of ``fd`` through a segment table (:mod:`.segments`) that says where each tensor goes, hashing
 the bytes as they are read where the sample's checksum is to be checked (:mod:`.verify` says
 which). ``csrc/batch_fill.c`` runs the program without holding the GIL (its xxh3-64 is our own,
-``csrc/xxh3.h``),
+``format/csrc/xxh3.h``),
 so a reader thread needs the GIL a few times per batch instead of several times per chunk, and
 a training loop's Python rarely stalls it; :func:`run_python` runs the same program with numpy
 and ``os.preadv`` where the extension is not built. Both check every write against its

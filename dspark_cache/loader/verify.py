@@ -2,7 +2,7 @@
 
 A checked sample is hashed (xxh3-64, as the producer writes it) while the batch filler reads it
 into the batch: each chunk right after its read, while it is in the CPU cache, so checking costs
-no second read of the file (:mod:`.fill`; the native filler's xxh3 is ``csrc/xxh3.h``, the Python
+no second read of the file (:mod:`.fill`; the native filler's xxh3 is ``format/csrc/xxh3.h``, the Python
 one's the ``xxhash`` package). A mismatch fails the batch, naming the shard and sample. With
 ``verify="once"`` (the default) a checked sample is remembered in a bitmap of its shard (one bit
 per sample, so bounded by the cache's sample count) and later epochs read it without hashing.

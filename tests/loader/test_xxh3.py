@@ -1,4 +1,4 @@
-"""Our C XXH3-64 (dspark_cache/loader/csrc/xxh3.h) against the `xxhash` package, bit for bit.
+"""Our C XXH3-64 (dspark_cache/format/csrc/xxh3.h) against the `xxhash` package, bit for bit.
 
 The header is compiled here, through tests/loader/xxh3_probe.c, into a throwaway shared library,
 and every check runs for each stripe-loop path: the one detected at run time ("auto"), and

@@ -1,10 +1,10 @@
-/* Test-only wrapper around dspark_cache/loader/csrc/xxh3.h, built by tests/loader/test_xxh3.py
+/* Test-only wrapper around dspark_cache/format/csrc/xxh3.h, built by tests/loader/test_xxh3.py
  * and bench/xxh3.py into a throwaway shared library and called through ctypes (the header is
  * otherwise reachable only from inside the batch filler). */
 #include <stdint.h>
 
 #define DSPARK_XXH3_TESTING 1 /* for dspark_xxh3_set_path */
-#include "../../dspark_cache/loader/csrc/xxh3.h"
+#include "../../dspark_cache/format/csrc/xxh3.h"
 
 /* The stripe-loop path in use: 0 scalar, 1 SSE2, 2 AVX2, 3 AVX-512 (detected on first use). */
 int probe_path(void) { return dspark_xxh3_path(); }

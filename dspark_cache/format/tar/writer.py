@@ -1,13 +1,18 @@
-"""Append samples to ``shard-N.tar.partial``; publish with fsync, rename, then the index."""
+"""Append samples to ``shard-N.tar.partial``; publish with fsync, rename, then the index.
+
+One :class:`ShardWriter` is one shard, written by one thread; several run side by side (the
+producer's writer lanes). Its bytes go through :class:`~dspark_cache.format.tar.append.TarAppender`,
+which reads each byte once.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
+import threading
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
-
-import xxhash
 
 from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
 from dspark_cache.format.faults import check_write_budget, crash_point
@@ -15,6 +20,7 @@ from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import TensorSpec, payload_buffers
 from dspark_cache.format.schema import SampleEntry, ShardIndex, encode_json
+from dspark_cache.format.tar.append import Piece, TarAppender, zeros
 from dspark_cache.format.tar.members import (
     END_OF_ARCHIVE,
     TAR_BLOCK,
@@ -42,41 +48,56 @@ def _load_sync_file_range():
 
 
 _sync_file_range = _load_sync_file_range()
-_process_bytes = [0]  # shard bytes this process wrote (for fault injection only)
+_process_bytes = [0]  # shard bytes this process wrote (for fault injection only), by every writer thread
+_process_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SampleToWrite:
+    """One sample for :meth:`ShardWriter.append_samples`: ``tensors`` maps each spec's name to a
+    C-contiguous buffer of its stored bytes (numpy array, memoryview, bytes; read where it lies)."""
+
+    sample_id: int
+    loss_tokens: int
+    specs: list[TensorSpec]
+    metadata: dict[str, str]
+    tensors: Mapping[str, Any]
 
 
 class ShardWriter:
     """Writes one shard. Nothing is visible to readers until :meth:`publish` returns. ``cache_id``:
-    the manifest's, written into the index so that a reader can tell this cache's shards from another's."""
+    the manifest's, written into the index so that a reader can tell this cache's shards from another's.
+    ``native``: the C writer (default: when built, unless ``DSPARK_NATIVE=0``); both write the same bytes."""
 
-    def __init__(self, paths: CachePaths, shard_id: int, *, durable: bool = True, cache_id: str = "") -> None:
+    def __init__(self, paths: CachePaths, shard_id: int, *, durable: bool = True, cache_id: str = "",
+                 native: bool | None = None) -> None:
         self.paths = paths
         self.shard_id = shard_id
         self.durable = durable
         self.cache_id = cache_id
         self._partial = paths.shard_partial(shard_id)
         self._file = open(self._partial, "wb", buffering=0)
+        self._appender = TarAppender(self._file.fileno(), native)
         self._cursor = TarCursor()
-        self._hash = xxhash.xxh3_64()
         self._entries: list[SampleEntry] = []
         self.bytes_written = 0
         self._writeback_from = 0
 
-    def _write(self, data: memoryview | bytes) -> None:
-        view = memoryview(data)
-        _process_bytes[0] += view.nbytes
-        check_write_budget(_process_bytes[0])
-        while view.nbytes:
-            written = self._file.write(view)
-            view = view[written:]
-        self._hash.update(data)
-        self.bytes_written += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+    def _write(self, pieces: list[Piece], samples: int = 0) -> list[int]:
+        nbytes = sum(memoryview(p.buffer).nbytes for p in pieces)
+        with _process_lock:
+            _process_bytes[0] += nbytes
+            total = _process_bytes[0]
+        check_write_budget(total)
+        hashes = self._appender.append(pieces, samples)
+        self.bytes_written += nbytes
         if self.durable and _sync_file_range and self.bytes_written - self._writeback_from >= WRITEBACK_CHUNK:
             # Start writing back what we have so far: the fsync at publish then waits only for
             # the tail instead of the whole shard, which keeps the pipeline's end short.
             _sync_file_range(self._file.fileno(), self._writeback_from,
                              self.bytes_written - self._writeback_from, _SYNC_FILE_RANGE_WRITE)
             self._writeback_from = self.bytes_written
+        return hashes
 
     def append(
         self,
@@ -86,29 +107,29 @@ class ShardWriter:
         metadata: dict[str, str],
         tensors: Mapping[str, Any],
     ) -> SampleEntry:
-        """Write one sample blob as a tar member and remember where it lies.
+        """Write one sample blob as a tar member and remember where it lies."""
+        return self.append_samples([SampleToWrite(sample_id, loss_tokens, specs, metadata, tensors)])[0]
 
-        ``tensors`` maps each spec's name to a C-contiguous buffer of its stored bytes (a numpy
-        array or memoryview; ``producer.tensors.byte_views`` makes them from torch tensors).
-        """
-        data_offset, layout = self._cursor.place(specs, metadata)
-        self._write(member_header(member_name(sample_id), layout.size))
-        sample_hash = xxhash.xxh3_64()
-        for buffer in payload_buffers(layout, tensors):
-            self._write(buffer)
-            sample_hash.update(buffer)
-        self._write(bytes(block_padding(layout.size)))
-        entry = SampleEntry(
-            sample_id=sample_id,
-            length=specs[-1].shape[0],
-            loss_tokens=loss_tokens,
-            offset=data_offset,
-            size=layout.size,
-            xxh3=sample_hash.intdigest(),
-        )
-        self._entries.append(entry)
-        crash_point("mid_shard")
-        return entry
+    def append_samples(self, samples: list[SampleToWrite]) -> list[SampleEntry]:
+        """Write samples as tar members, in order, in one pass over their bytes (each byte read once:
+        hashed for the shard and its sample, then written from where it lies)."""
+        pieces: list[Piece] = []
+        placed: list[tuple[SampleToWrite, int, int]] = []
+        for owner, sample in enumerate(samples):
+            data_offset, layout = self._cursor.place(sample.specs, sample.metadata)
+            pieces.append(Piece(member_header(member_name(sample.sample_id), layout.size), -1))
+            pieces += [Piece(buffer, owner) for buffer in payload_buffers(layout, sample.tensors, zeros)]
+            pieces.append(Piece(zeros(block_padding(layout.size)), -1))
+            placed.append((sample, data_offset, layout.size))
+        hashes = self._write(pieces, len(samples))
+        entries = []
+        for (sample, data_offset, size), xxh3 in zip(placed, hashes):
+            entry = SampleEntry(sample_id=sample.sample_id, length=sample.specs[-1].shape[0],
+                                loss_tokens=sample.loss_tokens, offset=data_offset, size=size, xxh3=xxh3)
+            self._entries.append(entry)
+            entries.append(entry)
+            crash_point("mid_shard")
+        return entries
 
     def publish(self, nonfinite: list[int] | None = None) -> ShardIndex:
         """Seal the tar, make it durable, rename it into place, then publish its index."""
@@ -121,7 +142,7 @@ class ShardWriter:
     def seal(self, nonfinite: list[int] | None = None) -> ShardIndex:
         """Finish the tar, make it durable and rename it into place; return its index, not yet written
         (the shard is not published until :meth:`commit` writes it)."""
-        self._write(bytes(END_OF_ARCHIVE))
+        self._write([Piece(zeros(END_OF_ARCHIVE), -1)])
         if self.durable:
             os.fsync(self._file.fileno())
         self._file.close()
@@ -133,7 +154,7 @@ class ShardWriter:
         return ShardIndex(
             shard_id=self.shard_id,
             tar_bytes=self.bytes_written,
-            tar_xxh3=self._hash.intdigest(),
+            tar_xxh3=self._appender.digest(),
             samples=self._entries,
             nonfinite=list(nonfinite or []),
             cache_id=self.cache_id,

@@ -4,7 +4,7 @@
  * each chunk while it is still in the CPU cache, widen token ids and masks to int64, and fill
  * the pads of the per-token fields, and hash each byte as it is read where the sample's checksum
  * is to be checked (the first time a process reads it, or every time with verify="always":
- * dspark_cache/loader/verify.py decides). The hash is our own xxh3-64 (xxh3.h): one pass over
+ * dspark_cache/loader/verify.py decides). The hash is our own xxh3-64 (format/csrc/xxh3.h): one pass over
  * each chunk while it is still in the CPU cache, instead of a second read of the file.
  *
  * The work comes as a small "program" built in Python (dspark_cache/loader/program.py; loader/fill.py also
@@ -67,7 +67,7 @@
 
 #include <Python.h>
 
-#include "xxh3.h"
+#include "../../format/csrc/xxh3.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>

@@ -1,7 +1,8 @@
 /* xxh3.h: our implementation of XXH3-64 (seed 0, default secret) as specified in
  * xxHash's doc/xxhash_spec.md, bit-identical to the `xxhash` package's xxh3_64.
  *
- * Why our own: the loader hashes each sample as it reads it, inside the GIL-free batch filler,
+ * Why our own: the loader hashes each sample as it reads it, inside the GIL-free batch filler, and
+ * the shard writer hashes every byte it writes (format/tar/csrc/append.c), without the GIL,
  * so the checksum has to be C callable without the interpreter; the project ships only its own
  * code. Everything is static inline (unused parts cost nothing); each including file detects
  * the CPU once for itself.
