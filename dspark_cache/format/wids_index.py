@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from typing import Any
 
 from dspark_cache.format.atomic import atomic_write_bytes
@@ -76,8 +77,17 @@ def add_shard(paths: CachePaths, index: ShardIndex, *, durable: bool = False) ->
     """Put a just-published shard into the index (see the module docstring for what is kept).
 
     Not durable by default: a file lost in a crash is rebuilt from the shard indexes by the next
-    publication or at completion, which writes it durably.
+    publication or at completion, which writes it durably. One process's writer threads take turns
+    (another rank's rewrite can still miss this one, as the module docstring says).
     """
+    with _adding:
+        _add_shard(paths, index, durable)
+
+
+_adding = threading.Lock()
+
+
+def _add_shard(paths: CachePaths, index: ShardIndex, durable: bool) -> None:
     previous = _previous_entries(paths)
     entries: list[Entry] = []
     for shard_id in paths.indexed_shard_ids():

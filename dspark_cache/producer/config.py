@@ -62,6 +62,23 @@ def device_argument(value: str) -> str:
     return value
 
 
+MAX_WRITER_THREADS = 8  # default's cap: past it one rank's writers outrun any GPU's capture (BENCHMARKS.md)
+
+
+def rank_cores() -> int:
+    """The cores this rank may use: those it may run on, shared with the node's other ranks."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def default_writer_threads() -> int:
+    """This rank's cores less one for the thread that drives the device, between 1 and 8."""
+    return max(1, min(MAX_WRITER_THREADS, rank_cores() - 1))
+
+
 @dataclass
 class ProduceConfig:
     """Every ``dspark-produce`` setting (the command line's options, by their dest names)."""
@@ -93,6 +110,7 @@ class ProduceConfig:
     compute_dtype: str = "auto"
     max_batch_tokens: int | None = None
     max_inflight_bytes: int = 1 << 30
+    writer_threads: int | None = None
     on_invalid: str = "error"
     max_row_bytes: int = 1 << 28
     on_nonfinite: str = "error"
@@ -113,8 +131,12 @@ class ProduceConfig:
         """Encoding processes: ``--num-workers``, else this rank's share of the node's cores (at most 16)."""
         if self.num_workers is not None:
             return self.num_workers
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return max(1, min(16, (os.cpu_count() or 1) // per_node))
+        return min(16, rank_cores())
+
+    @property
+    def writers(self) -> int:
+        """Shards written at once: ``--writer-threads``, else :func:`default_writer_threads`."""
+        return self.writer_threads if self.writer_threads is not None else default_writer_threads()
 
     @property
     def batch_token_budget(self) -> int:
@@ -182,7 +204,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="padded-token budget per batch (default batch-size x seq-length)")
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30,
-                   help="host bytes staged between device and writer before the device waits (default 1 GiB)")
+                   help="host bytes staged between device and writers before the device waits, all writers' "
+                   "batches together (default 1 GiB)")
+    p.add_argument("--writer-threads", type=int, default=None,
+                   help="shards written at once, each by its own thread (default: the cores this rank has, less "
+                   f"one, between 1 and {MAX_WRITER_THREADS}; here {default_writer_threads()}); the cache's bytes do "
+                   "not depend on it")
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows: stop during planning (default) or skip and count them")
     p.add_argument("--max-row-bytes", type=int, default=1 << 28,
@@ -249,8 +276,8 @@ def validate_config(cfg: ProduceConfig) -> None:
                           f"the directory {cfg.output_dir}; leave them out")
     cache_output_options(cfg)  # malformed JSON or size: named now
     for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes",
-                 "max_row_bytes"):
-        if getattr(cfg, name) < 1:
+                 "max_row_bytes", "writer_threads"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     # The readers refuse what the format cannot hold (format/validate.py): refuse it here, not after hours.
     if cfg.seq_length > MAX_SEQ_LENGTH:

@@ -65,8 +65,10 @@ def build_moe_target(out_dir: str) -> str:
 
 @pytest.mark.slow
 def test_two_ranks_one_group_equal_one_process(embedded, tmp_path, reference):
+    """Three shards in flight: the partner follows the writer's schedule batch for batch."""
     out = str(tmp_path / "cache")
-    proc = run(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")))
+    proc = run(torchrun(2, *produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2",
+                                         "--writer-threads", "3")))
     assert proc.returncode == 0, proc.stderr
     assert_same_samples(out, reference, exact=False)  # ids and masks exact, states to fp32 rounding
     assert verify_cache(out).ok
@@ -180,9 +182,10 @@ def test_a_frozen_partner_does_not_hang_its_writer(embedded, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_to_a_partner_stops_its_group_at_a_shard_boundary(embedded, tmp_path):
-    """The partner asks to stop; the writer, which got no signal, stops with it after the shard in flight."""
+    """The partner asks to stop; the writer, which got no signal, stops with it after the shards in flight."""
     out = str(tmp_path / "cache")
-    ranks = start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 2)
+    ranks = start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2",
+                                                   "--writer-threads", "2")), 2)
     wait_for(lambda: published(out) >= 1)
     os.kill(ranks[1].pid, signal.SIGTERM)
     for proc in ranks:

@@ -56,15 +56,15 @@ class ShardUploads:
         """Queue a sealed shard; blocks while staging is full; raises an earlier upload's failure."""
         self._raise()
         started = time.monotonic()
-        with self._waiting:
+        with self._waiting:  # the producer's writer threads submit side by side
             while self._staged and self._staged + index.tar_bytes > self.limit and self.error is None:
                 self._waiting.wait(0.5)
             self._raise()
             self._staged += index.tar_bytes
-        self.stalled_seconds += time.monotonic() - started
-        if self._pool is None:
-            self._pool = DaemonThreads(self._threads, "dspark-upload")
-        self._pending[index.shard_id] = self._pool.submit(self._upload, index)
+            self.stalled_seconds += time.monotonic() - started
+            if self._pool is None:
+                self._pool = DaemonThreads(self._threads, "dspark-upload")
+            self._pending[index.shard_id] = self._pool.submit(self._upload, index)
 
     def _upload(self, index: ShardIndex) -> None:
         shard = index.shard_id

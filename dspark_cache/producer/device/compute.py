@@ -24,12 +24,13 @@ from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import EventKind, Manifest, RankState
 from dspark_cache.format.weights import weights_problem
 from dspark_cache.producer.device.model_group import (
-    GroupSync, PartnerWatch, distributed_config, group_error, join_group, leave_group,
+    DRAIN, END, GO, GroupSync, PartnerWatch, distributed_config, group_error, join_group, leave_group,
 )
 from dspark_cache.producer.device.ranks import job_store
 from dspark_cache.producer.device.target import TargetRunner
 from dspark_cache.producer.device.topology import Topology
 from dspark_cache.producer.pipeline.loop import collate, run_pipeline
+from dspark_cache.producer.pipeline.schedule import ShardSchedule
 from dspark_cache.producer.pipeline.writer import PipelineStats
 from dspark_cache.producer.plan.batches import ShardPlan
 from dspark_cache.producer.prepare import Prepared
@@ -47,7 +48,7 @@ class DiskFullError(CacheError):
 
 
 class GroupStopped(Exception):
-    """A partner of the writer's model-parallel group asked to stop at this shard boundary."""
+    """A partner of the writer's model-parallel group stopped: the writer's shards in flight are abandoned."""
 
 
 @dataclasses.dataclass
@@ -135,20 +136,22 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
             p = dataclasses.replace(p, device=runner.device)
         if topology.group == 0:
             ensure_target_weights(p, runner)
-        stats, _ = _write_shards(p, owned, status, stop, runner.forward)
+        stats, _ = _write_shards(p, owned, status, stop, runner.forward, p.cfg.writers, stop)
         return Computed(stats)
     with _model_group(p, topology, status, run_id) as sync:
         runner = _loaded(p, status, distributed_config(topology))
         if topology.group == 0:
             ensure_target_weights(p, runner, write=topology.writer)
+        lanes = sync.least(p.cfg.writers)  # every rank must run the writer's schedule
         if not topology.writer:
-            return _follow_shards(p, owned, status, stop, runner, sync)
+            return _follow_shards(p, owned, status, stop, runner, sync, lanes)
+        agreed = _AgreedStop(sync, stop)
         try:
-            stats, group_stopped = _write_shards(p, owned, status, stop, _agreed(runner, sync),
+            stats, group_stopped = _write_shards(p, owned, status, stop, _tracked(runner, sync), lanes, agreed,
                                                  f" as the writer of model-parallel group {topology.group}")
         finally:
             sync.close()
-        return Computed(stats, group_stopped)
+        return Computed(stats, group_stopped or agreed.drained)
 
 
 def _loaded(p: Prepared, status: StatusReporter, parallel: Any) -> TargetRunner:
@@ -169,12 +172,27 @@ def _device_memory(cfg: Any, device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
-def _agreed(runner: TargetRunner, sync: GroupSync) -> Forward:
-    """The writer's forward: the group agrees on each batch first (see ``model_group.GroupSync``)."""
+class _AgreedStop:
+    """The writer's stop question before each batch, asked of the whole group (the partners ask it at the
+    same steps, see ``_follow_shards``): True = begin no shard; a partner that ended raises ``GroupStopped``.
+    ``drained``: the group agreed to stop (asked by this rank or by a partner)."""
+
+    def __init__(self, sync: GroupSync, stop: StopFlag) -> None:
+        self.sync, self.stop = sync, stop
+        self.drained = False
+
+    def __call__(self) -> bool:
+        agreed = self.sync.agree(DRAIN if self.stop() else GO)
+        if agreed == END:
+            raise GroupStopped
+        self.drained = self.drained or agreed == DRAIN
+        return agreed == DRAIN
+
+
+def _tracked(runner: TargetRunner, sync: GroupSync) -> Forward:
+    """The writer's forward, marked while it runs (see ``model_group.GroupSync.close``)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> Any:
-        if not sync.vote(True):
-            raise GroupStopped
         sync.in_forward = True  # a failure from here on may leave the partners inside a collective
         result = runner.forward(ids, mask)
         sync.in_forward = False
@@ -184,7 +202,7 @@ def _agreed(runner: TargetRunner, sync: GroupSync) -> Forward:
 
 
 def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag, forward: Forward,
-                  role: str = "") -> tuple[PipelineStats, bool]:
+                  writers: int, should_stop: Callable[[], bool], role: str = "") -> tuple[PipelineStats, bool]:
     """The pipeline over ``owned``: ``(stats, whether a model-parallel partner stopped the group)``."""
     status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device}{role}",
                  shards=[s.shard_id for s in owned], device=str(p.device))
@@ -227,11 +245,12 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, s
     try:
         stats = run_pipeline(owned, forward, output=p.output, shape=p.shape, device=p.device,
                              pad_id=p.manifest.pad_token_id, max_inflight_bytes=p.cfg.max_inflight_bytes,
-                             on_published=on_published, should_stop=stop, on_batch=on_batch,
+                             writer_threads=writers, on_published=on_published, should_stop=should_stop,
+                             on_batch=on_batch,
                              on_nonfinite=p.cfg.on_nonfinite)
         progress.update(stats.tokens, stats.samples, len(published), len(owned))  # the last batch's counts too
         return stats, False
-    except GroupStopped:  # at a shard boundary: every shard begun is published
+    except GroupStopped:  # a partner ended: the shards in flight were abandoned, a rerun computes them
         return latest, True
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
@@ -242,32 +261,42 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, s
 
 
 def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag,
-                   runner: TargetRunner, sync: GroupSync) -> Computed:
+                   runner: TargetRunner, sync: GroupSync, lanes: int) -> Computed:
     """A writer's partner: the same forwards, batch for batch, and nothing written.
 
-    Its status counts shards it computed; its samples and tokens stay 0 (the writer's count them:
-    a monitor summing ranks would count a group's work once per rank).
+    It runs the writer's schedule (same shards, same lanes) and agrees with the writer before each
+    batch, as the writer's pipeline asks (``_agreed_stop``): a stop begins no shard, the open ones
+    are finished. Its status counts shards it computed; its samples and tokens stay 0 (the writer's
+    count them: a monitor summing ranks would count a group's work once per rank).
     """
     stats = PipelineStats()
     status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device} with the writer of its "
                  "model-parallel group", shards=[s.shard_id for s in owned], device=str(p.device))
     status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned))
-    for shard in owned:
-        stats.current_shard = shard.shard_id
-        for i, batch in enumerate(shard.batches):
-            # A stop is honoured at a shard boundary, as the writer's pipeline honours its own.
-            if not sync.vote(not (i == 0 and stop())):
-                return Computed(stats, group_stopped=True)
-            ids, _ = collate(batch, p.manifest.pad_token_id, p.device)
-            runner.compute_only(ids)
-            stats.samples += len(batch)
-            stats.tokens += sum(s.length for s in batch)
-            status.update(state=RankState.RUNNING, shard=shard.shard_id,
-                          device_memory_bytes=_device_memory(p.cfg, p.device))
-        stats.shards += 1
-        status.update(force=True, shards_done=stats.shards, shard=None)
+    schedule = ShardSchedule(owned, lanes)
+    drained = False
+    while True:
+        agreed = sync.agree(DRAIN if stop() else GO)
+        if agreed == END:
+            return Computed(stats, group_stopped=True)
+        if agreed == DRAIN:
+            schedule.drain()
+            drained = True
+        step = schedule.next()
+        if step is None:
+            break
+        stats.current_shard = step.shard.shard_id
+        ids, _ = collate(step.batch, p.manifest.pad_token_id, p.device)
+        runner.compute_only(ids)
+        stats.samples += len(step.batch)
+        stats.tokens += sum(s.length for s in step.batch)
+        status.update(state=RankState.RUNNING, shard=step.shard.shard_id,
+                      device_memory_bytes=_device_memory(p.cfg, p.device))
+        if step.closes:
+            stats.shards += 1
+            status.update(force=True, shards_done=stats.shards, shard=None)
     sync.close()
-    return Computed(stats)
+    return Computed(stats, group_stopped=drained)
 
 
 @contextmanager

@@ -102,6 +102,9 @@ def distributed_config(topology: Topology) -> Any:
                             "needs a newer transformers (tested with 5.24)") from exc
 
 
+GO, DRAIN, END = 2, 1, 0  # what a group agrees before a batch: the least any rank says wins
+
+
 class GroupSync:
     """The group's agreement before each batch: a one-int all-reduce on a gloo group (host only)."""
 
@@ -112,14 +115,22 @@ class GroupSync:
 
     def vote(self, go: bool) -> bool:
         """True when every rank of the group says ``go`` (a collective: every rank must call it)."""
+        return self.agree(GO if go else END) != END
+
+    def agree(self, word: int) -> int:
+        """The least of every rank's ``word`` (``GO``, ``DRAIN``: begin no shard, ``END``: no more batches)."""
+        agreed = self.least(word)
+        self.ended = self.ended or agreed == END
+        return agreed
+
+    def least(self, value: int) -> int:
+        """The least of every rank's ``value`` (a collective: every rank must call it)."""
         import torch
         import torch.distributed as dist
 
-        value = torch.tensor([1 if go else 0], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
-        agreed = bool(value.item())
-        self.ended = self.ended or not agreed
-        return agreed
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
 
     def close(self) -> None:
         """This rank's last word, "no more batches": the others' next vote meets it. Skipped once the

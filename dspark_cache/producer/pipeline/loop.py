@@ -2,8 +2,9 @@
 
 The main thread runs the target on batch i+1 while batch i is trimmed to its real tokens on
 the device and copied into the staging ring (pinned host memory,
-:mod:`~dspark_cache.producer.pipeline.staging`) on a side stream, and a writer thread
-(:mod:`~dspark_cache.producer.pipeline.writer`) appends earlier batches to their shard. Host
+:mod:`~dspark_cache.producer.pipeline.staging`) on a side stream, and writer threads
+(:mod:`~dspark_cache.producer.pipeline.writer`, one shard open on each, batches taken in the
+order of :mod:`~dspark_cache.producer.pipeline.schedule`) append earlier batches to their shards. Host
 memory is the ring: the main thread claims a batch's region before it queues the copies and
 waits while the ring is full, so staged bytes never exceed ``--max-inflight-bytes`` (or one
 batch, when a single batch is larger). Nothing in the loop waits for the device: the model's
@@ -26,10 +27,11 @@ from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
+from dspark_cache.producer.pipeline.schedule import ShardSchedule, Step
 from dspark_cache.producer.pipeline.staging import Stager, StagingRing, region_bytes, ring_capacity
 from dspark_cache.producer.pipeline.tensors import quantize_fp8, torch_dtype
 from dspark_cache.producer.pipeline.timing import BatchClock
-from dspark_cache.producer.pipeline.writer import PipelineStats, ShardWriterThread, WriteJob
+from dspark_cache.producer.pipeline.writer import PipelineStats, WriteJob, WriterLanes
 
 log = logging.getLogger(__name__)
 
@@ -109,49 +111,56 @@ def run_pipeline(
     device: torch.device,
     pad_id: int,
     max_inflight_bytes: int,
+    writer_threads: int = 1,
     on_published: Callable[[ShardPlan, ShardIndex], None] = lambda shard, index: None,
     should_stop: Callable[[], bool] = lambda: False,
     on_batch: Callable[[PipelineStats, StagingRing], None] = lambda stats, ring: None,
     on_nonfinite: str = "error",
     durable: bool = True,
     check_finite: bool = True,
+    stager: Stager | None = None,
 ) -> PipelineStats:
     """Compute and write ``shards``; returns when all are published or a stop was honoured.
 
-    Shards are published through ``output``, which keeps its published set current. A stop
-    request is honoured at shard boundaries, so the shard in flight is finished.
-    ``check_finite=False`` is for benchmarks with a fake device that has no NaN to find.
-    ``on_batch`` sees the ring (``inflight``, ``peak``, ``capacity`` bytes) after each batch.
+    ``writer_threads`` shards are in flight at once, each written by its own thread, in the order
+    of :class:`~dspark_cache.producer.pipeline.schedule.ShardSchedule` (the cache's bytes do not
+    depend on it). Shards are published through ``output``, which keeps its published set current.
+    ``should_stop`` is asked before each batch: once it says yes no shard is begun, and the shards
+    in flight are finished. ``check_finite=False`` and ``stager`` are for benchmarks with a fake
+    device (one with no NaN to find; one whose batches are already in host memory). ``on_batch``
+    sees the ring (``inflight``, ``peak``, ``capacity`` bytes) after each batch.
     """
     sizes = [region_bytes(_staged_shapes(shape, batch)) for shard in shards for batch in shard.batches]
     ring = StagingRing(ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes)), device.type == "cuda")
     stats = PipelineStats()
-    writer = ShardWriterThread(output, shape, ring, stats, on_published, on_nonfinite, durable)
+    writers = WriterLanes(writer_threads, output, shape, ring, stats, on_published, on_nonfinite, durable)
     step: _Step | None = None
-    writer.start()
+    writers.start()
     try:
-        step = _Step(forward, shape, device, pad_id, check_finite, ring, writer, stats)
-        for shard in shards:
-            if should_stop() or writer.error is not None:
+        step = _Step(forward, shape, device, pad_id, check_finite, ring, writers, stats, stager)
+        schedule = ShardSchedule(shards, writer_threads)
+        # A failed writer ends the loop before the stop question: a model-parallel group asks that
+        # question of every rank, and the writer's partners then hear "no more batches" instead.
+        while writers.error is None:
+            if should_stop():
+                schedule.drain()
+            if (planned := schedule.next()) is None:
                 break
-            stats.current_shard = shard.shard_id
-            for i, batch in enumerate(shard.batches):
-                if writer.error is not None or not step.run(shard, batch, i == len(shard.batches) - 1):
-                    break
-                on_batch(stats, ring)
+            stats.current_shard = planned.shard.shard_id
+            if not step.run(planned):
+                break
+            on_batch(stats, ring)
     finally:
-        writer.jobs.put(None)
         try:
-            writer.join()
-            writer.abandon()
+            writers.close()
         finally:
             # A batch claimed but never queued (an exception between claim and put) may still
             # be copying into the ring: no copy may run into memory being unpinned.
             if step is not None:
                 step.stager.synchronize()
             ring.close()
-    if writer.error is not None:
-        raise writer.error
+    if writers.error is not None:
+        raise writers.error
     return stats
 
 
@@ -159,15 +168,17 @@ class _Step:
     """One batch through the main thread: collate, forward, claim ring space, queue the copies."""
 
     def __init__(self, forward: Forward, shape: SampleShape, device: torch.device, pad_id: int,
-                 check_finite: bool, ring: StagingRing, writer: ShardWriterThread, stats: PipelineStats) -> None:
+                 check_finite: bool, ring: StagingRing, writers: WriterLanes, stats: PipelineStats,
+                 stager: Stager | None) -> None:
         self.forward, self.shape, self.device, self.pad_id = forward, shape, device, pad_id
-        self.check_finite, self.ring, self.writer, self.stats = check_finite, ring, writer, stats
+        self.check_finite, self.ring, self.writers, self.stats = check_finite, ring, writers, stats
         self.cuda = device.type == "cuda"
-        self.stager = Stager(device)
+        self.stager = stager or Stager(device)
         self.names = _staged_names(shape)
 
-    def run(self, shard: ShardPlan, batch: list[PlannedSample], closes_shard: bool) -> bool:
-        """Queue the batch for the writer; False when the writer failed while we waited."""
+    def run(self, step: Step) -> bool:
+        """Queue the batch for its lane's writer; False when a writer failed while we waited."""
+        batch = step.batch
         times = self.stats.times
         clock = BatchClock(self.cuda)
         t0 = time.perf_counter()
@@ -183,14 +194,15 @@ class _Step:
         clock.mark("forward_done")
         shapes = _staged_shapes(self.shape, batch)
         t1 = time.perf_counter()
-        region = self.ring.claim(region_bytes(shapes), abort=lambda: self.writer.error is not None)
+        region = self.ring.claim(region_bytes(shapes), abort=lambda: self.writers.error is not None)
         times.backpressure += time.perf_counter() - t1
         if region is None:
             return False
         staged, finite_host, ready = self.stager.stage(region, shapes, self.names, stored, finite,
                                                        [s.length for s in batch], clock)
-        if not self.cuda:  # on a CPU the stages ran on this thread: host times are exact
+        if ready is None:  # the stages ran on this thread: host times are exact
             times.device += clock.seconds("forward", "forward_done")
             times.copy += clock.seconds("copy", "copy_done")
-        self.writer.jobs.put(WriteJob(shard, batch, staged, finite_host, ready, region, clock, closes_shard))
+        self.writers.put(step.lane, WriteJob(step.shard, batch, staged, finite_host, ready, region, clock,
+                                             step.closes))
         return True

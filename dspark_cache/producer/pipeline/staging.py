@@ -9,9 +9,11 @@ the budget, exactly, for the whole run: no per-sample ``cudaHostAlloc`` (slow, a
 for the device), and no power-of-two size classes of CUDA's caching host allocator filling up
 one after another. The same ring runs unpinned on a CPU, where the tests exercise it.
 
-Regions are claimed and released in the same order (the writer works in plan order), so the
-ring is a FIFO: free space is the gap after the newest region, or the start of the block when
-that gap is too small (the tail end is then skipped until the ring wraps).
+Regions are claimed in the order the device computes batches and released as the writer lanes
+finish with them, which is nearly that order (each lane writes its own batches in order, the
+lanes side by side). The ring stays a FIFO: a region released early is free once every region
+claimed before it is, so free space is the gap after the newest region, or the start of the
+block when that gap is too small (the tail end is then skipped until the ring wraps).
 
 On CUDA the copies run on a side stream that waits for the forward on the device, never on the
 host; an event recorded after the last copy tells the writer when the bytes are there.
@@ -45,6 +47,7 @@ class Region:
     ring: "StagingRing"
     start: int
     size: int
+    serial: int = 0  # which claim: a region's start is reused once it is free
 
     def views(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
         """One tensor per ``(shape, dtype)``, back to back (aligned) from the region's start."""
@@ -108,7 +111,8 @@ class StagingRing:
             self.block, self._registered = _pinned_block(self.capacity)
         else:
             self.block, self._registered = _page_aligned(self.capacity), False
-        self._regions: deque[tuple[int, int]] = deque()  # (start, end) in claim order
+        self._regions: deque[list[int]] = deque()  # [start, end, released, serial] in claim order
+        self._claims = 0
         self._cond = threading.Condition()
         self.inflight = 0  # bytes claimed and not yet released (skipped tail ends not counted)
         self.peak = 0
@@ -123,18 +127,23 @@ class StagingRing:
                 if abort():
                     return None
                 self._cond.wait(0.1)
-            self._regions.append((start, start + size))
+            self._claims += 1
+            self._regions.append([start, start + size, 0, self._claims])
             self.inflight += size
             self.peak = max(self.peak, self.inflight)
-        return Region(self, start, size)
+            return Region(self, start, size, self._claims)
 
     def release(self, region: Region) -> None:
-        """Give back the oldest region (regions are released in the order they were claimed)."""
+        """Give back a region, in any order: its bytes count as free at once, its space is reused once
+        the regions claimed before it are released too."""
         with self._cond:
-            if not self._regions or self._regions[0][0] != region.start:
-                raise RuntimeError("staging regions must be released in the order they were claimed")
-            self._regions.popleft()
+            held = next((r for r in self._regions if r[3] == region.serial), None)
+            if held is None or held[2]:
+                raise RuntimeError(f"staging region at {region.start} is not held")
+            held[2] = 1
             self.inflight -= region.size
+            while self._regions and self._regions[0][2]:
+                self._regions.popleft()
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The writer thread: staged batches -> shard tars, in plan order, each shard published whole."""
+"""The writer lanes: staged batches -> shard tars, one shard per thread, each published whole."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
-from dspark_cache.format.tar.writer import ShardWriter
+from dspark_cache.format.tar.writer import SampleToWrite, ShardWriter
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
 from dspark_cache.producer.pipeline.staging import Region, StagingRing
 from dspark_cache.producer.pipeline.tensors import byte_view
@@ -52,39 +52,92 @@ class WriteJob:
     closes_shard: bool
 
 
-class ShardWriterThread(threading.Thread):
-    """Appends staged batches to shards in plan order and publishes each finished shard.
+class WriterLanes:
+    """``count`` writer threads, one shard open on each (see ``schedule``): each appends its staged
+    batches to its shard in order and publishes the shard when its last batch is in.
 
-    A batch's region goes back to the ring once its bytes are in the shard file (or the batch
-    is dropped after an error), which is what lets the main thread stage the next one.
+    A batch's region goes back to the ring once its bytes are in the shard file (or the batch is
+    dropped after an error), which is what lets the main thread stage the next one. The first
+    error of any lane stops every lane: their unfinished shards are abandoned (a rerun recomputes
+    them); published shards stay published.
     """
 
-    def __init__(self, output: CacheOutput, shape: SampleShape, ring: StagingRing, stats: PipelineStats,
-                 on_published: Callable[[ShardPlan, ShardIndex], None], on_nonfinite: str = "error",
-                 durable: bool = True) -> None:
-        super().__init__(name="dspark-writer", daemon=True)
-        self.output, self.paths = output, output.paths
-        self.shape, self.ring, self.stats = shape, ring, stats
-        self.on_published = on_published
-        self.on_nonfinite = on_nonfinite
-        self.durable = durable
+    def __init__(self, count: int, output: CacheOutput, shape: SampleShape, ring: StagingRing,
+                 stats: PipelineStats, on_published: Callable[[ShardPlan, ShardIndex], None],
+                 on_nonfinite: str = "error", durable: bool = True) -> None:
+        self.output, self.shape, self.ring, self.stats = output, shape, ring, stats
+        self.on_nonfinite, self.durable = on_nonfinite, durable
         self.cache_id = output.cache_id  # every index this run publishes carries it
-        self._nonfinite: list[int] = []
-        self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self._announce = threading.Lock()  # progress callbacks one at a time, whichever lane calls
+        self._count = threading.Lock()  # the shared counts
+        self._on_published = on_published
         self.error: BaseException | None = None
+        self.lanes = [_Lane(self, i) for i in range(count)]
+
+    def start(self) -> None:
+        for lane in self.lanes:
+            lane.start()
+
+    def put(self, lane: int, job: WriteJob) -> None:
+        self.lanes[lane].jobs.put(job)
+
+    def close(self) -> None:
+        """No more jobs: each lane finishes what it was given, then ends; unfinished shards are abandoned."""
+        for lane in self.lanes:
+            lane.jobs.put(None)
+        for lane in self.lanes:
+            lane.join()
+        for lane in self.lanes:
+            lane.abandon()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._count:
+            if self.error is None:
+                self.error = exc
+
+    def published(self, shard: ShardPlan, index: ShardIndex) -> None:
+        with self._announce:
+            self._on_published(shard, index)
+
+    def counted(self, samples: int, tokens: int, seconds: float, *, published: ShardIndex | None = None) -> None:
+        with self._count:
+            self.stats.samples += samples
+            self.stats.tokens += tokens
+            self.stats.times.write += seconds
+            if published is not None:
+                self.stats.bytes += published.tar_bytes
+                self.stats.shards += 1
+
+    def waited(self, job: WriteJob, seconds: float) -> None:
+        with self._count:
+            times = self.stats.times
+            times.wait += seconds
+            times.device += job.clock.seconds("forward", "forward_done")
+            times.copy += job.clock.seconds("copy", "copy_done")
+
+
+class _Lane(threading.Thread):
+    """One writer thread and the shard open on it."""
+
+    def __init__(self, lanes: WriterLanes, number: int) -> None:
+        super().__init__(name=f"dspark-writer-{number}", daemon=True)
+        self.lanes = lanes
+        self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self._writer: ShardWriter | None = None
+        self._nonfinite: list[int] = []
 
     def run(self) -> None:
+        lanes = self.lanes
         while (job := self.jobs.get()) is not None:
             try:
                 self._wait_for_copy(job)
-                if self.error is None:
+                if lanes.error is None:
                     self._write(job)
             except BaseException as exc:  # surfaced to the main thread, which stops cleanly
-                self.error = exc
+                lanes.fail(exc)
                 self.abandon()
             finally:
-                self.ring.release(job.region)
+                lanes.ring.release(job.region)
 
     def _wait_for_copy(self, job: WriteJob) -> None:
         """Block until the batch is in host memory; then its CUDA stage times can be read."""
@@ -92,16 +145,16 @@ class ShardWriterThread(threading.Thread):
             return
         started = time.perf_counter()
         job.ready.synchronize()
-        times = self.stats.times
-        times.wait += time.perf_counter() - started
-        times.device += job.clock.seconds("forward", "forward_done")
-        times.copy += job.clock.seconds("copy", "copy_done")
+        self.lanes.waited(job, time.perf_counter() - started)
 
     def _write(self, job: WriteJob) -> None:
         started = time.perf_counter()
+        lanes = self.lanes
+        shape = lanes.shape
         if self._writer is None:
-            self._writer = ShardWriter(self.paths, job.shard.shard_id, durable=self.durable,
-                                       cache_id=self.cache_id)
+            self._writer = ShardWriter(lanes.output.paths, job.shard.shard_id, durable=lanes.durable,
+                                       cache_id=lanes.cache_id)
+        samples = []
         for sample, staged, finite in zip(job.samples, job.tensors, job.finite.tolist()):
             if not finite:
                 self._drop_nonfinite(sample, job.shard)
@@ -109,16 +162,15 @@ class ShardWriterThread(threading.Thread):
             # The writer takes buffers: the staged tensors as byte views, ids and mask as they are.
             buffers = {name: byte_view(t) for name, t in staged.items()}
             buffers.update({INPUT_IDS: sample.input_ids, LOSS_MASK: sample.loss_mask})
-            self._writer.append(sample.sample_id, sample.loss_tokens, self.shape.specs(sample.length),
-                                self.shape.metadata(sample.sample_id), buffers)
-            self.stats.samples += 1
-            self.stats.tokens += sample.length
-        if job.closes_shard:
-            self._publish(job.shard)
-        self.stats.times.write += time.perf_counter() - started
+            samples.append(SampleToWrite(sample.sample_id, sample.loss_tokens, shape.specs(sample.length),
+                                         shape.metadata(sample.sample_id), buffers))
+        self._writer.append_samples(samples)
+        index = self._publish(job.shard) if job.closes_shard else None
+        lanes.counted(len(samples), sum(s.specs[-1].shape[0] for s in samples), time.perf_counter() - started,
+                      published=index)
 
     def _drop_nonfinite(self, sample: PlannedSample, shard: ShardPlan) -> None:
-        if self.on_nonfinite == "error":
+        if self.lanes.on_nonfinite == "error":
             raise NonFiniteError(
                 f"the target produced non-finite hidden states for sample {sample.sample_id} (input "
                 f"row {sample.sample_id}); nothing was written for shard {shard.shard_id}. Check the "
@@ -128,14 +180,14 @@ class ShardWriterThread(threading.Thread):
         log.warning("sample %d has non-finite hidden states: dropped", sample.sample_id)
         self._nonfinite.append(sample.sample_id)
 
-    def _publish(self, shard: ShardPlan) -> None:
+    def _publish(self, shard: ShardPlan) -> ShardIndex:
         assert self._writer is not None
         # Announced once readers see it: at once in a directory, when its index is on the store for a remote cache.
-        index = self.output.publish(self._writer, self._nonfinite, lambda index: self.on_published(shard, index))
+        index = self.lanes.output.publish(self._writer, self._nonfinite,
+                                          lambda index: self.lanes.published(shard, index))
         self._nonfinite = []
-        self.stats.bytes += index.tar_bytes
-        self.stats.shards += 1
         self._writer = None
+        return index
 
     def abandon(self) -> None:
         """Drop an unfinished shard (its .partial is removed; a rerun recomputes it)."""
