@@ -89,6 +89,9 @@ class WriterLanes:
             lane.join()
         for lane in self.lanes:
             lane.abandon()
+        # Each lane refers back to this object: let go of them, or the ring (host memory the size of
+        # --max-inflight-bytes) would wait for the cyclic garbage collector.
+        self.lanes = []
 
     def fail(self, exc: BaseException) -> None:
         with self._count:
