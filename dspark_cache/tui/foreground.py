@@ -23,7 +23,7 @@ class ForegroundMonitor(MonitorApp):
     """The monitor, tied to the producer it started: ``q`` asks, then stops that producer gracefully."""
 
     QUIT_HELP = ("quit; while the producer runs, asks first, then stops it gracefully\n"
-                 "     (it finishes the shard in flight; rerun to resume)")
+                 "     (it finishes the shards in flight; rerun to resume)")
 
     def __init__(self, path: str, child: subprocess.Popen, log_path: str) -> None:
         super().__init__(path)
@@ -49,7 +49,7 @@ class ForegroundMonitor(MonitorApp):
         if not stop:
             return
         if self.child.poll() is None:
-            self.child.send_signal(signal.SIGTERM)  # finish the shard in flight, exit resumable
+            self.child.send_signal(signal.SIGTERM)  # finish the shards in flight, exit resumable
         self.exit()
 
 

@@ -15,7 +15,7 @@ HELP = f"""[b]dspark-monitor[/] shows a dspark cache, live or finished, from its
 
   [b]q[/]  $quit
   [b]s[/]  (offered while a producer runs) ask it to stop gracefully: it
-     finishes the shard in flight and exits with code 3; rerun the same
+     finishes the shards in flight and exits with code 3; rerun the same
      dspark-produce command to resume
   [b]?[/]  this help (escape closes it)
   arrows, page keys, mouse wheel: scroll

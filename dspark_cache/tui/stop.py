@@ -23,7 +23,7 @@ def stop_note(now: float) -> bytes:
 
 
 def request_stop(paths: CachePaths, note: bytes) -> str | None:
-    """Ask the producer to finish the shard in flight and exit, resumable; None once asked.
+    """Ask the producer to finish the shards in flight and exit, resumable; None once asked.
 
     Otherwise why the request could not be written safely: its directory leads out of the
     cache, or the request file is a FIFO, a device or a symlink, or the write failed.

@@ -45,12 +45,12 @@ class StopFlag:
         self._previous.clear()
 
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self._asked:  # the second signal: abandon the shard in flight
+        if self._asked:  # the second signal: abandon the shards in flight
             raise KeyboardInterrupt
         self._asked = True
         if not self.event.is_set():
             self.reason = signal.Signals(signum).name
-        log.warning("%s received: finishing the shard in flight, then stopping (send again to abort now)",
+        log.warning("%s received: finishing the shards in flight, then stopping (send again to abort now)",
                     signal.Signals(signum).name)
         self.event.set()
 
