@@ -232,7 +232,7 @@ class Bench:
         t = time.perf_counter()
         stats = run_pipeline(self.plan.shards, forward, output=output, shape=self.shape, device=self.device,
                              pad_id=self.pad, max_inflight_bytes=ring or self.pargs.max_inflight_bytes,
-                             on_published=on_published, check_finite=False)
+                             writer_threads=self.pargs.writer_threads, on_published=on_published, check_finite=False)
         pipeline_s = time.perf_counter() - t
         output.flush()
         seconds = time.perf_counter() - t
@@ -538,6 +538,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200, help="rows of the embedded sample data")
     p.add_argument("--data-profile", choices=["default", "long-tail"], default="long-tail")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--writer-threads", type=int, default=2, help="shards written at once (the producer's option)")
     p.add_argument("--ratios", default="2,1",
                    help="fake device time as multiples of the fastest s3 write-only time (2: compute-bound, 1: balanced)")
     p.add_argument("--small-limit-shards", type=float, default=2.0,

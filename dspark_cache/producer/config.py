@@ -75,8 +75,9 @@ def rank_cores() -> int:
 
 
 def default_writer_threads() -> int:
-    """This rank's cores less one for the thread that drives the device, between 1 and 8."""
-    return max(1, min(MAX_WRITER_THREADS, rank_cores() - 1))
+    """One writer per core this rank has, at most 8. The thread that drives a GPU mostly waits, and
+    a CPU target's forward leaves the writers little to do: neither needs a core kept free."""
+    return min(MAX_WRITER_THREADS, rank_cores())
 
 
 @dataclass
@@ -207,9 +208,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host bytes staged between device and writers before the device waits, all writers' "
                    "batches together (default 1 GiB)")
     p.add_argument("--writer-threads", type=int, default=None,
-                   help="shards written at once, each by its own thread (default: the cores this rank has, less "
-                   f"one, between 1 and {MAX_WRITER_THREADS}; here {default_writer_threads()}); the cache's bytes do "
-                   "not depend on it")
+                   help="shards written at once, each by its own thread (default: one per core this rank has, at "
+                   f"most {MAX_WRITER_THREADS}; here {default_writer_threads()}); the cache's bytes do not depend on "
+                   "it; --max-inflight-bytes should hold a batch for each, and one more")
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows: stop during planning (default) or skip and count them")
     p.add_argument("--max-row-bytes", type=int, default=1 << 28,

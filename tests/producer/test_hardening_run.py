@@ -45,6 +45,7 @@ def tiny_cache(embedded, tiny_data, tmp_path_factory) -> str:
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--seq-length", "0"], "--seq-length must be >= 1"),
     (["--shard-size", "0"], "--shard-size must be >= 1"),
+    (["--writer-threads", "0"], "--writer-threads must be >= 1"),
     (["--seq-length", str((1 << 24) + 1)], "the longest sample a cache's index and readers accept"),
     (["--shard-size", str(1 << 63)], "the most samples a shard index can list"),
     (["--num-workers", "-1"], "--num-workers must be >= 0"),

@@ -79,3 +79,15 @@ def test_the_order_is_a_pure_function_of_the_plan_and_lanes():
     assert first == [(s.shard.shard_id, s.index, s.lane) for s in ShardSchedule(shards, 3)]
     with pytest.raises(ValueError, match="at least one lane"):
         ShardSchedule(shards, 0)
+
+
+def test_the_default_writer_count_follows_the_cores_this_rank_has(monkeypatch):
+    from dspark_cache.producer import config
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert config.default_writer_threads() == 8  # capped
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert config.default_writer_threads() == 4  # four ranks on the node share its cores
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0})
+    assert config.default_writer_threads() == 1

@@ -20,7 +20,7 @@ from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer.pipeline.loop import run_pipeline
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
-from dspark_cache.producer.pipeline.staging import ALIGN, StagingRing, aligned
+from dspark_cache.producer.pipeline.staging import ALIGN, Stager, StagingRing, aligned
 from dspark_cache.producer.device.target import TargetError, TargetRunner, resolve_device
 from tests.support.syncs import HostSyncTrap
 
@@ -258,3 +258,49 @@ def test_the_mask_check_sees_a_wrong_sliding_window(monkeypatch):
     monkeypatch.setattr(masks, "_mask_builders", lambda: {masks.FULL: builders[masks.FULL],
                                                           masks.SLIDING: builders[masks.FULL]})
     assert not masks.masks_match(base, masks.CausalMasks(config, torch.float32), 64, torch.device("cpu"))
+
+
+class _SpyStager(Stager):
+    """The real stager, noting what crosses to the host: each stored tensor's dtype and the region's bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.crossed: list[tuple[dict[str, torch.dtype], int, int]] = []
+
+    def stage(self, region, shapes, names, stored, finite, lengths, clock):
+        self.crossed.append(({k: v.dtype for k, v in stored.items()}, region.size, sum(lengths)))
+        return super().stage(region, shapes, names, stored, finite, lengths, clock)
+
+
+@pytest.mark.parametrize("code", ["F8_E4M3", "F8_E5M2"])
+def test_fp8_codes_and_scales_alone_cross_to_the_host(tmp_path, code):
+    """Quantised where the states were computed, before the copy: the host gets one byte a value plus
+    a float32 scale per (token, layer), never the 2-4 byte states."""
+    h = 256
+    shape = SampleShape((0, 1), 3, h, code)  # the final state (2) is stored apart, with its scales
+    spy = _SpyStager()
+    forward = lambda ids, mask: (torch.randn(*ids.shape, 2 * h), torch.randn(*ids.shape, h))  # noqa: E731
+    shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
+    run_pipeline(shards, forward, output=CacheOutput(_paths(tmp_path).root), shape=shape, device=torch.device("cpu"),
+                 pad_id=0, max_inflight_bytes=1 << 20, stager=spy, writer_threads=2)
+    fp8 = torch.float8_e4m3fn if code == "F8_E4M3" else torch.float8_e5m2
+    for dtypes, nbytes, tokens in spy.crossed:
+        assert dtypes == {"target_hidden_states": fp8, "target_hidden_states_scale": torch.float32,
+                          "target_last_hidden_states": fp8, "target_last_hidden_states_scale": torch.float32}
+        per_token = 3 * h + 4 * 3  # three layers of one-byte codes, three float32 scales
+        assert tokens * per_token <= nbytes < tokens * per_token + 16 * ALIGN  # alignment slack only
+        assert nbytes < tokens * 3 * h * 2  # less than the bf16 states alone would be
+
+
+def test_a_ring_too_small_for_the_writers_is_named(tmp_path, caplog):
+    shards = _numbered_plan([[200, 190]] * 12, shard_size=3)
+    one_batch = sum(aligned(n * 2 * HIDDEN * 4) for n in (200, 190)) + ALIGN
+    with caplog.at_level("WARNING", logger="dspark_cache.producer.pipeline.loop"):
+        run_pipeline(shards, NumberedForward(), output=CacheOutput(_paths(tmp_path / "small").root), shape=SHAPE,
+                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=2 * one_batch, writer_threads=3)
+    assert "--max-inflight-bytes" in caplog.text and "3 writer threads cannot all be busy" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dspark_cache.producer.pipeline.loop"):
+        run_pipeline(shards, NumberedForward(), output=CacheOutput(_paths(tmp_path / "big").root), shape=SHAPE,
+                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=4 * one_batch, writer_threads=3)
+    assert "cannot all be busy" not in caplog.text

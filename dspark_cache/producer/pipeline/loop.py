@@ -131,7 +131,9 @@ def run_pipeline(
     sees the ring (``inflight``, ``peak``, ``capacity`` bytes) after each batch.
     """
     sizes = [region_bytes(_staged_shapes(shape, batch)) for shard in shards for batch in shard.batches]
-    ring = StagingRing(ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes)), device.type == "cuda")
+    capacity = ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes))
+    _warn_if_lanes_starve(capacity, sizes, writer_threads, len(shards))
+    ring = StagingRing(capacity, device.type == "cuda")
     stats = PipelineStats()
     writers = WriterLanes(writer_threads, output, shape, ring, stats, on_published, on_nonfinite, durable)
     step: _Step | None = None
@@ -162,6 +164,19 @@ def run_pipeline(
     if writers.error is not None:
         raise writers.error
     return stats
+
+
+def _warn_if_lanes_starve(capacity: int, sizes: list[int], writers: int, shards: int) -> None:
+    """Every writer has work only while the ring holds a batch for each and one being staged: say so
+    when it cannot (at large hidden sizes a batch is hundreds of MB)."""
+    if not sizes or writers < 2 or shards < 2:
+        return
+    typical = sorted(sizes)[len(sizes) // 2]
+    wanted = (min(writers, shards) + 1) * typical
+    if capacity < min(wanted, sum(sizes)):
+        log.warning("the staging ring (--max-inflight-bytes, %.2f GB) holds about %d of this run's batches (%.0f MB "
+                    "typical): %d writer threads cannot all be busy; pass --max-inflight-bytes %d or more, or fewer "
+                    "--writer-threads", capacity / 1e9, capacity // typical, typical / 1e6, writers, wanted)
 
 
 class _Step:
