@@ -19,7 +19,6 @@ token ids and masks against their segment's ``limit`` (the token rule,
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,6 +27,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import xxhash
 
+from dspark_cache.format.native import load_extension, native_wanted
 from dspark_cache.format.sample import dequantize_rows, fp8_bad_codes, fp8_bad_scales
 from dspark_cache.loader.program import BatchProgram
 from dspark_cache.loader.records import (
@@ -35,7 +35,6 @@ from dspark_cache.loader.records import (
     SEG_WIDEN_I32, SEG_WIDEN_U8, OpRecord, PickRecord, SegmentRecord,
 )
 
-log = logging.getLogger(__name__)
 RC_OK, RC_SHORT_READ, RC_CHECKSUM, RC_INVALID, RC_READ_ERROR = 0, 1, 2, 3, 4
 # The FP8 rule (format.sample.fp8_bad_scales / fp8_bad_codes) broken; detail: the row (token).
 RC_BAD_SCALE, RC_BAD_CODE = 5, 6
@@ -68,20 +67,8 @@ class Failure:
 
 @lru_cache(maxsize=1)
 def _native() -> ctypes.CDLL | None:
-    try:
-        from dspark_cache.loader import _batch_fill
-    except ImportError:
-        log.warning("the native batch filler is not built (no C compiler when dspark-cache was installed?): "
-                    "the loader reads in Python, slower; install gcc, then `pip install -e .` in the checkout "
-                    "(or `rm .venv/.installed && make setup`) to build it")
-        return None
-    lib = ctypes.CDLL(_batch_fill.__file__)
-    abi = getattr(lib, "dspark_fill_abi", None)
-    built = abi() if abi is not None else None
-    if built != FILL_ABI:
-        log.warning("the native batch filler at %s was built from other sources (records %s, these are %s): the "
-                    "loader reads in Python, slower, until it is rebuilt: `pip install -e .` in the checkout (or "
-                    "`rm .venv/.installed && make setup`)", _batch_fill.__file__, built, FILL_ABI)
+    lib = load_extension("dspark_cache.loader._batch_fill", "dspark_fill_abi", FILL_ABI, "batch filler")
+    if lib is None:
         return None
     fn = lib.dspark_fill_batch
     p = ctypes.c_void_p
@@ -98,7 +85,7 @@ def native_available() -> bool:
 
 def use_native_default() -> bool:
     """The native filler unless it is missing or ``DSPARK_NATIVE=0`` asks for the Python one."""
-    return os.environ.get("DSPARK_NATIVE", "1") != "0" and native_available()
+    return native_wanted() and native_available()
 
 
 def run(program: BatchProgram, scratch: np.ndarray, *, native: bool) -> Failure | None:

@@ -12,7 +12,6 @@ and ``os.writev`` (slower: three passes over each byte).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-log = logging.getLogger(__name__)
+from dspark_cache.format.native import load_extension, native_wanted
 
 APPEND_ABI = 1  # csrc/append.c's dspark_append_abi()
 _ZEROS = np.zeros(1 << 13, dtype=np.uint8)  # padding is shorter: a tensor gap < 64, a tar block < 512, a page
@@ -45,18 +44,8 @@ def zeros(n: int) -> memoryview:
 
 @lru_cache(maxsize=1)
 def _native() -> ctypes.CDLL | None:
-    try:
-        from dspark_cache.format.tar import _append
-    except ImportError:
-        log.warning("the native shard writer is not built (no C compiler when dspark-cache was installed?): "
-                    "shards are written from Python, slower; install gcc, then `pip install -e .` in the checkout "
-                    "(or `rm .venv/.installed && make setup`)")
-        return None
-    lib = ctypes.CDLL(_append.__file__)
-    abi = getattr(lib, "dspark_append_abi", None)
-    if abi is None or abi() != APPEND_ABI:
-        log.warning("the native shard writer at %s was built from other sources: shards are written from "
-                    "Python, slower, until it is rebuilt (`pip install -e .` in the checkout)", _append.__file__)
+    lib = load_extension("dspark_cache.format.tar._append", "dspark_append_abi", APPEND_ABI, "shard writer")
+    if lib is None:
         return None
     p, u64 = ctypes.c_void_p, ctypes.c_uint64
     lib.dspark_append_state_size.restype = ctypes.c_size_t
@@ -76,7 +65,7 @@ def native_available() -> bool:
 
 def use_native_default() -> bool:
     """The native writer unless it is missing or ``DSPARK_NATIVE=0`` asks for the Python one."""
-    return os.environ.get("DSPARK_NATIVE", "1") != "0" and native_available()
+    return native_wanted() and native_available()
 
 
 def _address(buffer: Any) -> tuple[int, int, Any]:
