@@ -18,6 +18,10 @@
   (e) efficiency: a Qwen3-0.6B-shaped target (hidden 1024, 28 layers, 16 heads of 128, 8 KV
       heads, vocab 151,936; random weights, bf16) on long-tail lengths: forward-only of the same
       batches, write-only of the same bytes, and the whole pipeline; stage times from CUDA events.
+  (f) capture efficiency at the Qwen3-8B shape (16 GB of random weights built on the GPU), with 1 to 8
+      writer threads to local disk and to /dev/shm, and the check that FP8 caches copy only codes and
+      scales to the host: ``bench/gpu_capture.py``, a script of its own (~4 minutes on an H100),
+      which reuses this one's data and timing helpers.
 
 Exit status 0 when every check that ran passed, 1 otherwise. Prints a JSON report.
 """
@@ -49,7 +53,7 @@ from safetensors.torch import load as load_safetensors  # noqa: E402
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
 from dspark_cache.format.output import CacheOutput  # noqa: E402
 from dspark_cache.format.paths import CachePaths  # noqa: E402
-from dspark_cache.producer.pipeline.loop import collate, finite_flags, run_pipeline  # noqa: E402
+from dspark_cache.producer.pipeline.loop import Forward, collate, finite_flags, run_pipeline  # noqa: E402
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan  # noqa: E402
 from tests.support.batching import length_grouped_batches  # noqa: E402
 from tests.support.syncs import HostSyncTrap  # noqa: E402
@@ -73,12 +77,17 @@ def long_tail_lengths(count: int, seq_length: int, seed: int) -> list[int]:
     return body.tolist()
 
 
+def random_samples(lengths: list[int], vocab: int, seed: int = 0) -> list[PlannedSample]:
+    """One sample per length, random token ids below ``vocab``, every token a loss token."""
+    rng = np.random.default_rng(seed)
+    return [PlannedSample(i, rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=np.uint8))
+            for i, n in enumerate(lengths)]
+
+
 def make_shards(lengths: list[int], vocab: int, batch_size: int, seq_length: int, batches_per_shard: int,
                 seed: int = 0) -> list[ShardPlan]:
     """Length-grouped batches over all samples, whole batches per shard (random token ids)."""
-    rng = np.random.default_rng(seed)
-    samples = [PlannedSample(i, rng.integers(0, vocab, n).astype(np.int32), np.ones(n, dtype=np.uint8))
-               for i, n in enumerate(lengths)]
+    samples = random_samples(lengths, vocab, seed)
     batches = length_grouped_batches(samples, batch_size * seq_length, batch_size)
     return [ShardPlan(i // batches_per_shard, batches[i : i + batches_per_shard])
             for i in range(0, len(batches), batches_per_shard)]
@@ -197,6 +206,19 @@ class SyncRecorder:
                 warnings.showwarning = previous
 
 
+def time_forward(batches: list[list[PlannedSample]], forward: Forward, device: torch.device) -> float:
+    """Seconds for the device alone on these batches: what the pipeline's main thread computes per
+    batch (collate, the forward, the finite check), nothing staged or written; synchronised."""
+    sync(device)
+    start = time.perf_counter()
+    for batch in batches:
+        ids, mask = collate(batch, 0, device)
+        hidden, last = forward(ids, mask)
+        finite_flags(hidden, last, mask)
+    sync(device)
+    return time.perf_counter() - start
+
+
 def check_efficiency(device: torch.device, work: str, budget: int, rows: int, seq: int) -> tuple[dict, dict, dict]:
     from dspark_cache.format.layers import build_target_layer_ids
     from dspark_cache.producer.device.target import TargetRunner, read_target_info
@@ -215,18 +237,8 @@ def check_efficiency(device: torch.device, work: str, budget: int, rows: int, se
     real_tokens = sum(s.length for b in batches for s in b)
     padded_tokens = sum(max(s.length for s in b) * len(b) for b in batches)
 
-    def forward_only() -> float:
-        sync(device)
-        start = time.perf_counter()
-        for batch in batches:
-            ids, mask = collate(batch, 0, device)
-            hidden, last = runner.forward(ids, mask)
-            finite_flags(hidden, last, mask)
-        sync(device)
-        return time.perf_counter() - start
-
-    forward_only()  # warm-up: kernels chosen, allocator filled
-    forward_s = sorted(forward_only() for _ in range(3))[1]
+    time_forward(batches, runner.forward, device)  # warm-up: kernels chosen, allocator filled
+    forward_s = sorted(time_forward(batches, runner.forward, device) for _ in range(3))[1]
 
     captured = {}
 
