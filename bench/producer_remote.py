@@ -207,8 +207,8 @@ class Bench:
             uploads = output._uploads  # noqa: SLF001  (observed only: nothing else changes)
             real_committed = uploads._committed  # noqa: SLF001
 
-            def timed_committed(index) -> None:
-                real_committed(index)
+            def timed_committed(index, etag: str) -> None:
+                real_committed(index, etag)
                 committed[index.shard_id] = time.perf_counter() - t
 
             uploads._committed = timed_committed  # noqa: SLF001
@@ -232,7 +232,7 @@ class Bench:
         t = time.perf_counter()
         stats = run_pipeline(self.plan.shards, forward, output=output, shape=self.shape, device=self.device,
                              pad_id=self.pad, max_inflight_bytes=ring or self.pargs.max_inflight_bytes,
-                             writer_threads=self.pargs.writer_threads, on_published=on_published, check_finite=False)
+                             writer_threads=self.args.writer_threads, on_published=on_published, check_finite=False)
         pipeline_s = time.perf_counter() - t
         output.flush()
         seconds = time.perf_counter() - t

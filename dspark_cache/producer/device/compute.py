@@ -265,7 +265,7 @@ def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
     """A writer's partner: the same forwards, batch for batch, and nothing written.
 
     It runs the writer's schedule (same shards, same lanes) and agrees with the writer before each
-    batch, as the writer's pipeline asks (``_agreed_stop``): a stop begins no shard, the open ones
+    batch, as the writer's pipeline asks (``_AgreedStop``): a stop begins no shard, the open ones
     are finished. Its status counts shards it computed; its samples and tokens stay 0 (the writer's
     count them: a monitor summing ranks would count a group's work once per rank).
     """

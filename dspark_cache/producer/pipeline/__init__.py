@@ -1,13 +1,15 @@
 """The device-to-writer pipeline: target forward | copy into host memory | shard writing.
 
 * ``loop``: ``run_pipeline``, the main thread's loop (``collate``, the forward, the finite
-  check, FP8 storage form), overlapped with the copies and the writer.
+  check, FP8 storage form), overlapped with the copies and the writers.
+* ``schedule``: the order batches are computed in with several shards in flight (``ShardSchedule``,
+  which a model-parallel group's partners run too).
 * ``staging``: the fixed host-memory ring (``StagingRing``) and the copies into it (``Stager``).
-* ``writer``: the writer thread, which appends staged batches to their shards and publishes them
-  (``PipelineStats``).
+* ``writer``: the writer lanes, a thread and an open shard each, which append staged batches to
+  their shards and publish them (``WriterLanes``, ``PipelineStats``).
 * ``timing``: stage times from CUDA events on a GPU, host timers on a CPU.
 * ``tensors``: torch dtypes of the format's codes, tensors as writer bytes, FP8 quantisation.
 
-The rest of the producer uses ``run_pipeline``, ``collate`` (``loop``), ``PipelineStats``
-(``writer``) and ``torch_dtype`` (``tensors``).
+The rest of the producer uses ``run_pipeline``, ``collate`` (``loop``), ``ShardSchedule``
+(``schedule``), ``PipelineStats`` (``writer``) and ``torch_dtype`` (``tensors``).
 """
