@@ -1,8 +1,8 @@
 /* append.c: a shard writer's hot loop. A batch of samples arrives as a list of pieces (tar member
  * headers, safetensors headers, tensor bytes in the staging ring, zero padding); each byte is
- * read once from memory: a 64 KiB chunk is hashed into the shard's running xxh3-64 and, when it
- * belongs to a sample's payload, into that sample's xxh3-64 while it sits in L2, and is then
- * written with writev from where it lies (no copy into a Python object, no second pass).
+ * read once from memory: 256 KiB at a time are written with writev from where they lie (no copy
+ * into a Python object), then, while the kernel's copy has left them in L2, hashed into the
+ * shard's running xxh3-64 and, for a sample's payload, into that sample's xxh3-64.
  *
  * Why C: the work is all bytes, and ctypes calls it without the GIL, so N writer threads run on
  * N cores. The hash is our own (format/csrc/xxh3.h), bit-identical to the `xxhash` package that
@@ -29,8 +29,8 @@
 #include "../../csrc/xxh3.h"
 
 #define DSPARK_APPEND_ABI 1
-#define HASH_CHUNK (64u << 10)   /* hashed twice while it is in L2 */
-#define WRITE_BATCH (256u << 10) /* one writev once this much is hashed: still cached when copied */
+#define HASH_CHUNK (64u << 10)   /* the most one iovec entry holds */
+#define WRITE_BATCH (256u << 10) /* one writev, then both checksums over it while it is in L2 */
 #define MAX_IOV 1024             /* IOV_MAX on Linux */
 
 int dspark_append_abi(void) { return DSPARK_APPEND_ABI; }
@@ -43,18 +43,26 @@ uint64_t dspark_append_digest(const void *state) { return dspark_xxh3_digest((co
 
 typedef struct {
     int fd;
+    dspark_xxh3 *tar;       /* the shard's running checksum */
+    dspark_xxh3 sample;     /* the payload checksum of sample `current` */
+    int64_t current;        /* -1: tar framing */
+    uint64_t *sample_hashes;
     struct iovec iov[MAX_IOV];
+    int64_t owner[MAX_IOV]; /* each entry's sample, or -1 */
+    struct iovec todo[MAX_IOV];
     int count;
     size_t bytes;
-} write_batch;
+} appender;
 
-/* Write everything queued; 0 or -errno. */
-static int flush(write_batch *w)
+/* Write what is queued, then hash it: the kernel's copy has just brought those bytes into the cache,
+ * so both checksums read them from L2 (hashing first would pull them from memory itself). */
+static int flush(appender *a)
 {
-    struct iovec *iov = w->iov;
-    int count = w->count;
+    struct iovec *iov = a->todo;
+    int count = a->count;
+    memcpy(a->todo, a->iov, (size_t)count * sizeof(struct iovec));
     while (count > 0) {
-        ssize_t done = writev(w->fd, iov, count);
+        ssize_t done = writev(a->fd, iov, count);
         if (done < 0) {
             if (errno == EINTR)
                 continue;
@@ -69,62 +77,76 @@ static int flush(write_batch *w)
             iov->iov_len -= (size_t)done;
         }
     }
-    w->count = 0;
-    w->bytes = 0;
+    for (int i = 0; i < a->count; i++) {
+        const uint8_t *p = (const uint8_t *)a->iov[i].iov_base;
+        size_t n = a->iov[i].iov_len;
+        if (a->owner[i] != a->current) {
+            if (a->current >= 0)
+                a->sample_hashes[a->current] = dspark_xxh3_digest(&a->sample);
+            a->current = a->owner[i];
+            if (a->current >= 0)
+                dspark_xxh3_reset(&a->sample);
+        }
+        if (a->current >= 0)
+            dspark_xxh3_update(&a->sample, p, n);
+        dspark_xxh3_update(a->tar, p, n);
+    }
+    a->count = 0;
+    a->bytes = 0;
     return 0;
 }
 
-static int queue(write_batch *w, const uint8_t *p, size_t n)
+static int queue(appender *a, const uint8_t *p, size_t n, int64_t owner)
 {
-    if (w->count == MAX_IOV) {
-        int rc = flush(w);
+    if (a->count == MAX_IOV) {
+        int rc = flush(a);
         if (rc)
             return rc;
     }
-    w->iov[w->count].iov_base = (void *)p;
-    w->iov[w->count].iov_len = n;
-    w->count++;
-    w->bytes += n;
-    return w->bytes >= WRITE_BATCH ? flush(w) : 0;
+    a->iov[a->count].iov_base = (void *)p;
+    a->iov[a->count].iov_len = n;
+    a->owner[a->count] = owner;
+    a->count++;
+    a->bytes += n;
+    return a->bytes >= WRITE_BATCH ? flush(a) : 0;
 }
 
 int dspark_append(int fd, void *state, const uint64_t *ptrs, const uint64_t *lens, const int64_t *owners, size_t n,
                   uint64_t *sample_hashes, size_t n_samples)
 {
-    dspark_xxh3 *tar = (dspark_xxh3 *)state;
-    dspark_xxh3 sample;
-    int64_t current = -1; /* the sample whose payload is being hashed */
-    int64_t highest = -1; /* samples come in order, each one's pieces together */
-    write_batch w;
-    w.fd = fd, w.count = 0, w.bytes = 0;
-    for (size_t i = 0; i < n; i++) {
+    int64_t current = -1, highest = -1; /* samples come in order, each one's pieces together */
+    for (size_t i = 0; i < n; i++) {    /* checked before a byte is written */
         if (owners[i] != current) {
-            if (current >= 0)
-                sample_hashes[current] = dspark_xxh3_digest(&sample);
             current = owners[i];
             if (current >= (int64_t)n_samples || (current >= 0 && current <= highest))
-                return -EINVAL; /* checked before a byte of the piece is written */
-            if (current >= 0) {
-                dspark_xxh3_reset(&sample);
+                return -EINVAL;
+            if (current >= 0)
                 highest = current;
-            }
         }
+    }
+    static __thread appender a; /* 40 KiB of iovecs: per thread, not on its stack */
+    a.fd = fd, a.tar = (dspark_xxh3 *)state, a.current = -1, a.sample_hashes = sample_hashes;
+    a.count = 0, a.bytes = 0;
+    for (size_t i = 0; i < n; i++) {
         const uint8_t *p = (const uint8_t *)(uintptr_t)ptrs[i];
         size_t left = (size_t)lens[i];
         while (left) {
             size_t k = left < HASH_CHUNK ? left : HASH_CHUNK;
-            if (current >= 0)
-                dspark_xxh3_update(&sample, p, k);
-            dspark_xxh3_update(tar, p, k);
-            int rc = queue(&w, p, k);
+            int rc = queue(&a, p, k, owners[i]);
             if (rc)
                 return rc;
             p += k, left -= k;
         }
+        if (lens[i] == 0) { /* queued all the same: a sample of empty pieces still gets its checksum */
+            int rc = queue(&a, p, 0, owners[i]);
+            if (rc)
+                return rc;
+        }
     }
-    if (current >= 0)
-        sample_hashes[current] = dspark_xxh3_digest(&sample);
-    return flush(&w);
+    int rc = flush(&a);
+    if (!rc && a.current >= 0)
+        sample_hashes[a.current] = dspark_xxh3_digest(&a.sample);
+    return rc;
 }
 
 /* Loaded with ctypes (which releases the GIL around each call); the module object only makes the
