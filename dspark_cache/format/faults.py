@@ -14,8 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 
 _counts: dict[str, int] = {}
+_counting = threading.Lock()
 
 
 def crash_point(name: str) -> None:
@@ -26,8 +28,9 @@ def crash_point(name: str) -> None:
     point, _, nth = spec.partition(":")
     if point != name:
         return
-    _counts[name] = _counts.get(name, 0) + 1
-    if _counts[name] == int(nth or 1):
+    with _counting:  # writer threads reach the same point side by side
+        _counts[name] = count = _counts.get(name, 0) + 1
+    if count == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -164,9 +164,9 @@ class CacheOutput:
         """Rewrite wids' shard list from every published shard."""
         write_wids_index(self.paths)
 
-    def space_needed(self, missing_bytes: int, largest_shard: int) -> int:
+    def space_needed(self, missing_bytes: int, largest_shard: int, writers: int = 1) -> int:
         """Bytes this machine's disk must have free for the shards still to be written (``largest_shard``:
-        the largest of them)."""
+        the largest of them; ``writers``: shards written at once)."""
         return missing_bytes
 
     # -- shards -------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ class RankState:
     RUNNING = "running"  # computing and publishing its shards
     WAITING = "waiting"  # its shards are done; waiting for the other ranks' (multi-rank runs)
     FINISHED = "finished"  # the cache is complete (or was already)
-    STOPPED = "stopped"  # stopped on request after the shard in flight: rerun to resume
+    STOPPED = "stopped"  # stopped on request after the shards in flight: rerun to resume
     INCOMPLETE = "incomplete"  # done, but shards of a rank that died are missing: rerun
     FAILED = "failed"  # raised an error (``last_error`` says which)
     ALL = (PLANNING, LOADING, RUNNING, WAITING, FINISHED, STOPPED, INCOMPLETE, FAILED)
@@ -112,7 +112,7 @@ class EventKind:
     SHARD_PUBLISHED = "shard_published"  # data: shard, samples, bytes
     WARNING = "warning"  # e.g. a sample dropped for non-finite hidden states
     STOPPED = "stopped"  # stopped on request
-    ERROR = "error"  # the run failed (data.shard: the shard in flight), or shards are missing
+    ERROR = "error"  # the run failed (data.shard: the shard that failed), or shards are missing
     FINISHED = "finished"  # the rank that completed the cache
     ALL = (RESUMED, PLAN, SKIPPED_ROW, STARTED, SHARD_PUBLISHED, WARNING, STOPPED, ERROR, FINISHED)
 

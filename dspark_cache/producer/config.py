@@ -63,6 +63,7 @@ def device_argument(value: str) -> str:
 
 
 MAX_WRITER_THREADS = 8  # default's cap: past it one rank's writers outrun any GPU's capture (BENCHMARKS.md)
+WRITER_THREADS_LIMIT = 64  # what --writer-threads takes: each is a thread and an open shard file
 
 
 def rank_cores() -> int:
@@ -71,7 +72,11 @@ def rank_cores() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    try:
+        per_node = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:  # torchrun sets it; anything else is not ours to refuse here (even --help reads it)
+        per_node = 1
+    return max(1, cores // per_node)
 
 
 def default_writer_threads() -> int:
@@ -280,6 +285,9 @@ def validate_config(cfg: ProduceConfig) -> None:
                  "max_row_bytes", "writer_threads"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.writer_threads is not None and cfg.writer_threads > WRITER_THREADS_LIMIT:
+        raise ConfigError(f"--writer-threads {cfg.writer_threads} is over {WRITER_THREADS_LIMIT} (a thread and an "
+                          f"open shard each); {MAX_WRITER_THREADS} keep up with any one GPU: pass fewer")
     # The readers refuse what the format cannot hold (format/validate.py): refuse it here, not after hours.
     if cfg.seq_length > MAX_SEQ_LENGTH:
         raise ConfigError(f"--seq-length {cfg.seq_length} is over {MAX_SEQ_LENGTH}, the longest sample a cache's "

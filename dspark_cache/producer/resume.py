@@ -83,10 +83,11 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
     return old
 
 
-def preflight_disk(output: CacheOutput, plan: Plan, done: Collection[int], force: bool) -> None:
-    """Refuse to start when the shards still to write need more than the free space (unless ``--force``)."""
+def preflight_disk(output: CacheOutput, plan: Plan, done: Collection[int], force: bool, writers: int = 1) -> None:
+    """Refuse to start when the shards still to write need more than the free space (unless ``--force``);
+    ``writers``: shards written at once."""
     todo = plan.bytes_missing(done)
-    needed = output.space_needed(sum(todo), max(todo, default=0))
+    needed = output.space_needed(sum(todo), max(todo, default=0), writers)
     free = shutil.disk_usage(output.root).free
     if needed > free and not force:
         where = "" if output.shown == output.root else f" (the staging directory of {output.shown})"
@@ -112,7 +113,7 @@ def reconcile_directory(p: Prepared) -> Manifest | None:
         p.manifest.created_at = existing.created_at
         reconcile_shards(output, p.plan, p.shape, p.manifest.cache_id)  # removes partials and damaged shards
     done = output.published()
-    preflight_disk(output, p.plan, done, p.cfg.force)
+    preflight_disk(output, p.plan, done, p.cfg.force, p.cfg.writers)
     if existing is None or not existing.complete or done != {s.shard_id for s in p.plan.shards}:
         p.manifest.complete = False
         output.write_manifest(p.manifest)

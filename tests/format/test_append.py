@@ -102,3 +102,18 @@ def test_pieces_of_one_sample_apart_are_refused_before_writing(tmp_path, native)
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b""
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_sample_without_a_piece_is_refused(tmp_path, native):
+    """Its checksum would be nothing the writer computed (the C path left it 0)."""
+    if native and not native_available():
+        pytest.skip("the native writer is not built")
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        for pieces in ([Piece(b"a", 0)], [Piece(b"a", 0), Piece(b"b", 2)], [Piece(b"h", -1)]):
+            with pytest.raises(ValueError):
+                TarAppender(fd, native).append(pieces, 2)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b""

@@ -46,6 +46,7 @@ def tiny_cache(embedded, tiny_data, tmp_path_factory) -> str:
     (["--seq-length", "0"], "--seq-length must be >= 1"),
     (["--shard-size", "0"], "--shard-size must be >= 1"),
     (["--writer-threads", "0"], "--writer-threads must be >= 1"),
+    (["--writer-threads", "65"], "--writer-threads 65 is over 64"),
     (["--seq-length", str((1 << 24) + 1)], "the longest sample a cache's index and readers accept"),
     (["--shard-size", str(1 << 63)], "the most samples a shard index can list"),
     (["--num-workers", "-1"], "--num-workers must be >= 0"),

@@ -516,3 +516,16 @@ def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, 
     assert code != 0 and len(err) == 1, err
     assert err[0].startswith("dspark-produce: error") and "does not exist" in err[0], err
     assert RemoteURL.parse(missing.url).bucket in err[0]
+
+
+def test_the_disk_check_counts_a_shard_for_every_writer(remote, tmp_path):
+    """Each writer lane's shard is on the staging disk (being written, or sealed and waiting for room) besides
+    the limit's worth and the one upload let through: the pre-run check counts them all."""
+    from dspark_cache.format.backing import StorageOptions
+    from dspark_cache.format.remote.output import RemoteOutput
+
+    output = RemoteOutput(remote.url, storage=StorageOptions(remote.options), staging_dir=str(tmp_path / "s"),
+                          staging_limit=100)
+    assert output.space_needed(10_000, 40, writers=1) == 100 + 2 * 40
+    assert output.space_needed(10_000, 40, writers=4) == 100 + 5 * 40
+    assert output.space_needed(150, 40, writers=4) == 150  # never more than what is left to write

@@ -19,6 +19,7 @@ from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer.pipeline.loop import run_pipeline
+from dspark_cache.producer.pipeline.writer import NonFiniteError
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
 from dspark_cache.producer.pipeline.staging import ALIGN, Stager, StagingRing, aligned
 from dspark_cache.producer.device.target import TargetError, TargetRunner, resolve_device
@@ -304,3 +305,51 @@ def test_a_ring_too_small_for_the_writers_is_named(tmp_path, caplog):
         run_pipeline(shards, NumberedForward(), output=CacheOutput(_paths(tmp_path / "big").root), shape=SHAPE,
                      device=torch.device("cpu"), pad_id=0, max_inflight_bytes=4 * one_batch, writer_threads=3)
     assert "cannot all be busy" not in caplog.text
+
+
+class _SlowPublish(CacheOutput):
+    """The n-th shard's publication waits (at most 5 s) until the device has staged batch n + 1: a writer
+    that kept its batch's ring space through the publication would leave the device none."""
+
+    def __init__(self, root: str, batches: int) -> None:
+        super().__init__(root)
+        self.staged, self.waited, self.batches = 0, [], batches
+        self.cond = threading.Condition()
+
+    def on_batch(self, stats, ring) -> None:
+        with self.cond:
+            self.staged += 1
+            self.cond.notify_all()
+
+    def publish(self, writer, nonfinite=None, published=None):
+        with self.cond:
+            wanted = min(len(self.waited) + 2, self.batches)  # the last shard has no next batch
+            self.waited.append(self.cond.wait_for(lambda: self.staged >= wanted, timeout=5))
+        return super().publish(writer, nonfinite, published)
+
+
+def test_a_publication_does_not_hold_ring_space(tmp_path):
+    shards = _numbered_plan([[100]] * 4, shard_size=1)
+    output = _SlowPublish(_paths(tmp_path).root, 4)
+    run_pipeline(shards, NumberedForward(), output=output, shape=SHAPE, device=torch.device("cpu"), pad_id=0,
+                 max_inflight_bytes=aligned(100 * 2 * HIDDEN * 4) + ALIGN, on_batch=output.on_batch)
+    # A ring of one batch: the next batch is staged once this one's bytes are in the file, while its
+    # shard is being published.
+    assert output.waited == [True] * 4
+
+
+def test_a_failed_writer_names_its_shard_not_the_device_s(tmp_path):
+    shards = _numbered_plan([[30, 20]] * 8, shard_size=2)
+
+    def nan_in_shard_0(ids: torch.Tensor, mask: torch.Tensor):
+        hidden, last = NumberedForward()(ids, mask)
+        if int(ids[0, 0]) in {s.sample_id for s in shards[0].samples}:
+            hidden[0, 0, 0] = float("nan")
+        return hidden, last
+
+    seen = []
+    with pytest.raises(NonFiniteError, match="shard 0"):
+        run_pipeline(shards, nan_in_shard_0, output=CacheOutput(_paths(tmp_path).root), shape=SHAPE,
+                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=1 << 20, writer_threads=3,
+                     on_batch=lambda stats, ring: seen.append(stats))
+    assert seen[-1].failed_shard == 0

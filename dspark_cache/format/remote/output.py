@@ -289,10 +289,10 @@ class RemoteOutput(CacheOutput):
         write_wids_index(self.paths, entries=entries)
         self._push([self.paths.wids_index])
 
-    def space_needed(self, missing_bytes: int, largest_shard: int) -> int:
+    def space_needed(self, missing_bytes: int, largest_shard: int, writers: int = 1) -> int:
         # Staged at once, at most: the limit's worth waiting, one shard let through past it (its upload
-        # in flight), and the next one sealed before the writer waits.
-        return min(missing_bytes, self.staging_limit + 2 * largest_shard)
+        # in flight), and each writer's shard, being written or sealed and waiting for room.
+        return min(missing_bytes, self.staging_limit + (writers + 1) * largest_shard)
 
     # -- shards -------------------------------------------------------------------------------
 

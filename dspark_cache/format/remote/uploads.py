@@ -10,7 +10,9 @@ set and what is still on its way.
 
 Staging is bounded: ``submit`` blocks while the tars not yet uploaded would exceed ``limit`` bytes
 (one shard is always let through), which holds the writer, then the staging ring, then the device,
-exactly as a slow local disk does. The first failure is kept and raised by the next ``submit`` or by
+exactly as a slow local disk does. The producer's writer lanes submit side by side, each with its
+shard sealed (or still being written) beside the limit's worth: the staging disk holds at most the
+limit, one shard let through and one shard a writer (``RemoteOutput.space_needed``). The first failure is kept and raised by the next ``submit`` or by
 :meth:`flush`; a shard whose upload failed is not published, and a rerun recomputes it.
 """
 

@@ -136,15 +136,18 @@ class TarAppender:
 
 
 def _check_owners(pieces: list[Piece], samples: int) -> None:
-    """Samples in order, each one's pieces together, owners below ``samples``: a ``ValueError`` otherwise."""
+    """Samples 0..samples-1 in order, each with a piece, each one's pieces together: a ``ValueError`` otherwise
+    (``csrc/append.c`` checks the same)."""
     current = highest = -1
     for piece in pieces:
         if piece.owner != current:
             current = piece.owner
-            if current >= samples or (current >= 0 and current <= highest):
+            if current >= 0 and current != highest + 1:
                 raise ValueError(f"piece owners must name samples 0..{samples - 1} in order, each one's pieces "
                                  f"together; sample {current} comes after sample {highest}")
             highest = max(highest, current)
+    if highest != samples - 1:
+        raise ValueError(f"pieces name samples 0..{highest}, not the {samples} samples asked for")
 
 
 def _writev_all(fd: int, views: list[memoryview]) -> None:

@@ -252,8 +252,10 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, s
         return stats, False
     except GroupStopped:  # a partner ended: the shards in flight were abandoned, a rerun computes them
         return latest, True
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+    except BaseException as exc:
+        if latest.failed_shard is not None:  # a writer failed: the run's error names its shard, not the device's
+            status.update(force=True, shard=latest.failed_shard)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise _disk_full(p, exc) from exc
         raise
     finally:
@@ -330,7 +332,7 @@ def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id
 def _disk_full(p: Prepared, exc: OSError) -> DiskFullError:
     done = p.output.scan()  # other ranks publish too
     todo = p.plan.bytes_missing(done)
-    needed = p.output.space_needed(sum(todo), max(todo, default=0))
+    needed = p.output.space_needed(sum(todo), max(todo, default=0), p.cfg.writers)
     free = shutil.disk_usage(p.paths.root).free
     return DiskFullError(
         f"disk full while writing {p.paths.shards_dir} ({exc.strerror}): {len(done)} of {len(p.plan.shards)} shards "

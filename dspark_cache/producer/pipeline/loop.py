@@ -137,8 +137,8 @@ def run_pipeline(
     stats = PipelineStats()
     writers = WriterLanes(writer_threads, output, shape, ring, stats, on_published, on_nonfinite, durable)
     step: _Step | None = None
-    writers.start()
     try:
+        writers.start()
         step = _Step(forward, shape, device, pad_id, check_finite, ring, writers, stats, stager)
         schedule = ShardSchedule(shards, writer_threads)
         # A failed writer ends the loop before the stop question: a model-parallel group asks that
@@ -152,6 +152,11 @@ def run_pipeline(
             if not step.run(planned):
                 break
             on_batch(stats, ring)
+    except BaseException:
+        writers.close()
+        if writers.error is not None:  # two failures at once: the main thread's goes up, the writer's is told
+            log.error("a writer failed too, on shard %s: %s", writers.failed_shard, writers.error)
+        raise
     finally:
         try:
             writers.close()
@@ -162,6 +167,7 @@ def run_pipeline(
                 step.stager.synchronize()
             ring.close()
     if writers.error is not None:
+        stats.failed_shard = writers.failed_shard
         raise writers.error
     return stats
 

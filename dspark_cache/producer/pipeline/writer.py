@@ -31,6 +31,7 @@ class NonFiniteError(Exception):
 @dataclass
 class PipelineStats:
     current_shard: int | None = None  # the shard the device is computing
+    failed_shard: int | None = None  # the shard a writer failed on (a failed run names it, not current_shard)
     samples: int = 0
     tokens: int = 0
     bytes: int = 0
@@ -72,6 +73,7 @@ class WriterLanes:
         self._count = threading.Lock()  # the shared counts
         self._on_published = on_published
         self.error: BaseException | None = None
+        self.failed_shard: int | None = None
         self.lanes = [_Lane(self, i) for i in range(count)]
 
     def start(self) -> None:
@@ -86,17 +88,19 @@ class WriterLanes:
         for lane in self.lanes:
             lane.jobs.put(None)
         for lane in self.lanes:
-            lane.join()
+            if lane.ident is not None:  # started (a failed start leaves the rest unstarted)
+                lane.join()
         for lane in self.lanes:
             lane.abandon()
         # Each lane refers back to this object: let go of them, or the ring (host memory the size of
         # --max-inflight-bytes) would wait for the cyclic garbage collector.
         self.lanes = []
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, shard: int) -> None:
+        """A lane's first error stops every lane; ``failed_shard`` is the shard it was writing."""
         with self._count:
             if self.error is None:
-                self.error = exc
+                self.error, self.failed_shard = exc, shard
 
     def published(self, shard: ShardPlan, index: ShardIndex) -> None:
         with self._announce:
@@ -133,14 +137,18 @@ class _Lane(threading.Thread):
         lanes = self.lanes
         while (job := self.jobs.get()) is not None:
             try:
-                self._wait_for_copy(job)
-                if lanes.error is None:
-                    self._write(job)
+                try:
+                    self._wait_for_copy(job)
+                    appended = lanes.error is None and self._append(job)
+                finally:
+                    # The bytes are in the file (or the batch is dropped): the device may stage into
+                    # this space while the shard is published (fsync, rename, index; an upload's wait).
+                    lanes.ring.release(job.region)
+                if appended and job.closes_shard:
+                    self._publish(job.shard)
             except BaseException as exc:  # surfaced to the main thread, which stops cleanly
-                lanes.fail(exc)
+                lanes.fail(exc, job.shard.shard_id)
                 self.abandon()
-            finally:
-                lanes.ring.release(job.region)
 
     def _wait_for_copy(self, job: WriteJob) -> None:
         """Block until the batch is in host memory; then its CUDA stage times can be read."""
@@ -150,7 +158,7 @@ class _Lane(threading.Thread):
         job.ready.synchronize()
         self.lanes.waited(job, time.perf_counter() - started)
 
-    def _write(self, job: WriteJob) -> None:
+    def _append(self, job: WriteJob) -> bool:
         started = time.perf_counter()
         lanes = self.lanes
         shape = lanes.shape
@@ -168,9 +176,8 @@ class _Lane(threading.Thread):
             samples.append(SampleToWrite(sample.sample_id, sample.loss_tokens, shape.specs(sample.length),
                                          shape.metadata(sample.sample_id), buffers))
         self._writer.append_samples(samples)
-        index = self._publish(job.shard) if job.closes_shard else None
-        lanes.counted(len(samples), sum(s.specs[-1].shape[0] for s in samples), time.perf_counter() - started,
-                      published=index)
+        lanes.counted(len(samples), sum(s.specs[-1].shape[0] for s in samples), time.perf_counter() - started)
+        return True
 
     def _drop_nonfinite(self, sample: PlannedSample, shard: ShardPlan) -> None:
         if self.lanes.on_nonfinite == "error":
@@ -183,14 +190,15 @@ class _Lane(threading.Thread):
         log.warning("sample %d has non-finite hidden states: dropped", sample.sample_id)
         self._nonfinite.append(sample.sample_id)
 
-    def _publish(self, shard: ShardPlan) -> ShardIndex:
+    def _publish(self, shard: ShardPlan) -> None:
         assert self._writer is not None
+        started = time.perf_counter()
         # Announced once readers see it: at once in a directory, when its index is on the store for a remote cache.
         index = self.lanes.output.publish(self._writer, self._nonfinite,
                                           lambda index: self.lanes.published(shard, index))
         self._nonfinite = []
         self._writer = None
-        return index
+        self.lanes.counted(0, 0, time.perf_counter() - started, published=index)
 
     def abandon(self) -> None:
         """Drop an unfinished shard (its .partial is removed; a rerun recomputes it)."""

@@ -58,7 +58,7 @@ class StopFlag:
         if self.event.is_set():
             return
         self.reason = "parent process died"
-        log.warning("our parent process (torchrun's agent, or the monitor) died: finishing the shard in flight, "
+        log.warning("our parent process (torchrun's agent, or the monitor) died: finishing the shards in flight, "
                     "then stopping")
         self.event.set()
 
@@ -66,6 +66,6 @@ class StopFlag:
         if not self.event.is_set() and os.path.isfile(self.paths.stop_request):  # a file, as the monitor writes
             self.reason = "stop requested by the monitor"
             self._asked = True
-            log.warning("stop requested by the monitor: finishing the shard in flight, then stopping")
+            log.warning("stop requested by the monitor: finishing the shards in flight, then stopping")
             self.event.set()
         return self.event.is_set()

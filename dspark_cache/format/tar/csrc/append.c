@@ -114,16 +114,20 @@ static int queue(appender *a, const uint8_t *p, size_t n, int64_t owner)
 int dspark_append(int fd, void *state, const uint64_t *ptrs, const uint64_t *lens, const int64_t *owners, size_t n,
                   uint64_t *sample_hashes, size_t n_samples)
 {
-    int64_t current = -1, highest = -1; /* samples come in order, each one's pieces together */
-    for (size_t i = 0; i < n; i++) {    /* checked before a byte is written */
+    /* Checked before a byte is written (append.py checks the same): samples 0..n_samples-1 in order,
+     * each with a piece, each one's pieces together. */
+    int64_t current = -1, highest = -1;
+    for (size_t i = 0; i < n; i++) {
         if (owners[i] != current) {
             current = owners[i];
-            if (current >= (int64_t)n_samples || (current >= 0 && current <= highest))
+            if (current >= 0 && current != highest + 1)
                 return -EINVAL;
             if (current >= 0)
                 highest = current;
         }
     }
+    if (highest != (int64_t)n_samples - 1)
+        return -EINVAL;
     static __thread appender a; /* 40 KiB of iovecs: per thread, not on its stack */
     a.fd = fd, a.tar = (dspark_xxh3 *)state, a.current = -1, a.sample_hashes = sample_hashes;
     a.count = 0, a.bytes = 0;
