@@ -8,22 +8,16 @@ say which one runs). Both hash with our own XXH3-64, `dspark_cache/format/csrc/x
 
 from setuptools import Extension, setup
 
+
+def native(module: str, source: str) -> Extension:
+    """Only our own C (format/csrc/xxh3.h is our XXH3-64) and the C library; optional (see above)."""
+    return Extension(module, sources=[source], depends=["dspark_cache/format/csrc/xxh3.h"],
+                     extra_compile_args=["-O3", "-std=gnu11"], optional=True)
+
+
 setup(
     ext_modules=[
-        Extension(
-            "dspark_cache.loader._batch_fill",
-            # Only our own C (xxh3.h is our XXH3-64), and the C library.
-            sources=["dspark_cache/loader/csrc/batch_fill.c"],
-            depends=["dspark_cache/format/csrc/xxh3.h"],
-            extra_compile_args=["-O3", "-std=gnu11"],
-            optional=True,
-        ),
-        Extension(
-            "dspark_cache.format.tar._append",
-            sources=["dspark_cache/format/tar/csrc/append.c"],
-            depends=["dspark_cache/format/csrc/xxh3.h"],
-            extra_compile_args=["-O3", "-std=gnu11"],
-            optional=True,
-        ),
+        native("dspark_cache.loader._batch_fill", "dspark_cache/loader/csrc/batch_fill.c"),
+        native("dspark_cache.format.tar._append", "dspark_cache/format/tar/csrc/append.c"),
     ]
 )
