@@ -6,7 +6,7 @@
   they behave exactly like NeMo's; given a dspark cache they yield the same batches, in the
   same order, with the same draws from torch's global RNG as NeMo's loader over NeMo's cache of
   the same rows, so a training run is the same run, only faster.
-* :func:`install` puts them into ``nemo_automodel.recipes.llm.train_dspark``;
+* :func:`install` puts them into NeMo's ``train_dspark`` recipe module (``recipe.RECIPE_MODULES``);
   ``python -m dspark_cache.nemo -c recipe.yaml`` runs the recipe with them installed.
 * ``dspark-convert`` moves caches between the two formats.
 """

@@ -1,9 +1,10 @@
 """Run NeMo's own ``train_dspark`` recipe, unedited, on dspark caches.
 
-The recipe looks its cache calls up as module globals of
-``nemo_automodel.recipes.llm.train_dspark`` when it sets up; :func:`install` points those
-globals at :mod:`.calls`. NeMo's files are never edited, and since every call handles a
-NeMo cache exactly as NeMo does, installing is always safe.
+The recipe looks its cache calls up as module globals of its module when it sets up
+(``nemo_automodel.recipes.llm.train_dspark`` in 0.7.0; NeMo's nightly moves its recipes to
+``nemo_automodel.recipes.speculative_decoding``); :func:`install` points those globals at
+:mod:`.calls`. NeMo's files are never edited, and since every call handles a NeMo cache exactly
+as NeMo does, installing is always safe.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Callable, Sequence
 
 from dspark_cache.nemo import calls
 
-RECIPE_MODULE = "nemo_automodel.recipes.llm.train_dspark"
+# Where NeMo keeps the recipe, newest layout first: a release that keeps the old path as an alias
+# would leave the real module's globals untouched if the alias were patched.
+RECIPE_MODULES = ("nemo_automodel.recipes.speculative_decoding.train_dspark",  # after 0.7.0 (nightly)
+                  "nemo_automodel.recipes.llm.train_dspark")  # 0.7.0
 # recipe global -> our implementation (NeMo 0.7.0's names)
 REPLACEMENTS: dict[str, Callable] = {
     "read_manifest": calls.read_manifest,
@@ -28,14 +32,10 @@ REPLACEMENTS: dict[str, Callable] = {
 def install(module: ModuleType | None = None) -> ModuleType:
     """Replace the recipe's cache calls with ours; returns the recipe module.
 
-    ``module`` defaults to the imported ``nemo_automodel.recipes.llm.train_dspark``.
+    ``module`` defaults to the recipe module, found under either of ``RECIPE_MODULES``.
     """
     if module is None:
-        try:
-            module = importlib.import_module(RECIPE_MODULE)
-        except ImportError as exc:
-            raise ImportError(f"cannot import {RECIPE_MODULE} ({exc}); install NVIDIA's recipe with "
-                              "`pip install nemo-automodel==0.7.0` in this environment") from exc
+        module = recipe_module()
     missing = [name for name in REPLACEMENTS if not hasattr(module, name)]
     if missing:
         raise RuntimeError(f"{module.__name__} has no {', '.join(missing)}: this nemo-automodel is not the 0.7.0 "
@@ -43,6 +43,21 @@ def install(module: ModuleType | None = None) -> ModuleType:
     for name, replacement in REPLACEMENTS.items():
         setattr(module, name, replacement)
     return module
+
+
+def recipe_module() -> ModuleType:
+    """NeMo's ``train_dspark`` module under the first of ``RECIPE_MODULES`` that exists."""
+    absent = []
+    for name in RECIPE_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):  # it exists but needs what is missing
+                raise ImportError(f"cannot import {name} ({exc}); install what it needs, or nemo-automodel==0.7.0 "
+                                  "afresh in this environment") from exc
+            absent.append(f"{name} ({exc})")
+    raise ImportError(f"cannot import NeMo's train_dspark recipe: {'; '.join(absent)}; install NVIDIA's recipe with "
+                      "`pip install nemo-automodel==0.7.0` in this environment")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -319,8 +319,10 @@ def test_distributed_sampler_semantics(small_cache, nemo_cache, tmp_path):
 # -- install() and python -m dspark_cache.nemo ------------------------------------------------
 
 
-def _fake_recipe(monkeypatch, names=tuple(dn.recipe.REPLACEMENTS)) -> types.ModuleType:
-    module = types.ModuleType(dn.recipe.RECIPE_MODULE)
+def _fake_recipe(monkeypatch, names=tuple(dn.recipe.REPLACEMENTS),
+                 path: str = dn.recipe.RECIPE_MODULES[-1]) -> types.ModuleType:
+    """NeMo's recipe module at ``path`` (0.7.0's by default), nothing at the other layout's."""
+    module = types.ModuleType(path)
     for name in names:
         setattr(module, name, object())
     seen = {}
@@ -330,9 +332,14 @@ def _fake_recipe(monkeypatch, names=tuple(dn.recipe.REPLACEMENTS)) -> types.Modu
         seen["manifest"] = module.read_manifest(sys.argv[-1])
 
     module.main, module.seen = main, seen
-    for parent in ("nemo_automodel", "nemo_automodel.recipes", "nemo_automodel.recipes.llm"):
-        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
-    monkeypatch.setitem(sys.modules, dn.recipe.RECIPE_MODULE, module)
+    parts = path.split(".")
+    for depth in range(1, len(parts)):  # packages: an absent sibling module is then "not found"
+        parent = ".".join(parts[:depth])
+        if parent not in sys.modules or not hasattr(sys.modules[parent], "__path__"):
+            package = types.ModuleType(parent)
+            package.__path__ = []
+            monkeypatch.setitem(sys.modules, parent, package)
+    monkeypatch.setitem(sys.modules, path, module)
     return module
 
 
@@ -344,6 +351,21 @@ def test_install_replaces_the_recipe_globals(monkeypatch, small_cache):
     dn.main(["-c", "recipe.yaml", small_cache])
     assert module.seen["argv"] == ["-c", "recipe.yaml", small_cache]
     assert module.seen["manifest"]["num_samples"] == len(dspark_cache.open_cache(small_cache))
+
+
+@pytest.mark.parametrize("path", dn.recipe.RECIPE_MODULES)
+def test_install_finds_the_recipe_under_either_layout(monkeypatch, small_cache, path):
+    """NeMo's nightly moves its recipes to nemo_automodel.recipes.speculative_decoding."""
+    module = _fake_recipe(monkeypatch, path=path)
+    assert dn.install() is module
+    dn.main(["-c", "recipe.yaml", small_cache])
+    assert module.seen["manifest"]["num_samples"] == len(dspark_cache.open_cache(small_cache))
+
+
+def test_install_takes_the_new_layout_when_the_old_path_is_kept_too(monkeypatch):
+    old = _fake_recipe(monkeypatch, path=dn.recipe.RECIPE_MODULES[1])
+    new = _fake_recipe(monkeypatch, path=dn.recipe.RECIPE_MODULES[0])
+    assert dn.install() is new and old.read_manifest is not dn.recipe.REPLACEMENTS["read_manifest"]
 
 
 def test_install_refuses_another_recipe_api(monkeypatch):
