@@ -86,6 +86,8 @@ def dry_run(cfg: ProduceConfig) -> int:
     except Exception as exc:
         if found is not None:  # the directory is ours: a failed dry run leaves it as it found it
             leave_as_found(output, found)
+        if isinstance(exc, ConfigError):  # found once the target's config is read: still a usage error
+            raise UsageError(str(exc)) from None
         return error(PROG, str(exc))
     finally:
         output.release()
@@ -105,6 +107,8 @@ def produce_and_report(cfg: ProduceConfig) -> int:
 
     try:
         result = produce(cfg)
+    except ConfigError as exc:  # found once the target's config is read: still a usage error (exit 2)
+        raise UsageError(str(exc)) from None
     except KeyboardInterrupt:
         print(f"{PROG}: aborted; rerun the same command to resume", file=sys.stderr)
         return EXIT_STOPPED

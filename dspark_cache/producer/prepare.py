@@ -26,7 +26,7 @@ from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import REGENERATED_KEY, Manifest, RegeneratedInput, RowRegeneration
 from dspark_cache.format.validate import manifest_problems
 from dspark_cache.producer.encode.chat import ChatEncoder
-from dspark_cache.producer.config import ProduceConfig, validate_config
+from dspark_cache.producer.config import ConfigError, ProduceConfig, validate_config
 from dspark_cache.producer.device.topology import Topology
 from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.plan.batches import Plan
@@ -182,7 +182,10 @@ def resolve_settings(cfg: ProduceConfig) -> Settings:
         layer_ids = list(cfg.target_layer_ids)
     else:
         layer_ids = build_target_layer_ids(info.num_layers, cfg.draft_num_hidden_layers)
-    validate_target_layer_ids(layer_ids, info.num_layers)
+    try:  # ids past the target's depth are a setting that cannot work, as any other bad id (exit 2)
+        validate_target_layer_ids(layer_ids, info.num_layers)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; the target is {cfg.target_model}") from None
     source = InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed, cfg.max_row_bytes)
     device = resolve_device(cfg.device)
     compute_dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")

@@ -61,12 +61,17 @@ def test_nonexistent_chat_template_path(embedded, tmp_path, capsys):
     _assert_failed(capsys, out, code, "tmpl.jinja", "neither an existing file")
 
 
-def test_bad_layer_ids(embedded, tmp_path, capsys):
-    """Ids past the target's depth need the target (exit 1); an order no target accepts is a usage error
-    (tests/test_hardening_run.py)."""
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_layer_ids_past_the_targets_depth_are_a_usage_error(embedded, tmp_path, capsys, dry_run):
+    """Found once the target's config is read, but a setting all the same: exit 2 and one line, as every
+    other bad id (tests/producer/test_hardening_run.py), for a run and a dry run alike."""
     out = str(tmp_path / "out")
-    code = run_produce(embedded.stock, embedded.data, out, "--target-layer-ids", "3", "8")
-    _assert_failed(capsys, out, code, "out of range")
+    code = run_produce(embedded.stock, embedded.data, out, "--target-layer-ids", "3", "8",
+                       *(["--dry-run"] if dry_run else []))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "out of range" in err and embedded.stock in err and "see dspark-produce --help" in err, err
+    assert not os.path.exists(CachePaths(out).shards_dir) or not os.listdir(CachePaths(out).shards_dir)
 
 
 @pytest.mark.slow
