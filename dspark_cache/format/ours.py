@@ -31,6 +31,14 @@ def _cache_dirs(paths: CachePaths) -> list[str]:
     return [paths.shards_dir, paths.status_dir, paths.events_dir, paths.control_dir, paths.plan_dir]
 
 
+def _nearest_existing_parent(path: str) -> str:
+    """The closest of ``path``'s parents that exists (``/`` at the end of the walk)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    return parent
+
+
 def check_directories(paths: CachePaths) -> None:
     """Refuse a cache whose own directories are symlinks or other non-directories.
 
@@ -39,6 +47,10 @@ def check_directories(paths: CachePaths) -> None:
     """
     if os.path.lexists(paths.root) and not os.path.isdir(paths.root):
         raise CacheDirectoryError(f"--output-dir {paths.root} exists and is not a directory; choose another --output-dir")
+    blocker = _nearest_existing_parent(paths.root)
+    if not os.path.isdir(blocker):  # no directory can be made under a file
+        raise CacheDirectoryError(f"--output-dir {paths.root} cannot hold a cache: {blocker} is a file, not a "
+                                  "directory; choose another --output-dir")
     for sub in _cache_dirs(paths):
         if os.path.islink(sub):
             raise CacheDirectoryError(

@@ -223,3 +223,14 @@ def dspark_version() -> str:
     import dspark_cache
 
     return dspark_cache.__version__
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_output_dir_under_a_file_cannot_hold_a_cache(embedded, tmp_path, capsys, dry_run):
+    """Issue 41, item 14: one line naming the file in the way, not a raw [Errno 20]."""
+    (tmp_path / "a-file").write_text("mine")
+    out = str(tmp_path / "a-file" / "deeper" / "cache")
+    code = run_produce(embedded.stock, embedded.data, out, *(["--dry-run"] if dry_run else []))
+    err = _assert_failed(capsys, out, code, "cannot hold a cache", f"{tmp_path / 'a-file'} is a file")
+    assert "Errno" not in err and err.count("\n") == 1, err
+    assert (tmp_path / "a-file").read_text() == "mine"
