@@ -96,7 +96,7 @@ def _read_holder(fd: int) -> dict | None:
     for _ in range(10):
         try:
             record = json.loads(os.pread(fd, 65536, 0) or b"null")
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # JSON nested past the parser's depth is a bad record too
             record = None
         if isinstance(record, dict):
             return record
@@ -106,7 +106,7 @@ def _read_holder(fd: int) -> dict | None:
 
 def describe_holder(record: dict | None) -> str:
     if record is None:
-        return "holder unknown: the lock file is empty"
+        return "holder unknown: the lock file is empty or not a holder's record"
     try:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started_at", 0))))
         world = int(record.get("world_size", 1))

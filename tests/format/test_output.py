@@ -149,3 +149,25 @@ def test_a_missing_manifest_reads_as_none_or_as_not_a_cache(tmp_path):
     assert read_manifest(str(tmp_path), missing_ok=True) is None
     with pytest.raises(NotACacheError):
         read_manifest(str(tmp_path))
+
+
+def test_a_held_lock_whose_record_is_nested_past_the_parser_still_says_in_use(tmp_path):
+    """Issue 41, item 12: the record is only a description; the lock held is what refuses a second run."""
+    import subprocess
+    import sys
+
+    output = CacheOutput(str(tmp_path / "cache"))
+    output.create()
+    os.makedirs(output.paths.control_dir, exist_ok=True)
+    with open(output.paths.lock, "w") as handle:
+        handle.write("[" * 60000 + "]" * 60000)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'r+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               output.paths.lock], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CacheLockedError, match="in use by another dspark-produce run .holder unknown"):
+            output.lock("run-2")
+    finally:
+        holder.kill()
+        holder.wait()
