@@ -13,7 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
@@ -186,9 +186,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shuffle-seed", type=int, default=42, help="shuffle before slicing (Parquet / hub only)")
     p.add_argument("--draft-num-hidden-layers", type=int, default=5,
                    help="how many layers NeMo's spread picks when --target-layer-ids is not given")
-    p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                   help="explicit layer ids (NeMo convention); may be more than one drafter uses: training "
-                   "takes any subset (build_dataloader(..., target_layer_ids=...), or NeMo's recipe)")
+    p.add_argument("--target-layer-ids", type=_int_list("layer ids", "1,9,17"), nargs="+", action=_Joined,
+                   default=None, metavar="ID",
+                   help="explicit layer ids (NeMo convention), as 1 9 17 or 1,9,17 (--target-layer-ids=-1,3 when "
+                   "a comma list starts with -1); may be more than one drafter uses: training takes any subset "
+                   "(build_dataloader(..., target_layer_ids=...), or NeMo's recipe)")
     p.add_argument("--for-draft-layers", type=_depths, default=None, metavar="D1,D2,...",
                    help="capture the union of NeMo's default layer spreads for drafters of these depths (e.g. "
                    "1,2,3,5), so that one cache trains each of them; the log and --dry-run say what it costs")
@@ -233,13 +235,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "OUTPUT_DIR/plan/), and the real run reuses it")
 
 
-def _depths(text: str) -> list[int]:
-    """``1,2,3,5`` -> ``[1, 2, 3, 5]`` (argparse names the option when this raises)."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of drafter depths, e.g. 1,2,3,5") \
-            from None
+def _int_list(what: str, example: str) -> Callable[[str], list[int]]:
+    """A parser of ``1,2,3,5`` -> ``[1, 2, 3, 5]`` (argparse names the option when it raises)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}, e.g. {example}") \
+                from None
+
+    return parse
+
+
+_depths = _int_list("drafter depths", "1,2,3,5")
+
+
+class _Joined(argparse.Action):
+    """Values given apart (``1 5 9``), with commas (``1,5,9``) or both, as one list."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, [item for part in values for item in part])
 
 
 def cache_output_options(cfg: ProduceConfig) -> dict[str, Any]:

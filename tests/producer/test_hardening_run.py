@@ -291,3 +291,17 @@ def test_a_non_file_under_a_name_the_producer_writes_is_refused_up_front(embedde
     assert done.returncode == 1, done.stderr
     assert path in done.stderr and "not a regular file" in done.stderr and "move or rename it" in done.stderr
     assert os.path.lexists(path) and (os.path.isdir(path) or kind == "fifo")  # nothing of the user's deleted
+
+
+@pytest.mark.parametrize("given", [["1", "3"], ["1,3"], ["1,", "3"], ["--target-layer-ids=1,3"]])
+def test_target_layer_ids_take_commas_as_for_draft_layers_does(given):
+    """Issue 41, item 17: ``1,3`` was an argparse error while ``--for-draft-layers 1,3`` was the way."""
+    import argparse
+
+    from dspark_cache.producer.config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flag = [] if given[0].startswith("--") else ["--target-layer-ids"]
+    args = parser.parse_args(["--target-model", "t", "--input-data", "d", "--output-dir", "o", *flag, *given])
+    assert args.target_layer_ids == [1, 3]
