@@ -8,6 +8,7 @@ and NeMo's attribute shims (:mod:`.shims`). This module holds the epoch loop and
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections import deque
 from typing import Any, Iterator
@@ -159,6 +160,11 @@ class DSparkLoader(NemoAttributes):
                              f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
                              "re-produced with --overwrite), whose order is of other samples; start its first "
                              "epoch from the beginning instead of loading this state")
+        bad = [f"{k}={state.get(k)!r}" for k in ("epoch", "offset")
+               if not isinstance(state.get(k), numbers.Integral) or isinstance(state.get(k), bool) or state[k] < 0]
+        if bad:  # int() would take 1.5 or "3", and a negative offset would shift the epoch silently
+            raise ValueError(f"loader state {', '.join(bad)}: epoch and offset are whole numbers >= 0, as "
+                             "state_dict() writes them; pass the state it returned, unchanged")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
     def close(self) -> None:

@@ -125,6 +125,17 @@ def test_state_from_other_settings_is_refused(small_cache):
         other.load_state_dict(state)
 
 
+@pytest.mark.parametrize("field,value", [("offset", -4), ("offset", 2.5), ("offset", "8"), ("epoch", -1),
+                                         ("epoch", True), ("offset", None)])
+def test_a_state_with_a_bad_epoch_or_offset_is_refused(small_cache, field, value):
+    """Issue 41, item 15: a negative offset used to shift the epoch silently; int() took 2.5 and "8"."""
+    loader = dspark_cache.build_dataloader(small_cache, 4, seed=1)
+    state = {**loader.state_dict(), field: value}
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        loader.load_state_dict(state)
+    assert loader.state_dict()["offset"] == 0  # unchanged
+
+
 def test_expect_names_every_mismatch(small_cache):
     m = dspark_cache.open_cache(small_cache).manifest
     ok = {"model_type": "qwen3", "vocab_size": m.target_vocab_size, "hidden_size": 64, "num_hidden_layers": 8,
