@@ -10,6 +10,7 @@ asks :func:`rank_is_live`, each with its own patience: the monitor flags a rank 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable
 
 import msgspec
@@ -27,17 +28,38 @@ STALE_AFTER_S = 10.0  # ten missed heartbeats: the monitor shows the rank as STA
 RANK_TIMEOUT_S = 300.0  # default --rank-timeout: a finished rank stops waiting for a silent one
 
 
-def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S) -> bool:
-    """Whether the rank claims to be working and its heartbeat is at most ``timeout`` s old.
+def process_gone(status: RankStatus) -> bool:
+    """Whether the rank's process is known to be gone: it ran on this host, and its pid is free, a
+    zombie, or another process's (one started after the rank's). Elsewhere, only its heartbeat tells."""
+    if status.host != socket.gethostname():
+        return False
+    import psutil
+
+    try:
+        proc = psutil.Process(status.pid)
+        # A killed child stays a zombie until reaped; a newer process may have taken its pid.
+        return proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > status.started_at + 1.0
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # not ours to inspect: its heartbeat decides
+        return False
+
+
+def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S, *, processes: bool = False) -> bool:
+    """Whether the rank claims to be working and its heartbeat is at most ``timeout`` s old; with
+    ``processes``, also that its process is not known gone (:func:`process_gone`: a SIGKILLed rank on
+    this host is seen at once, not ``timeout`` s later).
 
     A heartbeat from the future (clocks of two hosts disagree) counts as fresh.
     """
-    return status.state in ACTIVE_RANK_STATES and now - status.updated_at <= timeout
+    return (status.state in ACTIVE_RANK_STATES and now - status.updated_at <= timeout
+            and not (processes and process_gone(status)))
 
 
-def rank_is_stale(status: RankStatus, now: float, timeout: float = STALE_AFTER_S) -> bool:
-    """Whether the rank claims to be working but has been silent for more than ``timeout`` s."""
-    return status.state in ACTIVE_RANK_STATES and not rank_is_live(status, now, timeout)
+def rank_is_stale(status: RankStatus, now: float, timeout: float = STALE_AFTER_S, *, processes: bool = False) -> bool:
+    """Whether the rank claims to be working but has been silent for more than ``timeout`` s (or, with
+    ``processes``, its process is known gone)."""
+    return status.state in ACTIVE_RANK_STATES and not rank_is_live(status, now, timeout, processes=processes)
 
 
 def partial_is_written(shard: int, modified_at: float, statuses: Iterable[RankStatus], now: float,

@@ -96,6 +96,8 @@ def broken_ranks(snap: Snapshot) -> list[str]:
     for status in snap.ranks:
         if status.state in FAILED_STATES:
             out.append(f"rank {status.rank} {clip(status.state, 16)}")
+        elif snap.is_dead(status):
+            out.append(f"rank {status.rank} died (its process {status.pid} on this host is gone)")
         elif snap.is_stale(status):
             out.append(f"rank {status.rank} silent (STALE heartbeat)")
     return out

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from dspark_cache.format.schema import Event, Manifest, RankStatus, ShardIndex
-from dspark_cache.format.status import STALE_AFTER_S, rank_is_live, rank_is_stale
+from dspark_cache.format.schema import Event, Manifest, RankState, RankStatus, ShardIndex
+from dspark_cache.format.status import STALE_AFTER_S, process_gone, rank_is_live, rank_is_stale
 from dspark_cache.tui.display import as_float
 from dspark_cache.tui.rates import RankRate, RunAverage, run_average, summed, tokens_per_byte
 
@@ -76,11 +76,16 @@ class Snapshot:
     @property
     def live_ranks(self) -> list[RankStatus]:
         """Ranks working with a fresh heartbeat (format's liveness rule, the monitor's patience)."""
-        return [r for r in self.ranks if rank_is_live(r, self.now, self.patience)]
+        return [r for r in self.ranks if rank_is_live(r, self.now, self.patience, processes=True)]
 
     def is_stale(self, status: RankStatus) -> bool:
-        """Whether ``status`` claims to be working but its heartbeat is too old (shown as STALE)."""
-        return rank_is_stale(status, self.now, self.patience)
+        """Whether ``status`` claims to be working but its heartbeat is too old, or its process on this host
+        is gone (shown as STALE)."""
+        return rank_is_stale(status, self.now, self.patience, processes=True)
+
+    def is_dead(self, status: RankStatus) -> bool:
+        """Whether ``status`` claims to be working but its process, on this host, is gone (a SIGKILL)."""
+        return status.state in RankState.ACTIVE and process_gone(status)
 
     @property
     def samples_done(self) -> int:

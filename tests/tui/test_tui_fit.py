@@ -88,7 +88,8 @@ def test_a_killed_producers_partial_is_abandoned_not_writing(embedded, tmp_path)
     assert CachePaths(out).shard_partial(next(iter(snap.abandoned))) == partials[0]
     report = "\n".join(lines(snap))
     assert "0 writing  1 abandoned (rerun resumes)" in report
-    assert "rank 0 silent (STALE heartbeat)" in report and "rerun the same dspark-produce command" in report
+    # Its process ran on this host and is gone: said as such (a rank elsewhere would be "silent").
+    assert "rank 0 died (its process" in report and "rerun the same dspark-produce command" in report
     os.utime(partials[0])  # the file just changed, but no rank is live: still nobody writing it
     assert not CacheScanner(out, clock=lambda: later).scan().writing
 

@@ -136,3 +136,23 @@ def test_produce_tui_without_a_terminal_runs_the_producer_and_exits(embedded, tm
     text = (tmp_path / "job.log").read_text()
     assert proc.returncode == 0, proc.stderr
     assert "cache complete" in text and "(full producer log:" in text and "\x1b" not in text
+
+
+@pytest.mark.slow
+def test_once_right_after_a_sigkill_says_the_rank_died(embedded, tmp_path):
+    """Issue 41, item 16: the heartbeat is still fresh for 10 s, but the process on this host is gone."""
+    from dspark_cache.format.paths import CachePaths
+    from tests.support.proc import kill_group, start, wait_for
+
+    out = str(tmp_path / "cache")
+    proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
+                                            "--shard-size", "1", "--batch-size", "1", "--writer-threads", "2")))
+    wait_for(lambda: len(CachePaths(out).indexed_shard_ids()) >= 2 or proc.poll() is not None, poll=0.005)
+    assert proc.poll() is None, "the producer finished before it could be killed"
+    kill_group(proc)
+    started = time.monotonic()
+    code, text, err = monitor_into_file(tmp_path, out, "--once")
+    assert time.monotonic() - started < 10  # within the heartbeat's patience: the process check, not its age
+    assert code == 1, text + err
+    assert re.search(r"next: rank 0 died \(its process \d+ on this host is gone\)", text), text
+    assert "no producer running" in text and "state STALE" in text

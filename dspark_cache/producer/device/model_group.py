@@ -23,7 +23,6 @@ This module imports no torch until a group is joined (``dspark-produce --help`` 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -34,7 +33,7 @@ import msgspec
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import RankState
-from dspark_cache.format.status import rank_is_stale, read_rank_status
+from dspark_cache.format.status import process_gone, rank_is_stale, read_rank_status
 from dspark_cache.producer.device.topology import ParallelError, Topology
 
 if TYPE_CHECKING:
@@ -163,20 +162,6 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def _process_gone(pid: int, started_at: float) -> bool:
-    """Whether the process that wrote a heartbeat at ``started_at`` is gone from this host."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        # A killed child stays a zombie until reaped; a newer process may have taken its pid.
-        return proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > started_at + 1.0
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:  # not ours to inspect: its heartbeat decides
-        return False
-
-
 class PartnerWatch:
     """Ends this rank when a partner of its group fails, dies or falls silent while the group computes.
 
@@ -192,7 +177,6 @@ class PartnerWatch:
         self.grace = min(10.0, timeout) if grace is None else grace
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.host = socket.gethostname()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dspark-partner-watch", daemon=True)
@@ -217,7 +201,7 @@ class PartnerWatch:
                    f"(ranks {self.topology.group_ranks()})")
             if s.state == RankState.FAILED:
                 return f"{who} failed: {s.last_error or 'no message'}"
-            if s.state in RankState.ACTIVE and s.host == self.host and _process_gone(s.pid, s.started_at):
+            if s.state in RankState.ACTIVE and process_gone(s):
                 return f"{who} died (process {s.pid} is gone)"
             if rank_is_stale(s, now, self.timeout):
                 return f"{who} has been silent for {now - s.updated_at:.0f} s (--rank-timeout {self.timeout:g})"
