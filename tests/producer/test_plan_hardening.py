@@ -291,11 +291,13 @@ def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_d
 
 # -- item 25: a failed dry run ---------------------------------------------------------------------------
 
-def test_a_failed_dry_run_leaves_no_lock_plan_or_directory_behind(embedded, tmp_path, capsys):
+@pytest.mark.parametrize("real", [False, True])
+def test_a_failed_dry_run_leaves_no_lock_plan_or_directory_behind(embedded, tmp_path, capsys, real):
+    """And a real run that fails while planning (issue 41, item 14): nothing of a cache exists yet."""
     good = [json.loads(line) for line in open(embedded.data)][:8]
     bad = write_jsonl(tmp_path / "bad.jsonl", good[:4] + [{"messages": "not a list"}] + good[4:])
     out = tmp_path / "new" / "cache"
-    assert run_produce(embedded.stock, bad, str(out), *ARGS, "--dry-run") == 1
+    assert run_produce(embedded.stock, bad, str(out), *ARGS, *([] if real else ["--dry-run"])) == 1
     assert "1 invalid input row" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # no lock record, no plan files, no directories it made
     assert run_produce(embedded.stock, write_jsonl(tmp_path / "good.jsonl", good), str(out), *ARGS, "--dry-run") == 0
@@ -311,6 +313,8 @@ def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", good + [{"no": "messages"}])
     assert run_produce(embedded.stock, bad, out, *ARGS, "--dry-run") == 1
     assert os.listdir(out) == ["notes.txt"]  # its own directories and files removed, nothing else
+    assert run_produce(embedded.stock, bad, out, *ARGS) == 1  # a real run that fails while planning too
+    assert os.listdir(out) == ["notes.txt"]
 
     assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--dry-run") == 0
     before = {os.path.join(d, n): _stamp(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names}
