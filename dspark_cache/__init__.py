@@ -20,6 +20,14 @@ _LAZY = {
     "dequantize": "dspark_cache.loader.tensors",  # FP8 batches (dtype="raw") on any device
     "build_cached_dspark_dataloader": "dspark_cache.nemo",
     "read_target_weight_modules": "dspark_cache.nemo",
+    # The errors a reader catches (torch-free): every one is a CacheError.
+    "CacheError": "dspark_cache.format.errors",
+    "NotACacheError": "dspark_cache.format.errors",
+    "IncompleteCacheError": "dspark_cache.format.errors",
+    "CorruptShardError": "dspark_cache.format.errors",
+    "ManifestMismatchError": "dspark_cache.format.errors",
+    "CacheReplacedError": "dspark_cache.format.cache",
+    "CacheLockedError": "dspark_cache.format.lock",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -30,3 +38,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'dspark_cache' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """The public API too, though it is imported only when first used (``dir()``, completion)."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

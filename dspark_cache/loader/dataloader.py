@@ -8,6 +8,8 @@ and NeMo's attribute shims (:mod:`.shims`). This module holds the epoch loop and
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import numbers
 import os
 from collections import deque
@@ -196,3 +198,18 @@ def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **k
     default where CUDA exists) come from CUDA's caching host allocator instead.
     """
     return DSparkLoader(cached_target_path, batch_size, **kwargs)
+
+
+def _options_signature() -> inspect.Signature:
+    """``build_dataloader``'s signature as ``help()`` and editors show it: every option of
+    :class:`~.config.LoaderConfig` by name, with its default (the one list of them)."""
+    params = [inspect.Parameter("cached_target_path", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("batch_size", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="int")]
+    for option in dataclasses.fields(LoaderConfig):
+        if option.name != "batch_size":
+            params.append(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
+                                            annotation=option.type))
+    return inspect.Signature(params, return_annotation="DSparkLoader")
+
+
+build_dataloader.__signature__ = _options_signature()  # type: ignore[attr-defined]

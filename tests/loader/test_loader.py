@@ -261,3 +261,44 @@ def test_recycled_batch_memory_is_exact_and_never_overwrites_a_kept_batch(small_
     for _ in loader:
         pass
     assert torch.equal(held, snapshot)
+
+
+def test_the_public_api_is_listed_and_shows_its_options():
+    """Issue 41, item 15: dir() lists the lazily imported API, the errors a reader catches come from the
+    package itself, and build_dataloader's signature names every option."""
+    import dataclasses
+    import inspect
+
+    from dspark_cache.format.errors import CacheError, CorruptShardError
+    from dspark_cache.loader.config import LoaderConfig
+
+    names = dir(dspark_cache)
+    for name in ("build_dataloader", "open_cache", "CacheDir", "CacheError", "CorruptShardError",
+                 "IncompleteCacheError", "NotACacheError", "CacheLockedError", "dequantize"):
+        assert name in names and name in dspark_cache.__all__, name
+    assert "importlib" not in names and "Any" not in names
+    assert dspark_cache.CorruptShardError is CorruptShardError and issubclass(dspark_cache.CorruptShardError, CacheError)
+    params = inspect.signature(dspark_cache.build_dataloader).parameters
+    assert list(params)[:2] == ["cached_target_path", "batch_size"]
+    for option in dataclasses.fields(LoaderConfig):
+        assert option.name in params, option.name
+        if option.name != "batch_size":
+            assert params[option.name].default == option.default, option.name
+
+
+def test_a_damaged_sample_raises_the_packages_own_error(small_cache, tmp_path):
+    import shutil
+
+    from dspark_cache.format.paths import CachePaths
+
+    copy = str(tmp_path / "cache")
+    shutil.copytree(small_cache, copy)
+    first = dspark_cache.open_cache(copy).shards[0].samples[0]
+    with open(CachePaths(copy).shard_tar(0), "r+b") as handle:  # the last byte of the first sample's payload
+        handle.seek(first.offset + first.size - 1)
+        byte = handle.read(1)
+        handle.seek(first.offset + first.size - 1)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(dspark_cache.CorruptShardError, match="shard-000000"):
+        for _ in dspark_cache.build_dataloader(copy, 4, verify="always"):
+            pass
