@@ -473,8 +473,11 @@ def test_a_store_that_keeps_failing_ends_in_an_error_naming_the_object_and_a_rer
     failing = _options(proxy.endpoint, retry_config={"max_retries": 1})
     staging = tmp_path / "staging"
     # A staging limit of one shard: uploads go one at a time, and the writer waits for room when the
-    # failure comes, so the failure reaches it there (not only at the end of the run).
-    failed = run(remote.cmd(embedded, staging, "--staging-limit", "1", options=failing), env=ENV)
+    # failure comes, so the failure reaches it there (not only at the end of the run). One writer: shards
+    # are sealed in plan order, so exactly those before the failing one are published (with several, a
+    # later shard sealed first may go up first).
+    failed = run(remote.cmd(embedded, staging, "--staging-limit", "1", "--writer-threads", "1", options=failing),
+                 env=ENV)
     assert failed.returncode == 1, failed.stderr
     lines = _error_lines(failed.stderr)
     assert len(lines) == 1, failed.stderr
