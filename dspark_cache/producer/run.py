@@ -29,7 +29,7 @@ from dspark_cache.producer.device.ranks import assign_shards, barrier_before_set
 from dspark_cache.producer.device.topology import Topology, check_topology
 from dspark_cache.producer.pipeline.writer import PipelineStats
 from dspark_cache.producer.plan.batches import Plan
-from dspark_cache.producer.plan.store import forget_found, found_directory, keep_plan_files, leave_as_found
+from dspark_cache.producer.plan.store import found_directory
 from dspark_cache.producer.prepare import Prepared, prepare, resolve_settings
 from dspark_cache.producer.resume import read_existing, reconcile_directory, take_directory
 from dspark_cache.producer.report.signals import StopFlag
@@ -58,22 +58,21 @@ def produce(cfg: ProduceConfig) -> RunResult:
     check_topology(topology, cfg.device, cfg.device_map)
     run_id = new_run_id()  # rank 0's is the job's: share_setup hands it to every rank
     output = cache_output(cfg, topology.rank)
-    found = None  # what the directory held, while planning may still fail
+    had_lock = True  # whether the lock file was there before this run (rank 0 finds out)
     try:
         settings = resolve_settings(cfg)
         check_target(cfg.target_model, topology, cfg.trust_remote_code)  # before planning, on every rank alike
         if topology.is_leader:  # before the input is read: a second producer is refused at once
-            before = found_directory(output)
+            had_lock = found_directory(output).had_lock
             take_directory(output, run_id, topology.world_size, cfg.overwrite)
-            found = keep_plan_files(output, before)
         try:
             p = prepare(settings, output)
         except BaseException:
-            if found is not None:  # nothing of a cache yet: leave the directory as it was (lock file included)
-                leave_as_found(output, found)
+            # Nothing of a cache yet: no lock file is left behind. The rows encoded so far stay, so that a
+            # rerun (say with --on-invalid skip) does not tokenise them again.
+            if topology.is_leader and not had_lock:
+                output.drop_lock()
             raise
-        if found is not None:
-            forget_found(output, found)
         barrier_before_setup(topology)
         error, existing = None, None
         if topology.is_leader:

@@ -280,7 +280,8 @@ def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_d
     assert f"disk full while writing the saved plan in {plan}" in err, err
     assert "needs about" in err and "MB is free" in err and "--output-dir" in err and "rerun" in err
     assert "Traceback" not in err
-    assert not os.path.exists(out)  # no plan header to trust: a run that fails planning leaves what it found
+    assert not [n for n in os.listdir(plan) if n.endswith((".json", ".tmp"))]  # no header: nothing to trust
+    assert not os.path.exists(CachePaths(out).lock)  # nothing of a cache yet: no lock file left behind
     os.unlink(filler)
     subprocess.run(["mount", "-o", "remount,size=64m", tiny_fs], check=True)
     done = run(cmd)
@@ -291,13 +292,11 @@ def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_d
 
 # -- item 25: a failed dry run ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("real", [False, True])
-def test_a_failed_dry_run_leaves_no_lock_plan_or_directory_behind(embedded, tmp_path, capsys, real):
-    """And a real run that fails while planning (issue 41, item 14): nothing of a cache exists yet."""
+def test_a_failed_dry_run_leaves_no_lock_plan_or_directory_behind(embedded, tmp_path, capsys):
     good = [json.loads(line) for line in open(embedded.data)][:8]
     bad = write_jsonl(tmp_path / "bad.jsonl", good[:4] + [{"messages": "not a list"}] + good[4:])
     out = tmp_path / "new" / "cache"
-    assert run_produce(embedded.stock, bad, str(out), *ARGS, *([] if real else ["--dry-run"])) == 1
+    assert run_produce(embedded.stock, bad, str(out), *ARGS, "--dry-run") == 1
     assert "1 invalid input row" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # no lock record, no plan files, no directories it made
     assert run_produce(embedded.stock, write_jsonl(tmp_path / "good.jsonl", good), str(out), *ARGS, "--dry-run") == 0
@@ -313,8 +312,6 @@ def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", good + [{"no": "messages"}])
     assert run_produce(embedded.stock, bad, out, *ARGS, "--dry-run") == 1
     assert os.listdir(out) == ["notes.txt"]  # its own directories and files removed, nothing else
-    assert run_produce(embedded.stock, bad, out, *ARGS) == 1  # a real run that fails while planning too
-    assert os.listdir(out) == ["notes.txt"]
 
     assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--dry-run") == 0
     before = {os.path.join(d, n): _stamp(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names}
@@ -360,3 +357,17 @@ def test_a_lock_file_removed_by_its_holder_is_not_locked_through_an_old_descript
     with pytest.raises(lock_module.CacheLockedError):  # the second holds the real lock file
         lock_module.lock_exclusive(paths, "run-3", 1)
     second.release()
+
+
+def test_a_real_run_failing_while_planning_leaves_no_lock_file_and_keeps_its_rows(embedded, tmp_path, capsys):
+    """Issue 41, item 14: no lock file is left where there was none; the rows it encoded stay for the rerun
+    (with --on-invalid skip it tokenises nothing again: tests/producer/test_plan_store.py)."""
+    good = [json.loads(line) for line in open(embedded.data)][:8]
+    bad = write_jsonl(tmp_path / "bad.jsonl", good[:4] + [{"messages": "not a list"}] + good[4:])
+    out = str(tmp_path / "new" / "cache")
+    assert run_produce(embedded.stock, bad, out, *ARGS) == 1
+    assert "1 invalid input row" in capsys.readouterr().err
+    assert not os.path.lexists(CachePaths(out).lock)
+    assert os.listdir(CachePaths(out).plan_dir)  # the encoded part, kept
+    assert run_produce(embedded.stock, bad, out, *ARGS, "--on-invalid", "skip") == 0
+    assert os.path.exists(CachePaths(out).lock)  # a cache now: its lock file stays, as always
