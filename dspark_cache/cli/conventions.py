@@ -46,6 +46,17 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")  # WARN: 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def reader_failure_code(exc: BaseException) -> int:
+    """The exit code of a reader (dspark-verify, dspark-monitor) that could not open what it was given: a
+    store that failed or refused it is a failure (1, as dspark-produce says it); what is not there is a
+    path that is not a cache (2: a bucket that does not exist, a directory that holds no cache)."""
+    from dspark_cache.format.remote.store import NoSuchBucketError, ObjectStoreError
+
+    if isinstance(exc, ObjectStoreError) and not isinstance(exc, NoSuchBucketError):
+        return EXIT_ERROR
+    return EXIT_NOT_A_CACHE
+
+
 class UsageError(Exception):
     """Arguments that parse but do not make sense together: one line on stderr, exit 2."""
 

@@ -10,8 +10,8 @@ import argparse
 import os
 
 from dspark_cache.cli.conventions import (
-    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_USAGE, UsageError, add_storage_arguments, error, exit_codes_epilog,
-    storage_from_args,
+    EXIT_ERROR, EXIT_OK, EXIT_USAGE, UsageError, add_storage_arguments, error, exit_codes_epilog,
+    reader_failure_code, storage_from_args,
 )
 from dspark_cache.format.remote.url import is_remote
 
@@ -84,7 +84,7 @@ def run_remote(args: argparse.Namespace, once: bool) -> int:
     except ValueError as exc:  # a URL that is not one of a store we read
         raise UsageError(str(exc)) from None
     except (CacheError, OSError) as exc:
-        return error(PROG, str(exc), EXIT_NOT_A_CACHE)
+        return error(PROG, str(exc), reader_failure_code(exc))
     from dspark_cache.tui.remote import RemoteScanner, remote_period
 
     every = remote_period(view, args.refresh)
@@ -94,7 +94,7 @@ def run_remote(args: argparse.Namespace, once: bool) -> int:
         try:
             view.refresh() if now else view.check()
         except (CacheError, OSError) as exc:
-            return error(PROG, str(exc), EXIT_NOT_A_CACHE)
+            return error(PROG, str(exc), reader_failure_code(exc))
         if now and not view.found:
             raise UsageError(f"no dspark cache is stored at {view.remote} (no manifest, shard, heartbeat or event "
                              "log there yet); pass the --output-dir of a dspark-produce run (only on a terminal "

@@ -14,7 +14,7 @@ import msgspec
 
 from dspark_cache.cli.conventions import (
     EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_USAGE, add_storage_arguments, exit_codes_epilog,
-    storage_from_args,
+    reader_failure_code, storage_from_args,
 )
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.schema import FORMAT_ID
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     except (NotACacheError, CacheError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_NOT_A_CACHE
+        return reader_failure_code(exc)
     except OSError as exc:
         print(f"{PROG}: error: {exc}; check the path and its permissions", file=sys.stderr)
         return EXIT_NOT_A_CACHE

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from rich.text import Text
 
-from dspark_cache.cli import monitor as monitor_main, produce as produce_main
+from dspark_cache.cli import monitor as monitor_main, produce as produce_main, verify as verify_main
 from dspark_cache.cli.conventions import EXIT_STOPPED
 from dspark_cache.embedded.data import write_sample_data
 from dspark_cache.format.backing import StorageOptions
@@ -255,7 +255,9 @@ def test_a_log_stored_whole_is_copied_once_per_version(complete, s3_server, tmp_
     view.close()
 
 
-def test_errors_are_one_line_and_exit_2(complete, s3_server, tmp_path, capsys):
+def test_errors_are_one_line_and_exit_2_or_1_for_a_store_that_refuses(complete, s3_server, tmp_path, capsys):
+    """What is not there is a path that is not a cache (2); a store that refuses the credentials failed (1, as
+    dspark-produce says it, issue 41 item 14), for dspark-verify too."""
     node = ["--local-cache-dir", str(tmp_path)]
     missing = f"s3://{unique_bucket_name('absent')}/c"
     assert monitor_main([missing, "--once", *node, "--storage-options", json.dumps(options(s3_server))]) == 2
@@ -269,7 +271,11 @@ def test_errors_are_one_line_and_exit_2(complete, s3_server, tmp_path, capsys):
         bucket = unique_bucket_name()
         strict.make_bucket(bucket)
         wrong = {**options(strict), "access_key_id": "AKIAWRONG0000000", "secret_access_key": "nope"}
-        assert monitor_main([f"s3://{bucket}/c", "--once", *node, "--storage-options", json.dumps(wrong)]) == 2
+        assert monitor_main([f"s3://{bucket}/c", "--once", *node, "--storage-options", json.dumps(wrong)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "access denied (403)" in err[0] and "nope" not in err[0], err
+        assert verify_main([f"s3://{bucket}/c", "--local-cache-dir", str(tmp_path / "v"),
+                            "--storage-options", json.dumps(wrong)]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "access denied (403)" in err[0] and "nope" not in err[0], err
     assert produce_main(["--tui", "--target-model", "m", "--input-data", "d", "--output-dir", missing]) == 2
