@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.encode.template import ChatTemplateError, resolve_chat_template
 from tests.support.reference import chatml_mask, generation_mask
@@ -224,3 +227,25 @@ def test_a_chat_template_path_that_is_a_fifo_or_huge_is_refused_unread(tmp_path)
         handle.truncate(64 << 20)  # sparse: nothing is written, and nothing must be read
     with pytest.raises(ChatTemplateError, match=r"huge\.jinja is 67108864 bytes, more than a chat template can be"):
         resolve_chat_template(str(huge))
+
+
+def test_a_template_that_loops_on_every_row_stops_the_run_after_a_few(embedded, tmp_path, capsys, monkeypatch):
+    """Issue 41, item 12: each looping render costs the whole deadline; a dataset of them would take days to
+    report, so a part whose first rows all run out of time stops the run at once."""
+    from dspark_cache.producer.encode import chat, template as template_module
+    from tests.support.produce import run_produce, write_jsonl
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.3)  # in this process (the rows are encoded here: 0 workers)
+    monkeypatch.setattr(template_module, "RENDER_SECONDS", 0.3)
+    looping = "{% for m in messages %}" + HOSTILE["nested range"][0] + _TURN + "{% endfor %}"
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(40)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = str(tmp_path / "out")
+    code = run_produce(embedded.stock, data, out, "--seq-length", "64", "--chat-template", looping,
+                       "--num-workers", "0", "--on-invalid", "skip")
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "the chat template loops: 3 of 3 rows took over the render deadline" in err, err
+    assert f"first: {data}:1: template rendering took over" in err and "fix the template" in err, err
+    assert not os.path.exists(CachePaths(out).manifest)

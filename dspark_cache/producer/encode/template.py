@@ -83,6 +83,9 @@ FORMATS = ("format", "format_map")  # the str methods that format their argument
 _SPEC_DIGITS = re.compile(r"%[#0\- +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?:[^{}]*?(\d+)(?:\.(\d+))?[^{}]*\}")
 
 
+TOO_SLOW = "template too slow"  # the invalid-row reason of a render past its deadline
+
+
 class TemplateLimitError(InvalidRow):
     """A render of this row ran over its time or size bound (raised from inside the template)."""
 
@@ -96,7 +99,7 @@ class RenderBudget:
     deadline: float = 0.0
 
     def too_slow(self) -> TemplateLimitError:
-        return TemplateLimitError("template too slow", f"template rendering took over {self.seconds:g} s on this row "
+        return TemplateLimitError(TOO_SLOW, f"template rendering took over {self.seconds:g} s on this row "
                                   "(does the chat template loop?)")
 
     def too_large(self, what: str) -> TemplateLimitError:

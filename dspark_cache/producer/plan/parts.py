@@ -25,6 +25,7 @@ from dspark_cache.format.plan import (
 )
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.encode.chat import EncodedRow
+from dspark_cache.producer.encode.template import TOO_SLOW
 from dspark_cache.producer.inputs.rows import InvalidRow, RawRow
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,24 @@ def plan_disk_full(paths: CachePaths, exc: OSError, needed: int, basis: str) -> 
     )
 
 
+LOOP_PROBE = 3  # the first rows of a part all past the render deadline: the template loops, stop now
+
+
+class TemplateLoopsError(CacheError):
+    """Every one of a part's first rows took the whole render deadline: the rest would too, row by row."""
+
+
+def _stop_a_looping_template(firsts: list[tuple[RawRow, EncodedRow | InvalidRow]]) -> None:
+    """Raise once the first ``LOOP_PROBE`` rows all ran out of render time (each costs the whole deadline:
+    a dataset's worth of them would take days to be reported)."""
+    if len(firsts) == LOOP_PROBE and all(isinstance(r, InvalidRow) and r.reason == TOO_SLOW for _, r in firsts):
+        first_row, first = firsts[0]
+        raise TemplateLoopsError(
+            f"the chat template loops: {LOOP_PROBE} of {LOOP_PROBE} rows took over the render deadline (first: "
+            f"{first_row.where}: {first.detail}); fix the template (--chat-template, or the tokenizer's own), "
+            "then rerun")
+
+
 def encode_part(paths: CachePaths, encoded: Iterable[tuple[RawRow, EncodedRow | InvalidRow]], part: int,
                 num_parts: int, encode_key: str, on_row=lambda: None, *, vocab_size: int,
                 total_rows: int | None = None) -> PartHeader:
@@ -139,7 +158,11 @@ def encode_part(paths: CachePaths, encoded: Iterable[tuple[RawRow, EncodedRow | 
     writer = None
     try:
         writer = PartWriter(paths, part, num_parts, encode_key, vocab_size)
+        firsts: list[tuple[RawRow, EncodedRow | InvalidRow]] = []
         for row, result in encoded:
+            if len(firsts) < LOOP_PROBE:
+                firsts.append((row, result))
+                _stop_a_looping_template(firsts)
             writer.add(row, result)
             on_row()
         header = writer.close()
