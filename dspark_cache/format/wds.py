@@ -25,8 +25,10 @@ imports torch).
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Mapping
 
+from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.format.sample import assemble_sample, decode_payload, dequantize_arrays
 from dspark_cache.format.validate import check_fp8_sample, check_token_values
 
@@ -45,12 +47,17 @@ def decode_dspark_arrays(key: str, data: bytes, *, dequantize: str | None = "BF1
     ``format.validate.token_problem``). A blob does not record its target's vocabulary: pass the
     manifest's, ``functools.partial(decode_dspark_arrays, vocab_size=manifest.target_vocab_size)``;
     without it only negative ids are refused.
+    A blob whose header does not parse raises ``CorruptShardError`` naming ``key`` too.
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
     if not key.lower().endswith(SAMPLE_EXTENSION):
         return None
-    tensors, metadata = decode_payload(bytearray(data))
-    sample: dict[str, Any] = dict(assemble_sample(tensors, metadata))
+    try:  # a blob is ours only if it parses: anything else is a damaged sample, named like one
+        tensors, metadata = decode_payload(bytearray(data))
+        sample: dict[str, Any] = dict(assemble_sample(tensors, metadata))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error, RecursionError) as exc:
+        raise CorruptShardError(key, f"its safetensors header does not parse ({type(exc).__name__}: {exc})") \
+            from None
     sid = str(metadata.get("sample_id", ""))
     sample_id = int(sid) if sid.isdigit() else None
     check_fp8_sample(sample, key, sample_id)

@@ -151,3 +151,19 @@ def test_the_rule_itself():
     assert "loss mask value 2 at token 0" in token_problem(ids, np.array([2, 1, 1]), 10)
     assert "loss mask value -1 at token 1" in token_problem(ids, np.array([0, -1, 1]), 10)
     assert "token id" in token_problem(np.array([10, 0, 0]), np.array([2, 0, 0]), 10)  # ids are judged first
+
+
+@pytest.mark.parametrize("blob", [
+    b"",  # no header length at all
+    (8).to_bytes(8, "little") + b"not json",
+    (40).to_bytes(8, "little") + b'{"x": {"dtype": "BF16"}}'.ljust(40),  # a tensor without shape or offsets
+    (2 ** 40).to_bytes(8, "little") + b"{}",  # a header length past the blob
+    (30000).to_bytes(8, "little") + b"[" * 15000 + b"]" * 15000,  # nested past the parser
+    (16).to_bytes(8, "little") + b'{"a": 1, "b": 2}',  # no tensors of ours
+])
+def test_a_blob_whose_header_does_not_parse_is_a_corrupt_sample(blob):
+    """Issue 41, item 15: plain webdataset users get the same error as every reader, naming the member."""
+    from dspark_cache.format.errors import CorruptShardError
+
+    with pytest.raises(CorruptShardError, match="000007.safetensors"):
+        decode_dspark_arrays("000007.safetensors", blob)
