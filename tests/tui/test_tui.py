@@ -478,3 +478,21 @@ async def test_no_cache_file_is_touched_on_the_ui_thread(tmp_path):
     assert os.path.exists(CachePaths(root).stop_request)
     assert {event for event, _ in seen} >= {"open", "os.listdir", "os.mkdir"}
     assert threading.get_ident() not in {thread for _, thread in seen}
+
+
+@pytest.mark.anyio
+async def test_a_rate_of_one_point_is_a_flat_baseline_not_a_solid_bar(tmp_path):
+    """Issue 41, item 16: textual draws a one-point series as full blocks, a run just begun looked maxed out."""
+    from textual.widgets import Sparkline
+
+    root = tui_states.live_run(str(tmp_path / "c"))
+    app = app_for(root)
+    async with app.run_test(size=(140, 60)):
+        await app.first_snapshot()
+        tui_states.next_heartbeat(root)  # the first measured rate: one point of history
+        await app.refreshed()
+        assert len(app.snapshot.history) == 1
+        for line in ("#tok-line", "#mb-line"):
+            chart = app.query_one(line, Sparkline)
+            drawn = "".join(segment.text for strip in chart.render_lines(chart.region.reset_offset) for segment in strip)
+            assert "█" not in drawn and "▁" in drawn, (line, drawn)

@@ -39,9 +39,14 @@ class ThroughputChart(Vertical):
         tok, mb = rate_labels(snap)
         self.query_one("#tok-label", Fitted).show_paras([tok])
         self.query_one("#mb-label", Fitted).show_paras([mb])
-        # No history (a finished or idle cache) draws nothing rather than a misleading full bar.
-        self.query_one("#tok-line", Sparkline).data = [plottable(v) for v in tokens]
-        self.query_one("#mb-line", Sparkline).data = [plottable(v) for v in written]
+        self.query_one("#tok-line", Sparkline).data = series(tokens)
+        self.query_one("#mb-line", Sparkline).data = series(written)
+
+
+def series(rates: list[float]) -> list[float]:
+    """What a sparkline draws: textual draws one point as a solid block and none as a flat baseline, so a
+    history of under two points (a run just begun, a finished or idle cache) is drawn as the baseline."""
+    return [plottable(v) for v in rates] if len(rates) >= 2 else []
 
 
 def rate_labels(snap: Snapshot) -> tuple[Para, Para]:
