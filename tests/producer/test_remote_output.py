@@ -353,9 +353,10 @@ def test_two_ranks_produce_to_s3(embedded, reference, remote, tmp_path, capsys):
 def test_a_follow_loader_reads_every_sample_once_while_the_producer_uploads(
         embedded, reference, remote, proxy, tmp_path):
     # Shard 4's upload stalls 3 s and the staging limit holds the writer meanwhile: the loader is
-    # certain to read shards before the cache is complete.
+    # certain to read shards before the cache is complete. One writer, so that shards 0-3 (the loader's
+    # first window) are up before shard 4 (with several, shard 4 may be sealed first and hold them back).
     proxy.fail_next(1, "stall", match=matching(method="PUT", suffix="/shard-000004.tar"), stall_s=3)
-    producer = start(remote.cmd(embedded, tmp_path / "staging", "--staging-limit", "1",
+    producer = start(remote.cmd(embedded, tmp_path / "staging", "--staging-limit", "1", "--writer-threads", "1",
                                 options=_options(proxy.endpoint)), env=ENV)
     seen: list[tuple[float, list[int], list[bool]]] = []
     try:
