@@ -96,7 +96,7 @@ def _read_holder(fd: int) -> dict | None:
     for _ in range(10):
         try:
             record = json.loads(os.pread(fd, 65536, 0) or b"null")
-        except (OSError, ValueError, RecursionError):  # JSON nested past the parser's depth is a bad record too
+        except (OSError, ValueError, RecursionError):  # JSON nested past the parser's depth: a bad record
             record = None
         if isinstance(record, dict):
             return record

@@ -32,8 +32,8 @@ def load_extension(module: str, abi_function: str, abi: int, what: str) -> ctype
     function = getattr(lib, abi_function, None)
     built = function() if function is not None else None
     if built != abi:
-        log.warning("the native %s at %s was built from other sources (ABI %s, these are %s): it runs in Python, "
-                    "slower, until it is rebuilt: %s", what, extension.__file__, built, abi, REBUILD)
+        log.warning("the native %s at %s was built from other sources (ABI %s, these are %s): it runs in "
+                    "Python, slower, until it is rebuilt: %s", what, extension.__file__, built, abi, REBUILD)
         return None
     return lib
 

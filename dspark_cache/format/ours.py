@@ -49,8 +49,8 @@ def check_directories(paths: CachePaths) -> None:
         raise CacheDirectoryError(f"--output-dir {paths.root} exists and is not a directory; choose another --output-dir")
     blocker = _nearest_existing_parent(paths.root)
     if not os.path.isdir(blocker):  # no directory can be made under a file
-        raise CacheDirectoryError(f"--output-dir {paths.root} cannot hold a cache: {blocker} is a file, not a "
-                                  "directory; choose another --output-dir")
+        raise CacheDirectoryError(f"--output-dir {paths.root} cannot hold a cache: {blocker} is a file, not "
+                                  "a directory; choose another --output-dir")
     for sub in _cache_dirs(paths):
         if os.path.islink(sub):
             raise CacheDirectoryError(

@@ -45,7 +45,8 @@ def process_gone(status: RankStatus) -> bool:
         return False
 
 
-def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S, *, processes: bool = False) -> bool:
+def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S, *,
+                 processes: bool = False) -> bool:
     """Whether the rank claims to be working and its heartbeat is at most ``timeout`` s old; with
     ``processes``, also that its process is not known gone (:func:`process_gone`: a SIGKILLed rank on
     this host is seen at once, not ``timeout`` s later).
@@ -56,7 +57,8 @@ def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S,
             and not (processes and process_gone(status)))
 
 
-def rank_is_stale(status: RankStatus, now: float, timeout: float = STALE_AFTER_S, *, processes: bool = False) -> bool:
+def rank_is_stale(status: RankStatus, now: float, timeout: float = STALE_AFTER_S, *,
+                  processes: bool = False) -> bool:
     """Whether the rank claims to be working but has been silent for more than ``timeout`` s (or, with
     ``processes``, its process is known gone)."""
     return status.state in ACTIVE_RANK_STATES and not rank_is_live(status, now, timeout, processes=processes)

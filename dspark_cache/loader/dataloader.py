@@ -162,8 +162,7 @@ class DSparkLoader(NemoAttributes):
                              f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
                              "re-produced with --overwrite), whose order is of other samples; start its first "
                              "epoch from the beginning instead of loading this state")
-        bad = [f"{k}={state.get(k)!r}" for k in ("epoch", "offset")
-               if not isinstance(state.get(k), numbers.Integral) or isinstance(state.get(k), bool) or state[k] < 0]
+        bad = [f"{k}={state.get(k)!r}" for k in ("epoch", "offset") if not _count(state.get(k))]
         if bad:  # int() would take 1.5 or "3", and a negative offset would shift the epoch silently
             raise ValueError(f"loader state {', '.join(bad)}: epoch and offset are whole numbers >= 0, as "
                              "state_dict() writes them; pass the state it returned, unchanged")
@@ -172,6 +171,11 @@ class DSparkLoader(NemoAttributes):
     def close(self) -> None:
         self.reader.close()
         self.cache.close()
+
+
+def _count(value: Any) -> bool:
+    """A whole number >= 0 (not a bool, a float or a string that ``int()`` would take)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **kwargs: Any) -> DSparkLoader:
@@ -207,8 +211,8 @@ def _options_signature() -> inspect.Signature:
               inspect.Parameter("batch_size", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="int")]
     for option in dataclasses.fields(LoaderConfig):
         if option.name != "batch_size":
-            params.append(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=option.default,
-                                            annotation=option.type))
+            params.append(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=option.default, annotation=option.type))
     return inspect.Signature(params, return_annotation="DSparkLoader")
 
 

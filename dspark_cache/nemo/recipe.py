@@ -53,11 +53,11 @@ def recipe_module() -> ModuleType:
             return importlib.import_module(name)
         except ModuleNotFoundError as exc:
             if exc.name is None or not name.startswith(exc.name):  # it exists but needs what is missing
-                raise ImportError(f"cannot import {name} ({exc}); install what it needs, or nemo-automodel==0.7.0 "
-                                  "afresh in this environment") from exc
+                raise ImportError(f"cannot import {name} ({exc}); install what it needs, or "
+                                  "nemo-automodel==0.7.0 afresh in this environment") from exc
             absent.append(f"{name} ({exc})")
-    raise ImportError(f"cannot import NeMo's train_dspark recipe: {'; '.join(absent)}; install NVIDIA's recipe with "
-                      "`pip install nemo-automodel==0.7.0` in this environment")
+    raise ImportError(f"cannot import NeMo's train_dspark recipe: {'; '.join(absent)}; install NVIDIA's "
+                      "recipe with `pip install nemo-automodel==0.7.0` in this environment")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -188,9 +188,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how many layers NeMo's spread picks when --target-layer-ids is not given")
     p.add_argument("--target-layer-ids", type=_int_list("layer ids", "1,9,17"), nargs="+", action=_Joined,
                    default=None, metavar="ID",
-                   help="explicit layer ids (NeMo convention), as 1 9 17 or 1,9,17 (--target-layer-ids=-1,3 when "
-                   "a comma list starts with -1); may be more than one drafter uses: training takes any subset "
-                   "(build_dataloader(..., target_layer_ids=...), or NeMo's recipe)")
+                   help="explicit layer ids (NeMo convention), as 1 9 17 or 1,9,17 (--target-layer-ids=-1,3 "
+                   "when a comma list starts with -1); may be more than one drafter uses: training takes any "
+                   "subset (build_dataloader(..., target_layer_ids=...), or NeMo's recipe)")
     p.add_argument("--for-draft-layers", type=_depths, default=None, metavar="D1,D2,...",
                    help="capture the union of NeMo's default layer spreads for drafters of these depths (e.g. "
                    "1,2,3,5), so that one cache trains each of them; the log and --dry-run say what it costs")
@@ -215,9 +215,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host bytes staged between device and writers before the device waits, all writers' "
                    "batches together (default 1 GiB)")
     p.add_argument("--writer-threads", type=int, default=None,
-                   help="shards written at once, each by its own thread (default: one per core this rank has, at "
-                   f"most {MAX_WRITER_THREADS}; here {default_writer_threads()}); the cache's bytes do not depend on "
-                   "it; --max-inflight-bytes should hold a batch for each, and one more")
+                   help="shards written at once, each by its own thread (default: one per core this rank "
+                   f"has, at most {MAX_WRITER_THREADS}; here {default_writer_threads()}); the cache's bytes "
+                   "do not depend on it; --max-inflight-bytes should hold a batch for each, and one more")
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows: stop during planning (default) or skip and count them")
     p.add_argument("--max-row-bytes", type=int, default=1 << 28,
@@ -242,8 +242,8 @@ def _int_list(what: str, example: str) -> Callable[[str], list[int]]:
         try:
             return [int(part) for part in text.split(",") if part.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}, e.g. {example}") \
-                from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of {what}, e.g. {example}") from None
 
     return parse
 
@@ -303,8 +303,9 @@ def validate_config(cfg: ProduceConfig) -> None:
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.writer_threads is not None and cfg.writer_threads > WRITER_THREADS_LIMIT:
-        raise ConfigError(f"--writer-threads {cfg.writer_threads} is over {WRITER_THREADS_LIMIT} (a thread and an "
-                          f"open shard each); {MAX_WRITER_THREADS} keep up with any one GPU: pass fewer")
+        raise ConfigError(f"--writer-threads {cfg.writer_threads} is over {WRITER_THREADS_LIMIT} (a thread "
+                          f"and an open shard each); {MAX_WRITER_THREADS} keep up with any one GPU: pass "
+                          "fewer")
     # The readers refuse what the format cannot hold (format/validate.py): refuse it here, not after hours.
     if cfg.seq_length > MAX_SEQ_LENGTH:
         raise ConfigError(f"--seq-length {cfg.seq_length} is over {MAX_SEQ_LENGTH}, the longest sample a cache's "

@@ -83,7 +83,8 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
     return old
 
 
-def preflight_disk(output: CacheOutput, plan: Plan, done: Collection[int], force: bool, writers: int = 1) -> None:
+def preflight_disk(output: CacheOutput, plan: Plan, done: Collection[int], force: bool,
+                   writers: int = 1) -> None:
     """Refuse to start when the shards still to write need more than the free space (unless ``--force``);
     ``writers``: shards written at once."""
     todo = plan.bytes_missing(done)

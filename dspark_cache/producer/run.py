@@ -110,7 +110,7 @@ def _run_locked(p: Prepared, topology: Topology, run_id: str, existing: Manifest
         return _run_rank(p, topology, run_id, existing, status, stop, started)
     except BaseException as exc:
         status.update(force=True, state=RankState.FAILED, last_error=str(exc) or type(exc).__name__)
-        shard = status.status.shard  # the shard that failed (a writer's, else the device's); the monitor marks it
+        shard = status.status.shard  # the failed shard (a writer's, else the device's): the monitor marks it
         status.event(EventKind.ERROR, f"producer failed: {exc}", **({"shard": shard} if shard is not None else {}))
         raise
     finally:

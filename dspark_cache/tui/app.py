@@ -30,7 +30,8 @@ from dspark_cache.tui.widgets.stages import StageBreakdown
 from dspark_cache.tui.widgets.throughput import ThroughputChart
 from dspark_cache.tui.widgets.warnings import FileWarnings
 
-STOP_NOTICE = Para(words("stop requested: the producer finishes the shards in flight, then exits", "yellow"), " ")
+STOP_NOTICE = Para(words("stop requested: the producer finishes the shards in flight, then exits", "yellow"),
+                   " ")
 COMPACT = "-compact"  # the app's class below COMPACT_BELOW cells: panels lose their side borders
 COMPACT_BELOW = (100, 32)  # (width, height): an 80x24 terminal is compact
 TITLES = {"progress": "progress", "throughput": "throughput", "disk": "disk", "ranks": "ranks",
@@ -183,7 +184,8 @@ class MonitorApp(App[None]):
         if message.refused is not None:
             self.notify(f"could not ask the producer to stop: {message.refused}", severity="error", markup=False)
         else:
-            self.notify("asked the producer to stop after the shards in flight (rerun dspark-produce to resume)")
+            self.notify("asked the producer to stop after the shards in flight "
+                        "(rerun dspark-produce to resume)")
 
     def action_help(self) -> None:
         """``?``: the help screen."""

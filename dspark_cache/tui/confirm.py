@@ -10,8 +10,8 @@ from textual.screen import ModalScreen
 from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.widgets.fitted import Fitted
 
-QUESTION = ("Stop it gracefully and quit? It finishes the shards in flight and exits with code 3; rerun the same "
-            "dspark-produce command to resume. Its log: $log")
+QUESTION = ("Stop it gracefully and quit? It finishes the shards in flight and exits with code 3; rerun the "
+            "same dspark-produce command to resume. Its log: $log")
 
 
 def question(log_path: str) -> list[Para]:

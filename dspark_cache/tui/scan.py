@@ -91,7 +91,8 @@ class CacheScanner:
         one (the snapshot on screen may be a refresh old, so the heartbeats are read again).
         """
         now = self.clock()
-        if not any(rank_is_live(status, now, self.patience, processes=True) for status in self._read_statuses()):
+        statuses = self._read_statuses()
+        if not any(rank_is_live(status, now, self.patience, processes=True) for status in statuses):
             return "no producer is running here (no rank has a fresh heartbeat), so there is nothing to stop"
         return self._write_stop(stop_note(now))
 

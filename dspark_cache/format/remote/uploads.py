@@ -12,8 +12,9 @@ Staging is bounded: ``submit`` blocks while the tars not yet uploaded would exce
 (one shard is always let through), which holds the writer, then the staging ring, then the device,
 exactly as a slow local disk does. The producer's writer lanes submit side by side, each with its
 shard sealed (or still being written) beside the limit's worth: the staging disk holds at most the
-limit, one shard let through and one shard a writer (``RemoteOutput.space_needed``). The first failure is kept and raised by the next ``submit`` or by
-:meth:`flush`; a shard whose upload failed is not published, and a rerun recomputes it.
+limit, one shard let through and one shard a writer (``RemoteOutput.space_needed``). The first
+failure is kept and raised by the next ``submit`` or by :meth:`flush`; a shard whose upload failed
+is not published, and a rerun recomputes it.
 """
 
 from __future__ import annotations

@@ -128,23 +128,23 @@ class TarAppender:
             owners[i] = piece.owner
             alive.append(keep)
         out = np.zeros(samples, dtype=np.uint64)
-        rc = self._lib.dspark_append(self.fd, self._state, ptrs.ctypes.data, lens.ctypes.data, owners.ctypes.data,
-                                     n, out.ctypes.data, samples)
+        rc = self._lib.dspark_append(self.fd, self._state, ptrs.ctypes.data, lens.ctypes.data,
+                                     owners.ctypes.data, n, out.ctypes.data, samples)
         if rc:
             raise OSError(-rc, os.strerror(-rc))
         return [int(h) for h in out]
 
 
 def _check_owners(pieces: list[Piece], samples: int) -> None:
-    """Samples 0..samples-1 in order, each with a piece, each one's pieces together: a ``ValueError`` otherwise
-    (``csrc/append.c`` checks the same)."""
+    """Samples 0..samples-1 in order, each with a piece, each one's pieces together: a ``ValueError``
+    otherwise (``csrc/append.c`` checks the same)."""
     current = highest = -1
     for piece in pieces:
         if piece.owner != current:
             current = piece.owner
             if current >= 0 and current != highest + 1:
-                raise ValueError(f"piece owners must name samples 0..{samples - 1} in order, each one's pieces "
-                                 f"together; sample {current} comes after sample {highest}")
+                raise ValueError(f"piece owners must name samples 0..{samples - 1} in order, each one's "
+                                 f"pieces together; sample {current} comes after sample {highest}")
             highest = max(highest, current)
     if highest != samples - 1:
         raise ValueError(f"pieces name samples 0..{highest}, not the {samples} samples asked for")

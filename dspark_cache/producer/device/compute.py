@@ -136,7 +136,7 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
             p = dataclasses.replace(p, device=runner.device)
         if topology.group == 0:
             ensure_target_weights(p, runner)
-        stats, _ = _write_shards(p, owned, status, stop, runner.forward, p.cfg.writers, stop)
+        stats, _ = _write_shards(p, owned, status, runner.forward, p.cfg.writers, stop)
         return Computed(stats)
     with _model_group(p, topology, status, run_id) as sync:
         runner = _loaded(p, status, distributed_config(topology))
@@ -147,8 +147,9 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
             return _follow_shards(p, owned, status, stop, runner, sync, lanes)
         agreed = _AgreedStop(sync, stop)
         try:
-            stats, group_stopped = _write_shards(p, owned, status, stop, _tracked(runner, sync), lanes, agreed,
-                                                 f" as the writer of model-parallel group {topology.group}")
+            role = f" as the writer of model-parallel group {topology.group}"
+            forward = _tracked(runner, sync)
+            stats, group_stopped = _write_shards(p, owned, status, forward, lanes, agreed, role)
         finally:
             sync.close()
         return Computed(stats, group_stopped or agreed.drained)
@@ -201,9 +202,10 @@ def _tracked(runner: TargetRunner, sync: GroupSync) -> Forward:
     return forward
 
 
-def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag, forward: Forward,
-                  writers: int, should_stop: Callable[[], bool], role: str = "") -> tuple[PipelineStats, bool]:
-    """The pipeline over ``owned``: ``(stats, whether a model-parallel partner stopped the group)``."""
+def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, forward: Forward, writers: int,
+                  should_stop: Callable[[], bool], role: str = "") -> tuple[PipelineStats, bool]:
+    """The pipeline over ``owned``, ``writers`` shards at once, asking ``should_stop`` before each batch:
+    ``(stats, whether a model-parallel partner stopped the group)``."""
     status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device}{role}",
                  shards=[s.shard_id for s in owned], device=str(p.device))
     done_before = p.output.published()
@@ -253,7 +255,7 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, s
     except GroupStopped:  # a partner ended: the shards in flight were abandoned, a rerun computes them
         return latest, True
     except BaseException as exc:
-        if latest.failed_shard is not None:  # a writer failed: the run's error names its shard, not the device's
+        if latest.failed_shard is not None:  # a writer failed: the error names its shard, not the device's
             status.update(force=True, shard=latest.failed_shard)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             raise _disk_full(p, exc) from exc

@@ -112,12 +112,9 @@ class GroupSync:
         self.ended = False  # some rank said no: every rank has left the agreement
         self.in_forward = False  # set by the writer around its forwards (see close)
 
-    def vote(self, go: bool) -> bool:
-        """True when every rank of the group says ``go`` (a collective: every rank must call it)."""
-        return self.agree(GO if go else END) != END
-
     def agree(self, word: int) -> int:
-        """The least of every rank's ``word`` (``GO``, ``DRAIN``: begin no shard, ``END``: no more batches)."""
+        """The least of every rank's ``word``: ``GO``, ``DRAIN`` (begin no shard), ``END`` (no more
+        batches)."""
         agreed = self.least(word)
         self.ended = self.ended or agreed == END
         return agreed
@@ -132,11 +129,11 @@ class GroupSync:
         return int(tensor.item())
 
     def close(self) -> None:
-        """This rank's last word, "no more batches": the others' next vote meets it. Skipped once the
+        """This rank's last word, ``END``: the others' next agreement meets it. Skipped once the
         agreement has ended, and after a forward that failed midway (the others may still be inside its
         collectives: the watch ends them)."""
         if not self.ended and not self.in_forward:
-            self.vote(False)
+            self.agree(END)
 
 
 def join_group(topology: Topology, device: torch.device, store: Any) -> GroupSync:

@@ -137,6 +137,7 @@ def run_pipeline(
     stats = PipelineStats()
     writers = WriterLanes(writer_threads, output, shape, ring, stats, on_published, on_nonfinite, durable)
     step: _Step | None = None
+    raised = True  # until the loop ends by itself
     try:
         writers.start()
         step = _Step(forward, shape, device, pad_id, check_finite, ring, writers, stats, stager)
@@ -152,14 +153,12 @@ def run_pipeline(
             if not step.run(planned):
                 break
             on_batch(stats, ring)
-    except BaseException:
-        writers.close()
-        if writers.error is not None:  # two failures at once: the main thread's goes up, the writer's is told
-            log.error("a writer failed too, on shard %s: %s", writers.failed_shard, writers.error)
-        raise
+        raised = False
     finally:
         try:
             writers.close()
+            if raised and writers.error is not None:  # two failures: the main thread's goes up, this is told
+                log.error("a writer failed too, on shard %s: %s", writers.failed_shard, writers.error)
         finally:
             # A batch claimed but never queued (an exception between claim and put) may still
             # be copying into the ring: no copy may run into memory being unpinned.
@@ -180,9 +179,10 @@ def _warn_if_lanes_starve(capacity: int, sizes: list[int], writers: int, shards:
     typical = sorted(sizes)[len(sizes) // 2]
     wanted = (min(writers, shards) + 1) * typical
     if capacity < min(wanted, sum(sizes)):
-        log.warning("the staging ring (--max-inflight-bytes, %.2f GB) holds about %d of this run's batches (%.0f MB "
-                    "typical): %d writer threads cannot all be busy; pass --max-inflight-bytes %d or more, or fewer "
-                    "--writer-threads", capacity / 1e9, capacity // typical, typical / 1e6, writers, wanted)
+        log.warning("the staging ring (--max-inflight-bytes, %.2f GB) holds about %d of this run's "
+                    "batches (%.0f MB typical): %d writer threads cannot all be busy; pass "
+                    "--max-inflight-bytes %d or more, or fewer --writer-threads",
+                    capacity / 1e9, capacity // typical, typical / 1e6, writers, wanted)
 
 
 class _Step:

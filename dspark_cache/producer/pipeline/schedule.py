@@ -61,12 +61,9 @@ class ShardSchedule:
         self._draining = False
 
     def drain(self) -> None:
+        """Begin no shard from now on: a lane given a shard of which no batch was handed out lets it go."""
         self._draining = True
-
-    @property
-    def open_shards(self) -> list[int]:
-        """The shards begun and not yet handed out whole."""
-        return [lane[0].shard_id for lane in self._lanes if lane is not None]
+        self._lanes = [None if lane is None or lane[1] == 0 else lane for lane in self._lanes]
 
     def __iter__(self) -> Iterator[Step]:
         while (step := self.next()) is not None:

@@ -106,7 +106,8 @@ class WriterLanes:
         with self._announce:
             self._on_published(shard, index)
 
-    def counted(self, samples: int, tokens: int, seconds: float, *, published: ShardIndex | None = None) -> None:
+    def counted(self, samples: int, tokens: int, seconds: float, *,
+                published: ShardIndex | None = None) -> None:
         with self._count:
             self.stats.samples += samples
             self.stats.tokens += tokens

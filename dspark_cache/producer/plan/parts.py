@@ -140,12 +140,13 @@ class TemplateLoopsError(CacheError):
 def _stop_a_looping_template(firsts: list[tuple[RawRow, EncodedRow | InvalidRow]]) -> None:
     """Raise once the first ``LOOP_PROBE`` rows all ran out of render time (each costs the whole deadline:
     a dataset's worth of them would take days to be reported)."""
-    if len(firsts) == LOOP_PROBE and all(isinstance(r, InvalidRow) and r.reason == TOO_SLOW for _, r in firsts):
+    timed_out = [isinstance(result, InvalidRow) and result.reason == TOO_SLOW for _, result in firsts]
+    if len(firsts) == LOOP_PROBE and all(timed_out):
         first_row, first = firsts[0]
         raise TemplateLoopsError(
-            f"the chat template loops: {LOOP_PROBE} of {LOOP_PROBE} rows took over the render deadline (first: "
-            f"{first_row.where}: {first.detail}); fix the template (--chat-template, or the tokenizer's own), "
-            "then rerun")
+            f"the chat template loops: {LOOP_PROBE} of {LOOP_PROBE} rows took over the render deadline "
+            f"(first: {first_row.where}: {first.detail}); fix the template (--chat-template, or the "
+            "tokenizer's own), then rerun")
 
 
 def encode_part(paths: CachePaths, encoded: Iterable[tuple[RawRow, EncodedRow | InvalidRow]], part: int,

@@ -58,8 +58,8 @@ class StopFlag:
         if self.event.is_set():
             return
         self.reason = "parent process died"
-        log.warning("our parent process (torchrun's agent, or the monitor) died: finishing the shards in flight, "
-                    "then stopping")
+        log.warning("our parent process (torchrun's agent, or the monitor) died: finishing the shards in "
+                    "flight, then stopping")
         self.event.set()
 
     def __call__(self) -> bool:
