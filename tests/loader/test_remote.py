@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -221,6 +223,51 @@ def test_a_local_copy_others_may_write_or_own_is_refused_naming_it(remote, tmp_p
     with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
         assert cache.cache.backing.root == root
 
+
+# Holds an flock on a file as a download in progress does (as if in another pid namespace, or on another
+# host sharing the directory: the pid in the name is none of this machine's), until its stdin closes.
+_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_download_temporary_is_removed_only_once_no_process_holds_it(remote, tmp_path):
+    node = str(tmp_path / "node")
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
+        tmp_dir = os.path.join(cache.cache.backing.root, ".mirror", "tmp")
+    held = os.path.join(tmp_dir, "shard-000001.tar.4194999.1")  # above any pid_max: no such pid here
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, held], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        left = os.path.join(tmp_dir, f"shard-000002.tar.{os.getpid()}.1")  # its pid alive here, its writer gone
+        with open(left, "wb") as handle:
+            handle.write(b"partial")
+        with dspark_cache.open_cache(remote, local_cache_dir=node):  # each open cleans the temporaries
+            assert os.path.exists(held) and not os.path.exists(left)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    with dspark_cache.open_cache(remote, local_cache_dir=node):  # its holder died: its lock with it
+        assert not os.path.exists(held)
+
+
+def test_a_local_copy_removed_under_a_reader_is_named_not_blamed_on_the_store(remote, tmp_path):
+    node = str(tmp_path / "node")
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
+        root = cache.cache.backing.root
+        shutil.rmtree(os.path.join(root, ".mirror", "tmp"))  # a cleaner of the node's disk, say
+        said = rf"the local copy of s3://\S+/runs/cache at {re.escape(root)} lost \S+ while it was in use"
+        with pytest.raises(LocalCopyError, match=said) as lost:
+            cache.read(0)
+        assert "not in the store" not in str(lost.value) and "rerun" in str(lost.value)
+        shutil.rmtree(node)
+        with pytest.raises(LocalCopyError, match=said):
+            cache.read(len(cache) - 1)
 
 def test_two_endpoints_with_the_same_bucket_and_prefix_never_share_a_local_copy(local, s3_env, tmp_path):
     """Two stores (two servers) each hold a cache at s3://same-bucket/runs/cache, different caches: readers

@@ -123,15 +123,25 @@ class NodeMirror:
         return os.path.exists(self.paths.manifest)
 
     def refresh_manifest(self, *, force: bool = False) -> None:
-        """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``)."""
-        if self._due("manifest", force):
-            self.copies.copy(MANIFEST)
+        """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``, or at once where the
+        local copy is gone: the store, not a removed local file, says whether the cache is there)."""
+        if self._due("manifest", force) or not os.path.exists(self.paths.manifest):
+            try:
+                self.copies.copy(MANIFEST)
+            except FileNotFoundError as exc:  # the store's absent manifest is no error: this is the local directory
+                raise self._vanished(exc) from exc
 
     def refresh_listing(self, *, force: bool = False) -> None:
         """List the shards in the store; copy new or changed indexes in, drop the local copies of
         shards that are no longer published (at most every ``poll`` s unless ``force``)."""
         if not self._due("listing", force):
             return
+        try:
+            self._refresh_listing()
+        except FileNotFoundError as exc:
+            raise self._vanished(exc) from exc
+
+    def _refresh_listing(self) -> None:
         listing = self.store.list(SHARDS_DIR)
         with self._lock:
             self._listing = listing
