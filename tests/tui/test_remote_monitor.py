@@ -223,7 +223,7 @@ def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, 
         assert open(path, "rb").read() == store.get(paths.relative(path))[0], path
     view.close()
     os.chmod(root, 0o757)
-    with pytest.raises(LocalCopyError, match=rf"monitor's copy {re.escape(root)} is writable by other users"):
+    with pytest.raises(LocalCopyError, match=rf"monitor's copy {re.escape(root)} is writable by other"):
         RemoteView(complete, storage)
     argv = [complete, "--once", "--local-cache-dir", str(tmp_path / "node"), "--storage-options",
             json.dumps(options(s3_server))]

@@ -40,7 +40,7 @@ class CopiedFrom(msgspec.Struct, frozen=True):
     etag: str
     inode: int
     ctime_ns: int
-    md5: bool = False  # the ETag is the MD5 of the bytes copied: the copy is checked against the store's ETag
+    md5: bool = False  # the ETag is the MD5 of the bytes copied: the copy is checked against the ETag
 
 
 def md5_etag(etag: str) -> str | None:
@@ -56,26 +56,31 @@ def file_md5(path: str, limit: int) -> str | None:
             data = handle.read(limit + 1)
     except FileNotFoundError:
         return None
-    return None if len(data) > limit else hashlib.md5(data, usedforsecurity=False).hexdigest()
+    return None if len(data) > limit else _md5(data)
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 def describe(path: str, info: ObjectInfo, data: bytes | None = None) -> CopiedFrom | None:
-    """The record of the file at ``path`` as the copy of the store's version ``info`` (``data``: the bytes the
-    store sent, when at hand); ``None`` where the file is gone."""
+    """The record of the file at ``path`` as the copy of the store's version ``info`` (``data``: the bytes
+    the store sent, when at hand); ``None`` where the file is gone."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return None
     digest = md5_etag(info.etag)
-    md5 = data is not None and digest is not None and hashlib.md5(data, usedforsecurity=False).hexdigest() == digest
+    md5 = data is not None and digest is not None and _md5(data) == digest
     return CopiedFrom(info.size, info.etag, st.st_ino, st.st_ctime_ns, md5)
 
 
 StatKey = tuple[int, int, int, int]
 
 
-def authenticate(path: str, entry: CopiedFrom, limit: int, verified: StatKey | None = None) -> StatKey | None:
-    """The file's stat key where it is the copy ``entry`` records (see the module's docstring), else ``None``.
+def authenticate(path: str, entry: CopiedFrom, limit: int,
+                 verified: StatKey | None = None) -> StatKey | None:
+    """The file's stat key where it is the copy ``entry`` records (the module's docstring), else ``None``.
     ``verified``: the key it had when last authenticated (an unchanged file is not read again)."""
     try:
         st = os.stat(path)

@@ -111,13 +111,13 @@ def _check_owned(path: str, what: str, option: str) -> None:
         raise LocalCopyError(f"the {what} {path} is not a directory; remove it or choose another {option}")
     if st.st_uid != me:
         raise LocalCopyError(
-            f"the {what} {path} belongs to another user (uid {st.st_uid}, not {me}): its files could have been "
-            f"put there by them, and are not read as the store's. Choose a {option} of your own")
+            f"the {what} {path} belongs to another user (uid {st.st_uid}, not {me}): its files could have "
+            f"been put there by them, and are not read as the store's. Choose a {option} of your own")
     if st.st_mode & _UNSAFE_BITS:
         raise LocalCopyError(
-            f"the {what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): its files could "
-            f"have been put there by them, and are not read as the store's. Run chmod go-w {path} if only you "
-            f"wrote there (or remove it), or choose another {option}")
+            f"the {what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): its files "
+            f"could have been put there by them, and are not read as the store's. Run chmod go-w {path} if "
+            f"only you wrote there (or remove it), or choose another {option}")
 
 
 class Temporaries:

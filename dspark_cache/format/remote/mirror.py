@@ -123,12 +123,12 @@ class NodeMirror:
         return os.path.exists(self.paths.manifest)
 
     def refresh_manifest(self, *, force: bool = False) -> None:
-        """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``, or at once where the
-        local copy is gone: the store, not a removed local file, says whether the cache is there)."""
+        """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``, or at once where
+        the local copy is gone: the store, not a removed local file, says whether the cache is there)."""
         if self._due("manifest", force) or not os.path.exists(self.paths.manifest):
             try:
                 self.copies.copy(MANIFEST)
-            except FileNotFoundError as exc:  # the store's absent manifest is no error: this is the local directory
+            except FileNotFoundError as exc:  # not the store's (an absent manifest is no error): ours
                 raise self._vanished(exc) from exc
 
     def refresh_listing(self, *, force: bool = False) -> None:
@@ -154,7 +154,8 @@ class NodeMirror:
             if shard is None:
                 continue
             gone = name not in listing
-            stale = shard[1] == "tar" and not gone and not self.copies.unchanged(f"{SHARDS_DIR}/{name}", listing[name])
+            stale = shard[1] == "tar" and not gone and not self.copies.unchanged(
+                f"{SHARDS_DIR}/{name}", listing[name])
             if (gone or stale) and not self._used_here(shard[0]):
                 self.copies.remove(f"{SHARDS_DIR}/{name}")
 
@@ -185,10 +186,10 @@ class NodeMirror:
             return shard_id in self._in_use
 
     def _vanished(self, exc: FileNotFoundError) -> LocalCopyError:
-        """A file of this node's copy gone under us (its directory removed or cleaned): never the store's fault."""
+        """A file of this node's copy gone under us (its directory removed or cleaned): not the store's."""
         return LocalCopyError(
-            f"the local copy of {self.remote} at {self.root} lost {exc.filename} while it was in use (was the "
-            "directory removed or cleaned by another program?); rerun (it is made again), or give "
+            f"the local copy of {self.remote} at {self.root} lost {exc.filename} while it was in use (was "
+            "the directory removed or cleaned by another program?); rerun (it is made again), or give "
             "--local-cache-dir / local_cache_dir a directory nothing else cleans")
 
     def _lock_file(self, kind: str, shard_id: int) -> str:
@@ -218,9 +219,9 @@ class NodeMirror:
                 self._download(index)
             finally:
                 os.close(fd)
+            self._evict()
         except FileNotFoundError as exc:  # the store's missing objects are reported in _download
             raise self._vanished(exc) from exc
-        self._evict()
 
     def _download(self, index: ShardIndex) -> None:
         tar = self.paths.shard_tar(index.shard_id)
@@ -234,14 +235,14 @@ class NodeMirror:
                 except FileNotFoundError as exc:
                     if exc.filename is not None:  # a local file (the client names none for a missing object)
                         raise
-                    raise CorruptShardError(self.store.name(relative), "the tar is not in the store although its "
-                                            "index is published") from exc
+                    raise CorruptShardError(self.store.name(relative), "the tar is not in the store "
+                                            "although its index is published") from exc
                 problem = _check_tar(tmp, index, digest.intdigest())
                 if problem is None:
                     os.replace(tmp, tar)
                     use = self._lock_file("use", index.shard_id)
                     os.utime(use if os.path.exists(use) else tar)
-                    self.copies.record(relative, info)  # after the utime: the record names the file as it stays
+                    self.copies.record(relative, info)  # after the utime: it names the file as it stays
                     with self._lock:
                         self.downloads += 1
                     return

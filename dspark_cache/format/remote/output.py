@@ -36,8 +36,8 @@ from dspark_cache.format.remote.lease import Lease
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
 from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
 from dspark_cache.format.remote.pull import StagingPull
-from dspark_cache.format.remote.staging import (claim_staging, default_staging_dir, discard_staging, missing_top,
-                                                staging_identity)
+from dspark_cache.format.remote.staging import (claim_staging, default_staging_dir, discard_staging,
+                                                missing_top, staging_identity)
 from dspark_cache.format.remote.sync import StagingSync
 from dspark_cache.format.remote.uploads import ShardUploads
 from dspark_cache.format.remote.url import RemoteURL
@@ -58,7 +58,8 @@ class RemoteOutput(CacheOutput):
                  staging_limit: int | None = None, rank: int = 0) -> None:
         storage = (storage or StorageOptions()).resolved()
         self.url = RemoteURL.parse(url)
-        super().__init__(staging_dir or default_staging_dir(self.url, storage.local_cache_dir, storage.storage_options))
+        super().__init__(staging_dir or default_staging_dir(self.url, storage.local_cache_dir,
+                                                            storage.storage_options))
         self.shown = str(self.url)
         self._made = missing_top(self.root)  # what a run failing before any shard removes (drop_lock)
         self.store = ObjectStore(self.url, storage.storage_options)

@@ -27,8 +27,8 @@ class StagingDirectoryError(CacheError):
 
 def default_staging_dir(url: RemoteURL, local_cache_dir: str | None,
                         storage_options: dict[str, Any] | None = None) -> str:
-    """``<local cache dir>/staging/<scheme>/<store>/<bucket>/<prefix>``: next to the readers' copies, never one
-    of them, and one per store (``<store>``: the endpoint or account, :func:`.localdir.store_key`)."""
+    """``<local cache dir>/staging/<scheme>/<store>/<bucket>/<prefix>``: next to the readers' copies, never
+    one of them, and one per store (``<store>``: the endpoint or account, :func:`.localdir.store_key`)."""
     return local_copy_dir("staging", url, storage_options, local_cache_dir)[1]
 
 
@@ -68,8 +68,9 @@ def claim_staging(paths: CachePaths, url: str) -> None:
 
 
 def missing_top(root: str) -> str | None:
-    """The outermost directory on the way to ``root`` (``root`` included) that is not there yet: what a run
-    that creates ``root`` makes, and a failed one removes (:func:`discard_staging`); ``None``: ``root`` is there."""
+    """The outermost directory on the way to ``root`` (``root`` included) that is not there yet: what
+    a run that creates ``root`` makes, and a failed one removes (:func:`discard_staging`); ``None``:
+    ``root`` is there."""
     top, up = None, os.path.abspath(root)
     while not os.path.lexists(up):
         top, up = up, os.path.dirname(up)

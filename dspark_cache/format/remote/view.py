@@ -90,8 +90,8 @@ class RemoteView:
                                          dir=os.path.dirname(self.root))
             self._private = True
         self.paths = CachePaths(self.root)
-        for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir, self.paths.control_dir,
-                          os.path.join(self.root, _STATE)):
+        for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir,
+                          self.paths.control_dir, os.path.join(self.root, _STATE)):
             own_directory(directory, self.root, what="monitor's copy")
         self._seen: dict[str, CopiedFrom] = {}  # relative path -> what its local copy was copied from
         self._verified: dict[str, StatKey] = {}  # relative path -> its stat when last authenticated
@@ -202,7 +202,8 @@ class RemoteView:
         directory removed. The names the store still has."""
         relative_dir = self.paths.relative(directory)
         kept = set(listed)
-        wanted = [name for name, info in sorted(listed.items()) if not self._current(f"{relative_dir}/{name}", info)]
+        wanted = [name for name, info in sorted(listed.items())
+                  if not self._current(f"{relative_dir}/{name}", info)]
         self.requests["get"] += len(wanted)  # counted here: the transfer threads only fetch
         fetched: Iterator[tuple[str, tuple[bytes, ObjectInfo] | None]]
         if len(wanted) > 1:
@@ -326,8 +327,9 @@ class RemoteView:
             if state.get("url") != self.remote:
                 return
             for relative, fields in state["seen"].items():  # each checked when it is next needed (_current)
-                self._seen[str(relative)] = CopiedFrom(int(fields[0]), str(fields[1]), int(fields[2]), int(fields[3]),
-                                                       bool(fields[4]))
+                size, etag, inode, ctime_ns, md5 = fields
+                self._seen[str(relative)] = CopiedFrom(int(size), str(etag), int(inode), int(ctime_ns),
+                                                       bool(md5))
             for rank, entry in state["logs"].items():
                 known = LogCopy(int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()})
                 path = self.paths.events(int(rank))
@@ -342,8 +344,9 @@ class RemoteView:
         state: dict[str, Any] = {
             "url": self.remote,
             "seen": {r: [v.size, v.etag, v.inode, v.ctime_ns, v.md5] for r, v in sorted(self._seen.items())},
-            "logs": {str(rank): {"first": known.first, "parts": {str(k): list(v) for k, v in sorted(known.parts.items())},
-                                 **dict(zip(("inode", "ctime_ns"), _identity(self.paths.events(rank)) or (-1, -1)))}
+            "logs": {str(rank): {"first": known.first,
+                                 "parts": {str(k): list(v) for k, v in sorted(known.parts.items())},
+                                 **_identity_of(self.paths.events(rank))}
                      for rank, known in sorted(self.logs.copies.items())}}
         text = json.dumps(state, sort_keys=True)
         if text != self._saved:
@@ -364,6 +367,12 @@ class RemoteView:
         if self._private:
             shutil.rmtree(self.root, ignore_errors=True)
             self._private = False
+
+
+def _identity_of(path: str) -> dict[str, int]:
+    """:func:`_identity` as the state file records it (-1: no file)."""
+    inode, ctime_ns = _identity(path) or (-1, -1)
+    return {"inode": inode, "ctime_ns": ctime_ns}
 
 
 def _identity(path: str) -> tuple[int, int] | None:
