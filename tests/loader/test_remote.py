@@ -170,6 +170,13 @@ def _plant(root: str, local: str) -> dict[str, bytes]:
     for path, data in planted.items():
         with open(path, "wb") as handle:  # written over, as anyone who may write the directory could
             handle.write(data)
+    # The index's record made to name the planted file: only the store's ETag (the MD5 of its bytes) tells.
+    seen = os.path.join(root, ".mirror", "seen", "shards%shard-000002.idx")
+    record = json.loads(open(seen).read())
+    assert record["md5"], record
+    st = os.stat(paths.shard_index(2))
+    with open(seen, "w") as handle:
+        json.dump({**record, "inode": st.st_ino, "ctime_ns": st.st_ctime_ns}, handle)
     return planted
 
 
