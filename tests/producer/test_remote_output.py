@@ -181,6 +181,19 @@ def test_produce_to_s3_equals_produce_to_a_directory(embedded, reference, remote
     assert {n for n in staged if n.endswith(".idx")} == {f"shard-{k:06d}.idx" for k in shards}
     _assert_samples_equal(remote, tmp_path / "node", reference)
     _assert_verified(remote, tmp_path / "node2", capsys)
+    # The staged manifest and an index written over in place (same size, same name): a rerun brings the
+    # store's down, never resumes from the planted bytes.
+    paths = CachePaths(str(staging))
+    planted = [paths.manifest, paths.shard_index(1)]
+    for path in planted:
+        with open(path, "r+b") as handle:
+            data = handle.read()
+            handle.seek(0)
+            handle.write(data.replace(b"0", b"1", 1))
+    again = run(remote.cmd(embedded, staging), env=ENV)
+    assert again.returncode == 0, again.stderr
+    for path in planted:
+        assert open(path, "rb").read() == store.get(paths.relative(path))[0], path
 
 
 # -- 2. SIGKILL between a tar and its index, resumed elsewhere ----------------------------------
