@@ -230,6 +230,20 @@ def test_a_local_copy_others_may_write_or_own_is_refused_naming_it(remote, tmp_p
         os.chown(root, 0, -1)
     with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
         assert cache.cache.backing.root == root
+    # A record others may write (a umask of 002, say) vouches for nothing: one rewritten to name a planted
+    # index (and to waive the ETag check) is not believed.
+    index = CachePaths(root).shard_index(3)
+    store_bytes = open(index, "rb").read()
+    with open(index, "r+b") as handle:
+        handle.write(store_bytes.replace(b"0", b"1", 1))
+    seen = os.path.join(root, ".mirror", "seen", "shards%shard-000003.idx")
+    st = os.stat(index)
+    record = {**json.loads(open(seen).read()), "inode": st.st_ino, "ctime_ns": st.st_ctime_ns, "md5": False}
+    with open(seen, "w") as handle:
+        json.dump(record, handle)
+    os.chmod(seen, 0o664)
+    with dspark_cache.open_cache(remote, local_cache_dir=node):
+        assert open(index, "rb").read() == store_bytes
 
 
 # Holds an flock on a file as a download in progress does (as if in another pid namespace, or on another

@@ -11,7 +11,8 @@ a small object whose ETag is the MD5 of its bytes (S3's, for a single PUT) is ha
 that ETag; any other copy must be the very file recorded when it was written (inode and ctime: a file
 put in its place, or written over, is neither). A manifest fetched anyway is compared byte for byte.
 Whoever may write the directory could forge the record too: ``localdir.own_directory`` refuses such
-directories.
+directories, and a record others may write (a umask of 002) is not believed (records are written
+writable by this user only).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import msgspec
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import MANIFEST
+from dspark_cache.format.remote.localdir import private, write_private
 from dspark_cache.format.remote.node import DaemonThreads
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
@@ -97,7 +99,7 @@ def authenticate(path: str, entry: CopiedFrom, limit: int,
 
 
 class LocalCopies:
-    """Copies of ``store``'s objects under ``root`` (paths relative to the cache), versions recorded in ``seen``."""
+    """Copies of ``store``'s objects under ``root`` (paths relative to the cache), versions in ``seen``."""
 
     def __init__(self, store: ObjectStore, root: str, seen: str) -> None:
         self.store, self.root, self._seen_dir = store, root, seen
@@ -114,6 +116,8 @@ class LocalCopies:
         """The record of the store's version the local copy is, if any (and readable)."""
         try:
             with open(self._seen(relative), "rb") as handle:
+                if not private(os.fstat(handle.fileno())):  # others may have rewritten it: no word of it holds
+                    return None
                 return msgspec.json.decode(handle.read(4096), type=CopiedFrom)
         except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
             return None  # none, or of an older layout: copied again
@@ -130,7 +134,7 @@ class LocalCopies:
                 pass
             return
         os.makedirs(self._seen_dir, exist_ok=True)
-        atomic_write_bytes(self._seen(relative), msgspec.json.encode(entry), durable=False)
+        write_private(self._seen(relative), msgspec.json.encode(entry))
 
     def remove(self, relative: str) -> None:
         try:

@@ -24,6 +24,7 @@ import stat
 import uuid
 from typing import Any, Iterator
 
+from dspark_cache.format.atomic import atomic_write_with
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.remote.node import hold_lock
 from dspark_cache.format.remote.store import client_endpoint
@@ -118,6 +119,20 @@ def _check_owned(path: str, what: str, option: str) -> None:
             f"the {what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): its files "
             f"could have been put there by them, and are not read as the store's. Run chmod go-w {path} if "
             f"only you wrote there (or remove it), or choose another {option}")
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data``, writable by this user only whatever the umask (a record of what a
+    copy is: nobody else may rewrite it to vouch for a file they planted)."""
+    def fill(handle: Any) -> None:
+        os.fchmod(handle.fileno(), 0o644)
+        handle.write(data)
+    atomic_write_with(path, fill, durable=False)
+
+
+def private(st: os.stat_result) -> bool:
+    """Whether a file (its ``stat``) is this user's and nobody else may write it."""
+    return st.st_uid == os.geteuid() and not st.st_mode & _UNSAFE_BITS
 
 
 class Temporaries:

@@ -40,7 +40,7 @@ from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.paths import MANIFEST, CachePaths
 from dspark_cache.format.remote.copies import CopiedFrom, StatKey, authenticate, describe
 from dspark_cache.format.remote.eventlog import LogCopy, Refused, SegmentedLogs
-from dspark_cache.format.remote.localdir import local_copy_dir, own_directory
+from dspark_cache.format.remote.localdir import local_copy_dir, own_directory, private, write_private
 from dspark_cache.format.remote.node import DaemonThreads, hold_lock
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.sync import MAX_STOP_BYTES, sync_interval
@@ -323,6 +323,8 @@ class RemoteView:
         """What an earlier monitor copied here, where the local file is still as it left it."""
         try:
             with open(self._state_file(), encoding="utf-8") as handle:
+                if not private(os.fstat(handle.fileno())):  # others may have rewritten it: no word of it holds
+                    return
                 state = json.load(handle)
             if state.get("url") != self.remote:
                 return
@@ -351,7 +353,7 @@ class RemoteView:
         text = json.dumps(state, sort_keys=True)
         if text != self._saved:
             try:
-                atomic_write_bytes(self._state_file(), text.encode(), durable=False)
+                write_private(self._state_file(), text.encode())
                 self._saved = text
             except OSError as exc:  # the next monitor fetches again: never a reason to stop this one
                 log.debug("could not record the monitor's copies in %s: %s", self.root, exc)
