@@ -201,7 +201,7 @@ def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, 
     view.close()
 
 
-def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, s3_server, tmp_path):
+def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, s3_server, tmp_path, capsys):
     """The monitor's copy written over after a monitor left it (the manifest, an index, a heartbeat): the
     next monitor shows the store's; a copy others may write is refused, naming it."""
     store = ObjectStore(complete, options(s3_server))
@@ -227,7 +227,10 @@ def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, 
         RemoteView(complete, storage)
     argv = [complete, "--once", "--local-cache-dir", str(tmp_path / "node"), "--storage-options",
             json.dumps(options(s3_server))]
+    capsys.readouterr()
     assert monitor_main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{root} is writable by other users" in err, err
     os.chmod(root, 0o755)
 
 
