@@ -169,9 +169,11 @@ class Temporaries:
             os.close(fd)
 
     def clean(self) -> int:
-        """Remove the temporaries no live writer holds; how many."""
-        guard = hold_lock(self._creating, fcntl.LOCK_EX)
-        assert guard is not None
+        """Remove the temporaries no live writer holds; how many. Best effort: where a writer is creating
+        one now (or a process forked meanwhile holds its guard), nothing now; the next mirror cleans."""
+        guard = hold_lock(self._creating, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if guard is None:
+            return 0
         removed = 0
         try:
             for name in os.listdir(self.directory):
