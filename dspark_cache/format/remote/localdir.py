@@ -20,7 +20,9 @@ import fcntl
 import hashlib
 import os
 import re
+import logging
 import stat
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -30,6 +32,9 @@ from dspark_cache.format.remote.node import hold_lock
 from dspark_cache.format.remote.store import client_endpoint
 from dspark_cache.format.remote.url import RemoteURL
 
+log = logging.getLogger(__name__)
+
+_GUARD_WAIT_S = 5.0  # at most this long a download waits for a cleaner's scan of the temporaries
 _SAFE_MODE = 0o755  # what we create: only this user writes (the umask may take more away, never add)
 _UNSAFE_BITS = stat.S_IWGRP | stat.S_IWOTH
 _SLUG = re.compile(r"[^A-Za-z0-9.-]+")
@@ -152,13 +157,13 @@ class Temporaries:
     def new(self, name: str) -> Iterator[str]:
         """A new temporary's path, locked while the block runs; removed after it unless renamed away."""
         path = os.path.join(self.directory, f"{name}.{uuid.uuid4().hex}")
-        guard = hold_lock(self._creating, fcntl.LOCK_SH)
-        assert guard is not None
+        guard = self._guard()
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
         finally:
-            os.close(guard)
+            if guard is not None:
+                os.close(guard)
         try:
             yield path
         finally:
@@ -167,6 +172,17 @@ class Temporaries:
             except FileNotFoundError:  # renamed into place (or the directory went)
                 pass
             os.close(fd)
+
+    def _guard(self) -> int | None:
+        """The creation guard, shared; waited for while a cleaner scans (a moment), but never for long: a
+        process forked while a cleaner held it keeps it, and a download must not wait on that process."""
+        deadline = time.monotonic() + _GUARD_WAIT_S
+        while (guard := hold_lock(self._creating, fcntl.LOCK_SH | fcntl.LOCK_NB)) is None:
+            if time.monotonic() > deadline:
+                log.debug("%s: the creation guard stays held; creating a temporary without it", self.directory)
+                return None
+            time.sleep(0.01)
+        return guard
 
     def clean(self) -> int:
         """Remove the temporaries no live writer holds; how many. Best effort: where a writer is creating
