@@ -179,7 +179,7 @@ class Temporaries:
         deadline = time.monotonic() + _GUARD_WAIT_S
         while (guard := hold_lock(self._creating, fcntl.LOCK_SH | fcntl.LOCK_NB)) is None:
             if time.monotonic() > deadline:
-                log.debug("%s: the creation guard stays held; creating a temporary without it", self.directory)
+                log.debug("%s: its creation guard stays held; a temporary made without it", self.directory)
                 return None
             time.sleep(0.01)
         return guard
