@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -23,7 +25,10 @@ from dspark_cache.format.remote.store import AccessDeniedError, NoSuchBucketErro
 from dspark_cache.format.remote.url import RemoteURL, is_remote
 from dspark_cache.nemo.dataset import DSparkMapDataset
 from tests.support.faultproxy import FaultProxy, matching
-from tests.support.proc import run, start
+from dspark_cache.format.remote.localdir import LocalCopyError
+from dspark_cache.format.remote.staging import default_staging_dir
+from dspark_cache.format.remote.view import RemoteView
+from tests.support.proc import assert_same_samples, run, start
 from tests.support.remote import publish_shard, upload_cache
 from tests.support.s3server import S3Server, unique_bucket_name
 
@@ -142,9 +147,179 @@ def test_a_corrupted_object_is_fetched_again_once_then_named(local, remote, prox
         first = next(i for i, (shard, _) in enumerate(cache._order) if shard == 3)
         with pytest.raises(CorruptShardError, match=r"s3://.*/runs/cache/shards/shard-000003\.tar.*downloaded twice"):
             cache.read(first)
+        root = cache.cache.backing.root
     assert len(_tar_gets(proxy, "shard-000003.tar")) == 2
-    assert not os.path.exists(os.path.join(node, "s3", RemoteURL.parse(remote).bucket, "runs", "cache",
-                                           "shards", "shard-000003.tar"))  # never kept on the node
+    assert os.path.isdir(os.path.join(root, "shards"))
+    assert not os.path.exists(os.path.join(root, "shards", "shard-000003.tar"))  # never kept on the node
+
+
+# -- the node's local copy: only the store's bytes are served ---------------------------------
+
+def _plant(root: str, local: str) -> dict[str, bytes]:
+    """Doctor the node's copy of a remote cache in place of the store's files: the manifest (another
+    train_data_path), shard 2's index (its last sample dropped) and shard 0's tar (a byte flipped, its size
+    kept). Returns what was planted, by path."""
+    paths, theirs = CachePaths(root), CachePaths(local)
+    manifest = json.loads(open(theirs.manifest).read())
+    index = json.loads(open(theirs.shard_index(2)).read())
+    index["samples"] = index["samples"][:-1]
+    tar = bytearray(open(theirs.shard_tar(0), "rb").read())
+    tar[len(tar) // 2] ^= 0xFF
+    planted = {paths.manifest: json.dumps({**manifest, "train_data_path": "planted"}).encode(),
+               paths.shard_index(2): json.dumps(index).encode(), paths.shard_tar(0): bytes(tar)}
+    for path, data in planted.items():
+        with open(path, "wb") as handle:  # written over, as anyone who may write the directory could
+            handle.write(data)
+    # The index's record made to name the planted file: only the store's ETag (the MD5 of its bytes) tells.
+    seen = os.path.join(root, ".mirror", "seen", "shards%shard-000002.idx")
+    record = json.loads(open(seen).read())
+    assert record["md5"], record
+    st = os.stat(paths.shard_index(2))
+    with open(seen, "w") as handle:
+        json.dump({**record, "inode": st.st_ino, "ctime_ns": st.st_ctime_ns}, handle)
+    return planted
+
+
+def test_a_doctored_local_copy_is_never_served_as_the_stores(local, remote, tmp_path, capsys):
+    """The manifest, an index and a tar of the node's copy written over after a first reader filled it: the
+    next reader (the loader, open_cache) and dspark-verify read the store's, never the planted bytes."""
+    node = str(tmp_path / "node")
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
+        root = cache.cache.backing.root
+        list(cache.samples())  # every tar downloaded
+    planted = _plant(root, local)
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as ours, \
+            dspark_cache.open_cache(local) as theirs:
+        assert ours.manifest.train_data_path == theirs.manifest.train_data_path != "planted"
+        assert ours.sample_ids == theirs.sample_ids
+        assert assert_same_samples(ours, theirs, True, (0.0, 0.0)) == len(theirs)
+    for path, data in planted.items():
+        assert open(path, "rb").read() != data, path  # replaced by the store's
+    _plant(root, local)
+    loader = dspark_cache.build_dataloader(remote, local_cache_dir=node, batch_size=4)
+    assert loader.cache.manifest.train_data_path != "planted"
+    ids = [int(i) for b in loader for i, again in zip(b["sample_ids"], b["is_repeat"]) if not again]
+    assert sorted(ids) == sorted(dspark_cache.open_cache(local).sample_ids)
+    loader.close()
+    _plant(root, local)
+    capsys.readouterr()
+    assert verify_main([remote, "--local-cache-dir", node]) == 0
+    assert "10/10 shards verified" in capsys.readouterr().out
+
+
+def test_a_local_copy_others_may_write_or_own_is_refused_naming_it(remote, tmp_path, capsys):
+    node = str(tmp_path / "node")
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
+        root = cache.cache.backing.root
+    os.chmod(root, 0o777)
+    with pytest.raises(LocalCopyError, match=rf"{re.escape(root)} is writable by other users \(mode 777\).*"
+                                             rf"chmod go-w {re.escape(root)}"):
+        dspark_cache.open_cache(remote, local_cache_dir=node)
+    assert verify_main([remote, "--local-cache-dir", node]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{root} is writable by other users" in err, err
+    os.chmod(root, 0o755)
+    os.chmod(node, 0o775)  # the local cache directory itself: a group could plant a whole copy
+    with pytest.raises(LocalCopyError, match=f"{re.escape(node)} is writable by other users"):
+        dspark_cache.open_cache(remote, local_cache_dir=node)
+    os.chmod(node, 0o755)
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(root, 4242, -1)
+        with pytest.raises(LocalCopyError, match=rf"{re.escape(root)} belongs to another user \(uid 4242"):
+            dspark_cache.open_cache(remote, local_cache_dir=node)
+        os.chown(root, 0, -1)
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
+        assert cache.cache.backing.root == root
+    # A record others may write (a umask of 002, say) vouches for nothing: one rewritten to name a planted
+    # index (and to waive the ETag check) is not believed.
+    index = CachePaths(root).shard_index(3)
+    store_bytes = open(index, "rb").read()
+    with open(index, "r+b") as handle:
+        handle.write(store_bytes.replace(b"0", b"1", 1))
+    seen = os.path.join(root, ".mirror", "seen", "shards%shard-000003.idx")
+    st = os.stat(index)
+    record = {**json.loads(open(seen).read()), "inode": st.st_ino, "ctime_ns": st.st_ctime_ns, "md5": False}
+    with open(seen, "w") as handle:
+        json.dump(record, handle)
+    os.chmod(seen, 0o664)
+    with dspark_cache.open_cache(remote, local_cache_dir=node):
+        assert open(index, "rb").read() == store_bytes
+
+
+# Holds an flock on a file as a download in progress does (as if in another pid namespace, or on another
+# host sharing the directory: the pid in the name is none of this machine's), until its stdin closes.
+_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_download_temporary_is_removed_only_once_no_process_holds_it(remote, tmp_path):
+    node = str(tmp_path / "node")
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
+        tmp_dir = os.path.join(cache.cache.backing.root, ".mirror", "tmp")
+    held = os.path.join(tmp_dir, "shard-000001.tar.4194999.1")  # above any pid_max: no such pid here
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, held], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        left = os.path.join(tmp_dir, f"shard-000002.tar.{os.getpid()}.1")  # its pid alive, its writer gone
+        with open(left, "wb") as handle:
+            handle.write(b"partial")
+        with dspark_cache.open_cache(remote, local_cache_dir=node):  # each open cleans the temporaries
+            assert os.path.exists(held) and not os.path.exists(left)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    with dspark_cache.open_cache(remote, local_cache_dir=node):  # its holder died: its lock with it
+        assert not os.path.exists(held)
+
+
+def test_a_local_copy_removed_under_a_reader_is_named_not_blamed_on_the_store(remote, tmp_path):
+    node = str(tmp_path / "node")
+    with dspark_cache.open_cache(remote, local_cache_dir=node) as cache:
+        root = cache.cache.backing.root
+        shutil.rmtree(os.path.join(root, ".mirror", "tmp"))  # a cleaner of the node's disk, say
+        said = rf"the local copy of s3://\S+/runs/cache at {re.escape(root)} lost \S+ while it was in use"
+        with pytest.raises(LocalCopyError, match=said) as lost:
+            cache.read(0)
+        assert "not in the store" not in str(lost.value) and "rerun" in str(lost.value)
+        shutil.rmtree(node)
+        with pytest.raises(LocalCopyError, match=said):
+            cache.read(len(cache) - 1)
+
+def test_two_endpoints_with_the_same_bucket_and_prefix_never_share_a_local_copy(local, s3_env, tmp_path):
+    """Two stores (two servers) each hold a cache at s3://same-bucket/runs/cache, different caches: readers
+    of both on one node, with one local cache directory, each read their own."""
+    bucket, node = unique_bucket_name(), str(tmp_path / "node")
+    manifest = json.loads(open(CachePaths(local).manifest).read())
+    with S3Server() as a, S3Server() as b:
+        for server in (a, b):
+            server.make_bucket(bucket)
+            store = upload_cache(local, f"s3://{bucket}/runs/cache", manifest=False,
+                                 storage_options={"endpoint": server.endpoint})
+            changed = {**manifest, "train_data_path": f"on-{server.port}"}
+            store.put("manifest.json", json.dumps(changed).encode())
+        url = f"s3://{bucket}/runs/cache"
+        with dspark_cache.open_cache(url, storage_options={"endpoint": a.endpoint},
+                                     local_cache_dir=node) as on_a, \
+                dspark_cache.open_cache(url, storage_options={"endpoint": b.endpoint},
+                                        local_cache_dir=node) as on_b:
+            assert on_a.cache.backing.root != on_b.cache.backing.root
+            assert on_a.manifest.train_data_path == f"on-{a.port}"
+            assert on_b.manifest.train_data_path == f"on-{b.port}"
+            with open(CachePaths(on_a.cache.backing.root).manifest) as handle:
+                assert json.load(handle)["train_data_path"] == f"on-{a.port}"
+        # The producer's staging directory and the monitor's copy are keyed alike.
+        dirs = {default_staging_dir(RemoteURL.parse(url), node, {"endpoint": s.endpoint}) for s in (a, b)}
+        assert len(dirs) == 2
+        views = [RemoteView(url, StorageOptions({"endpoint": s.endpoint}, node)) for s in (a, b)]
+        assert views[0].root != views[1].root and not any(v._private for v in views)
+        for view in views:
+            view.close()
 
 
 def _node_tar_bytes(node: str) -> int:

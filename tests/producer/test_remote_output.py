@@ -24,7 +24,7 @@ from dspark_cache.format.paths import LEASE, CachePaths
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.url import RemoteURL
 from tests.support.faultproxy import FaultProxy, matching
-from tests.support.produce import produce_args
+from tests.support.produce import produce_args, write_jsonl
 from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
 from tests.support.remote import upload_cache
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, unique_bucket_name
@@ -181,6 +181,19 @@ def test_produce_to_s3_equals_produce_to_a_directory(embedded, reference, remote
     assert {n for n in staged if n.endswith(".idx")} == {f"shard-{k:06d}.idx" for k in shards}
     _assert_samples_equal(remote, tmp_path / "node", reference)
     _assert_verified(remote, tmp_path / "node2", capsys)
+    # The staged manifest and an index written over in place (same size, same name): a rerun brings the
+    # store's down, never resumes from the planted bytes.
+    paths = CachePaths(str(staging))
+    planted = [paths.manifest, paths.shard_index(1)]
+    for path in planted:
+        with open(path, "r+b") as handle:
+            data = handle.read()
+            handle.seek(0)
+            handle.write(data.replace(b"0", b"1", 1))
+    again = run(remote.cmd(embedded, staging), env=ENV)
+    assert again.returncode == 0, again.stderr
+    for path in planted:
+        assert open(path, "rb").read() == store.get(paths.relative(path))[0], path
 
 
 # -- 2. SIGKILL between a tar and its index, resumed elsewhere ----------------------------------
@@ -383,6 +396,27 @@ def test_a_follow_loader_reads_every_sample_once_while_the_producer_uploads(
 
 
 # -- 8. the staging directory ------------------------------------------------------------------
+
+def test_a_run_failing_on_bad_input_leaves_no_staging_directory_behind(
+        embedded, remote, tmp_path, capsys, monkeypatch):
+    """A real run (not --dry-run) that took the store and began staging, then met a malformed row: the
+    staging directory it made goes, lock and mark included, for a given --staging-dir and the default one."""
+    good = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]}
+    data = write_jsonl(tmp_path / "rows.jsonl", [good, good, '{"messages": [{"role": "user"', good])
+    node = tmp_path / "node"
+    node.mkdir()
+    monkeypatch.setenv("DSPARK_LOCAL_CACHE_DIR", str(node))
+    given = tmp_path / "given" / "staging"
+    for staging in (["--staging-dir", str(given)], []):
+        args = produce_args(embedded.stock, data, remote.url, "--seq-length", "64", "--storage-options",
+                            json.dumps(remote.options), *staging)
+        assert produce_main(args) == 1
+        err = capsys.readouterr().err
+        assert "rows.jsonl:3" in err and "malformed JSON" in err, err
+    assert not (tmp_path / "given").exists()
+    assert os.listdir(node) == []
+    assert LEASE not in remote.listing()  # the store's lease given back
+
 
 def test_a_staging_dir_of_another_url_or_with_other_files_is_refused_in_one_line(
         embedded, s3_bucket, remote, tmp_path, capsys):

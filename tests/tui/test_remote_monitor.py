@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from dspark_cache.cli.conventions import EXIT_STOPPED
 from dspark_cache.embedded.data import write_sample_data
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
+from dspark_cache.format.remote.localdir import LocalCopyError
 from dspark_cache.format.remote.store import ObjectStore
 from dspark_cache.format.remote.view import RemoteView
 from dspark_cache.format.schema import Event, RankStatus, decode_json, encode_json
@@ -197,6 +199,39 @@ def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, 
     other.close()
     assert not os.path.exists(other.root)
     view.close()
+
+
+def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, s3_server, tmp_path, capsys):
+    """The monitor's copy written over after a monitor left it (the manifest, an index, a heartbeat): the
+    next monitor shows the store's; a copy others may write is refused, naming it."""
+    store = ObjectStore(complete, options(s3_server))
+    storage = StorageOptions(options(s3_server), str(tmp_path / "node"))
+    view = RemoteView(complete, storage)
+    view.refresh()
+    root, paths = view.root, CachePaths(view.root)
+    view.close()
+    planted = [paths.manifest, paths.shard_index(0), paths.status(0)]
+    for path in planted:
+        with open(path, "r+b") as handle:  # written over in place: same size, same name
+            data = handle.read()
+            handle.seek(0)
+            handle.write(data.replace(b"0", b"1"))
+    view = RemoteView(complete, storage)
+    assert view.root == root
+    view.refresh()
+    for path in planted:
+        assert open(path, "rb").read() == store.get(paths.relative(path))[0], path
+    view.close()
+    os.chmod(root, 0o757)
+    with pytest.raises(LocalCopyError, match=rf"monitor's copy {re.escape(root)} is writable by other"):
+        RemoteView(complete, storage)
+    argv = [complete, "--once", "--local-cache-dir", str(tmp_path / "node"), "--storage-options",
+            json.dumps(options(s3_server))]
+    capsys.readouterr()
+    assert monitor_main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{root} is writable by other users" in err, err
+    os.chmod(root, 0o755)
 
 
 def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_path, monkeypatch):

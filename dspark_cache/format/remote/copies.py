@@ -1,31 +1,110 @@
-"""Small objects of a remote cache copied into a local directory, each with the version it was copied from.
+"""Objects of a remote cache copied into a local directory, each with the version it was copied from.
 
 A copy is kept as long as the store's object keeps its size and ETag (recorded per object, in a
 ``seen`` directory beside the copies), so a reader comparing the local file's identity sees it
 change exactly when the store's object changed; an object gone from the store is removed here.
 The manifest and shard indexes are read whole, and no further than one byte past their readers'
 limit (a larger object is cut there, for the reader's own size check to refuse).
+
+A copy found on disk is served as the store's only once it is authenticated (:meth:`LocalCopies.unchanged`):
+a small object whose ETag is the MD5 of its bytes (S3's, for a single PUT) is hashed and compared with
+that ETag; any other copy must be the very file recorded when it was written (inode and ctime: a file
+put in its place, or written over, is neither). A manifest fetched anyway is compared byte for byte.
+Whoever may write the directory could forge the record too: ``localdir.own_directory`` refuses such
+directories, and a record others may write (a umask of 002) is not believed (records are written
+writable by this user only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+
+import msgspec
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import MANIFEST
+from dspark_cache.format.remote.localdir import private, write_private
 from dspark_cache.format.remote.node import DaemonThreads
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 
 _MAX_SMALL = {True: MAX_MANIFEST_BYTES, False: MAX_INDEX_BYTES}
 _SMALL_IN_FLIGHT = 16  # copies at once
+_MD5 = re.compile(r'^"?([0-9a-fA-F]{32})"?$')
+
+
+class CopiedFrom(msgspec.Struct, frozen=True):
+    """What a local copy is (the ``seen`` record): the store's version, and the local file written for it."""
+
+    size: int
+    etag: str
+    inode: int
+    ctime_ns: int
+    md5: bool = False  # the ETag is the MD5 of the bytes copied: the copy is checked against the ETag
+
+
+def md5_etag(etag: str) -> str | None:
+    """The MD5 an ETag spells (S3's for an object put whole), or ``None``."""
+    match = _MD5.match(etag)
+    return match.group(1).lower() if match else None
+
+
+def file_md5(path: str, limit: int) -> str | None:
+    """The MD5 of a file of at most ``limit`` bytes (``None``: larger, or gone)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except FileNotFoundError:
+        return None
+    return None if len(data) > limit else _md5(data)
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def describe(path: str, info: ObjectInfo, data: bytes | None = None) -> CopiedFrom | None:
+    """The record of the file at ``path`` as the copy of the store's version ``info`` (``data``: the bytes
+    the store sent, when at hand); ``None`` where the file is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    digest = md5_etag(info.etag)
+    md5 = data is not None and digest is not None and _md5(data) == digest
+    return CopiedFrom(info.size, info.etag, st.st_ino, st.st_ctime_ns, md5)
+
+
+StatKey = tuple[int, int, int, int]
+
+
+def authenticate(path: str, entry: CopiedFrom, limit: int,
+                 verified: StatKey | None = None) -> StatKey | None:
+    """The file's stat key where it is the copy ``entry`` records (the module's docstring), else ``None``.
+    ``verified``: the key it had when last authenticated (an unchanged file is not read again)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key == verified:
+        return key
+    if entry.md5:  # against the store's own word for the bytes, not only our record
+        ok = file_md5(path, limit) == md5_etag(entry.etag)
+    else:
+        ok = (st.st_ino, st.st_ctime_ns) == (entry.inode, entry.ctime_ns)
+    return key if ok else None
 
 
 class LocalCopies:
-    """Copies of ``store``'s objects under ``root`` (paths relative to the cache), versions recorded in ``seen``."""
+    """Copies of ``store``'s objects under ``root`` (paths relative to the cache), versions in ``seen``."""
 
     def __init__(self, store: ObjectStore, root: str, seen: str) -> None:
         self.store, self.root, self._seen_dir = store, root, seen
+        # relative path -> (the local file's stat, the record) once authenticated in this process
+        self._verified: dict[str, tuple[StatKey, CopiedFrom]] = {}
 
     def local(self, relative: str) -> str:
         return os.path.join(self.root, *relative.split("/"))
@@ -33,23 +112,29 @@ class LocalCopies:
     def _seen(self, relative: str) -> str:
         return os.path.join(self._seen_dir, relative.replace("/", "%"))
 
-    def copied_from(self, relative: str) -> str | None:
-        """``"size:etag"`` of the store's version the local copy is, if recorded."""
+    def copied_from(self, relative: str) -> CopiedFrom | None:
+        """The record of the store's version the local copy is, if any (and readable)."""
         try:
-            with open(self._seen(relative)) as handle:
-                return handle.read()
-        except FileNotFoundError:
-            return None
+            with open(self._seen(relative), "rb") as handle:
+                if not private(os.fstat(handle.fileno())):  # others may have rewritten it: no word of it holds
+                    return None
+                return msgspec.json.decode(handle.read(4096), type=CopiedFrom)
+        except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+            return None  # none, or of an older layout: copied again
 
-    def record(self, relative: str, info: ObjectInfo | None) -> None:
-        if info is None:
+    def record(self, relative: str, info: ObjectInfo | None, data: bytes | None = None) -> None:
+        """Record that the local file is now the store's version ``info`` (``data``: the bytes the store
+        sent for it, when at hand; ``None`` info: there is no copy)."""
+        self._verified.pop(relative, None)
+        entry = None if info is None else describe(self.local(relative), info, data)
+        if entry is None:
             try:
                 os.unlink(self._seen(relative))
             except FileNotFoundError:
                 pass
-        else:
-            os.makedirs(self._seen_dir, exist_ok=True)
-            atomic_write_bytes(self._seen(relative), f"{info.size}:{info.etag}".encode(), durable=False)
+            return
+        os.makedirs(self._seen_dir, exist_ok=True)
+        write_private(self._seen(relative), msgspec.json.encode(entry))
 
     def remove(self, relative: str) -> None:
         try:
@@ -58,8 +143,23 @@ class LocalCopies:
             pass
         self.record(relative, None)
 
+    def authentic(self, relative: str, entry: CopiedFrom | None = None) -> bool:
+        """Whether the local file is the copy its record names (see the module's docstring)."""
+        entry = entry or self.copied_from(relative)
+        if entry is None:
+            return False
+        known = self._verified.get(relative)
+        key = authenticate(self.local(relative), entry, _MAX_SMALL[relative == MANIFEST],
+                           known[0] if known is not None and known[1] == entry else None)
+        if key is not None:
+            self._verified[relative] = (key, entry)
+        return key is not None
+
     def unchanged(self, relative: str, info: ObjectInfo) -> bool:
-        return self.copied_from(relative) == f"{info.size}:{info.etag}" and os.path.exists(self.local(relative))
+        """Whether the local copy is authentic and of the store's version ``info``."""
+        entry = self.copied_from(relative)
+        return entry is not None and (entry.size, entry.etag) == (info.size, info.etag) and self.authentic(
+            relative, entry)
 
     def copy_many(self, objects: list[tuple[str, ObjectInfo]]) -> None:
         """Copy these small objects in, several requests in flight (a cache of 10,000 shards has as
@@ -84,7 +184,19 @@ class LocalCopies:
             self.remove(relative)
             return
         data, info = got
-        if self.unchanged(relative, info):
-            return  # unchanged: keep the file (a reader compares its identity)
+        if self._holds(relative, data):  # the store's bytes: keep the file (a reader compares its identity)
+            entry = self.copied_from(relative)
+            if entry is None or (entry.size, entry.etag) != (info.size, info.etag) or not self.authentic(
+                    relative, entry):
+                self.record(relative, info, data)
+            return
         atomic_write_bytes(self.local(relative), data, durable=False)
-        self.record(relative, info)
+        self.record(relative, info, data)
+
+    def _holds(self, relative: str, data: bytes) -> bool:
+        """Whether the local file holds exactly ``data`` (what the store just sent: no record is trusted)."""
+        try:
+            with open(self.local(relative), "rb") as handle:
+                return handle.read(len(data) + 1) == data
+        except FileNotFoundError:
+            return False

@@ -17,9 +17,11 @@ so a remote cache is mirrored into an ordinary cache directory on local disk and
   ``local_cache_dir`` share one copy: a shard is downloaded once per node (an ``flock`` per shard
   for the download, a shared ``flock`` while a process reads it, which eviction must not see).
 
-Layout: ``<local_cache_dir>/<bucket>/<prefix>/`` is a cache directory (``manifest.json``,
-``shards/``), and its ``.mirror/`` holds the locks, the downloads in progress and, per copied
-object, the ETag it was copied from.
+Layout: ``<local_cache_dir>/<scheme>/<store>/<bucket>/<prefix>/`` is a cache directory (``manifest.json``,
+``shards/``; ``<store>`` names the endpoint or account, :func:`.localdir.store_key`), and its ``.mirror/``
+holds the locks, the downloads in progress and, per copied object, the version it was copied from.
+A copy found there is served only once authenticated (:mod:`.copies`), in a directory only this user
+may write (:func:`.localdir.own_directory`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import xxhash
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
 from dspark_cache.format.remote.copies import LocalCopies
-from dspark_cache.format.remote.node import DaemonThreads, hold_lock, process_alive, release_all
+from dspark_cache.format.remote.localdir import (LocalCopyError, Temporaries, default_local_cache_dir,
+                                                 local_copy_dir, own_directory)
+from dspark_cache.format.remote.node import DaemonThreads, hold_lock, release_all
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import ShardIndex
@@ -55,9 +59,7 @@ _MIRROR = ".mirror"
 _EVICTING = "evicting"  # held by the one process deleting tars to keep the node's copy within its limit
 
 
-def default_local_cache_dir() -> str:
-    return os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dspark-cache", "remote")
+__all__ = ["NodeMirror", "default_local_cache_dir"]
 
 
 class NodeMirror:
@@ -75,12 +77,13 @@ class NodeMirror:
         self.url = RemoteURL.parse(url)
         self.remote = str(self.url)
         self.store = ObjectStore(self.url, storage_options)
-        base = os.path.abspath(os.fspath(local_cache_dir or default_local_cache_dir()))
-        self.root = os.path.join(base, self.url.scheme, self.url.bucket, *filter(None, self.url.prefix.split("/")))
+        base, self.root = local_copy_dir(None, self.url, storage_options, local_cache_dir)
+        own_directory(self.root, base)
         self.paths = CachePaths(self.root)
         self._meta = os.path.join(self.root, _MIRROR)
         for sub in (self.paths.shards_dir, *(os.path.join(self._meta, d) for d in ("use", "get", "tmp", "seen"))):
-            os.makedirs(sub, exist_ok=True)
+            own_directory(sub, self.root)
+        self._temporaries = Temporaries(os.path.join(self._meta, "tmp"))
         self.copies = LocalCopies(self.store, self.root, os.path.join(self._meta, "seen"))
         if cache_limit is not None and cache_limit <= 0:
             raise ValueError(f"cache_limit={cache_limit}: it is the local cache's size in bytes, more than 0")
@@ -97,7 +100,7 @@ class NodeMirror:
         self._wanted_bytes: dict[int, int] = {}
         self._closed = False
         self.downloads = 0  # tars this process downloaded (the rest it found on the node)
-        self._clean_temporaries()
+        self._temporaries.clean()
         _mirrors.add(self)
         # Dropped without close(): its use locks must not keep shards unevictable for the process's life.
         weakref.finalize(self, release_all, self._in_use)
@@ -120,15 +123,25 @@ class NodeMirror:
         return os.path.exists(self.paths.manifest)
 
     def refresh_manifest(self, *, force: bool = False) -> None:
-        """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``)."""
-        if self._due("manifest", force):
-            self.copies.copy(MANIFEST)
+        """Copy the manifest in if it changed (at most every ``poll`` s unless ``force``, or at once where
+        the local copy is gone: the store, not a removed local file, says whether the cache is there)."""
+        if self._due("manifest", force) or not os.path.exists(self.paths.manifest):
+            try:
+                self.copies.copy(MANIFEST)
+            except FileNotFoundError as exc:  # not the store's (an absent manifest is no error): ours
+                raise self._vanished(exc) from exc
 
     def refresh_listing(self, *, force: bool = False) -> None:
         """List the shards in the store; copy new or changed indexes in, drop the local copies of
         shards that are no longer published (at most every ``poll`` s unless ``force``)."""
         if not self._due("listing", force):
             return
+        try:
+            self._refresh_listing()
+        except FileNotFoundError as exc:
+            raise self._vanished(exc) from exc
+
+    def _refresh_listing(self) -> None:
         listing = self.store.list(SHARDS_DIR)
         with self._lock:
             self._listing = listing
@@ -141,8 +154,8 @@ class NodeMirror:
             if shard is None:
                 continue
             gone = name not in listing
-            stale = shard[1] == "tar" and not gone and self.copies.copied_from(f"{SHARDS_DIR}/{name}") not in (
-                None, f"{listing[name].size}:{listing[name].etag}")
+            stale = shard[1] == "tar" and not gone and not self.copies.unchanged(
+                f"{SHARDS_DIR}/{name}", listing[name])
             if (gone or stale) and not self._used_here(shard[0]):
                 self.copies.remove(f"{SHARDS_DIR}/{name}")
 
@@ -153,14 +166,10 @@ class NodeMirror:
         if info is None:
             self.copies.remove(relative)
             return False
-        if self.copies.copied_from(relative) != f"{info.size}:{info.etag}" or not os.path.exists(self.copies.local(relative)):
-            tmp = self._temporary(relative.replace("/", "%"))
-            try:
+        if not self.copies.unchanged(relative, info):
+            with self._temporaries.new(relative.replace("/", "%")) as tmp:
                 got = self.store.download(relative, tmp)
                 os.replace(tmp, self.copies.local(relative))
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
             self.copies.record(relative, got)
         return True
 
@@ -176,19 +185,12 @@ class NodeMirror:
         with self._lock:
             return shard_id in self._in_use
 
-    def _temporary(self, name: str) -> str:
-        return os.path.join(self._meta, "tmp", f"{name}.{os.getpid()}.{threading.get_ident()}")
-
-    def _clean_temporaries(self) -> None:
-        """Downloads that a process killed mid-way left (its pid is gone): they are nobody's."""
-        directory = os.path.join(self._meta, "tmp")
-        for name in os.listdir(directory):
-            pid = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-            if pid.isdigit() and not process_alive(int(pid)):
-                try:
-                    os.unlink(os.path.join(directory, name))
-                except FileNotFoundError:
-                    pass
+    def _vanished(self, exc: FileNotFoundError) -> LocalCopyError:
+        """A file of this node's copy gone under us (its directory removed or cleaned): not the store's."""
+        return LocalCopyError(
+            f"the local copy of {self.remote} at {self.root} lost {exc.filename} while it was in use (was "
+            "the directory removed or cleaned by another program?); rerun (it is made again), or give "
+            "--local-cache-dir / local_cache_dir a directory nothing else cleans")
 
     def _lock_file(self, kind: str, shard_id: int) -> str:
         return os.path.join(self._meta, kind, os.path.basename(self.paths.shard_tar(shard_id)))
@@ -201,47 +203,49 @@ class NodeMirror:
             return False
         with self._lock:
             listed = self._listing.get(relative.rsplit("/", 1)[1])
-        same = listed is None or self.copies.copied_from(relative) == f"{listed.size}:{listed.etag}"
+        same = self.copies.authentic(relative) if listed is None else self.copies.unchanged(relative, listed)
         return size == index.tar_bytes and same
 
     def _fetch(self, index: ShardIndex) -> None:
         """Download the tar (once per node: the others wait on its download lock, then find it)."""
-        if self._present(index):
-            return
-        fd = hold_lock(self._lock_file("get", index.shard_id), fcntl.LOCK_EX)
-        assert fd is not None
         try:
             if self._present(index):
                 return
-            self._download(index)
-        finally:
-            os.close(fd)
-        self._evict()
+            fd = hold_lock(self._lock_file("get", index.shard_id), fcntl.LOCK_EX)
+            assert fd is not None
+            try:
+                if self._present(index):
+                    return
+                self._download(index)
+            finally:
+                os.close(fd)
+            self._evict()
+        except FileNotFoundError as exc:  # the store's missing objects are reported in _download
+            raise self._vanished(exc) from exc
 
     def _download(self, index: ShardIndex) -> None:
         tar = self.paths.shard_tar(index.shard_id)
         relative = f"{SHARDS_DIR}/{os.path.basename(tar)}"
-        tmp = self._temporary(os.path.basename(tar))
         for attempt in (1, 2):  # a corrupted download is fetched again once
             digest = xxhash.xxh3_64()
-            try:
-                info = self.store.download(relative, tmp, seen=digest.update, restart=digest.reset,
-                                           expected=index.tar_bytes)
+            with self._temporaries.new(os.path.basename(tar)) as tmp:
+                try:
+                    info = self.store.download(relative, tmp, seen=digest.update, restart=digest.reset,
+                                               expected=index.tar_bytes)
+                except FileNotFoundError as exc:
+                    if exc.filename is not None:  # a local file (the client names none for a missing object)
+                        raise
+                    raise CorruptShardError(self.store.name(relative), "the tar is not in the store "
+                                            "although its index is published") from exc
                 problem = _check_tar(tmp, index, digest.intdigest())
                 if problem is None:
                     os.replace(tmp, tar)
-                    self.copies.record(relative, info)
-                    os.utime(self._lock_file("use", index.shard_id) if os.path.exists(
-                        self._lock_file("use", index.shard_id)) else tar)
+                    use = self._lock_file("use", index.shard_id)
+                    os.utime(use if os.path.exists(use) else tar)
+                    self.copies.record(relative, info)  # after the utime: it names the file as it stays
                     with self._lock:
                         self.downloads += 1
                     return
-            except FileNotFoundError as exc:
-                raise CorruptShardError(self.store.name(relative), "the tar is not in the store although its "
-                                        "index is published") from exc
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
             log.warning("download of %s did not match its index (%s)%s", self.store.name(relative), problem,
                         "; fetching it again" if attempt == 1 else "")
         raise CorruptShardError(self.store.name(relative), f"downloaded twice, and twice it did not match its "
@@ -255,7 +259,10 @@ class NodeMirror:
             if held is not None:
                 self._in_use[shard_id] = (held[0], held[1] + 1)
                 return
-        fd = hold_lock(self._lock_file("use", shard_id), fcntl.LOCK_SH)
+        try:
+            fd = hold_lock(self._lock_file("use", shard_id), fcntl.LOCK_SH)
+        except FileNotFoundError as exc:
+            raise self._vanished(exc) from exc
         assert fd is not None
         try:
             with self._lock:

@@ -36,7 +36,8 @@ from dspark_cache.format.remote.lease import Lease
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
 from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
 from dspark_cache.format.remote.pull import StagingPull
-from dspark_cache.format.remote.staging import claim_staging, default_staging_dir, staging_identity
+from dspark_cache.format.remote.staging import (claim_staging, default_staging_dir, discard_staging,
+                                                missing_top, staging_identity)
 from dspark_cache.format.remote.sync import StagingSync
 from dspark_cache.format.remote.uploads import ShardUploads
 from dspark_cache.format.remote.url import RemoteURL
@@ -57,8 +58,10 @@ class RemoteOutput(CacheOutput):
                  staging_limit: int | None = None, rank: int = 0) -> None:
         storage = (storage or StorageOptions()).resolved()
         self.url = RemoteURL.parse(url)
-        super().__init__(staging_dir or default_staging_dir(self.url, storage.local_cache_dir))
+        super().__init__(staging_dir or default_staging_dir(self.url, storage.local_cache_dir,
+                                                            storage.storage_options))
         self.shown = str(self.url)
+        self._made = missing_top(self.root)  # what a run failing before any shard removes (drop_lock)
         self.store = ObjectStore(self.url, storage.storage_options)
         self._storage_options = storage.storage_options
         self.rank = rank
@@ -134,6 +137,7 @@ class RemoteOutput(CacheOutput):
     def drop_lock(self) -> None:
         self._let_go()
         super().drop_lock()
+        discard_staging(self._made)  # a failed run (or dry run) leaves no staging directory it made
 
     def _let_go(self) -> None:
         """Last files up, the lease given back. Uploads still in flight are not waited for (a run that

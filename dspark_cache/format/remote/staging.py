@@ -10,12 +10,14 @@ ranks of a job compare :func:`staging_identity` to know which of them share rank
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
+from typing import Any
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.mirror import default_local_cache_dir
+from dspark_cache.format.remote.localdir import local_copy_dir, own_directory
 from dspark_cache.format.remote.url import RemoteURL
 
 
@@ -23,17 +25,19 @@ class StagingDirectoryError(CacheError):
     """The staging directory belongs to another remote cache, or holds files of no cache."""
 
 
-def default_staging_dir(url: RemoteURL, local_cache_dir: str | None) -> str:
-    """``<local cache dir>/staging/<scheme>/<bucket>/<prefix>``: next to the readers' copies, never one of them."""
-    base = os.path.abspath(local_cache_dir or default_local_cache_dir())
-    return os.path.join(base, "staging", url.scheme, url.bucket, *filter(None, url.prefix.split("/")))
+def default_staging_dir(url: RemoteURL, local_cache_dir: str | None,
+                        storage_options: dict[str, Any] | None = None) -> str:
+    """``<local cache dir>/staging/<scheme>/<store>/<bucket>/<prefix>``: next to the readers' copies, never
+    one of them, and one per store (``<store>``: the endpoint or account, :func:`.localdir.store_key`)."""
+    return local_copy_dir("staging", url, storage_options, local_cache_dir)[1]
 
 
 def claim_staging(paths: CachePaths, url: str) -> None:
     """Make ``paths.root`` the staging directory of ``url`` (created, its mark written), or refuse one that
     stages another cache or holds other files."""
     root, mark = paths.root, paths.staging_mark
-    os.makedirs(root, exist_ok=True)
+    # Only this user may write it: the store is brought down into it, and what is found there resumes.
+    own_directory(root, what="staging directory", option="--staging-dir")
     for _ in range(2):
         try:
             with open(mark, encoding="utf-8") as handle:
@@ -61,6 +65,23 @@ def claim_staging(paths: CachePaths, url: str) -> None:
         raise StagingDirectoryError(
             f"staging directory {root} stages {staged}, not {url}; two caches cannot share one --staging-dir: "
             "choose another (or remove that one once its producer is done)")
+
+
+def missing_top(root: str) -> str | None:
+    """The outermost directory on the way to ``root`` (``root`` included) that is not there yet: what
+    a run that creates ``root`` makes, and a failed one removes (:func:`discard_staging`); ``None``:
+    ``root`` is there."""
+    top, up = None, os.path.abspath(root)
+    while not os.path.lexists(up):
+        top, up = up, os.path.dirname(up)
+    return top
+
+
+def discard_staging(top: str | None) -> None:
+    """A run that failed before any shard removes the staging directory it made (``missing_top`` before it
+    began): nothing of it is the store's, and the store, the truth, is brought down again by the next run."""
+    if top is not None:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def staging_identity(root: str) -> str:

@@ -15,10 +15,12 @@ the monitor's directory reader works on it unchanged:
 * :meth:`RemoteView.request_stop` puts the stop request (``control/stop``) on the store, where the
   producer's sync thread brings it into its staging directory.
 
-Layout: ``<local_cache_dir>/monitor/<scheme>/<bucket>/<prefix>/`` (next to the readers' copies,
-never one of them), with ``.view/`` holding what each file was copied from, so that a monitor
-started again fetches nothing that did not change. A second monitor of the same cache on the
-node takes a private directory beside it instead (removed by :meth:`RemoteView.close`).
+Layout: ``<local_cache_dir>/monitor/<scheme>/<store>/<bucket>/<prefix>/`` (next to the readers' copies,
+never one of them; ``<store>``: the endpoint or account, :func:`.localdir.store_key`), with ``.view/``
+holding what each file was copied from, so that a monitor started again fetches nothing that did not
+change; a file found there is shown only once authenticated (:func:`.copies.authenticate`), in a
+directory only this user may write (:func:`.localdir.own_directory`). A second monitor of the same
+cache on the node takes a private directory beside it instead (removed by :meth:`RemoteView.close`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from typing import Any, Iterator
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.paths import MANIFEST, CachePaths
-from dspark_cache.format.remote.eventlog import LogCopy, Refused, SegmentedLogs, Seen
-from dspark_cache.format.remote.mirror import default_local_cache_dir
+from dspark_cache.format.remote.copies import CopiedFrom, StatKey, authenticate, describe
+from dspark_cache.format.remote.eventlog import LogCopy, Refused, SegmentedLogs
+from dspark_cache.format.remote.localdir import local_copy_dir, own_directory, private, write_private
 from dspark_cache.format.remote.node import DaemonThreads, hold_lock
 from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.remote.sync import MAX_STOP_BYTES, sync_interval
@@ -54,10 +57,9 @@ _STATE = ".view"
 _DIGITS = re.compile(r"[0-9]+")
 
 
-def default_view_dir(url: RemoteURL, local_cache_dir: str | None) -> str:
-    """``<local cache dir>/monitor/<scheme>/<bucket>/<prefix>``."""
-    base = os.path.abspath(local_cache_dir or default_local_cache_dir())
-    return os.path.join(base, "monitor", url.scheme, url.bucket, *filter(None, url.prefix.split("/")))
+def default_view_dir(url: RemoteURL, storage: StorageOptions) -> tuple[str, str]:
+    """``(base, directory)``: ``<local cache dir>/monitor/<scheme>/<store>/<bucket>/<prefix>``."""
+    return local_copy_dir("monitor", url, storage.storage_options, storage.local_cache_dir)
 
 
 class RemoteView:
@@ -80,17 +82,19 @@ class RemoteView:
         self.warnings: list[str] = []
         self.found = False  # whether the last refresh found any object of a cache under the prefix
         self._private = False
-        self.root = default_view_dir(self.url, storage.local_cache_dir)
-        os.makedirs(self.root, exist_ok=True)
+        base, self.root = default_view_dir(self.url, storage)
+        own_directory(os.path.join(self.root, _STATE), base, what="monitor's copy")
         self._held = hold_lock(os.path.join(self._state_dir(self.root), "monitor.held"), fcntl.LOCK_EX | fcntl.LOCK_NB)
         if self._held is None:  # another monitor of this cache on this node: a directory of our own
             self.root = tempfile.mkdtemp(prefix=f"{os.path.basename(self.root) or self.url.bucket}.",
                                          dir=os.path.dirname(self.root))
             self._private = True
         self.paths = CachePaths(self.root)
-        for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir, self.paths.control_dir):
-            os.makedirs(directory, exist_ok=True)
-        self._seen: dict[str, Seen] = {}  # relative path -> what its local copy was copied from
+        for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir,
+                          self.paths.control_dir, os.path.join(self.root, _STATE)):
+            own_directory(directory, self.root, what="monitor's copy")
+        self._seen: dict[str, CopiedFrom] = {}  # relative path -> what its local copy was copied from
+        self._verified: dict[str, StatKey] = {}  # relative path -> its stat when last authenticated
         self.logs = SegmentedLogs(self.paths, self._get, self.store.name, events_tail)
         self._saved: str | None = None
         self._threads: DaemonThreads | None = None  # started at the first refresh with several objects to fetch
@@ -143,6 +147,18 @@ class RemoteView:
         except FileNotFoundError:
             pass
         self._seen.pop(relative, None)
+        self._verified.pop(relative, None)
+
+    def _current(self, relative: str, info: ObjectInfo) -> bool:
+        """Whether the local file is an authentic copy of the store's version ``info``."""
+        entry = self._seen.get(relative)
+        if entry is None or (entry.size, entry.etag) != (info.size, info.etag):
+            return False
+        key = authenticate(self._local(relative), entry, MAX_LOG_BYTES, self._verified.get(relative))
+        if key is None:
+            return False
+        self._verified[relative] = key
+        return True
 
     def _copy_small(self, relative: str, info: ObjectInfo | None, limit: int) -> bool:
         """Make the local copy of a small object the store's (``info``: as listed; ``None``: not there).
@@ -150,7 +166,7 @@ class RemoteView:
         if info is None:
             self._remove(relative)
             return False
-        if self._seen.get(relative) == (info.size, info.etag) and os.path.exists(self._local(relative)):
+        if self._current(relative, info):
             return True
         got = self._get(relative, limit)
         if got is None:  # deleted since it was listed
@@ -162,7 +178,15 @@ class RemoteView:
     def _write(self, relative: str, data: bytes, info: ObjectInfo) -> None:
         """The local copy of what a GET brought (bytes past a reader's limit are kept: its check refuses them)."""
         atomic_write_bytes(self._local(relative), data, durable=False)
-        self._seen[relative] = (info.size, info.etag)
+        self._record(relative, info, data)
+
+    def _record(self, relative: str, info: ObjectInfo, data: bytes | None = None) -> None:
+        entry = describe(self._local(relative), info, data)
+        self._verified.pop(relative, None)
+        if entry is None:
+            self._seen.pop(relative, None)
+        else:
+            self._seen[relative] = entry
 
     def _sweep(self, directory: str, keep: set[str]) -> None:
         """Remove the files of a local directory the store no longer has (everything here is a copy)."""
@@ -179,8 +203,7 @@ class RemoteView:
         relative_dir = self.paths.relative(directory)
         kept = set(listed)
         wanted = [name for name, info in sorted(listed.items())
-                  if self._seen.get(f"{relative_dir}/{name}") != (info.size, info.etag)
-                  or not os.path.exists(self._local(f"{relative_dir}/{name}"))]
+                  if not self._current(f"{relative_dir}/{name}", info)]
         self.requests["get"] += len(wanted)  # counted here: the transfer threads only fetch
         fetched: Iterator[tuple[str, tuple[bytes, ObjectInfo] | None]]
         if len(wanted) > 1:
@@ -256,7 +279,7 @@ class RemoteView:
         """A log stored whole (a local cache uploaded as it is): copied once per version, streamed to disk."""
         relative = self.paths.relative(self.paths.events(rank))
         self.logs.copies.pop(rank, None)
-        if self._seen.get(relative) == (info.size, info.etag) and os.path.exists(self._local(relative)):
+        if self._current(relative, info):
             return
         if info.size > MAX_LOG_BYTES:
             raise Refused(f"{self.store.name(relative)} is over {MAX_LOG_BYTES >> 20} MiB: rank {rank}'s events "
@@ -272,7 +295,7 @@ class RemoteView:
         finally:
             if os.path.exists(temporary):
                 os.unlink(temporary)
-        self._seen[relative] = (got.size, got.etag)
+        self._record(relative, got)
 
     # -- the stop request ---------------------------------------------------------------------
 
@@ -300,30 +323,37 @@ class RemoteView:
         """What an earlier monitor copied here, where the local file is still as it left it."""
         try:
             with open(self._state_file(), encoding="utf-8") as handle:
+                if not private(os.fstat(handle.fileno())):  # others may have rewritten it: no word of it holds
+                    return
                 state = json.load(handle)
             if state.get("url") != self.remote:
                 return
-            for relative, (size, etag) in state["seen"].items():
-                if os.path.isfile(self._local(relative)):
-                    self._seen[str(relative)] = (int(size), str(etag))
+            for relative, fields in state["seen"].items():  # each checked when it is next needed (_current)
+                size, etag, inode, ctime_ns, md5 = fields
+                self._seen[str(relative)] = CopiedFrom(int(size), str(etag), int(inode), int(ctime_ns),
+                                                       bool(md5))
             for rank, entry in state["logs"].items():
                 known = LogCopy(int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()})
                 path = self.paths.events(int(rank))
-                if os.path.isfile(path) and os.path.getsize(path) == known.size():
+                # the very file the last monitor left (a file put in its place is no copy of the store's)
+                if _identity(path) == (int(entry["inode"]), int(entry["ctime_ns"])) \
+                        and os.path.getsize(path) == known.size():
                     self.logs.copies[int(rank)] = known
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
             self._seen, self.logs.copies = {}, {}  # unreadable: everything is fetched again once
 
     def _save_state(self) -> None:
         state: dict[str, Any] = {
-            "url": self.remote, "seen": {r: list(v) for r, v in sorted(self._seen.items())},
+            "url": self.remote,
+            "seen": {r: [v.size, v.etag, v.inode, v.ctime_ns, v.md5] for r, v in sorted(self._seen.items())},
             "logs": {str(rank): {"first": known.first,
-                                 "parts": {str(k): list(v) for k, v in sorted(known.parts.items())}}
+                                 "parts": {str(k): list(v) for k, v in sorted(known.parts.items())},
+                                 **_identity_of(self.paths.events(rank))}
                      for rank, known in sorted(self.logs.copies.items())}}
         text = json.dumps(state, sort_keys=True)
         if text != self._saved:
             try:
-                atomic_write_bytes(self._state_file(), text.encode(), durable=False)
+                write_private(self._state_file(), text.encode())
                 self._saved = text
             except OSError as exc:  # the next monitor fetches again: never a reason to stop this one
                 log.debug("could not record the monitor's copies in %s: %s", self.root, exc)
@@ -339,3 +369,18 @@ class RemoteView:
         if self._private:
             shutil.rmtree(self.root, ignore_errors=True)
             self._private = False
+
+
+def _identity_of(path: str) -> dict[str, int]:
+    """:func:`_identity` as the state file records it (-1: no file)."""
+    inode, ctime_ns = _identity(path) or (-1, -1)
+    return {"inode": inode, "ctime_ns": ctime_ns}
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The file's inode and ctime (changed by any write or replacement), ``None`` where it is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_ctime_ns
