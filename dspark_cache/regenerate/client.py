@@ -21,8 +21,11 @@ A failure is sorted for the retry loop (``endpoints``):
 
 from __future__ import annotations
 
+import heapq
 import http.client
+import itertools
 import json
+import os
 import socket
 import threading
 import time
@@ -101,18 +104,17 @@ def _redirect(status: int, url: str, location: str | None) -> Misdirected:
 
 
 class _Deadline:
-    """Shuts a connection's socket down when its request outlives ``timeout`` seconds in all: a read timeout
-    alone restarts with every byte, so a server trickling its answer would hold the request for ever."""
+    """Shuts a connection's socket down when its request outlives ``timeout`` seconds in all: a read
+    timeout alone restarts with every byte, so a server trickling its answer would hold it for ever."""
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.at = time.monotonic() + timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = sock
         self.expired = False
-        self._timer = threading.Timer(max(timeout, 0.0), self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        _WATCHDOG.watch(self)
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         with self._lock:
             if self._sock is None:  # the request ended first
                 return
@@ -125,7 +127,46 @@ class _Deadline:
     def cancel(self) -> None:
         with self._lock:
             self._sock = None
-        self._timer.cancel()
+
+    @property
+    def pending(self) -> bool:
+        return self._sock is not None
+
+
+class _Watchdog:
+    """One thread expiring every request's :class:`_Deadline` (a timer thread per request would cost
+    more CPU than the rest of the request's client side)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Deadline]] = []
+        self._order = itertools.count()
+        self._pid = 0  # the process whose thread runs: a forked child starts its own
+        self._compact_at = 1024
+
+    def watch(self, deadline: _Deadline) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (deadline.at, next(self._order), deadline))
+            if len(self._heap) >= self._compact_at:  # the requests that ended, dropped (amortised O(1))
+                self._heap = [entry for entry in self._heap if entry[2].pending]
+                heapq.heapify(self._heap)
+                self._compact_at = max(1024, 2 * len(self._heap))
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="regenerate-deadlines", daemon=True).start()
+            elif self._heap[0][2] is deadline:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                while self._heap and self._heap[0][0] <= now:
+                    heapq.heappop(self._heap)[2].expire()  # a cancelled one does nothing
+                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+
+
+_WATCHDOG = _Watchdog()
 
 
 class Client:

@@ -163,6 +163,10 @@ class EndpointPool:
         """Wake every request waiting for an endpoint or a backoff: they raise :class:`NoEndpointError`."""
         self._stopping.set()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopping.is_set()
+
     # -- the model ---------------------------------------------------------------------------
 
     def probe(self, wanted: str | None = None) -> str:

@@ -216,6 +216,8 @@ class Regenerator:
     def work(self) -> None:
         """A worker thread: jobs until ``None``."""
         while (job := self.jobs.get()) is not None:
+            if self.pool.stopped:  # the run is stopping: the rows handed out but not begun are not asked
+                continue
             try:
                 self.results.put((job.seq, self.row_outcome(job)))
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which stops the run
