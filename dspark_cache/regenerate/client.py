@@ -99,8 +99,8 @@ def _error_text(body: bytes) -> str:
 
 def _redirect(status: int, url: str, location: str | None) -> Misdirected:
     where = f" to {' '.join(location.split())[:200]}" if location else ""
-    return Misdirected(f"HTTP {status} from {url}, a redirect{where}: no OpenAI-compatible server answers at this "
-                       "URL; pass the URL the server itself answers at as --endpoint", status)
+    return Misdirected(f"HTTP {status} from {url}, a redirect{where}: no OpenAI-compatible server answers "
+                       "at this URL; pass the URL the server itself answers at as --endpoint", status)
 
 
 class _Deadline:
@@ -230,7 +230,7 @@ class Client:
                 if watch.expired or isinstance(exc, TimeoutError):
                     raise Transient(f"{self.url} did not answer within {timeout:g} s") from None
                 if isinstance(exc, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)):
-                    if reused and not fresh_try:  # an idle keep-alive connection the server had closed: once more
+                    if reused and not fresh_try:  # an idle keep-alive connection the server closed: again
                         continue
                     raise Transient(f"connection to {self.url} broke ({type(exc).__name__})") from None
                 # connected, then broken: the request's fault or not
@@ -259,6 +259,6 @@ class Client:
             except ValueError:
                 raise Transient(f"{self.url} answered {len(data)} bytes that are not JSON") from None
             except RecursionError:  # what no chat completion is, and reading it would exhaust the stack
-                raise Transient(f"{self.url} answered JSON nested too deep to be a chat completion ({len(data)} "
-                                "bytes)") from None
+                raise Transient(f"{self.url} answered JSON nested too deep to be a chat completion "
+                                f"({len(data)} bytes)") from None
         raise AssertionError("unreachable")

@@ -271,7 +271,7 @@ class EndpointPool:
             try:
                 doc = ep.client.request("POST", "/v1/chat/completions", body)
                 reply, model = parse_reply(doc, ep.url)
-            except Unreachable as exc:  # the endpoint's fault (down, or redirecting), not the row's: no retry spent
+            except Unreachable as exc:  # the endpoint's fault (down, redirecting), not the row's: no retry
                 log.warning("endpoint %s %s (%s); left out of the rotation for a while", ep.url,
                             "redirects" if isinstance(exc, Misdirected) else "is down", exc.reason)
                 self._mark_down(ep, exc.reason)

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 # /2: the row's source moved inside its ``regenerated`` record, a local input is named by its absolute path.
 STATE_FORMAT = "dspark-regenerate/2"
-REJECTED = "rejected"  # a Skipped's reason when the server refused the row's request (a 4xx, an unwritable answer)
+REJECTED = "rejected"  # a Skipped's reason: the server refused the row's request (a 4xx, an odd answer)
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _written = 0  # bytes this process wrote to the output and its sidecars (the fault hook's count)
 
@@ -165,8 +165,8 @@ def overlap(output: str, input_data: str) -> str | None:
         real = os.path.realpath(path)
         if real == source or (inside and real.startswith(source.rstrip(os.sep) + os.sep)):
             what = "the input" if real == source else "inside the input directory"
-            return (f"--output {output} would write {real}, which is {what} --input-data {input_data}: the run "
-                    "would overwrite the rows it reads. Choose an --output outside the input")
+            return (f"--output {output} would write {real}, which is {what} --input-data {input_data}: the "
+                    "run would overwrite the rows it reads. Choose an --output outside the input")
     return None
 
 
@@ -180,8 +180,8 @@ def _failed_write(path: str, exc: OSError, what: str) -> OutputError:
 
 
 def _spent(size: int) -> None:
-    """Count ``size`` bytes written; the fault hook (``DSPARK_FAIL_WRITES_AFTER``) fails a write past its budget,
-    as a full disk does, where no small filesystem can be mounted for the tests."""
+    """Count ``size`` bytes written; the fault hook (``DSPARK_FAIL_WRITES_AFTER``) fails a write past its
+    budget, as a full disk does, where no small filesystem can be mounted for the tests."""
     global _written
     _written += size
     check_write_budget(_written)
@@ -247,7 +247,7 @@ def check_resume(files: OutputFiles, new: Identity, overwrite: bool) -> bool:
 
 
 def _write_lines(path: str, lines: list[bytes], what: str) -> None:
-    """Replace ``path`` with ``lines`` atomically; :class:`OutputError` naming it when it cannot be written."""
+    """Replace ``path`` with ``lines`` atomically; :class:`OutputError` naming it when it cannot be."""
     def fill(handle) -> None:
         for line in lines:
             _spent(len(line))
@@ -315,7 +315,7 @@ class Appender:
         view = memoryview(line)
         try:
             _spent(len(line))
-            while view:  # a short write (a signal, a full pipe) must not leave half a line behind the next one
+            while view:  # a short write (a signal, a full pipe) must not leave half a line before the next
                 view = view[os.write(self._fd, view):]
         except OSError as exc:
             raise _failed_write(self.path, exc, "appending a row") from None
@@ -428,7 +428,8 @@ class OrderedWriter:
 
     def _sync_dir(self) -> None:
         """The appended files' creation (and the old failed list's removal) made durable."""
+        folder = os.path.dirname(self.files.path)
         try:
-            fsync_dir(os.path.dirname(self.files.path))
+            fsync_dir(folder)
         except OSError as exc:
-            raise _failed_write(os.path.dirname(self.files.path), exc, "syncing the output's directory") from None
+            raise _failed_write(folder, exc, "syncing the output's directory") from None

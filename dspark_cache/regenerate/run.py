@@ -34,16 +34,16 @@ from dspark_cache.producer import InputError, InputSource, InvalidRow, RawRow, c
 from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import EndpointError, EndpointPool, NoEndpointError, Reply, RowFailed
 from dspark_cache.regenerate.output import (
-    REJECTED, Finished, OrderedWriter, OutputError, OutputFiles, Skipped, check_resume, done_rows, encode_line,
-    take_lock,
+    REJECTED, Finished, OrderedWriter, OutputError, OutputFiles, Skipped, check_resume, done_rows,
+    encode_line, take_lock,
 )
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, regeneration, row_seed
 
 log = logging.getLogger(__name__)
 
 _ROW_KEYS = ("messages", "conversations")  # the input's turns, replaced by the regenerated "messages"
-# Rows failed or rejected, none answered, after which the endpoint is taken to refuse every row alike: more than
-# the requests in flight at the default --concurrency, and far fewer than a dataset.
+# Rows failed or rejected, none answered, after which the endpoint is taken to refuse every row alike:
+# more than the requests in flight at the default --concurrency, and far fewer than a dataset.
 ENDPOINT_WIDE_AFTER = 16
 _COUNT_CHUNK = 1 << 20
 
@@ -156,8 +156,8 @@ def check_row(value: dict[str, Any], messages: list[dict[str, Any]], tools: Any,
         except (TypeError, ValueError) as exc:
             raise InvalidRow("value not JSON", f"{_where(name)} holds {exc}") from None
         except RecursionError:
-            raise InvalidRow("nested too deep", f"{_where(name)} is nested deeper than JSON text can be written "
-                             "here") from None
+            raise InvalidRow("nested too deep", f"{_where(name)} is nested deeper than JSON text can be "
+                             "written here") from None
 
 
 def _where(name: str) -> str:
@@ -261,10 +261,12 @@ def endpoint_wide(unanswered: list[Skipped], files: OutputFiles) -> RunError:
     """The run's stop when no row got an answer: the endpoint and the cause (the server's words on the last
     row), and what to do; the rows are listed in OUTPUT.failed, none recorded as done."""
     last = unanswered[-1]
-    some = "every row sent" if len(unanswered) < ENDPOINT_WIDE_AFTER else f"the first {len(unanswered)} rows sent"
-    return RunError(f"{some} failed or was rejected and none got an answer, so the endpoint refuses every row "
-                    f"alike (the last, {last.where}: {last.detail}). Nothing was recorded as done (the rows are "
-                    f"listed in {files.failed}): fix the server or --endpoint/--model, then rerun the same command")
+    n = len(unanswered)
+    some = "every row sent" if n < ENDPOINT_WIDE_AFTER else f"the first {n} rows sent"
+    return RunError(f"{some} failed or was rejected and none got an answer, so the endpoint refuses every "
+                    f"row alike (the last, {last.where}: {last.detail}). Nothing was recorded as done (the "
+                    f"rows are listed in {files.failed}): fix the server or --endpoint/--model, then rerun "
+                    "the same command")
 
 
 def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files: OutputFiles, done: set[int],

@@ -257,8 +257,9 @@ def test_an_output_that_is_the_input_is_a_usage_error(tmp_path):
     before = open(data, "rb").read()
     (tmp_path / "link.jsonl").symlink_to(data)
     with canned_endpoint() as endpoint:
-        for output, data_arg, what in ((data, data, "the input"), (tmp_path / "link.jsonl", data, "the input"),
-                                       (folder / "out.jsonl", folder, "inside the input directory")):
+        cases = ((data, data, "the input"), (tmp_path / "link.jsonl", data, "the input"),
+                 (folder / "out.jsonl", folder, "inside the input directory"))
+        for output, data_arg, what in cases:
             done = run_regenerate([endpoint.endpoint], str(data_arg), str(output), "--overwrite")
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 2 and len(lines) == 1, done.stderr
@@ -289,14 +290,14 @@ def test_a_symlink_and_its_target_are_one_output(tmp_path):
 
 
 def test_a_trickling_answer_is_a_timeout(tmp_path):
-    """--request-timeout bounds the whole request: a server sending its answer a byte at a time (each byte well
-    within the timeout) times out like a silent one, and the request is retried."""
+    """--request-timeout bounds the whole request: a server sending its answer a byte at a time (each byte
+    well within the timeout) times out like a silent one, and the request is retried."""
     data = _prompts(tmp_path / "rows.jsonl", 3)
     out = tmp_path / "regen.jsonl"
     with canned_endpoint() as endpoint:
         endpoint.fail_next(1, "trickle", match=CHAT, trickle_s=0.05, first=True)
-        done = run_regenerate([endpoint.endpoint], data, str(out), "--request-timeout", "2", "--concurrency", "1",
-                              "--log-level", "INFO", timeout=90)
+        done = run_regenerate([endpoint.endpoint], data, str(out), "--request-timeout", "2",
+                              "--concurrency", "1", "--log-level", "INFO", timeout=90)
         trickled = endpoint.faults["trickle"]
     assert done.returncode == 0 and trickled == 1, done.stderr
     assert f"{endpoint.endpoint} did not answer within 2 s; retry 1/6" in done.stderr
@@ -329,7 +330,8 @@ def test_an_answer_nested_too_deep_is_a_row_failure(tmp_path):
 def _peak_rss_mb(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
     """``cmd``'s result and its peak RSS, in a fresh parent of its own (the only child its rusage counts)."""
     code = ("import resource, subprocess, sys\ndone = subprocess.run(sys.argv[1:])\n"
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\nsys.exit(done.returncode)")
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+            "sys.exit(done.returncode)")
     done = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, timeout=300)
     *said, peak = done.stderr.strip().splitlines()
     return subprocess.CompletedProcess(cmd, done.returncode, done.stdout, "\n".join(said)), int(peak) / 1024
@@ -344,20 +346,20 @@ def test_a_huge_line_is_counted_and_skipped_in_bounded_memory(tmp_path):
             handle.write(b"x" * (1 << 20))
     out = tmp_path / "regen.jsonl"
     with canned_endpoint() as endpoint:
-        done, peak = _peak_rss_mb(regen_cmd([endpoint.endpoint], data, str(out), "--max-row-bytes", str(1 << 20),
-                                            "--on-invalid", "skip"))
+        done, peak = _peak_rss_mb(regen_cmd([endpoint.endpoint], data, str(out), "--max-row-bytes",
+                                            str(1 << 20), "--on-invalid", "skip"))
     assert done.returncode == 0, done.stderr
     assert count_lines(str(out)) == 3
+    too_long = f"the row is {200 << 20} bytes, over --max-row-bytes {1 << 20}"
     assert read_jsonl(str(out) + ".skipped") == [{"index": 3, "where": f"{data}:4", "reason": "row too long",
-                                                  "detail": f"the row is {200 << 20} bytes, over --max-row-bytes "
-                                                  f"{1 << 20}"}]
+                                                  "detail": too_long}]
     assert peak < 160, f"peak RSS {peak:.0f} MB: the 200 MB line was held"
 
 
 @pytest.mark.parametrize("how", ["tmpfs", "injected"])
 def test_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path, how):
-    """The disk fills while rows are appended: one line naming the file, exit 1, and once space is freed a rerun
-    writes exactly what an uninterrupted run writes. A state that cannot be written is one line too."""
+    """The disk fills while rows are appended: one line naming the file, exit 1, and once space is freed a
+    rerun writes exactly what an uninterrupted run writes. A state that cannot be written is one line too."""
     data = _prompts(tmp_path / "rows.jsonl", 40, width=2000)  # rows of ~2 KB: about 80 KB in all
     reference = tmp_path / "reference.jsonl"
     with canned_endpoint() as endpoint:
@@ -371,9 +373,11 @@ def test_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path, how):
             full = run_regenerate([endpoint.endpoint], data, out, "--fsync-rows", "1", env=env)
             lines = full.stderr.strip().splitlines()
             assert full.returncode == 1 and len(lines) == 1, full.stderr
-            assert lines[0].startswith(f"dspark-regenerate: error: {out}: the disk is full") and "rerun" in lines[0]
+            assert lines[0].startswith(f"dspark-regenerate: error: {out}: the disk is full"), lines
+            assert "rerun" in lines[0]
             kept = open(out, "rb").read()
-            assert 0 < kept.count(b"\n") < 40 and reference.read_bytes().startswith(kept[:kept.rfind(b"\n") + 1])
+            whole = kept[:kept.rfind(b"\n") + 1]  # and maybe a torn line, which the rerun cuts off
+            assert 0 < kept.count(b"\n") < 40 and reference.read_bytes().startswith(whole)
             if how == "tmpfs":
                 grow(mount, "4m")
             done = run_regenerate([endpoint.endpoint], data, out)

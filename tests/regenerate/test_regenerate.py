@@ -237,7 +237,8 @@ def test_rows_failing_after_retries_are_listed_then_retried(server, rows_file, t
         # No row answered: the endpoint's doing, not the rows'. Not 0 (`regenerate && produce` must not go
         # on), and not 4 either: one line naming the endpoint and the cause.
         last = none.stderr.strip().splitlines()[-1]
-        assert none.returncode == 1 and last.startswith("dspark-regenerate: error: every row sent failed"), last
+        assert none.returncode == 1, none.stderr
+        assert last.startswith("dspark-regenerate: error: every row sent failed"), last
         assert f"HTTP 503 from {proxy.endpoint}" in last and "rerun the same command" in last
         failed = read_jsonl(str(out) + ".failed")
         assert [f["index"] for f in failed] == list(range(6))
@@ -419,9 +420,9 @@ def test_replies_no_output_line_can_hold_are_rejected_never_written(server, rows
 
 
 def test_a_redirect_is_an_endpoint_failure_never_a_rejection(server, rows_file, tmp_path):
-    """An endpoint answering its chat completions with a redirect (an http URL behind an https gateway, a login
-    page): no row is rejected or recorded as done, the endpoint leaves the rotation. Alone, the run stops in one
-    line naming it and the redirect; beside a working endpoint, the other writes every row."""
+    """An endpoint answering its chat completions with a redirect (an http URL behind an https gateway, a
+    login page): no row is rejected or recorded as done, the endpoint leaves the rotation. Alone, the run
+    stops in one line naming it and the redirect; beside a working endpoint, the other writes every row."""
     data = _small(rows_file, tmp_path)
     out = tmp_path / "regen.jsonl"
     moved = {"Location": "https://gateway.example/v1/chat/completions"}
@@ -432,9 +433,10 @@ def test_a_redirect_is_an_endpoint_failure_never_a_rejection(server, rows_file, 
         both = regenerate([proxy.endpoint, server.url], data, str(out), "--concurrency", "2")
         redirected = proxy.faults["answer"]
     last = alone.stderr.strip().splitlines()[-1]
-    assert alone.returncode == 1 and last.startswith("dspark-regenerate: error: no endpoint answered for 3 s: "), \
-        alone.stderr
-    assert f"HTTP 307 from {proxy.endpoint}, a redirect to {moved['Location']}" in last and "--endpoint" in last
+    assert alone.returncode == 1, alone.stderr
+    assert last.startswith("dspark-regenerate: error: no endpoint answered for 3 s: "), last
+    assert f"HTTP 307 from {proxy.endpoint}, a redirect to {moved['Location']}" in last
+    assert "--endpoint" in last
     assert both.returncode == 0 and f"endpoint {proxy.endpoint} redirects" in both.stderr, both.stderr
     assert redirected >= 2
     direct = tmp_path / "direct.jsonl"
@@ -455,7 +457,7 @@ def test_every_row_rejected_alike_is_the_endpoints_fault(server, rows_file, refe
         asked = proxy.faults["answer"]
     lines = stop.stderr.strip().splitlines()
     assert stop.returncode == 1 and len(lines) == 1, stop.stderr
-    assert lines[0].startswith(f"dspark-regenerate: error: the first {ENDPOINT_WIDE_AFTER} rows sent failed"), lines
+    assert lines[0].startswith(f"dspark-regenerate: error: the first {ENDPOINT_WIDE_AFTER} rows sent"), lines
     assert f"HTTP 404 from {proxy.endpoint}: The model" in lines[0] and "rerun the same command" in lines[0]
     assert ENDPOINT_WIDE_AFTER <= asked < ROWS, asked
     assert count_lines(str(out)) == 0 and count_lines(str(out) + ".skipped") == 0

@@ -565,7 +565,8 @@ class FaultProxy:
             self._stall(client, plan.stall_s)
         elif plan.kind == "trickle":
             head.relay_body(reader, _Sink(None))
-            client.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1048576\r\n\r\n")
+            client.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1048576\r\n\r\n")
             while not self._stopping.wait(plan.trickle_s):
                 client.sendall(b" ")  # OSError once the client hangs up: the thread ends
         else:

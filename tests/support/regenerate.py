@@ -55,7 +55,8 @@ def count_lines(path: str) -> int:
 def completion(model: str, content: str, tokens: int = 3) -> dict[str, Any]:
     """A chat completion as an OpenAI-compatible server answers one."""
     return {"object": "chat.completion", "model": model, "usage": {"completion_tokens": tokens},
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]}
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": content}}]}
 
 
 @contextmanager
