@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 # /2: the row's source moved inside its ``regenerated`` record, a local input is named by its absolute path.
 STATE_FORMAT = "dspark-regenerate/2"
 REJECTED = "rejected"  # a Skipped's reason: the server refused the row's request (a 4xx, an odd answer)
+TRUNCATED = "truncated"  # ... the server answered, a turn cut at --max-tokens, and --on-truncated drop
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _written = 0  # bytes this process wrote to the output and its sidecars (the fault hook's count)
 
@@ -282,6 +283,15 @@ def _lines(path: str, cut: bool) -> Iterator[bytes]:
             offset += len(line)
 
 
+def answered_before(files: OutputFiles) -> bool:
+    """Whether a row of the output got an answer from a server: a row written, or a line of ``skipped`` that
+    only an answer (or a rejection recorded after one) puts there."""
+    if os.path.exists(files.path) and os.path.getsize(files.path) > 0:
+        return True
+    return any(msgspec.json.decode(line, type=Skipped).reason in (REJECTED, TRUNCATED)
+               for line in _lines(files.skipped, cut=False))  # done_rows has read each: they decode
+
+
 def done_rows(files: OutputFiles, cut: bool = True) -> set[int]:
     """Positions of the input rows already done: written to the output, or listed as skipped. ``cut``: cut
     off a torn last line (only the run that holds the lock may)."""
@@ -348,6 +358,7 @@ class Finished:
     skipped: Skipped | None = None
     failed: Skipped | None = None
     tokens: int = 0
+    answered: bool = False  # the server answered the row (written, or dropped as truncated)
 
 
 class OrderedWriter:
@@ -379,14 +390,14 @@ class OrderedWriter:
         while self.next_seq in self._waiting:
             done = self._waiting.pop(self.next_seq)
             self.next_seq += 1
+            if done.answered and not self.proven:
+                self.proven = True
+                for entry in self._held:  # rejections of rows, then: now they are recorded as done
+                    self._skip(entry)
+                self._held.clear()
             if done.row is not None:
                 self._rows.append(done.row)
                 self.written += 1
-                if not self.proven:
-                    self.proven = True
-                    for entry in self._held:  # rejections of rows, then: now they are recorded as done
-                        self._skip(entry)
-                    self._held.clear()
             elif done.skipped is not None:
                 if done.skipped.reason == REJECTED and not self.proven:
                     self._held.append(done.skipped)

@@ -19,7 +19,6 @@ import base64
 import datetime
 import decimal
 import logging
-import os
 import queue
 import threading
 import time
@@ -34,8 +33,8 @@ from dspark_cache.producer import InputError, InputSource, InvalidRow, RawRow, c
 from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import EndpointError, EndpointPool, NoEndpointError, Reply, RowFailed
 from dspark_cache.regenerate.output import (
-    REJECTED, Finished, OrderedWriter, OutputError, OutputFiles, Skipped, check_resume, done_rows,
-    encode_line, take_lock,
+    REJECTED, TRUNCATED, Finished, OrderedWriter, OutputError, OutputFiles, Skipped, answered_before,
+    check_resume, done_rows, encode_line, take_lock,
 )
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, regeneration, row_seed
 
@@ -206,12 +205,14 @@ class Regenerator:
         tokens = sum(r.completion_tokens for r in replies)
         reasons = [r.finish_reason for r in replies]
         if self.cfg.on_truncated == "drop" and "length" in reasons:
-            return Finished(skipped=Skipped(index=row.index, where=row.where, reason="truncated",
-                                            detail=f"a turn reached --max-tokens {self.cfg.max_tokens}"), tokens=tokens)
+            cut = Skipped(index=row.index, where=row.where, reason=TRUNCATED,
+                          detail=f"a turn reached --max-tokens {self.cfg.max_tokens}")
+            return Finished(skipped=cut, tokens=tokens, answered=True)
         record = RowRegeneration(**msgspec.structs.asdict(self.settings), row_seed=seed, finish_reasons=reasons,
                                  completion_tokens=tokens, source=RowSource(index=row.index, where=row.where))
         out = {"messages": messages, **_kept(row.value), REGENERATED_KEY: msgspec.to_builtins(record)}
-        return Finished(row=encode_row(out), tokens=tokens)  # check_row and parse_reply vouch for every value
+        # check_row and parse_reply vouch for every value
+        return Finished(row=encode_row(out), tokens=tokens, answered=True)
 
     def work(self) -> None:
         """A worker thread: jobs until ``None``."""
@@ -249,8 +250,7 @@ def run_regenerate(cfg: RegenerateConfig, progress_total: bool = True) -> Result
         if done:
             log.info("resuming %s: %d rows already done", cfg.output, len(done))
         result = Result(pool.model, total, len(done))
-        answered = os.path.exists(files.path) and os.path.getsize(files.path) > 0  # a row of it got an answer
-        _loop(cfg, Regenerator(cfg, pool), source, files, done, result, answered)
+        _loop(cfg, Regenerator(cfg, pool), source, files, done, result, answered_before(files))
         return result
     finally:
         if lock is not None:

@@ -23,7 +23,9 @@ from dspark_cache.regenerate.run import check_row, encode_row
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, identity_diff, row_seed
 from tests.support.diskfull import grow, small_filesystem
 from tests.support.produce import write_jsonl
-from tests.support.regenerate import CHAT, canned_endpoint, count_lines, read_jsonl, regen_cmd
+from tests.support.regenerate import (
+    CHAT, canned_endpoint, completion, count_lines, read_jsonl, regen_cmd,
+)
 from tests.support.regenerate import regenerate as run_regenerate
 from tests.support.serving import free_port
 
@@ -388,3 +390,22 @@ def test_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path, how):
                                    env={"DSPARK_FAIL_WRITES_AFTER": "0"})
             assert state.returncode == 1 and state.stderr.count("\n") == 1, state.stderr
             assert f"{tmp_path / 'other.jsonl.state'}: the disk is full" in state.stderr
+
+
+def test_rows_answered_then_dropped_as_truncated_prove_the_endpoint(tmp_path):
+    """The endpoint-wide rule counts answers, not lines written: a run whose answers are all dropped as
+    truncated (--on-truncated drop) beside a row the server rejects is the row's rejection, recorded."""
+    data = _prompts(tmp_path / "rows.jsonl", 4)
+    out = tmp_path / "regen.jsonl"
+    cut = completion("canned/model", "a cut answer")
+    cut["choices"][0]["finish_reason"] = "length"
+    with canned_endpoint() as endpoint:
+        endpoint.fail_next(None, "answer", match=CHAT, body=cut, first=True)
+        endpoint.fail_next(1, "answer", match=CHAT, status="400 Bad Request", first=True,
+                           body={"error": {"message": "the prompt is longer than the context"}})
+        done = run_regenerate([endpoint.endpoint], data, str(out), "--on-truncated", "drop",
+                              "--concurrency", "1")
+    assert done.returncode == 0, done.stderr
+    assert count_lines(str(out)) == 0
+    assert [(s["index"], s["reason"]) for s in read_jsonl(str(out) + ".skipped")] == \
+        [(0, "rejected"), (1, "truncated"), (2, "truncated"), (3, "truncated")]
