@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = "dspark-regenerate/2"
 REJECTED = "rejected"  # a Skipped's reason: the server refused the row's request (a 4xx, an odd answer)
 TRUNCATED = "truncated"  # ... the server answered, a turn cut at --max-tokens, and --on-truncated drop
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 _written = 0  # bytes this process wrote to the output and its sidecars (the fault hook's count)
 
 
@@ -194,8 +194,13 @@ def take_lock(files: OutputFiles) -> DirectoryLock | None:
         return OutputError(f"{files.path} is being written by another dspark-regenerate run ({holder}); wait for it "
                            "to finish or stop it (kill -TERM its pid), then rerun; or choose another --output")
 
-    os.makedirs(os.path.dirname(files.path), exist_ok=True)
-    return hold_exclusive(files.lock, {"output": files.path}, refusal)
+    try:
+        os.makedirs(os.path.dirname(files.path), exist_ok=True)
+        return hold_exclusive(files.lock, {"output": files.path}, refusal)
+    except OSError as exc:
+        if exc.errno in _FULL:  # else the caller's "choose a writable path"
+            raise _failed_write(files.lock, exc, "taking the output's lock") from None
+        raise
 
 
 def read_state(files: OutputFiles) -> State | None:
@@ -284,8 +289,8 @@ def _lines(path: str, cut: bool) -> Iterator[bytes]:
 
 
 def answered_before(files: OutputFiles) -> bool:
-    """Whether a row of the output got an answer from a server: a row written, or a line of ``skipped`` that
-    only an answer (or a rejection recorded after one) puts there."""
+    """Whether a row of the output got an answer from a server: a row written, or a line of ``skipped``
+    that only an answer (or a rejection recorded after one) puts there."""
     if os.path.exists(files.path) and os.path.getsize(files.path) > 0:
         return True
     return any(msgspec.json.decode(line, type=Skipped).reason in (REJECTED, TRUNCATED)
