@@ -186,11 +186,11 @@ class Client:
     def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's connection, and whether it has carried a request before (a server may have closed it idle)."""
         conn = getattr(self._local, "conn", None)
-        if conn is not None:
+        if conn is not None and conn.sock is not None:
             conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
+            conn.sock.settimeout(timeout)
             return conn, True
+        self.close()  # one with no socket (http.client closed it) would reconnect unwatched: a new one
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._host, self._port, timeout=min(CONNECT_TIMEOUT_S, timeout))
         try:  # connected here, with a short timeout: a host that drops packets is down, not slow
