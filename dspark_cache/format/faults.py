@@ -1,8 +1,8 @@
 """Fault injection for the crash-safety tests; without the variables every call is a no-op.
 
 ``DSPARK_CRASH_AT=point:n`` SIGKILLs this process the n-th time ``point`` is reached.
-``DSPARK_FAIL_WRITES_AFTER=bytes`` makes shard writes fail with ENOSPC past that many bytes
-(for machines where a small filesystem cannot be mounted).
+``DSPARK_FAIL_WRITES_AFTER=bytes`` makes shard writes (and ``dspark-regenerate``'s output writes)
+fail with ENOSPC past that many bytes (for machines where a small filesystem cannot be mounted).
 
 The points sit at the boundaries that matter for atomic publication (a shard half written,
 renamed but not yet indexed, indexed but not yet reported). Without the variable this is a
@@ -35,7 +35,7 @@ def crash_point(name: str) -> None:
 
 
 def check_write_budget(bytes_written: int) -> None:
-    """Raise ENOSPC once this process has written more shard bytes than allowed."""
+    """Raise ENOSPC once this process has written more bytes (a writer's count) than allowed."""
     limit = os.environ.get("DSPARK_FAIL_WRITES_AFTER")
     if limit is not None and bytes_written > int(limit):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -31,8 +31,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         validate_config(cfg)
         from dspark_cache.regenerate.client import base_url
+        from dspark_cache.regenerate.output import overlap
 
         cfg.endpoint = [base_url(u) for u in cfg.endpoint]
+        problem = overlap(cfg.output, cfg.input_data)  # before --overwrite deletes anything
+        if problem:
+            raise ConfigError(problem)
     except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     return dry_run(cfg) if cfg.dry_run else regenerate_and_report(cfg)
@@ -50,7 +54,7 @@ def dry_run(cfg) -> int:
         source = open_input(cfg)
         pool = connect(cfg)
         total = count_rows(source)
-        files = OutputFiles(cfg.output)
+        files = OutputFiles.of(cfg.output)
         if cfg.overwrite:
             done = "--overwrite: none kept"
         else:
@@ -86,7 +90,8 @@ def regenerate_and_report(cfg) -> int:
           f"{rate:.0f} tokens/s")
     if result.failed:
         # Not 0: `dspark-regenerate ... && dspark-produce ...` must not go on with rows missing.
-        print(f"{PROG}: {len(result.failed)} rows failed; they are listed in {OutputFiles(cfg.output).failed} with the "
+        listed = OutputFiles.of(cfg.output).failed
+        print(f"{PROG}: {len(result.failed)} rows failed; they are listed in {listed} with the "
               "reason: rerun the same command to try them again (they are appended after the rows written)",
               file=sys.stderr)
         return EXIT_INCOMPLETE

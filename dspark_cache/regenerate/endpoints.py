@@ -1,6 +1,7 @@
 """The endpoints in rotation, and one chat request carried through them with retries.
 
-Requests go round-robin over the endpoints that are up. One that refuses connections, or fails
+Requests go round-robin over the endpoints that are up. One that refuses connections or answers a
+redirect (3xx: no chat completion is served at that URL, whatever the row), or fails
 :data:`DOWN_AFTER` requests in a row while another is up (5xx, timeouts, broken connections: a server
 that hangs or keeps erroring is as dead as one that is gone), is taken out of the rotation and tried
 again after a delay that doubles while it stays down (up to :data:`MAX_DOWN_S`); a good answer puts
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dspark_cache.regenerate.client import (
-    BUSY_STATUS, Client, Refused, Rejected, RequestFailed, Transient, Unreachable,
+    BUSY_STATUS, Client, Misdirected, Refused, Rejected, RequestFailed, Transient, Unreachable,
 )
 from dspark_cache.regenerate.output import encode_line
 from dspark_cache.regenerate.settings import API_KEY_ENV
@@ -112,6 +113,8 @@ def parse_reply(doc: Any, url: str) -> tuple[Reply, str]:
             encode_line(message)
         except (TypeError, ValueError, UnicodeEncodeError) as exc:
             raise ValueError(f"it holds what JSON text cannot ({type(exc).__name__}: {exc})") from None
+        except RecursionError:
+            raise ValueError("it is nested deeper than JSON text can be written here") from None
         usage = doc.get("usage") or {}
         tokens = usage.get("completion_tokens") or 0
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
@@ -159,6 +162,10 @@ class EndpointPool:
     def stop(self) -> None:
         """Wake every request waiting for an endpoint or a backoff: they raise :class:`NoEndpointError`."""
         self._stopping.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopping.is_set()
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -264,8 +271,9 @@ class EndpointPool:
             try:
                 doc = ep.client.request("POST", "/v1/chat/completions", body)
                 reply, model = parse_reply(doc, ep.url)
-            except Unreachable as exc:  # the endpoint's fault, not the row's: no retry spent
-                log.warning("endpoint %s is down (%s); left out of the rotation for a while", ep.url, exc.reason)
+            except Unreachable as exc:  # the endpoint's fault (down, redirecting), not the row's: no retry
+                log.warning("endpoint %s %s (%s); left out of the rotation for a while", ep.url,
+                            "redirects" if isinstance(exc, Misdirected) else "is down", exc.reason)
                 self._mark_down(ep, exc.reason)
                 continue
             except Refused as exc:

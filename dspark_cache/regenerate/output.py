@@ -15,10 +15,22 @@ Rows are appended in input order (a row that finishes early waits for those befo
 killed at any instant leaves a prefix, and its rerun appends the rest: with no failed row, the same
 bytes as an uninterrupted run. Appends go through ``O_APPEND`` writes of whole lines, fsynced every
 ``fsync_rows`` rows and at the end; a kill can leave at most a torn last line, which resume cuts off.
+A write that fails (a full disk) stops the run with one line naming the file; what it left is such a
+prefix and a torn line too, so a rerun resumes.
+
+The files are named after the output's real path (``os.path.realpath``): two runs given a symlink and
+its target share one lock, and an output that is the input (or lies inside it) is refused before
+anything is touched (:func:`overlap`).
+
+A server's rejection of a row is recorded as done (``OUTPUT.skipped``: not asked again) only once some
+row of the output got an answer: until then the endpoint is not known to work, and rejecting every row
+alike is its fault (a wrong URL or model), not the rows'. Those rejections are held back
+(``OrderedWriter.proven``) and listed in ``OUTPUT.failed`` if no answer comes, so a rerun asks them again.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -29,7 +41,9 @@ from typing import Any, Callable, Iterator
 
 import msgspec
 
+from dspark_cache.format.atomic import atomic_write_with, fsync_dir
 from dspark_cache.format.errors import CacheError
+from dspark_cache.format.faults import check_write_budget
 from dspark_cache.format.lock import DirectoryLock, hold_exclusive
 from dspark_cache.format.schema import REGENERATED_KEY, RowSource
 from dspark_cache.regenerate.settings import Identity, identity_diff
@@ -38,6 +52,10 @@ log = logging.getLogger(__name__)
 
 # /2: the row's source moved inside its ``regenerated`` record, a local input is named by its absolute path.
 STATE_FORMAT = "dspark-regenerate/2"
+REJECTED = "rejected"  # a Skipped's reason: the server refused the row's request (a 4xx, an odd answer)
+TRUNCATED = "truncated"  # ... the server answered, a turn cut at --max-tokens, and --on-truncated drop
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_written = 0  # bytes this process wrote to the output and its sidecars (the fault hook's count)
 
 
 def _finite(value: Any) -> Any:
@@ -129,6 +147,46 @@ class OutputFiles:
     def exists(self) -> bool:
         return any(os.path.exists(p) for p in (self.path, self.state, self.skipped))
 
+    @classmethod
+    def of(cls, output: str) -> OutputFiles:
+        """The files of ``--output``, named after its real path: a symlink and its target are one output
+        (one lock, one state), whichever a run is given."""
+        return cls(os.path.realpath(output))
+
+
+def overlap(output: str, input_data: str) -> str | None:
+    """Why ``output`` (or one of its sidecars) would overwrite the input, or None: it is the input, a
+    symlink to it, or inside it when the input is a directory (the real paths compared)."""
+    if not os.path.exists(input_data):
+        return None  # a hub dataset id: nothing local to overwrite
+    source = os.path.realpath(input_data)
+    inside = os.path.isdir(source)
+    files = OutputFiles.of(output)
+    for path in (*files.data_files(), files.lock):
+        real = os.path.realpath(path)
+        if real == source or (inside and real.startswith(source.rstrip(os.sep) + os.sep)):
+            what = "the input" if real == source else "inside the input directory"
+            return (f"--output {output} would write {real}, which is {what} --input-data {input_data}: the "
+                    "run would overwrite the rows it reads. Choose an --output outside the input")
+    return None
+
+
+def _failed_write(path: str, exc: OSError, what: str) -> OutputError:
+    """One line for a write to ``path`` that failed: the file, the reason, and what to do."""
+    if exc.errno in _FULL:
+        return OutputError(f"{path}: the disk is full ({exc.strerror}) while {what}: free space on that "
+                           "filesystem, then rerun the same command to resume (the rows written are kept)")
+    return OutputError(f"{path}: cannot be written ({exc.strerror or exc}) while {what}: fix the file or its "
+                       "directory, then rerun the same command to resume")
+
+
+def _spent(size: int) -> None:
+    """Count ``size`` bytes written; the fault hook (``DSPARK_FAIL_WRITES_AFTER``) fails a write past its
+    budget, as a full disk does, where no small filesystem can be mounted for the tests."""
+    global _written
+    _written += size
+    check_write_budget(_written)
+
 
 def take_lock(files: OutputFiles) -> DirectoryLock | None:
     """Hold ``OUTPUT.lock`` for this run, or raise naming the run that holds it."""
@@ -136,8 +194,13 @@ def take_lock(files: OutputFiles) -> DirectoryLock | None:
         return OutputError(f"{files.path} is being written by another dspark-regenerate run ({holder}); wait for it "
                            "to finish or stop it (kill -TERM its pid), then rerun; or choose another --output")
 
-    os.makedirs(os.path.dirname(os.path.abspath(files.path)), exist_ok=True)
-    return hold_exclusive(files.lock, {"output": files.path}, refusal)
+    try:
+        os.makedirs(os.path.dirname(files.path), exist_ok=True)
+        return hold_exclusive(files.lock, {"output": files.path}, refusal)
+    except OSError as exc:
+        if exc.errno in _FULL:  # else the caller's "choose a writable path"
+            raise _failed_write(files.lock, exc, "taking the output's lock") from None
+        raise
 
 
 def read_state(files: OutputFiles) -> State | None:
@@ -189,22 +252,21 @@ def check_resume(files: OutputFiles, new: Identity, overwrite: bool) -> bool:
     return True
 
 
-def _write_state(files: OutputFiles, state: State) -> None:
-    tmp = files.state + ".tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(msgspec.json.encode(state) + b"\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, files.state)
-    _fsync_dir(files.state)
+def _write_lines(path: str, lines: list[bytes], what: str) -> None:
+    """Replace ``path`` with ``lines`` atomically; :class:`OutputError` naming it when it cannot be."""
+    def fill(handle) -> None:
+        for line in lines:
+            _spent(len(line))
+            handle.write(line)
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        atomic_write_with(path, fill)
+    except OSError as exc:
+        raise _failed_write(path, exc, what) from None
+
+
+def _write_state(files: OutputFiles, state: State) -> None:
+    _write_lines(files.state, [msgspec.json.encode(state) + b"\n"], "writing the run's state")
 
 
 def _lines(path: str, cut: bool) -> Iterator[bytes]:
@@ -224,6 +286,15 @@ def _lines(path: str, cut: bool) -> Iterator[bytes]:
                 return
             yield line
             offset += len(line)
+
+
+def answered_before(files: OutputFiles) -> bool:
+    """Whether a row of the output got an answer from a server: a row written, or a line of ``skipped``
+    that only an answer (or a rejection recorded after one) puts there."""
+    if os.path.exists(files.path) and os.path.getsize(files.path) > 0:
+        return True
+    return any(msgspec.json.decode(line, type=Skipped).reason in (REJECTED, TRUNCATED)
+               for line in _lines(files.skipped, cut=False))  # done_rows has read each: they decode
 
 
 def done_rows(files: OutputFiles, cut: bool = True) -> set[int]:
@@ -254,23 +325,34 @@ class Appender:
         self._unsynced = 0
 
     def append(self, line: bytes) -> None:
+        """Append ``line``; :class:`OutputError` naming the file when it cannot be (a full disk): what is
+        left is whole lines and at most a torn last one, which a resume cuts off."""
         view = memoryview(line)
-        while view:  # a short write (a signal, a full pipe) must not leave half a line behind the next one
-            view = view[os.write(self._fd, view):]
+        try:
+            _spent(len(line))
+            while view:  # a short write (a signal, a full pipe) must not leave half a line before the next
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            raise _failed_write(self.path, exc, "appending a row") from None
         self._unsynced += 1
         if self._unsynced >= self.every:
             self.sync()
 
     def sync(self) -> None:
         if self._unsynced:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                raise _failed_write(self.path, exc, "syncing the rows appended") from None
             self._unsynced = 0
 
     def close(self) -> None:
         if self._fd >= 0:
-            self.sync()
-            os.close(self._fd)
-            self._fd = -1
+            try:
+                self.sync()
+            finally:
+                os.close(self._fd)
+                self._fd = -1
 
 
 @dataclass
@@ -281,12 +363,13 @@ class Finished:
     skipped: Skipped | None = None
     failed: Skipped | None = None
     tokens: int = 0
+    answered: bool = False  # the server answered the row (written, or dropped as truncated)
 
 
 class OrderedWriter:
     """Appends outcomes in the order rows were handed out (``seq``), whatever order they finish in."""
 
-    def __init__(self, files: OutputFiles, fsync_rows: int) -> None:
+    def __init__(self, files: OutputFiles, fsync_rows: int, proven: bool = True) -> None:
         self.files = files
         self._rows = Appender(files.path, fsync_rows)
         self._skipped = Appender(files.skipped, fsync_rows)
@@ -294,6 +377,11 @@ class OrderedWriter:
         self.next_seq = 0
         self.written = self.skipped = 0
         self.failed: list[Skipped] = []
+        # Whether a row of the output got an answer (a resumed output holding rows: one did): until then a
+        # rejection may be the endpoint's fault, so it is held back, not recorded as done (the module's doc).
+        self.proven = proven
+        self._held: list[Skipped] = []
+        self.unanswered: list[Skipped] = []  # rows failed or held before the first answer, in order
 
     @property
     def waiting(self) -> int:
@@ -307,29 +395,57 @@ class OrderedWriter:
         while self.next_seq in self._waiting:
             done = self._waiting.pop(self.next_seq)
             self.next_seq += 1
+            if done.answered and not self.proven:
+                self.proven = True
+                for entry in self._held:  # rejections of rows, then: now they are recorded as done
+                    self._skip(entry)
+                self._held.clear()
             if done.row is not None:
                 self._rows.append(done.row)
                 self.written += 1
             elif done.skipped is not None:
-                self._skipped.append(msgspec.json.encode(done.skipped) + b"\n")
-                self.skipped += 1
+                if done.skipped.reason == REJECTED and not self.proven:
+                    self._held.append(done.skipped)
+                    self.unanswered.append(done.skipped)
+                else:
+                    self._skip(done.skipped)
             elif done.failed is not None:
                 self.failed.append(done.failed)
+                if not self.proven:
+                    self.unanswered.append(done.failed)
             out.append(done)
         return out
 
+    def _skip(self, entry: Skipped) -> None:
+        self._skipped.append(msgspec.json.encode(entry) + b"\n")
+        self.skipped += 1
+
     def close(self) -> None:
-        """fsync and close the appended files, and write this run's failed rows (none: no file)."""
-        self._rows.close()
-        self._skipped.close()
+        """fsync and close the appended files, and write this run's failed rows (none: no file); rejections
+        still held (no row answered) are listed there too, not recorded as done. Every step is tried; the
+        first that fails is raised (:class:`OutputError`, naming its file)."""
+        self.failed.extend(self._held)
+        self._held.clear()
+        first: OutputError | None = None
+        for step in (self._rows.close, self._skipped.close, self._write_failed, self._sync_dir):
+            try:
+                step()
+            except OutputError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _write_failed(self) -> None:
         if self.failed:
-            tmp = self.files.failed + ".tmp"
-            with open(tmp, "wb") as handle:
-                for entry in self.failed:
-                    handle.write(msgspec.json.encode(entry) + b"\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, self.files.failed)
+            _write_lines(self.files.failed, [msgspec.json.encode(e) + b"\n" for e in self.failed],
+                         "listing the failed rows")
         elif os.path.exists(self.files.failed):
             os.unlink(self.files.failed)
-        _fsync_dir(self.files.path)
+
+    def _sync_dir(self) -> None:
+        """The appended files' creation (and the old failed list's removal) made durable."""
+        folder = os.path.dirname(self.files.path)
+        try:
+            fsync_dir(folder)
+        except OSError as exc:
+            raise _failed_write(folder, exc, "syncing the output's directory") from None

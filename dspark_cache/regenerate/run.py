@@ -6,6 +6,11 @@ window ahead of the oldest row not yet written (what waits in memory stays bound
 regenerates one row's turns (sequential requests: each turn needs the one before) and hands the
 outcome back; the main thread writes outcomes in input order (``output.OrderedWriter``).
 Interrupted (Ctrl-C, SIGTERM), it writes what is complete in order, fsyncs and exits 3: a rerun resumes.
+
+A run none of whose rows gets an answer stops (exit 1) once :data:`ENDPOINT_WIDE_AFTER` rows failed or were
+rejected, or at its end when it has fewer: every row refused alike is the endpoint's doing (a wrong URL, a
+model it does not serve, a server that fails everything), and exiting 0 or 4 with an empty output would
+let ``dspark-regenerate ... && dspark-produce ...`` go on, or record rows as done that were never asked right.
 """
 
 from __future__ import annotations
@@ -28,13 +33,18 @@ from dspark_cache.producer import InputError, InputSource, InvalidRow, RawRow, c
 from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import EndpointError, EndpointPool, NoEndpointError, Reply, RowFailed
 from dspark_cache.regenerate.output import (
-    Finished, OrderedWriter, OutputFiles, Skipped, check_resume, done_rows, encode_line, take_lock,
+    REJECTED, TRUNCATED, Finished, OrderedWriter, OutputError, OutputFiles, Skipped, answered_before,
+    check_resume, done_rows, encode_line, take_lock,
 )
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, regeneration, row_seed
 
 log = logging.getLogger(__name__)
 
 _ROW_KEYS = ("messages", "conversations")  # the input's turns, replaced by the regenerated "messages"
+# Rows failed or rejected, none answered, after which the endpoint is taken to refuse every row alike:
+# more than the requests in flight at the default --concurrency, and far fewer than a dataset.
+ENDPOINT_WIDE_AFTER = 16
+_COUNT_CHUNK = 1 << 20
 
 
 class RunError(Exception):
@@ -68,11 +78,21 @@ def count_rows(source: InputSource) -> int | None:
     hint = source.count_hint()
     if hint is not None or not source.files or not all(f.endswith((".jsonl", ".ndjson")) for f in source.files):
         return hint
-    total = 0
-    for file in source.files:
-        with open(file, "rb") as handle:
-            total += sum(1 for line in handle if line.strip())
-    return total
+    return sum(_non_blank_lines(file) for file in source.files)
+
+
+def _non_blank_lines(path: str) -> int:
+    """The lines of ``path`` holding more than whitespace, read in chunks: a line of hundreds of megabytes
+    (one the run skips as over --max-row-bytes) is counted, never held whole."""
+    total, text = 0, False  # text: the line in progress holds more than whitespace
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_COUNT_CHUNK):
+            *ended, tail = chunk.split(b"\n")
+            for line in ended:
+                total += text or bool(line.strip())
+                text = False
+            text = text or bool(tail.strip())
+    return total + text
 
 
 def connect(cfg: RegenerateConfig) -> EndpointPool:
@@ -134,6 +154,9 @@ def check_row(value: dict[str, Any], messages: list[dict[str, Any]], tools: Any,
                              "Unicode text") from None
         except (TypeError, ValueError) as exc:
             raise InvalidRow("value not JSON", f"{_where(name)} holds {exc}") from None
+        except RecursionError:
+            raise InvalidRow("nested too deep", f"{_where(name)} is nested deeper than JSON text can be "
+                             "written here") from None
 
 
 def _where(name: str) -> str:
@@ -175,23 +198,27 @@ class Regenerator:
             messages, replies = regenerate(job.messages, self.cfg.turns, generate)
         except RowFailed as exc:
             if exc.final and self.cfg.on_failed == "skip":  # the server's answer will not change: not asked again
-                return Finished(skipped=Skipped(index=row.index, where=row.where, reason="rejected",
+                return Finished(skipped=Skipped(index=row.index, where=row.where, reason=REJECTED,
                                                 detail=exc.reason))
             return Finished(failed=Skipped(index=row.index, where=row.where, reason="request failed",
                                            detail=exc.reason))
         tokens = sum(r.completion_tokens for r in replies)
         reasons = [r.finish_reason for r in replies]
         if self.cfg.on_truncated == "drop" and "length" in reasons:
-            return Finished(skipped=Skipped(index=row.index, where=row.where, reason="truncated",
-                                            detail=f"a turn reached --max-tokens {self.cfg.max_tokens}"), tokens=tokens)
+            cut = Skipped(index=row.index, where=row.where, reason=TRUNCATED,
+                          detail=f"a turn reached --max-tokens {self.cfg.max_tokens}")
+            return Finished(skipped=cut, tokens=tokens, answered=True)
         record = RowRegeneration(**msgspec.structs.asdict(self.settings), row_seed=seed, finish_reasons=reasons,
                                  completion_tokens=tokens, source=RowSource(index=row.index, where=row.where))
         out = {"messages": messages, **_kept(row.value), REGENERATED_KEY: msgspec.to_builtins(record)}
-        return Finished(row=encode_row(out), tokens=tokens)  # check_row and parse_reply vouch for every value
+        # check_row and parse_reply vouch for every value
+        return Finished(row=encode_row(out), tokens=tokens, answered=True)
 
     def work(self) -> None:
         """A worker thread: jobs until ``None``."""
         while (job := self.jobs.get()) is not None:
+            if self.pool.stopped:  # the run is stopping: the rows handed out but not begun are not asked
+                continue
             try:
                 self.results.put((job.seq, self.row_outcome(job)))
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which stops the run
@@ -206,7 +233,7 @@ def run_regenerate(cfg: RegenerateConfig, progress_total: bool = True) -> Result
     """The run (see the module's docstring); raises :class:`RunError` with the message for the user."""
     source = open_input(cfg)
     pool = connect(cfg)  # before anything is written: no endpoint, no files
-    files = OutputFiles(cfg.output)
+    files = OutputFiles.of(cfg.output)
     try:
         lock = take_lock(files)
     except OSError as exc:
@@ -223,16 +250,28 @@ def run_regenerate(cfg: RegenerateConfig, progress_total: bool = True) -> Result
         if done:
             log.info("resuming %s: %d rows already done", cfg.output, len(done))
         result = Result(pool.model, total, len(done))
-        _loop(cfg, Regenerator(cfg, pool), source, files, done, result)
+        _loop(cfg, Regenerator(cfg, pool), source, files, done, result, answered_before(files))
         return result
     finally:
         if lock is not None:
             lock.release()
 
 
+def endpoint_wide(unanswered: list[Skipped], files: OutputFiles) -> RunError:
+    """The run's stop when no row got an answer: the endpoint and the cause (the server's words on the last
+    row), and what to do; the rows are listed in OUTPUT.failed, none recorded as done."""
+    last = unanswered[-1]
+    n = len(unanswered)
+    some = "every row sent" if n < ENDPOINT_WIDE_AFTER else f"the first {n} rows sent"
+    return RunError(f"{some} failed or was rejected and none got an answer, so the endpoint refuses every "
+                    f"row alike (the last, {last.where}: {last.detail}). Nothing was recorded as done (the "
+                    f"rows are listed in {files.failed}): fix the server or --endpoint/--model, then rerun "
+                    "the same command")
+
+
 def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files: OutputFiles, done: set[int],
-          result: Result) -> None:
-    writer = OrderedWriter(files, cfg.fsync_rows)
+          result: Result, answered: bool = True) -> None:
+    writer = OrderedWriter(files, cfg.fsync_rows, proven=answered)
     threads = [threading.Thread(target=regen.work, daemon=True, name=f"regenerate-{i}") for i in range(cfg.concurrency)]
     for thread in threads:
         thread.start()
@@ -252,6 +291,9 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
                 result.tokens += written.tokens
                 bar.update()
                 bar.note(f"{result.tokens / max(time.monotonic() - started, 1e-9):.0f} generated tok/s")
+                if not writer.proven and len(writer.unanswered) >= ENDPOINT_WIDE_AFTER and stop is None:
+                    stop = endpoint_wide(writer.unanswered, files)
+                    regen.pool.stop()
                 if written.failed is None:
                     continue
                 log.warning("%s: %s", written.failed.where, written.failed.detail)
@@ -306,15 +348,20 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
                 settle(False)
             while writer.next_seq < seq and stop is None:
                 settle(True)
+            if stop is None and not writer.proven and writer.unanswered:
+                stop = endpoint_wide(writer.unanswered, files)
         except InputError as exc:
             stop = stop or RunError(str(exc))
-        except BaseException as exc:  # Ctrl-C, SIGTERM: what is done in order is kept
+        except BaseException as exc:  # Ctrl-C, SIGTERM, a full disk: what is done in order is kept
             stop = stop or exc
             regen.pool.stop()
         finally:
             for _ in threads:
                 regen.jobs.put(None)
-            writer.close()
+            try:
+                writer.close()
+            except OutputError as exc:
+                stop = stop or exc
             result.written, result.skipped, result.failed = writer.written, writer.skipped, writer.failed
             result.seconds = time.monotonic() - started
     if stop is not None:

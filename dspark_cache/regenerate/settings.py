@@ -105,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="retries of a request answered 429/5xx or not a chat completion, timed out or reset, with "
                    "exponential backoff (an endpoint that refuses connections costs no retry: it leaves the "
                    "rotation instead, as does one failing 3 requests in a row while another is up)")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one request may take in all, its answer read (however slowly it comes)")
     p.add_argument("--give-up-after", type=float, default=300.0,
                    help="seconds with no endpoint answering before the run stops (rerun to resume)")
     p.add_argument("--split", default=None, help="as dspark-produce's --split (HF split syntax)")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import uuid
 
 import pytest
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
+from tests.support.diskfull import grow, small_filesystem
 from tests.support.produce import produce_args
 from tests.support.proc import assert_same_samples, producer_cmd, run
 
@@ -20,12 +19,8 @@ ARGS = ("--seq-length", "256", "--shard-size", "4", "--batch-size", "4")
 @pytest.fixture
 def small_fs(tmp_path):
     """A 3 MiB tmpfs when this process may mount one (root, as in CI); else None."""
-    mount = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
-    mount.mkdir()
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True).returncode == 0
-    yield str(mount) if ok else None
-    if ok:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    with small_filesystem(tmp_path, "3m") as mount:
+        yield mount
 
 
 @pytest.mark.slow
@@ -48,7 +43,7 @@ def test_disk_full_stops_cleanly_then_resumes(embedded, tmp_path, small_fs):
     assert report.shards_ok >= 1 and not report.corrupt and report.missing
     assert not any(f.endswith(".partial") for f in os.listdir(CachePaths(out).shards_dir))
     if small_fs:
-        subprocess.run(["mount", "-o", "remount,size=64m", small_fs], check=True)
+        grow(small_fs, "64m")
     done = run(cmd)  # space freed (or no injected failure): resume finishes
     assert done.returncode == 0, done.stderr
     assert verify_cache(out).ok

@@ -11,15 +11,21 @@ import sys
 import msgspec
 import pytest
 
+from dspark_cache.cli.conventions import EXIT_INCOMPLETE
 from dspark_cache.format.schema import Manifest, RegeneratedInput
 from dspark_cache.format.validate import manifest_problems
 from dspark_cache.producer import InvalidRow
 from dspark_cache.regenerate.client import Rejected, Transient, base_url
 from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import Reply, parse_reply, same_model
-from dspark_cache.regenerate.output import OutputError, OutputFiles, check_resume, done_rows
+from dspark_cache.regenerate.output import OutputError, OutputFiles, check_resume, done_rows, take_lock
 from dspark_cache.regenerate.run import check_row, encode_row
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, identity_diff, row_seed
+from tests.support.diskfull import grow, small_filesystem
+from tests.support.produce import write_jsonl
+from tests.support.regenerate import (
+    CHAT, canned_endpoint, completion, count_lines, read_jsonl, regen_cmd,
+)
 from tests.support.regenerate import regenerate as run_regenerate
 from tests.support.serving import free_port
 
@@ -235,3 +241,171 @@ def test_no_endpoint_answers_is_one_line(embedded, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("dspark-regenerate: error: no endpoint answers: "), done.stderr
     assert all(url in lines[0] for url in dead) and "refused" in lines[0] and "rerun" in lines[0]
     assert not os.listdir(tmp_path), "nothing is written when no endpoint answers"
+
+
+# -- around the requests: a canned endpoint (the fault proxy answering by itself), no model served ---------
+
+def _prompts(path, n: int, width: int = 0) -> str:
+    return write_jsonl(path, [{"messages": [{"role": "user", "content": f"question {i} " + "x" * width}]}
+                              for i in range(n)])
+
+
+def test_an_output_that_is_the_input_is_a_usage_error(tmp_path):
+    """The input itself, a symlink to it, or a file inside an input directory: refused as a usage error before
+    anything is deleted (--overwrite) or written, whatever the endpoint."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    data = _prompts(folder / "rows.jsonl", 3)
+    before = open(data, "rb").read()
+    (tmp_path / "link.jsonl").symlink_to(data)
+    with canned_endpoint() as endpoint:
+        cases = ((data, data, "the input"), (tmp_path / "link.jsonl", data, "the input"),
+                 (folder / "out.jsonl", folder, "inside the input directory"))
+        for output, data_arg, what in cases:
+            done = run_regenerate([endpoint.endpoint], str(data_arg), str(output), "--overwrite")
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, done.stderr
+            assert f"which is {what}" in lines[0] and "Choose an --output outside the input" in lines[0]
+            assert open(data, "rb").read() == before and sorted(os.listdir(folder)) == ["rows.jsonl"]
+        assert endpoint.requests == 0, "refused before any endpoint is asked"
+
+
+def test_a_symlink_and_its_target_are_one_output(tmp_path):
+    """The lock and the state are named after the output's real path: a run given a symlink resumes what a run
+    given its target wrote, and waits on the same lock."""
+    data = _prompts(tmp_path / "rows.jsonl", 4)
+    target, link = tmp_path / "regen.jsonl", tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    with canned_endpoint() as endpoint:
+        assert run_regenerate([endpoint.endpoint], data, str(target)).returncode == 0
+        written = target.read_bytes()
+        again = run_regenerate([endpoint.endpoint], data, str(link))
+        assert again.returncode == 0 and "(4 done before)" in again.stdout, again.stderr
+        lock = take_lock(OutputFiles.of(str(target)))
+        try:
+            held = run_regenerate([endpoint.endpoint], data, str(link), "--overwrite")
+        finally:
+            lock.release()
+    assert held.returncode == 1 and f"pid {os.getpid()}" in held.stderr, held.stderr
+    assert target.read_bytes() == written and link.is_symlink()
+    assert not (tmp_path / "link.jsonl.lock").exists() and not (tmp_path / "link.jsonl.state").exists()
+
+
+def test_a_trickling_answer_is_a_timeout(tmp_path):
+    """--request-timeout bounds the whole request: a server sending its answer a byte at a time (each byte
+    well within the timeout) times out like a silent one, and the request is retried."""
+    data = _prompts(tmp_path / "rows.jsonl", 3)
+    out = tmp_path / "regen.jsonl"
+    with canned_endpoint() as endpoint:
+        endpoint.fail_next(1, "trickle", match=CHAT, trickle_s=0.05, first=True)
+        done = run_regenerate([endpoint.endpoint], data, str(out), "--request-timeout", "2",
+                              "--concurrency", "1", "--log-level", "INFO", timeout=90)
+        trickled = endpoint.faults["trickle"]
+    assert done.returncode == 0 and trickled == 1, done.stderr
+    assert f"{endpoint.endpoint} did not answer within 2 s; retry 1/6" in done.stderr
+    assert count_lines(str(out)) == 3
+
+
+def test_an_answer_nested_too_deep_is_a_row_failure(tmp_path):
+    """JSON nested a hundred thousand deep (what makes a recursive parser raise RecursionError): not a chat
+    completion, retried, and a failed row in one line, never a traceback; as an error's body, the text."""
+    data = _prompts(tmp_path / "rows.jsonl", 4)
+    out = tmp_path / "regen.jsonl"
+    deep = b'{"choices":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with canned_endpoint() as endpoint:
+        endpoint.fail_next(1, "answer", match=CHAT, status="400 Bad Request", raw=deep, first=True)
+        endpoint.fail_next(2, "answer", match=CHAT, raw=deep, first=True)  # row 0's request and its retry
+        done = run_regenerate([endpoint.endpoint], data, str(out), "--retries", "1", "--concurrency", "1")
+    assert done.returncode == EXIT_INCOMPLETE and "Traceback" not in done.stderr, done.stderr
+    assert "1 rows failed" in done.stderr
+    failed, skipped = read_jsonl(str(out) + ".failed"), read_jsonl(str(out) + ".skipped")
+    assert [f["index"] for f in failed] == [0] and "JSON nested too deep" in failed[0]["detail"]
+    assert [s["index"] for s in skipped] == [1] and "HTTP 400" in skipped[0]["detail"]
+    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == [2, 3]
+    with pytest.raises(Rejected, match="nested deeper than JSON text can be written"):
+        message: dict = {"content": "x"}
+        for _ in range(100_000):
+            message = {"tool_calls": [{"function": message}]}
+        parse_reply({"model": "m", "choices": [{"message": {"content": None, **message}}]}, "http://x")
+
+
+def _peak_rss_mb(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    """``cmd``'s result and its peak RSS, in a fresh parent of its own (the only child its rusage counts)."""
+    code = ("import resource, subprocess, sys\ndone = subprocess.run(sys.argv[1:])\n"
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)\n"
+            "sys.exit(done.returncode)")
+    done = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, timeout=300)
+    *said, peak = done.stderr.strip().splitlines()
+    return subprocess.CompletedProcess(cmd, done.returncode, done.stdout, "\n".join(said)), int(peak) / 1024
+
+
+def test_a_huge_line_is_counted_and_skipped_in_bounded_memory(tmp_path):
+    """A 200 MB line with no newline (over --max-row-bytes): counted for the progress total and skipped as an
+    invalid row, named, without being read whole."""
+    data = _prompts(tmp_path / "rows.jsonl", 3)
+    with open(data, "ab") as handle:
+        for _ in range(200):
+            handle.write(b"x" * (1 << 20))
+    out = tmp_path / "regen.jsonl"
+    with canned_endpoint() as endpoint:
+        done, peak = _peak_rss_mb(regen_cmd([endpoint.endpoint], data, str(out), "--max-row-bytes",
+                                            str(1 << 20), "--on-invalid", "skip"))
+    assert done.returncode == 0, done.stderr
+    assert count_lines(str(out)) == 3
+    too_long = f"the row is {200 << 20} bytes, over --max-row-bytes {1 << 20}"
+    assert read_jsonl(str(out) + ".skipped") == [{"index": 3, "where": f"{data}:4", "reason": "row too long",
+                                                  "detail": too_long}]
+    assert peak < 160, f"peak RSS {peak:.0f} MB: the 200 MB line was held"
+
+
+@pytest.mark.parametrize("how", ["tmpfs", "injected"])
+def test_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path, how):
+    """The disk fills while rows are appended: one line naming the file, exit 1, and once space is freed a
+    rerun writes exactly what an uninterrupted run writes. A state that cannot be written is one line too."""
+    data = _prompts(tmp_path / "rows.jsonl", 40, width=2000)  # rows of ~2 KB: about 80 KB in all
+    reference = tmp_path / "reference.jsonl"
+    with canned_endpoint() as endpoint:
+        assert run_regenerate([endpoint.endpoint], data, str(reference)).returncode == 0
+        size = reference.stat().st_size
+        with small_filesystem(tmp_path, f"{16 + size // 2 // 1024}k") as mount:
+            if how == "tmpfs" and mount is None:
+                pytest.skip("no permission to mount a tmpfs here: the injected failure covers it")
+            out = os.path.join(mount, "regen.jsonl") if how == "tmpfs" else str(tmp_path / "regen.jsonl")
+            env = {} if how == "tmpfs" else {"DSPARK_FAIL_WRITES_AFTER": str(size // 2)}
+            full = run_regenerate([endpoint.endpoint], data, out, "--fsync-rows", "1", env=env)
+            lines = full.stderr.strip().splitlines()
+            assert full.returncode == 1 and len(lines) == 1, full.stderr
+            assert lines[0].startswith(f"dspark-regenerate: error: {out}: the disk is full"), lines
+            assert "rerun" in lines[0]
+            kept = open(out, "rb").read()
+            whole = kept[:kept.rfind(b"\n") + 1]  # and maybe a torn line, which the rerun cuts off
+            assert 0 < kept.count(b"\n") < 40 and reference.read_bytes().startswith(whole)
+            if how == "tmpfs":
+                grow(mount, "4m")
+            done = run_regenerate([endpoint.endpoint], data, out)
+            assert done.returncode == 0, done.stderr
+            assert open(out, "rb").read() == reference.read_bytes()
+        if how == "injected":
+            state = run_regenerate([endpoint.endpoint], data, str(tmp_path / "other.jsonl"),
+                                   env={"DSPARK_FAIL_WRITES_AFTER": "0"})
+            assert state.returncode == 1 and state.stderr.count("\n") == 1, state.stderr
+            assert f"{tmp_path / 'other.jsonl.state'}: the disk is full" in state.stderr
+
+
+def test_rows_answered_then_dropped_as_truncated_prove_the_endpoint(tmp_path):
+    """The endpoint-wide rule counts answers, not lines written: a run whose answers are all dropped as
+    truncated (--on-truncated drop) beside a row the server rejects is the row's rejection, recorded."""
+    data = _prompts(tmp_path / "rows.jsonl", 4)
+    out = tmp_path / "regen.jsonl"
+    cut = completion("canned/model", "a cut answer")
+    cut["choices"][0]["finish_reason"] = "length"
+    with canned_endpoint() as endpoint:
+        endpoint.fail_next(None, "answer", match=CHAT, body=cut, first=True)
+        endpoint.fail_next(1, "answer", match=CHAT, status="400 Bad Request", first=True,
+                           body={"error": {"message": "the prompt is longer than the context"}})
+        done = run_regenerate([endpoint.endpoint], data, str(out), "--on-truncated", "drop",
+                              "--concurrency", "1")
+    assert done.returncode == 0, done.stderr
+    assert count_lines(str(out)) == 0
+    assert [(s["index"], s["reason"]) for s in read_jsonl(str(out) + ".skipped")] == \
+        [(0, "rejected"), (1, "truncated"), (2, "truncated"), (3, "truncated")]

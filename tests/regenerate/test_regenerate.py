@@ -26,6 +26,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer import normalise_row
 from dspark_cache.regenerate.endpoints import DOWN_AFTER
 from dspark_cache.regenerate.output import OutputFiles, take_lock
+from dspark_cache.regenerate.run import ENDPOINT_WIDE_AFTER
 from dspark_cache.regenerate.settings import row_seed
 from tests.support.faultproxy import FaultProxy, matching
 from tests.support.produce import run_produce, write_jsonl
@@ -232,25 +233,35 @@ def test_rows_failing_after_retries_are_listed_then_retried(server, rows_file, t
     out = tmp_path / "regen.jsonl"
     with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
         proxy.fail_next(None, "503", match=CHAT)
-        done = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--concurrency", "2")
-        assert done.returncode == EXIT_INCOMPLETE, done.stderr  # not 0: `regenerate && produce` must not go on
+        none = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--concurrency", "2")
+        # No row answered: the endpoint's doing, not the rows'. Not 0 (`regenerate && produce` must not go
+        # on), and not 4 either: one line naming the endpoint and the cause.
+        last = none.stderr.strip().splitlines()[-1]
+        assert none.returncode == 1, none.stderr
+        assert last.startswith("dspark-regenerate: error: every row sent failed"), last
+        assert f"HTTP 503 from {proxy.endpoint}" in last and "rerun the same command" in last
         failed = read_jsonl(str(out) + ".failed")
         assert [f["index"] for f in failed] == list(range(6))
         assert all("HTTP 503" in f["detail"] and f["where"] == f"{data}:{f['index'] + 1}" for f in failed)
-        assert count_lines(str(out)) == 0 and "6 rows failed" in done.stderr and "rerun" in done.stderr
+        assert count_lines(str(out)) == 0
 
         stop = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--on-failed", "error")
         assert stop.returncode == 1
         assert f"{data}:1: the request failed: HTTP 503" in stop.stderr
 
         proxy.clear()
+        proxy.fail_next(4, "503", match=CHAT)  # one request at a time: rows 0 and 1, each tried twice
+        some = regenerate([proxy.endpoint], data, str(out), "--retries", "1", "--concurrency", "1")
+        assert some.returncode == EXIT_INCOMPLETE, some.stderr  # rows answered beside them: the rows' failure
+        assert "2 rows failed" in some.stderr and "rerun" in some.stderr
+        assert [f["index"] for f in read_jsonl(str(out) + ".failed")] == [0, 1]
         again = regenerate([proxy.endpoint], data, str(out), "--concurrency", "2")
     assert again.returncode == 0, again.stderr
-    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == list(range(6))
+    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == [2, 3, 4, 5, 0, 1]
     assert not os.path.exists(str(out) + ".failed")
     direct = tmp_path / "direct.jsonl"
     assert regenerate([server.url], data, str(direct)).returncode == 0
-    assert out.read_bytes() == direct.read_bytes()
+    assert sorted(_lines(out.read_bytes())) == sorted(_lines(direct.read_bytes()))
 
 
 @pytest.mark.parametrize("turns", ["all", "last"])
@@ -406,6 +417,54 @@ def test_replies_no_output_line_can_hold_are_rejected_never_written(server, rows
     written = _lines(out.read_bytes())
     assert len(written) == 3 and set(written) <= set(_lines(direct.read_bytes()))
     assert {r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))}.isdisjoint(s["index"] for s in skipped)
+
+
+def test_a_redirect_is_an_endpoint_failure_never_a_rejection(server, rows_file, tmp_path):
+    """An endpoint answering its chat completions with a redirect (an http URL behind an https gateway, a
+    login page): no row is rejected or recorded as done, the endpoint leaves the rotation. Alone, the run
+    stops in one line naming it and the redirect; beside a working endpoint, the other writes every row."""
+    data = _small(rows_file, tmp_path)
+    out = tmp_path / "regen.jsonl"
+    moved = {"Location": "https://gateway.example/v1/chat/completions"}
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
+        proxy.fail_next(None, "answer", match=CHAT, status="307 Temporary Redirect", headers=moved, body={})
+        alone = regenerate([proxy.endpoint], data, str(out), "--give-up-after", "3")
+        assert count_lines(str(out)) == 0 and count_lines(str(out) + ".skipped") == 0
+        both = regenerate([proxy.endpoint, server.url], data, str(out), "--concurrency", "2")
+        redirected = proxy.faults["answer"]
+    last = alone.stderr.strip().splitlines()[-1]
+    assert alone.returncode == 1, alone.stderr
+    assert last.startswith("dspark-regenerate: error: no endpoint answered for 3 s: "), last
+    assert f"HTTP 307 from {proxy.endpoint}, a redirect to {moved['Location']}" in last
+    assert "--endpoint" in last
+    assert both.returncode == 0 and f"endpoint {proxy.endpoint} redirects" in both.stderr, both.stderr
+    assert redirected >= 2
+    direct = tmp_path / "direct.jsonl"
+    assert regenerate([server.url], data, str(direct)).returncode == 0
+    assert out.read_bytes() == direct.read_bytes()
+
+
+def test_every_row_rejected_alike_is_the_endpoints_fault(server, rows_file, reference, tmp_path):
+    """A server that rejects every request the same way (a 404: it serves no such model under that name): the
+    run stops after ENDPOINT_WIDE_AFTER rows with one line naming the endpoint and the cause, exit 1, and
+    records none as done, so the rerun against a working endpoint regenerates them all."""
+    out = tmp_path / "regen.jsonl"
+    gone = {"error": {"message": f"The model `{server.model}` does not exist.", "type": "NotFoundError",
+                      "code": 404}}
+    with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
+        proxy.fail_next(None, "answer", match=CHAT, status="404 Not Found", body=gone)
+        stop = regenerate([proxy.endpoint], rows_file, str(out), "--concurrency", "2")
+        asked = proxy.faults["answer"]
+    lines = stop.stderr.strip().splitlines()
+    assert stop.returncode == 1 and len(lines) == 1, stop.stderr
+    assert lines[0].startswith(f"dspark-regenerate: error: the first {ENDPOINT_WIDE_AFTER} rows sent"), lines
+    assert f"HTTP 404 from {proxy.endpoint}: The model" in lines[0] and "rerun the same command" in lines[0]
+    assert ENDPOINT_WIDE_AFTER <= asked < ROWS, asked
+    assert count_lines(str(out)) == 0 and count_lines(str(out) + ".skipped") == 0
+    assert len(read_jsonl(str(out) + ".failed")) >= ENDPOINT_WIDE_AFTER
+    done = regenerate([server.url], rows_file, str(out), "--concurrency", "4")
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == reference
 
 
 def test_an_endpoint_that_keeps_failing_leaves_the_rotation(server, rows_file, tmp_path):

@@ -25,9 +25,13 @@ The error bodies are S3's XML (``dialect="s3"``, the default) or an OpenAI-style
 (``dialect="openai"``), as the server behind the proxy would send them.
   ``cut``    forward the request, relay the response head and ``cut_after`` bytes of its body,
              then RST: a download that dies midway.
-  ``answer`` drain the request body and answer ``status`` with ``body`` (JSON), never asking the
-             server: a server that answers what no real one should (a reply that is not a chat
-             message, a refused key).
+  ``answer`` drain the request body and answer ``status`` with ``body`` (JSON; or ``raw`` bytes as
+             they are) and any extra ``headers``, never asking the server: a server that answers
+             what no real one should (a reply that is not a chat message, a refused key, a
+             redirect, JSON nested a hundred thousand deep).
+  ``trickle`` drain the request body, answer ``200 OK`` with a long ``Content-Length`` and send its
+             body one space every ``trickle_s`` seconds until the client hangs up (or ``stop()``):
+             a server that never stops answering, so a client's read timeout never fires.
 
 Stdlib only; one thread per client connection. ``stop()`` unblocks and ends every thread.
 """
@@ -48,7 +52,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-KINDS = ("reset", "stall", "503", "500", "429", "cut", "answer")
+KINDS = ("reset", "stall", "503", "500", "429", "cut", "answer", "trickle")
 DIALECTS = ("s3", "openai")
 DEFAULT_STALL_S = 3600.0
 _CHUNK = 1 << 20
@@ -106,6 +110,8 @@ class _Plan:
     stall_s: float
     cut_after: int
     answer: tuple[str, bytes] = ("200 OK", b"")  # ``answer``: status line's status and body
+    headers: tuple[tuple[str, str], ...] = ()  # ``answer``: more response headers
+    trickle_s: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -335,18 +341,23 @@ class FaultProxy:
 
     def fail_next(self, n: int | None = 1, kind: str = "503", *, match: Match | None = None,
                   stall_s: float | None = None, cut_after: int = 0, status: str = "200 OK",
-                  body: object = None) -> None:
+                  body: object = None, raw: bytes | None = None, headers: dict[str, str] | None = None,
+                  trickle_s: float = 0.2, first: bool = False) -> None:
         """Fault the next ``n`` requests that ``match`` accepts (all requests when None) with
         ``kind``; ``n=None``: every such request until :meth:`clear`. Plans queue up: a request
         takes the first pending plan that matches it. ``cut_after``: body bytes a ``cut`` lets
-        through; ``status`` and ``body`` (sent as JSON): what an ``answer`` says."""
+        through; ``status``, ``body`` (sent as JSON) or ``raw`` (sent as given) and ``headers``:
+        what an ``answer`` says; ``trickle_s``: the gap between a ``trickle``'s bytes. ``first``: ahead
+        of the plans pending (a fault before a canned answer that has no limit)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
         if n is not None and n < 1:
             raise ValueError("n must be >= 1 or None")
+        payload = raw if raw is not None else json.dumps(body).encode()
         with self._lock:
-            self._plans.append(_Plan(kind, n, match, self.stall_s if stall_s is None else stall_s, cut_after,
-                                     (status, json.dumps(body).encode())))
+            self._plans.insert(0 if first else len(self._plans), _Plan(
+                kind, n, match, self.stall_s if stall_s is None else stall_s, cut_after, (status, payload),
+                tuple((headers or {}).items()), trickle_s))
 
     def clear(self) -> None:
         """Drop every pending fault (stalls in progress go on until ``stall_s`` or :meth:`stop`)."""
@@ -552,11 +563,18 @@ class FaultProxy:
             _abort(client)
         elif plan.kind == "stall":
             self._stall(client, plan.stall_s)
+        elif plan.kind == "trickle":
+            head.relay_body(reader, _Sink(None))
+            client.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1048576\r\n\r\n")
+            while not self._stopping.wait(plan.trickle_s):
+                client.sendall(b" ")  # OSError once the client hangs up: the thread ends
         else:
             if head.headers.get("expect", "").lower() != "100-continue":
                 head.relay_body(reader, _Sink(None))  # read it all, so closing sends no RST
             status, content_type, body = self._answer(plan)
-            client.sendall((f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+            extra = "".join(f"{name}: {value}\r\n" for name, value in plan.headers)
+            client.sendall((f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n{extra}"
                             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
             try:
                 client.shutdown(socket.SHUT_WR)
