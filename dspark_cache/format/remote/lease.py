@@ -139,8 +139,9 @@ class Lease:
             except ConditionFailedError:
                 pass
             found = _read(self.store)
-            if found is None:
-                continue  # released meanwhile
+            if found is None:  # released meanwhile: raced for again
+                races = self._raced(races)
+                continue
             record, info = found
             now = time.time()
             gone = holder_gone(record)
@@ -149,10 +150,7 @@ class Lease:
                 try:  # expired, or its holder is dead: take it over, unless another producer does so first
                     self._etag = self.store.put(LEASE, self._encode(), match=info.etag)
                 except ConditionFailedError:
-                    races += 1
-                    if races >= _RACES:
-                        raise CacheLockedError(f"{self.store.url}: another producer keeps taking its lease "
-                                               f"({self.store.name(LEASE)}); rerun when it is done") from None
+                    races = self._raced(races)
                     continue
                 holder = describe_holder(msgspec.to_builtins(record) if record is not None else None)
                 why = f"its holder's pid {record.pid} is dead (this host)" if gone and record is not None \
@@ -179,6 +177,13 @@ class Lease:
         self._renewed = attempt
         self._thread = threading.Thread(target=self._keep, name="dspark-lease", daemon=True)
         self._thread.start()
+
+    def _raced(self, races: int) -> int:
+        """One more race for the lease lost to another producer; raise once there were too many."""
+        if races + 1 >= _RACES:
+            raise CacheLockedError(f"{self.store.url}: another producer keeps taking its lease "
+                                   f"({self.store.name(LEASE)}); rerun when it is done")
+        return races + 1
 
     def _encode(self) -> bytes:
         self.record.renewed_at = time.time()

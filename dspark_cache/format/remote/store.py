@@ -41,6 +41,7 @@ import random
 import re
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,6 +60,7 @@ _MULTIPART = 64 << 20  # uploads larger than this go in parts, several in flight
 _LOCAL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 _ATTEMPTS = 2  # one whole-object retry on top of the client's own (which resumes a cut download itself)
 _T = TypeVar("_T")
+_STDERR_HELD = threading.Lock()  # _panics_quiet's hold on file descriptor 2
 # The HTTP client's options (obstore's ClientConfig): given at the top level of the storage options, the
 # client would take them for the store's own keys and panic; they are moved into client_options.
 CLIENT_KEYS = frozenset((
@@ -162,9 +164,9 @@ def _panics_quiet() -> Iterator[None]:
     (the message, and a backtrace where RUST_BACKTRACE is set), which Rust writes there itself, is
     dropped, as the error raised for it says the same in one line; anything else written is passed on."""
     sys.stderr.flush()
-    saved = os.dup(2)
-    panicked = False
-    with tempfile.TemporaryFile() as held:
+    with _STDERR_HELD, tempfile.TemporaryFile() as held:  # one at a time: fd 2 is the process's
+        saved = os.dup(2)
+        panicked = False
         os.dup2(held.fileno(), 2)
         try:
             yield
