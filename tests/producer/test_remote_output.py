@@ -347,6 +347,35 @@ def test_a_late_index_of_a_producer_that_lost_its_lease_never_enters_the_next_ru
     _assert_samples_equal(remote, tmp_path / "node2", reference)
 
 
+@pytest.mark.slow
+def test_an_index_the_run_did_not_write_keeps_the_cache_incomplete_until_a_rerun(
+        embedded, reference, remote, proxy, tmp_path, capsys):
+    """A late create no condition can stop: an index of a shard id this run never writes appears while it
+    runs (a lapsed producer's, of a larger plan). The completing producer checks the store's indexes
+    against what it wrote or read and does not mark the cache complete; a rerun resumes and completes it."""
+    proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))  # the run is past its pull
+    running = start(remote.cmd(embedded, tmp_path / "a", options=_options(proxy.endpoint)), env=ENV)
+    try:
+        wait_for(lambda: proxy.faults["hold"] == 1 or running.poll() is not None, timeout=120)
+        assert running.poll() is None, running.communicate()
+        stray = {"format_version": 1, "shard_id": 99, "cache_id": "a-lapsed-run"}
+        remote.store.put("shards/shard-000099.idx", json.dumps(stray).encode())
+        proxy.release()
+        _, err = running.communicate(timeout=180)
+    finally:
+        if running.poll() is None:
+            kill_group(running)
+    assert running.returncode == 1, err
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "shard-000099.idx is on the store, not published by this run" in lines[0], err
+    assert not remote.manifest()["complete"]
+    again = run(remote.cmd(embedded, tmp_path / "a"), env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert remote.manifest()["complete"] and "shards/shard-000099.idx" not in remote.listing()
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
 # -- 4c. keys the client cannot represent beside the cache ---------------------------------------
 
 ODD_KEYS = ("a//b", "./x", "../y", "odd\x01name", "shards/x//y")  # under the cache's prefix, another tool's
