@@ -38,13 +38,13 @@ from typing import Any, Callable, Iterable, Iterator
 import msgspec
 
 from dspark_cache.format.backing import StorageOptions
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.lock import CacheLockedError
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.ours import is_written_name
 from dspark_cache.format.remote.copies import LocalCopies
 from dspark_cache.format.remote.lease import Lease
 from dspark_cache.format.remote.multipart import abort_unfinished_uploads
-from dspark_cache.format.errors import CacheError
-from dspark_cache.format.lock import CacheLockedError
 from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
 from dspark_cache.format.remote.pull import StagingPull
 from dspark_cache.format.remote.staging import claim_staging, default_staging_dir, staging_identity
