@@ -270,6 +270,9 @@ class Lease(msgspec.Struct, kw_only=True):
     started_at: float
     renewed_at: float
     ttl: float
+    # Where ``pid`` lives: the machine's boot id and the pid namespace ("" when unknown, or written by an
+    # earlier release); a taker on the same one may see that the holder's process is gone.
+    node: str = ""
 
 
 class Event(msgspec.Struct, kw_only=True):

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every setting (``config``), ``--tui`` and ``--no-progress``."""
     add_settings(parser)
     add_storage_arguments(parser, local_cache=False, staging=True)  # an --output-dir on object storage
+    parser.add_argument("--lease-wait", metavar="SECONDS", type=float, default=None,
+                        help="on object storage: how long to wait for the cache's lease (control/lease.json) "
+                        "while another run holds it, for that run to finish or its lease to expire, before "
+                        "giving up (exit 1). A lease left by a killed run on this host is taken at once. "
+                        "Default: the lease's time-to-live plus 30 s (90 s), enough for a preempted job's "
+                        "lease to expire; 0 gives up at once")
     parser.add_argument("--tui", action="store_true",
                         help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)")
     parser.add_argument("--no-progress", action="store_true",

@@ -131,6 +131,7 @@ class ProduceConfig:
     storage_options: str | None = None
     staging_dir: str | None = None
     staging_limit: str | None = None
+    lease_wait: float | None = None
 
     @property
     def tokenize_workers(self) -> int:
@@ -269,7 +270,10 @@ def cache_output_options(cfg: ProduceConfig) -> dict[str, Any]:
         limit = None if cfg.staging_limit is None else parse_size(cfg.staging_limit, "--staging-limit")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return {"storage": StorageOptions(options), "staging_dir": cfg.staging_dir, "staging_limit": limit}
+    if cfg.lease_wait is not None and not cfg.lease_wait >= 0:
+        raise ConfigError(f"--lease-wait {cfg.lease_wait}: give seconds, 0 or more")
+    return {"storage": StorageOptions(options), "staging_dir": cfg.staging_dir, "staging_limit": limit,
+            "lease_wait": cfg.lease_wait}
 
 
 def cache_output(cfg: ProduceConfig, rank: int = 0) -> "CacheOutput":
@@ -293,8 +297,9 @@ class ConfigError(ValueError):
 
 def validate_config(cfg: ProduceConfig) -> None:
     """Cheap checks that run before anything is loaded; :class:`ConfigError` names the option and the fix."""
-    if not is_remote(cfg.output_dir) and (cfg.staging_dir or cfg.staging_limit or cfg.storage_options):
-        given = [f"--{n.replace('_', '-')}" for n in ("storage_options", "staging_dir", "staging_limit") if getattr(cfg, n)]
+    remote_only = ("storage_options", "staging_dir", "staging_limit", "lease_wait")
+    if not is_remote(cfg.output_dir) and any(getattr(cfg, n) is not None for n in remote_only):
+        given = [f"--{n.replace('_', '-')}" for n in remote_only if getattr(cfg, n) is not None]
         raise ConfigError(f"{', '.join(given)} apply to an --output-dir on object storage (s3://bucket/prefix), not to "
                           f"the directory {cfg.output_dir}; leave them out")
     cache_output_options(cfg)  # malformed JSON or size: named now

@@ -244,7 +244,7 @@ def test_a_second_producer_on_the_same_url_is_refused_at_once_naming_the_holder(
         assert lease["pid"] == first.pid
         capsys.readouterr()
         began = time.monotonic()
-        code = produce_main(remote.args(embedded, tmp_path / "b"))
+        code = produce_main(remote.args(embedded, tmp_path / "b", "--lease-wait", "0"))
         took = time.monotonic() - began
         err = capsys.readouterr().err
         assert code == 1, err
@@ -265,35 +265,160 @@ def test_a_second_producer_on_the_same_url_is_refused_at_once_naming_the_holder(
     _assert_verified(remote, tmp_path / "node", capsys)
 
 
-# -- 4. a killed producer's lease expires -------------------------------------------------------
+# -- 4. a killed producer's lease: taken at once on its host, waited for elsewhere ---------------
 
 @pytest.mark.slow
-def test_a_killed_producers_lease_expires_and_the_next_run_takes_over(
-        embedded, reference, remote, tmp_path, capsys, monkeypatch, s3_server):
-    env = {**ENV, "DSPARK_LEASE_TTL": "3"}
+def test_a_killed_producers_lease_is_taken_at_once_on_its_host(embedded, reference, remote, tmp_path, capsys):
+    """A job requeued on the node it was preempted on: the holder's pid is dead here, so the rerun takes
+    the lease at once instead of waiting the default 60 s ttl (or refusing, as it once did)."""
     staging = tmp_path / "staging"
-    killed = run(remote.cmd(embedded, staging), env={**env, "DSPARK_CRASH_AT": "mid_shard:4"})
+    killed = run(remote.cmd(embedded, staging), env={**ENV, "DSPARK_CRASH_AT": "mid_shard:4"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    record, expires = _lease_expiry(remote)  # the killed producer's lease is still there
-    assert record["ttl"] == 3.0
-    # The same command again at once: refused, the dead holder named, nothing done.
-    monkeypatch.setenv("DSPARK_LEASE_TTL", "3")
-    capsys.readouterr()
-    assert time.time() < expires - 0.5, "too slow to test the live lease"
-    code = produce_main(remote.args(embedded, staging))
-    err = capsys.readouterr().err
-    assert time.time() < expires, "the refusal came after the lease had expired"
-    assert code == 1, err
-    assert "in use by another dspark-produce run" in err and f"pid {record['pid']}" in err, err
-    assert json.loads(remote.store.get(LEASE)[0])["run_id"] == record["run_id"]
-    # Once it has expired, the next run takes it over and completes.
-    _wait_for_the_lease_to_expire(remote)
-    again = run(remote.cmd(embedded, staging), env=env)
-    assert again.returncode == 0, again.stderr + "\n--- moto ---\n" + s3_server.stderr_tail(60)
-    assert "took over the lease" in again.stderr and f"pid {record['pid']}" in again.stderr, again.stderr
+    record, expires = _lease_expiry(remote)  # the killed producer's lease is still there, live for a minute
+    assert record["ttl"] == 60.0
+    again = run(remote.cmd(embedded, staging), env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert record["node"]  # where its pid lives (this machine, this pid namespace)
+    assert time.time() < expires, "the rerun ended after the killed producer's lease expired: nothing shown"
+    took = [line for line in again.stderr.splitlines() if "took over the lease" in line]
+    assert len(took) == 1 and f"pid {record['pid']} is dead" in took[0], again.stderr
+    assert "waiting up to" not in again.stderr
     assert LEASE not in remote.listing()
     _assert_verified(remote, tmp_path / "node", capsys)
     _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+def test_a_lease_held_on_another_host_is_waited_for_then_refused_naming_it(embedded, remote, tmp_path, capsys,
+                                                                          caplog):
+    """A live holder elsewhere (a lease renewed just now by a host that is not this one): the producer says
+    how long it waits, waits --lease-wait, then exits 1 naming the lease object, not "press s" alone."""
+    now = time.time()
+    holder = {"host": "elsewhere", "pid": 4242, "run_id": "their-run", "world_size": 1,
+              "started_at": now - 100, "renewed_at": now, "ttl": 600.0, "node": "another-boot/pid:[1]"}
+    remote.store.put(LEASE, json.dumps(holder).encode())
+    capsys.readouterr()
+    began = time.monotonic()
+    code = produce_main(remote.args(embedded, tmp_path / "staging", "--lease-wait", "2"))
+    waited = time.monotonic() - began
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert waited >= 2, waited
+    waiting = [line for line in (err + caplog.text).splitlines() if "waiting up to 2 s" in line]  # in-process
+    assert len(waiting) == 1, err
+    assert remote.store.name(LEASE) in waiting[0] and "host elsewhere" in waiting[0], waiting
+    lines = _error_lines(err)
+    assert len(lines) == 1, err
+    for said in (remote.store.name(LEASE), "pid 4242 on host elsewhere", "run their-run", "--lease-wait",
+                 "expires by itself in"):
+        assert said in lines[0], (said, lines[0])
+    assert "press s" not in lines[0]
+    assert json.loads(remote.store.get(LEASE)[0])["run_id"] == "their-run"  # untouched
+
+
+def test_lease_wait_is_checked_as_a_setting(embedded, remote, tmp_path, capsys):
+    assert produce_main(remote.args(embedded, tmp_path / "s", "--lease-wait", "-1")) == 2
+    assert "--lease-wait -1.0: give seconds, 0 or more" in capsys.readouterr().err
+    local = produce_args(embedded.stock, embedded.data, str(tmp_path / "local"), "--lease-wait", "5")
+    assert produce_main(local) == 2
+    assert "--lease-wait apply to an --output-dir on object storage" in capsys.readouterr().err
+
+
+# -- 4b. a late commit of a producer that lost its lease ----------------------------------------
+
+@pytest.mark.slow
+def test_a_late_index_of_a_producer_that_lost_its_lease_never_enters_the_next_runs_cache(
+        embedded, reference, remote, proxy, tmp_path, capsys):
+    """Producer A's first index PUT is held by the proxy and its lease renewals fail, so its lease lapses;
+    B takes the cache over with --overwrite and completes it; then A's index PUT lands. It must fail
+    (a conditional create), leaving B's cache whole, and A must stop with a message that says why."""
+    env = {**ENV, "DSPARK_LEASE_TTL": "2"}
+    proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))
+    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=_options(proxy.endpoint)),
+                  env=env)
+    try:
+        wait_for(lambda: proxy.faults["hold"] == 1 or first.poll() is not None, timeout=120)
+        assert first.poll() is None, first.communicate()
+        proxy.fail_next(None, "reset", match=matching(method="PUT", suffix="/lease.json"))  # A renews no more
+        _wait_for_the_lease_to_expire(remote)
+        second = run(remote.cmd(embedded, tmp_path / "b", "--overwrite"), env=env)
+        assert second.returncode == 0, second.stderr
+        assert "took over the lease" in second.stderr, second.stderr
+        indexes = {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")}
+        proxy.release()  # A's index PUT goes on to the store now
+        _, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            kill_group(first)
+    assert [s.fault for s in proxy.log if s.method == "PUT" and s.target.endswith(".idx")][0] == "hold"
+    assert first.returncode == 1, err
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "this producer lost its lease" in lines[0], err
+    assert "Traceback" not in err
+    # B's cache as B left it: every index B's, readable and verified.
+    assert {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")} == indexes
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+@pytest.mark.slow
+def test_an_index_the_run_did_not_write_keeps_the_cache_incomplete_until_a_rerun(
+        embedded, reference, remote, proxy, tmp_path, capsys):
+    """A late create no condition can stop: an index of a shard id this run never writes appears while it
+    runs (a lapsed producer's, of a larger plan). The completing producer checks the store's indexes
+    against what it wrote or read and does not mark the cache complete; a rerun resumes and completes it."""
+    proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))  # the run is past its pull
+    running = start(remote.cmd(embedded, tmp_path / "a", options=_options(proxy.endpoint)), env=ENV)
+    try:
+        wait_for(lambda: proxy.faults["hold"] == 1 or running.poll() is not None, timeout=120)
+        assert running.poll() is None, running.communicate()
+        stray = {"format_version": 1, "shard_id": 99, "cache_id": "a-lapsed-run"}
+        remote.store.put("shards/shard-000099.idx", json.dumps(stray).encode())
+        proxy.release()
+        _, err = running.communicate(timeout=180)
+    finally:
+        if running.poll() is None:
+            kill_group(running)
+    assert running.returncode == 1, err
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "shard-000099.idx is on the store, not published by this run" in lines[0], err
+    assert not remote.manifest()["complete"]
+    again = run(remote.cmd(embedded, tmp_path / "a"), env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert remote.manifest()["complete"] and "shards/shard-000099.idx" not in remote.listing()
+    _assert_verified(remote, tmp_path / "node", capsys)
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+
+
+# -- 4c. keys the client cannot represent beside the cache ---------------------------------------
+
+ODD_KEYS = ("a//b", "./x", "../y", "odd\x01name", "shards/x//y")  # under the cache's prefix, another tool's
+
+
+@pytest.mark.slow
+def test_keys_the_client_cannot_represent_beside_a_cache_are_skipped_and_named(
+        embedded, reference, remote, s3_server, tmp_path, capsys):
+    """Keys under the cache's prefix that obstore cannot parse (it fails a whole LIST on one) are skipped
+    and named: the cache verifies and loads, a rerun from an empty staging directory resumes it, and
+    --overwrite remakes it, each without "check the network"; the odd keys are left alone."""
+    assert run(remote.cmd(embedded, tmp_path / "a"), env=ENV).returncode == 0
+    url = RemoteURL.parse(remote.url)
+    client = s3_server.boto3_client()
+    for key in ODD_KEYS:
+        client.put_object(Bucket=url.bucket, Key=f"{url.prefix}/{key}", Body=b"another tool's")
+    code, report = remote.verify(tmp_path / "node", capsys)
+    assert code == 0 and report["ok"] and not report["missing"], report
+    _assert_samples_equal(remote, tmp_path / "node2", reference)
+    for extra in ((), ("--overwrite",)):  # a resume brings the store down (walks it); --overwrite clears it
+        again = run(remote.cmd(embedded, tmp_path / "b", *extra), env=ENV)
+        assert again.returncode == 0, again.stderr
+        assert "check the network" not in again.stderr and "Traceback" not in again.stderr, again.stderr
+        named = [line for line in again.stderr.splitlines()
+                 if "a key this object-store client cannot represent" in line]
+        assert named and all(f"{url.store_url}/{url.prefix}/" in line for line in named), again.stderr
+    _assert_verified(remote, tmp_path / "node3", capsys)
+    for key in ODD_KEYS:  # not ours: never deleted
+        kept = client.get_object(Bucket=url.bucket, Key=f"{url.prefix}/{key}")["Body"].read()
+        assert kept == b"another tool's", key
 
 
 # -- 5. --overwrite ----------------------------------------------------------------------------

@@ -32,6 +32,13 @@ The error bodies are S3's XML (``dialect="s3"``, the default) or an OpenAI-style
   ``trickle`` drain the request body, answer ``200 OK`` with a long ``Content-Length`` and send its
              body one space every ``trickle_s`` seconds until the client hangs up (or ``stop()``):
              a server that never stops answering, so a client's read timeout never fires.
+  ``hold``   read the request head, then wait until :meth:`FaultProxy.release` (or ``stop()``), and
+             only then forward it whole and relay the answer: a request that lands late, after what
+             the test did meanwhile (a late commit of a producer that lost its lease).
+  ``drop``   forward the request and let the server act on it, then abort the client connection
+             instead of relaying the answer (``SO_LINGER`` 0): an answer lost after the write landed.
+  ``drop500`` the same, answering ``500 Internal Server Error`` instead: the client retries a
+             request that already took effect.
 
 Stdlib only; one thread per client connection. ``stop()`` unblocks and ends every thread.
 """
@@ -52,7 +59,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-KINDS = ("reset", "stall", "503", "500", "429", "cut", "answer", "trickle")
+KINDS = ("reset", "stall", "503", "500", "429", "cut", "answer", "trickle", "hold", "drop", "drop500")
+_FORWARDED = ("cut", "hold", "drop", "drop500")  # kinds that send the request on to the server
 DIALECTS = ("s3", "openai")
 DEFAULT_STALL_S = 3600.0
 _CHUNK = 1 << 20
@@ -283,6 +291,7 @@ class FaultProxy:
         self._faults: Counter[str] = Counter()
         self._log: list[Seen] = []
         self._stopping = threading.Event()
+        self._released = threading.Event()  # ``hold``: set by release()
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._open: set[socket.socket] = set()
@@ -313,7 +322,8 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
-        """Close the listener and every open connection (stalls end at once); idempotent."""
+        """Close the listener and every open connection (stalls end at once, held requests are
+        dropped); idempotent."""
         self._stopping.set()
         if self._acceptor is not None:
             self._acceptor.join(5)
@@ -358,6 +368,10 @@ class FaultProxy:
             self._plans.insert(0 if first else len(self._plans), _Plan(
                 kind, n, match, self.stall_s if stall_s is None else stall_s, cut_after, (status, payload),
                 tuple((headers or {}).items()), trickle_s))
+
+    def release(self) -> None:
+        """Let every ``hold`` request go on to the server, those held now and any held later."""
+        self._released.set()
 
     def clear(self) -> None:
         """Drop every pending fault (stalls in progress go on until ``stall_s`` or :meth:`stop`)."""
@@ -463,7 +477,12 @@ class FaultProxy:
                 version = head.first[2] if len(head.first) > 2 else "HTTP/1.0"
                 req = Request(method, target, head.headers, serial, index)
                 plan = self._take(req)
-                if plan is not None and plan.kind != "cut":
+                if plan is not None and plan.kind == "hold":
+                    log.info("fault hold on %s %s until release()", method, target)
+                    while not self._released.wait(0.1):
+                        if self._stopping.is_set():
+                            return
+                if plan is not None and plan.kind not in _FORWARDED:
                     log.info("fault %s on %s %s (connection %d, request %d)", plan.kind, method, target, serial, index)
                     self._inject(plan, client, reader, head)
                     return
@@ -472,7 +491,17 @@ class FaultProxy:
                     upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self._track(upstream)
                     up_reader = _Reader(upstream)
-                client_keep, upstream_keep = self._forward(head, version, reader, client, upstream, up_reader, plan)
+                cut = plan if plan is not None and plan.kind == "cut" else None
+                lost = plan is not None and plan.kind in ("drop", "drop500")
+                client_keep, upstream_keep = self._forward(head, version, reader, client, upstream, up_reader,
+                                                           cut, deliver=not lost)
+                if lost:
+                    log.info("fault %s: the answer to %s %s is lost", plan.kind, method, target)
+                    if plan.kind == "drop":
+                        _abort(client)
+                    else:
+                        self._inject(_Plan("500", 1, None, 0.0, 0), client, reader, head, drain=False)
+                    return
                 if not upstream_keep:  # moto closes after every response: reconnect next time
                     with self._lock:
                         self._open.discard(upstream)
@@ -495,9 +524,10 @@ class FaultProxy:
                 self._threads.discard(threading.current_thread())
 
     def _forward(self, head: _Head, version: str, reader: _Reader, client: socket.socket,
-                 upstream: socket.socket, up_reader: _Reader, plan: _Plan | None) -> tuple[bool, bool]:
-        """One request to the upstream and its response back; whether the client's and the
-        upstream's connections live on."""
+                 upstream: socket.socket, up_reader: _Reader, plan: _Plan | None,
+                 deliver: bool = True) -> tuple[bool, bool]:
+        """One request to the upstream and its response back (``deliver`` false: read and dropped);
+        whether the client's and the upstream's connections live on."""
         upstream.sendall(head.raw)
         to_upstream = _Sink(upstream)
         body_sent = True
@@ -520,8 +550,9 @@ class FaultProxy:
         client_keep = framing != "eof" and body_sent and not head.wants_close(version)
         # The client's connection lives on as long as the client wants it, whatever the upstream
         # does (werkzeug closes after each response): pooled connections, as with a real store.
-        client.sendall(resp.without_connection() if client_keep else resp.raw)
-        to_client = _Sink(client, plan.cut_after if plan is not None else None)
+        if deliver:
+            client.sendall(resp.without_connection() if client_keep else resp.raw)
+        to_client = _Sink(client if deliver else None, plan.cut_after if plan is not None else None)
         if framing == "chunked":
             up_reader.relay_chunked(to_client)
         elif framing == "length":
@@ -558,7 +589,8 @@ class FaultProxy:
                 self._stopping.wait(max(0.0, deadline - time.monotonic()))  # bytes waiting: just sit
                 return
 
-    def _inject(self, plan: _Plan, client: socket.socket, reader: _Reader, head: _Head) -> None:
+    def _inject(self, plan: _Plan, client: socket.socket, reader: _Reader, head: _Head,
+                drain: bool = True) -> None:
         if plan.kind == "reset":
             _abort(client)
         elif plan.kind == "stall":
@@ -570,7 +602,7 @@ class FaultProxy:
             while not self._stopping.wait(plan.trickle_s):
                 client.sendall(b" ")  # OSError once the client hangs up: the thread ends
         else:
-            if head.headers.get("expect", "").lower() != "100-continue":
+            if drain and head.headers.get("expect", "").lower() != "100-continue":
                 head.relay_body(reader, _Sink(None))  # read it all, so closing sends no RST
             status, content_type, body = self._answer(plan)
             extra = "".join(f"{name}: {value}\r\n" for name, value in plan.headers)

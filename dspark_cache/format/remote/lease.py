@@ -11,6 +11,12 @@ Expiry is judged against the later of the holder's own ``renewed_at`` and the st
 
 A holder that cannot renew for a whole ``ttl`` (the store unreachable, or someone else took the
 lease) has *lost* it: :meth:`Lease.check` then raises, and the producer publishes nothing more.
+
+A lease whose holder's process is gone is taken over at once where that can be seen: the holder ran
+on this machine, in this pid namespace (``node``: the boot id and the namespace), and its pid is
+dead (a job requeued after a preemption on the same node). Otherwise a producer that finds the lease
+held waits for it to be given back or to expire, for at most ``wait`` seconds (``--lease-wait``),
+saying how long, then gives up naming the lease.
 """
 
 from __future__ import annotations
@@ -26,13 +32,17 @@ import msgspec
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.lock import CacheLockedError, describe_holder
 from dspark_cache.format.paths import LEASE
+from dspark_cache.format.remote.node import process_alive
 from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore, ObjectStoreError
 from dspark_cache.format.schema import Lease as LeaseRecord, decode_json, encode_json
 
 log = logging.getLogger(__name__)
 
 TTL = 60.0  # seconds a lease lives without a renewal
+WAIT_MARGIN = 30.0  # the default wait for a held lease: its ttl and this (its holder's clock may lag)
 _MAX_LEASE_BYTES = 1 << 16
+_POLL = 2.0  # seconds between looks at a lease waited for
+_RACES = 5  # conditional writes lost to other takers before giving up
 
 
 def _ttl() -> float:
@@ -56,6 +66,24 @@ def _read(store: ObjectStore) -> tuple[LeaseRecord | None, ObjectInfo] | None:
         return None, info
 
 
+def node_identity() -> str:
+    """This process's machine and pid namespace, as a lease records them (``""`` where unknown): a pid
+    means the same process only within one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def holder_gone(record: LeaseRecord | None) -> bool:
+    """The holder ran on this machine, in this pid namespace, and its process is gone."""
+    here = node_identity()
+    return record is not None and bool(here) and record.node == here and record.pid != os.getpid() \
+        and not process_alive(record.pid)
+
+
 def _expires_at(record: LeaseRecord | None, info: ObjectInfo) -> float:
     renewed = max(record.renewed_at if record is not None else 0.0, info.modified)
     return renewed + (record.ttl if record is not None else TTL)
@@ -68,6 +96,15 @@ def describe_lease(record: LeaseRecord | None, info: ObjectInfo, now: float) -> 
            "unless renewed"
 
 
+def _advice(store: ObjectStore, left: float) -> str:
+    lease = store.name(LEASE)
+    return (f"Two producers on one cache would redo and overwrite each other's work. If that run is alive, "
+            f"wait for it to finish or stop it (dspark-monitor {store.url}, key s); if it is gone (killed, "
+            f"preempted), its lease {lease} expires by itself in {max(0.0, left):.0f} s: rerun then, or give "
+            "--lease-wait a longer wait, or delete that object once sure no producer of it runs. For a "
+            "separate cache choose another --output-dir")
+
+
 class Lease:
     """This producer's hold on a remote cache: :meth:`take` it, keep it renewed (a daemon thread) until
     :meth:`release`; :meth:`check` raises once it is lost."""
@@ -77,7 +114,7 @@ class Lease:
         self.ttl = ttl if ttl is not None else _ttl()
         now = time.time()
         self.record = LeaseRecord(host=socket.gethostname(), pid=os.getpid(), run_id=run_id, world_size=world_size,
-                                  started_at=now, renewed_at=now, ttl=self.ttl)
+                                  started_at=now, renewed_at=now, ttl=self.ttl, node=node_identity())
         self._etag: str | None = None
         self._renewed = 0.0  # when the store last accepted a renewal (this machine's clock)
         self._lost: str | None = None
@@ -86,49 +123,67 @@ class Lease:
 
     # -- taking -------------------------------------------------------------------------------
 
-    def take(self, *, overwrite: bool = False) -> None:
-        """Hold the lease, or raise :class:`CacheLockedError` naming its holder."""
+    def take(self, *, overwrite: bool = False, wait: float | None = None) -> None:
+        """Hold the lease, or raise :class:`CacheLockedError` naming it and its holder. A lease held by a
+        live (or unknown) holder is waited for, ``wait`` seconds at most (default: its ttl and
+        ``WAIT_MARGIN``, enough for the lease of a job that was killed to expire)."""
         started = time.monotonic()  # the lease lives from before the request, as the store may count it
-        for _ in range(3):  # a lease that vanishes or expires between our reads is raced for again
-            try:
+        deadline: float | None = None if wait is None else started + max(0.0, wait)
+        told = False
+        races = 0
+        while True:
+            attempt = time.monotonic()
+            try:  # a write whose answer was lost and retried into a refusal is ours (ObjectStore.put)
                 self._etag = self.store.put(LEASE, self._encode(), create=True)
                 break
             except ConditionFailedError:
                 pass
             found = _read(self.store)
-            if found is None:
-                continue  # released meanwhile
-            record, info = found
-            if self._is_ours(record):  # our create landed, its answer was lost, and the client's retry lost to it
-                self._etag = info.etag
-                break
-            now = time.time()
-            if now < _expires_at(record, info):
-                what = "--overwrite refused: it does not stop a live run, and " if overwrite else ""
-                raise CacheLockedError(
-                    f"{what}{self.store.url} is in use by another dspark-produce run ({describe_lease(record, info, now)})."
-                    " Two producers on one cache would redo and overwrite each other's work. Wait for that run to "
-                    f"finish, or stop it (press s in dspark-monitor {self.store.url}), then rerun; a producer killed "
-                    "without stopping frees the cache when its lease expires. For a separate cache choose another "
-                    "--output-dir"
-                )
-            try:  # expired: take it over, unless another producer does so first
-                self._etag = self.store.put(LEASE, self._encode(), match=info.etag)
-                log.warning("took over the lease on %s from %s, which stopped renewing it", self.store.url,
-                            describe_holder(msgspec.to_builtins(record) if record is not None else None))
-                break
-            except ConditionFailedError:
+            if found is None:  # released meanwhile: raced for again
+                races = self._raced(races)
                 continue
-        else:
-            raise CacheLockedError(f"{self.store.url}: another producer keeps taking its lease; rerun when it is done")
-        self._renewed = started
+            record, info = found
+            now = time.time()
+            gone = holder_gone(record)
+            if gone or now >= _expires_at(record, info):
+                attempt = time.monotonic()
+                try:  # expired, or its holder is dead: take it over, unless another producer does so first
+                    self._etag = self.store.put(LEASE, self._encode(), match=info.etag)
+                except ConditionFailedError:
+                    races = self._raced(races)
+                    continue
+                holder = describe_holder(msgspec.to_builtins(record) if record is not None else None)
+                why = f"its holder's pid {record.pid} is dead (this host)" if gone and record is not None \
+                    else "it stopped renewing it"
+                log.warning("took over the lease on %s from %s: %s", self.store.url, holder, why)
+                break
+            left = _expires_at(record, info) - now
+            if deadline is None:
+                deadline = started + (record.ttl if record is not None else TTL) + WAIT_MARGIN
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                what = "--overwrite refused: it does not stop a live run, and " if overwrite else ""
+                waited = f" (waited {time.monotonic() - started:.0f} s, --lease-wait)" if told else ""
+                raise CacheLockedError(
+                    f"{what}{self.store.url} is in use by another dspark-produce run: its lease "
+                    f"{self.store.name(LEASE)} is held by {describe_lease(record, info, now)}{waited}. "
+                    + _advice(self.store, left))
+            if not told:
+                told = True
+                log.warning("%s: its lease %s is held by %s; waiting up to %.0f s for it to be given back or "
+                            "to expire (--lease-wait)", self.store.url, self.store.name(LEASE),
+                            describe_lease(record, info, now), remaining)
+            time.sleep(max(0.05, min(_POLL, remaining, left + 0.1)))
+        self._renewed = attempt
         self._thread = threading.Thread(target=self._keep, name="dspark-lease", daemon=True)
         self._thread.start()
 
-    def _is_ours(self, record: LeaseRecord | None) -> bool:
-        """The lease on the store is the version this holder wrote last."""
-        return record is not None and (record.host, record.pid, record.run_id, record.started_at, record.renewed_at) \
-            == (self.record.host, self.record.pid, self.record.run_id, self.record.started_at, self.record.renewed_at)
+    def _raced(self, races: int) -> int:
+        """One more race for the lease lost to another producer; raise once there were too many."""
+        if races + 1 >= _RACES:
+            raise CacheLockedError(f"{self.store.url}: another producer keeps taking its lease "
+                                   f"({self.store.name(LEASE)}); rerun when it is done")
+        return races + 1
 
     def _encode(self) -> bytes:
         self.record.renewed_at = time.time()
@@ -148,11 +203,8 @@ class Lease:
         try:
             self._etag = self.store.put(LEASE, self._encode(), match=self._etag)
             self._renewed = started
-        except ConditionFailedError:
+        except ConditionFailedError:  # not ours (ObjectStore.put recognises our own write landed)
             found = _read(self.store)
-            if found is not None and self._is_ours(found[0]):  # our write landed; the retry of it lost to it
-                self._etag, self._renewed = found[1].etag, started
-                return
             holder = (describe_lease(*found, time.time()) if found is not None else "nobody: it was deleted")
             self._lose(f"another producer took it over ({holder})")
         except CacheError as exc:  # the store did not answer: try again; past the ttl it may be someone else's

@@ -16,6 +16,13 @@ local *staging directory* (``--staging-dir``); this object makes the store follo
 * **the small files** (heartbeats, events, plan, weights) go up from a thread (``sync.StagingSync``);
 * **completing**: every upload is waited for, the wids list and the weights are put, and the manifest
   last, so that a reader never sees a complete manifest before what it names.
+
+Commits (a shard's index, the manifest) are conditional writes (:meth:`RemoteOutput.commit`): an
+index is created only where none exists, the manifest written only over the version this producer
+last wrote or read, each after the lease is checked. A producer that lost its lease (stalled past its
+ttl while another took the cache over) may still have a commit in flight: it lands late, and fails,
+instead of replacing a file of the cache the other producer wrote. The completing producer checks
+that the store's indexes are the versions it wrote or read before it writes the complete manifest.
 """
 
 from __future__ import annotations
@@ -28,7 +35,11 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+import msgspec
+
 from dspark_cache.format.backing import StorageOptions
+from dspark_cache.format.errors import CacheError
+from dspark_cache.format.lock import CacheLockedError
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.ours import is_written_name
 from dspark_cache.format.remote.copies import LocalCopies
@@ -44,6 +55,7 @@ from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import Manifest, ShardIndex, encode_json
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, write_index
+from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 from dspark_cache.format.wids_index import shard_entry, write_wids_index
 
 log = logging.getLogger(__name__)
@@ -55,7 +67,9 @@ class RemoteOutput(CacheOutput):
     """The cache at ``url``, written through the staging directory (see the module's docstring)."""
 
     def __init__(self, url: str, *, storage: StorageOptions | None = None, staging_dir: str | None = None,
-                 staging_limit: int | None = None, rank: int = 0) -> None:
+                 staging_limit: int | None = None, rank: int = 0, lease_wait: float | None = None) -> None:
+        """``lease_wait``: seconds to wait for a lease another producer holds (``Lease.take``; ``None``:
+        its default)."""
         storage = (storage or StorageOptions()).resolved()
         self.url = RemoteURL.parse(url)
         super().__init__(staging_dir or default_staging_dir(self.url, storage.local_cache_dir,
@@ -67,6 +81,7 @@ class RemoteOutput(CacheOutput):
         self.rank = rank
         self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
         self._lease: Lease | None = None
+        self.lease_wait = lease_wait
         self._copies = LocalCopies(self.store, self.root, self.paths.staging_seen)
         self._sync = StagingSync(self.store, self.paths, rank, self._copies, self._holds)
         self._puller = StagingPull(self.store, self.paths, self._sync, self._copies)
@@ -79,7 +94,7 @@ class RemoteOutput(CacheOutput):
         self._sizes_lock = threading.Lock()
         self._announce: dict[int, Callable[[ShardIndex], None]] = {}  # shard id -> publish()'s callback
         self._announcing = threading.Lock()  # callbacks one at a time
-        self._uploads = ShardUploads(self.store, self.paths, self.staging_limit, self._committed, self._fence)
+        self._uploads = ShardUploads(self.store, self.paths, self.staging_limit, self._committed, self.commit)
 
     def __repr__(self) -> str:
         return f"RemoteOutput({str(self.url)!r} staged at {self.root!r})"
@@ -100,7 +115,7 @@ class RemoteOutput(CacheOutput):
         super().lock(run_id, world_size, overwrite=overwrite)
         lease = Lease(self.store, run_id, world_size)
         try:
-            lease.take(overwrite=overwrite)
+            lease.take(overwrite=overwrite, wait=self.lease_wait)
         except BaseException:
             super().release()
             raise
@@ -227,10 +242,9 @@ class RemoteOutput(CacheOutput):
         relative = self.paths.relative(self.paths.completion_claim(run_id))
         mine = f"{run_id} rank {self.rank} pid {os.getpid()} on {socket.gethostname()}\n".encode()
         try:
-            self.store.put(relative, mine, create=True)
-        except ConditionFailedError:  # another rank's, or ours landed and the client's retry of it lost
-            got = self.store.get(relative, limit=len(mine))
-            return got is not None and got[0] == mine
+            self.store.put(relative, mine, create=True)  # ours also where it landed and its answer was lost
+        except ConditionFailedError:  # another rank's
+            return False
         return True
 
     def _list_sizes(self) -> dict[int, ObjectInfo]:
@@ -250,6 +264,7 @@ class RemoteOutput(CacheOutput):
     def _remove_remote(self, relatives: Iterable[str]) -> None:
         for relative in relatives:
             self.store.delete(relative)
+            self._copies.record(relative, None)  # no version of it is known now: the next write creates it
 
     def clear(self) -> None:
         """``--overwrite``: the store's files of ours, then the staging directory's."""
@@ -275,17 +290,73 @@ class RemoteOutput(CacheOutput):
             self._push([self.paths.target_weights])
         with open(self.paths.manifest, "rb") as handle:
             data = handle.read()
-        self._fence()
         relative = self.paths.relative(self.paths.manifest)
-        self._copies.record(relative, ObjectInfo(len(data), self.store.put(relative, data), 0.0))
+        known = self._copies.copied_from(relative)  # "size:etag" of the version last written or read
+        self._copies.record(relative, ObjectInfo(len(data), self.commit(
+            relative, data, known.partition(":")[2] if known else None), 0.0))
+
+    def commit(self, relative: str, data: bytes, expected: str | None) -> str:
+        """Put a commit (an index, the manifest): while this producer holds the cache, and conditionally,
+        as a new object (``expected`` ``None``) or over the version with the ETag ``expected``; its ETag.
+
+        Where the store holds another version all the same, a producer that lost its lease wrote it late
+        (the condition failed): the lease holder, checking its lease again, replaces it; a producer
+        without a lease fails, naming the file."""
+        self._fence()
+        try:
+            return self.store.put(relative, data, create=expected is None, match=expected)
+        except ConditionFailedError:
+            self._fence()  # raises where this producer is the one that lost the cache
+            # A rank without the lease (the leader's stands for it) may have read an older version of the
+            # manifest than its job's own last one: that one, of the same cache, it may replace.
+            if self._lease is None and not self._same_cache(relative, data):
+                raise CacheLockedError(
+                    f"{self.store.name(relative)} changed on the store while this rank wrote it: another "
+                    "producer wrote the cache meanwhile. Rerun when no other producer writes the cache"
+                ) from None
+        found = self.store.head(relative)
+        if found is not None and self._lease is not None:
+            log.warning("%s: replacing a version this producer neither wrote nor read (written late by a "
+                        "producer that had lost the cache's lease)", self.store.name(relative))
+        return self.store.put(relative, data, create=found is None, match=found.etag if found else None)
+
+    def _same_cache(self, relative: str, data: bytes) -> bool:
+        """The store's version of a manifest or index and ``data`` name the same ``cache_id``."""
+        got = self.store.get(relative, limit=MAX_MANIFEST_BYTES)
+        try:
+            theirs = msgspec.json.decode(got[0]) if got is not None else None
+            ours = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return False
+        return isinstance(theirs, dict) and isinstance(ours, dict) and bool(ours.get("cache_id")) \
+            and theirs.get("cache_id") == ours.get("cache_id")
 
     def _push(self, files: list[str]) -> None:
         self._sync.push_files(files)
 
     def complete(self, manifest: Manifest) -> None:
         self.flush()
-        self._list_sizes()  # one LIST for the tars' sizes, not a HEAD per shard another process published
+        # One LIST for the tars' sizes (not a HEAD per shard another process published), and the
+        # indexes checked against what this node wrote or read.
+        self._check_indexes(self._list_sizes())
         super().complete(manifest)
+
+    def _check_indexes(self, indexes: dict[int, ObjectInfo]) -> None:
+        """Before the complete manifest: every index on the store is the version this node wrote or read
+        (its ETag), and every shard published here is on the store; raise naming the first that is not."""
+        for shard_id in sorted(set(indexes) | set(self.scan())):
+            relative = self.paths.relative(self.paths.shard_index(shard_id))
+            known = self._copies.copied_from(relative)
+            on_store = indexes.get(shard_id)
+            if on_store is not None and known is not None and known.partition(":")[2] == on_store.etag:
+                continue
+            what = "is not on the store" if on_store is None else (
+                "is on the store, not published by this run" if known is None
+                else "on the store is not the version this run wrote or read")
+            raise CacheError(
+                f"{self.store.name(relative)} {what}: another producer wrote the cache meanwhile (one that "
+                "had lost its lease); the cache is not marked complete. Rerun the same command to resume: "
+                "every shard is checked again")
 
     def write_wids_index(self) -> None:
         self._list_sizes()  # one LIST, not a HEAD per shard another process published
@@ -369,8 +440,9 @@ class RemoteOutput(CacheOutput):
         self._uploads.flush()
 
     def replace_index(self, index: ShardIndex) -> None:
-        self._committed(index, self.store.put(self.paths.relative(self.paths.shard_index(index.shard_id)),
-                                              encode_json(index)))
+        relative = self.paths.relative(self.paths.shard_index(index.shard_id))
+        found = self.store.head(relative)
+        self._committed(index, self.commit(relative, encode_json(index), found.etag if found else None))
 
     @contextlib.contextmanager
     def shard_tar(self, shard_id: int) -> Iterator[str]:

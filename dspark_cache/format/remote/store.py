@@ -12,7 +12,17 @@ Credentials come the client's standard way: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET
 ``AWS_ENDPOINT_URL_S3`` for S3-compatible stores (MinIO, Ceph, R2, ...), ``AWS_ALLOW_HTTP=true``
 for a plain-http endpoint. ``storage_options`` (``--storage-options JSON``) adds the client's
 configuration keys (``endpoint``, ``region``, ``access_key_id``, ...) plus ``client_options``
-and ``retry_config``; their values are never logged or put in a message.
+and ``retry_config``; their values are never logged or put in a message. A client option given at the
+top level (``{"allow_http": true, "timeout": "30s"}``, with or without the store's ``aws_`` prefix) is
+moved into ``client_options``, as are ``max_retries`` and ``retry_timeout`` into ``retry_config``
+(durations in seconds or as the client's strings); an unknown key is refused by name.
+
+A panic of the client library (a Rust ``panic!``, which Python sees as a ``BaseException`` and Rust
+reports with its own lines on stderr) comes out as the same one-line error as any other failure.
+
+Keys under the cache's prefix that the client cannot represent (an empty segment ``a//b``, a ``.``
+or ``..`` segment, control characters: written by another tool) are skipped by every listing, each
+named once in a warning; the rest of the listing goes on past them (see :meth:`ObjectStore.walk`).
 
 Every failure comes out as a :class:`~dspark_cache.format.errors.CacheError` of one line that
 names the object and says what to do: access denied (which credential), a missing bucket, and
@@ -22,17 +32,24 @@ backoff. A missing object is not an error: reads return ``None``.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import errno
+import logging
 import os
 import pathlib
 import random
+import re
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
 from dspark_cache.format.errors import CacheError
+from dspark_cache.format.paths import CONTROL_DIR, EVENTS_DIR, MANIFEST, PLAN_DIR, SHARDS_DIR, STATUS_DIR, \
+    TARGET_WEIGHTS
 from dspark_cache.format.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
@@ -43,6 +60,23 @@ _MULTIPART = 64 << 20  # uploads larger than this go in parts, several in flight
 _LOCAL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 _ATTEMPTS = 2  # one whole-object retry on top of the client's own (which resumes a cut download itself)
 _T = TypeVar("_T")
+_STDERR_HELD = threading.Lock()  # _panics_quiet's hold on file descriptor 2
+# The HTTP client's options (obstore's ClientConfig): given at the top level of the storage options, the
+# client would take them for the store's own keys and panic; they are moved into client_options.
+CLIENT_KEYS = frozenset((
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "default_headers",
+    "http1_only", "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle",
+    "http2_only", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate",
+    "proxy_excludes", "root_certificate", "randomize_addresses", "read_timeout", "timeout", "user_agent"))
+RETRY_KEYS = frozenset(("max_retries", "retry_timeout", "backoff"))
+_DURATIONS = ("retry_timeout", "init_backoff", "max_backoff")  # timedeltas for the client; seconds in JSON
+_STORE_PREFIXES = ("aws_", "google_", "azure_")
+# The cache's own names at its root: what a listing of the root that a key the client cannot represent
+# broke still finds (each file asked for, each directory listed on its own).
+_ROOT_FILES = (MANIFEST, TARGET_WEIGHTS)
+_ROOT_DIRS = (SHARDS_DIR, STATUS_DIR, EVENTS_DIR, CONTROL_DIR, PLAN_DIR)
+# How the client names the key it could not parse, in its error's message.
+_BAD_KEY = re.compile(r'Path "(.*?)"(?=:? ?(?:contained empty path segment|Encountered illegal))', re.DOTALL)
 
 
 class MissingExtraError(CacheError):
@@ -63,6 +97,10 @@ class NoSuchBucketError(ObjectStoreError):
 
 class ConditionFailedError(ObjectStoreError):
     """A conditional write lost: the object exists (create) or changed (match)."""
+
+
+class UnrepresentableKeyError(ObjectStoreError):
+    """A directory of the cache holds a key the client cannot represent, and so cannot be listed whole."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +144,80 @@ def client_endpoint(config: dict[str, Any]) -> str | None:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    text = " ".join(str(exc).split("Debug source:")[0].split())  # obstore appends a multi-line Debug dump
     return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def shown_key(key: str) -> str:
+    """A key as a message shows it: control characters escaped (``\\x01``), the rest as it is."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in key)
+
+
+def is_panic(exc: BaseException) -> bool:
+    """A panic of the client library (pyo3's ``PanicException``, a ``BaseException`` no module exports)."""
+    return type(exc).__name__ == "PanicException"
+
+
+@contextlib.contextmanager
+def _panics_quiet() -> Iterator[None]:
+    """While the client is configured, file descriptor 2 goes to a temporary file: a panic's own report
+    (the message, and a backtrace where RUST_BACKTRACE is set), which Rust writes there itself, is
+    dropped, as the error raised for it says the same in one line; anything else written is passed on."""
+    sys.stderr.flush()
+    with _STDERR_HELD, tempfile.TemporaryFile() as held:  # one at a time: fd 2 is the process's
+        saved = os.dup(2)
+        panicked = False
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException as exc:
+            panicked = is_panic(exc)
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not panicked:
+                held.seek(0)
+                written = held.read()
+                if written:
+                    os.write(2, written)
+
+
+def _client_settings(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """The storage options split as the client takes them: the store's keys, the HTTP client's options and
+    the retry configuration (``None``: the default); client and retry keys given at the top level are
+    moved where they belong (``ValueError`` where one is also given there)."""
+    config = dict(config)
+    client = dict(config.pop("client_options", None) or {})
+    given_retry = config.pop("retry_config", None)
+    retry = dict(given_retry) if given_retry else None
+    top_retry: dict[str, Any] = {}
+    for key in list(config):
+        bare = key.lower()
+        bare = next((bare[len(p):] for p in _STORE_PREFIXES if bare.startswith(p)), bare)
+        section, into = ("client_options", client) if bare in CLIENT_KEYS else (
+            ("retry_config", top_retry) if bare in RETRY_KEYS else (None, None))
+        if into is None:
+            continue
+        if bare in into or (section == "retry_config" and retry is not None and bare in retry):
+            raise ValueError(f"{key} is given both at the top level and in {section}; keep one")
+        into[bare] = config.pop(key)
+    if top_retry:
+        retry = {**(retry or _default_retry()), **top_retry}
+    if retry is not None:
+        retry = {k: _duration(k, v) for k, v in retry.items()}
+        if isinstance(retry.get("backoff"), dict):
+            retry["backoff"] = {k: _duration(k, v) for k, v in retry["backoff"].items()}
+    if "endpoint_url" in config:  # the spelling boto3 and s3fs users know
+        config["endpoint"] = config.pop("endpoint_url")
+    return config, client, retry
+
+
+def _duration(name: str, value: Any) -> Any:
+    """A retry duration given in seconds (JSON has no timedelta) as the client's timedelta."""
+    if name in _DURATIONS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return timedelta(seconds=value)
+    return value
 
 
 class ObjectStore:
@@ -117,21 +227,32 @@ class ObjectStore:
     def __init__(self, url: str | RemoteURL, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url if isinstance(url, RemoteURL) else RemoteURL.parse(url)
         obstore = _client()
-        config = dict(storage_options or {})
-        client_options = {**_default_client_options(client_endpoint(config)), **config.pop("client_options", {})}
-        retry = config.pop("retry_config", None) or _default_retry()
-        if "endpoint_url" in config:  # the spelling boto3 and s3fs users know
-            config["endpoint"] = config.pop("endpoint_url")
         self._obstore = obstore
         self._pid = os.getpid()
+        self._named: set[str] = set()  # keys the client cannot represent, each warned about once
+        advice = "check --storage-options / storage_options keys and the AWS_* variables"
         try:
-            self._store = obstore.store.from_url(self.url.store_url, config=config or None,
-                                                 client_options=client_options, retry_config=retry)
-        except Exception as exc:  # an unknown option key, a malformed value: never echo the values
+            config, client, retry = _client_settings(storage_options or {})
+        except ValueError as exc:
+            raise ObjectStoreError(f"{self.url}: the storage options: {exc}; {advice}") from None
+        client_options = {**_default_client_options(client_endpoint(config)), **client}
+        try:
+            with _panics_quiet():
+                self._store = obstore.store.from_url(self.url.store_url, config=config or None,
+                                                     client_options=client_options,
+                                                     retry_config=retry or _default_retry())
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # an unknown key, a malformed value, a panic: never echo the values
+            unknown = re.search(r"(?:Configuration key: '|Invalid key: )([^'.\s]+)", str(exc))
+            if unknown:
+                raise ObjectStoreError(
+                    f"{self.url}: the storage option {unknown[1]!r} is not one the object-store client knows "
+                    f"for {self.url.scheme}://; {advice}") from None
+            what = "failed on" if is_panic(exc) else "refused"
             raise ObjectStoreError(
-                f"{self.url}: the object-store client refused its configuration ({type(exc).__name__}: "
-                f"{_first_line(exc)}); check --storage-options / storage_options keys and the AWS_* variables"
-            ) from exc
+                f"{self.url}: the object-store client {what} its configuration ({type(exc).__name__}: "
+                f"{_first_line(exc)}); {advice}") from None
 
     def __repr__(self) -> str:  # never the options: they may hold secrets
         return f"ObjectStore({str(self.url)!r})"
@@ -145,11 +266,13 @@ class ObjectStore:
         errors = self._obstore.exceptions
         where = self.name(relative)
         text = _first_line(exc)
-        if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        full = str(exc)  # the markers may sit past the first line's 300 characters (a long request URL)
+        if "NoSuchBucket" in full or "bucket does not exist" in full.lower():
             return NoSuchBucketError(f"{what} {where}: the bucket {self.url.bucket} does not exist (or this "
                                      "endpoint is not the store it is in); create it or fix the URL / AWS_ENDPOINT_URL")
-        if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or "AccessDenied" in text \
-                or "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "403 Forbidden" in text:
+        if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or any(
+                marker in full for marker in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                                              "403 Forbidden")):
             return AccessDeniedError(
                 f"{what} {where}: access denied (403). The credentials in use (AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or the instance's role) may not do this on bucket "
@@ -173,8 +296,15 @@ class ObjectStore:
             if exc.errno in _LOCAL_DISK:  # our own write to this machine's disk (see _again)
                 raise
             return self._failed(exc, what, relative, missing)
+        except CacheError:  # ours already, one line
+            raise
         except Exception as exc:
             return self._failed(exc, what, relative, missing)
+        except BaseException as exc:  # a panic of the client: one line, as any other failure
+            if not is_panic(exc):
+                raise
+            raise ObjectStoreError(f"{what} {self.name(relative)}: the object-store client failed (panic: "
+                                   f"{_first_line(exc)}); rerun, and report it if it repeats") from None
 
     def _failed(self, exc: Exception, what: str, relative: str, missing: Any) -> Any:
         """``missing`` for an absent object (``FileNotFoundError`` where none is given); else the error translated."""
@@ -191,7 +321,8 @@ class ObjectStore:
         for tries in range(1, _ATTEMPTS + 1):
             try:
                 return attempt()
-            except (AccessDeniedError, NoSuchBucketError, ConditionFailedError, FileNotFoundError):
+            except (AccessDeniedError, NoSuchBucketError, ConditionFailedError, UnrepresentableKeyError,
+                    FileNotFoundError):
                 raise
             except (ObjectStoreError, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno in _LOCAL_DISK:  # this machine's disk: no retry mends it
@@ -282,24 +413,94 @@ class ObjectStore:
         prefix = self.url.key(relative_dir.rstrip("/") + "/")
 
         def listing() -> dict[str, ObjectInfo]:
-            out: dict[str, ObjectInfo] = {}
-            for chunk in self._obstore.list(self._store, prefix=prefix):
-                for meta in chunk:
-                    name = str(meta["path"])[len(prefix):]
-                    if name and "/" not in name:
-                        out[name] = self._info(meta)
-            return out
+            objects = self._children(relative_dir)[0]
+            return {str(meta["path"])[len(prefix):]: self._info(meta) for meta in objects}
         return self._again("listing", relative_dir, lambda: self._call("listing", relative_dir, listing))
+
+    def _children(self, relative_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
+        """The objects directly under a directory of the cache and its sub-directories (relative paths).
+
+        A key there that the client cannot represent fails the client's whole listing: it is named
+        (a warning). At the cache's root, the cache's own files are then asked for by name and its own
+        directories listed each on its own; in a directory of the cache's own, nothing would say which of
+        its files the failed listing hid, so that is an :class:`UnrepresentableKeyError` naming the key;
+        a directory of another tool's is left out. Keys deeper down are never read here (a delimited
+        listing shows their directory only), so such a key hides nothing of another directory."""
+        prefix = self.url.key(relative_dir.rstrip("/") + "/") if relative_dir else (
+            self.url.prefix + "/" if self.url.prefix else None)
+        try:
+            found = self._obstore.list_with_delimiter(self._store, prefix=prefix)
+            directories = [self.url.relative(str(p).rstrip("/")) for p in found["common_prefixes"]]
+            return list(found["objects"]), directories
+        except self._obstore.exceptions.InvalidPathError as exc:
+            bad = self._unrepresentable(exc)
+            if not relative_dir:
+                heads = [self._head_meta(self.url.key(name)) for name in _ROOT_FILES]
+                return [meta for meta in heads if meta is not None], list(_ROOT_DIRS)
+            if relative_dir.strip("/") in _ROOT_DIRS:
+                raise UnrepresentableKeyError(
+                    f"listing {self.name(relative_dir.strip('/'))}/: it holds the key {shown_key(bad)}, "
+                    "which this object-store client cannot represent (an empty, '.' or '..' path segment "
+                    "or a control character), and the client cannot list the cache's files beside it. No "
+                    "file of this tool's is named so: rename or delete it (e.g. with the AWS CLI or boto3), "
+                    "then rerun"
+                ) from None
+            return [], []
+
+    def _head_meta(self, key: str) -> dict[str, Any] | None:
+        try:
+            return self._obstore.head(self._store, key)
+        except (FileNotFoundError, self._obstore.exceptions.NotFoundError):
+            return None
+
+    def _unrepresentable(self, exc: Exception) -> str:
+        """The key a listing failed on (the client could not parse it), named in a warning once."""
+        match = _BAD_KEY.search(str(exc))
+        if match is None:
+            raise exc
+        bad = match[1]
+        if bad not in self._named:
+            self._named.add(bad)
+            log.warning("%s/%s: a key this object-store client cannot represent (an empty, '.' or '..' path "
+                        "segment or a control character); skipped. Rename or delete it if it should be read",
+                        self.url.store_url, shown_key(bad))
+        return bad
 
     # -- writes -------------------------------------------------------------------------------
 
     def put(self, relative: str, data: bytes, *, create: bool = False, match: str | None = None) -> str:
         """Write a small object whole; ``create``: only where none exists (``If-None-Match: *``);
-        ``match``: only over the version with that ETag (``If-Match``). Returns its ETag."""
+        ``match``: only over the version with that ETag (``If-Match``). Returns its ETag.
+
+        A conditional write is ours where the store holds exactly ``data`` after it lost
+        (:class:`ConditionFailedError`) or its answer was lost (a reset, a timeout the client does not
+        retry after sending): it landed, and the client's retry of it lost to it, or its answer never
+        came. One that did not land is sent again (the condition keeps that safe)."""
         key = self.url.key(relative)
         mode: Any = "create" if create else ({"e_tag": match} if match else "overwrite")
-        result = self._call("writing", relative, lambda: self._obstore.put(self._store, key, data, mode=mode))
-        return str(result.get("e_tag") or "")
+
+        def attempt() -> str:
+            try:
+                # If-Match over an object gone since is a 404 (S3): the version matched is no longer there.
+                result = self._call("writing", relative,
+                                    lambda: self._obstore.put(self._store, key, data, mode=mode),
+                                    missing=None if match else ...)
+                if result is None:
+                    raise ConditionFailedError(
+                        f"writing {self.name(relative)}: the version it was to replace is gone")
+                return str(result.get("e_tag") or "")
+            except (AccessDeniedError, NoSuchBucketError):
+                raise
+            except ObjectStoreError:
+                if mode == "overwrite":
+                    raise
+                got = self.get(relative, limit=len(data))
+                if got is not None and got[0] == data:
+                    log.info("%s: the store holds what was written (its answer was lost)",
+                             self.name(relative))
+                    return got[1].etag
+                raise
+        return attempt() if mode == "overwrite" else self._again("writing", relative, attempt)
 
     def upload(self, relative: str, source: str) -> str:
         """Write the file ``source`` as the object (multipart above 64 MiB, parts in flight)."""
@@ -320,10 +521,10 @@ class ObjectStore:
         self._call("deleting", relative, lambda: self._obstore.delete(self._store, key), missing=None)
 
     def walk(self, relative_dir: str = "") -> Iterator[tuple[str, ObjectInfo]]:
-        """Every object under a directory of the cache, recursively, as (relative path, info)."""
-        root = self.url.key(relative_dir.rstrip("/") + "/") if relative_dir else (
-            self.url.prefix + "/" if self.url.prefix else "")
-        chunks = self._call("listing", relative_dir, lambda: list(self._obstore.list(self._store, prefix=root or None)))
-        for chunk in chunks:
-            for meta in chunk:
-                yield self.url.relative(str(meta["path"])), self._info(meta)
+        """Every object under a directory of the cache, recursively, as (relative path, info): a directory
+        at a time, keys the client cannot represent skipped and named (see :meth:`_children`)."""
+        objects, directories = self._call("listing", relative_dir, lambda: self._children(relative_dir))
+        for meta in objects:
+            yield self.url.relative(str(meta["path"])), self._info(meta)
+        for directory in directories:
+            yield from self.walk(directory)

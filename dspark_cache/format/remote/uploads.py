@@ -4,9 +4,9 @@ A shard is sealed in the staging directory (its tar whole and durable there, its
 :meth:`ShardUploads.submit` then queues it and returns, so the writer goes on with the next shard
 while this one uploads. For each shard, on a transfer thread: the tar is uploaded (in parts, several
 in flight, where it is large), its size on the store is checked against the index, and only then is
-the index written, which is the commit that readers see; after that the staging copy of the tar is
-deleted and the index kept there (``committed``), so that the staging directory holds the published
-set and what is still on its way.
+the index written (created, ``If-None-Match``: ``RemoteOutput.commit``), which is the commit that
+readers see; after that the staging copy of the tar is deleted and the index kept there
+(``committed``), so that the staging directory holds the published set and what is still on its way.
 
 Staging is bounded: ``submit`` blocks while the tars not yet uploaded would exceed ``limit`` bytes
 (one shard is always let through), which holds the writer, then the staging ring, then the device,
@@ -38,10 +38,12 @@ IN_FLIGHT = 4  # shards uploading at once (each a multipart upload of several pa
 
 class ShardUploads:
     def __init__(self, store: ObjectStore, paths: CachePaths, limit: int,
-                 committed: Callable[[ShardIndex, str], None], fence: Callable[[], None],
-                 threads: int = IN_FLIGHT) -> None:
+                 committed: Callable[[ShardIndex, str], None],
+                 commit: Callable[[str, bytes, str | None], str], threads: int = IN_FLIGHT) -> None:
+        """``commit(relative, data, expected)``: the index put as a commit (``RemoteOutput.commit``);
+        ``committed(index, etag)``: what follows once it is on the store."""
         self.store, self.paths, self.limit = store, paths, limit
-        self._committed, self._fence = committed, fence
+        self._committed, self._commit = committed, commit
         self._pool: DaemonThreads | None = None
         self._threads = threads
         self._waiting = threading.Condition()
@@ -83,8 +85,9 @@ class ShardUploads:
                     f"{self.store.name(tar)}: after its upload the store holds "
                     f"{'nothing' if info is None else f'{info.size} bytes'}, its index says {index.tar_bytes}; the "
                     "shard is not published (rerun to upload it again; if this repeats, check the store)")
-            self._fence()  # this producer still holds the cache: the index is the commit
-            etag = self.store.put(self.paths.relative(self.paths.shard_index(shard)), encode_json(index))
+            # The commit: only while this producer holds the cache, and only as a new object, so that
+            # this write landing late, after another producer took the cache over, fails.
+            etag = self._commit(self.paths.relative(self.paths.shard_index(shard)), encode_json(index), None)
             crash_point("after_index_upload")
             self._committed(index, etag)
             with self._waiting:
