@@ -13,7 +13,7 @@ import inspect
 import numbers
 import os
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from dspark_cache.loader.config import ORDER_OPTIONS, LoaderConfig
 from dspark_cache.loader.follow import Follower, extend_all, wait_for_manifest
 from dspark_cache.loader.order import EpochOrder, RankBatch, epoch_steps, rank_batch
 from dspark_cache.loader.reader import BatchLayout, BatchReader
+from dspark_cache.loader.sources import Source, as_mixture
 from dspark_cache.loader.validate import check_expectations
 
 STATE_VERSION = 1
@@ -108,7 +109,8 @@ class DSparkLoader(NemoAttributes):
         """This rank's part of global step ``step`` from ``base`` (growing the order to reach it),
         or None past the epoch's last step."""
         c = self.config
-        self._follower.grow(order, base + (step + 1) * self.global_batch)
+        if not order.complete:
+            self._follower.grow(order, base + (step + 1) * self.global_batch)
         steps = epoch_steps(len(order.refs), order.total, base, c.batch_size, self.world_size, c.drop_last)
         if step >= steps:
             return None
@@ -124,8 +126,8 @@ class DSparkLoader(NemoAttributes):
         step = 0
         exhausted = False
         while True:
-            if self.cache.remote is not None and step % _PREFETCH_EVERY == 0:  # fetch what is read next
-                self.cache.prefetch(order.shards_from(base + step * self.global_batch, _PREFETCH_SHARDS))
+            if step % _PREFETCH_EVERY == 0:  # a remote cache fetches what is read next
+                self._prefetch(order, base + step * self.global_batch)
             while not exhausted and len(pending) < self.config.read_ahead:
                 wanted = self._step_batch(order, base, step + len(pending))
                 if wanted is None:
@@ -140,33 +142,52 @@ class DSparkLoader(NemoAttributes):
             yield batch  # taken after k batches then points at batch k + 1
         self.epoch, self.offset = self.epoch + 1, 0
 
+    def _prefetch(self, order: EpochOrder, position: int) -> None:
+        if self.cache.remote is not None:
+            self.cache.prefetch(order.shards_from(position, _PREFETCH_SHARDS))
+
     # -- resume -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """A few integers: where the next batch starts in the (world-size-free) global order, and
-        which cache that order is of (its ``cache_id``)."""
+        """A few integers: where the next batch starts in the (world-size-free) global order, the
+        batch size and world size it was taken on, and which cache that order is of (its ``cache_id``)."""
         return {"version": STATE_VERSION, **{k: getattr(self.config, k) for k in ORDER_OPTIONS},
-                "epoch": self.epoch, "offset": self.offset, "world_size": self.world_size,
-                "cache_id": self.cache.cache_id}
+                "batch_size": self.config.batch_size, "epoch": self.epoch, "offset": self.offset,
+                "world_size": self.world_size, **self._identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` (from :meth:`state_dict`, any world size) left off."""
+        """Continue where ``state`` (from :meth:`state_dict`) left off, on any world size and batch size.
+
+        The state is a position in the global order, which no rank count or batch size shapes: the
+        rest of the epoch follows from it, every sample once. With the state's global batch
+        (``batch_size`` x ``world_size``; 2 ranks x 8 continuing as 1 x 16 or 4 x 4) the global
+        batches are those of the uninterrupted run; with another, the same samples in other batches."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
         diff = [f"{k}: state has {state.get(k)!r}, this loader has {getattr(self.config, k)!r}"
                 for k in ORDER_OPTIONS if state.get(k) != getattr(self.config, k)]
         if diff:
             raise ValueError("cannot restore a loader state made with other settings:\n  " + "\n  ".join(diff))
-        if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:  # states from before ids: no check
-            raise ValueError(f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
-                             f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
-                             "re-produced with --overwrite), whose order is of other samples; start its first "
-                             "epoch from the beginning instead of loading this state")
+        self._check_identity(state)
         bad = [f"{k}={state.get(k)!r}" for k in ("epoch", "offset") if not _count(state.get(k))]
         if bad:  # int() would take 1.5 or "3", and a negative offset would shift the epoch silently
             raise ValueError(f"loader state {', '.join(bad)}: epoch and offset are whole numbers >= 0, as "
                              "state_dict() writes them; pass the state it returned, unchanged")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+    def _identity(self) -> dict[str, Any]:
+        """What the order is of, in a state: this cache's id."""
+        return {"cache_id": self.cache.cache_id}
+
+    def _check_identity(self, state: dict[str, Any]) -> None:
+        if "mixture" in state:
+            raise ValueError("cannot restore a loader state taken on a mixture of caches into a loader of one "
+                             f"cache ({self.cache.root}); build the loader on the same mixture")
+        if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:  # states from before ids: no check
+            raise ValueError(f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
+                             f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
+                             "re-produced with --overwrite), whose order is of other samples; start its first "
+                             "epoch from the beginning instead of loading this state")
 
     def close(self) -> None:
         self.reader.close()
@@ -178,8 +199,15 @@ def _count(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
-def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **kwargs: Any) -> DSparkLoader:
+def build_dataloader(cached_target_path: "str | os.PathLike | Source | Sequence[Source]", batch_size: int,
+                     **kwargs: Any) -> DSparkLoader:
     """Batches of a dspark cache for one training rank (options: :class:`~.config.LoaderConfig`).
+
+    ``cached_target_path``: a cache (directory or ``s3://`` URL), or a mixture of caches: a list of
+    ``dspark_cache.Source(path, repeat=, choose=, proportion=)`` or a mixture file (``.json``,
+    ``.yaml``; :mod:`.sources` states the weights' rules). A mixture's batches also carry
+    ``source_ids`` ``[B]`` (each row's source, its index in the list); its sources must share
+    the target, hidden size, the layers handed out and (``pad_to="seq_length"``) ``seq_length``.
 
     Keys: NeMo's ``input_ids``, ``loss_mask`` (int64 ``[B,S]``), ``target_hidden_states``
     ``[B,S,len(ids)*H]`` (``ids``: ``target_layer_ids``, default the cache's) and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded; an FP8
@@ -201,7 +229,12 @@ def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **k
     of it) that the caller keeps is never overwritten. Pinned batches (``pin_memory``, on by
     default where CUDA exists) come from CUDA's caching host allocator instead.
     """
-    return DSparkLoader(cached_target_path, batch_size, **kwargs)
+    mixture = as_mixture(cached_target_path, kwargs.pop("epoch_size", None))
+    if mixture is not None:
+        from dspark_cache.loader.mixture import MixtureLoader  # imports this module
+
+        return MixtureLoader(mixture, batch_size, **kwargs)
+    return DSparkLoader(cached_target_path, batch_size, **kwargs)  # type: ignore[arg-type]
 
 
 def _options_signature() -> inspect.Signature:
