@@ -17,6 +17,7 @@ _LAZY = {
     "CacheDir": "dspark_cache.format.cache",  # torch-free: manifest, indexes, open shard files
     "build_dataloader": "dspark_cache.loader.dataloader",
     "DSparkLoader": "dspark_cache.loader.dataloader",
+    "Source": "dspark_cache.loader.sources",  # one cache of a mixture, with its weight (torch-free)
     "dequantize": "dspark_cache.loader.tensors",  # FP8 batches (dtype="raw") on any device
     "build_cached_dspark_dataloader": "dspark_cache.nemo",
     "read_target_weight_modules": "dspark_cache.nemo",
