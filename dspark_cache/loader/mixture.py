@@ -30,6 +30,16 @@ def source_name(index: int, path: str) -> str:
     return f"source {index} ({path})"
 
 
+def _layout(manifest: Manifest, config: LoaderConfig, name: str) -> BatchLayout:
+    """A source's batch layout; a dtype it cannot hand out is named with the source."""
+    try:
+        return BatchLayout.from_manifest(manifest, config.dtype, config.target_layer_ids, where=name)
+    except ValueError as exc:
+        if name in str(exc):
+            raise
+        raise ValueError(f"{name}: {exc}") from None
+
+
 class OpenSources:
     """A mixture's caches, opened and checked together; closed together on any failure."""
 
@@ -43,8 +53,7 @@ class OpenSources:
             manifests = [cache.manifest for cache in self.caches]
             check_sources(manifests, self.names, layers_given=config.target_layer_ids is not None,
                           same_seq_length=config.pad_to == "seq_length")
-            self.layouts = [BatchLayout.from_manifest(m, config.dtype, config.target_layer_ids, where=name)
-                            for m, name in zip(manifests, self.names)]
+            self.layouts = [_layout(m, config, name) for m, name in zip(manifests, self.names)]
             check_handed_out([lay.state_code for lay in self.layouts], self.names)
             if config.expect:
                 for m, name, lay in zip(manifests, self.names, self.layouts):
