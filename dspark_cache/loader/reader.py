@@ -341,7 +341,8 @@ class BatchReader:
     def _raise(self, failure: fill.Failure, rows: list[Row], buffers: dict[str, torch.Tensor]) -> None:
         where = "a zero or fill op"  # only a bug in the program can make one of those fail
         if failure.tag is not None:
-            _, shard_id, _, entry = rows[failure.tag]
+            # The tag is the batch row (a mixture's source fills some rows only: not a position in rows).
+            _, shard_id, _, entry = next(r for r in rows if r[0] == failure.tag)
             path = self.cache.paths.shard_tar(shard_id)
             where = f"sample {entry.sample_id} of {path}"
             if failure.code == fill.RC_CHECKSUM:

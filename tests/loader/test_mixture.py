@@ -220,3 +220,41 @@ def test_incompatible_sources_are_refused_naming_source_and_field(sources, produ
 def test_follow_on_a_mixture_is_refused(sources):
     with pytest.raises(ValueError, match="follow=True reads one cache"):
         dspark_cache.build_dataloader([Source(sources["a"])], 4, follow=True)
+
+
+def test_a_remote_source_mixes_with_local_ones(sources, s3_bucket, s3_env, tmp_path):
+    """An s3:// source (read through the node-local copy) gives the batches its local twin gives."""
+    from tests.support.remote import upload_cache
+
+    url = f"{s3_bucket}/mix/b"
+    upload_cache(sources["b"], url)
+    local = [Source(sources["a"]), Source(sources["b"], repeat=1.5), Source(sources["c"])]
+    remote = [Source(sources["a"]), Source(url, repeat=1.5), Source(sources["c"])]
+    want = list(dspark_cache.build_dataloader(local, 5, seed=4))
+    got = list(dspark_cache.build_dataloader(remote, 5, seed=4, local_cache_dir=str(tmp_path / "node")))
+    assert len(got) == len(want)
+    for a, b in zip(want, got):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_verify_checks_every_sources_samples(sources, tmp_path):
+    """A flipped byte in the second source's shard is named, shard and sample, by the mixture's loader."""
+    import shutil
+
+    from dspark_cache.format.errors import CorruptShardError
+    from dspark_cache.format.paths import CachePaths
+
+    damaged = str(tmp_path / "b")
+    shutil.copytree(sources["b"], damaged)
+    cache = dspark_cache.open_cache(damaged)
+    shard, entry = cache.entry(0)
+    tar = CachePaths(damaged).shard_tar(shard.shard_id)
+    with open(tar, "r+b") as handle:
+        handle.seek(entry.offset + entry.size - 3)
+        byte = handle.read(1)
+        handle.seek(entry.offset + entry.size - 3)
+        handle.write(bytes([byte[0] ^ 0x40]))
+    loader = dspark_cache.build_dataloader([Source(sources["a"]), Source(damaged)], 4, seed=0)
+    with pytest.raises(CorruptShardError, match=rf"{tar}.*sample {entry.sample_id}.*checksum"):
+        list(loader)
