@@ -13,6 +13,7 @@ import dspark_cache
 from dspark_cache import Source
 from dspark_cache.loader.compat import MixtureMismatchError
 from dspark_cache.loader.sources import epoch_counts
+from dspark_cache.loader.validate import CacheMismatchError
 from tests.support.produce import write_jsonl
 
 SHARED = ("--seq-length", "512", "--shard-size", "4", "--batch-size", "4")
@@ -91,9 +92,9 @@ def test_exact_counts_per_source_per_epoch(sources, weights):
     if "proportion" in weights["a"]:
         total = sum(n.values())
         assert sum(want) == total and all(abs(w - total * p / 6) < 1 for w, p in zip(want, (1, 2, 3)))
-    else:
-        wa = weights["a"]
-        assert want[0] == (int(wa["repeat"] * n["a"]) if "repeat" in wa else wa["choose"])
+    else:  # Stream's absolute weights: floor(repeat * n), choose, or n
+        assert want == [int(w["repeat"] * n[name]) if "repeat" in w else w.get("choose", n[name])
+                        for name, w in weights.items()]
     subsets = []
     for epoch in range(3):
         seen = Counter(keys_of(loader))
@@ -215,6 +216,15 @@ def test_incompatible_sources_are_refused_naming_source_and_field(sources, produ
         dspark_cache.build_dataloader([Source(sources["a"]), Source(layers)], 4, target_layer_ids=[4, 1])
     with pytest.raises(MixtureMismatchError, match=r"source 1 .*dtype: it hands out F8_E4M3 states"):
         dspark_cache.build_dataloader([Source(sources["a"]), Source(sources["c"])], 4, dtype="raw")
+
+
+def test_expect_checks_every_source(sources):
+    m = dspark_cache.open_cache(sources["a"]).manifest
+    loader = dspark_cache.build_dataloader([Source(sources["a"]), Source(sources["c"])], 4,
+                                           expect={"hidden_size": m.hidden_size, "dtype": "bf16"})
+    assert loader.manifest.hidden_size == m.hidden_size
+    with pytest.raises(CacheMismatchError, match=r"(?s)source 0 .* does not match.*seq_length: the cache has 512"):
+        dspark_cache.build_dataloader([Source(sources["a"]), Source(sources["c"])], 4, expect={"seq_length": 1024})
 
 
 def test_follow_on_a_mixture_is_refused(sources):
