@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from typing import Any, Sequence
 
@@ -86,8 +87,12 @@ def _check_source(source: Source, where: str) -> None:
 def read_mixture(path: str | os.PathLike) -> MixtureFile:
     """A mixture file, checked; relative paths in it are relative to the file's directory."""
     path = os.fspath(path)
-    with open(path, "rb") as handle:
-        data = handle.read()
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise ValueError(f"mixture file {path}: {exc.strerror or exc}; give the path of a mixture file "
+                         "(.json, .yaml) or of a cache directory") from None
     try:
         if path.endswith((".yaml", ".yml")):
             raw = _yaml(data, path)
@@ -117,9 +122,13 @@ def _yaml(data: bytes, path: str) -> Any:
 
 
 def is_mixture_file(path: object) -> bool:
-    """A local file (not a cache directory) ending in .json, .yaml or .yml: a mixture file."""
-    return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith((".json", ".yaml", ".yml")) \
-        and os.path.isfile(path)
+    """A local path ending in .json, .yaml or .yml that is not a directory: a mixture file (one that
+    does not exist is then named as such, not as a directory without a cache)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    path = os.fspath(path)
+    return isinstance(path, str) and "://" not in path and path.endswith((".json", ".yaml", ".yml")) \
+        and not os.path.isdir(path)
 
 
 def as_mixture(spec: object, epoch_size: int | None = None) -> MixtureFile | None:
@@ -155,9 +164,10 @@ def epoch_counts(sources: Sequence[Source], sizes: Sequence[int], epoch_size: in
         if n == 0 and ((source.choose or 0) > 0 or (source.proportion or 0) > 0):
             raise ValueError(f"{name} holds no samples; it cannot give any to an epoch")
     if all(relative):
-        total = sum(sizes) if epoch_size is None else epoch_size
-        if epoch_size is not None and (isinstance(epoch_size, bool) or epoch_size < 0):
+        if epoch_size is not None and (not isinstance(epoch_size, numbers.Integral) or isinstance(epoch_size, bool)
+                                       or epoch_size < 0):
             raise ValueError(f"epoch_size={epoch_size!r} must be a whole number >= 0")
+        total = sum(sizes) if epoch_size is None else int(epoch_size)
         weights = np.array([s.proportion for s in sources], dtype=np.float64)
         if weights.sum() <= 0:
             raise ValueError("the sources' proportions sum to 0; give at least one a share > 0")

@@ -184,12 +184,27 @@ def test_a_mixture_file_json_and_yaml(sources, tmp_path):
     ('{"sources": [{"path": "x", "repeat": -1}]}', r"repeat=-1.0 must be a number >= 0"),
     ('{"sources": [{"path": "x", "weight": 1}]}', "weight"),
     ('{"sources": [{"path": "x"}', "mix.json"),
+    (None, "No such file or directory"),
 ])
 def test_a_bad_mixture_file_is_one_line_naming_it(tmp_path, text, match):
-    (tmp_path / "mix.json").write_text(text)
+    if text is not None:
+        (tmp_path / "mix.json").write_text(text)
     with pytest.raises(ValueError, match=match) as info:
         dspark_cache.build_dataloader(str(tmp_path / "mix.json"), 4)
     assert str(tmp_path / "mix.json") in str(info.value)
+
+
+def test_relative_weights_with_an_epoch_size(sources):
+    n = sizes(sources)
+    mixture = [Source(sources["a"], proportion=0.5), Source(sources["b"], proportion=0.5)]
+    loader = dspark_cache.build_dataloader(mixture, 4, seed=1, epoch_size=11, drop_last=True)
+    assert loader.num_samples() == 11 and sorted(loader.counts) == [5, 6]
+    assert len(loader) == 11 // 4
+    with pytest.raises(ValueError, match=r"epoch_size=2.5 must be a whole number"):
+        dspark_cache.build_dataloader(mixture, 4, epoch_size=2.5)
+    with pytest.raises(ValueError, match="epoch_size is for relative weights"):
+        dspark_cache.build_dataloader([Source(sources["a"])], 4, epoch_size=3)
+    assert n["a"] > 5
 
 
 def test_relative_and_absolute_weights_do_not_mix(sources):

@@ -101,3 +101,12 @@ def test_the_recipes_layer_check_and_loader_on_a_mixture(halves, produced, tmp_p
     assert batch["target_hidden_states"].shape[-1] == fields["hidden_size"]
     embed, head = dn.read_target_weight_modules(mix)
     assert embed.weight.shape[-1] == fields["hidden_size"]
+
+
+def test_worker_processes_give_the_same_run(halves, tmp_path):
+    mix = mixture_file(tmp_path, {"path": halves[0], "repeat": 1.5}, {"path": halves[1]})
+    plain, plain_draws = _run(mix, 6, 1, seed=11)
+    workers, worker_draws = _run(mix, 6, 1, seed=11, num_workers=2)
+    assert len(plain) == len(workers)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(plain, workers) for k in a)
+    assert all(torch.equal(x, y) for x, y in zip(plain_draws, worker_draws))
