@@ -19,7 +19,7 @@ from dspark_cache.loader.config import LoaderConfig
 from dspark_cache.loader.dataloader import DSparkLoader
 from dspark_cache.loader.mixorder import MixtureOrder, epoch_units
 from dspark_cache.loader.mixreader import MixtureReader
-from dspark_cache.loader.reader import BatchLayout, BatchReader
+from dspark_cache.loader.reader import BatchLayout
 from dspark_cache.loader.sources import WEIGHTS, MixtureFile, epoch_counts
 from dspark_cache.loader.validate import check_expectations
 
@@ -98,13 +98,10 @@ class MixtureLoader(DSparkLoader):
         self.rank, self.world_size = config.ranks()
         self.epoch, self.offset = config.epoch, 0
         self._orders: dict[int, MixtureOrder] = {}  # type: ignore[assignment]
-        parts = [BatchReader(cache, layout, batch_size=batch_size, num_threads=1, pad_to=config.pad_to,
-                             pin_memory=config.pinned, nemo_keys_only=config.nemo_keys_only,
-                             verify_mode=config.verify, keep=0)
-                 for cache, layout in zip(self.sources.caches, self.sources.layouts)]
-        self.reader = MixtureReader(parts, self.sources.bases, batch_size=batch_size,  # type: ignore[assignment]
-                                    num_threads=config.threads, pin_memory=config.pinned,
-                                    nemo_keys_only=config.nemo_keys_only, keep=config.read_ahead + 2)
+        self.reader = MixtureReader(  # type: ignore[assignment]
+            self.sources.caches, self.sources.layouts, self.sources.bases, batch_size=batch_size,
+            num_threads=config.threads, pad_to=config.pad_to, pin_memory=config.pinned,
+            nemo_keys_only=config.nemo_keys_only, verify_mode=config.verify, keep=config.read_ahead + 2)
 
     @property
     def manifest(self) -> Manifest:

@@ -28,7 +28,6 @@ from dspark_cache.loader.compat import check_sources
 from dspark_cache.loader.config import LoaderConfig
 from dspark_cache.loader.mixreader import MixtureReader
 from dspark_cache.loader.mixture import OpenSources, source_name
-from dspark_cache.loader.reader import BatchReader
 from dspark_cache.loader.sources import MixtureFile, epoch_counts, epoch_subset, read_mixture
 from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.dataset import DSparkMapDataset
@@ -143,11 +142,9 @@ class MixtureMapDataset(DSparkMapDataset):
                 self._reader.close()
             self.batch_size = max(self.batch_size, rows)
             pinned = torch.cuda.is_available() and torch.utils.data.get_worker_info() is None
-            parts = [BatchReader(cache, layout, batch_size=self.batch_size, num_threads=1, pad_to="seq_length",
-                                 pin_memory=pinned, nemo_keys_only=True, native=self.native, keep=0)
-                     for cache, layout in zip(sources.caches, sources.layouts)]
-            self._reader = MixtureReader(parts, sources.bases, batch_size=self.batch_size, num_threads=1,
-                                         pin_memory=pinned, nemo_keys_only=True, keep=4)
+            self._reader = MixtureReader(sources.caches, sources.layouts, sources.bases, batch_size=self.batch_size,
+                                         num_threads=1, pad_to="seq_length", pin_memory=pinned,
+                                         nemo_keys_only=True, keep=4, native=self.native)
         return self._reader
 
     def close(self) -> None:
