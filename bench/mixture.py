@@ -14,7 +14,8 @@ the ratio of the fastest epochs (``ratio_best``: on a shared machine noise only 
 and the CPU seconds an epoch costs each (all threads; the machine's load does not inflate them).
 
 Opening: ``--sources`` (default 100) caches of ``--open-samples`` samples each (one cache cut in
-as many), opened as one mixture (``build_dataloader`` until its first batch), against one cache of as many samples.
+as many), opened as one mixture (``build_dataloader`` until its first batch), against one cache
+of as many samples.
 Results: .bench/mixture.json.
 """
 
@@ -97,10 +98,12 @@ def throughput(args: argparse.Namespace, work: str) -> dict:
 
     one = make_cache(os.path.join(work, "one"), args.samples, args.hidden, args.seq, args.shard_size)[0]
     parts = split(one, [os.path.join(work, f"part{i}") for i in range(3)])
-    files = [os.path.join(CachePaths(p).shards_dir, f) for p in parts for f in os.listdir(CachePaths(p).shards_dir)]
+    shards = [CachePaths(p).shards_dir for p in parts]
+    files = [os.path.join(d, f) for d in shards for f in os.listdir(d)]
     warm(files)
     nbytes = payload(parts)
-    options = dict(shuffle=True, seed=0, pad_to="longest", num_workers=args.threads, prefetch=4, pin_memory=False)
+    options = dict(shuffle=True, seed=0, pad_to="longest", num_workers=args.threads, prefetch=4,
+                   pin_memory=False)
     single = dspark_cache.build_dataloader(one, args.batch, **options)
     mixed = dspark_cache.build_dataloader([dspark_cache.Source(p) for p in parts], args.batch, **options)
     assert single.num_samples() == mixed.num_samples()
@@ -111,12 +114,14 @@ def throughput(args: argparse.Namespace, work: str) -> dict:
         mix_s += epochs(mixed, 1, mix_cpu)
     single.close(), mixed.close()
     one_gbs, mix_gbs = nbytes / statistics.median(one_s) / 1e9, nbytes / statistics.median(mix_s) / 1e9
-    best = min(one_s) / min(mix_s)  # the least disturbed epoch of each (a shared machine's noise is one-sided)
+    best = min(one_s) / min(mix_s)  # the least disturbed epochs (a shared machine's noise only slows)
     return {"samples": single.num_samples(), "payload_bytes": nbytes, "one_cache_gb_s": round(one_gbs, 3),
-            "mixture_gb_s": round(mix_gbs, 3), "ratio": round(mix_gbs / one_gbs, 3), "ratio_best": round(best, 3),
+            "mixture_gb_s": round(mix_gbs, 3), "ratio": round(mix_gbs / one_gbs, 3),
+            "ratio_best": round(best, 3),
             "cpu_s_per_epoch": {"one_cache": round(statistics.median(one_cpu), 3),
                                 "mixture": round(statistics.median(mix_cpu), 3)},
-            "one_cache_epoch_s": [round(s, 3) for s in one_s], "mixture_epoch_s": [round(s, 3) for s in mix_s]}
+            "one_cache_epoch_s": [round(s, 3) for s in one_s],
+            "mixture_epoch_s": [round(s, 3) for s in mix_s]}
 
 
 def opening(args: argparse.Namespace, work: str) -> dict:

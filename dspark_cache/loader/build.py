@@ -24,7 +24,8 @@ def build_dataloader(cached_target_path: "str | os.PathLike | Source | Sequence[
     the target, hidden size, the layers handed out and (``pad_to="seq_length"``) ``seq_length``.
 
     Keys: NeMo's ``input_ids``, ``loss_mask`` (int64 ``[B,S]``), ``target_hidden_states``
-    ``[B,S,len(ids)*H]`` (``ids``: ``target_layer_ids``, default the cache's) and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded; an FP8
+    ``[B,S,len(ids)*H]`` (``ids``: ``target_layer_ids``, default the cache's) and
+    ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded; an FP8
     cache's dequantised to ``dtype``, bf16 by default, while read; ``dtype="raw"`` hands out its
     float8 states plus ``target_hidden_states_scale`` ``[B,S,len(ids)]`` and
     ``target_last_hidden_states_scale`` ``[B,S,1]``: ``dspark_cache.dequantize(batch)``),

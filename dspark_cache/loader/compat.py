@@ -1,4 +1,4 @@
-"""What every source of a mixture must share: what the drafter sees (one rule, for the loader and NeMo's calls).
+"""What every source of a mixture must share: what the drafter sees (the loader's and NeMo's rule).
 
 The target (its type, the fingerprint of the weights it was loaded from, vocabulary, hidden size,
 layer count, tokenizer and pad token), the layers handed out (``target_layer_ids``, when training
@@ -15,8 +15,8 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.schema import Manifest
 
 # Manifest fields every source must agree on, whatever the training run.
-TARGET_FIELDS = ("target_model_type", "target_fingerprint", "target_vocab_size", "hidden_size", "num_hidden_layers",
-                 "tokenizer_sha256", "pad_token_id")
+TARGET_FIELDS = ("target_model_type", "target_fingerprint", "target_vocab_size", "hidden_size",
+                 "num_hidden_layers", "tokenizer_sha256", "pad_token_id")
 
 
 class MixtureMismatchError(CacheError):

@@ -178,8 +178,8 @@ class DSparkLoader(NemoAttributes):
 
     def _check_identity(self, state: dict[str, Any]) -> None:
         if "mixture" in state:
-            raise ValueError("cannot restore a loader state taken on a mixture of caches into a loader of one "
-                             f"cache ({self.cache.root}); build the loader on the same mixture")
+            raise ValueError("cannot restore a loader state taken on a mixture of caches into a loader of "
+                             f"one cache ({self.cache.root}); build the loader on the same mixture")
         if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:  # states from before ids: no check
             raise ValueError(f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
                              f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "

@@ -29,8 +29,8 @@ class Unit:
     entries: tuple[int, ...]  # ascending sample id
 
 
-def epoch_units(samples: Sequence[Sequence[tuple[int, int]]], shards: Sequence[Sequence[int]], counts: Sequence[int],
-                seed: int, epoch: int) -> list[Unit]:
+def epoch_units(samples: Sequence[Sequence[tuple[int, int]]], shards: Sequence[Sequence[int]],
+                counts: Sequence[int], seed: int, epoch: int) -> list[Unit]:
     """The units of an epoch. ``samples[s]``: source ``s``'s ``(global shard id, entry)`` in ascending
     sample id; ``shards[s]``: its global shard ids; ``counts[s]``: the samples it gives the epoch."""
     units: list[Unit] = []

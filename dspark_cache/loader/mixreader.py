@@ -82,8 +82,8 @@ class MixtureReader:
     """Turns a rank's batches over global shard ids into tensors, plus ``source_ids`` ``[B]``
     beside ``sample_ids``."""
 
-    def __init__(self, caches: list[CacheDir], layouts: list[BatchLayout], bases: list[int], *, batch_size: int,
-                 num_threads: int, pad_to: str, pin_memory: bool, nemo_keys_only: bool, keep: int,
+    def __init__(self, caches: list[CacheDir], layouts: list[BatchLayout], bases: list[int], *,
+                 batch_size: int, num_threads: int, pad_to: str, pin_memory: bool, nemo_keys_only: bool, keep: int,
                  verify_mode: str = "once", native: bool | None = None) -> None:
         self.joined = JoinedCaches(caches, bases)
         self.pad_to, self.layouts = pad_to, layouts
@@ -91,8 +91,9 @@ class MixtureReader:
         self.extras = not nemo_keys_only
         distinct = list(dict.fromkeys(layouts))  # sources of one storage layout share a program
         self.group = [distinct.index(layout) for layout in layouts]
-        self.parts = [BatchReader(self.joined, layout, batch_size=batch_size, num_threads=1,  # type: ignore[arg-type]
-                                  pad_to=pad_to, pin_memory=pin_memory, nemo_keys_only=nemo_keys_only,
+        joined: CacheDir = self.joined  # type: ignore[assignment]  # what a BatchReader asks of it
+        self.parts = [BatchReader(joined, layout, batch_size=batch_size, num_threads=1, pad_to=pad_to,
+                                  pin_memory=pin_memory, nemo_keys_only=nemo_keys_only,
                                   verify_mode=verify_mode, native=native, keep=0) for layout in distinct]
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
         self._local = threading.local()
@@ -114,8 +115,8 @@ class MixtureReader:
             entry = self.joined.require(ref.shard_id).samples[ref.entry]
             seq_length = self.layouts[source].seq_length
             if entry.length > seq_length:
-                raise CorruptShardError(self.joined.shard_tar(ref.shard_id), f"{entry.length} tokens, more than the "
-                                        f"manifest's seq_length {seq_length}", entry.sample_id)
+                raise CorruptShardError(self.joined.shard_tar(ref.shard_id), f"{entry.length} tokens, more "
+                                        f"than the manifest's seq_length {seq_length}", entry.sample_id)
             groups.setdefault(self.group[source], []).append((row, ref.shard_id, ref.entry, entry))
             lengths.append(entry.length)
             sample_ids.append(entry.sample_id)
@@ -137,7 +138,8 @@ class MixtureReader:
             self.parts[group].fill_rows(slab, zero, buffers, rows)
             zero = []  # the stale pads are cleared once, by the first program
         if not self.raw_scales:
-            buffers = {name: t for name, t in buffers.items() if name not in (HIDDEN_SCALE, LAST_HIDDEN_SCALE)}
+            scales = (HIDDEN_SCALE, LAST_HIDDEN_SCALE)
+            buffers = {name: t for name, t in buffers.items() if name not in scales}
         if not self.extras:
             return buffers
         extra = {"sample_ids": torch.tensor(sample_ids, dtype=torch.int64),

@@ -91,9 +91,9 @@ class MixtureLoader(DSparkLoader):
     def __init__(self, mixture: MixtureFile, batch_size: int, **options: Any) -> None:
         self.config = config = LoaderConfig(batch_size, **options)
         if config.follow:
-            raise ValueError("follow=True reads one cache while it is produced; a mixture's per-source counts "
-                             "need every source complete: train on the mixture once its producers are done, or "
-                             "follow one growing cache on its own")
+            raise ValueError("follow=True reads one cache while it is produced; a mixture's per-source "
+                             "counts need every source complete: train on the mixture once its producers "
+                             "are done, or follow one growing cache on its own")
         self.sources = OpenSources(mixture, config)
         self.rank, self.world_size = config.ranks()
         self.epoch, self.offset = config.epoch, 0

@@ -150,7 +150,7 @@ def batch_fields(layouts: "list[BatchLayout]", nemo_keys_only: bool) -> tuple[Fi
     fp8 = [lay for lay in layouts if lay.shape.fp8]
     if fp8:  # read before the rows they scale; zero-padded only when handed out
         # Handed out: the delivered layers' scales; kept for the filler: every stored layer's.
-        scales = max(len(lay.delivered_layer_ids) if lay.raw_scales else len(lay.shape.layer_ids) for lay in fp8)
+        scales = max(len(lay.delivered_layer_ids if lay.raw_scales else lay.shape.layer_ids) for lay in fp8)
         fields += [Field(HIDDEN_SCALE, scales, torch.float32, first.raw_scales),
                    Field(LAST_HIDDEN_SCALE, 1, torch.float32, first.raw_scales)]
     if not nemo_keys_only:

@@ -73,13 +73,13 @@ def _check_source(source: Source, where: str) -> None:
         raise ValueError(f"{where}: path must be a cache directory or an s3:// URL")
     given = [name for name in WEIGHTS if getattr(source, name) is not None]
     if len(given) > 1:
-        raise ValueError(f"{where}: gives {' and '.join(given)}; give at most one of repeat, choose, proportion "
-                         "(the others follow from it)")
+        raise ValueError(f"{where}: gives {' and '.join(given)}; give at most one of repeat, choose, "
+                         "proportion (the others follow from it)")
     for name in given:
         value = getattr(source, name)
         whole = name == "choose"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and not isinstance(value, int)) \
-                or not math.isfinite(value) or value < 0:
+        number = isinstance(value, int if whole else (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value < 0:
             kind = "a whole number" if whole else "a number"
             raise ValueError(f"{where}: {name}={value!r} must be {kind} >= 0")
 
@@ -114,7 +114,8 @@ def _yaml(data: bytes, path: str) -> Any:
     try:
         import yaml
     except ImportError:  # pragma: no cover - PyYAML comes with transformers
-        raise ValueError(f"{path} is YAML, and PyYAML is not installed: pip install pyyaml, or write it as JSON")
+        raise ValueError(f"{path} is YAML, and PyYAML is not installed: pip install pyyaml, or write "
+                         "it as JSON")
     try:
         return yaml.safe_load(data)
     except yaml.YAMLError as exc:
@@ -140,7 +141,8 @@ def as_mixture(spec: object, epoch_size: int | None = None) -> MixtureFile | Non
             raise ValueError("a mixture needs at least one Source")
         bad = [i for i, s in enumerate(spec) if not isinstance(s, Source)]
         if bad:
-            raise ValueError(f"mixture item {bad[0]} is {type(spec[bad[0]]).__name__}, not dspark_cache.Source")
+            kind = type(spec[bad[0]]).__name__
+            raise ValueError(f"mixture item {bad[0]} is {kind}, not dspark_cache.Source")
         return MixtureFile(sources=list(spec), epoch_size=epoch_size)
     if is_mixture_file(spec):
         mixture = read_mixture(spec)  # type: ignore[arg-type]
@@ -152,20 +154,21 @@ def as_mixture(spec: object, epoch_size: int | None = None) -> MixtureFile | Non
     return None
 
 
-def epoch_counts(sources: Sequence[Source], sizes: Sequence[int], epoch_size: int | None, seed: int) -> list[int]:
+def epoch_counts(sources: Sequence[Source], sizes: Sequence[int], epoch_size: int | None,
+                 seed: int) -> list[int]:
     """Samples each source gives to every epoch (``sizes``: each source's samples), as ``Stream``'s."""
     where = [f"source {i} ({s.path})" for i, s in enumerate(sources)]
     relative = [s.proportion is not None for s in sources]
     if any(relative) and not all(relative):
         first = relative.index(not relative[0])
-        raise ValueError(f"{where[first]}: proportions are relative, repeat and choose absolute: give every source a "
-                         "proportion, or none of them")
+        raise ValueError(f"{where[first]}: proportions are relative, repeat and choose absolute: give "
+                         "every source a proportion, or none of them")
     for name, source, n in zip(where, sources, sizes):
         if n == 0 and ((source.choose or 0) > 0 or (source.proportion or 0) > 0):
             raise ValueError(f"{name} holds no samples; it cannot give any to an epoch")
     if all(relative):
-        if epoch_size is not None and (not isinstance(epoch_size, numbers.Integral) or isinstance(epoch_size, bool)
-                                       or epoch_size < 0):
+        whole = isinstance(epoch_size, numbers.Integral) and not isinstance(epoch_size, bool)
+        if epoch_size is not None and (not whole or epoch_size < 0):
             raise ValueError(f"epoch_size={epoch_size!r} must be a whole number >= 0")
         total = sum(sizes) if epoch_size is None else int(epoch_size)
         weights = np.array([s.proportion for s in sources], dtype=np.float64)

