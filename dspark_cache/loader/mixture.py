@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark_cache.format.cache import CacheDir
+from dspark_cache.format.cache import MAX_OPEN_FILES, CacheDir
 from dspark_cache.format.schema import Manifest
 from dspark_cache.loader.compat import check_handed_out, check_sources
 from dspark_cache.loader.config import LoaderConfig
@@ -24,6 +24,7 @@ from dspark_cache.loader.sources import WEIGHTS, MixtureFile, epoch_counts
 from dspark_cache.loader.validate import check_expectations
 
 _PREFETCH_SHARDS = 64
+_MIN_OPEN_FILES = 4  # a window's shards (order.py: 4 by default) stay open
 
 
 def source_name(index: int, path: str) -> str:
@@ -47,9 +48,11 @@ class OpenSources:
         self.mixture = mixture
         self.names = [source_name(i, s.path) for i, s in enumerate(mixture.sources)]
         self.caches: list[CacheDir] = []
+        # One cache's budget of idle descriptors, shared: 100 sources must not keep 100 times as many.
+        files = max(_MIN_OPEN_FILES, MAX_OPEN_FILES // len(mixture.sources))
         try:
             for source in mixture.sources:
-                self.caches.append(CacheDir(source.path, storage=config.storage))
+                self.caches.append(CacheDir(source.path, storage=config.storage, max_open_files=files))
             manifests = [cache.manifest for cache in self.caches]
             check_sources(manifests, self.names, layers_given=config.target_layer_ids is not None,
                           same_seq_length=config.pad_to == "seq_length")
@@ -86,7 +89,11 @@ class OpenSources:
 
 class MixtureLoader(DSparkLoader):
     """:class:`~.dataloader.DSparkLoader` over a mixture; batches also carry ``source_ids`` ``[B]``
-    (each row's source, its index in the mixture's list). ``manifest`` is the first source's."""
+    (each row's source, its index in the mixture's list). ``manifest`` is the first source's.
+
+    The epoch loop, ``len()`` and the resume state's checks are the base class's; what touches the
+    one cache there (its order, size, prefetch, identity, closing) is overridden here, so the base's
+    ``__init__`` (which opens one cache) is not run."""
 
     def __init__(self, mixture: MixtureFile, batch_size: int, **options: Any) -> None:
         self.config = config = LoaderConfig(batch_size, **options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import Counter
 
 import pytest
@@ -288,3 +289,15 @@ def test_verify_checks_every_sources_samples(sources, tmp_path):
     loader = dspark_cache.build_dataloader([Source(sources["a"]), Source(damaged)], 4, seed=0)
     with pytest.raises(CorruptShardError, match=rf"{tar}.*sample {entry.sample_id}.*checksum"):
         list(loader)
+
+
+def test_many_sources_share_one_caches_budget_of_open_files(produced):
+    """40 sources of 46 one-sample shards read whole: the idle descriptors kept open stay near one
+    cache's budget (128), not 40 times it."""
+    many = produced("--seq-length", "512", "--shard-size", "1", "--batch-size", "1")
+    before = len(os.listdir("/proc/self/fd"))
+    loader = dspark_cache.build_dataloader([Source(many)] * 40, 8, seed=0, pad_to="longest")
+    for _ in loader:
+        pass
+    assert len(os.listdir("/proc/self/fd")) - before <= 40 * 4 + 16
+    loader.close()
