@@ -10,8 +10,8 @@ it means the same here. Each :class:`Source` sets at most one of:
   weights) or none does (absolute weights: ``repeat``, ``choose`` or nothing, which means every
   sample once). Relative weights are normalised to sum to 1; the epoch holds ``epoch_size``
   samples (default: the sources' samples together), ``floor(epoch_size * p)`` from each source,
-  and the few left over by rounding go one each to sources drawn without replacement with the
-  seed (the same every epoch).
+  and the few left over by rounding go one each to sources (of a share > 0) drawn without
+  replacement with the seed (the same every epoch).
 
 A source's count ``c`` becomes, each epoch, ``c // n`` copies of every one of its samples plus
 ``c % n`` distinct samples drawn without replacement with (seed, epoch, source index): counts
@@ -33,7 +33,7 @@ import numpy as np
 
 from dspark_cache.loader.order import seeded as _rng  # the order's salt: one rule for every draw
 
-# Keys the draws are made with, beside the seed and epoch (and the order's own salt, order._rng).
+# Keys the draws are made with, beside the seed and epoch (and the order's own salt).
 _TAG_SHORTFALL, _TAG_SUBSET = 0x4D495831, 0x4D495832
 WEIGHTS = ("repeat", "choose", "proportion")
 
@@ -54,11 +54,6 @@ class Source(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         for name in ("repeat", "proportion"):  # 2 and 2.0 are one weight (and one resume state)
             if getattr(self, name) is not None:
                 msgspec.structs.force_setattr(self, name, float(getattr(self, name)))
-
-    def weight(self) -> tuple[str, float | int] | None:
-        """The weight given, as ``(name, value)``, or None (every sample once)."""
-        given = [(name, getattr(self, name)) for name in WEIGHTS if getattr(self, name) is not None]
-        return given[0] if given else None
 
 
 class MixtureFile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
