@@ -15,8 +15,9 @@ _LAZY = {
     "open_cache": "dspark_cache.loader.cache",
     "Cache": "dspark_cache.loader.cache",
     "CacheDir": "dspark_cache.format.cache",  # torch-free: manifest, indexes, open shard files
-    "build_dataloader": "dspark_cache.loader.dataloader",
+    "build_dataloader": "dspark_cache.loader.build",
     "DSparkLoader": "dspark_cache.loader.dataloader",
+    "Source": "dspark_cache.loader.sources",  # one cache of a mixture, with its weight (torch-free)
     "dequantize": "dspark_cache.loader.tensors",  # FP8 batches (dtype="raw") on any device
     "build_cached_dspark_dataloader": "dspark_cache.nemo",
     "read_target_weight_modules": "dspark_cache.nemo",

@@ -13,8 +13,9 @@ from dspark_cache.loader.verify import VERIFY_MODES
 
 PAD_MODES = ("seq_length", "longest")
 # Options that shape the global order: a resume state must have been made with the same ones
-# (world size may change; the global order does not depend on it).
-ORDER_OPTIONS = ("seed", "shuffle", "window", "drop_last", "partial_last", "batch_size", "follow")
+# (world size and batch size may change: the global order depends on neither, and a state is a
+# position in it; DSparkLoader.load_state_dict).
+ORDER_OPTIONS = ("seed", "shuffle", "window", "drop_last", "partial_last", "follow")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class LoaderConfig:
     is read through a node-local copy: ``local_cache_dir`` (default ``$DSPARK_LOCAL_CACHE_DIR`` or
     ``~/.cache/dspark-cache/remote``, shared by the node's processes), ``cache_limit`` bytes of shards
     kept there (default: half its free space), ``storage_options`` for the client (endpoint, region,
-    credentials; see README "Caches on object storage").
+    credentials; see README "Caches on object storage"). ``epoch_size``: a mixture's samples per
+    epoch when its sources give proportions (default: all their samples; README "Training on a mixture").
     """
 
     batch_size: int
@@ -65,6 +67,7 @@ class LoaderConfig:
     storage_options: dict[str, Any] | None = field(default=None, repr=False)  # may hold secrets
     local_cache_dir: str | None = None
     cache_limit: int | None = None
+    epoch_size: int | None = None  # a mixture with proportions: samples per epoch (loader.sources)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.window < 1:

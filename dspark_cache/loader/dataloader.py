@@ -1,4 +1,4 @@
-"""``build_dataloader``: deterministic, rank-equal, resumable batches, even from a growing cache.
+"""One cache's loader: deterministic, rank-equal, resumable batches, even from a growing cache.
 
 The loader composes small stages: options checked once (:mod:`.config`), the directory
 (:class:`~dspark_cache.format.cache.CacheDir`), the order (:mod:`.order`), growing it while
@@ -8,8 +8,6 @@ and NeMo's attribute shims (:mod:`.shims`). This module holds the epoch loop and
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import numbers
 import os
 from collections import deque
@@ -108,7 +106,8 @@ class DSparkLoader(NemoAttributes):
         """This rank's part of global step ``step`` from ``base`` (growing the order to reach it),
         or None past the epoch's last step."""
         c = self.config
-        self._follower.grow(order, base + (step + 1) * self.global_batch)
+        if not order.complete:
+            self._follower.grow(order, base + (step + 1) * self.global_batch)
         steps = epoch_steps(len(order.refs), order.total, base, c.batch_size, self.world_size, c.drop_last)
         if step >= steps:
             return None
@@ -124,8 +123,8 @@ class DSparkLoader(NemoAttributes):
         step = 0
         exhausted = False
         while True:
-            if self.cache.remote is not None and step % _PREFETCH_EVERY == 0:  # fetch what is read next
-                self.cache.prefetch(order.shards_from(base + step * self.global_batch, _PREFETCH_SHARDS))
+            if step % _PREFETCH_EVERY == 0:  # a remote cache fetches what is read next
+                self._prefetch(order, base + step * self.global_batch)
             while not exhausted and len(pending) < self.config.read_ahead:
                 wanted = self._step_batch(order, base, step + len(pending))
                 if wanted is None:
@@ -140,33 +139,52 @@ class DSparkLoader(NemoAttributes):
             yield batch  # taken after k batches then points at batch k + 1
         self.epoch, self.offset = self.epoch + 1, 0
 
+    def _prefetch(self, order: EpochOrder, position: int) -> None:
+        if self.cache.remote is not None:
+            self.cache.prefetch(order.shards_from(position, _PREFETCH_SHARDS))
+
     # -- resume -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """A few integers: where the next batch starts in the (world-size-free) global order, and
-        which cache that order is of (its ``cache_id``)."""
+        """A few integers: where the next batch starts in the (world-size-free) global order, the
+        batch size and world size it was taken on, and which cache that order is of (its ``cache_id``)."""
         return {"version": STATE_VERSION, **{k: getattr(self.config, k) for k in ORDER_OPTIONS},
-                "epoch": self.epoch, "offset": self.offset, "world_size": self.world_size,
-                "cache_id": self.cache.cache_id}
+                "batch_size": self.config.batch_size, "epoch": self.epoch, "offset": self.offset,
+                "world_size": self.world_size, **self._identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where ``state`` (from :meth:`state_dict`, any world size) left off."""
+        """Continue where ``state`` (from :meth:`state_dict`) left off, on any world size and batch size.
+
+        The state is a position in the global order, which no rank count or batch size shapes: the
+        rest of the epoch follows from it, every sample once. With the state's global batch
+        (``batch_size`` x ``world_size``; 2 ranks x 8 continuing as 1 x 16 or 4 x 4) the global
+        batches are those of the uninterrupted run; with another, the same samples in other batches."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')!r} is not {STATE_VERSION}")
         diff = [f"{k}: state has {state.get(k)!r}, this loader has {getattr(self.config, k)!r}"
                 for k in ORDER_OPTIONS if state.get(k) != getattr(self.config, k)]
         if diff:
             raise ValueError("cannot restore a loader state made with other settings:\n  " + "\n  ".join(diff))
-        if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:  # states from before ids: no check
-            raise ValueError(f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
-                             f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
-                             "re-produced with --overwrite), whose order is of other samples; start its first "
-                             "epoch from the beginning instead of loading this state")
+        self._check_identity(state)
         bad = [f"{k}={state.get(k)!r}" for k in ("epoch", "offset") if not _count(state.get(k))]
         if bad:  # int() would take 1.5 or "3", and a negative offset would shift the epoch silently
             raise ValueError(f"loader state {', '.join(bad)}: epoch and offset are whole numbers >= 0, as "
                              "state_dict() writes them; pass the state it returned, unchanged")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+    def _identity(self) -> dict[str, Any]:
+        """What the order is of, in a state: this cache's id."""
+        return {"cache_id": self.cache.cache_id}
+
+    def _check_identity(self, state: dict[str, Any]) -> None:
+        if "mixture" in state:
+            raise ValueError("cannot restore a loader state taken on a mixture of caches into a loader of "
+                             f"one cache ({self.cache.root}); build the loader on the same mixture")
+        if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:  # states from before ids: no check
+            raise ValueError(f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
+                             f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
+                             "re-produced with --overwrite), whose order is of other samples; start its first "
+                             "epoch from the beginning instead of loading this state")
 
     def close(self) -> None:
         self.reader.close()
@@ -176,44 +194,3 @@ class DSparkLoader(NemoAttributes):
 def _count(value: Any) -> bool:
     """A whole number >= 0 (not a bool, a float or a string that ``int()`` would take)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
-
-
-def build_dataloader(cached_target_path: str | os.PathLike, batch_size: int, **kwargs: Any) -> DSparkLoader:
-    """Batches of a dspark cache for one training rank (options: :class:`~.config.LoaderConfig`).
-
-    Keys: NeMo's ``input_ids``, ``loss_mask`` (int64 ``[B,S]``), ``target_hidden_states``
-    ``[B,S,len(ids)*H]`` (``ids``: ``target_layer_ids``, default the cache's) and ``target_last_hidden_states`` ``[B,S,H]`` (cache dtype, zero-padded; an FP8
-    cache's dequantised to ``dtype``, bf16 by default, while read; ``dtype="raw"`` hands out its
-    float8 states plus ``target_hidden_states_scale`` ``[B,S,len(ids)]`` and
-    ``target_last_hidden_states_scale`` ``[B,S,1]``: ``dspark_cache.dequantize(batch)``),
-    plus ``attention_mask`` ``[B,S]``, ``sample_ids`` ``[B]`` and ``is_repeat`` ``[B]`` (True for
-    the repeats that pad the last step when ``drop_last`` is off).
-
-    ``num_workers`` is the number of reader threads of this process (default ``min(4, cpus)``; 0
-    means one): batches are always read ahead off the training thread, and no worker processes
-    are started. A negative value raises ``ValueError``.
-
-    Every sample's xxh3 is checked the first time this process reads it (``verify="once"``, the
-    default: later epochs re-read checked bytes from the page cache without hashing them);
-    ``verify="always"`` checks every read. Each sample's header is checked on every read.
-
-    Batch memory is recycled once nothing references a batch any more; a batch (or any view
-    of it) that the caller keeps is never overwritten. Pinned batches (``pin_memory``, on by
-    default where CUDA exists) come from CUDA's caching host allocator instead.
-    """
-    return DSparkLoader(cached_target_path, batch_size, **kwargs)
-
-
-def _options_signature() -> inspect.Signature:
-    """``build_dataloader``'s signature as ``help()`` and editors show it: every option of
-    :class:`~.config.LoaderConfig` by name, with its default (the one list of them)."""
-    params = [inspect.Parameter("cached_target_path", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("batch_size", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="int")]
-    for option in dataclasses.fields(LoaderConfig):
-        if option.name != "batch_size":
-            params.append(inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY,
-                                            default=option.default, annotation=option.type))
-    return inspect.Signature(params, return_annotation="DSparkLoader")
-
-
-build_dataloader.__signature__ = _options_signature()  # type: ignore[attr-defined]

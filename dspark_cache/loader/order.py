@@ -28,8 +28,12 @@ class SampleRef:
     entry: int  # position in the shard index's sample list
 
 
-def _rng(*keys: int) -> np.random.Generator:
+def seeded(*keys: int) -> np.random.Generator:
+    """The generator of one draw, keyed by integers only (the salt first)."""
     return np.random.default_rng([_SALT, *[int(k) & 0xFFFFFFFF for k in keys]])
+
+
+_rng = seeded
 
 
 def shard_sequence(shard_ids: list[int], seed: int, epoch: int, shuffle: bool) -> list[int]:

@@ -138,6 +138,26 @@ class BatchLayout:
         return row_template(length, self.shape, self.out_code, vocab_size=self.vocab_size, select=self.select)
 
 
+def batch_fields(layouts: "list[BatchLayout]", nemo_keys_only: bool) -> tuple[Field, ...]:
+    """The batch memory's fields for batches whose rows come from caches of these layouts (one
+    cache, or a mixture's, which hand out the same states: dtype and hidden dimension)."""
+    first = layouts[0]
+    # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
+    dtype = torch_dtype(first.state_code)
+    fields = [Field(HIDDEN, first.hidden_dim, dtype, True),
+              Field(LAST_HIDDEN, first.shape.hidden_size, dtype, True),
+              *(Field(name, 1, torch.int64, False, scalar=True) for name in (INPUT_IDS, LOSS_MASK))]
+    fp8 = [lay for lay in layouts if lay.shape.fp8]
+    if fp8:  # read before the rows they scale; zero-padded only when handed out
+        # Handed out: the delivered layers' scales; kept for the filler: every stored layer's.
+        scales = max(len(lay.delivered_layer_ids if lay.raw_scales else lay.shape.layer_ids) for lay in fp8)
+        fields += [Field(HIDDEN_SCALE, scales, torch.float32, first.raw_scales),
+                   Field(LAST_HIDDEN_SCALE, 1, torch.float32, first.raw_scales)]
+    if not nemo_keys_only:
+        fields.append(Field(ATTENTION_MASK, 1, torch.int64, False, scalar=True))
+    return tuple(fields)
+
+
 class PendingBatch:
     """A batch whose samples are being read by the pool; ``result()`` waits and returns it."""
 
@@ -161,18 +181,7 @@ class BatchReader:
         self.shape = layout.shape
         self.pad_to = pad_to
         self.pool = ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="dspark-read")
-        # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
-        dtype = torch_dtype(layout.state_code)
-        fields = [Field(HIDDEN, layout.hidden_dim, dtype, True),
-                  Field(LAST_HIDDEN, self.shape.hidden_size, dtype, True),
-                  *(Field(name, 1, torch.int64, False, scalar=True) for name in (INPUT_IDS, LOSS_MASK))]
-        if self.shape.fp8:  # read before the rows they scale; zero-padded only when handed out
-            # Handed out: the delivered layers' scales; kept for the filler: every stored layer's.
-            scales = len(layout.delivered_layer_ids) if layout.raw_scales else len(self.shape.layer_ids)
-            fields += [Field(HIDDEN_SCALE, scales, torch.float32, layout.raw_scales),
-                       Field(LAST_HIDDEN_SCALE, 1, torch.float32, layout.raw_scales)]
-        if not nemo_keys_only:
-            fields.append(Field(ATTENTION_MASK, 1, torch.int64, False, scalar=True))
+        fields = batch_fields([layout], nemo_keys_only)
         self.extras = not nemo_keys_only
         # Program buffer i: segments.BUFFERS (the scales' empty when not FP8), then the mask.
         self.buffer_names = BUFFERS + (() if nemo_keys_only else (ATTENTION_MASK,))
@@ -181,7 +190,7 @@ class BatchReader:
         self.native = fill.use_native_default() if native is None else native
         self._local = threading.local()
         self.verified = verify.VerifiedSamples(verify_mode)
-        self.memory = BatchMemory(tuple(fields), batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
+        self.memory = BatchMemory(fields, batch_size * layout.seq_length, pinned=pin_memory, keep=keep)
 
     def submit(self, batch: RankBatch) -> PendingBatch:
         entries = [self.cache.require(ref.shard_id).samples[ref.entry] for ref in batch.refs]
@@ -224,6 +233,21 @@ class BatchReader:
         if not self.layout.raw_scales:
             return {name: t for name, t in buffers.items() if name not in (HIDDEN_SCALE, LAST_HIDDEN_SCALE)}
         return buffers
+
+    def fill_rows(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
+                  rows: list[Row]) -> None:
+        """Read ``rows`` of this cache into their rows of a batch checked out elsewhere (a mixture's
+        batch: each source fills its rows; ``zero``: the stale pads to clear, given to one of them)."""
+        self._fill(slab, zero, buffers, rows)
+
+    def share_thread_buffers(self, local: threading.local) -> None:
+        """Use ``local``'s scratch and header buffers (a mixture's sources, one set per thread); the
+        caller sizes its ``scratch`` for the largest of their rows (:meth:`scratch_bytes`)."""
+        self._local = local
+
+    def scratch_bytes(self) -> int:
+        """Bytes of this reader's scratch: a chunk, the ids of a row, one whole stored row."""
+        return max(fill.CHUNK, 4 * self.layout.seq_length, self.shape.hidden_dim * self.shape.itemsize)
 
     def _fill(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
               rows: list[Row]) -> None:
@@ -311,14 +335,14 @@ class BatchReader:
         scratch = getattr(self._local, "scratch", None)
         if scratch is None:
             # Also one whole stored row, which the filler dequantises or picks layers from here.
-            scratch = self._local.scratch = page_aligned_zeros(max(fill.CHUNK, 4 * self.layout.seq_length,
-                                                                   self.shape.hidden_dim * self.shape.itemsize))
+            scratch = self._local.scratch = page_aligned_zeros(self.scratch_bytes())
         return scratch
 
     def _raise(self, failure: fill.Failure, rows: list[Row], buffers: dict[str, torch.Tensor]) -> None:
         where = "a zero or fill op"  # only a bug in the program can make one of those fail
         if failure.tag is not None:
-            _, shard_id, _, entry = rows[failure.tag]
+            # The tag is the batch row (a mixture's source fills some rows only: not a position in rows).
+            _, shard_id, _, entry = next(r for r in rows if r[0] == failure.tag)
             path = self.cache.paths.shard_tar(shard_id)
             where = f"sample {entry.sample_id} of {path}"
             if failure.code == fill.RC_CHECKSUM:

@@ -8,6 +8,7 @@
   the same rows, so a training run is the same run, only faster.
 * :func:`install` puts them into NeMo's ``train_dspark`` recipe module (``recipe.RECIPE_MODULES``);
   ``python -m dspark_cache.nemo -c recipe.yaml`` runs the recipe with them installed.
+* ``recipe_args.cached_target_path`` may name a mixture file (:mod:`.mixture`).
 * ``dspark-convert`` moves caches between the two formats.
 """
 
@@ -20,10 +21,12 @@ from dspark_cache.nemo.calls import (
     validate_cached_dspark_manifest,
 )
 from dspark_cache.nemo.dataset import DSparkMapDataset
+from dspark_cache.nemo.mixture import MixtureMapDataset
 from dspark_cache.nemo.recipe import install, main
 
 __all__ = [
     "DSparkMapDataset",
+    "MixtureMapDataset",
     "build_cached_dspark_dataloader",
     "install",
     "main",

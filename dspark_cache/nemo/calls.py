@@ -34,7 +34,9 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.manifest import read_manifest as read_dspark_manifest
 from dspark_cache.format.schema import FP8_DTYPES
 from dspark_cache.nemo import nemo_format
+from dspark_cache.loader.sources import is_mixture_file, read_mixture
 from dspark_cache.nemo.dataset import DSparkMapDataset, collate
+from dspark_cache.nemo.mixture import MixtureMapDataset, mixture_id, mixture_manifest, source_manifests
 from dspark_cache.nemo.readahead import ReadAheadDataLoader
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ def read_manifest(cache_dir: str, allow_incomplete: bool = False) -> dict[str, A
     """NeMo's ``read_manifest``: the manifest as a dict with every field NeMo writes (same names
     and types; ours come along), refusing an incomplete cache unless ``allow_incomplete``."""
     cache_dir = os.fspath(cache_dir)
+    if is_mixture_file(cache_dir):
+        with _nemo_errors():
+            return mixture_manifest(cache_dir, recipe_dtype)
     if nemo_format.is_nemo_cache(cache_dir):
         return nemo_format.read_manifest(cache_dir, allow_incomplete=allow_incomplete)
     with _nemo_errors():
@@ -82,6 +87,8 @@ def recipe_dtype(stored: str) -> str | None:
 def read_target_weight_modules(cache_dir: str) -> tuple[SimpleNamespace, SimpleNamespace]:
     """NeMo's ``read_target_weight_modules``: ``(embed_tokens, lm_head)`` objects exposing ``.weight``."""
     cache_dir = os.fspath(cache_dir)
+    if is_mixture_file(cache_dir):  # every source was made from one target: the first's weights
+        cache_dir = read_mixture(cache_dir).sources[0].path
     if nemo_format.is_nemo_cache(cache_dir):
         embed, head = nemo_format.read_target_weights(nemo_format.target_weights_path(cache_dir),
                                                       *nemo_format.weight_shape(cache_dir))
@@ -112,8 +119,16 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
         raise ValueError(f"num_workers={num_workers}: it is the number of DataLoader worker processes, 0 or "
                          "more (0 reads in the training process, the next batch ahead on a thread)")
     cache_dir = os.fspath(cache_dir)
-    if nemo_format.is_nemo_cache(cache_dir):
-        dataset: torch.utils.data.Dataset = nemo_format.NemoCacheDataset(cache_dir)
+    if is_mixture_file(cache_dir):
+        with _nemo_errors():
+            manifests = source_manifests(read_mixture(cache_dir))
+            layers = _recipe_layers(cache_dir, mixture_id(manifests))
+            fp8 = [m.dtype for m in manifests if m.dtype in FP8_DTYPES]
+            dataset = MixtureMapDataset(cache_dir, batch_size=batch_size, target_layer_ids=layers,
+                                        dtype=recipe_dtype(fp8[0]) if fp8 else None)
+        collate_fn = collate
+    elif nemo_format.is_nemo_cache(cache_dir):
+        dataset = nemo_format.NemoCacheDataset(cache_dir)
         collate_fn = nemo_format.stack_samples
     else:
         with _nemo_errors():
@@ -125,7 +140,7 @@ def build_cached_dspark_dataloader(*, cache_dir: str, batch_size: int, shuffle: 
             log.info("DSpark cache at %s: the dataloader hands out layers %s of %s", cache_dir, list(layers),
                      manifest.target_layer_ids)
         collate_fn = collate
-    sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None
+    sampler = DistributedSampler(dataset, shuffle=shuffle) if distributed else None  # type: ignore[arg-type]
     return ReadAheadDataLoader(
         dataset,
         batch_size=batch_size,

@@ -118,6 +118,32 @@ def test_resume_with_another_world_size_covers_the_rest_once(small_cache):
     assert len(first) + len(rest) == n
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_resume_keeps_the_global_batch_across_world_sizes(small_cache, k):
+    """Issue 41, item 15: 2 ranks x 8 continue as 1 rank x 16 (and 4 x 4): the same global batches,
+    every sample of the epoch once, none twice (another global batch: the same samples, other batches)."""
+    def rows(loader, limit=None):
+        return [[s for s, rep in zip(b["sample_ids"].tolist(), b["is_repeat"].tolist()) if not rep]
+                for b in itertools.islice(loader, limit)]
+
+    full = rows(dspark_cache.build_dataloader(small_cache, 16, seed=6))
+    ranks = [dspark_cache.build_dataloader(small_cache, 8, seed=6, world_size=2, rank=r) for r in range(2)]
+    head = [sorted(a + b) for a, b in zip(*(rows(loader, k) for loader in ranks))]
+    state = ranks[0].state_dict()
+    one = dspark_cache.build_dataloader(small_cache, 16, seed=6)
+    one.load_state_dict(state)
+    assert head == [sorted(b) for b in full[:k]]
+    assert rows(one) == full[k:]  # the uninterrupted run's global batches, in its order
+    four = [dspark_cache.build_dataloader(small_cache, 4, seed=6, world_size=4, rank=r) for r in range(4)]
+    for loader in four:
+        loader.load_state_dict(state)
+    assert [sorted(sum(parts, [])) for parts in zip(*(rows(loader) for loader in four))] == \
+        [sorted(b) for b in full[k:]]
+    other = dspark_cache.build_dataloader(small_cache, 8, seed=6)  # another global batch: the same samples
+    other.load_state_dict(state)
+    assert sorted(sum(rows(other), [])) == sorted(sum(full[k:], []))
+
+
 def test_state_from_other_settings_is_refused(small_cache):
     state = dspark_cache.build_dataloader(small_cache, 4, seed=1).state_dict()
     other = dspark_cache.build_dataloader(small_cache, 4, seed=2)

@@ -15,7 +15,9 @@ Run with OUR venv's python; NeMo's pieces run as subprocesses of .venv-nemo (see
    ``dspark_cache.nemo``): the same micro-batches, a last-epoch mean loss within ``--fp8-loss-rtol``;
    mode ``superset`` trains the same recipe (layers 1, 2) from one dspark cache that holds every
    layer (-1..3, as ``--for-draft-layers`` would for several drafters): its losses must equal those
-   of the cache made for this drafter alone (mode ``ours``) and NeMo's.
+   of the cache made for this drafter alone (mode ``ours``) and NeMo's; mode ``mixture`` trains from a
+   mixture file naming two dspark caches of the rows' halves: the concatenated rows in order, so its
+   losses must equal those of NeMo's cache and of ours of all the rows.
 
 Pieces of our side that do not exist yet are reported as ``pending``; the exit code is non-zero
 only on a mismatch or a crash. Results: ``WORKDIR/results.json``; logs: ``WORKDIR/logs/``.
@@ -283,6 +285,8 @@ checkpoint:
             self.fp8(ref, recipe, have_dspark_nemo)
         if "superset" in self.args.modes:
             self.superset(ref, recipe, have_dspark_nemo, sample_of_row)
+        if "mixture" in self.args.modes:
+            self.mixture(ref, recipe, sample_of_row)
         if self.args.negative_control:
             self.negative_control(ref, sample_of_row)
 
@@ -346,6 +350,48 @@ checkpoint:
         self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
                    report=report)
 
+    def mixture(self, ref: dict[str, Any], recipe: str, sample_of_row: dict[str, int]) -> None:
+        """Two dspark caches of the rows' first and second halves, named by a mixture file as the recipe's
+        cached_target_path: its positions are the halves' rows in order, the concatenated rows, so the run
+        must be the one on the cache of all rows (NeMo's, and ours: mode ``ours``)."""
+        label = "train 2-source mixture"
+        with open(self.path("rows.jsonl"), encoding="utf-8") as handle:
+            rows = handle.readlines()
+        sources = []
+        for name, part in (("first", rows[: len(rows) // 2]), ("second", rows[len(rows) // 2 :])):
+            with open(self.path(f"rows_{name}.jsonl"), "w", encoding="utf-8") as handle:
+                handle.writelines(part)
+            cache = self.path(f"ours_cache_{name}")
+            flags = self.producer_flags(cache, mgp=False)
+            flags[flags.index("--input-data") + 1] = self.path(f"rows_{name}.jsonl")
+            ok, _ = self.sh(f"produce_ours_{name}", [self.ours_bin("dspark-produce"), *flags])
+            if not ok:
+                self.check(label, "crash", note=f"dspark-produce of the {name} half failed (see logs)")
+                return
+            sources.append({"path": cache})
+        mixture = self.path("mixture.json")
+        with open(mixture, "w") as handle:
+            json.dump({"sources": sources}, handle)
+        data = self.train("mixture", "dspark", mixture, recipe)
+        if data is None:
+            self.check(label, "crash", note="the recipe failed on the mixture file (see logs)")
+            return
+        report = compare.compare_runs(ref, data, tol=self.args.loss_tol, sample_of_row=sample_of_row)
+        whole = self.path("train", "ours.json")
+        if os.path.exists(whole):  # against our cache of all the rows, too
+            with open(whole) as handle:
+                alone = compare.compare_runs(json.load(handle), data, tol=self.args.loss_tol,
+                                             sample_of_row=sample_of_row)
+            report["vs_one_cache"] = alone
+            report["problems"] += [f"vs our cache of all rows: {p}" for p in alone["problems"]]
+            if alone["status"] != "ok":
+                report["status"] = alone["status"]
+        note = "; ".join(report["problems"]) or (
+            f"halves of {len(rows)} rows; losses vs NeMo max {report['max_abs_diff']:.2e}, vs our cache of "
+            f"all rows max {report.get('vs_one_cache', {}).get('max_abs_diff', float('nan')):.2e}")
+        self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
+                   report=report)
+
     def negative_control(self, ref: dict[str, Any], sample_of_row: dict[str, int]) -> None:
         """Train from our --mask-generation-prompt cache: the harness must report a mismatch and pin
         it on the loss masks (proves the comparison and the diagnosis are not vacuous)."""
@@ -371,6 +417,11 @@ checkpoint:
         shutil.rmtree(self.work, ignore_errors=True)
         os.makedirs(self.logs)
         os.makedirs(self.path("train"))
+        # NeMo's venv imports dspark_cache from the checkout its setup linked (a .pth file); this run
+        # tests the checkout the harness is in, whichever that is.
+        os.makedirs(self.path("dspark-link"))
+        os.symlink(os.path.join(ROOT, "dspark_cache"), self.path("dspark-link", "dspark_cache"))
+        self.env["PYTHONPATH"] = self.path("dspark-link")
         self.build_inputs()
         cache_ok = self.caches(mgp=False)
         self.caches(mgp=True)
@@ -431,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-tol", type=float, default=1e-4)
     parser.add_argument("--hidden-tol", type=float, default=1e-4)
     parser.add_argument("--modes", nargs="+",
-                        default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset"],
+                        default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset",
+                                 "mixture"],
                         help="training modes besides the nemo reference")
     parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
                         help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")
