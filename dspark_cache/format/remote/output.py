@@ -291,9 +291,9 @@ class RemoteOutput(CacheOutput):
         with open(self.paths.manifest, "rb") as handle:
             data = handle.read()
         relative = self.paths.relative(self.paths.manifest)
-        known = self._copies.copied_from(relative)  # "size:etag" of the version last written or read
+        known = self._copies.copied_from(relative)  # the version last written or read
         self._copies.record(relative, ObjectInfo(len(data), self.commit(
-            relative, data, known.partition(":")[2] if known else None), 0.0))
+            relative, data, known.etag if known else None), 0.0))
 
     def commit(self, relative: str, data: bytes, expected: str | None) -> str:
         """Put a commit (an index, the manifest): while this producer holds the cache, and conditionally,
@@ -348,7 +348,7 @@ class RemoteOutput(CacheOutput):
             relative = self.paths.relative(self.paths.shard_index(shard_id))
             known = self._copies.copied_from(relative)
             on_store = indexes.get(shard_id)
-            if on_store is not None and known is not None and known.partition(":")[2] == on_store.etag:
+            if on_store is not None and known is not None and known.etag == on_store.etag:
                 continue
             what = "is not on the store" if on_store is None else (
                 "is on the store, not published by this run" if known is None
