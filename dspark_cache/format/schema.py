@@ -238,7 +238,10 @@ class RankStatus(msgspec.Struct, kw_only=True):
     state: str  # one of RankState.ALL
     updated_at: float
     started_at: float
-    shard: int | None = None
+    shard: int | None = None  # the shard the device computes now
+    # The shards this rank's writers have open (a batch of each queued, not yet published), in
+    # order: several at once with --writer-threads. An older producer wrote none: ``shard`` then.
+    writing: list[int] = msgspec.field(default_factory=list)
     shards_done: int = 0
     shards_owned: int = 0
     samples_done: int = 0

@@ -82,3 +82,25 @@ def test_sigkill_with_several_shards_in_flight_then_resume(embedded, tmp_path, r
     match, mismatch, errors = filecmp.cmpfiles(CachePaths(out).shards_dir, CachePaths(reference).shards_dir,
                                                [n for n in names if n.endswith(".tar")], shallow=False)
     assert (mismatch, errors) == ([], [])
+
+
+def test_the_heartbeat_names_every_shard_in_flight(embedded, tmp_path, monkeypatch):
+    """With three writer lanes the rank's status lists the shards its writers hold (several at once,
+    each until it is published), for the monitor's rank table; none once the run is done."""
+    from dspark_cache.producer.report.status import StatusReporter
+
+    seen: list[tuple[list[int], int]] = []  # (shards in flight, shards published) as each update left them
+    update = StatusReporter.update
+
+    def spy(self, force: bool = False, **fields) -> None:
+        update(self, force, **fields)
+        seen.append((list(self.status.writing), self.status.shards_done))
+
+    monkeypatch.setattr(StatusReporter, "update", spy)
+    out = str(tmp_path / "cache")
+    assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--writer-threads", "3") == 0
+    shards = set(CachePaths(out).indexed_shard_ids())
+    in_flight = [writing for writing, _ in seen if writing]
+    assert max(len(w) for w in in_flight) == 3  # one per lane
+    assert all(w == sorted(w) and set(w) <= shards for w in in_flight)
+    assert seen[-1][0] == [] and json.load(open(CachePaths(out).status(0)))["writing"] == []
