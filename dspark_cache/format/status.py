@@ -73,7 +73,9 @@ def partial_is_written(shard: int, modified_at: float, statuses: Iterable[RankSt
     staging ring. A killed run's ``.partial`` is neither (resume deletes it).
     """
     live = [s for s in statuses if rank_is_live(s, now, timeout)]
-    return any(s.shard == shard or shard in s.writing for s in live) or (bool(live) and now - modified_at <= timeout)
+    if any(s.shard == shard or shard in s.writing for s in live):
+        return True
+    return bool(live) and now - modified_at <= timeout
 
 
 def read_rank_status(path: str, within: str | None = None) -> RankStatus:

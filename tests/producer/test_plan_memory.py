@@ -57,7 +57,7 @@ def _resident(path: str) -> int:
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             first = line.split(maxsplit=1)[0]
-            if "-" in first and not first.endswith(":"):  # a mapping's header line; its path is the last field
+            if "-" in first and not first.endswith(":"):  # a mapping's header line, its path last
                 inside = line.rstrip("\n").endswith(path)
             elif inside and first == "Rss:":
                 total += int(line.split()[1]) * 1024
@@ -81,7 +81,7 @@ def test_checking_a_parts_tokens_holds_no_memory_per_token(tmp_path):
     # Before: every page of the maps resident (20 MB here). Now: nothing read through them.
     resident = _resident(paths.plan_part(0, "ids")) + _resident(paths.plan_part(0, "mask"))
     assert resident < MB, f"{resident / MB:.1f} MB of the token maps resident after the check"
-    assert tables[0]["loss_tokens"].sum() == int(np.asarray(mask, dtype=np.int64).sum())  # the maps still read
+    assert tables[0]["loss_tokens"].sum() == int(np.asarray(mask, dtype=np.int64).sum())  # the maps read
 
 
 def test_a_loss_token_count_off_by_one_is_still_refused(tmp_path):

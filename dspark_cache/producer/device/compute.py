@@ -246,9 +246,10 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
             if stats.current_shard not in published:  # its last batch may be written and published already
                 writing.add(stats.current_shard)
             status.update(state=RankState.RUNNING, shard=stats.current_shard, writing=sorted(writing),
-                          samples_done=base["samples"] + stats.samples, tokens_done=base["tokens"] + stats.tokens,
-                          bytes_written=stats.bytes, inflight_bytes=budget.inflight,
-                          stage_seconds=stats.times.as_dict(), device_memory_bytes=_device_memory(p.cfg, p.device))
+                          samples_done=base["samples"] + stats.samples,
+                          tokens_done=base["tokens"] + stats.tokens, bytes_written=stats.bytes,
+                          inflight_bytes=budget.inflight, stage_seconds=stats.times.as_dict(),
+                          device_memory_bytes=_device_memory(p.cfg, p.device))
         progress.update(stats.tokens, stats.samples, len(published), len(owned))
 
     # Resumed work counts as done from the first heartbeat of the run, so the rate anchor taken

@@ -1,4 +1,5 @@
-"""Per-rank table: state, the shards in flight, this run's shards, measured rate, memory, heartbeat age (stale ranks highlighted).
+"""Per-rank table: state, the shards in flight, this run's shards, measured rate, memory, heartbeat age
+(stale ranks highlighted).
 
 Counts of finished work are not repeated here: samples and tokens done come from the published
 shard indexes only (the progress panel), since a rank's own counts also hold what it computed but
