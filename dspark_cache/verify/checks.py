@@ -234,12 +234,12 @@ def print_report(report: Report) -> None:
         print("OK")
     elif report.corrupt and not all(p.get("repaired") for p in report.corrupt):
         print("Run dspark-verify --repair to rebuild damaged indexes and unpublish corrupt shards, then rerun "
-              "dspark-produce with the settings the cache was made with (its manifest's); it recomputes exactly "
-              f"those shards:{rerun}")
+              "dspark-produce with the settings the cache was made with (its manifest's); it recomputes "
+              f"exactly those shards:{rerun}")
     elif report.missing or deleted or not report.complete:
-        print(f"Rerun dspark-produce with the settings the cache was made with (its manifest's) to compute the "
-              f"missing shards ({format_ranges(report.missing + deleted)}), or wait, if a producer is still "
-              f"running:{rerun}")
+        print("Rerun dspark-produce with the settings the cache was made with (its manifest's) to compute "
+              f"the missing shards ({format_ranges(report.missing + deleted)}), or wait, if a producer is "
+              f"still running:{rerun}")
     elif report.problems:
         print("Fix the problems above (each says how), then run dspark-verify again.")
     else:
