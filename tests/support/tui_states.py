@@ -117,13 +117,15 @@ def finished(root: str) -> str:
 
 
 def writer_lanes_run(root: str) -> str:
-    """Three ranks writing several shards each (``--writer-threads``), every ``.partial`` last grown
-    ``PARTIAL_AGE`` s ago: rank 0's device is on shard 32 of its 30-32, rank 1 has five lanes, and rank
-    2 is an older producer's, whose heartbeat has no ``writing`` and names only its device's shard."""
+    """Ranks writing several shards each (``--writer-threads``), every ``.partial`` last grown
+    ``PARTIAL_AGE`` s ago: rank 0's device is on shard 32 of its 30-32, rank 1 has five lanes, rank 2
+    is an older producer's, whose heartbeat has no ``writing`` and names only its device's shard, and
+    rank 3 failed on shard 55 (its writer's: the one its heartbeat names)."""
     build(root, num_shards=60, published=list(range(30)), writing=[30, 31, 32, 40, 41, 42, 43, 44, 50],
-          ranks=[status(0, 3, "running", 1.0, shard=32, writing=[30, 31, 32]),
-                 status(1, 3, "running", 1.0, shard=44, writing=[40, 41, 42, 43, 44])])
-    older = msgspec.json.decode(encode_json(status(2, 3, "running", 1.0, shard=50)))
+          ranks=[status(0, 4, "running", 1.0, shard=32, writing=[30, 31, 32]),
+                 status(1, 4, "running", 1.0, shard=44, writing=[40, 41, 42, 43, 44]),
+                 status(3, 4, "failed", 1.0, shard=55, writing=[54, 55], last_error="disk full writing shard 55")])
+    older = msgspec.json.decode(encode_json(status(2, 4, "running", 1.0, shard=50)))
     del older["writing"]
     atomic_write_bytes(CachePaths(root).status(2), msgspec.json.encode(older), durable=False)
     return root

@@ -275,7 +275,7 @@ async def test_ranks_show_the_shards_their_writer_lanes_hold(tmp_path):
     app = app_for(root)
     async with app.run_test(size=(140, 60)):
         await app.first_snapshot()
-        assert [rank_cells(app, r)["shard"] for r in range(3)] == ["30,31,32", "40,41,42 +2", "50"]
+        assert [rank_cells(app, r)["shard"] for r in range(4)] == ["30,31,32", "40,41,42 +2", "50", "55"]
         shards = plain(app.query_one("#shards"))
         assert "9 writing" in shards and "abandoned" not in shards, shards
 

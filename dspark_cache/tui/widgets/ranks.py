@@ -110,9 +110,11 @@ SHARDS_SHOWN = 3  # shards in flight named in a row; more lanes than that: how m
 
 
 def in_flight(r: RankStatus) -> str:
-    """The shards the rank writes now, ``20,21,22`` (one per writer lane), ``20,21,22 +5`` for more;
-    an older producer's heartbeat names only the shard its device computes."""
-    shards = r.writing or ([] if r.shard is None else [r.shard])
+    """The shards a working rank writes now, ``20,21,22`` (one per writer lane), ``20,21,22 +5`` for
+    more. An older producer's heartbeat names only the shard its device computes, and a failed
+    rank's the shard it failed on: that one, then."""
+    working = r.writing if r.state in ACTIVE_RANK_STATES else []
+    shards = working or ([] if r.shard is None else [r.shard])
     if not shards:
         return "-"
     shown = ",".join(integer(s) for s in shards[:SHARDS_SHOWN])
