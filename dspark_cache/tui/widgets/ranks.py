@@ -110,8 +110,8 @@ SHARDS_SHOWN = 3  # shards in flight named in a row; more lanes than that: how m
 
 
 def in_flight(r: RankStatus) -> str:
-    """The shards a working rank writes now, ``20,21,22`` (one per writer lane), ``20,21,22 +5`` for
-    more. An older producer's heartbeat names only the shard its device computes, and a failed
+    """The shards a working rank writes now, ``20,21,22`` (its writer lanes' and any whose last batches
+    still wait for their writer), ``20,21,22 +5`` for more. An older producer's heartbeat names only the shard its device computes, and a failed
     rank's the shard it failed on: that one, then."""
     working = r.writing if r.state in ACTIVE_RANK_STATES else []
     shards = working or ([] if r.shard is None else [r.shard])
