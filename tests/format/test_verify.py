@@ -161,6 +161,8 @@ def test_advice_is_given_once_with_the_command_that_recomputes_the_bad_shards(sm
     assert [line for line in lines if line.endswith("(deleted)")] == [
         line for line in lines if line.startswith("corrupt shard")] and len(lines) == 6, lines
     assert lines[-2].startswith("Rerun dspark-produce") and "missing shards (0, 2-3)" in lines[-2]
+    assert main([copy, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["produce_command"] == lines[-1].strip()  # for machines too
     command = shlex.split(lines[-1])
     assert "dspark-produce" in command[0] and command[command.index("--output-dir") + 1] == copy
     kept = {s: os.stat(paths.shard_tar(s)).st_ino for s in paths.indexed_shard_ids()}
