@@ -20,6 +20,7 @@ class CorruptShardError(CacheError):
 
     def __init__(self, path: str, reason: str, sample_id: int | None = None) -> None:
         where = f"{path}" if sample_id is None else f"{path} (sample {sample_id})"
+        self.detail = f"{where}: {reason}"  # what is wrong, without what to do (dspark-verify says that once)
         super().__init__(
             f"corrupt shard {where}: {reason}. Run dspark-verify --repair on the cache (it rebuilds a damaged "
             "index from an intact tar and unpublishes what cannot be trusted), then rerun dspark-produce with "

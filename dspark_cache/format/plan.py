@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import msgspec
 import numpy as np
@@ -158,11 +158,16 @@ def write_array(path: str, values: np.ndarray, dtype: np.dtype) -> ArrayRecord:
     return writer.close()
 
 
-def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = True) -> np.ndarray:
+def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = True,
+               inspect: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """Memory-map a plan array, checking its kind, dtype, length, size and (``verify``) checksum.
 
     Nothing is read past what the ``.npy`` header and ``record`` imply: a file of any other size
     (a sparse terabyte, say) is refused from its ``st_size`` before a byte of it is hashed.
+    ``inspect`` (with ``verify``) sees the values in order, a chunk at a time, as the checksum reads
+    them: a check of every value that goes through the map instead (``ids.max()``) makes every page
+    of it resident, memory that grows with the input (issue 41, item 13). A chunk is a view of a
+    reused buffer: keep what it says, never the chunk.
     """
     dtype = np.dtype(dtype)
     try:
@@ -185,7 +190,7 @@ def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = T
         offset, size = handle.tell(), os.fstat(fd).st_size
         if size != offset + record.length * dtype.itemsize:
             raise PlanError(f"{path} is {size} bytes; its header implies {offset + record.length * dtype.itemsize}")
-        if verify and _data_digest(fd, offset, size - offset) != record.xxh3_64:
+        if verify and _data_digest(fd, offset, size - offset, dtype, inspect) != record.xxh3_64:
             raise PlanError(f"{path} does not match its checksum (damaged or from another plan)")
         if not record.length:
             return np.zeros(0, dtype)  # mmap refuses an empty range
@@ -193,15 +198,27 @@ def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = T
         return np.memmap(handle, dtype=dtype, mode="c", offset=offset, shape=(record.length,))
 
 
-def _data_digest(fd: int, offset: int, size: int) -> str:
+def _data_digest(fd: int, offset: int, size: int, dtype: np.dtype = np.dtype("u1"),
+                 inspect: Callable[[np.ndarray], None] | None = None) -> str:
     """xxh3-64 of ``size`` bytes from ``offset``, read through a small buffer: hashing a large
-    array through its mapping would make every page of it resident in this process."""
+    array through its mapping would make every page of it resident in this process. ``inspect``
+    gets each buffer's values as ``dtype`` (whole items: the buffer holds a multiple of them)."""
     digest = xxhash.xxh3_64()
-    buf = bytearray(1 << 22)
-    while size > 0 and (n := os.preadv(fd, [memoryview(buf)[:min(size, len(buf))]], offset)):
-        digest.update(memoryview(buf)[:n])
-        offset, size = offset + n, size - n
+    buf = memoryview(bytearray(max(1, _DIGEST_BUFFER // dtype.itemsize) * dtype.itemsize))
+    while size > 0:
+        want, done = min(size, len(buf)), 0
+        while done < want and (n := os.preadv(fd, [buf[done:want]], offset + done)):
+            done += n
+        digest.update(buf[:done])
+        if inspect is not None and done >= dtype.itemsize:
+            inspect(np.frombuffer(buf[:done - done % dtype.itemsize], dtype=dtype))
+        if done < want:  # an end of file that came early (the file shrank): the digest differs
+            break
+        offset, size = offset + done, size - done
     return digest.hexdigest()
+
+
+_DIGEST_BUFFER = 1 << 22  # bytes read (and inspected) at a time
 
 
 def claim(path: str) -> None:

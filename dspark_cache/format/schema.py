@@ -34,9 +34,10 @@ INDEX_FORMAT_VERSION = 1
 # other field is identity: resume refuses a cache whose identity differs from the new run's.
 # ``regenerated`` is provenance: it is read from the input rows, whose bytes ``input_sha256`` already
 # makes identity, so it can only differ when the input does (and an older cache without it resumes).
+# ``max_batch_tokens`` is a setting whose effect ``planned_padded_tokens`` and ``plan_sha256`` carry.
 NON_IDENTITY_FIELDS = frozenset(
     {"complete", "versions", "created_at", "completed_at", "num_samples", "nonfinite_samples", "cache_id",
-     "target_weights_xxh3", "regenerated"}
+     "target_weights_xxh3", "regenerated", "max_batch_tokens"}
 )
 TURN_MODES = ("all", "last")  # dspark-regenerate --turns: every assistant turn, or the last one only
 
@@ -162,6 +163,9 @@ class Manifest(msgspec.Struct, kw_only=True):
     planned_loss_tokens: int = 0
     planned_bytes: int = 0
     planned_padded_tokens: int = 0  # tokens the device computes, padding included
+    # The padded-token budget the batches were cut with (--max-batch-tokens, else --batch-size x
+    # --seq-length): with the fields above, the settings that make the same plan. 0: not recorded.
+    max_batch_tokens: int = 0
     plan_sha256: str = ""  # which samples each shard holds (a resume must plan the same)
     scale_scheme: str = ""  # FP8 caches: how their scales were made (FP8_SCALE_SCHEME); else empty
     # What was loaded as the target: its weight files' names, sizes and a hash of their headers
@@ -238,7 +242,10 @@ class RankStatus(msgspec.Struct, kw_only=True):
     state: str  # one of RankState.ALL
     updated_at: float
     started_at: float
-    shard: int | None = None
+    shard: int | None = None  # the shard the device computes now
+    # The shards this rank's writers have open (a batch of each queued, not yet published), in
+    # order: several at once with --writer-threads. An older producer wrote none: ``shard`` then.
+    writing: list[int] = msgspec.field(default_factory=list)
     shards_done: int = 0
     shards_owned: int = 0
     samples_done: int = 0

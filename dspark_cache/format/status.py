@@ -68,12 +68,14 @@ def partial_is_written(shard: int, modified_at: float, statuses: Iterable[RankSt
                        timeout: float = STALE_AFTER_S) -> bool:
     """Whether shard ``shard``'s ``.partial`` (last modified at ``modified_at``) has a live writer.
 
-    A live rank says it is on the shard, or some rank is live and the file changed within
-    ``timeout``: the writer thread trails the device by up to the staging ring, and a heartbeat
-    names the device's shard. A killed run's ``.partial`` is neither (resume deletes it).
+    A live rank says it writes the shard (or, from an older producer, computes it), or some rank is
+    live and the file changed within ``timeout``: the writer thread trails the device by up to the
+    staging ring. A killed run's ``.partial`` is neither (resume deletes it).
     """
     live = [s for s in statuses if rank_is_live(s, now, timeout)]
-    return any(s.shard == shard for s in live) or (bool(live) and now - modified_at <= timeout)
+    if any(s.shard == shard or shard in s.writing for s in live):
+        return True
+    return bool(live) and now - modified_at <= timeout
 
 
 def read_rank_status(path: str, within: str | None = None) -> RankStatus:

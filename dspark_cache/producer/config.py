@@ -184,7 +184,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF split syntax: NAME, NAME[a:b] (negative counts from the end) or NAME[a%%:b%%], taken "
                    "after the --shuffle-seed shuffle (JSON/JSONL files are shuffled only when --split is given); "
                    "a plain file's one split is 'train'")
-    p.add_argument("--shuffle-seed", type=int, default=42, help="shuffle before slicing (Parquet / hub only)")
+    p.add_argument("--shuffle-seed", type=int, default=42,
+                   help="seed of the row shuffle (the order datasets' Dataset.shuffle(seed) gives): Parquet, "
+                   "save_to_disk and hub inputs are always shuffled; JSON/JSONL files only when --split is given "
+                   "(without it they are read in file order, as NeMo reads them). --split then takes its slice "
+                   "(NAME[a:b] rows, NAME[a%%:b%%] percent) of the shuffled rows: the same seed and --split "
+                   "select the same rows, in the same order, every run")
     p.add_argument("--draft-num-hidden-layers", type=int, default=5,
                    help="how many layers NeMo's spread picks when --target-layer-ids is not given")
     p.add_argument("--target-layer-ids", type=_int_list("layer ids", "1,9,17"), nargs="+", action=_Joined,

@@ -140,7 +140,7 @@ def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], p
         num_rows=plan.num_rows, planned_samples=plan.num_samples, num_shards=len(plan.shards),
         planned_tokens=plan.num_tokens, planned_loss_tokens=plan.num_loss_tokens, planned_bytes=plan.num_bytes,
         planned_padded_tokens=plan.padded_tokens, plan_sha256=plan.shard_samples_sha256(),
-        skipped_rows=plan.skipped_counts(), skipped=plan.skipped, versions=library_versions(),
+        max_batch_tokens=cfg.batch_token_budget, skipped_rows=plan.skipped_counts(), skipped=plan.skipped, versions=library_versions(),
         target_fingerprint=info.fingerprint, regenerated=list(regenerated or []), created_at=time.time(),
     )
 

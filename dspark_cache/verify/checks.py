@@ -7,15 +7,17 @@ Every problem is reported with its file and reason; the command line (options, e
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 
+from dspark_cache.cli.conventions import command_hint
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.destination import open_output
 from dspark_cache.format.paths import TARGET_WEIGHTS
 from dspark_cache.format.remote.url import is_remote
-from dspark_cache.format.schema import ShardIndex
+from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
 from dspark_cache.format.validate import check_catalog
@@ -33,6 +35,7 @@ class Report:
     corrupt: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # about the cache as a whole (manifest, shard set)
     leftovers: list[str] = field(default_factory=list)
+    produce_command: str = ""  # the dspark-produce run that recomputes what is missing (produce_command)
 
     @property
     def ok(self) -> bool:
@@ -55,7 +58,7 @@ def verify_cache(path: str, storage: StorageOptions | None = None) -> Report:
 def _verify(cache: CacheDir, path: str) -> Report:
     paths, manifest = cache.paths, cache.manifest
     report = Report(cache=path, complete=manifest.complete, shards_total=manifest.num_shards,
-                    leftovers=paths.partial_files())
+                    leftovers=paths.partial_files(), produce_command=produce_command(manifest, path))
     report.problems += [f"{paths.shard_index(s)} is published but the manifest plans {manifest.num_shards} shards"
                         for s in cache.extra_shards()]
     present = set(cache.indexed_ids())
@@ -95,7 +98,7 @@ def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex 
         bytes_checked = True
         _verify_values(cache, index, shard_id)
     except CorruptShardError as exc:
-        problem = {"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": str(exc)}
+        problem = {"shard": shard_id, "path": exc.path, "sample": exc.sample_id, "reason": exc.detail}
         if bytes_checked:  # the bytes are the writer's: rebuilding the index cannot help
             problem["rebuildable"] = False
         report.corrupt.append(problem)
@@ -172,8 +175,31 @@ def format_ranges(ids: list[int]) -> str:
     return ", ".join(parts)
 
 
-_REPAIRED = {"rebuilt": " (index rebuilt from the intact tar)",
-             "deleted": " (deleted: rerun dspark-produce to recompute it)"}
+_REPAIRED = {"rebuilt": " (index rebuilt from the intact tar)", "deleted": " (deleted)"}
+
+
+def produce_command(manifest: Manifest, cache: str) -> str:
+    """The ``dspark-produce`` command that resumes this cache, from the settings its manifest records:
+    a rerun with them plans the same shards and recomputes only the missing ones (``--batch-size``
+    appears as the budget it made, ``--max-batch-tokens``, where the manifest records it). What leaves
+    no trace in a manifest (``--chat-template``'s file, ``--trust-remote-code``, ``--storage-options``)
+    is for the user to add; a relative ``--input-data`` is relative to where the cache was made."""
+    m = manifest
+    argv = ["--target-model", m.target_model, "--input-data", m.train_data_path, "--output-dir", cache,
+            "--seq-length", str(m.seq_length), "--shard-size", str(m.shard_size), "--dtype", m.dtype,
+            "--target-layer-ids", ",".join(map(str, m.target_layer_ids))]
+    if m.max_batch_tokens:
+        argv += ["--max-batch-tokens", str(m.max_batch_tokens)]
+    if m.train_split is not None:
+        argv += ["--split", m.train_split]
+    argv += ["--shuffle-seed", str(m.shuffle_seed)]
+    argv += [flag for flag, on in (("--mask-reasoning-content", m.mask_reasoning_content),
+                                   ("--mask-generation-prompt", m.mask_generation_prompt)) if on]
+    if m.compute_dtype:
+        argv += ["--compute-dtype", m.compute_dtype]
+    if m.attn_implementation:
+        argv += ["--target-attn-implementation", m.attn_implementation]
+    return " ".join([command_hint("dspark-produce"), *(shlex.quote(a) for a in argv)])
 
 
 def headline_state(report: Report) -> str:
@@ -203,14 +229,17 @@ def print_report(report: Report) -> None:
     for leftover in report.leftovers:
         print(f"leftover from an interrupted run (deleted by the next dspark-produce): {leftover}")
     deleted = [p["shard"] for p in report.corrupt if p.get("repaired") == "deleted"]
+    rerun = f"\n  {report.produce_command}" if report.produce_command else ""
     if report.ok:
         print("OK")
     elif report.corrupt and not all(p.get("repaired") for p in report.corrupt):
         print("Run dspark-verify --repair to rebuild damaged indexes and unpublish corrupt shards, then rerun "
-              "dspark-produce with the cache's original arguments: it recomputes exactly those shards.")
+              "dspark-produce with the settings the cache was made with (its manifest's); it recomputes "
+              f"exactly those shards:{rerun}")
     elif report.missing or deleted or not report.complete:
-        print(f"Rerun dspark-produce with the cache's original arguments to compute the missing shards "
-              f"({format_ranges(report.missing + deleted)}), or wait, if a producer is still running.")
+        print("Rerun dspark-produce with the settings the cache was made with (its manifest's) to compute "
+              f"the missing shards ({format_ranges(report.missing + deleted)}), or wait, if a producer is "
+              f"still running:{rerun}")
     elif report.problems:
         print("Fix the problems above (each says how), then run dspark-verify again.")
     else:

@@ -82,3 +82,27 @@ def test_sigkill_with_several_shards_in_flight_then_resume(embedded, tmp_path, r
     match, mismatch, errors = filecmp.cmpfiles(CachePaths(out).shards_dir, CachePaths(reference).shards_dir,
                                                [n for n in names if n.endswith(".tar")], shallow=False)
     assert (mismatch, errors) == ([], [])
+
+
+def test_the_heartbeat_names_every_shard_in_flight(embedded, tmp_path, monkeypatch):
+    """With three writer lanes the rank's status lists the shards its writers hold (each from its first
+    batch queued until it is published), for the monitor's rank table; none once the run is done."""
+    from dspark_cache.producer.report.status import StatusReporter
+
+    seen: list[list[int]] = []  # the shards in flight as each status update left them
+    update = StatusReporter.update
+
+    def spy(self, force: bool = False, **fields) -> None:
+        update(self, force, **fields)
+        seen.append(list(self.status.writing))
+
+    monkeypatch.setattr(StatusReporter, "update", spy)
+    out = str(tmp_path / "cache")
+    # A batch budget of one full-length sample: every shard takes several batches, so the second batch
+    # (the second lane's first) is queued while the first shard is still open, whatever the timing.
+    args = ("--seq-length", "64", "--max-batch-tokens", "64", "--shard-size", "5", "--writer-threads", "3")
+    assert run_produce(embedded.stock, embedded.data, out, *args) == 0
+    shards = set(CachePaths(out).indexed_shard_ids())
+    assert max(len(w) for w in seen) >= 2  # several shards in flight at once (more than the lanes while
+    assert all(w == sorted(w) and set(w) <= shards for w in seen)  # a closed shard waits for its writer)
+    assert seen[-1] == [] and json.load(open(CachePaths(out).status(0)))["writing"] == []

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.cli import verify as main
+from tests.support.proc import run
 
 
 def test_verify_clean_cache(small_cache, capsys):
@@ -106,8 +108,8 @@ def test_headline_says_corrupt_or_incomplete_first(small_cache, tmp_path, capsys
     assert capsys.readouterr().out.startswith(f"{copy}: CORRUPT, INCOMPLETE, {total - 2}/{total} shards verified")
     assert main([copy, "--repair"]) == 1  # shard 0's tar is damaged: deleted, to be recomputed with the other
     out = capsys.readouterr().out
-    assert "corrupt shard 0:" in out and out.rstrip().endswith(f"compute the missing shards (0, {total - 1}), or "
-                                                               "wait, if a producer is still running.")
+    assert "corrupt shard 0:" in out and f"compute the missing shards (0, {total - 1}), or wait, if a producer " \
+        "is still running:\n  " in out
     assert main([copy]) == 1
     assert capsys.readouterr().out.startswith(f"{copy}: INCOMPLETE, {total - 2}/{total} shards verified")
 
@@ -129,3 +131,42 @@ def test_repair_of_a_damaged_index_blames_the_index_and_asks_for_nothing_missing
     assert lines[1].endswith("(index rebuilt from the intact tar)")
     assert "dspark-produce" not in lines[-1] and lines[-1].startswith("Repaired: every damaged index was rebuilt")
     assert main([copy]) == 0
+
+
+def _flip(path: str, at: int = 5000) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(at)
+        b = handle.read(1)
+        handle.seek(at)
+        handle.write(bytes([b[0] ^ 0x40]))
+
+
+def test_advice_is_given_once_with_the_command_that_recomputes_the_bad_shards(small_cache, tmp_path, capsys):
+    """Issue 41, item 17e: three bad shards, one piece of advice (not one per shard), ending in the
+    dspark-produce command the manifest's settings make; run as printed, it recomputes exactly them."""
+    copy = str(tmp_path / "c")
+    shutil.copytree(small_cache, copy)
+    paths = CachePaths(copy)
+    for shard in (0, 2):
+        _flip(paths.shard_tar(shard))
+    with open(paths.shard_tar(3), "r+b") as handle:
+        handle.truncate(1000)
+    assert main([copy]) == 1
+    out = capsys.readouterr().out
+    assert out.count("--repair") == 1 and out.count("dspark-produce") == 2, out  # the advice, and its command
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("corrupt")] == \
+        ["corrupt shard 0", "corrupt shard 2", "corrupt shard 3"]
+    assert main([copy, "--repair"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.endswith("(deleted)")] == [
+        line for line in lines if line.startswith("corrupt shard")] and len(lines) == 6, lines
+    assert lines[-2].startswith("Rerun dspark-produce") and "missing shards (0, 2-3)" in lines[-2]
+    assert main([copy, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["produce_command"] == lines[-1].strip()  # for machines too
+    command = shlex.split(lines[-1])
+    assert "dspark-produce" in command[0] and command[command.index("--output-dir") + 1] == copy
+    kept = {s: os.stat(paths.shard_tar(s)).st_ino for s in paths.indexed_shard_ids()}
+    done = run(command, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert main([copy]) == 0
+    assert {s: os.stat(paths.shard_tar(s)).st_ino for s in kept} == kept  # only the bad shards were computed

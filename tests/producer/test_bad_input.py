@@ -20,20 +20,31 @@ BAD_ROWS = [
     ('{"messages": [{"role": "user"', "malformed JSON", "malformed JSON"),
     ('[1, 2, 3]', "row not an object", "expected a JSON object"),
     ('{"text": "no messages here"}', "missing messages", "neither 'messages' nor 'conversations'"),
-    ('{"messages": "hello"}', "messages not a list", "expected a list"),
-    ('{"messages": ["hello"]}', "message not an object", "message 0"),
-    ('{"messages": [{"content": "x"}]}', "message without role", "no 'role'"),
-    ('{"messages": [{"role": "narrator", "content": "x"}]}', "unknown role", "unknown role 'narrator'"),
-    ('{"messages": [{"role": "user", "content": 42}]}', "non-string content", "content of type int"),
+    ('{"messages": "hello"}', "messages not a list", "'messages' is str, expected a list"),
+    ('{"conversations": {"from": "human"}}', "messages not a list",
+     "'conversations' is dict, expected a list"),
+    ('{"messages": ["hello"]}', "message not an object", "messages[0] is str, expected an object"),
+    ('{"messages": [{"content": "x"}]}', "message without role", "messages[0] has no 'role'"),
+    ('{"messages": [{"role": "narrator", "content": "x"}]}', "unknown role",
+     "messages[0].role: unknown role 'narrator'"),
+    # The row's own key is named, where the wrong value is, not a message number of ours.
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, '
+     '{"role": "user", "content": 42}]}', "non-string content", "messages[2].content is of type int"),
+    ('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": 42}]}',
+     "non-string content", "conversations[1].value is of type int"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "tool_calls": '
+     '[{"function": {"arguments": "{}"}}]}]}', "bad tool_calls",
+     "messages[1].tool_calls[0].function has no name"),
     (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "invalid UTF-8", "invalid UTF-8"),
     (b"\x89PNG\x1a\x00\x00\x00\rIHDR\xff\xfe\x00", "invalid UTF-8", "invalid UTF-8"),  # binary garbage
-    ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown role", "unknown 'from'"),
+    ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown role",
+     "conversations[0].from: unknown 'from'"),
     # Hostile rows: nesting deep enough to overflow a recursive decoder (in a field nobody reads),
     # and a JSON escape that decodes to a lone UTF-16 surrogate no tokenizer accepts.
     ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "meta": '
      + "[" * 5000 + "]" * 5000 + "}", "nested too deeply", "more than 100 levels deep"),
     ('{"messages": [{"role": "user", "content": "bad \\ud800"}, {"role": "assistant", "content": "yo"}]}',
-     "lone surrogate", "message 0 content holds a lone UTF-16 surrogate"),
+     "lone surrogate", "messages[0].content holds a lone UTF-16 surrogate"),
 ]
 
 
@@ -136,7 +147,7 @@ def test_an_input_of_only_bad_rows_lists_them_like_a_partly_bad_one(embedded, tm
     err = capsys.readouterr().err
     assert "none of the 25 rows" in err and "(1 malformed JSON, 1 no supervised token, 23 unknown role)" in err, err
     assert f"{data}:1: malformed JSON (" in err and f"{data}:2: no supervised token" in err
-    assert f"{data}:20: message 0 has unknown role 'narrator'" in err and f"{data}:21:" not in err
+    assert f"{data}:20: messages[0].role: unknown role 'narrator'" in err and f"{data}:21:" not in err
     assert "... and 5 more" in err and "Fix these rows" in err
 
 

@@ -184,6 +184,15 @@ def test_help_lists_defaults():
     assert "--no-progress" in blocks
 
 
+def test_shuffle_seed_help_says_what_split_does():
+    """Which inputs the seed shuffles depends on --split (JSON/JSONL only with it), and --split slices the
+    shuffled rows: the help says both, where it once said "Parquet / hub only"."""
+    blocks = _help_blocks(_script("dspark-produce", "--help").stdout)
+    seed = blocks["--shuffle-seed"]
+    assert "JSON/JSONL files only when --split is given" in seed and "file order" in seed, seed
+    assert "--split then takes its slice" in seed and "of the shuffled rows" in seed, seed
+
+
 def _help_blocks(text: str) -> dict[str, str]:
     """``--help``'s option entries, each joined onto one line, by the option's first name."""
     blocks: dict[str, str] = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import msgspec
+
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Event, Manifest, RankStatus, SampleEntry, ShardIndex, encode_json
@@ -112,6 +114,21 @@ def finished(root: str) -> str:
                  ranks=[status(0, 1, "finished", 60.0, shards_done=12, shards_owned=12,
                                bytes_written=12 * SHARD_BYTES, weight_bytes=WEIGHT_BYTES)],  # on CPU: no device
                  events=[event(0, 60, "finished", "cache complete", samples=120)])
+
+
+def writer_lanes_run(root: str) -> str:
+    """Ranks writing several shards each (``--writer-threads``), every ``.partial`` last grown
+    ``PARTIAL_AGE`` s ago: rank 0's device is on shard 32 of its 30-32, rank 1 has five lanes, rank 2
+    is an older producer's, whose heartbeat has no ``writing`` and names only its device's shard, and
+    rank 3 failed on shard 55 (its writer's: the one its heartbeat names)."""
+    build(root, num_shards=60, published=list(range(30)), writing=[30, 31, 32, 40, 41, 42, 43, 44, 50],
+          ranks=[status(0, 4, "running", 1.0, shard=32, writing=[30, 31, 32]),
+                 status(1, 4, "running", 1.0, shard=44, writing=[40, 41, 42, 43, 44]),
+                 status(3, 4, "failed", 1.0, shard=55, writing=[54, 55], last_error="disk full writing shard 55")])
+    older = msgspec.json.decode(encode_json(status(2, 4, "running", 1.0, shard=50)))
+    del older["writing"]
+    atomic_write_bytes(CachePaths(root).status(2), msgspec.json.encode(older), durable=False)
+    return root
 
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 3; 139.8 GiB total capacity)"

@@ -267,6 +267,19 @@ async def test_rank_memory_is_shown_whole_in_every_layout(tmp_path):
         assert (rank_cells(app, 0)["weights"], rank_cells(app, 0)["device mem"]) == ("16.4 GB", "-")
 
 
+@pytest.mark.anyio
+async def test_ranks_show_the_shards_their_writer_lanes_hold(tmp_path):
+    """Each rank's shards in flight (one per writer lane), not only its device's; a lane's .partial
+    that has not grown for a while is still being written while its rank says so."""
+    root = tui_states.writer_lanes_run(str(tmp_path / "c"))
+    app = app_for(root)
+    async with app.run_test(size=(140, 60)):
+        await app.first_snapshot()
+        assert [rank_cells(app, r)["shard"] for r in range(4)] == ["30,31,32", "40,41,42 +2", "50", "55"]
+        shards = plain(app.query_one("#shards"))
+        assert "9 writing" in shards and "abandoned" not in shards, shards
+
+
 def beat(state: str, second: float, tokens: int, written: int = 0, run: str = "r2"):
     """Rank 0's heartbeat written ``second`` seconds into a run, as the producer's StatusReporter writes it."""
     return tui_states.status(0, 1, state, 100 - second, run_id=run, tokens_done=tokens,

@@ -339,13 +339,15 @@ async def test_negative_and_huge_numbers_show_placeholders(tmp_path):
     paths = live(tmp_path / "c")
     write_json(paths.status(0), status_dict(0, samples_done=-3, inflight_bytes=-1, tokens_per_s=-5.0,
                                             shards_done=-1, pid=10**30, updated_at=tui_states.NOW + 60,
-                                            weight_bytes=-1, device_memory_bytes=10**30))
+                                            weight_bytes=-1, device_memory_bytes=10**30,
+                                            writing=[-2, 10**30, 7, 8]))
     write_json(paths.status(1), status_dict(1, state="finished", updated_at=-1.7e308, shard=-4,
                                             weight_bytes=10**400, device_memory_bytes=None))
     write_json(paths.manifest, manifest_dict(planned_tokens=10**400, planned_samples=-1, num_shards=-5,
                                              created_at=-1.7e308))
     shown = await show(paths.root)
     assert cell(shown, 0, "host/pid") == "node-a/>999T" and cell(shown, 0, "run shards") == "—/10"
+    assert cell(shown, 0, "shard") == "—,>999T,7 +1"  # shards in flight: three shown, then how many more
     assert cell(shown, 0, "tok/s") == "-"  # one heartbeat gives no rate, whatever its rate field claims
     assert cell(shown, 0, "inflight") == "—"
     assert cell(shown, 0, "weights") == "—" and cell(shown, 0, "device mem") == ">999 PB"

@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -220,13 +221,20 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
                            base["samples"] + sum(s.num_samples for s in owned), done_tokens=base["tokens"],
                            done_samples=base["samples"], done_shards=base["shards"])
 
+    # The shards in flight (a batch queued to a writer, not yet published) for the monitor's rank
+    # table: the main thread adds, the writer threads remove, each under this lock as it tells the status.
+    writing: set[int] = set()
+    writing_lock = threading.Lock()
+
     def on_published(shard: ShardPlan, index) -> None:
         published.add(shard.shard_id)
         status.event(EventKind.SHARD_PUBLISHED, f"shard {shard.shard_id} published", shard=shard.shard_id,
                      samples=index.num_samples, bytes=index.tar_bytes)
         for sid in index.nonfinite:
             status.event(EventKind.WARNING, f"sample {sid} dropped: non-finite hidden states", sample=sid)
-        status.update(force=True, shards_done=len(published), shard=None)
+        with writing_lock:
+            writing.discard(shard.shard_id)
+            status.update(force=True, shards_done=len(published), shard=None, writing=sorted(writing))
         progress.shards_published(len(published), len(owned))
 
     latest = PipelineStats()  # the counts so far, for a run a partner stops
@@ -234,10 +242,14 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
     def on_batch(stats: PipelineStats, budget) -> None:
         nonlocal latest
         latest = stats
-        status.update(state=RankState.RUNNING, shard=stats.current_shard,
-                      samples_done=base["samples"] + stats.samples, tokens_done=base["tokens"] + stats.tokens,
-                      bytes_written=stats.bytes, inflight_bytes=budget.inflight, stage_seconds=stats.times.as_dict(),
-                      device_memory_bytes=_device_memory(p.cfg, p.device))
+        with writing_lock:
+            if stats.current_shard not in published:  # its last batch may be written and published already
+                writing.add(stats.current_shard)
+            status.update(state=RankState.RUNNING, shard=stats.current_shard, writing=sorted(writing),
+                          samples_done=base["samples"] + stats.samples,
+                          tokens_done=base["tokens"] + stats.tokens, bytes_written=stats.bytes,
+                          inflight_bytes=budget.inflight, stage_seconds=stats.times.as_dict(),
+                          device_memory_bytes=_device_memory(p.cfg, p.device))
         progress.update(stats.tokens, stats.samples, len(published), len(owned))
 
     # Resumed work counts as done from the first heartbeat of the run, so the rate anchor taken

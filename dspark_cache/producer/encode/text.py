@@ -24,6 +24,11 @@ def find_surrogate(messages: list[dict[str, Any]], text: str) -> str:
             where, m = f"message {i} {found[0][0]}", found[0][1]
             break
     assert m is not None
+    return surrogate_at(where, m)
+
+
+def surrogate_at(where: str, m: re.Match) -> str:
+    """The one description of a lone surrogate ``m`` found in ``where``."""
     return f"{where} holds a lone UTF-16 surrogate (\\u{ord(m.group()):04x}) at character {m.start()}"
 
 

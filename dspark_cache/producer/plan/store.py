@@ -141,13 +141,12 @@ def open_store(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> tu
         _check_part_header(p, spec)
         table = load_array(paths.plan_part(p.part, "rows"), PART_ROW, p.arrays["rows"])
         _check_rows(p, table, spec)  # before the tokens are read: their size must follow from it
-        ids = load_array(paths.plan_part(p.part, "ids"), TOKEN_ID, p.arrays["ids"])
-        mask = load_array(paths.plan_part(p.part, "mask"), LOSS_MASK, p.arrays["mask"])
-        problem = token_problem(ids, mask, spec.vocab_size)
-        if problem:
-            raise PlanError(f"part {p.part}: {problem}")
-        if table.size and not np.array_equal(np.add.reduceat(mask, table["offset"], dtype=np.int64),
-                                             table["loss_tokens"]):
+        check = _TokenCheck(table, spec.vocab_size)
+        ids = load_array(paths.plan_part(p.part, "ids"), TOKEN_ID, p.arrays["ids"], inspect=check.ids)
+        mask = load_array(paths.plan_part(p.part, "mask"), LOSS_MASK, p.arrays["mask"], inspect=check.mask)
+        if check.bad:  # read through the map for the message's position: a refused part only
+            raise PlanError(f"part {p.part}: {token_problem(ids, mask, spec.vocab_size)}")
+        if not np.array_equal(check.loss_tokens(), table["loss_tokens"]):
             raise PlanError(f"part {p.part}: its row table's loss token counts are not its masks'")
         token_parts.append((ids, mask))
         tables.append(table)
@@ -157,6 +156,40 @@ def open_store(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> tu
     if np.unique(rows).shape[0] != rows.shape[0]:
         raise PlanError("the saved parts hold the same row twice")
     return TokenStore(token_parts), tables
+
+
+_SUM_SLICE = 1 << 16  # mask values summed at a time (an int64 running sum and its cast: ~1 MiB)
+_NO_IDS, _NO_MASK = np.zeros(0, TOKEN_ID), np.zeros(0, LOSS_MASK)
+
+
+class _TokenCheck:
+    """:func:`token_problem`'s verdict and each row's loss tokens, gathered chunk by chunk as
+    ``load_array`` reads a part's ids and masks for their checksums. Checked through the memory
+    map instead, every token page stayed resident and the mask was widened to int64 whole (~13
+    bytes per token: planning's memory grew with the input, issue 41 item 13)."""
+
+    def __init__(self, table: np.ndarray, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.ends = np.cumsum(table["length"], dtype=np.int64)  # the rows tile the tokens (_check_rows)
+        self.sums_at_ends = np.zeros(self.ends.shape[0], dtype=np.int64)  # mask sum up to each row's end
+        self.bad = False
+        self.seen = self.total = 0  # mask values read so far, and their sum
+
+    def ids(self, chunk: np.ndarray) -> None:
+        self.bad = self.bad or token_problem(chunk, _NO_MASK, self.vocab_size) is not None
+
+    def mask(self, chunk: np.ndarray) -> None:
+        self.bad = self.bad or token_problem(_NO_IDS, chunk, self.vocab_size) is not None
+        for first in range(0, chunk.shape[0], _SUM_SLICE):
+            piece = np.cumsum(chunk[first:first + _SUM_SLICE], dtype=np.int64)
+            lo, hi = self.seen, self.seen + piece.shape[0]
+            i, j = np.searchsorted(self.ends, [lo, hi], side="right")  # the rows that end in (lo, hi]
+            self.sums_at_ends[i:j] = self.total + piece[self.ends[i:j] - lo - 1]
+            self.seen, self.total = hi, self.total + int(piece[-1])
+
+    def loss_tokens(self) -> np.ndarray:
+        """Each row's mask sum (rows not reached, in a mask cut short, come out wrong, as they should)."""
+        return np.diff(self.sums_at_ends, prepend=0)
 
 
 def _check_rows(p: PartHeader, table: np.ndarray, spec: PlanSpec) -> None:

@@ -1,4 +1,5 @@
-"""Per-rank table: state, shard, this run's shards, measured rate, memory, heartbeat age (stale ranks highlighted).
+"""Per-rank table: state, the shards in flight, this run's shards, measured rate, memory, heartbeat age
+(stale ranks highlighted).
 
 Counts of finished work are not repeated here: samples and tokens done come from the published
 shard indexes only (the progress panel), since a rank's own counts also hold what it computed but
@@ -92,7 +93,7 @@ def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]
     return {
         "rank": Text(rank_label(r), style=style),
         "state": Text("STALE" if stale else clip(r.state, STATE_CHARS), style=style),
-        "shard": Text("-" if r.shard is None else integer(r.shard)),
+        "shard": Text(in_flight(r)),
         "host/pid": Text(f"{clip(r.host, 40)}/{integer(r.pid)}"),
         "run shards": Text(f"{short_count(r.shards_done)}/{short_count(r.shards_owned)}"),
         "tok/s": Text(human_count(rate.tokens_per_s) if rate is not None and not stale else "-"),
@@ -103,6 +104,21 @@ def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]
         "heartbeat": Text(f"{human_duration(snap.now - r.updated_at)} ago", style=style),
         ERROR: Text(clip(r.last_error, ERROR_CHARS), style="red"),  # clipped again to the room left
     }
+
+
+SHARDS_SHOWN = 3  # shards in flight named in a row; more lanes than that: how many more
+
+
+def in_flight(r: RankStatus) -> str:
+    """The shards a working rank writes now, ``20,21,22`` (its writer lanes' and any whose last batches
+    still wait for their writer), ``20,21,22 +5`` for more. An older producer's heartbeat names only the shard its device computes, and a failed
+    rank's the shard it failed on: that one, then."""
+    working = r.writing if r.state in ACTIVE_RANK_STATES else []
+    shards = working or ([] if r.shard is None else [r.shard])
+    if not shards:
+        return "-"
+    shown = ",".join(integer(s) for s in shards[:SHARDS_SHOWN])
+    return shown + (f" +{len(shards) - SHARDS_SHOWN}" if len(shards) > SHARDS_SHOWN else "")
 
 
 def measured(n: int | None, fmt: Callable[[int], str]) -> str:
