@@ -2,9 +2,9 @@
 
 A compressed sample keeps the safetensors header of its uncompressed form (the same JSON, plus the
 metadata key ``compression``; no alignment padding: a compressed sample is never read in place),
-followed by **one zstd frame** holding the sample's data section as the uncompressed sample lays
-it out (:func:`~dspark_cache.format.sample.place_tensors`), except that each tensor's bytes are
-stored as byte planes: all elements' byte 0, then all byte 1, ... (a bf16 state's high bytes,
+followed by **one zstd frame** (with its content checksum) holding the sample's data section as
+the uncompressed sample lays it out (:func:`~dspark_cache.format.sample.place_tensors`), except
+that each tensor's bytes are stored as byte planes: all elements' byte 0, then all byte 1, ... (a bf16 state's high bytes,
 sign and exponent, lie together and compress; its low mantissa bytes barely do). One-byte tensors
 (float8 codes, the loss mask) and the zero fill between tensors are stored as they are. The frame
 records its content size, which must be exactly the data section's size for the sample's length
@@ -14,7 +14,9 @@ decode never writes past one sample's bytes. Decoding gives back the uncompresse
 bit for bit, so every reader works on it as on an uncompressed sample's.
 
 The sample's checksum (its index entry's ``xxh3``) covers the stored bytes, header and frame, so
-``dspark-verify`` checks a compressed cache without decoding it. The frames are plain zstd
+``dspark-verify`` checks a compressed cache without decoding it. The frame's own checksum (of the
+decoded bytes, 4 bytes a sample) refuses a frame that decodes to other bytes than the writer's even
+where the sample's checksum was rewritten to match. The frames are plain zstd
 (RFC 8878): any zstd decoder reads them; :func:`decode_data` is the one place they are decoded here.
 """
 
@@ -36,6 +38,7 @@ CODECS = (NONE, ZSTD)  # dspark-produce --compression
 DEFAULT_LEVEL = 1  # measured fastest for its ratio on our states (BENCHMARKS.md, "Compression")
 LEVELS = (-7, 19)  # the zstd levels --compression-level accepts (negative: faster, larger)
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_CHECKSUM_FLAG = 0x04  # in the frame header descriptor (RFC 8878, 3.1.1.1.1)
 
 
 class CodecError(ValueError):
@@ -58,7 +61,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     if cache is None:
         cache = _local.compressors = {}
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
     return cache[level]
 
 
@@ -118,8 +121,10 @@ def _unshuffle(planes: np.ndarray, out: np.ndarray, size: int) -> None:
 def check_frame(frame: Any, data_size: int) -> None:
     """Refuse, before decoding anything, a frame that does not declare exactly ``data_size`` bytes."""
     head = bytes(memoryview(frame)[:18])
-    if head[:4] != _ZSTD_MAGIC:
+    if head[:4] != _ZSTD_MAGIC or len(head) < 6:
         raise CodecError("its compressed data is not a zstd frame")
+    if not head[4] & _CHECKSUM_FLAG:
+        raise CodecError("its zstd frame carries no content checksum (the writer always adds one)")
     try:
         declared = zstandard.frame_content_size(head)
     except zstandard.ZstdError as exc:
