@@ -227,17 +227,22 @@ def test_hostile_compressed_frames_are_refused(pristine_zstd, tmp_path):
     """Crafted frames with matching checksums (decompression bombs of up to 1 GiB, frames that declare no
     size, another size or no checksum, random bytes, flipped bits, cut frames, another sample's) through
     open_cache, both fillers, webdataset and verify, under the worker's address-space limit: every reader
-    refuses each as a corrupt sample naming its file, in bounded time and memory; never other states."""
+    refuses each as a corrupt sample naming its file, in bounded time and memory; never other states. A
+    quarter as many cases more: the generic mutations on a compressed cache's geometry (without plain
+    WebDataset, whose own tar reading is not ours: it waits on a FIFO)."""
     results = []
     for first in range(0, ZSTD_CASES, PER_WORKER):
         results += _run_worker(pristine_zstd, str(tmp_path), first, min(PER_WORKER, ZSTD_CASES - first), "zstd")
+    generic = ZSTD_CASES // 4
+    for first in range(ZSTD_CASES, ZSTD_CASES + generic, PER_WORKER):
+        results += _run_worker(pristine_zstd, str(tmp_path), first, min(PER_WORKER, ZSTD_CASES + generic - first))
     failures = [r for r in results if r["outcome"].startswith("FAIL")]
     counts = collections.Counter(r["outcome"] for r in results)
     crafted = [r for r in results if (r["mutation"] or "").startswith("zstd:")]
     kinds = collections.Counter(r["mutation"].split(": ")[-1] for r in crafted)
     print(f"\nfuzz zstd: {len(results)} cases, seed {SEED}: {dict(counts)}; crafted frames: {dict(kinds)}")
     assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
-    assert len(crafted) > ZSTD_CASES // 2 and all(r["outcome"] == "rejected" for r in crafted)
+    assert len(crafted) == ZSTD_CASES and all(r["outcome"] == "rejected" for r in crafted)
 
 
 # -- convert sources ------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import resource
 import shutil
 import struct
 import sys
-import tarfile
 import traceback
 
 from dspark_cache.format.paths import CachePaths
@@ -321,11 +320,6 @@ def _mutate_zstd(root: str, rng: random.Random) -> str:
     return f"zstd: sample {entry[0]} in {os.path.basename(path)}: {how} frame"
 
 
-def mutate_zstd(root: str, rng: random.Random) -> str:
-    """Mostly crafted frames; the rest, the generic mutations on a compressed cache."""
-    return _mutate_zstd(root, rng) if rng.random() < 0.75 else mutate(root, rng)
-
-
 # -- reading ----------------------------------------------------------------------------------
 
 
@@ -404,8 +398,7 @@ def _read_webdataset(root: str, original: dict) -> bool:
         if isinstance(exc.__cause__, CacheError):  # the decoder names the member; WebDataset knows the tar
             raise CacheError(f"{exc.url} ({exc.key}): {exc.__cause__}") from exc
         raise
-    except tarfile.ReadError as exc:  # a damaged tar (the generic mutations): WebDataset's own refusal, naming it
-        raise CacheError(str(exc)) from exc
+
     return samples.keys() == original.keys() and all(_same(samples[i], original[i]) for i in original)
 
 
@@ -435,7 +428,7 @@ def _read_loader(native: bool):
 
 
 # Mutation families (the optional last argument) and the readers each adds to the common three.
-FAMILIES = {"cache": mutate, "fp8": mutate_fp8, "tokens": mutate_tokens, "zstd": mutate_zstd}
+FAMILIES = {"cache": mutate, "fp8": mutate_fp8, "tokens": mutate_tokens, "zstd": _mutate_zstd}
 EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),), "tokens": (("webdataset", _read_webdataset),),
                  "zstd": (("webdataset", _read_webdataset),)}
 
