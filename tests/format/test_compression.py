@@ -318,3 +318,29 @@ def test_a_shapeless_reader_bounds_what_a_header_declares(produced):
         decode_blob(forged)
     with pytest.raises(dspark_cache.CorruptShardError, match="x.safetensors"):
         decode_dspark_arrays("x.safetensors", forged)
+
+
+def test_monitor_projects_a_compressed_cache_from_its_shards(produced, tmp_path, capsys):
+    """The plan's bytes are the uncompressed size; the monitor projects a compressed cache's total from
+    what its published shards take a token, so a half-written cache shows about its real total."""
+    import re
+
+    from dspark_cache.cli import monitor as monitor_main
+
+    packed = produced(*ARGS, *ZSTD)
+    total = _tar_bytes(packed)
+    copy = shutil.copytree(packed, str(tmp_path / "c"))
+    paths = CachePaths(copy)
+    for shard in (1, 3, 5):  # a run that has published some shards
+        os.unlink(paths.shard_index(shard))
+        os.unlink(paths.shard_tar(shard))
+    manifest = json.load(open(paths.manifest))
+    manifest["complete"] = False
+    json.dump(manifest, open(paths.manifest, "w"))
+    capsys.readouterr()
+    monitor_main([copy, "--once"])
+    text = capsys.readouterr().out
+    found = re.search(r"of ~([\d.]+) MB projected", text)
+    assert found, text
+    assert abs(float(found.group(1)) * 1e6 - total) < 0.1 * total  # the plan's own bytes are 1.3x off
+    assert manifest["planned_bytes"] > 1.2 * total
