@@ -344,3 +344,24 @@ def test_monitor_projects_a_compressed_cache_from_its_shards(produced, tmp_path,
     assert found, text
     assert abs(float(found.group(1)) * 1e6 - total) < 0.1 * total  # the plan's own bytes are 1.3x off
     assert manifest["planned_bytes"] > 1.2 * total
+
+
+def test_compressed_manifests_are_marked_and_checked(produced):
+    """A compressed cache says dspark-wds/4, which older readers refuse with "upgrade"; an edited
+    manifest whose codec, level and format disagree is refused naming the field."""
+    import msgspec
+
+    from dspark_cache.format.schema import decode_manifest
+    from dspark_cache.format.validate import manifest_problems
+
+    raw = json.loads(open(CachePaths(produced(*ARGS, *ZSTD)).manifest).read())
+    assert raw["format_version"] == FORMAT_COMPRESSED == "dspark-wds/4"
+    older = dict(raw, format_version=FORMAT_ID)
+    with pytest.raises(msgspec.DecodeError, match="compression 'zstd' format 'dspark-wds/2' cannot hold"):
+        decode_manifest(json.dumps(older).encode(), "m")
+    for change, needle in (({"compression": "none"}, "compression_level 1 is not 0"),
+                           ({"compression": "none", "compression_level": 0}, "format_version 'dspark-wds/4'"),
+                           ({"compression": "lz4"}, "compression 'lz4' is not one of"),
+                           ({"compression_level": 40}, "compression_level 40 is not in")):
+        problems = list(manifest_problems(decode_manifest(json.dumps(dict(raw, **change)).encode(), "m")))
+        assert any(needle in p for p in problems), (change, problems)
