@@ -2,22 +2,22 @@
 
 A compressed sample keeps the safetensors header of its uncompressed form (the same JSON, plus the
 metadata key ``compression``; no alignment padding: a compressed sample is never read in place),
-followed by **one zstd frame** (with its content checksum) holding the sample's data section as
-the uncompressed sample lays it out (:func:`~dspark_cache.format.sample.place_tensors`), except
-that each tensor's bytes are stored as byte planes: all elements' byte 0, then all byte 1, ... (a bf16 state's high bytes,
-sign and exponent, lie together and compress; its low mantissa bytes barely do). One-byte tensors
-(float8 codes, the loss mask) and the zero fill between tensors are stored as they are. The frame
-records its content size, which must be exactly the data section's size for the sample's length
-(``SampleShape.data_size``): that is known before a byte is decoded, so a frame that declares
-another size, or decodes to another, is refused before anything is allocated from it, and a
+followed by **one zstd frame** (with its content checksum) holding the sample's data section as the
+uncompressed sample lays it out (:func:`~dspark_cache.format.sample.place_tensors`), except that
+each tensor's bytes are stored as byte planes: all elements' byte 0, then all byte 1, ... (a bf16
+state's high bytes, sign and exponent, lie together and compress; its low mantissa bytes barely do).
+One-byte tensors (float8 codes, the loss mask) and the zero fill between tensors are stored as they
+are. The frame records its content size, which must be exactly the data section's size for the
+sample's length (``SampleShape.data_size``): that is known before a byte is decoded, so a frame that
+declares another size, or decodes to another, is refused before anything is allocated from it, and a
 decode never writes past one sample's bytes. Decoding gives back the uncompressed data section
 bit for bit, so every reader works on it as on an uncompressed sample's.
 
 The sample's checksum (its index entry's ``xxh3``) covers the stored bytes, header and frame, so
 ``dspark-verify`` checks a compressed cache without decoding it. The frame's own checksum (of the
 decoded bytes, 4 bytes a sample) refuses a frame that decodes to other bytes than the writer's even
-where the sample's checksum was rewritten to match. The frames are plain zstd
-(RFC 8878): any zstd decoder reads them; :func:`decode_data` is the one place they are decoded here.
+where the sample's checksum was rewritten to match. The frames are plain zstd (RFC 8878): any zstd
+decoder reads them; :func:`decode_data` is the one place they are decoded here.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def decode_data(frame: Any, placed: Iterable[tuple[str, int, int]], itemsizes: M
     sample's length gives), undoing the byte planes; :class:`CodecError` for a frame that declares
     or decodes to another size, or that is not zstd. Names absent from ``itemsizes``: the fill."""
     check_frame(frame, out.nbytes)
-    try:  # bounded: the frame declares out.nbytes (checked), and zstd refuses one that decodes to more or less
+    # Bounded: the frame declares out.nbytes (checked), and zstd refuses one that decodes to more or less.
+    try:
         data = _decompressor().decompress(frame, max_output_size=out.nbytes, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CodecError(f"its zstd frame does not decode ({exc})") from None
@@ -174,8 +175,8 @@ def decode_blob(blob: bytes | bytearray | memoryview) -> bytes | bytearray | mem
     if not isinstance(metadata, dict) or COMPRESSION_KEY not in metadata:
         return blob
     if metadata[COMPRESSION_KEY] != ZSTD:
-        raise CodecError(f"compression {metadata[COMPRESSION_KEY]!r} is not one this version reads ({ZSTD!r}); "
-                         "upgrade dspark-cache")
+        raise CodecError(f"compression {metadata[COMPRESSION_KEY]!r} is not one this version reads "
+                         f"({ZSTD!r}); upgrade dspark-cache")
     placed, itemsizes = [], {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -190,8 +191,8 @@ def decode_blob(blob: bytes | bytearray | memoryview) -> bytes | bytearray | mem
         raise ValueError("its tensors do not tile the data section")
     data_size = placed[-1][2] if placed else 0
     if data_size > MAX_RATIO * len(view) + _SLACK:
-        raise CodecError(f"its header declares {data_size} bytes of tensors for {len(view)} stored bytes, more "
-                         f"than {MAX_RATIO}x: not a sample the writer made")
+        raise CodecError(f"its header declares {data_size} bytes of tensors for {len(view)} stored bytes, "
+                         f"more than {MAX_RATIO}x: not a sample the writer made")
     start = 8 + header_len
     out = bytearray(start + data_size)
     out[:start] = view[:start]

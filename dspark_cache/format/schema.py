@@ -336,8 +336,8 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         what = (f"compression {manifest.compression!r}" if manifest.format_version == FORMAT_COMPRESSED
                 else f"dtype {manifest.dtype!r} is stored as float8, which")
         raise msgspec.DecodeError(f"{where}: {what} format {probe.format_version!r} cannot hold (it needs "
-                                  f"{manifest.format_version!r}); the manifest was edited: re-produce the cache "
-                                  "(dspark-produce ... --overwrite)")
+                                  f"{manifest.format_version!r}); the manifest was edited: re-produce the "
+                                  "cache (dspark-produce ... --overwrite)")
     return manifest
 
 

@@ -23,7 +23,8 @@ from dspark_cache.format.sample import (
 )
 from dspark_cache.format.codec import LEVELS, frame_bound
 from dspark_cache.format.schema import (
-    COMPRESSIONS, FORMAT_COMPRESSED, FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, TURN_MODES, Manifest, ShardIndex,
+    COMPRESSIONS, FORMAT_COMPRESSED, FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, TURN_MODES, Manifest,
+    ShardIndex,
 )
 from dspark_cache.format.tar.members import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
@@ -225,8 +226,8 @@ def _check_entry(entry, shape: SampleShape, seq_length: int, cursor: int, path: 
     if shape.compressed:  # the exact header, then a frame no longer than zstd's bound for the data
         header = shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
         if not header < entry.size <= header + frame_bound(shape.data_size(entry.length)):
-            raise bad(f"size {entry.size} does not fit a compressed {entry.length}-token sample of this cache's "
-                      "shape")
+            raise bad(f"size {entry.size} does not fit a compressed {entry.length}-token sample of this "
+                      "cache's shape")
     else:
         header = entry.size - shape.data_size(entry.length)
         if not 8 <= header <= MAX_HEADER or (entry.offset + header) % PAGE_ALIGN:

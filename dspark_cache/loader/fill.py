@@ -31,7 +31,8 @@ from dspark_cache.format.native import load_extension, native_wanted
 from dspark_cache.format.sample import dequantize_rows, fp8_bad_codes, fp8_bad_scales
 from dspark_cache.loader.program import BatchProgram
 from dspark_cache.loader.records import (
-    FILL_ABI, FP8_KINDS, OP_FILL_I64, OP_SAMPLE, OP_SAMPLE_MEM, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK,
+    FILL_ABI, FP8_KINDS, OP_FILL_I64, OP_SAMPLE, OP_SAMPLE_MEM, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT,
+    SEG_PICK,
     SEG_WIDEN_I32, SEG_WIDEN_U8, OpRecord, PickRecord, SegmentRecord,
 )
 

@@ -305,11 +305,12 @@ class BatchReader:
             check_header(blob[:header], entry, self.shape, path)
             data_size = self.shape.data_size(entry.length)
             arena[at : at + header] = blob[:header]
+            placed, itemsizes = self.shape.placed(entry.length), self.shape.itemsizes(entry.length)
             try:
-                decode_data(blob[header:], self.shape.placed(entry.length), self.shape.itemsizes(entry.length),
-                            arena[at + header : at + header + data_size])
+                decode_data(blob[header:], placed, itemsizes, arena[at + header : at + header + data_size])
             except CodecError as exc:
-                raise CorruptShardError(path, f"undecodable compressed sample ({exc})", entry.sample_id) from None
+                raise CorruptShardError(path, f"undecodable compressed sample ({exc})",
+                                        entry.sample_id) from None
             offsets.append(at)
             sizes.append(header + data_size)
             at += self._decoded_size(entry)
@@ -335,13 +336,14 @@ class BatchReader:
                            for name in BUFFERS], dtype=np.uint64)  # bytes per row
         entries = [entry for _, _, _, entry in rows]
         templates = [lay.template(entry.length) for entry in entries]
-        sizes = np.array([entry.size for entry in entries] if decoded is None else decoded[2], dtype=np.uint64)
+        stored = [entry.size for entry in entries] if decoded is None else decoded[2]
+        sizes = np.array(stored, dtype=np.uint64)
         headers = sizes - np.array([t.data_size for t in templates], dtype=np.uint64)
         row_ids = np.array([row for row, _, _, _ in rows], dtype=np.int64)
         segs, counts = place_rows(templates, headers, row_ids, stride, self.header_buffer, MAX_HEADER)
         if decoded is None:
-            program.samples([fds[shard_id] for _, shard_id, _, _ in rows], [entry.offset for entry in entries],
-                            sizes, segs, counts, row_ids.tolist(),
+            program.samples([fds[shard_id] for _, shard_id, _, _ in rows],
+                            [entry.offset for entry in entries], sizes, segs, counts, row_ids.tolist(),
                             [entry.xxh3 if row in check else None for row, _, _, entry in rows])
         else:
             program.samples_in(self.header_buffer + 1, decoded[1], sizes, segs, counts, row_ids.tolist())

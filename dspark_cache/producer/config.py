@@ -174,12 +174,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most this many samples per shard (shards are cut from whole batches; any value works)")
     p.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default="bf16", help="cache float dtype")
     p.add_argument("--compression", choices=list(CODECS), default="none",
-                   help="lossless codec of each sample's payload: zstd stores the states as byte planes in one zstd "
-                   "frame (bf16 ~0.7x the bytes, read back bit for bit by every reader; BENCHMARKS.md); one cache "
-                   "holds one codec")
+                   help="lossless codec of each sample's payload: zstd stores the states as byte planes "
+                   "in one zstd frame (bf16 ~0.7x the bytes, read back bit for bit by every reader; "
+                   "BENCHMARKS.md); one cache holds one codec")
     p.add_argument("--compression-level", type=int, default=None, metavar="N",
-                   help=f"zstd level with --compression zstd, {LEVELS[0]}..{LEVELS[1]} (default {DEFAULT_LEVEL}: higher "
-                   "levels cost the writers far more CPU for a few percent)")
+                   help=f"zstd level with --compression zstd, {LEVELS[0]}..{LEVELS[1]} (default "
+                   f"{DEFAULT_LEVEL}: higher levels cost the writers several times the CPU for no "
+                   "fewer bytes on states)")
     p.add_argument("--device", type=device_argument, default="auto",
                    help=f"{DEVICE_FORMS}; auto = CUDA when present (under torchrun cuda:LOCAL_RANK), else cpu")
     p.add_argument("--tp-size", type=size_argument, default=1,
@@ -323,8 +324,9 @@ def validate_config(cfg: ProduceConfig) -> None:
         raise ConfigError(f"--compression-level {cfg.compression_level} needs --compression zstd (nothing is "
                           "compressed by default); add it, or leave the level out")
     if cfg.compression_level is not None and not LEVELS[0] <= cfg.compression_level <= LEVELS[1]:
-        raise ConfigError(f"--compression-level {cfg.compression_level} is not in [{LEVELS[0]}, {LEVELS[1]}], the "
-                          f"zstd levels a cache records; pass one of them (default {DEFAULT_LEVEL})")
+        raise ConfigError(f"--compression-level {cfg.compression_level} is not in "
+                          f"[{LEVELS[0]}, {LEVELS[1]}], the zstd levels a cache records; pass one of them "
+                          f"(default {DEFAULT_LEVEL})")
     if cfg.writer_threads is not None and cfg.writer_threads > WRITER_THREADS_LIMIT:
         raise ConfigError(f"--writer-threads {cfg.writer_threads} is over {WRITER_THREADS_LIMIT} (a thread "
                           f"and an open shard each); {MAX_WRITER_THREADS} keep up with any one GPU: pass "

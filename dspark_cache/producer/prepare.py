@@ -199,7 +199,8 @@ def prepare(settings: Settings, output: CacheOutput) -> Prepared:
     cfg, info, layer_ids = settings.cfg, settings.info, settings.layer_ids
     tokenizer = load_tokenizer(cfg, settings.template)
     encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
-    shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype], cfg.compression)
+    shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype],
+                        cfg.compression)
     input_sha256 = settings.source.content_sha256()
     plan = plan_input(cfg, encoder, settings.source, shape, output, input_sha256, info.vocab_size)
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "

@@ -136,7 +136,8 @@ def test_webdataset_and_wids_decode_compressed_samples(pair, tmp_path, monkeypat
             assert torch.equal(sample[key].to(want[sid][key].dtype), want[sid][key]), (sid, key)
     wids = pytest.importorskip("wids")
     monkeypatch.setenv("WIDS_CACHE", str(tmp_path / "wids-cache"))
-    dataset = wids.ShardListDataset(paths.wids_index, cache_dir=paths.shards_dir, transformations=[decode_wids_sample])
+    dataset = wids.ShardListDataset(paths.wids_index, cache_dir=paths.shards_dir,
+                                    transformations=[decode_wids_sample])
     first = dataset[0][".safetensors"]
     assert torch.equal(sample_to_torch({"h": first["target_hidden_states"]})["h"],
                        want[first["sample_id"]]["target_hidden_states"])
@@ -151,9 +152,10 @@ def test_convert_both_ways_keeps_every_bit(produced, tmp_path, capsys):
     assert convert_main([plain, reference, "--to", "nemo", "--quiet"]) == 0
     for name in sorted(os.listdir(reference)):  # a compressed source exports NeMo's bytes exactly
         if name.endswith(".safetensors"):
-            assert open(os.path.join(exported, name), "rb").read() == open(os.path.join(reference, name), "rb").read()
-    assert convert_main([exported, back, "--to", "dspark", "--compression", "zstd", "--compression-level", "3",
-                         "--quiet"]) == 0
+            got, want = (open(os.path.join(d, name), "rb").read() for d in (exported, reference))
+            assert got == want, name
+    assert convert_main([exported, back, "--to", "dspark", "--compression", "zstd",
+                         "--compression-level", "3", "--quiet"]) == 0
     m = read_manifest(back)
     assert (m.compression, m.compression_level) == ("zstd", 3) and verify_cache(back).ok
     renumbered = sorted(_samples(plain).values(), key=lambda s: s["sample_id"])
@@ -253,7 +255,8 @@ def _a_sample(produced) -> tuple[bytes, int, object, int]:
     with ShardReader(paths, 0, load_shard_index(paths, 0, manifest)) as reader:
         blob = bytes(reader.read_blob(entry))
     shape = SampleShape.from_manifest(manifest)
-    return blob, shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size), shape, entry.length
+    header = shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
+    return blob, header, shape, entry.length
 
 
 def _frame(data: bytes, *, size: bool = True, checksum: bool = True) -> bytes:
@@ -272,6 +275,7 @@ def test_crafted_frames_are_refused_in_bounded_memory(produced):
 
     blob, header, shape, length = _a_sample(produced)
     frame, size = blob[header:], shape.data_size(length)
+    middle = len(frame) // 2
     _decode(shape, length, frame)  # the real one decodes
     import zstandard
 
@@ -285,7 +289,7 @@ def test_crafted_frames_are_refused_in_bounded_memory(produced):
         "not zstd": (os.urandom(len(frame)), "not a zstd frame"),
         "one byte short": (_frame(bytes(size - 1)), f"declares {size - 1} bytes"),
         "trailing bytes": (frame + b"\0" * 7, "does not decode"),
-        "damaged inside": (frame[: len(frame) // 2] + bytes([frame[len(frame) // 2] ^ 1]) + frame[len(frame) // 2 + 1 :],
+        "damaged inside": (frame[:middle] + bytes([frame[middle] ^ 1]) + frame[middle + 1 :],
                            "does not decode"),
     }
     # The size field patched to the right value on a frame of fewer bytes: zstd refuses it as it decodes.

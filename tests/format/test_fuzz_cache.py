@@ -231,11 +231,11 @@ def test_hostile_compressed_frames_are_refused(pristine_zstd, tmp_path):
     quarter as many cases more: the generic mutations on a compressed cache's geometry (without plain
     WebDataset, whose own tar reading is not ours: it waits on a FIFO)."""
     results = []
-    for first in range(0, ZSTD_CASES, PER_WORKER):
-        results += _run_worker(pristine_zstd, str(tmp_path), first, min(PER_WORKER, ZSTD_CASES - first), "zstd")
-    generic = ZSTD_CASES // 4
-    for first in range(ZSTD_CASES, ZSTD_CASES + generic, PER_WORKER):
-        results += _run_worker(pristine_zstd, str(tmp_path), first, min(PER_WORKER, ZSTD_CASES + generic - first))
+    end = ZSTD_CASES + ZSTD_CASES // 4
+    for first in range(0, end, PER_WORKER):
+        crafted = first < ZSTD_CASES
+        count = min(PER_WORKER, (ZSTD_CASES if crafted else end) - first)
+        results += _run_worker(pristine_zstd, str(tmp_path), first, count, "zstd" if crafted else "cache")
     failures = [r for r in results if r["outcome"].startswith("FAIL")]
     counts = collections.Counter(r["outcome"] for r in results)
     crafted = [r for r in results if (r["mutation"] or "").startswith("zstd:")]

@@ -291,8 +291,8 @@ def _mutate_zstd(root: str, rng: random.Random) -> str:
     header = shape.header_size(entry[1], entry[0], offset, size)
     frame = bytes(raw[offset + header : offset + size])
     data = shape.data_size(entry[1])
-    how = rng.choice(["bomb", "bomb", "no size", "no checksum", "wrong size", "random", "flip", "flip", "truncated",
-                      "another sample's"])
+    how = rng.choice(["bomb", "bomb", "no size", "no checksum", "wrong size", "random", "flip", "flip",
+                      "truncated", "another sample's"])
     if how == "bomb":  # declares (and holds) far more than the sample: refused before a byte is decoded
         bad = _zstd_frame(rng.choice([1 << 28, 1 << 30, data * 64]), rng, zeros=True)
     elif how == "no size":
@@ -429,8 +429,8 @@ def _read_loader(native: bool):
 
 # Mutation families (the optional last argument) and the readers each adds to the common three.
 FAMILIES = {"cache": mutate, "fp8": mutate_fp8, "tokens": mutate_tokens, "zstd": _mutate_zstd}
-EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),), "tokens": (("webdataset", _read_webdataset),),
-                 "zstd": (("webdataset", _read_webdataset),)}
+EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),),
+                 "tokens": (("webdataset", _read_webdataset),), "zstd": (("webdataset", _read_webdataset),)}
 
 
 if __name__ == "__main__":

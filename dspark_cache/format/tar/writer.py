@@ -124,7 +124,8 @@ class ShardWriter:
             if COMPRESSION_KEY in sample.metadata:
                 itemsizes = {spec.name: DTYPE_SIZES[spec.dtype] for spec in sample.specs}
                 data_size = layout.placed[-1][2] if layout.placed else 0
-                frame = encode_data(layout.placed, itemsizes, sample.tensors, data_size, self.compression_level)
+                frame = encode_data(layout.placed, itemsizes, sample.tensors, data_size,
+                                    self.compression_level)
                 buffers = [memoryview(layout.header), memoryview(frame)]
             else:
                 buffers = payload_buffers(layout, sample.tensors, zeros)

@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="--to nemo, FP8 caches: the dtype their states are dequantised to (default: bf16)")
     p.add_argument("--compression", choices=list(CODECS), default=None,
-                   help="--to dspark: store the cache compressed (zstd: byte planes + zstd, lossless; default none)")
+                   help="--to dspark: store the cache compressed (zstd: byte planes + zstd, lossless; "
+                   "default none)")
     p.add_argument("--compression-level", type=int, default=None, metavar="N",
                    help=f"--to dspark with --compression zstd: the zstd level, {LEVELS[0]}..{LEVELS[1]} "
                    f"(default {DEFAULT_LEVEL})")
@@ -80,8 +81,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.to == "dspark" and args.shard_size is not None:
         raise UsageError("--shard-size applies to --to nemo (an import keeps NeMo's shards)")
     if args.to == "nemo" and (args.compression is not None or args.compression_level is not None):
-        raise UsageError("--compression/--compression-level apply to --to dspark (NeMo's layout is uncompressed; "
-                         "a compressed source is decoded)")
+        raise UsageError("--compression/--compression-level apply to --to dspark (NeMo's layout is "
+                         "uncompressed; a compressed source is decoded)")
     if args.compression_level is not None and args.compression != "zstd":
         raise UsageError("--compression-level needs --compression zstd")
     if args.compression_level is not None and not LEVELS[0] <= args.compression_level <= LEVELS[1]:

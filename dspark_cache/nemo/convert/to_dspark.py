@@ -153,7 +153,8 @@ def _kept_shards(output: CacheOutput, source: NemoSource, plan: ImportPlan, cach
                 index = output.shard_index(shard)
                 ok = (index.cache_id == cache_id
                       and [e.sample_id for e in index.samples] == plan.kept_ids(source.rows(shard))
-                      and (plan.compressed or index.tar_bytes == plan.shard_bytes[shard]) and not index.nonfinite)
+                      and (plan.compressed or index.tar_bytes == plan.shard_bytes[shard])
+                      and not index.nonfinite)
             except CorruptShardError:
                 ok = False
         if ok:

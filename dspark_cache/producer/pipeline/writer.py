@@ -66,7 +66,8 @@ class WriterLanes:
 
     def __init__(self, count: int, output: CacheOutput, shape: SampleShape, ring: StagingRing,
                  stats: PipelineStats, on_published: Callable[[ShardPlan, ShardIndex], None],
-                 on_nonfinite: str = "error", durable: bool = True, compression_level: int = DEFAULT_LEVEL) -> None:
+                 on_nonfinite: str = "error", durable: bool = True,
+                 compression_level: int = DEFAULT_LEVEL) -> None:
         self.output, self.shape, self.ring, self.stats = output, shape, ring, stats
         self.compression_level = compression_level  # of a compressed shape's samples, made on the lanes
         self.on_nonfinite, self.durable = on_nonfinite, durable

@@ -362,11 +362,12 @@ checkpoint:
             self.check(label, "pending", note="dspark-produce --help does not list --compression yet")
             return
         cache = self.path("ours_cache_zstd")
-        ok, _ = self.sh("produce_ours_zstd", [self.ours_bin("dspark-produce"), *self.producer_flags(cache, mgp=False),
-                                              "--compression", "zstd"])
+        flags = [*self.producer_flags(cache, mgp=False), "--compression", "zstd"]
+        ok, _ = self.sh("produce_ours_zstd", [self.ours_bin("dspark-produce"), *flags])
         data = self.train("zstd", "dspark", cache, recipe) if ok else None
         if data is None:
-            self.check(label, "crash", note="dspark-produce --compression zstd or the recipe failed (see logs)")
+            self.check(label, "crash",
+                       note="dspark-produce --compression zstd or the recipe failed (see logs)")
             return
         report = compare.compare_runs(ref, data, tol=self.args.loss_tol, sample_of_row=sample_of_row)
         dedicated = self.path("train", "ours.json")
@@ -470,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-tol", type=float, default=1e-4)
     parser.add_argument("--hidden-tol", type=float, default=1e-4)
     parser.add_argument("--modes", nargs="+",
-                        default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset", "zstd"],
+                        default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset",
+                                 "zstd"],
                         help="training modes besides the nemo reference")
     parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
                         help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")
