@@ -1,6 +1,6 @@
 """Compression benchmark (issue 42): bytes, codec speed per core and loader throughput, on our own states.
 
-    python bench/compression.py                     # the embedded target and a random Qwen3 8 x 512, long-tail rows
+    python bench/compression.py     # the embedded target and a random Qwen3 8 x 512, long-tail rows
     python bench/compression.py --rows 160 --repeat 5
 
 What it does, all on CPU, through the real producer (``dspark-produce``):
@@ -67,12 +67,13 @@ def targets(work: str, rows: int) -> dict[str, tuple[str, str]]:
     embedded = os.path.join(work, "embedded")
     if not os.path.isdir(embedded):
         build_target(embedded)
-    out["embedded (H=64, 8 layers)"] = (embedded, write_sample_data(os.path.join(work, "rows.jsonl"), 48, seed=3))
+    rows_file = write_sample_data(os.path.join(work, "rows.jsonl"), 48, seed=3)
+    out["embedded (H=64, 8 layers)"] = (embedded, rows_file)
     q = os.path.join(work, "qwen3-8x512")
     if not os.path.isdir(q):
         build_target(q, hidden_size=512, num_layers=8, intermediate_size=1024, num_heads=8, num_kv_heads=4)
-    out["Qwen3 8 x 512, long-tail"] = (q, write_sample_data(os.path.join(work, "long-tail.jsonl"), rows, seed=5,
-                                                             profile="long-tail"))
+    long_tail = write_sample_data(os.path.join(work, "long-tail.jsonl"), rows, seed=5, profile="long-tail")
+    out["Qwen3 8 x 512, long-tail"] = (q, long_tail)
     return out
 
 
@@ -125,8 +126,10 @@ def codec_rows(shape: SampleShape, samples: list[tuple[int, np.ndarray]], repeat
         tensors = []
         for length, data in samples:
             placed = shape.placed(length)
-            tensors.append((length, placed, {n: data[a:b] for n, a, b in placed if not n.startswith("__pad")}))
-        frames = [codec.encode_data(p, shape.itemsizes(n), t, shape.data_size(n), level) for n, p, t in tensors]
+            named = {n: data[a:b] for n, a, b in placed if not n.startswith("__pad")}
+            tensors.append((length, placed, named))
+        frames = [codec.encode_data(p, shape.itemsizes(n), t, shape.data_size(n), level)
+                  for n, p, t in tensors]
         outs = [np.empty(shape.data_size(n), np.uint8) for n, _, _ in tensors]
 
         def enc():
@@ -138,7 +141,8 @@ def codec_rows(shape: SampleShape, samples: list[tuple[int, np.ndarray]], repeat
                 codec.decode_data(f, p, shape.itemsizes(n), o)
         dec()
         assert all(np.array_equal(o, d) for o, (_, d) in zip(outs, samples))
-        return {"codec": f"ours: byte planes + zstandard, level {level}", "ratio": sum(map(len, frames)) / total,
+        return {"codec": f"ours: byte planes + zstandard, level {level}",
+                "ratio": sum(map(len, frames)) / total,
                 "encode": _median_rate(enc, total, repeat), "decode": _median_rate(dec, total, repeat)}
 
     rows += [ours(1), ours(3)]
@@ -152,9 +156,15 @@ def codec_rows(shape: SampleShape, samples: list[tuple[int, np.ndarray]], repeat
 
         shuffle, zstd = Shuffle(elementsize=itemsize), Zstd(level=1)
         frames = [zstd.encode(shuffle.encode(x)) for _, x in samples]
-        rows.append({"codec": f"numcodecs Shuffle({itemsize}) + Zstd(1)", "ratio": sum(map(len, frames)) / total,
-                     "encode": _median_rate(lambda: [zstd.encode(shuffle.encode(x)) for _, x in samples], total, repeat),
-                     "decode": _median_rate(lambda: [shuffle.decode(zstd.decode(f)) for f in frames], total, repeat)})
+
+        def nc_enc():
+            return [zstd.encode(shuffle.encode(x)) for _, x in samples]
+
+        def nc_dec():
+            return [shuffle.decode(zstd.decode(f)) for f in frames]
+        rows.append({"codec": f"numcodecs Shuffle({itemsize}) + Zstd(1)",
+                     "ratio": sum(map(len, frames)) / total, "encode": _median_rate(nc_enc, total, repeat),
+                     "decode": _median_rate(nc_dec, total, repeat)})
     except ImportError as exc:
         rows.append({"codec": f"numcodecs: not importable ({exc})"})
     try:
@@ -164,10 +174,14 @@ def codec_rows(shape: SampleShape, samples: list[tuple[int, np.ndarray]], repeat
         kw = dict(typesize=itemsize, clevel=1, codec=blosc2.Codec.ZSTD, filters=[blosc2.Filter.SHUFFLE])
         frames = [blosc2.compress2(x, **kw) for _, x in samples]
         outs = [np.empty(x.nbytes, np.uint8) for _, x in samples]
+        def b2_enc():
+            return [blosc2.compress2(x, **kw) for _, x in samples]
+
+        def b2_dec():
+            return [blosc2.decompress2(f, dst=o) for f, o in zip(frames, outs)]
         rows.append({"codec": "blosc2 SHUFFLE + ZSTD, clevel 1", "ratio": sum(map(len, frames)) / total,
-                     "encode": _median_rate(lambda: [blosc2.compress2(x, **kw) for _, x in samples], total, repeat),
-                     "decode": _median_rate(lambda: [blosc2.decompress2(f, dst=o) for f, o in zip(frames, outs)],
-                                            total, repeat)})
+                     "encode": _median_rate(b2_enc, total, repeat),
+                     "decode": _median_rate(b2_dec, total, repeat)})
     except ImportError as exc:
         rows.append({"codec": f"blosc2: not importable ({exc})"})
     return rows
@@ -176,9 +190,9 @@ def codec_rows(shape: SampleShape, samples: list[tuple[int, np.ndarray]], repeat
 def loader_rate(cache: str, threads: int, repeat: int) -> float:
     """GB/s of states handed out (real tokens' hidden bytes), steady state, median of ``repeat`` epochs."""
     manifest = read_manifest(cache)
-    loader = dspark_cache.build_dataloader(cache, 4, shuffle=True, seed=0, num_workers=threads, pin_memory=False,
-                                           pad_to="longest", prefetch=2 * threads)
-    per_token = (manifest.target_hidden_dim + manifest.hidden_size) * 2  # what a bf16 batch row holds of states
+    loader = dspark_cache.build_dataloader(cache, 4, shuffle=True, seed=0, num_workers=threads,
+                                           pin_memory=False, pad_to="longest", prefetch=2 * threads)
+    per_token = (manifest.target_hidden_dim + manifest.hidden_size) * 2  # a bf16 batch row's states
     rates = []
     for epoch in range(repeat + 1):
         loader.set_epoch(epoch)
@@ -196,22 +210,31 @@ def main() -> None:
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "dspark-bench-compression"))
     p.add_argument("--rows", type=int, default=96, help="long-tail rows through the 8 x 512 target")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--codec-mb", type=float, default=64, help="decoded MB of samples each codec is timed on")
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
     made = caches(args.work, args.rows)
     results: dict = {"bytes": [], "codec": {}, "loader": []}
-    print("| target | dtype | uncompressed bytes | zstd-1 | ratio | zstd-3 | ratio |\n|---|---|---|---|---|---|---|")
+    print("| target | dtype | uncompressed bytes | zstd-1 | ratio | zstd-3 | ratio |\n"
+          "|---|---|---|---|---|---|---|")
     for (name, dtype, label), cache in sorted(made.items()):
         if label != "none":
             continue
         base, one = shard_bytes(cache), shard_bytes(made[(name, dtype, "zstd-1")])
         three = shard_bytes(made[(name, dtype, "zstd-3")]) if (name, dtype, "zstd-3") in made else None
-        results["bytes"].append({"target": name, "dtype": dtype, "none": base, "zstd-1": one, "zstd-3": three})
-        extra = f"{three:,} | {three / base:.3f}x" if three else "| "
+        results["bytes"].append({"target": name, "dtype": dtype, "none": base, "zstd-1": one,
+                                 "zstd-3": three})
+        extra = f"{three:,} | {three / base:.3f}x" if three else " | "
         print(f"| {name} | {dtype} | {base:,} | {one:,} | **{one / base:.3f}x** | {extra} |")
     qwen = "Qwen3 8 x 512, long-tail"
     for dtype in DTYPES:
         shape, samples = blobs(made[(qwen, dtype, "none")])
+        kept, held = [], 0
+        for length, data in samples:  # the first in shard order (the longest), up to --codec-mb
+            if held < args.codec_mb * 1e6:
+                kept.append((length, data))
+                held += data.nbytes
+        samples = kept
         rows = codec_rows(shape, samples, args.repeat)
         results["codec"][dtype] = rows
         mb = sum(d.nbytes for _, d in samples) / 1e6
@@ -222,7 +245,8 @@ def main() -> None:
                 print(f"| {row['codec']} | {row['ratio']:.3f} | {row['encode']:.2f} | {row['decode']:.2f} |")
             else:
                 print(f"| {row['codec']} | | | |")
-    print("\nloader, bf16 8 x 512: GB/s of states handed out (steady state)\n| cache | 1 thread | 2 threads |\n|---|---|---|")
+    print("\nloader, bf16 8 x 512: GB/s of states handed out (steady state)\n"
+          "| cache | 1 thread | 2 threads |\n|---|---|---|")
     for label in ("none", "zstd-1"):
         cache = made[(qwen, "bf16", label)]
         one, two = loader_rate(cache, 1, args.repeat), loader_rate(cache, 2, args.repeat)

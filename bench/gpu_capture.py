@@ -476,7 +476,8 @@ class Capture:
         order += [("shm" if s.shm else "disk", n, s.budget, "zstd") for n in s.zstd_writers]
         runs = self.report["runs"]
         for name, writers, budget, compression in order:
-            run = {"target": name, "writers": writers, "max_inflight_bytes": budget, "compression": compression}
+            run = {"target": name, "writers": writers, "max_inflight_bytes": budget,
+                   "compression": compression}
             base = self.dirs[name]
             problem = room_problem(base, self.run_bytes) if base else "skipped: no such directory"
             # The forward alone is still to run once more; a run takes as long as the slowest one so far.
@@ -518,7 +519,8 @@ class Capture:
             tokens_per_s=round(self.real / reference), gb_per_s=round(self.run_bytes / reference / 1e9, 3))
         best = {name: max((r for r in measured if r["target"] == name and r["compression"] == "none"),
                           key=lambda r: r["ratio"], default=None) for name in self.dirs}
-        zstd = max((r for r in measured if r["compression"] == "zstd"), key=lambda r: r["ratio"], default=None)
+        zstd = max((r for r in measured if r["compression"] == "zstd"), key=lambda r: r["ratio"],
+                   default=None)
         self.report["summary"] = {
             "forward_tokens_per_s": round(self.real / reference),
             "best": {name: r and {"writers": r["writers"], "ring_gb": round(r["ring_capacity"] / 1e9, 2),
@@ -527,7 +529,8 @@ class Capture:
             "goal": GOAL, "goal_met": {name: r and r["ratio"] >= GOAL for name, r in best.items()},
             "fp8_over_bf16_bytes": self.report["fp8"]["fp8_over_bf16"],
             "zstd_best": zstd and {"writers": zstd["writers"], "ratio": zstd["ratio"],
-                                   "states_gb_per_s": zstd["states_gb_per_s"], "disk_gb_per_s": zstd["gb_per_s"],
+                                   "states_gb_per_s": zstd["states_gb_per_s"],
+                                   "disk_gb_per_s": zstd["gb_per_s"],
                                    "bytes_vs_uncompressed": round(zstd["bytes"] / self.run_bytes, 3)},
         }
         self.report["finished"] = True
@@ -567,7 +570,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30,
                    help="the staging ring (dspark-produce's default)")
     p.add_argument("--zstd-writers", default=None,
-                   help="writer thread counts measured with --compression zstd (default 4,8,16 on CUDA, 2 on a CPU)")
+                   help="writer thread counts measured with --compression zstd (default 4,8,16 on CUDA, "
+                   "2 on a CPU)")
     p.add_argument("--big-ring-bytes", type=int, default=4 << 30,
                    help="the ring of one more disk run with the most writers (0: no such run)")
     p.add_argument("--workdir", default=None,
@@ -592,7 +596,8 @@ def settings_of(args: argparse.Namespace, work: str, shm: str | None) -> Setting
         batch_tokens=args.batch_tokens or 4 * seq,
         shards=args.shards or ((8 if args.quick else 16) if cuda else 4),
         writers=[int(x) for x in args.writers.split(",") if x.strip()], budget=args.max_inflight_bytes,
-        zstd_writers=[int(x) for x in (args.zstd_writers or ("4,8,16" if cuda else "2")).split(",") if x.strip()],
+        zstd_writers=[int(x) for x in (args.zstd_writers or ("4,8,16" if cuda else "2")).split(",")
+                      if x.strip()],
         big_ring=args.big_ring_bytes, fp8_fraction=args.fp8_fraction,
         time_limit=args.time_limit if args.time_limit is not None else (420.0 if cuda else 0.0),
         work=work, shm=shm, out=args.out)

@@ -283,7 +283,8 @@ def main() -> None:
     p.add_argument("--no-durable", action="store_true", help="skip fsync (ours and raw alike)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compression", choices=["none", "zstd"], default="none",
-                   help="zstd: the lanes compress every sample (GB/s are then of states, not of bytes on disk)")
+                   help="zstd: the lanes compress every sample (GB/s are then of states, not of bytes on "
+                   "disk)")
     p.add_argument("--compression-level", type=int, default=1)
     args = p.parse_args()
     shape = replace(QWEN3_8B, compression=args.compression)
@@ -303,11 +304,13 @@ def main() -> None:
     ours: dict[int, list[float]] = {n: [] for n in counts}
     on_disk: list[int] = []
     codec = (shape, args.compression_level)
-    run_ours(shards[:1], args.dir, 1, None, args.max_inflight_bytes, durable, *codec)  # warm-up: imports, first pages
+    # warm-up: imports, first pages
+    run_ours(shards[:1], args.dir, 1, None, args.max_inflight_bytes, durable, *codec)
     for rep in range(args.repeat):
         for n in counts:
             raw[n].append(total / run_raw(sizes, args.dir, n, source, durable) / 1e9)
-            seconds, written, _ = run_ours(shards, args.dir, n, None, args.max_inflight_bytes, durable, *codec)
+            seconds, written, _ = run_ours(shards, args.dir, n, None, args.max_inflight_bytes, durable,
+                                           *codec)
             assert written == total or shape.compressed, (written, total)
             on_disk.append(written)
             ours[n].append(total / seconds / 1e9)
