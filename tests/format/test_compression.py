@@ -369,3 +369,27 @@ def test_compressed_manifests_are_marked_and_checked(produced):
                            ({"compression_level": 40}, "compression_level 40 is not in")):
         problems = list(manifest_problems(decode_manifest(json.dumps(dict(raw, **change)).encode(), "m")))
         assert any(needle in p for p in problems), (change, problems)
+
+
+def test_a_compressed_cache_on_object_storage_reads_the_same_from_fewer_bytes(produced, s3_bucket, s3_env,
+                                                                            tmp_path):
+    """Uploaded to a real S3-compatible server (moto): the loader over s3:// hands out the uncompressed
+    local cache's batches, and the node's copy of the tars (what was downloaded) is the compressed size."""
+    from tests.support.remote import upload_cache
+
+    plain, packed = produced(*ARGS), produced(*ARGS, *ZSTD)
+    url = f"{s3_bucket}/zstd/cache"
+    upload_cache(packed, url)
+    node = tmp_path / "node"
+    want = _batches(plain, num_workers=2)
+    loader = dspark_cache.build_dataloader(url, 4, shuffle=True, seed=3, pin_memory=False, num_workers=2,
+                                           local_cache_dir=str(node))
+    try:
+        got = [{k: v.clone() for k, v in batch.items()} for batch in loader]
+        assert loader.cache.backing.downloads == len(CachePaths(packed).indexed_shard_ids())
+    finally:
+        loader.close()
+    assert len(got) == len(want) > 0
+    assert all(_same(a[k], b[k]) for a, b in zip(got, want) for k in a)
+    downloaded = sum(p.stat().st_size for p in node.rglob("shard-*.tar") if p.parent.name == "shards")
+    assert downloaded == _tar_bytes(packed) < 0.8 * _tar_bytes(plain)
