@@ -14,6 +14,9 @@ What it does, all on CPU, through the real producer (``dspark-produce``):
            and ``blosc2`` (its SIMD shuffle + ZSTD), each where importable, with the ratio each gives
   loader   ``build_dataloader`` over the bf16 8 x 512 caches, uncompressed and compressed, 1 and 2 reader
            threads: GB/s of states handed out (real tokens x hidden bytes), steady state (checksums once)
+  remote   (``--remote``) both caches uploaded to moto's S3 server on this machine (tests/support/s3server):
+           a fresh loader's first epoch from ``s3://`` (every tar downloaded to an empty node copy, every
+           checksum checked), 2 reader threads: seconds, GB/s of states, and the tar bytes downloaded
 Medians of ``--repeat``. Results: WORKDIR/results.json and markdown tables on stdout (BENCHMARKS.md).
 """
 
@@ -29,6 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
@@ -205,15 +209,63 @@ def loader_rate(cache: str, threads: int, repeat: int) -> float:
     return statistics.median(rates)
 
 
+def remote_first_epochs(caches: dict[str, str], repeat: int, work: str) -> list[dict]:
+    """A fresh loader's first epoch over s3:// for each cache (interleaved), median of ``repeat``."""
+    import shutil
+
+    from tests.support.remote import upload_cache
+    from tests.support.s3server import S3Server
+
+    rows: dict[str, list[float]] = {label: [] for label in caches}
+    with S3Server() as server:
+        os.environ.update(server.env())
+        server.make_bucket("bench")
+        options = {"endpoint": server.endpoint}
+        for label, cache in caches.items():
+            upload_cache(cache, f"s3://bench/{label}", storage_options=options)
+        for rep in range(repeat):
+            for label, cache in caches.items():
+                node = os.path.join(work, f"node-{label}-{rep}")
+                loader = dspark_cache.build_dataloader(f"s3://bench/{label}", 4, shuffle=True, seed=rep,
+                                                       num_workers=2, pin_memory=False, pad_to="longest",
+                                                       storage_options=options, local_cache_dir=node)
+                started = time.perf_counter()
+                for _ in loader:
+                    pass
+                rows[label].append(time.perf_counter() - started)
+                loader.close()
+                shutil.rmtree(node, ignore_errors=True)
+    out = []
+    for label, cache in caches.items():
+        manifest = read_manifest(cache)
+        states = manifest.planned_tokens * (manifest.target_hidden_dim + manifest.hidden_size) * 2
+        seconds = statistics.median(rows[label])
+        out.append({"cache": label, "seconds": seconds, "states_gbps": states / seconds / 1e9,
+                    "downloaded": shard_bytes(cache), "runs": rows[label]})
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "dspark-bench-compression"))
     p.add_argument("--rows", type=int, default=96, help="long-tail rows through the 8 x 512 target")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--codec-mb", type=float, default=64, help="decoded MB of samples each codec is timed on")
+    p.add_argument("--remote", action="store_true", help="only the first epoch from a local S3 server (moto)")
     args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
     made = caches(args.work, args.rows)
+    qwen = "Qwen3 8 x 512, long-tail"
+    if args.remote:
+        rows = remote_first_epochs({label: made[(qwen, "bf16", label)] for label in ("none", "zstd-1")},
+                                   args.repeat, args.work)
+        print("| cache | first epoch s | GB/s of states | tar bytes downloaded |\n|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['cache']} | {row['seconds']:.2f} | {row['states_gbps']:.2f} | "
+                  f"{row['downloaded']:,} |")
+        with open(os.path.join(args.work, "remote.json"), "w") as handle:
+            json.dump(rows, handle, indent=1)
+        return
     results: dict = {"bytes": [], "codec": {}, "loader": []}
     print("| target | dtype | uncompressed bytes | zstd-1 | ratio | zstd-3 | ratio |\n"
           "|---|---|---|---|---|---|---|")
@@ -226,7 +278,6 @@ def main() -> None:
                                  "zstd-3": three})
         extra = f"{three:,} | {three / base:.3f}x" if three else " | "
         print(f"| {name} | {dtype} | {base:,} | {one:,} | **{one / base:.3f}x** | {extra} |")
-    qwen = "Qwen3 8 x 512, long-tail"
     for dtype in DTYPES:
         shape, samples = blobs(made[(qwen, dtype, "none")])
         kept, held = [], 0
