@@ -30,6 +30,9 @@ Steps, after a warm-up (every batch shape once, and a short pipeline run):
                  writer threads into ``--workdir`` (local disk) and ``--shm-dir`` (tmpfs), side by side,
                  then once more with the most writers and a ``--big-ring-bytes`` staging ring: is the
                  ring (``--max-inflight-bytes``, dspark-produce's 1 GiB by default) what holds them back?
+                 Then compressed (``--compression zstd``, level 1) with each of ``--zstd-writers`` (4, 8, 16)
+                 writer threads into tmpfs: the lanes compress each sample (issue 42); do N cores keep up
+                 with the device? (``gb_per_s`` is then of bytes on disk, ``states_gb_per_s`` of states)
                  A run that would end past ``--time-limit`` (420 s on CUDA) is skipped, and says so.
 
 Per run: tokens/s, GB/s (published tar bytes), ``ratio`` = forward-alone seconds / pipeline seconds
@@ -53,7 +56,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 from unittest import mock
 
@@ -214,7 +217,8 @@ class SpannedForward:
 
 def pipeline_run(shards: list[ShardPlan], forward: Forward, shape: SampleShape, device: torch.device,
                  base: str, writers: int, budget: int, stager: Stager | None = None) -> dict[str, Any]:
-    """One ``run_pipeline`` (durable) into a fresh directory under ``base``, removed afterwards."""
+    """``shape`` compressed: the lanes compress (zstd level 1), ``bytes`` are then those on disk."""
+    # One ``run_pipeline`` (durable) into a fresh directory under ``base``, removed afterwards.
     paths = fresh_dir(base, f"w{writers}")
     spanned = SpannedForward(forward, device.type == "cuda")
     ring = {"capacity": 0, "peak": 0}
@@ -243,7 +247,8 @@ def pipeline_run(shards: list[ShardPlan], forward: Forward, shape: SampleShape, 
         "batches": sum(len(s.batches) for s in shards), "shards": stats.shards, "samples": stats.samples,
         "dropped_nonfinite": sum(s.num_samples for s in shards) - stats.samples, "tokens": stats.tokens,
         "bytes": stats.bytes, "stage_seconds": stats.times.as_dict(), "ring_capacity": ring["capacity"],
-        "ring_peak": ring["peak"], "complete": stats.shards == len(shards),
+        "ring_peak": ring["peak"], "complete": stats.shards == len(shards), "compression": shape.compression,
+        "states_gb_per_s": round(stats.tokens * staged_bytes_per_token(shape) / seconds / 1e9, 3),
     }
 
 
@@ -355,6 +360,7 @@ class Settings:
     writers: list[int]
     budget: int
     big_ring: int
+    zstd_writers: list[int]
     fp8_fraction: float
     time_limit: float  # seconds from the start; 0: none
     work: str  # local disk
@@ -464,12 +470,14 @@ class Capture:
         """Disk and tmpfs side by side for each writer count (they share the machine's moods), then the
         big ring."""
         s = self.s
-        order = [(name, n, s.budget) for n in s.writers for name in self.dirs]
+        order = [(name, n, s.budget, "none") for n in s.writers for name in self.dirs]
         if s.big_ring and s.writers:
-            order.append(("disk", max(s.writers), s.big_ring))
+            order.append(("disk", max(s.writers), s.big_ring, "none"))
+        order += [("shm" if s.shm else "disk", n, s.budget, "zstd") for n in s.zstd_writers]
         runs = self.report["runs"]
-        for name, writers, budget in order:
-            run = {"target": name, "writers": writers, "max_inflight_bytes": budget}
+        for name, writers, budget, compression in order:
+            run = {"target": name, "writers": writers, "max_inflight_bytes": budget,
+                   "compression": compression}
             base = self.dirs[name]
             problem = room_problem(base, self.run_bytes) if base else "skipped: no such directory"
             # The forward alone is still to run once more; a run takes as long as the slowest one so far.
@@ -481,8 +489,9 @@ class Capture:
                 runs.append({**run, "skipped": problem})
                 continue
             try:
-                run.update(pipeline_run(self.shards, self.runner.forward, self.shape, s.device, base,
-                                        writers, budget))
+                run.update(pipeline_run(self.shards, self.runner.forward,
+                                        replace(self.shape, compression=compression), s.device, base, writers,
+                                        budget))
             except Exception as exc:  # one failed run (a full disk, say) must not lose the others' numbers
                 run["error"] = f"{type(exc).__name__}: {exc}"
                 self.report["failed"].append(f"{name} x{writers}: {run['error']}")
@@ -492,7 +501,8 @@ class Capture:
             if not run["complete"]:
                 missing = f"{run['shards']} of {len(self.shards)} shards"
                 self.report["failed"].append(f"{name} x{writers}: {missing}")
-            print(f"{name} x{writers}, ring {run['ring_capacity'] / 1e9:.2f} GB: {run['pipeline_s']:.2f} s, "
+            print(f"{name} x{writers} {compression}, ring {run['ring_capacity'] / 1e9:.2f} GB: "
+                  f"{run['pipeline_s']:.2f} s, "
                   f"{run['gb_per_s']:.2f} GB/s, ratio {self.alone[0] / run['pipeline_s']:.3f}", flush=True)
             self.save()
 
@@ -507,8 +517,10 @@ class Capture:
         self.report["forward_alone"].update(
             seconds=[round(x, 3) for x in self.alone], reference_s=round(reference, 3),
             tokens_per_s=round(self.real / reference), gb_per_s=round(self.run_bytes / reference / 1e9, 3))
-        best = {name: max((r for r in measured if r["target"] == name), key=lambda r: r["ratio"],
-                          default=None) for name in self.dirs}
+        best = {name: max((r for r in measured if r["target"] == name and r["compression"] == "none"),
+                          key=lambda r: r["ratio"], default=None) for name in self.dirs}
+        zstd = max((r for r in measured if r["compression"] == "zstd"), key=lambda r: r["ratio"],
+                   default=None)
         self.report["summary"] = {
             "forward_tokens_per_s": round(self.real / reference),
             "best": {name: r and {"writers": r["writers"], "ring_gb": round(r["ring_capacity"] / 1e9, 2),
@@ -516,6 +528,10 @@ class Capture:
                                   "gb_per_s": r["gb_per_s"]} for name, r in best.items()},
             "goal": GOAL, "goal_met": {name: r and r["ratio"] >= GOAL for name, r in best.items()},
             "fp8_over_bf16_bytes": self.report["fp8"]["fp8_over_bf16"],
+            "zstd_best": zstd and {"writers": zstd["writers"], "ratio": zstd["ratio"],
+                                   "states_gb_per_s": zstd["states_gb_per_s"],
+                                   "disk_gb_per_s": zstd["gb_per_s"],
+                                   "bytes_vs_uncompressed": round(zstd["bytes"] / self.run_bytes, 3)},
         }
         self.report["finished"] = True
         self.save()
@@ -553,6 +569,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--writers", default="1,2,4,8", help="writer thread counts measured")
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30,
                    help="the staging ring (dspark-produce's default)")
+    p.add_argument("--zstd-writers", default=None,
+                   help="writer thread counts measured with --compression zstd (default 4,8,16 on CUDA, "
+                   "2 on a CPU)")
     p.add_argument("--big-ring-bytes", type=int, default=4 << 30,
                    help="the ring of one more disk run with the most writers (0: no such run)")
     p.add_argument("--workdir", default=None,
@@ -577,6 +596,8 @@ def settings_of(args: argparse.Namespace, work: str, shm: str | None) -> Setting
         batch_tokens=args.batch_tokens or 4 * seq,
         shards=args.shards or ((8 if args.quick else 16) if cuda else 4),
         writers=[int(x) for x in args.writers.split(",") if x.strip()], budget=args.max_inflight_bytes,
+        zstd_writers=[int(x) for x in (args.zstd_writers or ("4,8,16" if cuda else "2")).split(",")
+                      if x.strip()],
         big_ring=args.big_ring_bytes, fp8_fraction=args.fp8_fraction,
         time_limit=args.time_limit if args.time_limit is not None else (420.0 if cuda else 0.0),
         work=work, shm=shm, out=args.out)

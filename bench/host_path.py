@@ -21,6 +21,13 @@ Measured, each ``--repeat`` times, the kinds interleaved so that they share the 
 
     python bench/host_path.py --json .bench/host_path.json
     python bench/host_path.py --dir /mnt/nvme/bench --repeat 5
+    python bench/host_path.py --compression zstd      # the lanes compress (issue 42)
+
+With ``--compression zstd`` the lanes compress every sample (byte planes + zstd, ``format.codec``) and
+the ring holds bf16 states shaped like a model's (normal values, per-channel scales) instead of a
+constant byte, which zstd would compress for free; every GB/s is then of states (uncompressed bytes)
+handed to the writers, and the bytes on disk are reported beside them. Raw writes still write the
+uncompressed sizes: the file system's limit, against which compression only has to keep up.
 
 Goals (issue "Capture at the device's speed"): best writers >= 0.8x best raw; writers scale from 1
 to 2 threads at least 0.9x as well as raw writes do; pipeline >= 0.9.
@@ -46,6 +53,8 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from dataclasses import replace  # noqa: E402
+
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
 from dspark_cache.format.output import CacheOutput  # noqa: E402
 from dspark_cache.format.paths import CachePaths  # noqa: E402
@@ -58,6 +67,18 @@ from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan  # noqa:
 # Qwen3-8B: 36 layers, H=4096. Five captured layers that leave out the last, so the final state is
 # stored apart: 6 x 4096 bf16 values = 49,152 bytes a token.
 QWEN3_8B = SampleShape((1, 9, 17, 25, 33), 36, 4096, "BF16")
+_STATES = 64 << 20  # bytes of model-like states, tiled over the ring for --compression
+
+
+def model_like_states(nbytes: int, seed: int = 0) -> torch.Tensor:
+    """bf16 states shaped like a hidden state's: normal values with a scale per channel (a few channels
+    far larger, as real models have), as raw bytes."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = QWEN3_8B.hidden_size
+    scale = torch.exp(torch.randn(hidden, generator=g) * 0.5)
+    scale[torch.randperm(hidden, generator=g)[:8]] *= 50
+    rows = nbytes // (2 * hidden)
+    return (torch.randn(rows, hidden, generator=g) * scale).to(torch.bfloat16).view(torch.uint8).reshape(-1)
 RAW_CHUNK = 8 << 20
 
 
@@ -114,8 +135,9 @@ class SyntheticDevice:
     over as it lies.
     """
 
-    def __init__(self, gbps: float | None) -> None:
+    def __init__(self, gbps: float | None, shape: SampleShape = QWEN3_8B) -> None:
         self.gbps = gbps
+        self.shape = shape
         self.filled: set[int] = set()
         self.device_seconds = 0.0
         self.fill_seconds = 0.0
@@ -138,7 +160,13 @@ class SyntheticDevice:
         ring = region.ring
         if id(ring) not in self.filled:
             started = time.perf_counter()
-            ring.block.fill_(0x5A)
+            if self.shape.compressed:  # states a codec sees as a model's, not a constant byte
+                block = ring.block.view(-1)
+                states = model_like_states(min(_STATES, block.numel()))
+                for at in range(0, block.numel(), states.numel()):
+                    block[at : at + states.numel()] = states[: block.numel() - at]
+            else:
+                ring.block.fill_(0x5A)
             self.fill_seconds += time.perf_counter() - started
             self.filled.add(id(ring))
         views = iter(region.views(shapes))
@@ -174,18 +202,18 @@ class Reaper:
 
 
 def run_ours(shards: list[ShardPlan], workdir: str, writers: int, gbps: float | None, budget: int,
-             durable: bool) -> tuple[float, int, float]:
+             durable: bool, shape: SampleShape = QWEN3_8B, level: int = 1) -> tuple[float, int, float]:
     """(seconds, bytes written, the synthetic device's own seconds) for one pipeline run."""
     out = tempfile.mkdtemp(dir=workdir, prefix="ours-")
     try:
         paths = CachePaths(out)
         os.makedirs(paths.shards_dir, exist_ok=True)
-        device = SyntheticDevice(gbps)
+        device = SyntheticDevice(gbps, shape)
         reaper = Reaper()
         started = time.perf_counter()
-        stats = run_pipeline(shards, device.forward, output=CacheOutput(out), shape=QWEN3_8B,
+        stats = run_pipeline(shards, device.forward, output=CacheOutput(out), shape=shape,
                              device=torch.device("cpu"), pad_id=0, max_inflight_bytes=budget, writer_threads=writers,
-                             check_finite=False, durable=durable, stager=device,
+                             check_finite=False, durable=durable, stager=device, compression_level=level,
                              on_published=lambda shard, index: reaper.delete(paths.shard_tar(shard.shard_id)))
         seconds = time.perf_counter() - started - device.fill_seconds
         reaper.close()
@@ -254,7 +282,12 @@ def main() -> None:
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30)
     p.add_argument("--no-durable", action="store_true", help="skip fsync (ours and raw alike)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compression", choices=["none", "zstd"], default="none",
+                   help="zstd: the lanes compress every sample (GB/s are then of states, not of bytes on "
+                   "disk)")
+    p.add_argument("--compression-level", type=int, default=1)
     args = p.parse_args()
+    shape = replace(QWEN3_8B, compression=args.compression)
 
     cores = os.cpu_count() or 1
     counts = [int(x) for x in args.threads.split(",")] if args.threads else list(range(1, cores + 1))
@@ -269,12 +302,17 @@ def main() -> None:
 
     raw: dict[int, list[float]] = {n: [] for n in counts}
     ours: dict[int, list[float]] = {n: [] for n in counts}
-    run_ours(shards[:1], args.dir, 1, None, args.max_inflight_bytes, durable)  # warm-up: imports, first pages
+    on_disk: list[int] = []
+    codec = (shape, args.compression_level)
+    # warm-up: imports, first pages
+    run_ours(shards[:1], args.dir, 1, None, args.max_inflight_bytes, durable, *codec)
     for rep in range(args.repeat):
         for n in counts:
             raw[n].append(total / run_raw(sizes, args.dir, n, source, durable) / 1e9)
-            seconds, written, _ = run_ours(shards, args.dir, n, None, args.max_inflight_bytes, durable)
-            assert written == total, (written, total)
+            seconds, written, _ = run_ours(shards, args.dir, n, None, args.max_inflight_bytes, durable,
+                                           *codec)
+            assert written == total or shape.compressed, (written, total)
+            on_disk.append(written)
             ours[n].append(total / seconds / 1e9)
             print(f"  rep {rep}: {n} thread(s): raw {raw[n][-1]:.2f} GB/s, ours {ours[n][-1]:.2f} GB/s", flush=True)
 
@@ -284,8 +322,8 @@ def main() -> None:
     rate = 0.9 * writer_gbps[str(best)]
     efficiencies, pipeline_runs = [], []
     for rep in range(args.repeat):
-        alone, _, _ = run_ours(shards, args.dir, best, None, args.max_inflight_bytes, durable)
-        seconds, _, device = run_ours(shards, args.dir, best, rate, args.max_inflight_bytes, durable)
+        alone, _, _ = run_ours(shards, args.dir, best, None, args.max_inflight_bytes, durable, *codec)
+        seconds, _, device = run_ours(shards, args.dir, best, rate, args.max_inflight_bytes, durable, *codec)
         pipeline_runs.append({"pipeline_s": seconds, "device_s": device, "writers_alone_s": alone})
         efficiencies.append(max(device, alone) / seconds)
         print(f"  pipeline rep {rep}: device {device:.2f} s, writers alone {alone:.2f} s, "
@@ -304,13 +342,17 @@ def main() -> None:
                  "pipeline": pipeline_runs},
         "setup": {"dir": args.dir, "shards": len(shards), "bytes": total, "samples": args.samples,
                   "bytes_per_token": QWEN3_8B.data_size(1), "durable": durable, "native_writer": native_available(),
-                  "cores": cores, "repeat": args.repeat, "device_gbps": rate},
+                  "cores": cores, "repeat": args.repeat, "device_gbps": rate, "compression": args.compression,
+                  "compression_level": args.compression_level, "bytes_on_disk": statistics.median(on_disk),
+                  "disk_ratio": statistics.median(on_disk) / total},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps({k: result[k] for k in ("raw_write_gbps", "writer_gbps", "pipeline_efficiency",
                                              "writer_vs_raw", "scaling_1_to_2")}, indent=2))
+    if shape.compressed:
+        print(f"bytes on disk: {result['setup']['disk_ratio']:.3f}x the states")
 
 
 if __name__ == "__main__":

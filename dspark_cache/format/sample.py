@@ -59,6 +59,8 @@ FINAL_IN_HIDDEN = "final_in_hidden"
 # headers stay byte-identical to earlier releases'). Also the manifest's ``scale_scheme``.
 SCALE_SCHEME_KEY = "scale_scheme"
 SCALE_SCHEME = FP8_SCALE_SCHEME
+# Compressed samples' metadata key naming their codec (format.codec; absent from other samples).
+COMPRESSION_KEY = "compression"
 
 # Safetensors dtype codes (the only dtype names in the format) as numpy dtypes. numpy has no
 # bfloat16: BF16 is viewed as same-width int16 bits (the code says what they are).
@@ -154,9 +156,9 @@ def sample_specs(length: int, hidden_dim: int, hidden_size: int, dtype: str, sto
 
 
 def sample_metadata(sample_id: int, layer_ids: list[int], num_layers: int, hidden_size: int,
-                    dtype: str = "") -> dict[str, str]:
+                    dtype: str = "", compression: str = "none") -> dict[str, str]:
     """The ``__metadata__`` of a sample: self-describing for plain-WebDataset readers (an FP8
-    ``dtype`` code adds how its scales were made)."""
+    ``dtype`` code adds how its scales were made, a ``compression`` other than none its codec)."""
     metadata = {
         "format": SAMPLE_FORMAT,
         "sample_id": str(sample_id),
@@ -165,6 +167,8 @@ def sample_metadata(sample_id: int, layer_ids: list[int], num_layers: int, hidde
     }
     if is_fp8(dtype):
         metadata[SCALE_SCHEME_KEY] = SCALE_SCHEME
+    if compression != "none":
+        metadata[COMPRESSION_KEY] = compression
     return metadata
 
 
@@ -187,7 +191,10 @@ def place_tensors(specs: list[TensorSpec]) -> tuple[tuple[str, int, int], ...]:
 
 
 def layout_payload(specs: list[TensorSpec], metadata: dict[str, str], file_offset: int) -> PayloadLayout:
-    """Lay out a blob that will start at ``file_offset`` of its file (the tar member's data)."""
+    """Lay out a blob that will start at ``file_offset`` of its file (the tar member's data).
+
+    A compressed sample's header (metadata naming a ``compression``) is not padded: its data is a
+    frame to decode, never read in place (``format.codec``)."""
     by_name = {spec.name: spec for spec in specs}
     placed = place_tensors(specs)
     header: dict[str, Any] = {"__metadata__": metadata}
@@ -196,7 +203,7 @@ def layout_payload(specs: list[TensorSpec], metadata: dict[str, str], file_offse
         dtype, shape = (spec.dtype, list(spec.shape)) if spec else ("U8", [end - start])
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    padded = len(raw) + (-(file_offset + 8 + len(raw)) % PAGE_ALIGN)
+    padded = len(raw) + (0 if COMPRESSION_KEY in metadata else -(file_offset + 8 + len(raw)) % PAGE_ALIGN)
     return PayloadLayout(struct.pack("<Q", padded) + raw.ljust(padded, b" "), placed)
 
 

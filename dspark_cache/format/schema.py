@@ -20,7 +20,12 @@ FORMAT_ID = "dspark-wds/2"
 # of FORMAT_ID alone refuses them with its "upgrade dspark-cache" message instead of misreading
 # their samples. Every other cache keeps FORMAT_ID, so older readers still read it.
 FORMAT_FP8 = "dspark-wds/3"
-FORMAT_IDS = (FORMAT_ID, FORMAT_FP8)
+# Compressed caches (``compression`` other than "none", any dtype) say this: their samples are a
+# header and a zstd frame (format.codec), which a reader of the two formats above would refuse as
+# damaged; this way it says "upgrade dspark-cache" instead.
+FORMAT_COMPRESSED = "dspark-wds/4"
+FORMAT_IDS = (FORMAT_ID, FORMAT_FP8, FORMAT_COMPRESSED)
+COMPRESSIONS = ("none", "zstd")  # the manifest's ``compression`` (format.codec.CODECS)
 FP8_DTYPES = ("fp8", "fp8_e5m2")  # the manifest dtypes stored as float8 (format.sample.CACHE_DTYPES)
 # The manifest's ``scale_scheme`` of FP8 caches: one float32 absmax scale per (token, captured
 # layer), value = fp8 * scale (format.sample.SCALE_SCHEME, which every FP8 sample also names).
@@ -168,6 +173,10 @@ class Manifest(msgspec.Struct, kw_only=True):
     max_batch_tokens: int = 0
     plan_sha256: str = ""  # which samples each shard holds (a resume must plan the same)
     scale_scheme: str = ""  # FP8 caches: how their scales were made (FP8_SCALE_SCHEME); else empty
+    # How samples are stored: "none" (as they are), or "zstd" (byte planes + one zstd frame a sample,
+    # format.codec) at ``compression_level`` (0 when none). One cache holds one codec: both are identity.
+    compression: str = "none"
+    compression_level: int = 0
     # What was loaded as the target: its weight files' names, sizes and a hash of their headers
     # (producer.target), so a checkpoint replaced at the same path is refused on resume.
     target_fingerprint: str = ""
@@ -190,6 +199,8 @@ class Manifest(msgspec.Struct, kw_only=True):
         # marked as such wherever it is built. A decoded one is checked instead (decode_manifest).
         if self.dtype in FP8_DTYPES and self.format_version == FORMAT_ID and not self.scale_scheme:
             self.format_version, self.scale_scheme = FORMAT_FP8, FP8_SCALE_SCHEME
+        if self.compression != "none" and self.format_version in (FORMAT_ID, FORMAT_FP8):
+            self.format_version = FORMAT_COMPRESSED
 
     def identity(self) -> dict[str, Any]:
         """The fields that must match for a resume to reuse this cache's shards."""
@@ -331,10 +342,12 @@ def decode_manifest(data: bytes, where: str) -> Manifest:
         manifest = decode_json(data, Manifest)
     except msgspec.DecodeError as exc:
         raise msgspec.DecodeError(f"{where}: not a valid dspark-cache manifest ({exc}); {_DAMAGED}") from exc
-    if manifest.format_version != probe.format_version:  # __post_init__ upgraded an FP8 manifest marked /2
-        raise msgspec.DecodeError(f"{where}: dtype {manifest.dtype!r} is stored as float8, which format "
-                                  f"{probe.format_version!r} cannot hold (it needs {FORMAT_FP8!r}); the manifest "
-                                  "was edited: re-produce the cache (dspark-produce ... --overwrite)")
+    if manifest.format_version != probe.format_version:  # __post_init__ upgraded a manifest marked older
+        what = (f"compression {manifest.compression!r}" if manifest.format_version == FORMAT_COMPRESSED
+                else f"dtype {manifest.dtype!r} is stored as float8, which")
+        raise msgspec.DecodeError(f"{where}: {what} format {probe.format_version!r} cannot hold (it needs "
+                                  f"{manifest.format_version!r}); the manifest was edited: re-produce the "
+                                  "cache (dspark-produce ... --overwrite)")
     return manifest
 
 

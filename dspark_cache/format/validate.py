@@ -21,7 +21,11 @@ from dspark_cache.format.sample import (
     CACHE_DTYPES, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK, StoredTensor,
     fp8_bad_codes, fp8_bad_scales, fp8_code_reason, fp8_scale_reason, is_fp8,
 )
-from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, TURN_MODES, Manifest, ShardIndex
+from dspark_cache.format.codec import LEVELS, frame_bound
+from dspark_cache.format.schema import (
+    COMPRESSIONS, FORMAT_COMPRESSED, FORMAT_FP8, FORMAT_ID, FP8_SCALE_SCHEME, TURN_MODES, Manifest,
+    ShardIndex,
+)
 from dspark_cache.format.tar.members import END_OF_ARCHIVE, TAR_BLOCK, block_padding
 
 MAX_MANIFEST_BYTES = 256 << 20  # the skipped-row list of a huge input stays far below
@@ -113,9 +117,18 @@ def _regenerated_problems(m: Manifest) -> Iterable[str]:
 
 
 def _scheme_problems(m: Manifest) -> Iterable[str]:
-    """FP8 caches say format FORMAT_FP8 and how their scales were made; others neither."""
+    """FP8 caches say format FORMAT_FP8 and how their scales were made; others neither. Compressed
+    caches (of any dtype) say FORMAT_COMPRESSED, a known codec and a level it takes."""
     fp8 = is_fp8(CACHE_DTYPES[m.dtype])
     version, scheme = (FORMAT_FP8, FP8_SCALE_SCHEME) if fp8 else (FORMAT_ID, "")
+    if m.compression not in COMPRESSIONS:
+        yield f"compression {m.compression!r} is not one of {list(COMPRESSIONS)}"
+    elif m.compression != "none":
+        version = FORMAT_COMPRESSED
+        if not LEVELS[0] <= m.compression_level <= LEVELS[1]:
+            yield f"compression_level {m.compression_level} is not in [{LEVELS[0]}, {LEVELS[1]}]"
+    elif m.compression_level != 0:
+        yield f"compression_level {m.compression_level} is not 0, but nothing is compressed"
     if m.format_version != version:
         yield f"format_version {m.format_version!r} does not fit dtype {m.dtype!r} (it needs {version!r})"
     if m.scale_scheme != scheme:
@@ -210,9 +223,15 @@ def _check_entry(entry, shape: SampleShape, seq_length: int, cursor: int, path: 
         raise bad(f"loss_tokens {entry.loss_tokens} is not in [0, length {entry.length}]")
     if entry.offset != cursor + TAR_BLOCK:
         raise bad(f"offset {entry.offset} is not where the writer puts it ({cursor + TAR_BLOCK})")
-    header = entry.size - shape.data_size(entry.length)
-    if not 8 <= header <= MAX_HEADER or (entry.offset + header) % PAGE_ALIGN:
-        raise bad(f"size {entry.size} does not fit a {entry.length}-token sample of this cache's shape")
+    if shape.compressed:  # the exact header, then a frame no longer than zstd's bound for the data
+        header = shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
+        if not header < entry.size <= header + frame_bound(shape.data_size(entry.length)):
+            raise bad(f"size {entry.size} does not fit a compressed {entry.length}-token sample of this "
+                      "cache's shape")
+    else:
+        header = entry.size - shape.data_size(entry.length)
+        if not 8 <= header <= MAX_HEADER or (entry.offset + header) % PAGE_ALIGN:
+            raise bad(f"size {entry.size} does not fit a {entry.length}-token sample of this cache's shape")
     if not 0 <= entry.xxh3 < _U64:
         raise bad(f"xxh3 {entry.xxh3} is not a 64-bit checksum")
 

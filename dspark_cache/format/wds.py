@@ -12,6 +12,11 @@ Usage::
     dataset = wids.ShardListDataset("CACHE/shards/wids-index.json", transformations=[decode_wids_sample])
     dataset[0][".safetensors"]["target_last_hidden_states"].array  # [L, H]
 
+Shards of a compressed cache (``dspark-produce --compression zstd``) decode with the same two
+functions: each sample's zstd frame is decoded first (``pip install zstandard``, a dependency of
+dspark-cache). Without dspark-cache, decode a member yourself: the safetensors header as usual, then
+the data section is one zstd frame of byte planes (``format.codec``'s docstring says the layout).
+
 A decoded sample holds NeMo's four per-sample tensors, unpadded, plus ``sample_id``. What a
 generic safetensors reader (``safetensors.torch.load``) returns differs in two ways, both on
 purpose: the blob's ``__padN__`` uint8 tensors (the fill that keeps every tensor 64-byte aligned)
@@ -28,6 +33,7 @@ from __future__ import annotations
 import struct
 from typing import Any, Mapping
 
+from dspark_cache.format.codec import decode_blob
 from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.format.sample import assemble_sample, decode_payload, dequantize_arrays
 from dspark_cache.format.validate import check_fp8_sample, check_token_values
@@ -48,12 +54,15 @@ def decode_dspark_arrays(key: str, data: bytes, *, dequantize: str | None = "BF1
     manifest's, ``functools.partial(decode_dspark_arrays, vocab_size=manifest.target_vocab_size)``;
     without it only negative ids are refused.
     A blob whose header does not parse raises ``CorruptShardError`` naming ``key`` too.
+    A compressed cache's sample (``dspark-produce --compression zstd``) is decoded first
+    (``format.codec.decode_blob``; bounded by what its header declares), to the same arrays bit for
+    bit; a frame that is not its data raises ``CorruptShardError`` naming ``key``.
     Returns ``None`` for other members, which lets WebDataset try its other handlers.
     """
     if not key.lower().endswith(SAMPLE_EXTENSION):
         return None
     try:  # a blob is ours only if it parses: anything else is a damaged sample, named like one
-        tensors, metadata = decode_payload(bytearray(data))
+        tensors, metadata = decode_payload(bytearray(decode_blob(data)))
         sample: dict[str, Any] = dict(assemble_sample(tensors, metadata))
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error, RecursionError) as exc:
         raise CorruptShardError(key, f"its safetensors header does not parse ({type(exc).__name__}: {exc})") \

@@ -31,7 +31,8 @@ from dspark_cache.format.native import load_extension, native_wanted
 from dspark_cache.format.sample import dequantize_rows, fp8_bad_codes, fp8_bad_scales
 from dspark_cache.loader.program import BatchProgram
 from dspark_cache.loader.records import (
-    FILL_ABI, FP8_KINDS, OP_FILL_I64, OP_SAMPLE, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK,
+    FILL_ABI, FP8_KINDS, OP_FILL_I64, OP_SAMPLE, OP_SAMPLE_MEM, OP_ZERO, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT,
+    SEG_PICK,
     SEG_WIDEN_I32, SEG_WIDEN_U8, OpRecord, PickRecord, SegmentRecord,
 )
 
@@ -135,14 +136,16 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
             elif op.kind == OP_FILL_I64:
                 value = op.value - (1 << 64) if op.value >> 63 else op.value  # two's complement
                 _span(bufs, op.target, op.offset, 8 * op.count).view(np.int64)[:] = value
-            elif op.kind == OP_SAMPLE:
+            elif op.kind in (OP_SAMPLE, OP_SAMPLE_MEM):
                 # As C refuses them: segments outside the table, an unknown check, a descriptor that is
-                # not one, a payload past the largest file offset, no scratch to read through.
+                # not one, a payload past the largest file offset (or outside its buffer), no scratch.
+                mem = _span(bufs, op.target, op.offset, op.count) if op.kind == OP_SAMPLE_MEM else None
                 if (op.seg_first > len(segs) or op.seg_count > len(segs) - op.seg_first or op.check > 1
-                        or op.target > _INT32_MAX or op.offset > _INT64_MAX - op.count or not scratch.nbytes):
+                        or (mem is None and (op.target > _INT32_MAX or op.offset > _INT64_MAX - op.count))
+                        or not scratch.nbytes):
                     raise _Stop(RC_INVALID)
                 chosen = segs[op.seg_first : op.seg_first + op.seg_count].tolist()
-                read = _SampleRead(bufs, scratch, picks, op.target, op.offset, op.count, op.check)
+                read = _SampleRead(bufs, scratch, picks, op.target, op.offset, op.count, op.check, mem)
                 try:
                     read.run(map(SegmentRecord._make, chosen))
                 except _Stop as stop:
@@ -183,8 +186,9 @@ class _SampleRead:
     with ``check``, every byte read is hashed (xxhash hashes a large buffer without the GIL)."""
 
     def __init__(self, bufs: list[np.ndarray], scratch: np.ndarray, picks: list[PickRecord], fd: int, offset: int,
-                 size: int, check: int) -> None:
+                 size: int, check: int, mem: np.ndarray | None = None) -> None:
         self.bufs, self.scratch, self.picks, self.fd, self.offset, self.size = bufs, scratch, picks, fd, offset, size
+        self.mem = mem  # OP_SAMPLE_MEM: the payload's bytes, read from here instead of the file
         self.hasher = xxhash.xxh3_64() if check else None
         self.pos = 0
 
@@ -307,6 +311,9 @@ class _SampleRead:
 
     def read_into(self, dst: np.ndarray) -> np.ndarray:
         view, got = memoryview(dst), 0
+        if self.mem is not None:
+            dst[:] = self.mem[self.pos : self.pos + len(dst)]
+            got = len(dst)
         while got < len(view):
             try:
                 n = os.preadv(self.fd, [view[got:]], self.offset + self.pos + got)

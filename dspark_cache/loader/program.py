@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from dspark_cache.loader.records import (
-    OP, OP_COLUMN, OP_FILL_I64, OP_SAMPLE, OP_ZERO, PICK, SEGMENT, as_table, pick_table,
+    OP, OP_COLUMN, OP_FILL_I64, OP_SAMPLE, OP_SAMPLE_MEM, OP_ZERO, PICK, SEGMENT, as_table, pick_table,
 )
 
 _U64 = (1 << 64) - 1
@@ -63,11 +63,23 @@ class BatchProgram:
         segments, the next ones of ``segs`` (:data:`~.records.SEGMENT` records, absolute: payload
         offsets, buffer byte offsets); with an ``xxh3[i]`` (not None), hash it while reading and fail
         unless it matches. A failure names the op's tag."""
+        self._samples(OP_SAMPLE, fds, offsets, sizes, segs, seg_counts, tags, xxh3)
+
+    def samples_in(self, buffer: int, offsets: Sequence[int], sizes: Sequence[int], segs: np.ndarray,
+                   seg_counts: Sequence[int], tags: Sequence[object]) -> None:
+        """As :meth:`samples`, payload i being the ``sizes[i]`` bytes at ``offsets[i]`` of buffer ``buffer``
+        (compressed samples, decoded there: their stored bytes were checked before they were decoded)."""
+        self._samples(OP_SAMPLE_MEM, [buffer] * len(offsets), offsets, sizes, segs, seg_counts, tags,
+                      [None] * len(offsets))
+
+    def _samples(self, kind: int, targets: Sequence[int], offsets: Sequence[int], sizes: Sequence[int],
+                 segs: np.ndarray, seg_counts: Sequence[int], tags: Sequence[object],
+                 xxh3: Sequence[int | None]) -> None:
         if segs.dtype != SEGMENT:
             raise TypeError(f"segments must be records of dtype records.SEGMENT, not {segs.dtype}")
         counts = np.asarray(seg_counts, dtype=np.uint64)
-        self._tags.update(zip(range(self._nops, self._nops + len(fds)), tags))
-        self._add(OP_SAMPLE, len(fds), target=fds, offset=offsets, count=sizes,
+        self._tags.update(zip(range(self._nops, self._nops + len(targets)), tags))
+        self._add(kind, len(targets), target=targets, offset=offsets, count=sizes,
                   value=[0 if h is None else h for h in xxh3], check=[h is not None for h in xxh3],
                   seg_first=self._nsegs + np.cumsum(counts) - counts, seg_count=counts)
         self._segs.append(as_table(segs))

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import xxhash
 
+from dspark_cache.format.codec import CodecError, decode_data
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import layer_positions
@@ -47,6 +49,9 @@ Row = tuple[int, int, int, SampleEntry]
 _DEQUANT_CODES = ("BF16", "F32")  # what FP8 states can be handed out as
 _CODE_OF_TORCH = {name: code for code, name in TORCH_NAMES.items()}
 _EMPTY = np.zeros(0, dtype=np.uint8)  # a program buffer no segment of this cache writes
+# A reader thread decodes a compressed cache's samples into an arena of about this many bytes (or one
+# sample's, if larger), a group of a batch's rows at a time.
+DECODE_ARENA = 256 << 20
 
 
 def resolve_out_code(shape: SampleShape, dtype: object = None) -> str | None:
@@ -257,10 +262,13 @@ class BatchReader:
             identity = {shard_id: self.cache.identity(shard_id) for shard_id in shards}
             count = {shard_id: self.cache.require(shard_id).num_samples for shard_id in shards}
             unchecked = [r for r in rows if self.verified.needed(r[1], identity[r[1]], count[r[1]], r[2])]
-            program = self._program(slab, zero, buffers, rows, fds, {r[0] for r in unchecked})
-            failure = fill.run(program, self._scratch(), native=self.native)
-            if failure is not None:
-                self._raise(failure, rows, buffers)
+            if self.shape.compressed:
+                self._fill_decoded(slab, zero, buffers, rows, fds, {r[0] for r in unchecked})
+            else:
+                program = self._program(slab, zero, buffers, rows, fds, {r[0] for r in unchecked})
+                failure = fill.run(program, self._scratch(), native=self.native)
+                if failure is not None:
+                    self._raise(failure, rows, buffers)
             self._check_headers(rows)
             if self.layout.raw_scales:
                 self._check_raw_scales(buffers, rows)
@@ -269,14 +277,80 @@ class BatchReader:
         finally:
             self.cache.unpin(shards)
 
+    def _fill_decoded(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
+                      rows: list[Row], fds: dict[int, int], check: set[int]) -> None:
+        """A compressed cache's batch: each sample's stored bytes read whole (hashed when in ``check``),
+        its header checked and its frame decoded here, on this reader thread (zstd and numpy release
+        the GIL), into a per-thread arena; the same program then runs from there. Rows go in groups
+        whose decoded bytes fit :data:`DECODE_ARENA`, so the arena stays bounded whatever the batch."""
+        group: list[Row] = []
+        held = 0
+        first = True
+        for row in [*rows, None]:
+            need = 0 if row is None else self._decoded_size(row[3])
+            if group and (row is None or held + need > DECODE_ARENA):
+                arena, offsets, sizes = self._decode(group, fds, check, held)
+                program = self._program(slab, zero if first else [], buffers, group, fds, set(),
+                                        decoded=(arena, offsets, sizes))
+                failure = fill.run(program, self._scratch(), native=self.native)
+                if failure is not None:
+                    self._raise(failure, rows, buffers)
+                group, held, first = [], 0, False
+            if row is not None:
+                group.append(row)
+                held += need
+
+    def _decoded_size(self, entry: SampleEntry) -> int:
+        """Arena bytes of a decoded sample: its header, its data section, up to 64-byte alignment."""
+        header = self.shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
+        return header + self.shape.data_size(entry.length) + 63 & ~63
+
+    def _decode(self, group: list[Row], fds: dict[int, int], check: set[int],
+                total: int) -> tuple[np.ndarray, list[int], list[int]]:
+        """Read, check and decode ``group``'s samples into this thread's arena; returns it, and each
+        sample's offset and decoded size there. A sample that fails is named as corrupt."""
+        arena = getattr(self._local, "arena", None)
+        if arena is None or arena.nbytes < total:
+            arena = self._local.arena = np.empty(max(total, 1 << 20), dtype=np.uint8)
+        largest = max(entry.size for _, _, _, entry in group)
+        stored = getattr(self._local, "stored", None)
+        if stored is None or stored.nbytes < largest:
+            stored = self._local.stored = np.empty(max(largest, 1 << 20), dtype=np.uint8)
+        offsets, sizes, at = [], [], 0
+        for row, shard_id, _, entry in group:
+            path = self.cache.paths.shard_tar(shard_id)
+            blob = stored[: entry.size]
+            got = os.preadv(fds[shard_id], [blob], entry.offset)
+            if got != entry.size:
+                raise CorruptShardError(path, f"short read ({got} of {entry.size} bytes)", entry.sample_id)
+            if row in check and xxhash.xxh3_64_intdigest(blob) != entry.xxh3:
+                raise CorruptShardError(path, "checksum mismatch", entry.sample_id)
+            header = self.shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
+            check_header(blob[:header], entry, self.shape, path)
+            data_size = self.shape.data_size(entry.length)
+            arena[at : at + header] = blob[:header]
+            placed, itemsizes = self.shape.placed(entry.length), self.shape.itemsizes(entry.length)
+            try:
+                decode_data(blob[header:], placed, itemsizes, arena[at + header : at + header + data_size])
+            except CodecError as exc:
+                raise CorruptShardError(path, f"undecodable compressed sample ({exc})",
+                                        entry.sample_id) from None
+            offsets.append(at)
+            sizes.append(header + data_size)
+            at += self._decoded_size(entry)
+        return arena, offsets, sizes
+
     def _program(self, slab: Slab, zero: list[tuple[int, int]], buffers: dict[str, torch.Tensor],
-                 rows: list[Row], fds: dict[int, int], check: set[int]) -> BatchProgram:
+                 rows: list[Row], fds: dict[int, int], check: set[int],
+                 decoded: tuple[np.ndarray, list[int], list[int]] | None = None) -> BatchProgram:
         """Zero the stale pads, read every row (hashing those in ``check``), then give the per-token
-        fields their pads: a few array operations per batch, whatever its size (:func:`place_rows`)."""
+        fields their pads: a few array operations per batch, whatever its size (:func:`place_rows`).
+        ``decoded``: the rows are decoded samples, in this buffer at these offsets and sizes."""
         lay = self.layout
         index = {name: i for i, name in enumerate(self.buffer_names)}
         program = BatchProgram([slab.field_bytes(name, buffers[name].nbytes) if name in buffers else _EMPTY
-                                     for name in self.buffer_names] + [self._headers()], lay.picks)
+                                     for name in self.buffer_names] + [self._headers()]
+                               + ([] if decoded is None else [decoded[0]]), lay.picks)
         spans = slab.zero_spans(zero)
         if spans:
             program.zeros([index[name] for name, _, _ in spans], [offset for _, offset, _ in spans],
@@ -286,13 +360,17 @@ class BatchReader:
                            for name in BUFFERS], dtype=np.uint64)  # bytes per row
         entries = [entry for _, _, _, entry in rows]
         templates = [lay.template(entry.length) for entry in entries]
-        sizes = np.array([entry.size for entry in entries], dtype=np.uint64)
+        stored = [entry.size for entry in entries] if decoded is None else decoded[2]
+        sizes = np.array(stored, dtype=np.uint64)
         headers = sizes - np.array([t.data_size for t in templates], dtype=np.uint64)
         row_ids = np.array([row for row, _, _, _ in rows], dtype=np.int64)
         segs, counts = place_rows(templates, headers, row_ids, stride, self.header_buffer, MAX_HEADER)
-        program.samples([fds[shard_id] for _, shard_id, _, _ in rows], [entry.offset for entry in entries], sizes,
-                        segs, counts, row_ids.tolist(),
-                        [entry.xxh3 if row in check else None for row, _, _, entry in rows])
+        if decoded is None:
+            program.samples([fds[shard_id] for _, shard_id, _, _ in rows],
+                            [entry.offset for entry in entries], sizes, segs, counts, row_ids.tolist(),
+                            [entry.xxh3 if row in check else None for row, _, _, entry in rows])
+        else:
+            program.samples_in(self.header_buffer + 1, decoded[1], sizes, segs, counts, row_ids.tolist())
         lengths = np.array([entry.length for entry in entries], dtype=np.int64)
         starts, pads = (row_ids * width + lengths) * 8, width - lengths
         program.fills([index[INPUT_IDS]] * len(rows), starts, pads, lay.pad_token_id)
@@ -314,7 +392,7 @@ class BatchReader:
         proves the bytes, this proves the index describes them (length, id, shape)."""
         headers = self._headers()
         for row, shard_id, _, entry in rows:
-            header = entry.size - self.layout.template(entry.length).data_size
+            header = self.shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
             actual = headers[row * MAX_HEADER : row * MAX_HEADER + header]
             check_header(actual, entry, self.shape, self.cache.paths.shard_tar(shard_id))
 

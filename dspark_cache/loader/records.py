@@ -14,7 +14,9 @@ An op is one of (unused fields are 0):
   of buffer ``target``;
 * ``OP_SAMPLE``: read the ``count``-byte payload at file ``offset`` of descriptor ``target``
   through segments ``seg_first .. seg_first + seg_count``; with ``check`` 1, hash every byte as
-  it is read and fail with ``RC_CHECKSUM`` unless the payload's xxh3-64 is ``value``.
+  it is read and fail with ``RC_CHECKSUM`` unless the payload's xxh3-64 is ``value``;
+* ``OP_SAMPLE_MEM``: the same, the payload being the ``count`` bytes at ``offset`` of buffer ``target``
+  (a compressed sample, decoded there by the reader thread).
 
 A segment says where a byte range of the payload goes: ``len`` bytes from payload offset
 ``src_off`` to ``off`` of buffer ``buf``, as they are (``SEG_COPY``), as they are plus the
@@ -42,7 +44,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-OP_ZERO, OP_FILL_I64, OP_SAMPLE = 1, 2, 3
+OP_ZERO, OP_FILL_I64, OP_SAMPLE, OP_SAMPLE_MEM = 1, 2, 3, 4
 SEG_COPY, SEG_COPY_COLS, SEG_WIDEN_I32, SEG_WIDEN_U8, SEG_DEQUANT, SEG_PICK = 1, 2, 3, 4, 5, 6
 # SEG_DEQUANT's fp8_kind, by the format's dtype code.
 FP8_KINDS = {"F8_E4M3": 1, "F8_E5M2": 2}
@@ -54,7 +56,7 @@ class OpRecord(NamedTuple):
     """One op, as the Python filler reads it (field order = :data:`OP` = ``op_t``)."""
 
     kind: int
-    target: int  # buffer index, or the file descriptor of OP_SAMPLE
+    target: int  # buffer index (OP_SAMPLE_MEM's too), or the file descriptor of OP_SAMPLE
     offset: int  # byte offset in the buffer, or in the file
     count: int  # bytes (ZERO, SAMPLE) or int64 slots (FILL_I64)
     value: int  # FILL_I64's value, as uint64; SAMPLE's xxh3-64 when ``check``
@@ -96,7 +98,7 @@ class PickRecord(NamedTuple):
     stride: int  # bytes from one destination row to the next
 
 
-FILL_ABI = 2  # csrc/batch_fill.c's dspark_fill_abi(): bumped with any change to these records
+FILL_ABI = 3  # csrc/batch_fill.c's dspark_fill_abi(): bumped with any change to these records
 OP = np.dtype([(name, _U64) for name in OpRecord._fields])
 SEGMENT = np.dtype([(name, _U64) for name in SegmentRecord._fields])
 PICK = np.dtype([(name, _U64) for name in PickRecord._fields])

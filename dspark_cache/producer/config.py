@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
+from dspark_cache.format.codec import CODECS, DEFAULT_LEVEL, LEVELS
 from dspark_cache.format.layers import EMBEDDING_LAYER, validate_target_layer_ids
 from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.sample import CACHE_DTYPES, is_fp8  # names -> safetensors codes: no torch
@@ -96,6 +97,8 @@ class ProduceConfig:
     batch_size: int = 4
     shard_size: int = 256
     dtype: str = "bf16"
+    compression: str = "none"
+    compression_level: int | None = None
     device: str = "auto"
     num_workers: int | None = None
     split: str | None = None
@@ -141,6 +144,13 @@ class ProduceConfig:
         return min(16, rank_cores())
 
     @property
+    def level(self) -> int:
+        """The zstd level recorded in the manifest (0 when nothing is compressed)."""
+        if self.compression == "none":
+            return 0
+        return DEFAULT_LEVEL if self.compression_level is None else self.compression_level
+
+    @property
     def writers(self) -> int:
         """Shards written at once: ``--writer-threads``, else :func:`default_writer_threads`."""
         return self.writer_threads if self.writer_threads is not None else default_writer_threads()
@@ -164,6 +174,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=256,
                    help="at most this many samples per shard (shards are cut from whole batches; any value works)")
     p.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default="bf16", help="cache float dtype")
+    p.add_argument("--compression", choices=list(CODECS), default="none",
+                   help="lossless codec of each sample's payload: zstd stores the states as byte planes "
+                   "in one zstd frame (bf16 ~0.7x the bytes, read back bit for bit by every reader; "
+                   "BENCHMARKS.md); one cache holds one codec")
+    p.add_argument("--compression-level", type=int, default=None, metavar="N",
+                   help=f"zstd level with --compression zstd, {LEVELS[0]}..{LEVELS[1]} (default "
+                   f"{DEFAULT_LEVEL}: higher levels cost the writers several times the CPU for no "
+                   "fewer bytes on states)")
     p.add_argument("--device", type=device_argument, default="auto",
                    help=f"{DEVICE_FORMS}; auto = CUDA when present (under torchrun cuda:LOCAL_RANK), else cpu")
     p.add_argument("--tp-size", type=size_argument, default=1,
@@ -312,6 +330,13 @@ def validate_config(cfg: ProduceConfig) -> None:
                  "max_row_bytes", "writer_threads"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.compression_level is not None and cfg.compression == "none":
+        raise ConfigError(f"--compression-level {cfg.compression_level} needs --compression zstd (nothing is "
+                          "compressed by default); add it, or leave the level out")
+    if cfg.compression_level is not None and not LEVELS[0] <= cfg.compression_level <= LEVELS[1]:
+        raise ConfigError(f"--compression-level {cfg.compression_level} is not in "
+                          f"[{LEVELS[0]}, {LEVELS[1]}], the zstd levels a cache records; pass one of them "
+                          f"(default {DEFAULT_LEVEL})")
     if cfg.writer_threads is not None and cfg.writer_threads > WRITER_THREADS_LIMIT:
         raise ConfigError(f"--writer-threads {cfg.writer_threads} is over {WRITER_THREADS_LIMIT} (a thread "
                           f"and an open shard each); {MAX_WRITER_THREADS} keep up with any one GPU: pass "

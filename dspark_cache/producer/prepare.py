@@ -129,7 +129,8 @@ def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], p
     return Manifest(
         target_model=cfg.target_model, target_model_type=info.model_type, target_vocab_size=info.vocab_size,
         hidden_size=info.hidden_size, num_hidden_layers=info.num_layers, seq_length=cfg.seq_length,
-        dtype=cfg.dtype, num_samples=plan.num_samples, shard_size=cfg.shard_size,
+        dtype=cfg.dtype, compression=cfg.compression, compression_level=cfg.level,
+        num_samples=plan.num_samples, shard_size=cfg.shard_size,
         target_hidden_dim=info.hidden_size * len(layer_ids), target_last_hidden_dim=info.hidden_size,
         target_layer_ids=layer_ids, train_data_path=str(cfg.input_data), train_split=cfg.split,
         shuffle_seed=cfg.shuffle_seed, mask_reasoning_content=cfg.mask_reasoning_content,
@@ -198,7 +199,8 @@ def prepare(settings: Settings, output: CacheOutput) -> Prepared:
     cfg, info, layer_ids = settings.cfg, settings.info, settings.layer_ids
     tokenizer = load_tokenizer(cfg, settings.template)
     encoder = ChatEncoder(tokenizer, cfg.seq_length, cfg.mask_reasoning_content, cfg.mask_generation_prompt)
-    shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype])
+    shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype],
+                        cfg.compression)
     input_sha256 = settings.source.content_sha256()
     plan = plan_input(cfg, encoder, settings.source, shape, output, input_sha256, info.vocab_size)
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "

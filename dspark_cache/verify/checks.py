@@ -117,11 +117,12 @@ def _verify_shard(cache: CacheDir, shard_id: int, report: Report) -> ShardIndex 
 
 def _verify_values(cache: CacheDir, index: ShardIndex, shard_id: int) -> None:
     """Every sample's values by the readers' own rules, after the checksums passed (from the page
-    cache): an FP8 sample is read whole (``ShardReader.read_sample`` checks its scales, codes and
-    tokens), any other only its token ids and loss mask (the token rule, ``check_tokens``)."""
+    cache): an FP8 or compressed sample is read whole (``ShardReader.read_sample`` decodes it and checks
+    its scales, codes and tokens), any other only its token ids and loss mask (the token rule,
+    ``check_tokens``). A compressed sample's frame that does not decode is corrupt like any other."""
     with ShardReader(cache.paths, shard_id, index, cache.shape, cache.manifest.target_vocab_size) as reader:
         for entry in index.samples:
-            if cache.shape.fp8:
+            if cache.shape.fp8 or cache.shape.compressed:
                 reader.read_sample(entry)
             else:
                 reader.check_tokens(entry)

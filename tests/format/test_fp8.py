@@ -150,7 +150,7 @@ def test_fp8_manifests_are_marked_and_checked():
     edited.update(format_version=FORMAT_ID, scale_scheme="")
     with pytest.raises(msgspec.DecodeError, match="stored as float8.*dspark-wds/3"):
         decode_manifest(json.dumps(edited).encode(), "m")
-    edited["format_version"] = "dspark-wds/4"
+    edited["format_version"] = "dspark-wds/5"  # /4 is the compressed caches' (issue 42)
     with pytest.raises(msgspec.DecodeError, match="upgrade dspark-cache"):
         decode_manifest(json.dumps(edited).encode(), "m")
 

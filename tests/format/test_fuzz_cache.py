@@ -212,6 +212,39 @@ def test_hostile_fp8_scales_and_codes_are_refused(pristine_fp8, tmp_path):
     assert len(crafted) > FP8_CASES // 2 and all(r["outcome"] == "rejected" for r in crafted)
 
 
+# -- compressed samples (issue 42) -------------------------------------------------------------
+
+ZSTD_CASES = int(os.environ.get("DSPARK_FUZZ_ZSTD_CASES", "100"))
+
+
+@pytest.fixture
+def pristine_zstd(produced) -> str:
+    return produced(*PRISTINE_ARGS, "--dtype", "bf16", "--compression", "zstd")
+
+
+@pytest.mark.slow
+def test_hostile_compressed_frames_are_refused(pristine_zstd, tmp_path):
+    """Crafted frames with matching checksums (decompression bombs of up to 1 GiB, frames that declare no
+    size, another size or no checksum, random bytes, flipped bits, cut frames, another sample's) through
+    open_cache, both fillers, webdataset and verify, under the worker's address-space limit: every reader
+    refuses each as a corrupt sample naming its file, in bounded time and memory; never other states. A
+    quarter as many cases more: the generic mutations on a compressed cache's geometry (without plain
+    WebDataset, whose own tar reading is not ours: it waits on a FIFO)."""
+    results = []
+    end = ZSTD_CASES + ZSTD_CASES // 4
+    for first in range(0, end, PER_WORKER):
+        crafted = first < ZSTD_CASES
+        count = min(PER_WORKER, (ZSTD_CASES if crafted else end) - first)
+        results += _run_worker(pristine_zstd, str(tmp_path), first, count, "zstd" if crafted else "cache")
+    failures = [r for r in results if r["outcome"].startswith("FAIL")]
+    counts = collections.Counter(r["outcome"] for r in results)
+    crafted = [r for r in results if (r["mutation"] or "").startswith("zstd:")]
+    kinds = collections.Counter(r["mutation"].split(": ")[-1] for r in crafted)
+    print(f"\nfuzz zstd: {len(results)} cases, seed {SEED}: {dict(counts)}; crafted frames: {dict(kinds)}")
+    assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
+    assert len(crafted) == ZSTD_CASES and all(r["outcome"] == "rejected" for r in crafted)
+
+
 # -- convert sources ------------------------------------------------------------------------------
 
 CONVERT_CASES = int(os.environ.get("DSPARK_FUZZ_CONVERT_CASES", "250"))

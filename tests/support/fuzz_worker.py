@@ -255,6 +255,71 @@ def mutate_tokens(root: str, rng: random.Random) -> str:
     return f"tokens: sample {entry[0]} in {os.path.basename(path)}: {name}[{token}] = {value}"
 
 
+# -- compressed samples: crafted frames, checksums made to match (issue 42) -------------------------
+
+
+def _zstd_frame(data_size: int, rng: random.Random, declared: int | None = None, *, checksum: bool = True,
+                zeros: bool = False) -> bytes:
+    """A zstd frame of ``data_size`` zero (``zeros``, else either) or random bytes declaring ``declared``
+    (default: its size; -1: none), built in pieces so that a bomb never sits in this process's memory."""
+    import zstandard
+
+    size = data_size if declared is None else declared
+    packer = zstandard.ZstdCompressor(level=1, write_checksum=checksum, write_content_size=size >= 0)
+    stream = packer.compressobj(size=max(size, 0) if size >= 0 else -1)
+    fill = zeros or rng.random() < 0.5
+    out, left = [], data_size
+    while left:
+        n = min(left, 1 << 20)
+        out.append(stream.compress(bytes(n) if fill else rng.randbytes(n)))
+        left -= n
+    return b"".join(out) + stream.flush()
+
+
+def _mutate_zstd(root: str, rng: random.Random) -> str:
+    """One compressed sample's frame replaced by a hostile one of the same stored size (zero-filled after
+    a shorter one), its sample and tar checksums rewritten to match: only the codec's checks can refuse it."""
+    import xxhash
+
+    from dspark_cache.format.geometry import SampleShape
+    from dspark_cache.format.manifest import read_manifest
+
+    shape = SampleShape.from_manifest(read_manifest(root))
+    path, index_path, index, raw = _random_shard(CachePaths(root), rng)
+    entry = rng.choice(index["samples"])
+    offset, size = entry[3], entry[4]
+    header = shape.header_size(entry[1], entry[0], offset, size)
+    frame = bytes(raw[offset + header : offset + size])
+    data = shape.data_size(entry[1])
+    how = rng.choice(["bomb", "bomb", "no size", "no checksum", "wrong size", "random", "flip", "flip",
+                      "truncated", "another sample's"])
+    if how == "bomb":  # declares (and holds) far more than the sample: refused before a byte is decoded
+        bad = _zstd_frame(rng.choice([1 << 28, 1 << 30, data * 64]), rng, zeros=True)
+    elif how == "no size":
+        bad = _zstd_frame(data, rng, -1)
+    elif how == "no checksum":
+        bad = _zstd_frame(data, rng, checksum=False)
+    elif how == "wrong size":
+        bad = _zstd_frame(data + rng.choice([-64, -1, 1, 64]), rng)
+    elif how == "random":
+        bad = rng.randbytes(len(frame))
+    elif how == "flip":
+        at = rng.randrange(len(frame))
+        bad = frame[:at] + bytes([frame[at] ^ (1 << rng.randrange(8))]) + frame[at + 1 :]
+    elif how == "truncated":
+        bad = frame[: rng.randrange(len(frame))]
+    else:  # a frame of the writer's whose size is this sample's, but not its bytes: its checksum differs
+        bad = _zstd_frame(data, rng)
+    if len(bad) > len(frame):
+        bad = bad[: len(frame)]  # a longer frame cut to fit: refused all the same
+    raw[offset + header : offset + size] = bad + bytes(len(frame) - len(bad))
+    entry[5] = xxhash.xxh3_64_intdigest(bytes(raw[offset : offset + size]))
+    index["tar_xxh3"] = xxhash.xxh3_64_intdigest(bytes(raw))
+    open(path, "wb").write(bytes(raw))
+    json.dump(index, open(index_path, "w"))
+    return f"zstd: sample {entry[0]} in {os.path.basename(path)}: {how} frame"
+
+
 # -- reading ----------------------------------------------------------------------------------
 
 
@@ -333,6 +398,7 @@ def _read_webdataset(root: str, original: dict) -> bool:
         if isinstance(exc.__cause__, CacheError):  # the decoder names the member; WebDataset knows the tar
             raise CacheError(f"{exc.url} ({exc.key}): {exc.__cause__}") from exc
         raise
+
     return samples.keys() == original.keys() and all(_same(samples[i], original[i]) for i in original)
 
 
@@ -362,8 +428,9 @@ def _read_loader(native: bool):
 
 
 # Mutation families (the optional last argument) and the readers each adds to the common three.
-FAMILIES = {"cache": mutate, "fp8": mutate_fp8, "tokens": mutate_tokens}
-EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),), "tokens": (("webdataset", _read_webdataset),)}
+FAMILIES = {"cache": mutate, "fp8": mutate_fp8, "tokens": mutate_tokens, "zstd": _mutate_zstd}
+EXTRA_READERS = {"fp8": (("open_cache-raw", _read_open_cache_raw),),
+                 "tokens": (("webdataset", _read_webdataset),), "zstd": (("webdataset", _read_webdataset),)}
 
 
 if __name__ == "__main__":

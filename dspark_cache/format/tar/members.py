@@ -36,8 +36,17 @@ class TarCursor:
         self.offset = 0
 
     def place(self, specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[int, PayloadLayout]:
-        """Place one sample; returns the payload's file offset and its layout."""
-        data_offset = self.offset + TAR_BLOCK
-        layout = layout_payload(specs, metadata, data_offset)
-        self.offset = data_offset + layout.size + block_padding(layout.size)
+        """Place one sample stored as laid out; returns the payload's file offset and its layout."""
+        data_offset, layout = self.lay_out(specs, metadata)
+        self.advance(layout.size)
         return data_offset, layout
+
+    def lay_out(self, specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[int, PayloadLayout]:
+        """The next sample's payload offset and layout, not yet placed: :meth:`advance` by the size it
+        is stored in (a compressed sample's is known once its frame is made)."""
+        data_offset = self.offset + TAR_BLOCK
+        return data_offset, layout_payload(specs, metadata, data_offset)
+
+    def advance(self, size: int) -> None:
+        """Place the member laid out last, its payload ``size`` bytes."""
+        self.offset += TAR_BLOCK + size + block_padding(size)

@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from dspark_cache.format.codec import decode_blob
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.files import open_regular, read_regular, regular_size
 from dspark_cache.format.geometry import SampleShape
@@ -109,9 +110,10 @@ class ShardReader:
         dtype code (``loader.tensors.sample_to_torch`` makes them torch tensors)."""
         blob = self.read_blob(entry)
         if self.shape is not None:
-            header = entry.size - self.shape.data_size(entry.length)
+            header = self.shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
             check_header(memoryview(blob)[:header], entry, self.shape, self.path)
-        try:
+        try:  # a compressed sample is decoded here, bounded by its shape (without one, by its header)
+            blob = decode_blob(blob) if self.shape is None else self.shape.decode(blob, entry.length)
             tensors, metadata = decode_payload(blob)
             sample = assemble_sample(tensors, metadata)
         except (ValueError, KeyError, TypeError, RuntimeError, UnicodeDecodeError, OverflowError) as exc:
@@ -124,9 +126,13 @@ class ShardReader:
     def check_tokens(self, entry: SampleEntry) -> None:
         """The token rule (``format.validate.token_problem``) on one sample, reading only its ids and
         loss mask (5 bytes a token, where the layout puts them) instead of the whole blob: what
-        ``dspark-verify`` checks after :meth:`verify` proved the bytes are the writer's."""
+        ``dspark-verify`` checks after :meth:`verify` proved the bytes are the writer's. A compressed
+        sample is decoded whole (:meth:`read_sample`), which checks the same rule."""
         if self.shape is None:
             raise ValueError("check_tokens needs the cache's shape to find the token ids")
+        if self.shape.compressed:
+            self.read_sample(entry)
+            return
         placed = {name: (start, end) for name, start, end in place_tensors(self.shape.specs(entry.length))}
         data = entry.offset + entry.size - self.shape.data_size(entry.length)
         (ids_at, _), (mask_at, mask_end) = placed[INPUT_IDS], placed[LOSS_MASK]
@@ -144,7 +150,8 @@ class ShardReader:
         for entry in self.index.samples:
             position = self._hash_span(whole, None, position, entry.offset)
             sample = xxhash.xxh3_64()
-            header = entry.size - self.shape.data_size(entry.length) if self.shape is not None else 0
+            header = (self.shape.header_size(entry.length, entry.sample_id, entry.offset, entry.size)
+                      if self.shape is not None else 0)
             head = self._read_exact(entry.offset, header, entry) if header else b""
             sample.update(head)
             whole.update(head)

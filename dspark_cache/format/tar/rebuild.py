@@ -91,8 +91,14 @@ def _entry(raw, sample_id: int, offset: int, size: int, shape: SampleShape) -> S
     if shape.header(length, sample_id, offset) != struct.pack("<Q", header_len) + text:
         raise ValueError("header does not match the cache's shape")
     start, end = header[LOSS_MASK]["data_offsets"]
-    raw.seek(offset + 8 + header_len + start)
-    loss_tokens = int(np.count_nonzero(np.frombuffer(raw.read(end - start), dtype=np.uint8)))
+    if shape.compressed:  # the mask lies inside the frame: decode the sample (bounded by its length)
+        raw.seek(offset)
+        blob = shape.decode(raw.read(size), length)
+        mask = memoryview(blob)[8 + header_len + start : 8 + header_len + end]
+    else:
+        raw.seek(offset + 8 + header_len + start)
+        mask = raw.read(end - start)
+    loss_tokens = int(np.count_nonzero(np.frombuffer(mask, dtype=np.uint8)))
     digest = xxhash.xxh3_64()
     raw.seek(offset)
     left = size

@@ -18,7 +18,8 @@ from dspark_cache.format.atomic import atomic_write_bytes, fsync_dir
 from dspark_cache.format.faults import check_write_budget, crash_point
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.sample import TensorSpec, payload_buffers
+from dspark_cache.format.codec import DEFAULT_LEVEL, encode_data
+from dspark_cache.format.sample import COMPRESSION_KEY, DTYPE_SIZES, TensorSpec, payload_buffers
 from dspark_cache.format.schema import SampleEntry, ShardIndex, encode_json
 from dspark_cache.format.tar.append import Piece, TarAppender, zeros
 from dspark_cache.format.tar.members import (
@@ -70,8 +71,11 @@ class ShardWriter:
     ``native``: the C writer (default: when built, unless ``DSPARK_NATIVE=0``); both write the same bytes."""
 
     def __init__(self, paths: CachePaths, shard_id: int, *, durable: bool = True, cache_id: str = "",
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, compression_level: int = DEFAULT_LEVEL) -> None:
         self.paths = paths
+        # The zstd level of samples whose metadata names a compression (format.codec); the frames
+        # are made here, on the thread that writes the shard (the producer's writer lanes).
+        self.compression_level = compression_level
         self.shard_id = shard_id
         self.durable = durable
         self.cache_id = cache_id
@@ -116,11 +120,21 @@ class ShardWriter:
         pieces: list[Piece] = []
         placed: list[tuple[SampleToWrite, int, int]] = []
         for owner, sample in enumerate(samples):
-            data_offset, layout = self._cursor.place(sample.specs, sample.metadata)
-            pieces.append(Piece(member_header(member_name(sample.sample_id), layout.size), -1))
-            pieces += [Piece(buffer, owner) for buffer in payload_buffers(layout, sample.tensors, zeros)]
-            pieces.append(Piece(zeros(block_padding(layout.size)), -1))
-            placed.append((sample, data_offset, layout.size))
+            data_offset, layout = self._cursor.lay_out(sample.specs, sample.metadata)
+            if COMPRESSION_KEY in sample.metadata:
+                itemsizes = {spec.name: DTYPE_SIZES[spec.dtype] for spec in sample.specs}
+                data_size = layout.placed[-1][2] if layout.placed else 0
+                frame = encode_data(layout.placed, itemsizes, sample.tensors, data_size,
+                                    self.compression_level)
+                buffers = [memoryview(layout.header), memoryview(frame)]
+            else:
+                buffers = payload_buffers(layout, sample.tensors, zeros)
+            size = sum(b.nbytes for b in buffers)
+            self._cursor.advance(size)
+            pieces.append(Piece(member_header(member_name(sample.sample_id), size), -1))
+            pieces += [Piece(buffer, owner) for buffer in buffers]
+            pieces.append(Piece(zeros(block_padding(size)), -1))
+            placed.append((sample, data_offset, size))
         hashes = self._write(pieces, len(samples))
         entries = []
         for (sample, data_offset, size), xxh3 in zip(placed, hashes):
@@ -181,12 +195,15 @@ def write_index(paths: CachePaths, index: ShardIndex, *, durable: bool = True) -
 
 
 def predict_shard_bytes(shape: SampleShape, sample_ids: Iterable[int], lengths: Iterable[int]) -> int:
-    """Exact size of the tar that :class:`ShardWriter` writes for these samples of ``shape``, in this order.
+    """Exact size of the tar that :class:`ShardWriter` writes for these samples of ``shape``, in this order
+    (a compressed ``shape``: the size of its samples uncompressed, which bounds what the plan needs on
+    disk; what they take is known only once they are compressed).
 
     Members are placed as :class:`TarCursor` places them, each header taken from the shape's
     per-length template rather than laid out per sample: a plan of millions of samples is sized
     in seconds, before anything is computed.
     """
+    shape = shape.uncompressed
     offset = 0
     for sample_id, length in zip(sample_ids, lengths, strict=True):
         data_offset = offset + TAR_BLOCK

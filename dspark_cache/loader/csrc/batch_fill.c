@@ -16,6 +16,8 @@
  *                          SAMPLE 3: the count-byte payload at file offset of fd target,
  *                          through segments seg_first .. seg_first + seg_count; with check 1
  *                          its xxh3-64 must be value, else RC_CHECKSUM
+ *                          SAMPLE_MEM 4: as SAMPLE, the payload being the count bytes at offset of
+ *                          buffer target (a compressed sample decoded by the reader thread)
  *   segs segment_t[n]      {kind, src_off, len, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst,
  *                           scale_buf, scale_off, group, out_size, fp8_kind, limit, pick_first, pick_count}
  *                          kinds: COPY 1, COPY_COLS 2 (COPY + columns of each row to col_buf),
@@ -75,7 +77,7 @@
 #define DSPARK_STREAM 1
 #endif
 
-enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3 };
+enum { OP_ZERO = 1, OP_FILL_I64 = 2, OP_SAMPLE = 3, OP_SAMPLE_MEM = 4 };
 enum { SEG_COPY = 1, SEG_COPY_COLS = 2, SEG_WIDEN_I32 = 3, SEG_WIDEN_U8 = 4, SEG_DEQUANT = 5, SEG_PICK = 6 };
 enum { RC_OK = 0, RC_SHORT_READ = 1, RC_CHECKSUM = 2, RC_INVALID = 3, RC_READ_ERROR = 4, RC_BAD_SCALE = 5,
        RC_BAD_CODE = 6, RC_BAD_TOKEN = 7 };
@@ -108,12 +110,14 @@ typedef struct {
     uint64_t scratch_size, chunk;
 } context;
 
-/* One payload being read, in file order: pos bytes of it so far, each hashed when hash is set. */
+/* One payload being read, in file order: pos bytes of it so far, each hashed when hash is set;
+ * from mem (its bounds checked once) instead of the file when mem is set. */
 typedef struct {
     const context *cx;
     int fd;
     uint64_t base, pos;
     dspark_xxh3 *hash;
+    const uint8_t *mem;
 } reading;
 
 /* Batch memory is written once and read later by training (or a DMA engine): stores that
@@ -178,6 +182,7 @@ static uint8_t *span_of(const context *cx, uint64_t buf, uint64_t off, uint64_t 
 static int read_exact(reading *rd, uint8_t *dst, uint64_t n, uint64_t *detail) {
     uint64_t done = 0;
     int rc = RC_OK;
+    if (rd->mem) memcpy(dst, rd->mem + rd->pos, (size_t)n), done = n;
     while (done < n) {
         ssize_t r = pread(rd->fd, dst + done, (size_t)(n - done), (off_t)(rd->base + rd->pos + done));
         if (r < 0) {
@@ -200,6 +205,7 @@ static int read_exact(reading *rd, uint8_t *dst, uint64_t n, uint64_t *detail) {
 /* Bytes no tensor wants (header, alignment fill): read into scratch (and hashed) and dropped. */
 static int read_gap(reading *rd, uint64_t end, uint64_t *detail) {
     const context *cx = rd->cx;
+    if (rd->mem && !rd->hash && rd->pos < end) rd->pos = end; /* in memory: nothing to read through */
     while (rd->pos < end) {
         uint64_t n = end - rd->pos < cx->chunk ? end - rd->pos : cx->chunk;
         int rc = read_exact(rd, cx->scratch, n, detail);
@@ -513,11 +519,14 @@ static int is_rule(int rc) { return rc == RC_BAD_SCALE || rc == RC_BAD_CODE || r
 static int run_sample(const context *cx, const op_t *op, const segment_t *segs, uint64_t n_segs,
                       uint64_t *detail) {
     dspark_xxh3 hash;
-    reading rd = {cx, (int)op->target, op->offset, 0, op->check ? &hash : NULL};
+    reading rd = {cx, (int)op->target, op->offset, 0, op->check ? &hash : NULL, NULL};
     uint64_t size = op->count, first = op->seg_first, count = op->seg_count;
-    if (first > n_segs || count > n_segs - first || op->check > 1 || op->target > INT32_MAX ||
-        op->offset > (uint64_t)INT64_MAX - size)
+    if (op->kind == OP_SAMPLE_MEM) { /* every read lies inside the payload, so inside the buffer */
+        if (!(rd.mem = span(cx, op->target, op->offset, size))) return RC_INVALID;
+        rd.fd = -1, rd.base = 0;
+    } else if (op->target > INT32_MAX || op->offset > (uint64_t)INT64_MAX - size)
         return RC_INVALID;
+    if (first > n_segs || count > n_segs - first || op->check > 1) return RC_INVALID;
     if (rd.hash) dspark_xxh3_reset(rd.hash);
     int rc = RC_OK;
     for (uint64_t s = first; s < first + count && !rc; s++) {
@@ -576,7 +585,8 @@ int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, ui
                 rc = RC_INVALID;
             else for (uint64_t k = 0; k < op->count; k++) ((int64_t *)dst)[k] = (int64_t)op->value;
             break;
-        case OP_SAMPLE: rc = run_sample(&cx, op, segs, n_segs, detail); break;
+        case OP_SAMPLE:
+        case OP_SAMPLE_MEM: rc = run_sample(&cx, op, segs, n_segs, detail); break;
         default: rc = RC_INVALID;
         }
     }
@@ -589,7 +599,7 @@ int dspark_fill_batch(const op_t *ops, uint64_t n_ops, const segment_t *segs, ui
 
 /* The layout of the records this library reads: records.py's FILL_ABI, compared before the first
  * call, so that a library left from an older build is never called with records it misreads. */
-int dspark_fill_abi(void) { return 2; }
+int dspark_fill_abi(void) { return 3; }
 
 /* An importable (empty) module, so that Python finds the library through the import system. */
 static struct PyModuleDef batch_fill_module = {PyModuleDef_HEAD_INIT, "_batch_fill",

@@ -13,6 +13,7 @@ from dspark_cache.cli.conventions import (
     EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, add_storage_arguments, staging_limit_from_args,
     exit_codes_epilog, storage_from_args,
 )
+from dspark_cache.format.codec import CODECS, DEFAULT_LEVEL, LEVELS
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.format.remote.url import is_remote
 from dspark_cache.nemo.convert.common import ConvertResult, ConvertUsageError
@@ -61,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--to nemo: samples per NeMo shard (default: the source's shard_size)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="--to nemo, FP8 caches: the dtype their states are dequantised to (default: bf16)")
+    p.add_argument("--compression", choices=list(CODECS), default=None,
+                   help="--to dspark: store the cache compressed (zstd: byte planes + zstd, lossless; "
+                   "default none)")
+    p.add_argument("--compression-level", type=int, default=None, metavar="N",
+                   help=f"--to dspark with --compression zstd: the zstd level, {LEVELS[0]}..{LEVELS[1]} "
+                   f"(default {DEFAULT_LEVEL})")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a different cache in DST (deletes only cache files of either layout)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -73,6 +80,13 @@ def _check_args(args: argparse.Namespace) -> None:
                          "pad_token_id)")
     if args.to == "dspark" and args.shard_size is not None:
         raise UsageError("--shard-size applies to --to nemo (an import keeps NeMo's shards)")
+    if args.to == "nemo" and (args.compression is not None or args.compression_level is not None):
+        raise UsageError("--compression/--compression-level apply to --to dspark (NeMo's layout is "
+                         "uncompressed; a compressed source is decoded)")
+    if args.compression_level is not None and args.compression != "zstd":
+        raise UsageError("--compression-level needs --compression zstd")
+    if args.compression_level is not None and not LEVELS[0] <= args.compression_level <= LEVELS[1]:
+        raise UsageError(f"--compression-level must be in [{LEVELS[0]}, {LEVELS[1]}]")
     if args.to == "dspark" and args.dtype is not None:
         raise UsageError("--dtype applies to --to nemo (an import keeps NeMo's dtype)")
     for name in ("pad_token_id", "eos_token_id"):
@@ -120,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
             result = convert_to_dspark(args.src, args.dst, pad_token_id=args.pad_token_id,
                                        eos_token_id=args.eos_token_id, overwrite=args.overwrite, progress=progress,
                                        storage=storage_from_args(args), staging_dir=args.staging_dir,
-                                       staging_limit=staging_limit_from_args(args))
+                                       staging_limit=staging_limit_from_args(args),
+                                       compression=args.compression or "none",
+                                       compression_level=args.compression_level)
         else:
             result = convert_to_nemo(args.src, args.dst, shard_size=args.shard_size, overwrite=args.overwrite,
                                      progress=progress, dtype=args.dtype, storage=storage_from_args(args))

@@ -21,6 +21,7 @@ import torch
 from dspark_cache import __version__
 from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CorruptShardError
+from dspark_cache.format.codec import DEFAULT_LEVEL
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.manifest import ManifestDecodeError, adopt_cache_id, read_manifest
 from dspark_cache.format.destination import open_output
@@ -52,6 +53,7 @@ class ImportPlan:
     shard_bytes: list[int] = field(default_factory=list)
     ambiguous: int = 0
     skipped: list[SkippedRow] = field(default_factory=list)
+    compressed: bool = False  # shard_bytes are then the uncompressed sizes: an upper estimate, not exact
 
     def kept_ids(self, rows: range) -> list[int]:
         return [sid for sid in rows if self.lengths[sid]]
@@ -67,7 +69,8 @@ def _check_row(path: str, row: int, sample: int, ids: torch.Tensor, mask: torch.
 
 def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> ImportPlan:
     """First pass: check every shard and row, and size every output shard exactly."""
-    plan = ImportPlan(np.zeros(source.num_samples, np.int64), np.zeros(source.num_samples, np.int64))
+    plan = ImportPlan(np.zeros(source.num_samples, np.int64), np.zeros(source.num_samples, np.int64),
+                      compressed=shape.compressed)
     seq = source.seq_length
     evidence = PadEvidence()
     for shard in range(source.num_shards):
@@ -91,7 +94,8 @@ def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> Import
     return plan
 
 
-def build_manifest(source: NemoSource, rule: PadRule, plan: ImportPlan) -> Manifest:
+def build_manifest(source: NemoSource, rule: PadRule, plan: ImportPlan, compression: str = "none",
+                   compression_level: int = 0) -> Manifest:
     """NeMo's identity fields as recorded, plus ours (what NeMo never recorded stays empty)."""
     m = source.manifest
     kept = int(np.count_nonzero(plan.lengths))
@@ -99,7 +103,8 @@ def build_manifest(source: NemoSource, rule: PadRule, plan: ImportPlan) -> Manif
         complete=False, target_model=m["target_model"], target_model_type=m["target_model_type"],
         target_vocab_size=m["target_vocab_size"], hidden_size=m["hidden_size"],
         num_hidden_layers=m["num_hidden_layers"], seq_length=m["seq_length"], dtype=m["dtype"],
-        num_samples=kept, shard_size=m["shard_size"], target_hidden_dim=m["target_hidden_dim"],
+        compression=compression, compression_level=compression_level, num_samples=kept,
+        shard_size=m["shard_size"], target_hidden_dim=m["target_hidden_dim"],
         target_last_hidden_dim=m["target_last_hidden_dim"], target_layer_ids=list(m["target_layer_ids"]),
         train_data_path=m["train_data_path"], train_split=m.get("train_split"), shuffle_seed=m["shuffle_seed"],
         mask_reasoning_content=bool(m["mask_reasoning_content"]),
@@ -148,7 +153,8 @@ def _kept_shards(output: CacheOutput, source: NemoSource, plan: ImportPlan, cach
                 index = output.shard_index(shard)
                 ok = (index.cache_id == cache_id
                       and [e.sample_id for e in index.samples] == plan.kept_ids(source.rows(shard))
-                      and index.tar_bytes == plan.shard_bytes[shard] and not index.nonfinite)
+                      and (plan.compressed or index.tar_bytes == plan.shard_bytes[shard])
+                      and not index.nonfinite)
             except CorruptShardError:
                 ok = False
         if ok:
@@ -197,8 +203,8 @@ def _row_tensors(handle: SafetensorsFile, row: int, sid: int, length: int,
 
 
 def _write_shard(output: CacheOutput, source: NemoSource, plan: ImportPlan, shape: SampleShape, shard: int,
-                 cache_id: str) -> None:
-    writer = ShardWriter(output.paths, shard, cache_id=cache_id)
+                 cache_id: str, compression_level: int = DEFAULT_LEVEL) -> None:
+    writer = ShardWriter(output.paths, shard, cache_id=cache_id, compression_level=compression_level)
     try:
         with source.open_shard(shard) as handle:
             for row, sid in enumerate(source.rows(shard)):
@@ -229,18 +235,22 @@ def _reconcile(output: CacheOutput, source: NemoSource, plan: ImportPlan, manife
 def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eos_token_id: int | None = None,
                       overwrite: bool = False, progress: TextIO | None = sys.stderr,
                       storage: StorageOptions | None = None, staging_dir: str | None = None,
-                      staging_limit: int | None = None) -> ConvertResult:
+                      staging_limit: int | None = None, compression: str = "none",
+                      compression_level: int | None = None) -> ConvertResult:
     """Import the NeMo cache ``src`` into the dspark cache ``dst`` (resumable; see the module doc): a
-    directory, or an object-store URL written through the staging directory ``staging_dir``."""
+    directory, or an object-store URL written through the staging directory ``staging_dir``;
+    ``compression`` ``"zstd"`` stores it compressed at ``compression_level`` (``format.codec``)."""
     started = time.perf_counter()
     check_paths(src, dst)
     source = open_nemo_source(src)
     weights = require_weights(nemo_format.target_weights_path(src), source.vocab_size, source.hidden_size)
     rule = resolve_pad_rule(source.manifest["target_model"], source.manifest_path, pad_token_id, eos_token_id,
                             source.vocab_size)
-    shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, dtype_code(source.dtype))
+    shape = SampleShape(source.layer_ids, source.num_layers, source.hidden_size, dtype_code(source.dtype),
+                        compression)
+    level = 0 if compression == "none" else DEFAULT_LEVEL if compression_level is None else compression_level
     plan = plan_import(source, rule, shape)  # everything is checked before DST is touched
-    manifest = build_manifest(source, rule, plan)
+    manifest = build_manifest(source, rule, plan, compression, level)
     manifest.target_weights_xxh3 = weights.xxh3  # the file copied below is this one, byte for byte
     output = open_output(dst, storage=storage, staging_dir=staging_dir, staging_limit=staging_limit)
     paths = output.paths
@@ -255,7 +265,7 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
         progress_log = Progress(source.num_shards, source.shard_bytes(), progress)
         progress_log.kept(len(kept), sum(os.path.getsize(source.shard_file(k)) for k in kept))
         for shard in (k for k in range(source.num_shards) if k not in kept):
-            _write_shard(output, source, plan, shape, shard, manifest.cache_id)
+            _write_shard(output, source, plan, shape, shard, manifest.cache_id, level)
             progress_log.shard_done(shard, len(plan.kept_ids(source.rows(shard))),
                                     os.path.getsize(source.shard_file(shard)))
         if not finished:

@@ -260,8 +260,8 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
         stats = run_pipeline(owned, forward, output=p.output, shape=p.shape, device=p.device,
                              pad_id=p.manifest.pad_token_id, max_inflight_bytes=p.cfg.max_inflight_bytes,
                              writer_threads=writers, on_published=on_published, should_stop=should_stop,
-                             on_batch=on_batch,
-                             on_nonfinite=p.cfg.on_nonfinite)
+                             on_batch=on_batch, on_nonfinite=p.cfg.on_nonfinite,
+                             compression_level=p.manifest.compression_level)
         progress.update(stats.tokens, stats.samples, len(published), len(owned))  # the last batch's counts too
         return stats, False
     except GroupStopped:  # a partner ended: the shards in flight were abandoned, a rerun computes them

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from dspark_cache.format.codec import DEFAULT_LEVEL
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
@@ -119,6 +120,7 @@ def run_pipeline(
     durable: bool = True,
     check_finite: bool = True,
     stager: Stager | None = None,
+    compression_level: int = DEFAULT_LEVEL,
 ) -> PipelineStats:
     """Compute and write ``shards``; returns when all are published or a stop was honoured.
 
@@ -135,7 +137,9 @@ def run_pipeline(
     _warn_if_lanes_starve(capacity, sizes, writer_threads, len(shards))
     ring = StagingRing(capacity, device.type == "cuda")
     stats = PipelineStats()
-    writers = WriterLanes(writer_threads, output, shape, ring, stats, on_published, on_nonfinite, durable)
+    # A compressed shape's samples are compressed by the lanes, each on its own thread (and core).
+    writers = WriterLanes(writer_threads, output, shape, ring, stats, on_published, on_nonfinite, durable,
+                          compression_level)
     step: _Step | None = None
     raised = True  # until the loop ends by itself
     try:

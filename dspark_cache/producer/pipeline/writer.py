@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from dspark_cache.format.codec import DEFAULT_LEVEL
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
@@ -65,8 +66,10 @@ class WriterLanes:
 
     def __init__(self, count: int, output: CacheOutput, shape: SampleShape, ring: StagingRing,
                  stats: PipelineStats, on_published: Callable[[ShardPlan, ShardIndex], None],
-                 on_nonfinite: str = "error", durable: bool = True) -> None:
+                 on_nonfinite: str = "error", durable: bool = True,
+                 compression_level: int = DEFAULT_LEVEL) -> None:
         self.output, self.shape, self.ring, self.stats = output, shape, ring, stats
+        self.compression_level = compression_level  # of a compressed shape's samples, made on the lanes
         self.on_nonfinite, self.durable = on_nonfinite, durable
         self.cache_id = output.cache_id  # every index this run publishes carries it
         self._announce = threading.Lock()  # progress callbacks one at a time, whichever lane calls
@@ -165,7 +168,7 @@ class _Lane(threading.Thread):
         shape = lanes.shape
         if self._writer is None:
             self._writer = ShardWriter(lanes.output.paths, job.shard.shard_id, durable=lanes.durable,
-                                       cache_id=lanes.cache_id)
+                                       cache_id=lanes.cache_id, compression_level=lanes.compression_level)
         samples = []
         for sample, staged, finite in zip(job.samples, job.tensors, job.finite.tolist()):
             if not finite:

@@ -94,7 +94,9 @@ def plan_report(plan: Plan, manifest: Manifest, output_dir: str, note: str | Non
         f"  tokens: {plan.num_tokens} ({plan.num_loss_tokens} supervised), seq_length {manifest.seq_length}",
         f"  batches: {batches}, {plan.padded_tokens} tokens computed (padding {100 * plan.padding_waste:.1f}%)",
         f"  shards: {len(plan.shards)} of at most {manifest.shard_size} samples, {plan.num_bytes} bytes "
-        f"({plan.num_bytes / 1e9:.3f} GB, {plan.num_bytes / max(1, plan.num_tokens):.0f} bytes/token)",
+        f"({plan.num_bytes / 1e9:.3f} GB, {plan.num_bytes / max(1, plan.num_tokens):.0f} bytes/token"
+        + (f"; uncompressed: --compression {manifest.compression} stores fewer"
+           if manifest.compression != "none" else "") + ")",
         f"  stored per token: layers {manifest.target_layer_ids} x {manifest.hidden_size} in {manifest.dtype}; "
         f"{output_dir}: {free}",
         *([f"  {note}"] if note else []),

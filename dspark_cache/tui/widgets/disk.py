@@ -1,4 +1,5 @@
-"""Disk: written so far, projected total from the plan, free space, and whether the rest fits."""
+"""Disk: written so far, projected total from the plan, free space, and whether the rest fits (a
+compressed cache's total projected from the bytes a token its published shards take)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,13 @@ def disk(snap: Snapshot) -> list[Para]:
     if m is None:
         return [Para([free])]
     written = snap.bytes_done
-    rest = max(0, m.planned_bytes - written)
-    planned = human_bytes(m.planned_bytes)
+    projected = m.planned_bytes
+    if m.compression != "none" and snap.tokens_done:
+        # The plan's bytes are the samples' uncompressed size: a compressed cache takes what its shards
+        # so far take a token, times the planned tokens (the plan's bytes until a shard is published).
+        projected = round(written / snap.tokens_done * m.planned_tokens)
+    rest = max(0, projected - written)
+    planned = human_bytes(projected) if m.compression == "none" else f"~{human_bytes(projected)}"
     stored = "stored" if snap.remote else "written"  # from the published shards' indexes
     out = [Para([piece(f"{stored} {human_bytes(written)}"), piece(f"of {planned} projected")], " "), Para([free])]
     if not snap.complete and snap.disk_free is not None and rest > snap.disk_free:

@@ -17,7 +17,9 @@ Run with OUR venv's python; NeMo's pieces run as subprocesses of .venv-nemo (see
    layer (-1..3, as ``--for-draft-layers`` would for several drafters): its losses must equal those
    of the cache made for this drafter alone (mode ``ours``) and NeMo's; mode ``mixture`` trains from a
    mixture file naming two dspark caches of the rows' halves: the concatenated rows in order, so its
-   losses must equal those of NeMo's cache and of ours of all the rows.
+   losses must equal those of NeMo's cache and of ours of all the rows; mode ``zstd`` trains from
+   ``dspark-produce --compression zstd`` of the same rows: its losses must equal mode ``ours``'s
+   exactly (a lossless codec) and NeMo's within ``--loss-tol``, from fewer shard bytes.
 
 Pieces of our side that do not exist yet are reported as ``pending``; the exit code is non-zero
 only on a mismatch or a crash. Results: ``WORKDIR/results.json``; logs: ``WORKDIR/logs/``.
@@ -287,6 +289,8 @@ checkpoint:
             self.superset(ref, recipe, have_dspark_nemo, sample_of_row)
         if "mixture" in self.args.modes:
             self.mixture(ref, recipe, sample_of_row)
+        if "zstd" in self.args.modes:
+            self.compressed(ref, recipe, have_dspark_nemo, sample_of_row)
         if self.args.negative_control:
             self.negative_control(ref, sample_of_row)
 
@@ -392,6 +396,42 @@ checkpoint:
         self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
                    report=report)
 
+    def compressed(self, ref: dict[str, Any], recipe: str, have_dspark_nemo: bool,
+                   sample_of_row: dict[str, int]) -> None:
+        """Our producer's compressed cache of the same rows through the unedited recipe: the run of the
+        uncompressed cache (mode ``ours``) exactly, loss for loss, and NeMo's within tolerance."""
+        label = "train zstd cache"
+        if not have_dspark_nemo:
+            self.check(label, "pending", note="dspark_cache.nemo missing")
+            return
+        if not self.ours_supports("--compression"):
+            self.check(label, "pending", note="dspark-produce --help does not list --compression yet")
+            return
+        cache = self.path("ours_cache_zstd")
+        flags = [*self.producer_flags(cache, mgp=False), "--compression", "zstd"]
+        ok, _ = self.sh("produce_ours_zstd", [self.ours_bin("dspark-produce"), *flags])
+        data = self.train("zstd", "dspark", cache, recipe) if ok else None
+        if data is None:
+            self.check(label, "crash",
+                       note="dspark-produce --compression zstd or the recipe failed (see logs)")
+            return
+        report = compare.compare_runs(ref, data, tol=self.args.loss_tol, sample_of_row=sample_of_row)
+        dedicated = self.path("train", "ours.json")
+        if os.path.exists(dedicated):  # the uncompressed cache's run: the same losses, bit for bit
+            with open(dedicated) as handle:
+                plain = compare.compare_runs(json.load(handle), data, tol=0.0, sample_of_row=sample_of_row)
+            report["vs_uncompressed"] = plain
+            report["problems"] += [f"vs the uncompressed cache: {p}" for p in plain["problems"]]
+            if plain["status"] != "ok":
+                report["status"] = plain["status"]
+        sizes = [shard_bytes(self.path("ours_cache")), shard_bytes(cache)]
+        note = "; ".join(report["problems"]) or (
+            f"losses vs NeMo max {report['max_abs_diff']:.2e}, vs the uncompressed cache max "
+            f"{report.get('vs_uncompressed', {}).get('max_abs_diff', float('nan')):.2e}; shards "
+            f"{sizes[1] / sizes[0]:.3f}x the uncompressed cache's")
+        self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
+                   report=report)
+
     def negative_control(self, ref: dict[str, Any], sample_of_row: dict[str, int]) -> None:
         """Train from our --mask-generation-prompt cache: the harness must report a mismatch and pin
         it on the loss masks (proves the comparison and the diagnosis are not vacuous)."""
@@ -483,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-tol", type=float, default=1e-4)
     parser.add_argument("--modes", nargs="+",
                         default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset",
-                                 "mixture"],
+                                 "mixture", "zstd"],
                         help="training modes besides the nemo reference")
     parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
                         help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")

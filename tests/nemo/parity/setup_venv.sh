@@ -20,7 +20,7 @@ PY="$VENV/bin/python"
 PIP=("$PY" -m pip install --disable-pip-version-check -q)
 
 # Our package's pure dependencies needed at run time by dspark_cache.nemo / the loader.
-OUR_DEPS=(msgspec xxhash webdataset safetensors numpy psutil)
+OUR_DEPS=(msgspec xxhash webdataset safetensors numpy psutil zstandard)
 # What importing and running train_dspark and precompute_dspark needs on CPU (measured: these
 # imports and the whole harness pass with exactly this list): used with `--no-deps` when the full
 # resolve fails, or first when NEMO_MINIMAL=1 (1.5 GB instead of ~3 GB, no CUDA/triton wheels).
@@ -42,6 +42,8 @@ EOF
 }
 
 if [[ -f "$STAMP" ]]; then
+  # A venv made before a dependency was added (zstandard: compressed caches) gets it, once.
+  "$PY" -c "import zstandard" 2>/dev/null || "${PIP[@]}" "${OUR_DEPS[@]}" "$TORCH_SPEC"
   exit 0
 fi
 
