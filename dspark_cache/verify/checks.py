@@ -200,6 +200,8 @@ def produce_command(manifest: Manifest, cache: str) -> str:
         argv += ["--compute-dtype", m.compute_dtype]
     if m.attn_implementation:
         argv += ["--target-attn-implementation", m.attn_implementation]
+    if m.compression != "none":  # one cache holds one codec: a resume with another is refused
+        argv += ["--compression", m.compression, "--compression-level", str(m.compression_level)]
     return " ".join([command_hint("dspark-produce"), *(shlex.quote(a) for a in argv)])
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shlex
 import shutil
 
 import numpy as np
@@ -23,6 +24,7 @@ from dspark_cache.format.tar.reader import ShardReader, load_shard_index
 from dspark_cache.format.wds import decode_dspark_arrays, decode_wids_sample
 from dspark_cache.loader.tensors import sample_to_torch
 from dspark_cache.verify import verify_cache
+from tests.support.proc import run
 from tests.support.produce import run_produce
 from tests.support.scripts import convert as convert_main
 
@@ -393,3 +395,22 @@ def test_a_compressed_cache_on_object_storage_reads_the_same_from_fewer_bytes(pr
     assert all(_same(a[k], b[k]) for a, b in zip(got, want) for k in a)
     downloaded = sum(p.stat().st_size for p in node.rglob("shard-*.tar") if p.parent.name == "shards")
     assert downloaded == _tar_bytes(packed) < 0.8 * _tar_bytes(plain)
+
+
+def test_verifys_command_resumes_a_compressed_cache_with_its_codec(produced, tmp_path, capsys):
+    """The dspark-produce command dspark-verify prints for a damaged compressed cache keeps its codec:
+    run as printed, it recomputes the lost shard instead of being refused as another configuration."""
+    copy = shutil.copytree(produced(*ARGS, *ZSTD), str(tmp_path / "c"))
+    paths = CachePaths(copy)
+    with open(paths.shard_tar(0), "r+b") as handle:
+        handle.truncate(1000)
+    capsys.readouterr()
+    assert verify_main([copy, "--repair"]) == 1
+    capsys.readouterr()
+    assert verify_main([copy, "--json"]) == 1
+    command = shlex.split(json.loads(capsys.readouterr().out)["produce_command"])
+    assert command[command.index("--compression") + 1] == "zstd", command
+    done = run(command, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert verify_main([copy]) == 0
+    assert read_manifest(copy).compression == "zstd"
