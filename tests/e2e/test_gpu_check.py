@@ -54,13 +54,18 @@ def test_gpu_capture_cpu_mode(tmp_path):
 
     runs = report["runs"]
     assert report["finished"]
-    assert [(r["target"], r["writers"]) for r in runs] == (
-        [(target, n) for n in (1, 2, 4, 8) for target in ("disk", "shm")] + [("disk", 8)])
-    assert runs[-1]["max_inflight_bytes"] == 4 << 30
+    # Plain runs on both targets, the big ring, then compressed on tmpfs with the CPU's lane count.
+    assert [(r["target"], r["writers"], r["compression"]) for r in runs] == (
+        [(target, n, "none") for n in (1, 2, 4, 8) for target in ("disk", "shm")] + [("disk", 8, "none")]
+        + [("shm", 2, "zstd")])
+    assert runs[-2]["max_inflight_bytes"] == 4 << 30
     for run in runs:
         assert "pipeline_s" in run, run  # neither skipped nor failed
         assert run["complete"] and run["shards"] == plan["shards"] and run["dropped_nonfinite"] == 0
-        assert run["tokens"] == plan["real_tokens"] and run["bytes"] > run["tokens"] * per_token
+        # bytes on disk: more than the states stored plain, fewer once compressed (random states too)
+        assert run["tokens"] == plan["real_tokens"] and (run["bytes"] > run["tokens"] * per_token) == (
+            run["compression"] == "none"), run
+        assert run["states_gb_per_s"] > 0
         assert run["pipeline_s"] > 0 and run["tokens_per_s"] > 0 and 0 < run["ratio"] <= 100
         assert run["forward_span_s"] <= run["pipeline_s"] and run["steady_ratio"] >= run["ratio"]
         assert set(run["stage_seconds"]) == {"data", "device", "copy", "backpressure", "wait", "write"}

@@ -409,3 +409,22 @@ def test_rows_answered_then_dropped_as_truncated_prove_the_endpoint(tmp_path):
     assert count_lines(str(out)) == 0
     assert [(s["index"], s["reason"]) for s in read_jsonl(str(out) + ".skipped")] == \
         [(0, "rejected"), (1, "truncated"), (2, "truncated"), (3, "truncated")]
+
+
+def test_an_endpoint_rejecting_every_row_is_asked_at_most_a_window_of_rows(tmp_path):
+    """Rows go out ahead of the oldest unwritten one by at most the hand-out window (64 rows for 2 workers):
+    when every one is refused alike, the run stops within that window, however slow its main thread is,
+    and lists the rows it sent for the rerun."""
+    from dspark_cache.regenerate.run import ENDPOINT_WIDE_AFTER
+
+    rows = 300
+    data = _prompts(tmp_path / "rows.jsonl", rows)
+    out = tmp_path / "regen.jsonl"
+    gone = {"error": {"message": "The model `canned/model` does not exist.", "type": "NotFoundError", "code": 404}}
+    with canned_endpoint() as endpoint:
+        endpoint.fail_next(None, "answer", match=CHAT, status="404 Not Found", body=gone, first=True)
+        done = run_regenerate([endpoint.endpoint], data, str(out), "--concurrency", "2")
+        asked = endpoint.faults["answer"]
+    assert done.returncode == 1 and "HTTP 404" in done.stderr, done.stderr
+    assert ENDPOINT_WIDE_AFTER <= asked <= 64, asked
+    assert count_lines(str(out)) == 0 and count_lines(str(out) + ".failed") >= ENDPOINT_WIDE_AFTER

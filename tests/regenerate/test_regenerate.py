@@ -459,7 +459,9 @@ def test_every_row_rejected_alike_is_the_endpoints_fault(server, rows_file, refe
     assert stop.returncode == 1 and len(lines) == 1, stop.stderr
     assert lines[0].startswith(f"dspark-regenerate: error: the first {ENDPOINT_WIDE_AFTER} rows sent"), lines
     assert f"HTTP 404 from {proxy.endpoint}: The model" in lines[0] and "rerun the same command" in lines[0]
-    assert ENDPOINT_WIDE_AFTER <= asked < ROWS, asked
+    # how many of the rows go out before the stop depends on timing (the bound is the hand-out window,
+    # test_parts.py: test_an_endpoint_rejecting_every_row_is_asked_at_most_a_window_of_rows)
+    assert ENDPOINT_WIDE_AFTER <= asked <= ROWS, asked
     assert count_lines(str(out)) == 0 and count_lines(str(out) + ".skipped") == 0
     assert len(read_jsonl(str(out) + ".failed")) >= ENDPOINT_WIDE_AFTER
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "4")
