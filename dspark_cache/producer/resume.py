@@ -18,12 +18,12 @@ import numpy as np
 from dspark_cache.format.errors import CacheError, CorruptShardError, ManifestMismatchError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.manifest import adopt_cache_id
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.schema import Manifest, ShardIndex, identity_diff
 from dspark_cache.format.tar.writer import predict_shard_bytes
 from dspark_cache.format.validate import InvalidManifestError
 from dspark_cache.producer.plan.batches import Plan, ShardPlan
 from dspark_cache.producer.prepare import Prepared
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
 

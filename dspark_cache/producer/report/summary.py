@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import build_target_layer_ids
-from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import Manifest
+from dspark_cache.storage.output import CacheOutput
+from dspark_cache.storage.remote.url import is_remote
 
 if TYPE_CHECKING:
     from dspark_cache.producer.plan.batches import Plan

@@ -21,8 +21,8 @@ import pytest
 import dspark_cache
 from dspark_cache.cli import produce as produce_main, verify as verify_main
 from dspark_cache.format.paths import LEASE, CachePaths
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.storage.remote.url import RemoteURL
 from tests.support.faultproxy import FaultProxy, matching
 from tests.support.produce import produce_args, write_jsonl
 from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
@@ -126,7 +126,7 @@ def _after_last_resume(staging) -> list[dict]:
 
 
 def _lease_expiry(remote: Remote) -> tuple[dict, float]:
-    """The lease left on the store and when it expires (the rule of ``format/remote/lease.py``)."""
+    """The lease left on the store and when it expires (the rule of ``storage/remote/lease.py``)."""
     got = remote.store.get(LEASE)
     assert got is not None, f"no lease on {remote.url}"
     record = json.loads(got[0])
@@ -581,8 +581,8 @@ def test_a_staging_dir_of_another_url_or_with_other_files_is_refused_in_one_line
 
 _RACER = """
 import json, sys, time
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.remote.output import RemoteOutput
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.remote.output import RemoteOutput
 url, staging, options, at, leader = sys.argv[1:6]
 output = RemoteOutput(url, storage=StorageOptions(json.loads(options)), staging_dir=staging)
 while time.time() < float(at):
@@ -684,8 +684,8 @@ def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, 
 def test_the_disk_check_counts_a_shard_for_every_writer(remote, tmp_path):
     """Each writer lane's shard is on the staging disk (being written, or sealed and waiting for room) besides
     the limit's worth and the one upload let through: the pre-run check counts them all."""
-    from dspark_cache.format.backing import StorageOptions
-    from dspark_cache.format.remote.output import RemoteOutput
+    from dspark_cache.storage.backing import StorageOptions
+    from dspark_cache.storage.remote.output import RemoteOutput
 
     output = RemoteOutput(remote.url, storage=StorageOptions(remote.options), staging_dir=str(tmp_path / "s"),
                           staging_limit=100)

@@ -16,8 +16,8 @@ import logging
 import os
 from typing import Any, Callable
 
-from dspark_cache.format.remote.store import ObjectStoreError, client_endpoint
-from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.storage.remote.store import ObjectStoreError, client_endpoint
+from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
 

@@ -16,16 +16,16 @@ import os
 import time
 from typing import Callable, Iterable, Iterator
 
-from dspark_cache.format.lock import DirectoryLock, lock_exclusive, lock_shared
 from dspark_cache.format.manifest import read_manifest, write_manifest
-from dspark_cache.format.ours import (
-    check_directories, check_written_names, heartbeat_files, plan_files, remove_files, written_files,
-)
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, write_index
 from dspark_cache.format.wids_index import write_wids_index
+from dspark_cache.storage.lock import DirectoryLock, lock_exclusive, lock_shared
+from dspark_cache.storage.ours import (
+    check_directories, check_written_names, heartbeat_files, plan_files, remove_files, written_files,
+)
 
 class CacheOutput:
     """One cache directory being written. Nothing is touched until a method is called.
