@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
@@ -16,8 +16,21 @@ from dspark_cache.storage.output import CacheOutput
 from dspark_cache.storage.remote.url import is_remote
 
 if TYPE_CHECKING:
+    from dspark_cache.producer.pipeline.writer import PipelineStats
     from dspark_cache.producer.plan.batches import Plan
-    from dspark_cache.producer.run import RunResult
+
+
+@dataclass
+class RunResult:
+    """What one rank's run did; the command line turns it into a summary and an exit code."""
+
+    manifest: Manifest
+    plan: Plan
+    stats: PipelineStats | None
+    seconds: float
+    stopped: bool = False
+    missing: list[int] = field(default_factory=list)  # shards owned by a rank that died
+    output: CacheOutput | None = None  # what was written to (the summary counts its shards)
 
 
 @dataclass(frozen=True)
