@@ -119,7 +119,7 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
         repair_complete_weights(p, existing, topology, status, run_id)
         log.info("%s is already complete: nothing to do", p.paths.root)
         status.update(force=True, state=RankState.FINISHED)
-        return RunResult(existing, p.plan, None, time.time() - started)
+        return RunResult(existing, p.plan, None, time.time() - started, output=p.output)
     computed = compute_shards(p, owned, status, stop, topology, run_id) if owned else Computed(None)
     p.output.flush()  # a cache on object storage: the last shards' uploads (a failed one raises here)
     stats = computed.stats
@@ -134,7 +134,7 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
                                              f"(ranks {topology.group_ranks()})")
         status.update(force=True, state=RankState.STOPPED)
         status.event(EventKind.STOPPED, f"stopped ({reason}); rerun the same command to resume")
-        return RunResult(p.manifest, p.plan, stats, time.time() - started, stopped=True)
+        return RunResult(p.manifest, p.plan, stats, time.time() - started, stopped=True, output=p.output)
     manifest, missing = finish(p, status, run_id, topology)
     if missing:
         status.update(force=True, state=RankState.INCOMPLETE)
@@ -143,4 +143,4 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
     else:
         status.update(force=True, state=RankState.FINISHED, samples_done=p.plan.num_samples,
                       tokens_done=p.plan.num_tokens)
-    return RunResult(manifest, p.plan, stats, time.time() - started, missing=missing)
+    return RunResult(manifest, p.plan, stats, time.time() - started, missing=missing, output=p.output)

@@ -88,6 +88,7 @@ class Backing(Protocol):
     def acquire(self, index: ShardIndex) -> None: ...
     def release(self, shard_id: int) -> None: ...
     def prefetch(self, indexes: list[ShardIndex]) -> None: ...
+    def fetch_file(self, relative: str) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -119,6 +120,10 @@ class LocalBacking:
 
     def prefetch(self, indexes: list[ShardIndex]) -> None:
         pass
+
+    def fetch_file(self, relative: str) -> bool:
+        """Whether the cache has this file; it is already where readers read it."""
+        return os.path.lexists(os.path.join(self.root, relative))
 
     def close(self) -> None:
         pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -170,6 +171,13 @@ class CacheOutput:
         return missing_bytes
 
     # -- shards -------------------------------------------------------------------------------
+
+    def free_space(self) -> int:
+        """Bytes free on the disk the shards go to (the nearest existing directory before the cache is made)."""
+        probe = os.path.abspath(self.root)
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        return shutil.disk_usage(probe).free
 
     def published(self) -> frozenset[int]:
         """The shard ids whose index is published, as this object knows them (listed on first use)."""

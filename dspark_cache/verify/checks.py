@@ -78,8 +78,7 @@ def _verify(cache: CacheDir, path: str) -> Report:
         check_catalog(manifest, indexes, path)
     except CacheError as exc:
         report.problems.append(str(exc))
-    if cache.remote is not None:
-        cache.backing.fetch_file(TARGET_WEIGHTS)
+    cache.backing.fetch_file(TARGET_WEIGHTS)  # a remote cache's copy is brought in first
     weights = weights_problem(paths, manifest)  # a running producer may not have written them yet
     if weights is not None and (manifest.complete or os.path.lexists(paths.target_weights)):
         report.problems.append(weights)

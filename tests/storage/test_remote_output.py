@@ -157,6 +157,10 @@ def test_produce_to_s3_equals_produce_to_a_directory(embedded, reference, remote
     shards = set(local.indexed_shard_ids())
     listing = remote.listing()
     assert _shard_ids(listing, "tar") == _shard_ids(listing, "idx") == shards
+    # The last line counts what the store holds (the output the run wrote, not a directory named s3:/...).
+    with dspark_cache.open_cache(reference) as theirs:
+        assert f"cache complete: {theirs.manifest.num_samples} samples" in done.stdout, done.stdout
+    assert f" {len(shards)} shards, " in done.stdout, done.stdout
     for k in shards:  # every tar whole: the size the local run wrote
         assert listing[f"shards/shard-{k:06d}.tar"].size == os.path.getsize(local.shard_tar(k)), k
     for name in ("manifest.json", "target_weights.safetensors", "shards/wids-index.json", "plan/plan.json",

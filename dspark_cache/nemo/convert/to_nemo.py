@@ -150,8 +150,7 @@ def _open_source(src: str, dtype: str | None, storage: StorageOptions | None) ->
     try:
         cache = open_cache(src, dtype=dtype, storage_options=storage.storage_options,
                            local_cache_dir=storage.local_cache_dir, cache_limit=storage.cache_limit)
-        if cache.cache.remote is not None:
-            cache.cache.backing.fetch_file(TARGET_WEIGHTS)  # read locally below, as a local cache's
+        cache.cache.backing.fetch_file(TARGET_WEIGHTS)  # read locally below (a remote cache's copy)
     except CacheError as exc:
         raise ConvertError(str(exc)) from exc
     except ValueError as exc:  # a --dtype this cache cannot be read as
