@@ -22,13 +22,13 @@ Steps, after a warm-up (every batch shape once, and a short pipeline run):
   forward alone  the same batches through collate, the forward and the finite check, nothing staged
                  or written (``gpu_check.time_forward``, synchronised), first and last; the faster of
                  the two is the reference
-  fp8            a short run each in BF16 and F8_E4M3 through a Stager that counts what it is asked to
+  fp8            a short run each in BF16 and F8_E4M3 through a HostCopier that counts what it is asked to
                  copy: with FP8 only the codes and scales cross to the host (24,600 bytes a token, not
                  49,152), float8 already on the device; on CUDA the profiler's device-to-host memcpy
                  bytes must agree
-  pipeline       ``run_pipeline`` with the real Stager, durable, with each of ``--writers`` (1, 2, 4, 8)
+  pipeline       ``run_pipeline`` with the real HostCopier, durable, with each of ``--writers`` (1, 2, 4, 8)
                  writer threads into ``--workdir`` (local disk) and ``--shm-dir`` (tmpfs), side by side,
-                 then once more with the most writers and a ``--big-ring-bytes`` staging ring: is the
+                 then once more with the most writers and a ``--big-ring-bytes`` host ring: is the
                  ring (``--max-inflight-bytes``, dspark-produce's 1 GiB by default) what holds them back?
                  Then compressed (``--compression zstd``, level 1) with each of ``--zstd-writers`` (4, 8, 16)
                  writer threads into tmpfs: the lanes compress each sample (issue 42); do N cores keep up
@@ -70,16 +70,16 @@ import torch  # noqa: E402
 
 from bench.gpu_check import fresh_dir, long_tail_lengths, random_samples, sync, time_forward  # noqa: E402
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
-from dspark_cache.format.output import CacheOutput  # noqa: E402
 from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK  # noqa: E402
 from dspark_cache.format.tar.append import native_available  # noqa: E402
 from dspark_cache.format.tar.writer import predict_shard_bytes  # noqa: E402
 from dspark_cache.producer.device.target import TargetRunner  # noqa: E402
+from dspark_cache.producer.pipeline.host_ring import Region, HostCopier, HostRing  # noqa: E402
 from dspark_cache.producer.pipeline.loop import Forward, run_pipeline  # noqa: E402
-from dspark_cache.producer.pipeline.staging import Region, Stager, StagingRing  # noqa: E402
 from dspark_cache.producer.pipeline.timing import BatchClock  # noqa: E402
 from dspark_cache.producer.pipeline.writer import PipelineStats  # noqa: E402
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan  # noqa: E402
+from dspark_cache.storage.output import CacheOutput  # noqa: E402
 from tests.support.batching import length_grouped_batches, padding_waste  # noqa: E402
 
 # In Qwen3Config's names. Captured: DSpark's five layers, never the last, so the final state is stored apart.
@@ -216,14 +216,14 @@ class SpannedForward:
 
 
 def pipeline_run(shards: list[ShardPlan], forward: Forward, shape: SampleShape, device: torch.device,
-                 base: str, writers: int, budget: int, stager: Stager | None = None) -> dict[str, Any]:
+                 base: str, writers: int, budget: int, copier: HostCopier | None = None) -> dict[str, Any]:
     """``shape`` compressed: the lanes compress (zstd level 1), ``bytes`` are then those on disk."""
     # One ``run_pipeline`` (durable) into a fresh directory under ``base``, removed afterwards.
     paths = fresh_dir(base, f"w{writers}")
     spanned = SpannedForward(forward, device.type == "cuda")
     ring = {"capacity": 0, "peak": 0}
 
-    def seen(stats: PipelineStats, staging: StagingRing) -> None:
+    def seen(stats: PipelineStats, staging: HostRing) -> None:
         ring.update(capacity=staging.capacity, peak=staging.peak)  # the peak grows only at claims, made here
 
     try:
@@ -232,7 +232,7 @@ def pipeline_run(shards: list[ShardPlan], forward: Forward, shape: SampleShape, 
         started = time.perf_counter()
         stats = run_pipeline(shards, spanned, output=CacheOutput(paths.root), shape=shape, device=device,
                              pad_id=0, max_inflight_bytes=budget, writer_threads=writers, on_batch=seen,
-                             on_nonfinite="skip", durable=True, stager=stager)
+                             on_nonfinite="skip", durable=True, copier=copier)
         sync(device)
         seconds = time.perf_counter() - started
     finally:
@@ -252,8 +252,8 @@ def pipeline_run(shards: list[ShardPlan], forward: Forward, shape: SampleShape, 
     }
 
 
-class CountingStager(Stager):
-    """The real Stager, noting what each batch asks it to copy to the host: the stored tensors' dtype
+class CountingStager(HostCopier):
+    """The real HostCopier, noting what each batch asks it to copy to the host: the stored tensors' dtype
     and device, and the bytes of their real tokens (plus the finite flags)."""
 
     def __init__(self, device: torch.device) -> None:
@@ -321,14 +321,14 @@ def check_fp8(shards: list[ShardPlan], runner: TargetRunner, bf16: SampleShape, 
     fp8 = SampleShape(bf16.layer_ids, bf16.num_layers, bf16.hidden_size, "F8_E4M3")
     result: dict[str, Any] = {"shards": len(shards), "tokens": sum(s.num_tokens for s in shards)}
     for label, shape in (("bf16", bf16), ("fp8", fp8)):
-        stager = CountingStager(device)
+        copier = CountingStager(device)
         run, dtoh = profiled_dtoh(lambda: pipeline_run(shards, runner.forward, shape, device, base, writers,
-                                                       budget, stager=stager), device, base)
+                                                       budget, copier=copier), device, base)
         part = result[label] = {
             "expected_bytes_per_token": staged_bytes_per_token(shape),
-            "copied_bytes_per_token": stager.copied / stager.tokens if stager.tokens else 0.0,
-            "copied_bytes": stager.copied + stager.flags, "ring_bytes_claimed": stager.region_bytes,
-            "tensors": stager.tensors, "profiler_dtoh": dtoh, "pipeline_s": run["pipeline_s"],
+            "copied_bytes_per_token": copier.copied / copier.tokens if copier.tokens else 0.0,
+            "copied_bytes": copier.copied + copier.flags, "ring_bytes_claimed": copier.region_bytes,
+            "tensors": copier.tensors, "profiler_dtoh": dtoh, "pipeline_s": run["pipeline_s"],
             "complete": run["complete"], "ring_peak": run["ring_peak"],
         }
         if dtoh.get("events"):  # not one memcpy event: the profiler saw nothing, so it says nothing
@@ -568,7 +568,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="shards of about equal bytes (default 16: 2 a writer at 8; --quick 8; 4 on a CPU)")
     p.add_argument("--writers", default="1,2,4,8", help="writer thread counts measured")
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30,
-                   help="the staging ring (dspark-produce's default)")
+                   help="the host ring (dspark-produce's default)")
     p.add_argument("--zstd-writers", default=None,
                    help="writer thread counts measured with --compression zstd (default 4,8,16 on CUDA, "
                    "2 on a CPU)")

@@ -9,7 +9,7 @@
       ``record_stream`` disabled must show corruption, or the check could not have failed.
   (b) host syncs per step of the producer's loop with the real-shape target below:
       ``torch.cuda.set_sync_debug_mode`` (every thread) and a dispatch-mode trap (main thread).
-  (c) pinned host memory: the staging ring and ``torch.cuda.host_memory_stats()`` against
+  (c) pinned host memory: the host ring and ``torch.cuda.host_memory_stats()`` against
       ``--max-inflight-bytes``.
   (d) the loader's pinned batches, copied ``non_blocking`` to the GPU behind a busy stream and
       dropped at once, for two epochs, equal the unpinned loader's; and at the level of one
@@ -51,10 +51,10 @@ import torch  # noqa: E402
 from safetensors.torch import load as load_safetensors  # noqa: E402
 
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
-from dspark_cache.format.output import CacheOutput  # noqa: E402
 from dspark_cache.format.paths import CachePaths  # noqa: E402
 from dspark_cache.producer.pipeline.loop import Forward, collate, finite_flags, run_pipeline  # noqa: E402
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan  # noqa: E402
+from dspark_cache.storage.output import CacheOutput  # noqa: E402
 from tests.support.batching import length_grouped_batches  # noqa: E402
 from tests.support.syncs import HostSyncTrap  # noqa: E402
 

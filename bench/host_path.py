@@ -2,7 +2,7 @@
 
 A synthetic device hands ready batches of the Qwen3-8B DSpark layout (H=4096, 5 captured layers
 plus the final state stored apart, bf16: 49,152 bytes a token; long-tail chat lengths) through the
-real staging ring, writer lanes and publication (``run_pipeline``) into ``--dir`` (default
+real host ring, writer lanes and publication (``run_pipeline``) into ``--dir`` (default
 ``/dev/shm``, so the disk is not the limit). On a GPU the device-to-host copy is DMA and costs no
 CPU, so the synthetic device charges none: the ring is filled once, and each batch's region is
 handed over as it lies (``SyntheticDevice``). Every shard file is deleted once published (raw
@@ -12,7 +12,7 @@ drain not to matter fit a RAM file system.
 Measured, each ``--repeat`` times, the kinds interleaved so that they share the machine's moods:
 
   raw_write_gbps[n]   the same bytes, in files of the same sizes, written by plain ``os.write`` (8 MiB
-                      a call) by n threads from a buffer the size of our staging ring (each file by one
+                      a call) by n threads from a buffer the size of our host ring (each file by one
                       thread, fsynced as ours are): the limit of this file system on this machine, its
                       scaling included
   writer_gbps[n]      our writers alone (n lanes), the device instant
@@ -56,13 +56,13 @@ import torch  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 from dspark_cache.format.geometry import SampleShape  # noqa: E402
-from dspark_cache.format.output import CacheOutput  # noqa: E402
 from dspark_cache.format.paths import CachePaths  # noqa: E402
 from dspark_cache.format.tar.append import native_available  # noqa: E402
+from dspark_cache.producer.pipeline.host_ring import Region  # noqa: E402
 from dspark_cache.producer.pipeline.loop import run_pipeline  # noqa: E402
-from dspark_cache.producer.pipeline.staging import Region  # noqa: E402
 from dspark_cache.producer.pipeline.timing import BatchClock  # noqa: E402
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan  # noqa: E402
+from dspark_cache.storage.output import CacheOutput  # noqa: E402
 
 # Qwen3-8B: 36 layers, H=4096. Five captured layers that leave out the last, so the final state is
 # stored apart: 6 x 4096 bf16 values = 49,152 bytes a token.
@@ -213,7 +213,7 @@ def run_ours(shards: list[ShardPlan], workdir: str, writers: int, gbps: float | 
         started = time.perf_counter()
         stats = run_pipeline(shards, device.forward, output=CacheOutput(out), shape=shape,
                              device=torch.device("cpu"), pad_id=0, max_inflight_bytes=budget, writer_threads=writers,
-                             check_finite=False, durable=durable, stager=device, compression_level=level,
+                             check_finite=False, durable=durable, copier=device, compression_level=level,
                              on_published=lambda shard, index: reaper.delete(paths.shard_tar(shard.shard_id)))
         seconds = time.perf_counter() - started - device.fill_seconds
         reaper.close()
@@ -225,7 +225,7 @@ def run_ours(shards: list[ShardPlan], workdir: str, writers: int, gbps: float | 
 
 def run_raw(sizes: list[int], workdir: str, threads: int, source: np.ndarray, durable: bool) -> float:
     """Seconds to write files of ``sizes`` with ``threads`` threads, each file whole by one thread, from
-    ``source`` (as large as our staging ring, so that both read memory, not a cached buffer)."""
+    ``source`` (as large as our host ring, so that both read memory, not a cached buffer)."""
     out = tempfile.mkdtemp(dir=workdir, prefix="raw-")
     view = memoryview(source)
     reaper = Reaper()

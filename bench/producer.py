@@ -110,7 +110,7 @@ class SyntheticTarget:
 
         self.spt = seconds_per_token
         self.d, self.h = shape.hidden_dim, shape.hidden_size
-        # On the device, like a real target's output (the stager copies it to pinned memory).
+        # On the device, like a real target's output (the copier copies it to pinned memory).
         self.hidden = torch.randn(budget_tokens * self.d, device=device).to(torch_dtype(shape.dtype))
         self.last = (torch.randn(budget_tokens * self.h, device=device).to(torch_dtype(shape.dtype))
                      if shape.stores_last else None)
@@ -141,7 +141,7 @@ def measure_phases(args: argparse.Namespace) -> dict:
     """(a) device-only, (b) write-only, (c) pipeline, on one plan, in this process."""
     import torch
 
-    from dspark_cache.format.output import CacheOutput
+    from dspark_cache.storage.output import CacheOutput
     from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer import collate, finite_flags, run_pipeline
 

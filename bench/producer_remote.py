@@ -181,9 +181,9 @@ class Bench:
 
     def through(self, forward, sink: str, staging_limit: int | None = None, ring: int | None = None) -> dict:
         """One ``run_pipeline`` to ``sink`` ("local" or "s3"); for s3 until every shard is on the store."""
-        from dspark_cache.format.backing import StorageOptions
-        from dspark_cache.format.output import CacheOutput
-        from dspark_cache.format.remote.output import RemoteOutput
+        from dspark_cache.storage.backing import StorageOptions
+        from dspark_cache.storage.output import CacheOutput
+        from dspark_cache.storage.remote.output import RemoteOutput
         from dspark_cache.producer import run_pipeline
 
         where = tempfile.mkdtemp(prefix=f"{sink}-", dir=self.shm)

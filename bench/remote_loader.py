@@ -57,7 +57,7 @@ from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server  # n
 
 BUCKET = "bench"
 PREFIX = "runs/cache"
-IN_FLIGHT = 4  # dspark_cache.format.remote.mirror._IN_FLIGHT
+IN_FLIGHT = 4  # dspark_cache.storage.remote.mirror._IN_FLIGHT
 
 
 def machine() -> dict:
@@ -149,7 +149,7 @@ def get_all(store, keys: list[str], threads: int) -> float:
 def download_all(url: str, options: dict, names: list[str], directory: str, threads: int) -> float:
     """Seconds to download every tar to a file with the mirror's own client call
     (``ObjectStore.download``: streamed in 8 MiB chunks), ``threads`` at a time; files removed after."""
-    from dspark_cache.format.remote.store import ObjectStore
+    from dspark_cache.storage.remote.store import ObjectStore
 
     store = ObjectStore(url, options)
     os.makedirs(directory, exist_ok=True)

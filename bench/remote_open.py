@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from loader import make_cache  # noqa: E402  (bench/loader.py)
 
-from dspark_cache.format.backing import StorageOptions  # noqa: E402
-from dspark_cache.format.cache import CacheDir  # noqa: E402
-from dspark_cache.format.remote import copies  # noqa: E402
+from dspark_cache.storage.backing import StorageOptions  # noqa: E402
+from dspark_cache.storage.cache import CacheDir  # noqa: E402
+from dspark_cache.storage.remote import copies  # noqa: E402
 from tests.support.remote import upload_cache  # noqa: E402
 from tests.support.s3server import S3Server  # noqa: E402
 

@@ -14,7 +14,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "open_cache": "dspark_cache.loader.cache",
     "Cache": "dspark_cache.loader.cache",
-    "CacheDir": "dspark_cache.format.cache",  # torch-free: manifest, indexes, open shard files
+    "CacheDir": "dspark_cache.storage.cache",  # torch-free: manifest, indexes, open shard files
     "build_dataloader": "dspark_cache.loader.build",
     "DSparkLoader": "dspark_cache.loader.dataloader",
     "Source": "dspark_cache.loader.sources",  # one cache of a mixture, with its weight (torch-free)
@@ -27,8 +27,8 @@ _LAZY = {
     "IncompleteCacheError": "dspark_cache.format.errors",
     "CorruptShardError": "dspark_cache.format.errors",
     "ManifestMismatchError": "dspark_cache.format.errors",
-    "CacheReplacedError": "dspark_cache.format.cache",
-    "CacheLockedError": "dspark_cache.format.lock",
+    "CacheReplacedError": "dspark_cache.storage.cache",
+    "CacheLockedError": "dspark_cache.storage.lock",
 }
 
 __all__ = ["__version__", *_LAZY]

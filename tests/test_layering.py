@@ -73,12 +73,13 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
-def _run_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements that run: at module level and inside functions, not under TYPE_CHECKING."""
+def _run_imports(tree: ast.AST, typing_too: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements that run: at module level and inside functions; those under TYPE_CHECKING
+    only with ``typing_too`` (a type-only import still ties two modules' meanings together)."""
     guards = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-    typing_only = {id(node) for branch in ast.walk(tree)
-                   if isinstance(branch, ast.If) and ast.unparse(branch.test) in guards
-                   for statement in branch.body for node in ast.walk(statement)}
+    typing_only = set() if typing_too else {
+        id(node) for branch in ast.walk(tree) if isinstance(branch, ast.If) and ast.unparse(branch.test) in guards
+        for statement in branch.body for node in ast.walk(statement)}
     return [node for node in ast.walk(tree)
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only]
 
@@ -105,10 +106,10 @@ def _targets(module: str, path: pathlib.Path, node: ast.Import | ast.ImportFrom,
     return out
 
 
-def _import_graph() -> dict[str, set[str]]:
+def _import_graph(typing_too: bool = False) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (every statement that runs, see :func:`_run_imports`)."""
     modules = _modules()
-    return {module: {target for node in _run_imports(ast.parse(path.read_text()))
+    return {module: {target for node in _run_imports(ast.parse(path.read_text()), typing_too)
                      for target in _targets(module, path, node, modules)}
             for module, path in modules.items()}
 
@@ -138,11 +139,40 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_cycles():
-    """No module imports, directly or through others, one that imports it back (function-local imports count)."""
-    graph = _import_graph()
+    """No module imports, directly or through others, one that imports it back (function-local and
+    ``TYPE_CHECKING`` imports count: a cycle closed by a type-only import is still one idea in two places)."""
+    graph = _import_graph(typing_too=True)
     assert len(graph) > 100 and graph["dspark_cache.verify.cli"], sorted(graph)
     cycle = _cycle(graph)
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def _layer_offenders(layer: str, allowed: tuple[str, ...]) -> list[str]:
+    """Imports (type-only ones included) from modules of ``layer`` to package modules outside ``allowed``."""
+    graph, modules = _import_graph(typing_too=True), _modules()
+    return sorted(f"{modules[m].relative_to(PACKAGE).as_posix()} imports {t}"
+                  for m, targets in graph.items() if m.startswith(f"dspark_cache.{layer}")
+                  for t in targets if not t.startswith(tuple(f"dspark_cache.{a}" for a in allowed)))
+
+
+def test_format_reads_on_its_own():
+    """``format``, the on-disk contract, imports nothing of the package outside itself (no storage, no
+    part) and no object-store client: someone reading the contract reads one folder."""
+    offenders = _layer_offenders("format", ("format",))
+    clients = ("obstore", "boto3", "botocore", "s3fs", "fsspec")
+    for path in sorted((PACKAGE / "format").rglob("*.py")):
+        for node in _run_imports(ast.parse(path.read_text()), typing_too=True):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            offenders += [f"{path.relative_to(PACKAGE)} imports {n}" for n in names if n.split(".")[0] in clients]
+    assert _modules()["dspark_cache.format.paths"] and not offenders, "\n".join(offenders)
+
+
+def test_storage_stands_on_format_alone():
+    """``storage`` (where a cache lives: a directory, its lock, object storage) imports only the contract;
+    the parts that read and write caches import it, never the other way round."""
+    assert "dspark_cache.storage.remote.store" in _modules()
+    offenders = _layer_offenders("storage", ("format", "storage"))
+    assert not offenders, "\n".join(offenders)
 
 
 @pytest.mark.parametrize("part", ["nemo", "regenerate"])

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 from dspark_cache import __version__
 
 if TYPE_CHECKING:
-    from dspark_cache.format.backing import StorageOptions
+    from dspark_cache.storage.backing import StorageOptions
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -50,7 +50,7 @@ def reader_failure_code(exc: BaseException) -> int:
     """The exit code of a reader (dspark-verify, dspark-monitor) that could not open what it was given: a
     store that failed or refused it is a failure (1, as dspark-produce says it); what is not there is a
     path that is not a cache (2: a bucket that does not exist, a directory that holds no cache)."""
-    from dspark_cache.format.remote.store import NoSuchBucketError, ObjectStoreError
+    from dspark_cache.storage.remote.store import NoSuchBucketError, ObjectStoreError
 
     if isinstance(exc, ObjectStoreError) and not isinstance(exc, NoSuchBucketError):
         return EXIT_ERROR
@@ -153,7 +153,7 @@ def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool 
 
 def storage_from_args(args: argparse.Namespace) -> "StorageOptions":
     """The :class:`StorageOptions` of :func:`add_storage_arguments`; a malformed value is a usage error."""
-    from dspark_cache.format.backing import StorageOptions, parse_size, parse_storage_options
+    from dspark_cache.storage.backing import StorageOptions, parse_size, parse_storage_options
 
     try:
         options = None if args.storage_options is None else parse_storage_options(args.storage_options,
@@ -167,7 +167,7 @@ def storage_from_args(args: argparse.Namespace) -> "StorageOptions":
 
 def staging_limit_from_args(args: argparse.Namespace) -> int | None:
     """``--staging-limit`` in bytes (``None``: the default); a malformed size is a usage error."""
-    from dspark_cache.format.backing import parse_size
+    from dspark_cache.storage.backing import parse_size
 
     try:
         return None if args.staging_limit is None else parse_size(args.staging_limit, "--staging-limit")

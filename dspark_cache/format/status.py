@@ -70,7 +70,7 @@ def partial_is_written(shard: int, modified_at: float, statuses: Iterable[RankSt
 
     A live rank says it writes the shard (or, from an older producer, computes it), or some rank is
     live and the file changed within ``timeout``: the writer thread trails the device by up to the
-    staging ring. A killed run's ``.partial`` is neither (resume deletes it).
+    host ring. A killed run's ``.partial`` is neither (resume deletes it).
     """
     live = [s for s in statuses if rank_is_live(s, now, timeout)]
     if any(s.shard == shard or shard in s.writing for s in live):

@@ -1,6 +1,6 @@
 """``open_cache``: a cache directory's samples one by one, as torch tensors, in ascending sample id.
 
-The directory itself (manifest, indexes, their checks) is :class:`~dspark_cache.format.cache.CacheDir`;
+The directory itself (manifest, indexes, their checks) is :class:`~dspark_cache.storage.cache.CacheDir`;
 this module adds only the conversion of a sample blob to tensors (an FP8 cache's dequantised, to
 bf16 unless ``dtype`` says otherwise; ``dtype="raw"`` keeps its float8 states and scales; token
 ids and loss masks int64, as in batches) and, with ``target_layer_ids``, the choice of layers.
@@ -13,14 +13,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.cache import CacheDir
+from dspark_cache.format.layers import layer_positions
 from dspark_cache.format.sample import dequantize_arrays
 from dspark_cache.format.schema import SampleEntry, ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.loader.reader import resolve_out_code
-from dspark_cache.format.layers import layer_positions
 from dspark_cache.loader.tensors import sample_to_torch, select_layers
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.cache import CacheDir
 
 __all__ = ["Cache", "open_cache"]
 

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 import torch
 
-from dspark_cache.format.backing import StorageOptions
 from dspark_cache.loader.verify import VERIFY_MODES
+from dspark_cache.storage.backing import StorageOptions
 
 PAD_MODES = ("seq_length", "longest")
 # Options that shape the global order: a resume state must have been made with the same ones

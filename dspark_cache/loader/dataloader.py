@@ -1,7 +1,7 @@
 """One cache's loader: deterministic, rank-equal, resumable batches, even from a growing cache.
 
 The loader composes small stages: options checked once (:mod:`.config`), the directory
-(:class:`~dspark_cache.format.cache.CacheDir`), the order (:mod:`.order`), growing it while
+(:class:`~dspark_cache.storage.cache.CacheDir`), the order (:mod:`.order`), growing it while
 following a producer (:mod:`.follow`), reading batches (:mod:`.reader`: program, memory, filler)
 and NeMo's attribute shims (:mod:`.shims`). This module holds the epoch loop and the resume state.
 """
@@ -15,14 +15,14 @@ from typing import Any, Iterator
 
 import torch
 
-from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.schema import Manifest
-from dspark_cache.loader.shims import NemoAttributes
 from dspark_cache.loader.config import ORDER_OPTIONS, LoaderConfig
 from dspark_cache.loader.follow import Follower, extend_all, wait_for_manifest
 from dspark_cache.loader.order import EpochOrder, RankBatch, epoch_steps, rank_batch
 from dspark_cache.loader.reader import BatchLayout, BatchReader
+from dspark_cache.loader.shims import NemoAttributes
 from dspark_cache.loader.validate import check_expectations
+from dspark_cache.storage.cache import CacheDir
 
 STATE_VERSION = 1
 _PREFETCH_EVERY = 4  # batches between updates of what a remote cache downloads ahead

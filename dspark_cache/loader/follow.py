@@ -1,7 +1,7 @@
 """Growing an epoch's order from the shards published so far, waiting for more while following.
 
 The order itself is pure (:class:`~.order.EpochOrder`); this module is where it meets the
-directory: it looks a window's shards up in the :class:`~dspark_cache.format.cache.CacheDir`
+directory: it looks a window's shards up in the :class:`~dspark_cache.storage.cache.CacheDir`
 and, in follow mode, polls until the producer publishes them.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import time
 
-from dspark_cache.format.backing import StorageOptions, open_backing
-from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, NotACacheError
 from dspark_cache.loader.order import EpochOrder
+from dspark_cache.storage.backing import StorageOptions, open_backing
+from dspark_cache.storage.cache import CacheDir
 
 log = logging.getLogger(__name__)
 _NOTE_EVERY = 30.0  # seconds between "still waiting" log lines

@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from dspark_cache.format.cache import CacheDir, FileIdentity
 from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.format.sample import HIDDEN_SCALE, LAST_HIDDEN_SCALE
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.loader.memory import BatchMemory, page_aligned_zeros
 from dspark_cache.loader.order import RankBatch
 from dspark_cache.loader.reader import BatchLayout, BatchReader, PendingBatch, Row, batch_fields
+from dspark_cache.storage.cache import CacheDir, FileIdentity
 
 
 class JoinedCaches:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from dspark_cache.format.cache import MAX_OPEN_FILES, CacheDir
 from dspark_cache.format.schema import Manifest
 from dspark_cache.loader.compat import check_handed_out, check_sources
 from dspark_cache.loader.config import LoaderConfig
@@ -22,6 +21,7 @@ from dspark_cache.loader.mixreader import MixtureReader
 from dspark_cache.loader.reader import BatchLayout
 from dspark_cache.loader.sources import WEIGHTS, MixtureFile, epoch_counts
 from dspark_cache.loader.validate import check_expectations
+from dspark_cache.storage.cache import MAX_OPEN_FILES, CacheDir
 
 _PREFETCH_SHARDS = 64
 _MIN_OPEN_FILES = 4  # a window's shards (order.py: 4 by default) stay open

@@ -34,12 +34,12 @@ from dspark_cache.format.sample import (
 from dspark_cache.format.schema import Manifest, SampleEntry
 from dspark_cache.format.validate import MAX_HEADER, check_header, token_problem
 from dspark_cache.loader import fill, verify
-from dspark_cache.format.cache import CacheDir
 from dspark_cache.loader.memory import BatchMemory, Field, Slab, page_aligned_zeros
 from dspark_cache.loader.order import RankBatch
 from dspark_cache.loader.program import BatchProgram
-from dspark_cache.loader.tensors import torch_dtype
 from dspark_cache.loader.segments import BUFFERS, RowTemplate, layer_picks, place_rows, row_template
+from dspark_cache.loader.tensors import torch_dtype
+from dspark_cache.storage.cache import CacheDir
 
 
 # A batch row: its index in the batch, the shard, the entry's position in the shard's index, the entry.

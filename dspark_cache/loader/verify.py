@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import threading
 
-from dspark_cache.format.cache import FileIdentity
+from dspark_cache.storage.cache import FileIdentity
 
 VERIFY_MODES = ("once", "always")
 

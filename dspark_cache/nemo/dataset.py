@@ -14,12 +14,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError
 from dspark_cache.loader.order import RankBatch, SampleRef
 from dspark_cache.loader.reader import BatchLayout, BatchReader
 from dspark_cache.nemo.nemo_format import CACHE_KEYS, stack_samples
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.cache import CacheDir
 
 
 class DSparkMapDataset(torch.utils.data.Dataset):

@@ -3,7 +3,7 @@
 The stages follow the data, one sub-package each (its ``__init__`` names what the others use):
 ``inputs`` (``--input-data`` as rows) -> ``encode`` (rows to samples: chat template, loss mask)
 -> ``plan`` (batches and shards with exact bytes, saved, made once per job) -> ``device`` (the
-target, ranks, the compute loop) -> ``pipeline`` (staging ring, writer thread) -> the cache;
+target, ranks, the compute loop) -> ``pipeline`` (host ring, writer thread) -> the cache;
 ``report`` (heartbeats, events, progress, stop requests) runs alongside. At the top: ``config``,
 ``prepare``, ``resume``, ``run``, ``finish``, ``hub`` (the hub asked once) and the torchrun entry
 (``__main__``).

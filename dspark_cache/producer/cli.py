@@ -102,7 +102,7 @@ def dry_run(cfg: ProduceConfig) -> int:
     if me.is_leader:
         note = layers_cost(cfg.for_draft_layers, p.info.num_layers, p.shape, p.plan.num_tokens) \
             if cfg.for_draft_layers else None
-        print(plan_report(p.plan, p.manifest, cfg.output_dir, note))
+        print(plan_report(p.plan, p.manifest, output, note))
     return EXIT_OK
 
 
@@ -123,7 +123,7 @@ def produce_and_report(cfg: ProduceConfig) -> int:
         return error(PROG, str(exc))
     rank = int(os.environ.get("RANK", "0"))
     outcome = "stopped" if result.stopped else "incomplete" if result.missing else "done"
-    print(summary(result, cfg.output_dir) if rank == 0 else f"rank {rank}: {outcome}")
+    print(summary(result) if rank == 0 else f"rank {rank}: {outcome}")
     if result.missing:
         print(f"{PROG}: shards {result.missing} were not published because the rank that owned them "
               "stopped; rerun the same command (any number of ranks) to complete the cache", file=sys.stderr)

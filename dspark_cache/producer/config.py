@@ -19,15 +19,15 @@ import msgspec
 
 from dspark_cache.format.codec import CODECS, DEFAULT_LEVEL, LEVELS
 from dspark_cache.format.layers import EMBEDDING_LAYER, validate_target_layer_ids
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.sample import CACHE_DTYPES, is_fp8  # names -> safetensors codes: no torch
 from dspark_cache.format.schema import SampleEntry
 from dspark_cache.format.status import RANK_TIMEOUT_S
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_SEQ_LENGTH
 from dspark_cache.producer.device.topology import size_argument
+from dspark_cache.storage.remote.url import is_remote
 
 if TYPE_CHECKING:
-    from dspark_cache.format.output import CacheOutput
+    from dspark_cache.storage.output import CacheOutput
 
 # A target computes in a float dtype; FP8 is a storage format only (quantised after the forward).
 COMPUTE_DTYPES = sorted(name for name, code in CACHE_DTYPES.items() if not is_fp8(code))
@@ -285,7 +285,7 @@ class _Joined(argparse.Action):
 
 def cache_output_options(cfg: ProduceConfig) -> dict[str, Any]:
     """``open_output``'s keyword arguments for an --output-dir on object storage; ``ConfigError`` on bad values."""
-    from dspark_cache.format.backing import StorageOptions, parse_size, parse_storage_options
+    from dspark_cache.storage.backing import StorageOptions, parse_size, parse_storage_options
 
     try:
         options = None if cfg.storage_options is None else parse_storage_options(cfg.storage_options,
@@ -301,7 +301,7 @@ def cache_output_options(cfg: ProduceConfig) -> dict[str, Any]:
 
 def cache_output(cfg: ProduceConfig, rank: int = 0) -> "CacheOutput":
     """The write side of --output-dir: a directory, or a cache on object storage staged on this node."""
-    from dspark_cache.format.destination import open_output
+    from dspark_cache.storage.destination import open_output
 
     if not is_remote(cfg.output_dir):
         return open_output(cfg.output_dir)

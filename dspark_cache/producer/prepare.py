@@ -20,20 +20,20 @@ from dspark_cache.format.errors import CacheError
 from dspark_cache.format.faults import crash_point
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import build_target_layer_ids, draft_layer_union, validate_target_layer_ids
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import REGENERATED_KEY, Manifest, RegeneratedInput, RowRegeneration
 from dspark_cache.format.validate import manifest_problems
-from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.config import ConfigError, ProduceConfig, validate_config
+from dspark_cache.producer.device.target import TargetInfo, read_target_info, resolve_device
 from dspark_cache.producer.device.topology import Topology
+from dspark_cache.producer.encode.chat import ChatEncoder
+from dspark_cache.producer.encode.template import resolve_chat_template, sha256_text, tokenizer_sha256
 from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.plan.batches import Plan
 from dspark_cache.producer.plan.job import plan_job
-from dspark_cache.producer.device.target import TargetInfo, read_target_info, resolve_device
 from dspark_cache.producer.report.summary import layers_cost
-from dspark_cache.producer.encode.template import resolve_chat_template, sha256_text, tokenizer_sha256
+from dspark_cache.storage.output import CacheOutput
 
 if TYPE_CHECKING:
     import torch

@@ -8,9 +8,10 @@ forgotten, leftovers and shards that do not match the plan are unpublished
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import shutil
+from dataclasses import dataclass
 from typing import Collection
 
 import numpy as np
@@ -18,12 +19,12 @@ import numpy as np
 from dspark_cache.format.errors import CacheError, CorruptShardError, ManifestMismatchError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.manifest import adopt_cache_id
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.schema import Manifest, ShardIndex, identity_diff
 from dspark_cache.format.tar.writer import predict_shard_bytes
 from dspark_cache.format.validate import InvalidManifestError
 from dspark_cache.producer.plan.batches import Plan, ShardPlan
 from dspark_cache.producer.prepare import Prepared
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +84,24 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
     return old
 
 
+@dataclass(frozen=True)
+class DiskSpace:
+    """The one free-space report, for the check before a run and the message when the disk fills."""
+
+    needed: int  # bytes the shards still to write take, with the partial files of ``writers`` in flight
+    free: int  # bytes free on the disk the shards go to
+
+
+def disk_space(output: CacheOutput, plan: Plan, done: Collection[int], writers: int) -> DiskSpace:
+    todo = plan.bytes_missing(done)
+    return DiskSpace(output.space_needed(sum(todo), max(todo, default=0), writers), output.free_space())
+
+
 def preflight_disk(output: CacheOutput, plan: Plan, done: Collection[int], force: bool,
                    writers: int = 1) -> None:
     """Refuse to start when the shards still to write need more than the free space (unless ``--force``);
     ``writers``: shards written at once."""
-    todo = plan.bytes_missing(done)
-    needed = output.space_needed(sum(todo), max(todo, default=0), writers)
-    free = shutil.disk_usage(output.root).free
+    needed, free = dataclasses.astuple(disk_space(output, plan, done, writers))
     if needed > free and not force:
         where = "" if output.shown == output.root else f" (the staging directory of {output.shown})"
         raise CacheError(

@@ -2,7 +2,7 @@
 
 Each step is its own module: ``prepare`` (validate, encode, plan, manifest; only the saved plan
 is written), ``resume`` (rank 0, holding the lock: the directory made to agree with the plan),
-``device.compute`` (the target and the pipeline over this rank's shards), ``finish`` (the rank
+``compute`` (the target and the pipeline over this rank's shards), ``finish`` (the rank
 that sees every shard marks the cache complete) and ``report.status`` (heartbeats, events).
 This module only orders them.
 
@@ -14,41 +14,27 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.schema import EventKind, Manifest, RankState
-from dspark_cache.producer.finish import finish
-from dspark_cache.producer.device.compute import (
+from dspark_cache.producer.compute import (
     Computed, compute_shards, repair_complete_weights, write_missing_target_weights,
 )
 from dspark_cache.producer.config import ProduceConfig, cache_output
 from dspark_cache.producer.device.model_group import check_target
 from dspark_cache.producer.device.ranks import assign_shards, barrier_before_setup, new_run_id, share_setup
 from dspark_cache.producer.device.topology import Topology, check_topology
-from dspark_cache.producer.pipeline.writer import PipelineStats
+from dspark_cache.producer.finish import finish
 from dspark_cache.producer.plan.batches import Plan
 from dspark_cache.producer.plan.store import found_directory
 from dspark_cache.producer.prepare import Prepared, prepare, resolve_settings
-from dspark_cache.producer.resume import read_existing, reconcile_directory, take_directory
 from dspark_cache.producer.report.signals import StopFlag
+from dspark_cache.producer.report.summary import RunResult
 from dspark_cache.producer.report.status import StatusReporter, announce
+from dspark_cache.producer.resume import read_existing, reconcile_directory, take_directory
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunResult:
-    """What one rank's run did; the command line turns it into a summary and an exit code."""
-
-    manifest: Manifest
-    plan: Plan
-    stats: PipelineStats | None
-    seconds: float
-    stopped: bool = False
-    missing: list[int] = field(default_factory=list)  # shards owned by a rank that died
-    output: CacheOutput | None = None  # what was written to (the summary counts its shards)
 
 
 def produce(cfg: ProduceConfig) -> RunResult:
@@ -133,7 +119,7 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
         repair_complete_weights(p, existing, topology, status, run_id)
         log.info("%s is already complete: nothing to do", p.paths.root)
         status.update(force=True, state=RankState.FINISHED)
-        return RunResult(existing, p.plan, None, time.time() - started)
+        return RunResult(existing, p.plan, None, time.time() - started, output=p.output)
     computed = compute_shards(p, owned, status, stop, topology, run_id) if owned else Computed(None)
     p.output.flush()  # a cache on object storage: the last shards' uploads (a failed one raises here)
     stats = computed.stats
@@ -148,7 +134,7 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
                                              f"(ranks {topology.group_ranks()})")
         status.update(force=True, state=RankState.STOPPED)
         status.event(EventKind.STOPPED, f"stopped ({reason}); rerun the same command to resume")
-        return RunResult(p.manifest, p.plan, stats, time.time() - started, stopped=True)
+        return RunResult(p.manifest, p.plan, stats, time.time() - started, stopped=True, output=p.output)
     manifest, missing = finish(p, status, run_id, topology)
     if missing:
         status.update(force=True, state=RankState.INCOMPLETE)
@@ -157,4 +143,4 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
     else:
         status.update(force=True, state=RankState.FINISHED, samples_done=p.plan.num_samples,
                       tokens_done=p.plan.num_tokens)
-    return RunResult(manifest, p.plan, stats, time.time() - started, missing=missing)
+    return RunResult(manifest, p.plan, stats, time.time() - started, missing=missing, output=p.output)

@@ -5,7 +5,7 @@ next to it:
 
 * ``OUTPUT.state``: the run's :class:`~dspark_cache.regenerate.settings.Identity` (msgspec JSON),
   written before the first row; a rerun with other settings is refused.
-* ``OUTPUT.lock``: an flock (``format.lock``): one run per output.
+* ``OUTPUT.lock``: an flock (``storage.lock``): one run per output.
 * ``OUTPUT.skipped``: rows that are done but not in the output (invalid, dropped as truncated, or
   rejected by the server), one JSON object per line: they are not asked again.
 * ``OUTPUT.failed``: rows whose requests failed after the retries (rewritten by each run; a rerun
@@ -44,9 +44,9 @@ import msgspec
 from dspark_cache.format.atomic import atomic_write_with, fsync_dir
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.faults import check_write_budget
-from dspark_cache.format.lock import DirectoryLock, hold_exclusive
 from dspark_cache.format.schema import REGENERATED_KEY, RowSource
 from dspark_cache.regenerate.settings import Identity, identity_diff
+from dspark_cache.storage.lock import DirectoryLock, hold_exclusive
 
 log = logging.getLogger(__name__)
 

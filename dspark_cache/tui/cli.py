@@ -13,7 +13,7 @@ from dspark_cache.cli.conventions import (
     EXIT_ERROR, EXIT_OK, EXIT_USAGE, UsageError, add_storage_arguments, error, exit_codes_epilog,
     reader_failure_code, storage_from_args,
 )
-from dspark_cache.format.remote.url import is_remote
+from dspark_cache.storage.remote.url import is_remote
 
 PROG = "dspark-monitor"
 DESCRIPTION = ("Watch a dspark cache: a live producer run, a finished cache, one on a shared filesystem or on "
@@ -78,14 +78,14 @@ def run_remote(args: argparse.Namespace, once: bool) -> int:
 
     storage = storage_from_args(args)
     try:
-        from dspark_cache.format.remote.view import RemoteView
+        from dspark_cache.tui.remote.view import RemoteView
 
         view = RemoteView(args.cache_dir, storage)
     except ValueError as exc:  # a URL that is not one of a store we read
         raise UsageError(str(exc)) from None
     except (CacheError, OSError) as exc:
         return error(PROG, str(exc), reader_failure_code(exc))
-    from dspark_cache.tui.remote import RemoteScanner, remote_period
+    from dspark_cache.tui.remote.scanner import RemoteScanner, remote_period
 
     every = remote_period(view, args.refresh)
     now = once or args.no_wait  # read before anything is shown: what is not there is an error

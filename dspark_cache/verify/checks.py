@@ -11,17 +11,17 @@ import shlex
 from dataclasses import dataclass, field
 
 from dspark_cache.cli.conventions import command_hint
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.errors import CacheError, CorruptShardError
-from dspark_cache.format.destination import open_output
 from dspark_cache.format.paths import TARGET_WEIGHTS
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import ShardReader
 from dspark_cache.format.tar.rebuild import rebuild_index
 from dspark_cache.format.validate import check_catalog
 from dspark_cache.format.weights import weights_problem
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.cache import CacheDir
+from dspark_cache.storage.destination import open_output
+from dspark_cache.storage.remote.url import is_remote
 
 
 @dataclass
@@ -78,8 +78,7 @@ def _verify(cache: CacheDir, path: str) -> Report:
         check_catalog(manifest, indexes, path)
     except CacheError as exc:
         report.problems.append(str(exc))
-    if cache.remote is not None:
-        cache.backing.fetch_file(TARGET_WEIGHTS)
+    cache.backing.fetch_file(TARGET_WEIGHTS)  # a remote cache's copy is brought in first
     weights = weights_problem(paths, manifest)  # a running producer may not have written them yet
     if weights is not None and (manifest.complete or os.path.lexists(paths.target_weights)):
         report.problems.append(weights)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import dspark_cache
-from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.tar.reader import load_shard_index
+from dspark_cache.storage.cache import CacheDir
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args
 from tests.support.proc import (assert_same_samples, kill_group, producer_cmd, published, run, start_ranks, torchrun,

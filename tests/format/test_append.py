@@ -22,7 +22,7 @@ def _pieces(rng: random.Random, samples: int) -> list[Piece]:
             kind = rng.random()
             if kind < 0.4:
                 buffer = np.frombuffer(rng.randbytes(n), dtype=np.uint8)
-            elif kind < 0.7:  # a 2-d bf16-like view, as the staging ring hands over
+            elif kind < 0.7:  # a 2-d bf16-like view, as the host ring hands over
                 buffer = np.frombuffer(rng.randbytes(n - n % 4), dtype=np.int16).reshape(-1, 2)
             elif kind < 0.85:
                 buffer = memoryview(rng.randbytes(n))

@@ -15,15 +15,15 @@ import webdataset as wds
 from safetensors.torch import load as safetensors_load
 
 import dspark_cache
-from dspark_cache.loader.tensors import to_torch
 from dspark_cache.format.manifest import read_manifest
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.sample import PAD_PREFIX, sample_metadata, sample_specs
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.format.wds import decode_dspark_arrays, decode_wids_sample
 from dspark_cache.format.wids_index import WIDS_KIND, read_wids_index, write_wids_index
+from dspark_cache.loader.tensors import to_torch
+from dspark_cache.storage.output import CacheOutput
 from tests.support.scripts import convert as convert_main
 from dspark_cache.cli import verify as verify_main
 from tests.support.produce import run_produce

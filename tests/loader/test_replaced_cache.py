@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import dspark_cache
-from dspark_cache.format.cache import CacheDir, CacheReplacedError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.validate import ForeignShardError
+from dspark_cache.storage.cache import CacheDir, CacheReplacedError
 from dspark_cache.verify import verify_cache
 from tests.support.produce import run_produce, write_jsonl
 

@@ -341,7 +341,7 @@ def test_overwrite_never_deletes_through_a_symlink(tmp_path, capsys):
 
 def test_a_running_producer_or_conversion_holds_dst(tmp_path, capsys):
     """The producer's lock on control/lock: a conversion into a directory in use is refused."""
-    from dspark_cache.format.lock import lock_exclusive
+    from dspark_cache.storage.lock import lock_exclusive
 
     src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS)
@@ -428,7 +428,7 @@ def test_weights_are_checked_recorded_and_never_kept_when_they_differ(small_cach
 def test_import_into_object_storage_equals_import_into_a_directory(exported, tmp_path, capsys, s3_bucket, s3_env):
     """--to dspark with DST on S3 writes through its staging directory: the same samples as a local import,
     every tar uploaded and gone from staging, and a rerun keeps what the store holds."""
-    from dspark_cache.format.remote.store import ObjectStore
+    from dspark_cache.storage.remote.store import ObjectStore
     from tests.support.proc import assert_same_samples
 
     local, url, staging = str(tmp_path / "local"), f"{s3_bucket}/imported", str(tmp_path / "staging")

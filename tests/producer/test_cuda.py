@@ -74,11 +74,11 @@ def test_staged_batches_survive_the_next_forward(tmp_path):
     import numpy as np
 
     from dspark_cache.format.geometry import SampleShape
-    from dspark_cache.format.output import CacheOutput
+    from dspark_cache.storage.output import CacheOutput
     from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer.pipeline.loop import run_pipeline
     from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
-    from tests.producer.test_staging import _read_shards
+    from tests.producer.test_host_ring import _read_shards
 
     rng = np.random.default_rng(0)
     samples = [PlannedSample(i, np.zeros(int(n), np.int32), np.ones(int(n), np.uint8))
@@ -125,12 +125,12 @@ def test_producer_loop_has_no_host_sync(embedded, tmp_path):
     import warnings
 
     from dspark_cache.format.geometry import SampleShape
-    from dspark_cache.format.output import CacheOutput
+    from dspark_cache.storage.output import CacheOutput
     from dspark_cache.format.paths import CachePaths
     from dspark_cache.producer.pipeline.loop import run_pipeline
     from tests.support.syncs import HostSyncTrap
     from dspark_cache.producer.device.target import TargetRunner
-    from tests.producer.test_staging import _plan
+    from tests.producer.test_host_ring import _plan
 
     layers = json.load(open(f"{embedded.stock}/config.json"))["num_hidden_layers"]
     hidden = json.load(open(f"{embedded.stock}/config.json"))["hidden_size"]

@@ -153,7 +153,7 @@ def test_a_killed_holder_never_blocks_the_rerun(embedded, tmp_path, tiny_data):
 HOLD = """
 import sys, time
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.lock import lock_exclusive, lock_shared
+from dspark_cache.storage.lock import lock_exclusive, lock_shared
 paths = CachePaths(sys.argv[1])
 if sys.argv[2] == "rank0":
     lock_exclusive(paths, "job-a", 2).share()
@@ -166,7 +166,7 @@ time.sleep(600)
 
 def test_every_rank_of_a_job_holds_the_lock(tmp_path):
     """A job's other ranks keep the directory locked after its rank 0 is gone."""
-    from dspark_cache.format.lock import CacheLockedError, lock_exclusive
+    from dspark_cache.storage.lock import CacheLockedError, lock_exclusive
 
     paths = CachePaths(str(tmp_path / "cache"))
     os.makedirs(os.path.dirname(paths.lock))

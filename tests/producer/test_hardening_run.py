@@ -119,7 +119,7 @@ def test_convert_and_verify_agree_on_a_directory_that_is_not_a_cache(tmp_path):
 # --- the lock record: its stop hint, and never anything but a regular file ---------------------
 
 def test_a_refused_second_producer_is_told_the_monitors_stop_key(tmp_path):
-    from dspark_cache.format.lock import CacheLockedError, lock_exclusive
+    from dspark_cache.storage.lock import CacheLockedError, lock_exclusive
 
     paths = CachePaths(str(tmp_path / "cache"))
     os.makedirs(paths.control_dir)
@@ -141,7 +141,7 @@ def test_a_lock_record_that_is_not_a_regular_file_is_refused_without_blocking(tm
     {"fifo": lambda p: os.mkfifo(p), "directory": os.mkdir, "link to a device": lambda p: os.symlink("/dev/zero", p)
      }[kind](paths.lock)
     probe = ("import sys\nfrom dspark_cache.format.paths import CachePaths\n"
-             "from dspark_cache.format.lock import LockFileError, lock_exclusive, lock_shared\n"
+             "from dspark_cache.storage.lock import LockFileError, lock_exclusive, lock_shared\n"
              "paths = CachePaths(sys.argv[1])\n"
              "for take in (lambda: lock_exclusive(paths, 'r', 1), lambda: lock_shared(paths)):\n"
              "    try:\n        take()\n    except LockFileError as exc:\n        print(exc)\n")

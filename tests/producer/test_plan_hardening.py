@@ -326,7 +326,7 @@ def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
     assert set(after) == set(before)  # the earlier plan and the lock file it was made under are kept
     assert {k: v for k, v in after.items() if k != lock} == {k: v for k, v in before.items() if k != lock}
 
-    from dspark_cache.format.lock import lock_exclusive
+    from dspark_cache.storage.lock import lock_exclusive
 
     held = lock_exclusive(CachePaths(out), "another-run", 1)  # a live producer: the dry run touches nothing
     try:
@@ -341,7 +341,7 @@ def test_a_failed_dry_run_keeps_what_was_there(embedded, tmp_path):
 def test_a_lock_file_removed_by_its_holder_is_not_locked_through_an_old_descriptor(tmp_path, monkeypatch):
     """A process that opened the lock file just before its last holder removed it must not lock the
     removed file: it would then 'hold' a lock that a third producer, creating the file anew, shares."""
-    from dspark_cache.format import lock as lock_module
+    from dspark_cache.storage import lock as lock_module
 
     paths = CachePaths(str(tmp_path / "cache"))
     os.makedirs(paths.control_dir)

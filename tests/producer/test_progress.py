@@ -190,7 +190,7 @@ def test_no_progress_on_a_terminal_logs_instead(embedded, few_rows, tmp_path):
 
 def test_stopped_run_counts_published_shards_and_pipes_no_bar(embedded, tmp_path):
     """SIGTERM after the first shard: exit 3, the summary counts what is on disk, piped stderr has log lines only."""
-    from dspark_cache.format.cache import CacheDir
+    from dspark_cache.storage.cache import CacheDir
     from dspark_cache.format.paths import CachePaths
 
     out = str(tmp_path / "out")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
-from dspark_cache.format.remote.store import ObjectStore
+from dspark_cache.storage.remote.store import ObjectStore
 
 
 def upload_cache(local: str, url: str, *, shards: list[int] | None = None, manifest: bool = True,

@@ -1,5 +1,5 @@
 """``dspark-monitor s3://bucket/prefix``: caches a real producer writes to a real S3 server (moto), seen
-through the monitor's local copy of their small files (``format/remote/view.py``), polled at a bounded
+through the monitor's local copy of their small files (``tui/remote/view.py``), polled at a bounded
 cost; the stop request put on the store stops a running producer."""
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from rich.text import Text
 from dspark_cache.cli import monitor as monitor_main, produce as produce_main, verify as verify_main
 from dspark_cache.cli.conventions import EXIT_STOPPED
 from dspark_cache.embedded.data import write_sample_data
-from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
-from dspark_cache.format.remote.localdir import LocalCopyError
-from dspark_cache.format.remote.store import ObjectStore
-from dspark_cache.format.remote.view import RemoteView
 from dspark_cache.format.schema import Event, RankStatus, decode_json, encode_json
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.remote.localdir import LocalCopyError
+from dspark_cache.storage.remote.store import ObjectStore
 from dspark_cache.tui.app import MonitorApp
-from dspark_cache.tui.remote import RemoteScanner
+from dspark_cache.tui.remote.scanner import RemoteScanner
+from dspark_cache.tui.remote.view import RemoteView
 from dspark_cache.tui.scan import CacheScanner
 from tests.support.faultproxy import FaultProxy
 from tests.support.produce import produce_args, run_produce
@@ -235,7 +235,7 @@ def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, 
 
 
 def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_path, monkeypatch):
-    from dspark_cache.format.remote import eventlog
+    from dspark_cache.tui.remote import eventlog
 
     url = complete.replace("runs/done", "runs/huge-segment")
     store = ObjectStore(url, options(s3_server))
@@ -259,7 +259,7 @@ def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_pa
 
 
 def test_a_log_stored_whole_is_copied_once_per_version(complete, s3_server, tmp_path, monkeypatch):
-    from dspark_cache.format.remote import view as view_module
+    from dspark_cache.tui.remote import view as view_module
 
     url = complete.replace("runs/done", "runs/whole-log")
     store = ObjectStore(url, options(s3_server))

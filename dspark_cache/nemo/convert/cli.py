@@ -15,8 +15,8 @@ from dspark_cache.cli.conventions import (
 )
 from dspark_cache.format.codec import CODECS, DEFAULT_LEVEL, LEVELS
 from dspark_cache.format.errors import CacheError, NotACacheError
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.nemo.convert.common import ConvertResult, ConvertUsageError
+from dspark_cache.storage.remote.url import is_remote
 
 PROG = "dspark-convert"
 

@@ -14,11 +14,11 @@ from typing import BinaryIO, TextIO
 from dspark_cache.format.atomic import atomic_write_with
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import NotARegularFileError, kind_of, open_regular
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.weights import TargetWeightsError, WeightsFile, check_target_weights
 from dspark_cache.nemo import nemo_format
+from dspark_cache.storage.output import CacheOutput
+from dspark_cache.storage.remote.url import is_remote
 
 _COPY_CHUNK = 16 << 20
 

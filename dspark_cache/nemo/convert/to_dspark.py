@@ -19,13 +19,10 @@ import numpy as np
 import torch
 
 from dspark_cache import __version__
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.format.codec import DEFAULT_LEVEL
+from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.manifest import ManifestDecodeError, adopt_cache_id, read_manifest
-from dspark_cache.format.destination import open_output
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.format.schema import Manifest, SkippedRow, identity_diff
 from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
@@ -39,6 +36,9 @@ from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
 from dspark_cache.nemo.convert.padding import PadEvidence, PadRule, real_length, resolve_pad_rule
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
 from dspark_cache.producer import byte_views, dtype_code
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.destination import open_output
+from dspark_cache.storage.output import CacheOutput
 
 ALL_PADDING = "no real token (all padding)"
 _INT32_MAX = 2**31 - 1

@@ -29,12 +29,9 @@ import msgspec
 import torch
 
 from dspark_cache.format.atomic import fsync_dir
-from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.faults import crash_point
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import TARGET_WEIGHTS
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HIDDEN, LOSS_MASK
 from dspark_cache.loader.cache import Cache, open_cache
 from dspark_cache.nemo import nemo_format
@@ -45,6 +42,9 @@ from dspark_cache.nemo.convert.common import (
 from dspark_cache.nemo.convert.stfile import (
     SafetensorsFile, TensorRange, file_size, header_bytes, pwrite_all, raw_bytes,
 )
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.output import CacheOutput
+from dspark_cache.storage.remote.url import is_remote
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -150,8 +150,7 @@ def _open_source(src: str, dtype: str | None, storage: StorageOptions | None) ->
     try:
         cache = open_cache(src, dtype=dtype, storage_options=storage.storage_options,
                            local_cache_dir=storage.local_cache_dir, cache_limit=storage.cache_limit)
-        if cache.cache.remote is not None:
-            cache.cache.backing.fetch_file(TARGET_WEIGHTS)  # read locally below, as a local cache's
+        cache.cache.backing.fetch_file(TARGET_WEIGHTS)  # read locally below (a remote cache's copy)
     except CacheError as exc:
         raise ConvertError(str(exc)) from exc
     except ValueError as exc:  # a --dtype this cache cannot be read as

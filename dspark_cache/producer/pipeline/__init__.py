@@ -4,7 +4,7 @@
   check, FP8 storage form), overlapped with the copies and the writers.
 * ``schedule``: the order batches are computed in with several shards in flight (``ShardSchedule``,
   which a model-parallel group's partners run too).
-* ``staging``: the fixed host-memory ring (``StagingRing``) and the copies into it (``Stager``).
+* ``host_ring``: the fixed host-memory ring (``HostRing``) and the copies into it (``HostCopier``).
 * ``writer``: the writer lanes, a thread and an open shard each, which append staged batches to
   their shards and publish them (``WriterLanes``, ``PipelineStats``).
 * ``timing``: stage times from CUDA events on a GPU, host timers on a CPU.

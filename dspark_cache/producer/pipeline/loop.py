@@ -1,8 +1,8 @@
 """The producer's overlapped pipeline: device forward | device->host copy | shard writing.
 
 The main thread runs the target on batch i+1 while batch i is trimmed to its real tokens on
-the device and copied into the staging ring (pinned host memory,
-:mod:`~dspark_cache.producer.pipeline.staging`) on a side stream, and writer threads
+the device and copied into the host ring (pinned host memory,
+:mod:`~dspark_cache.producer.pipeline.host_ring`) on a side stream, and writer threads
 (:mod:`~dspark_cache.producer.pipeline.writer`, one shard open on each, batches taken in the
 order of :mod:`~dspark_cache.producer.pipeline.schedule`) append earlier batches to their shards. Host
 memory is the ring: the main thread claims a batch's region before it queues the copies and
@@ -24,15 +24,15 @@ import torch
 
 from dspark_cache.format.codec import DEFAULT_LEVEL
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
-from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
+from dspark_cache.producer.pipeline.host_ring import HostCopier, HostRing, region_bytes, ring_capacity
 from dspark_cache.producer.pipeline.schedule import ShardSchedule, Step
-from dspark_cache.producer.pipeline.staging import Stager, StagingRing, region_bytes, ring_capacity
 from dspark_cache.producer.pipeline.tensors import quantize_fp8, torch_dtype
 from dspark_cache.producer.pipeline.timing import BatchClock
 from dspark_cache.producer.pipeline.writer import PipelineStats, WriteJob, WriterLanes
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +115,11 @@ def run_pipeline(
     writer_threads: int = 1,
     on_published: Callable[[ShardPlan, ShardIndex], None] = lambda shard, index: None,
     should_stop: Callable[[], bool] = lambda: False,
-    on_batch: Callable[[PipelineStats, StagingRing], None] = lambda stats, ring: None,
+    on_batch: Callable[[PipelineStats, HostRing], None] = lambda stats, ring: None,
     on_nonfinite: str = "error",
     durable: bool = True,
     check_finite: bool = True,
-    stager: Stager | None = None,
+    copier: HostCopier | None = None,
     compression_level: int = DEFAULT_LEVEL,
 ) -> PipelineStats:
     """Compute and write ``shards``; returns when all are published or a stop was honoured.
@@ -128,14 +128,14 @@ def run_pipeline(
     of :class:`~dspark_cache.producer.pipeline.schedule.ShardSchedule` (the cache's bytes do not
     depend on it). Shards are published through ``output``, which keeps its published set current.
     ``should_stop`` is asked before each batch: once it says yes no shard is begun, and the shards
-    in flight are finished. ``check_finite=False`` and ``stager`` are for benchmarks with a fake
+    in flight are finished. ``check_finite=False`` and ``copier`` are for benchmarks with a fake
     device (one with no NaN to find; one whose batches are already in host memory). ``on_batch``
     sees the ring (``inflight``, ``peak``, ``capacity`` bytes) after each batch.
     """
     sizes = [region_bytes(_staged_shapes(shape, batch)) for shard in shards for batch in shard.batches]
     capacity = ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes))
     _warn_if_lanes_starve(capacity, sizes, writer_threads, len(shards))
-    ring = StagingRing(capacity, device.type == "cuda")
+    ring = HostRing(capacity, device.type == "cuda")
     stats = PipelineStats()
     # A compressed shape's samples are compressed by the lanes, each on its own thread (and core).
     writers = WriterLanes(writer_threads, output, shape, ring, stats, on_published, on_nonfinite, durable,
@@ -144,7 +144,7 @@ def run_pipeline(
     raised = True  # until the loop ends by itself
     try:
         writers.start()
-        step = _Step(forward, shape, device, pad_id, check_finite, ring, writers, stats, stager)
+        step = _Step(forward, shape, device, pad_id, check_finite, ring, writers, stats, copier)
         schedule = ShardSchedule(shards, writer_threads)
         # A failed writer ends the loop before the stop question: a model-parallel group asks that
         # question of every rank, and the writer's partners then hear "no more batches" instead.
@@ -167,7 +167,7 @@ def run_pipeline(
             # A batch claimed but never queued (an exception between claim and put) may still
             # be copying into the ring: no copy may run into memory being unpinned.
             if step is not None:
-                step.stager.synchronize()
+                step.copier.synchronize()
             ring.close()
     if writers.error is not None:
         stats.failed_shard = writers.failed_shard
@@ -183,7 +183,7 @@ def _warn_if_lanes_starve(capacity: int, sizes: list[int], writers: int, shards:
     typical = sorted(sizes)[len(sizes) // 2]
     wanted = (min(writers, shards) + 1) * typical
     if capacity < min(wanted, sum(sizes)):
-        log.warning("the staging ring (--max-inflight-bytes, %.2f GB) holds about %d of this run's "
+        log.warning("the host ring (--max-inflight-bytes, %.2f GB) holds about %d of this run's "
                     "batches (%.0f MB typical): %d writer threads cannot all be busy; pass "
                     "--max-inflight-bytes %d or more, or fewer --writer-threads",
                     capacity / 1e9, capacity // typical, typical / 1e6, writers, wanted)
@@ -193,12 +193,12 @@ class _Step:
     """One batch through the main thread: collate, forward, claim ring space, queue the copies."""
 
     def __init__(self, forward: Forward, shape: SampleShape, device: torch.device, pad_id: int,
-                 check_finite: bool, ring: StagingRing, writers: WriterLanes, stats: PipelineStats,
-                 stager: Stager | None) -> None:
+                 check_finite: bool, ring: HostRing, writers: WriterLanes, stats: PipelineStats,
+                 copier: HostCopier | None) -> None:
         self.forward, self.shape, self.device, self.pad_id = forward, shape, device, pad_id
         self.check_finite, self.ring, self.writers, self.stats = check_finite, ring, writers, stats
         self.cuda = device.type == "cuda"
-        self.stager = stager or Stager(device)
+        self.copier = copier or HostCopier(device)
         self.names = _staged_names(shape)
 
     def run(self, step: Step) -> bool:
@@ -223,7 +223,7 @@ class _Step:
         times.backpressure += time.perf_counter() - t1
         if region is None:
             return False
-        staged, finite_host, ready = self.stager.stage(region, shapes, self.names, stored, finite,
+        staged, finite_host, ready = self.copier.stage(region, shapes, self.names, stored, finite,
                                                        [s.length for s in batch], clock)
         if ready is None:  # the stages ran on this thread: host times are exact
             times.device += clock.seconds("forward", "forward_done")

@@ -3,7 +3,7 @@
 A shard is written by one thread from its first byte to its last (its checksum runs through the
 whole file), so writing in parallel means several shards open at once. Computing them one after
 another would hand a second writer nothing until the first shard's every batch sat in host
-memory: the staging ring would have to hold whole shards. Instead the device takes the batches
+memory: the host ring would have to hold whole shards. Instead the device takes the batches
 of ``lanes`` open shards in turn: the next batch is the next one of the open shard with the
 fewest bytes handed out so far (the lowest lane on a tie), and a lane whose shard is done opens
 the next shard of the plan. Each shard's batches stay in plan order, so its bytes, and so the

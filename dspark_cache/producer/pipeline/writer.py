@@ -13,14 +13,14 @@ import torch
 
 from dspark_cache.format.codec import DEFAULT_LEVEL
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.format.tar.writer import SampleToWrite, ShardWriter
-from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
-from dspark_cache.producer.pipeline.staging import Region, StagingRing
+from dspark_cache.producer.pipeline.host_ring import Region, HostRing
 from dspark_cache.producer.pipeline.tensors import byte_view
 from dspark_cache.producer.pipeline.timing import BatchClock, StageTimes
+from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class PipelineStats:
 
 @dataclass
 class WriteJob:
-    """One staged batch: its samples' tensors are views of ``region`` in the staging ring."""
+    """One staged batch: its samples' tensors are views of ``region`` in the host ring."""
 
     shard: ShardPlan
     samples: list[PlannedSample]
@@ -64,7 +64,7 @@ class WriterLanes:
     them); published shards stay published.
     """
 
-    def __init__(self, count: int, output: CacheOutput, shape: SampleShape, ring: StagingRing,
+    def __init__(self, count: int, output: CacheOutput, shape: SampleShape, ring: HostRing,
                  stats: PipelineStats, on_published: Callable[[ShardPlan, ShardIndex], None],
                  on_nonfinite: str = "error", durable: bool = True,
                  compression_level: int = DEFAULT_LEVEL) -> None:

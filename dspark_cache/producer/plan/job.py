@@ -20,7 +20,6 @@ from typing import Any, Callable, TypeVar
 
 from dspark_cache.format.faults import crash_point
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
 from dspark_cache.format.plan import PartHeader
 from dspark_cache.producer.config import ProduceConfig
@@ -38,6 +37,7 @@ from dspark_cache.producer.plan.store import (
     read_parts, save_plan,
 )
 from dspark_cache.producer.report.progress import counter
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,7 +18,6 @@ from typing import Iterable
 import numpy as np
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.plan import (
     LOSS_MASK, PART_ROW, TOKEN_ID, ArrayRecord, ArrayWriter, InvalidRowNote, PartHeader, token_problem, write_header,
@@ -27,6 +26,7 @@ from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.encode.chat import EncodedRow
 from dspark_cache.producer.encode.template import TOO_SLOW
 from dspark_cache.producer.inputs.rows import InvalidRow, RawRow
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
 

@@ -27,16 +27,16 @@ from dspark_cache import __version__
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
 from dspark_cache.format.plan import (
     BOUNDARY, LOSS_MASK, MAX_HEADER_BYTES, PART_ROW, PLAN_SAMPLE, TOKEN_ID, ArrayRecord, PartHeader, PlanError,
     PlanHeader, load_array, read_header, token_problem, write_array, write_header,
 )
 from dspark_cache.format.schema import SkippedRow
+from dspark_cache.producer.encode.template import sha256_text, tokenizer_sha256
 from dspark_cache.producer.plan.batches import MAX_PAD_FRACTION, Plan, TokenStore, plan_from_rows
 from dspark_cache.producer.plan.parts import NO_SUPERVISED_TOKEN, plan_disk_full
-from dspark_cache.producer.encode.template import sha256_text, tokenizer_sha256
+from dspark_cache.storage.output import CacheOutput
 
 log = logging.getLogger(__name__)
 

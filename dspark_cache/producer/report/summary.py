@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.layers import build_target_layer_ids
-from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import Manifest
+from dspark_cache.storage.output import CacheOutput
+from dspark_cache.storage.remote.url import is_remote
 
 if TYPE_CHECKING:
+    from dspark_cache.producer.pipeline.writer import PipelineStats
     from dspark_cache.producer.plan.batches import Plan
-    from dspark_cache.producer.run import RunResult
+
+
+@dataclass
+class RunResult:
+    """What one rank's run did; the command line turns it into a summary and an exit code."""
+
+    manifest: Manifest
+    plan: Plan
+    stats: PipelineStats | None
+    seconds: float
+    output: CacheOutput  # what was written to (the summary counts its shards)
+    stopped: bool = False
+    missing: list[int] = field(default_factory=list)  # shards owned by a rank that died
 
 
 @dataclass(frozen=True)
@@ -45,11 +56,11 @@ def published(output: CacheOutput) -> Published:
     return Published(shards, samples, tokens, size)
 
 
-def summary(result: RunResult, output_dir: str) -> str:
-    """Rank 0's last line: what the cache holds now (read from ``output_dir``), what was planned, what it cost."""
-    m, plan = result.manifest, result.plan
+def summary(result: RunResult) -> str:
+    """Rank 0's last line: what the cache holds now (read from its output), what was planned, what it cost."""
+    m, plan, output_dir = result.manifest, result.plan, result.output.shown
     try:
-        done = published(result.output or CacheOutput(output_dir))
+        done = published(result.output)
     except (CacheError, OSError) as exc:  # the run's own line must not fail on a damaged index: say so instead
         return (f"cache {'complete' if m.complete else 'incomplete'}: planned {plan.num_samples} samples in "
                 f"{len(plan.shards)} shards; the published shards could not be counted ({exc}); "
@@ -79,16 +90,12 @@ def layers_cost(depths: list[int], num_layers: int, shape: SampleShape, tokens: 
             f"for these {tokens} tokens; one cache per depth would store {alone} bytes/token ({alone / own:.2f}x)")
 
 
-def plan_report(plan: Plan, manifest: Manifest, output_dir: str, note: str | None = None) -> str:
+def plan_report(plan: Plan, manifest: Manifest, output: CacheOutput, note: str | None = None) -> str:
     """What ``--dry-run`` prints: enough to size a job before renting devices (``note``: one more line)."""
     skipped = ", ".join(f"{n} {reason}" for reason, n in plan.skipped_counts().items()) or "none"
     batches = sum(len(s.batches) for s in plan.shards)
-    probe = output_dir
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = f"{shutil.disk_usage(probe or '.').free / 1e9:.1f} GB free" if probe or output_dir else ""
-    if is_remote(output_dir):
-        free = "object storage"
+    output_dir = output.shown
+    free = "object storage" if is_remote(output_dir) else f"{output.free_space() / 1e9:.1f} GB free"
     return "\n".join([
         f"dry run: {plan.num_rows} rows -> {plan.num_samples} samples (skipped: {skipped})",
         f"  tokens: {plan.num_tokens} ({plan.num_loss_tokens} supervised), seq_length {manifest.seq_length}",

@@ -8,6 +8,12 @@ holds the cache's lease, so every unfinished upload under its prefix belongs to 
 gone; only the cache's own files are aborted (a nested cache, or another program's files under the
 same prefix, are not its). Other schemes need nothing: Azure drops uncommitted blocks by itself, and GCS uploads
 through obstore complete or leave nothing.
+
+Weighed against the bucket lifecycle rule ``AbortIncompleteMultipartUpload`` alone (no boto3, a
+warning instead): the rule is the better cure where a user may set it, and every message here names
+it; but most users write to a bucket they do not administer, and a preempted job leaves up to one
+shard per writer lane each time it is killed, billed with nothing to show. So the resuming producer
+cleans up what it can see, and without boto3 (or without the permission) it says what is left.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ import logging
 import os
 from typing import Any, Callable
 
-from dspark_cache.format.remote.store import ObjectStoreError, client_endpoint
-from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.storage.remote.store import ObjectStoreError, client_endpoint
+from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
 

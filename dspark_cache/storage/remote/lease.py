@@ -30,11 +30,11 @@ import time
 import msgspec
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.lock import CacheLockedError, describe_holder
 from dspark_cache.format.paths import LEASE
-from dspark_cache.format.remote.node import process_alive
-from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore, ObjectStoreError
 from dspark_cache.format.schema import Lease as LeaseRecord, decode_json, encode_json
+from dspark_cache.storage.lock import CacheLockedError, describe_holder
+from dspark_cache.storage.remote.node import process_alive
+from dspark_cache.storage.remote.store import ConditionFailedError, ObjectInfo, ObjectStore, ObjectStoreError
 
 log = logging.getLogger(__name__)
 

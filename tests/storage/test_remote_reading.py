@@ -17,17 +17,17 @@ import torch
 
 import dspark_cache
 from dspark_cache.cli import verify as verify_main
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.cache import CacheDir, CacheReplacedError
 from dspark_cache.format.errors import CorruptShardError, NotACacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.store import AccessDeniedError, NoSuchBucketError, ObjectStore, ObjectStoreError
-from dspark_cache.format.remote.url import RemoteURL, is_remote
 from dspark_cache.nemo.dataset import DSparkMapDataset
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.cache import CacheDir, CacheReplacedError
+from dspark_cache.storage.remote.store import AccessDeniedError, NoSuchBucketError, ObjectStore, ObjectStoreError
+from dspark_cache.storage.remote.url import RemoteURL, is_remote
 from tests.support.faultproxy import FaultProxy, matching
-from dspark_cache.format.remote.localdir import LocalCopyError
-from dspark_cache.format.remote.staging import default_staging_dir
-from dspark_cache.format.remote.view import RemoteView
+from dspark_cache.storage.remote.localdir import LocalCopyError
+from dspark_cache.storage.remote.staging import default_staging_dir
+from dspark_cache.tui.remote.view import RemoteView
 from tests.support.proc import assert_same_samples, run, start
 from tests.support.remote import publish_shard, upload_cache
 from tests.support.s3server import S3Server, unique_bucket_name
@@ -369,8 +369,8 @@ def test_processes_of_one_node_download_each_shard_once(local, remote, proxy, tm
     """Two processes read every shard at the same time through one local cache directory."""
     script = (
         "import sys\n"
-        "from dspark_cache.format.backing import StorageOptions\n"
-        "from dspark_cache.format.cache import CacheDir\n"
+        "from dspark_cache.storage.backing import StorageOptions\n"
+        "from dspark_cache.storage.cache import CacheDir\n"
         "cache = CacheDir(sys.argv[1], storage=StorageOptions({'endpoint': sys.argv[2]}, sys.argv[3]))\n"
         "for index in cache.load_all():\n"
         "    cache.hold(index)\n"
@@ -486,7 +486,7 @@ def test_staging_options_on_a_local_output_dir_are_a_usage_error(embedded, tmp_p
 
 
 def test_an_index_object_over_the_readers_limit_is_refused_not_held_whole(remote, tmp_path, monkeypatch):
-    from dspark_cache.format.remote import copies
+    from dspark_cache.storage.remote import copies
     from dspark_cache.format.tar import reader
 
     limit = 512  # stands for MAX_INDEX_BYTES (256 MiB): the same rule at a size a test can afford
@@ -506,7 +506,7 @@ def test_a_forked_worker_does_not_keep_the_parents_shards_held(remote, tmp_path)
     worker's life (flocks belong to the open file, which a fork shares)."""
     import fcntl
 
-    from dspark_cache.format.remote.node import hold_lock
+    from dspark_cache.storage.remote.node import hold_lock
 
     cache = CacheDir(remote, storage=StorageOptions(local_cache_dir=str(tmp_path / "n")))
     index = cache.require(0)
@@ -563,8 +563,8 @@ def test_a_full_local_disk_is_named_at_once_not_retried_as_the_network(remote):
 def test_resuming_aborts_only_the_caches_own_unfinished_uploads(s3_server, s3_bucket, s3_env):
     import boto3
 
-    from dspark_cache.format.ours import is_written_name
-    from dspark_cache.format.remote.multipart import abort_unfinished_uploads
+    from dspark_cache.storage.ours import is_written_name
+    from dspark_cache.storage.remote.multipart import abort_unfinished_uploads
 
     url = RemoteURL.parse(f"{s3_bucket}/caches/run1")
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)

@@ -11,7 +11,6 @@ import dataclasses
 import errno
 import logging
 import os
-import shutil
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -38,6 +37,7 @@ from dspark_cache.producer.prepare import Prepared
 from dspark_cache.producer.report.progress import ProgressLog
 from dspark_cache.producer.report.signals import StopFlag
 from dspark_cache.producer.report.status import StatusReporter
+from dspark_cache.producer.resume import disk_space
 
 log = logging.getLogger(__name__)
 
@@ -345,11 +345,9 @@ def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id
 
 def _disk_full(p: Prepared, exc: OSError) -> DiskFullError:
     done = p.output.scan()  # other ranks publish too
-    todo = p.plan.bytes_missing(done)
-    needed = p.output.space_needed(sum(todo), max(todo, default=0), p.cfg.writers)
-    free = shutil.disk_usage(p.paths.root).free
+    space = disk_space(p.output, p.plan, done, p.cfg.writers)
     return DiskFullError(
         f"disk full while writing {p.paths.shards_dir} ({exc.strerror}): {len(done)} of {len(p.plan.shards)} shards "
-        f"are published and intact; the rest needs {needed / 1e9:.3f} GB and {free / 1e9:.3f} GB is free. "
+        f"are published and intact; the rest needs {space.needed / 1e9:.3f} GB and {space.free / 1e9:.3f} GB is free. "
         "Free space, then rerun the same command to resume"
     )

@@ -40,13 +40,13 @@ import xxhash
 
 from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
-from dspark_cache.format.remote.copies import LocalCopies
-from dspark_cache.format.remote.localdir import (LocalCopyError, Temporaries, default_local_cache_dir,
-                                                 local_copy_dir, own_directory)
-from dspark_cache.format.remote.node import DaemonThreads, hold_lock, release_all
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import ShardIndex
+from dspark_cache.storage.remote.copies import LocalCopies
+from dspark_cache.storage.remote.localdir import (LocalCopyError, Temporaries, default_local_cache_dir,
+                                                 local_copy_dir, own_directory)
+from dspark_cache.storage.remote.node import DaemonThreads, hold_lock, release_all
+from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``dspark-monitor s3://bucket/prefix``: the scanner of a cache on object storage.
 
 The store is polled, never watched: :class:`RemoteScanner` refreshes a
-:class:`~dspark_cache.format.remote.view.RemoteView` (the local copy of the cache's small files,
+:class:`~dspark_cache.tui.remote.view.RemoteView` (the local copy of the cache's small files,
 fetched at a bounded cost: see that module) before it scans the copy as any directory, but at most
 every ``every`` seconds, never more often than the producer puts its heartbeat (``max(--refresh,
 DSPARK_SYNC_INTERVAL or 5 s)``); scans asked for in between read the copy again without a request.
@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Callable
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.remote.view import RemoteView
 from dspark_cache.format.status import STALE_AFTER_S
 from dspark_cache.tui.display import clip, clock_time
+from dspark_cache.tui.remote.view import RemoteView
 from dspark_cache.tui.scan import CacheScanner
 from dspark_cache.tui.snapshot import Snapshot
 

@@ -17,8 +17,8 @@ from typing import Callable
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.store import ObjectInfo
-from dspark_cache.format.remote.sync import MAX_SEGMENT_BYTES
+from dspark_cache.storage.remote.store import ObjectInfo
+from dspark_cache.storage.remote.sync import MAX_SEGMENT_BYTES
 
 Seen = tuple[int, str]  # (size, ETag) an object was copied from
 Get = Callable[[str, int], "tuple[bytes, ObjectInfo] | None"]  # a GET of at most that many bytes; None: gone

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.store import ObjectStore
+from dspark_cache.storage.remote.store import ObjectStore
 from tests.support.proc import BIN, assert_same_samples, free_port, kill_group, run, start
 from tests.support.produce import produce_args
 

@@ -30,8 +30,8 @@ from typing import Callable, Iterator
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.copies import LocalCopies
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.storage.remote.copies import LocalCopies
+from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 

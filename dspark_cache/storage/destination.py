@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.remote.url import is_remote
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.output import CacheOutput
+from dspark_cache.storage.remote.url import is_remote
 
 
 def open_output(path: str | os.PathLike, *, storage: StorageOptions | None = None, staging_dir: str | None = None,
@@ -22,7 +22,7 @@ def open_output(path: str | os.PathLike, *, storage: StorageOptions | None = Non
     ``lease_wait``: seconds to wait for a lease another producer holds)."""
     if not is_remote(path):
         return CacheOutput(path)
-    from dspark_cache.format.remote.output import RemoteOutput  # the client library is an optional extra
+    from dspark_cache.storage.remote.output import RemoteOutput  # the client library is an optional extra
 
     return RemoteOutput(os.fspath(path), storage=storage, staging_dir=staging_dir, staging_limit=staging_limit,
                         rank=rank, lease_wait=lease_wait)

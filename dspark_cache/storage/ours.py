@@ -17,8 +17,8 @@ from typing import Callable, Iterable, Iterator
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import kind_of
-from dspark_cache.format.lock import check_lock_file
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths, temporary_base
+from dspark_cache.storage.lock import check_lock_file
 
 _NUMBER = re.compile(r"\d+")
 

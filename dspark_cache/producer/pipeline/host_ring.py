@@ -1,5 +1,5 @@
-"""Host memory between the device and the writer: one fixed ring, claimed before staging, and the
-copies into it (:class:`Stager`).
+"""Host memory between the device and the writer: one fixed ring, claimed before the copy, and the
+copies into it (:class:`HostCopier`).
 
 Every staged batch lives in a region of one block of host memory (pinned when the device is a
 GPU), allocated once and sized by ``--max-inflight-bytes`` (never more than the run needs). The
@@ -44,7 +44,7 @@ def aligned(nbytes: int) -> int:
 class Region:
     """A claimed byte range of the ring; ``carve`` hands out aligned views in order."""
 
-    ring: "StagingRing"
+    ring: "HostRing"
     start: int
     size: int
     serial: int = 0  # which claim: a region's start is reused once it is free
@@ -97,7 +97,7 @@ def _pinned_block(nbytes: int) -> tuple[torch.Tensor, bool]:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
 
 
-class StagingRing:
+class HostRing:
     """``capacity`` bytes of host memory handed out as FIFO regions (thread-safe).
 
     ``pinned`` (a CUDA device is in use): the block is page-locked, so copies into it are truly
@@ -121,7 +121,7 @@ class StagingRing:
         """Wait for ``nbytes`` of free ring; ``None`` when ``abort()`` turns true while waiting."""
         size = aligned(max(1, nbytes))
         if size > self.capacity:
-            raise ValueError(f"a batch of {size} bytes does not fit a staging ring of {self.capacity} bytes")
+            raise ValueError(f"a batch of {size} bytes does not fit a host ring of {self.capacity} bytes")
         with self._cond:
             while (start := self._place(size)) is None:
                 if abort():
@@ -139,7 +139,7 @@ class StagingRing:
         with self._cond:
             held = next((r for r in self._regions if r[3] == region.serial), None)
             if held is None or held[2]:
-                raise RuntimeError(f"staging region at {region.start} is not held")
+                raise RuntimeError(f"host ring region at {region.start} is not held")
             held[2] = 1
             self.inflight -= region.size
             while self._regions and self._regions[0][2]:
@@ -169,7 +169,7 @@ def ring_capacity(budget: int, largest_batch: int, total: int) -> int:
     return max(largest_batch, min(budget, total))
 
 
-class Stager:
+class HostCopier:
     """Copies a batch's real tokens into its ring region (asynchronously on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:

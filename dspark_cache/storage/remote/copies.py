@@ -25,10 +25,10 @@ import msgspec
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import MANIFEST
-from dspark_cache.format.remote.localdir import private, write_private
-from dspark_cache.format.remote.node import DaemonThreads
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+from dspark_cache.storage.remote.localdir import private, write_private
+from dspark_cache.storage.remote.node import DaemonThreads
+from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 
 _MAX_SMALL = {True: MAX_MANIFEST_BYTES, False: MAX_INDEX_BYTES}
 _SMALL_IN_FLIGHT = 16  # copies at once

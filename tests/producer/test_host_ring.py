@@ -1,4 +1,4 @@
-"""The producer's staging ring and pipeline on a CPU: bounded host memory, exact bytes, honest
+"""The producer's host ring and pipeline on a CPU: bounded host memory, exact bytes, honest
 stage times, and no operation in the main loop that would wait for a device."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.output import CacheOutput
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.producer.device.target import TargetError, TargetRunner, resolve_device
+from dspark_cache.producer.pipeline.host_ring import ALIGN, HostCopier, HostRing, aligned
 from dspark_cache.producer.pipeline.loop import run_pipeline
 from dspark_cache.producer.pipeline.writer import NonFiniteError
 from dspark_cache.producer.plan.batches import PlannedSample, ShardPlan
-from dspark_cache.producer.pipeline.staging import ALIGN, Stager, StagingRing, aligned
-from dspark_cache.producer.device.target import TargetError, TargetRunner, resolve_device
+from dspark_cache.storage.output import CacheOutput
 from tests.support.syncs import HostSyncTrap
 
 HIDDEN = 16
@@ -31,7 +31,7 @@ SHAPE = SampleShape((0, 2), 3, HIDDEN, "F32")  # final state (2) is a feature la
 
 @pytest.mark.parametrize("any_order", [False, True])
 def test_ring_regions_never_overlap_and_stay_within_capacity(any_order):
-    ring = StagingRing(64 * ALIGN, pinned=False)
+    ring = HostRing(64 * ALIGN, pinned=False)
     rng = random.Random(3)
     held: list = []
 
@@ -54,7 +54,7 @@ def test_ring_regions_never_overlap_and_stay_within_capacity(any_order):
 
 
 def test_ring_waits_until_the_oldest_region_is_released():
-    ring = StagingRing(4 * ALIGN, pinned=False)
+    ring = HostRing(4 * ALIGN, pinned=False)
     first = ring.claim(3 * ALIGN)
     released = threading.Event()
 
@@ -74,7 +74,7 @@ def test_ring_waits_until_the_oldest_region_is_released():
 
 
 def test_a_region_released_early_is_reused_once_the_older_ones_are():
-    ring = StagingRing(4 * ALIGN, pinned=False)
+    ring = HostRing(4 * ALIGN, pinned=False)
     old, young = ring.claim(2 * ALIGN), ring.claim(2 * ALIGN)
     ring.release(young)  # a faster lane finished first
     assert ring.inflight == 2 * ALIGN
@@ -84,7 +84,7 @@ def test_a_region_released_early_is_reused_once_the_older_ones_are():
 
 
 def test_region_views_are_aligned_and_disjoint():
-    ring = StagingRing(16 * ALIGN, pinned=False)
+    ring = HostRing(16 * ALIGN, pinned=False)
     shapes = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((2,), torch.bool)]
     region = ring.claim(sum(aligned(int(np.prod(s)) * d.itemsize) for s, d in shapes))
     views = region.views(shapes)
@@ -261,8 +261,8 @@ def test_the_mask_check_sees_a_wrong_sliding_window(monkeypatch):
     assert not masks.masks_match(base, masks.CausalMasks(config, torch.float32), 64, torch.device("cpu"))
 
 
-class _SpyStager(Stager):
-    """The real stager, noting what crosses to the host: each stored tensor's dtype and the region's bytes."""
+class _SpyStager(HostCopier):
+    """The real copier, noting what crosses to the host: each stored tensor's dtype and the region's bytes."""
 
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
@@ -283,7 +283,7 @@ def test_fp8_codes_and_scales_alone_cross_to_the_host(tmp_path, code):
     forward = lambda ids, mask: (torch.randn(*ids.shape, 2 * h), torch.randn(*ids.shape, h))  # noqa: E731
     shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
     run_pipeline(shards, forward, output=CacheOutput(_paths(tmp_path).root), shape=shape, device=torch.device("cpu"),
-                 pad_id=0, max_inflight_bytes=1 << 20, stager=spy, writer_threads=2)
+                 pad_id=0, max_inflight_bytes=1 << 20, copier=spy, writer_threads=2)
     fp8 = torch.float8_e4m3fn if code == "F8_E4M3" else torch.float8_e5m2
     for dtypes, nbytes, tokens in spy.crossed:
         assert dtypes == {"target_hidden_states": fp8, "target_hidden_states_scale": torch.float32,

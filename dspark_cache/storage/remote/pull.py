@@ -16,10 +16,10 @@ import os
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.copies import LocalCopies
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.sync import MAX_SEGMENT_BYTES, StagingSync, segment_starts
 from dspark_cache.format.validate import MAX_MANIFEST_BYTES
+from dspark_cache.storage.remote.copies import LocalCopies
+from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.storage.remote.sync import MAX_SEGMENT_BYTES, StagingSync, segment_starts
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.localdir import local_copy_dir, own_directory
-from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.storage.remote.localdir import local_copy_dir, own_directory
+from dspark_cache.storage.remote.url import RemoteURL
 
 
 class StagingDirectoryError(CacheError):

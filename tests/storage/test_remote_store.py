@@ -1,4 +1,4 @@
-"""The object-store door (``format/remote/store.py``) and the lease (``format/remote/lease.py``) against the
+"""The object-store door (``storage/remote/store.py``) and the lease (``storage/remote/lease.py``) against the
 moto S3 server, with the fault proxy in front where an answer must be lost: conditional writes whose
 answer never came, keys the client cannot represent, client options given where users put them, and a
 panic of the client library."""
@@ -14,9 +14,9 @@ import time
 import pytest
 
 from dspark_cache.format.paths import LEASE
-from dspark_cache.format.remote.lease import Lease
-from dspark_cache.format.remote.store import ConditionFailedError, ObjectStore, UnrepresentableKeyError
-from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.storage.remote.lease import Lease
+from dspark_cache.storage.remote.store import ConditionFailedError, ObjectStore, UnrepresentableKeyError
+from dspark_cache.storage.remote.url import RemoteURL
 from tests.support.faultproxy import FaultProxy, Request
 from tests.support.remote import upload_cache
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY
@@ -174,7 +174,7 @@ def test_an_unknown_or_doubled_option_is_refused_by_name(local_cache_url, s3_ser
 
 _PANIC = """
 import sys
-import dspark_cache.format.remote.store as store
+import dspark_cache.storage.remote.store as store
 # Labelled stand-in: every panic of obstore's configuration known today comes from an HTTP-client key
 # given among the store's keys, which _client_settings now moves; skipping that step, the client panics.
 store._client_settings = lambda config: (dict(config), {}, None)

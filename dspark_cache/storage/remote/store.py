@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CONTROL_DIR, EVENTS_DIR, MANIFEST, PLAN_DIR, SHARDS_DIR, STATUS_DIR, \
     TARGET_WEIGHTS
-from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
 

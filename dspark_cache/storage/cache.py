@@ -44,7 +44,6 @@ import threading
 import weakref
 from collections import OrderedDict
 
-from dspark_cache.format.backing import StorageOptions, open_backing
 from dspark_cache.format.errors import CacheError, CorruptShardError, NotACacheError
 from dspark_cache.format.files import open_regular
 from dspark_cache.format.geometry import SampleShape
@@ -53,6 +52,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.validate import ForeignShardError, check_catalog
+from dspark_cache.storage.backing import StorageOptions, open_backing
 
 MAX_OPEN_FILES = 128  # idle descriptors kept open; pinned ones may exceed it for a while
 _REMOTE_OPEN_FILES = 1  # an idle open file holds its shard on the node: unevictable

@@ -7,15 +7,15 @@ import os
 import numpy as np
 import pytest
 
-from dspark_cache.format.cache import CacheDir
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.lock import CacheLockedError
 from dspark_cache.format.manifest import read_manifest
-from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.ours import CacheDirectoryError
 from dspark_cache.format.sample import INPUT_IDS, LOSS_MASK
 from dspark_cache.format.schema import Manifest
 from dspark_cache.format.tar.writer import ShardWriter
+from dspark_cache.storage.cache import CacheDir
+from dspark_cache.storage.lock import CacheLockedError
+from dspark_cache.storage.ours import CacheDirectoryError
+from dspark_cache.storage.output import CacheOutput
 
 SHAPE = SampleShape((0, 1), 2, 8, "BF16")
 LENGTHS = {0: [3, 5], 1: [4, 2], 2: [6]}  # shard id -> its samples' lengths

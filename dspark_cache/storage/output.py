@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from typing import Callable, Iterable, Iterator
 
-from dspark_cache.format.lock import DirectoryLock, lock_exclusive, lock_shared
 from dspark_cache.format.manifest import read_manifest, write_manifest
-from dspark_cache.format.ours import (
-    check_directories, check_written_names, heartbeat_files, plan_files, remove_files, written_files,
-)
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import Manifest, ShardIndex
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, write_index
 from dspark_cache.format.wids_index import write_wids_index
+from dspark_cache.storage.lock import DirectoryLock, lock_exclusive, lock_shared
+from dspark_cache.storage.ours import (
+    check_directories, check_written_names, heartbeat_files, plan_files, remove_files, written_files,
+)
 
 class CacheOutput:
     """One cache directory being written. Nothing is touched until a method is called.
@@ -170,6 +171,13 @@ class CacheOutput:
         return missing_bytes
 
     # -- shards -------------------------------------------------------------------------------
+
+    def free_space(self) -> int:
+        """Bytes free on the disk the shards go to (the nearest existing directory before the cache is made)."""
+        probe = os.path.abspath(self.root)
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        return shutil.disk_usage(probe).free
 
     def published(self) -> frozenset[int]:
         """The shard ids whose index is published, as this object knows them (listed on first use)."""

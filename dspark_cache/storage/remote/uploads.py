@@ -9,7 +9,7 @@ readers see; after that the staging copy of the tar is deleted and the index kep
 (``committed``), so that the staging directory holds the published set and what is still on its way.
 
 Staging is bounded: ``submit`` blocks while the tars not yet uploaded would exceed ``limit`` bytes
-(one shard is always let through), which holds the writer, then the staging ring, then the device,
+(one shard is always let through), which holds the writer, then the host ring, then the device,
 exactly as a slow local disk does. The producer's writer lanes submit side by side, each with its
 shard sealed (or still being written) beside the limit's worth: the staging disk holds at most the
 limit, one shard let through and one shard a writer (``RemoteOutput.space_needed``). The first
@@ -27,9 +27,9 @@ from typing import Callable
 
 from dspark_cache.format.faults import crash_point
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.node import DaemonThreads
-from dspark_cache.format.remote.store import ObjectStore, ObjectStoreError
 from dspark_cache.format.schema import ShardIndex, encode_json
+from dspark_cache.storage.remote.node import DaemonThreads
+from dspark_cache.storage.remote.store import ObjectStore, ObjectStoreError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Where a cache opened for reading lives: a local directory, or an object store mirrored to one.
 
-:class:`~dspark_cache.format.cache.CacheDir` reads a local directory through one interface,
+:class:`~dspark_cache.storage.cache.CacheDir` reads a local directory through one interface,
 whatever backs it; this module picks the backing from the path:
 
 * a plain path: :class:`LocalBacking`, where every call is free and files are read in place;
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.remote.url import is_remote
 from dspark_cache.format.schema import ShardIndex
+from dspark_cache.storage.remote.url import is_remote
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class Backing(Protocol):
     def acquire(self, index: ShardIndex) -> None: ...
     def release(self, shard_id: int) -> None: ...
     def prefetch(self, indexes: list[ShardIndex]) -> None: ...
+    def fetch_file(self, relative: str) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -120,6 +121,10 @@ class LocalBacking:
     def prefetch(self, indexes: list[ShardIndex]) -> None:
         pass
 
+    def fetch_file(self, relative: str) -> bool:
+        """Whether the cache has this file; it is already where readers read it."""
+        return os.path.lexists(os.path.join(self.root, relative))
+
     def close(self) -> None:
         pass
 
@@ -128,7 +133,7 @@ def open_backing(path: str | os.PathLike, storage: StorageOptions | None = None,
     """The backing of the cache at ``path`` (a directory, or an object-store URL)."""
     if not is_remote(path):
         return LocalBacking(os.fspath(path))
-    from dspark_cache.format.remote.mirror import NodeMirror  # the client library is an optional extra
+    from dspark_cache.storage.remote.mirror import NodeMirror  # the client library is an optional extra
 
     storage = (storage or StorageOptions()).resolved()
     mirror = NodeMirror(str(path), storage_options=storage.storage_options, local_cache_dir=storage.local_cache_dir,

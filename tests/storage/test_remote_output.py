@@ -21,8 +21,8 @@ import pytest
 import dspark_cache
 from dspark_cache.cli import produce as produce_main, verify as verify_main
 from dspark_cache.format.paths import LEASE, CachePaths
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.url import RemoteURL
+from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.storage.remote.url import RemoteURL
 from tests.support.faultproxy import FaultProxy, matching
 from tests.support.produce import produce_args, write_jsonl
 from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
@@ -126,7 +126,7 @@ def _after_last_resume(staging) -> list[dict]:
 
 
 def _lease_expiry(remote: Remote) -> tuple[dict, float]:
-    """The lease left on the store and when it expires (the rule of ``format/remote/lease.py``)."""
+    """The lease left on the store and when it expires (the rule of ``storage/remote/lease.py``)."""
     got = remote.store.get(LEASE)
     assert got is not None, f"no lease on {remote.url}"
     record = json.loads(got[0])
@@ -157,6 +157,10 @@ def test_produce_to_s3_equals_produce_to_a_directory(embedded, reference, remote
     shards = set(local.indexed_shard_ids())
     listing = remote.listing()
     assert _shard_ids(listing, "tar") == _shard_ids(listing, "idx") == shards
+    # The last line counts what the store holds (the output the run wrote, not a directory named s3:/...).
+    with dspark_cache.open_cache(reference) as theirs:
+        assert f"cache complete: {theirs.manifest.num_samples} samples" in done.stdout, done.stdout
+    assert f" {len(shards)} shards, " in done.stdout, done.stdout
     for k in shards:  # every tar whole: the size the local run wrote
         assert listing[f"shards/shard-{k:06d}.tar"].size == os.path.getsize(local.shard_tar(k)), k
     for name in ("manifest.json", "target_weights.safetensors", "shards/wids-index.json", "plan/plan.json",
@@ -581,8 +585,8 @@ def test_a_staging_dir_of_another_url_or_with_other_files_is_refused_in_one_line
 
 _RACER = """
 import json, sys, time
-from dspark_cache.format.backing import StorageOptions
-from dspark_cache.format.remote.output import RemoteOutput
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.remote.output import RemoteOutput
 url, staging, options, at, leader = sys.argv[1:6]
 output = RemoteOutput(url, storage=StorageOptions(json.loads(options)), staging_dir=staging)
 while time.time() < float(at):
@@ -684,8 +688,8 @@ def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, 
 def test_the_disk_check_counts_a_shard_for_every_writer(remote, tmp_path):
     """Each writer lane's shard is on the staging disk (being written, or sealed and waiting for room) besides
     the limit's worth and the one upload let through: the pre-run check counts them all."""
-    from dspark_cache.format.backing import StorageOptions
-    from dspark_cache.format.remote.output import RemoteOutput
+    from dspark_cache.storage.backing import StorageOptions
+    from dspark_cache.storage.remote.output import RemoteOutput
 
     output = RemoteOutput(remote.url, storage=StorageOptions(remote.options), staging_dir=str(tmp_path / "s"),
                           staging_limit=100)

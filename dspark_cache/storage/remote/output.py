@@ -37,26 +37,26 @@ from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
 
-from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.lock import CacheLockedError
-from dspark_cache.format.output import CacheOutput
-from dspark_cache.format.ours import is_written_name
-from dspark_cache.format.remote.copies import LocalCopies
-from dspark_cache.format.remote.lease import Lease
-from dspark_cache.format.remote.multipart import abort_unfinished_uploads
-from dspark_cache.format.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
-from dspark_cache.format.remote.pull import StagingPull
-from dspark_cache.format.remote.staging import (claim_staging, default_staging_dir, discard_staging,
-                                                missing_top, staging_identity)
-from dspark_cache.format.remote.sync import StagingSync
-from dspark_cache.format.remote.uploads import ShardUploads
-from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.schema import Manifest, ShardIndex, encode_json
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.format.tar.writer import ShardWriter, write_index
 from dspark_cache.format.validate import MAX_MANIFEST_BYTES
 from dspark_cache.format.wids_index import shard_entry, write_wids_index
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.lock import CacheLockedError
+from dspark_cache.storage.ours import is_written_name
+from dspark_cache.storage.output import CacheOutput
+from dspark_cache.storage.remote.copies import LocalCopies
+from dspark_cache.storage.remote.lease import Lease
+from dspark_cache.storage.remote.multipart import abort_unfinished_uploads
+from dspark_cache.storage.remote.pull import StagingPull
+from dspark_cache.storage.remote.staging import (claim_staging, default_staging_dir, discard_staging,
+                                                missing_top, staging_identity)
+from dspark_cache.storage.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
+from dspark_cache.storage.remote.sync import StagingSync
+from dspark_cache.storage.remote.uploads import ShardUploads
+from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
 

@@ -36,17 +36,17 @@ from collections import Counter
 from typing import Any, Iterator
 
 from dspark_cache.format.atomic import atomic_write_bytes
-from dspark_cache.format.backing import StorageOptions
 from dspark_cache.format.paths import MANIFEST, CachePaths
-from dspark_cache.format.remote.copies import CopiedFrom, StatKey, authenticate, describe
-from dspark_cache.format.remote.eventlog import LogCopy, Refused, SegmentedLogs
-from dspark_cache.format.remote.localdir import local_copy_dir, own_directory, private, write_private
-from dspark_cache.format.remote.node import DaemonThreads, hold_lock
-from dspark_cache.format.remote.store import ObjectInfo, ObjectStore
-from dspark_cache.format.remote.sync import MAX_STOP_BYTES, sync_interval
-from dspark_cache.format.remote.url import RemoteURL
 from dspark_cache.format.status import MAX_STATUS_BYTES
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.storage.remote.copies import CopiedFrom, StatKey, authenticate, describe
+from dspark_cache.storage.remote.localdir import local_copy_dir, own_directory, private, write_private
+from dspark_cache.storage.remote.node import DaemonThreads, hold_lock
+from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
+from dspark_cache.storage.remote.sync import MAX_STOP_BYTES, sync_interval
+from dspark_cache.storage.remote.url import RemoteURL
+from dspark_cache.tui.remote.eventlog import LogCopy, Refused, SegmentedLogs
 
 log = logging.getLogger(__name__)
 

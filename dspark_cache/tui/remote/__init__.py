@@ -1,0 +1,1 @@
+"""``dspark-monitor s3://...``: a cache on object storage followed into a local directory the monitor reads."""
