@@ -5,8 +5,8 @@ The stages follow the data, one sub-package each (its ``__init__`` names what th
 -> ``plan`` (batches and shards with exact bytes, saved, made once per job) -> ``device`` (the
 target, ranks, the compute loop) -> ``pipeline`` (host ring, writer thread) -> the cache;
 ``report`` (heartbeats, events, progress, stop requests) runs alongside. At the top: ``config``,
-``prepare``, ``resume``, ``run``, ``finish``, ``hub`` (the hub asked once) and the torchrun entry
-(``__main__``).
+``prepare``, ``resume``, ``run``, ``finish``, ``exchange`` (how the job's ranks read each other's
+files), ``hub`` (the hub asked once) and the torchrun entry (``__main__``).
 
 The public API, for tools such as ``bench/`` and ``dspark-convert`` (everything else in this
 package is internal and may change with the producer):

@@ -2,7 +2,7 @@
 
 No rank waits on another in a collective. Each rank, its own shards done, waits (by
 heartbeats) until every planned shard is published or the owner of a missing one is gone. A
-rank that sees them all tries to create the run's completion claim (``CacheOutput.claim_completion``:
+rank that sees them all tries to create the run's completion claim (``exchange.claim_completion``:
 a file made with ``O_EXCL``, and on object storage a conditional create): the one that creates it
 writes the complete manifest; the others wait for that manifest to appear.
 """
@@ -34,7 +34,7 @@ def target_weights_checksum(p: Prepared) -> int | None:
     deadline = time.time() + p.cfg.rank_timeout
     while True:
         try:
-            p.output.fetch_file(p.paths.target_weights)  # a rank on another node than the leader's
+            p.exchange.fetch_file(p.paths.target_weights)  # a rank on another node than the leader's
             return check_cache_weights(p.paths, p.manifest).xxh3
         except (TargetWeightsError, OSError) as exc:
             if time.time() >= deadline:
@@ -51,17 +51,17 @@ def finish(p: Prepared, status: StatusReporter, run_id: str, me: Topology) -> tu
     """
     planned = {s.shard_id for s in p.plan.shards}
     status.update(force=True, state=RankState.WAITING)
-    missing = await_other_ranks(p.paths, planned, me, run_id, p.cfg.rank_timeout, refresh=p.output.refresh)
+    missing = await_other_ranks(p.paths, planned, me, run_id, p.cfg.rank_timeout, refresh=p.exchange.refresh)
     if missing:
         return p.manifest, sorted(missing)
-    if p.output.claim_completion(run_id):
+    if p.exchange.claim_completion(run_id):
         p.manifest.target_weights_xxh3 = target_weights_checksum(p)
         p.output.complete(p.manifest)
         status.event(EventKind.FINISHED, "cache complete", samples=p.manifest.num_samples, bytes=p.plan.num_bytes)
         return p.manifest, []
     deadline = time.time() + p.cfg.rank_timeout  # another rank claimed it: let it finish writing
     while time.time() < deadline:
-        p.output.fetch_file(p.paths.manifest)
+        p.exchange.fetch_file(p.paths.manifest)
         manifest = read_existing(p.output)
         if manifest is not None and manifest.complete:
             return manifest, []

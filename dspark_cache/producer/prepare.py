@@ -29,6 +29,7 @@ from dspark_cache.producer.device.target import TargetInfo, read_target_info, re
 from dspark_cache.producer.device.topology import Topology
 from dspark_cache.producer.encode.chat import ChatEncoder
 from dspark_cache.producer.encode.template import resolve_chat_template, sha256_text, tokenizer_sha256
+from dspark_cache.producer.exchange import Exchange, exchange_for
 from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.plan.batches import Plan
 from dspark_cache.producer.plan.job import plan_job
@@ -52,6 +53,7 @@ class Prepared:
     plan: Plan
     manifest: Manifest
     output: CacheOutput  # the directory being written
+    exchange: Exchange  # how this rank reads the files the job's other ranks write there
     device: torch.device
     compute_dtype: str
 
@@ -77,15 +79,18 @@ def load_tokenizer(cfg: ProduceConfig, template: str | None = None) -> Any:
 
 def plan_input(cfg: ProduceConfig, encoder: ChatEncoder, source: InputSource, shape: SampleShape,
                output: CacheOutput | None = None, input_sha256: str | None = None,
-               vocab_size: int | None = None) -> Plan:
+               vocab_size: int | None = None, exchange: Exchange | None = None) -> Plan:
     """The plan of ``source`` for this job: the saved one in ``output`` (default ``cfg.output_dir``)
     when input and settings are unchanged, else encoded (this rank's share of the rows, across
-    ``cfg.tokenize_workers`` processes), merged and saved there.
+    ``cfg.tokenize_workers`` processes), merged and saved there; ``exchange``: how the job's ranks
+    read each other's files (default: ``output``'s).
 
     Raises :class:`InputError` when the input holds no row, or no row gives a supervised sample.
     """
-    return plan_job(cfg, output or CacheOutput(cfg.output_dir), Topology.from_environment(cfg.tp_size, cfg.ep_size),
-                    source, encoder, shape, input_sha256 or source.content_sha256(), vocab_size)
+    output = output or CacheOutput(cfg.output_dir)
+    me = Topology.from_environment(cfg.tp_size, cfg.ep_size)
+    return plan_job(cfg, output, exchange or exchange_for(output), me, source, encoder, shape,
+                    input_sha256 or source.content_sha256(), vocab_size)
 
 
 def library_versions() -> dict[str, str]:
@@ -202,7 +207,8 @@ def prepare(settings: Settings, output: CacheOutput) -> Prepared:
     shape = SampleShape(layer_ids, info.num_layers, info.hidden_size, CACHE_DTYPES[cfg.dtype],
                         cfg.compression)
     input_sha256 = settings.source.content_sha256()
-    plan = plan_input(cfg, encoder, settings.source, shape, output, input_sha256, info.vocab_size)
+    exchange = exchange_for(output)
+    plan = plan_input(cfg, encoder, settings.source, shape, output, input_sha256, info.vocab_size, exchange)
     log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
              "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
              plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)
@@ -217,4 +223,5 @@ def prepare(settings: Settings, output: CacheOutput) -> Prepared:
                               regenerated)
     _check_readable(manifest, cfg)
     crash_point("planned")
-    return Prepared(cfg, info, layer_ids, shape, plan, manifest, output, settings.device, settings.compute_dtype)
+    return Prepared(cfg, info, layer_ids, shape, plan, manifest, output, exchange, settings.device,
+                    settings.compute_dtype)

@@ -74,7 +74,7 @@ def produce(cfg: ProduceConfig) -> RunResult:
         if error:
             raise CacheError(error if topology.is_leader else f"rank 0 could not prepare {p.paths.root}: {error}")
         if not topology.is_leader:
-            output.join()
+            output.join(apart=p.exchange.apart)
             existing = read_existing(output)
         result = _run_locked(p, topology, run_id, existing, started)
         result.output = output

@@ -81,8 +81,10 @@ class CacheOutput:
         if self._lock is not None:
             self._lock.share()
 
-    def join(self) -> None:
-        """Hold the directory shared with the job's rank 0, once it has shared its lock."""
+    def join(self, *, apart: bool = False) -> None:
+        """Hold the directory shared with the job's rank 0, once it has shared its lock (``apart``: this
+        rank's directory is not rank 0's, which a remote cache's staging directory on another node can be;
+        the ranks writing a directory share it)."""
         self._lock = lock_shared(self.paths)
         self._locked = True
 
@@ -208,40 +210,6 @@ class CacheOutput:
 
     def flush(self) -> None:
         """Wait until every shard handed to :meth:`publish` is published (a directory's are at once)."""
-
-    # -- the job's ranks ----------------------------------------------------------------------
-    # Every rank of a job writes this one directory, so they read each other's files in it; a
-    # backend where ranks on other nodes write other directories (``remote.output``) exchanges
-    # them here, and these are its hooks.
-
-    def identity(self) -> str:
-        """Equal for the ranks that write one directory (all of them, for a directory)."""
-        return ""
-
-    def spread(self, identities: list[str], rank: int) -> None:
-        """Every rank's :meth:`identity`, in rank order."""
-
-    def put_files(self, files: Iterable[str]) -> None:
-        """Make these files of this rank's readable by the job's other ranks."""
-
-    def fetch(self, directory: str) -> None:
-        """Read the other ranks' files of ``directory`` from here on."""
-
-    def fetch_file(self, path: str) -> None:
-        """Read the leader's latest ``path`` from here on."""
-
-    def refresh(self) -> None:
-        """See the shards and heartbeats the other ranks wrote since (called while waiting for them)."""
-
-    def claim_completion(self, run_id: str) -> bool:
-        """True for exactly one caller of a run: the one that creates the run's claim first (``O_EXCL``)."""
-        os.makedirs(self.paths.control_dir, exist_ok=True)
-        try:
-            fd = os.open(self.paths.completion_claim(run_id), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return False
-        os.close(fd)
-        return True
 
     def replace_index(self, index: ShardIndex) -> None:
         """Publish a rebuilt index over a published shard's damaged one (``dspark-verify --repair``)."""

@@ -586,13 +586,14 @@ def test_a_staging_dir_of_another_url_or_with_other_files_is_refused_in_one_line
 _RACER = """
 import json, sys, time
 from dspark_cache.storage.backing import StorageOptions
+from dspark_cache.producer.exchange import StoreExchange
 from dspark_cache.storage.remote.output import RemoteOutput
 url, staging, options, at, leader = sys.argv[1:6]
 output = RemoteOutput(url, storage=StorageOptions(json.loads(options)), staging_dir=staging)
 while time.time() < float(at):
     pass
 try:
-    output.check() if leader == "1" else output.identity()  # rank 0 takes the directory; every rank checks it
+    output.check() if leader == "1" else StoreExchange(output).identity()  # rank 0 takes it; every rank checks it
     print("ok")
 except Exception as exc:
     print(f"refused: {exc}")
@@ -602,7 +603,7 @@ except Exception as exc:
 @pytest.mark.slow
 def test_the_ranks_of_one_node_starting_together_on_a_new_staging_dir_are_not_refused(remote, tmp_path):
     """Rank 0 checks the staging directory as it takes it while every other rank of the node checks it too
-    (``identity``, as planning starts): on a new directory, all at the same instant, none is refused."""
+    (``StoreExchange.identity``, as planning starts): on a new directory, all at the same instant, none is refused."""
     for attempt in range(3):
         staging = str(tmp_path / f"staging-{attempt}")
         at = time.time() + 1.0  # every racer starts its check at this instant

@@ -28,6 +28,7 @@ from dspark_cache.producer.device.target import read_target_info
 from dspark_cache.producer.device.topology import Topology
 from dspark_cache.producer.encode.messages import normalise_row
 from dspark_cache.producer.encode.pool import encode_rows
+from dspark_cache.producer.exchange import Exchange
 from dspark_cache.producer.inputs.rows import InputError, RawRow
 from dspark_cache.producer.inputs.source import InputSource
 from dspark_cache.producer.plan.batches import Plan, reason_counts
@@ -65,19 +66,19 @@ def _together(me: Topology, step: Callable[[], T]) -> T:
     return result  # type: ignore[return-value]
 
 
-def plan_job(cfg: ProduceConfig, output: CacheOutput, me: Topology, source: InputSource, encoder: Any,
-             shape: SampleShape, input_sha256: str, vocab_size: int | None = None) -> Plan:
+def plan_job(cfg: ProduceConfig, output: CacheOutput, exchange: Exchange, me: Topology, source: InputSource,
+             encoder: Any, shape: SampleShape, input_sha256: str, vocab_size: int | None = None) -> Plan:
     """The job's plan (see the module's docstring), saved in ``output``; ``vocab_size``: the target's
     embedding rows (read from its config when not given).
 
     Ranks on a node whose directory is not rank 0's (a cache on object storage: each node stages its
-    own) exchange the parts and the plan through the output (``put_files``, ``fetch``); ranks that
+    own) exchange the parts and the plan through ``exchange`` (``put_files``, ``fetch``); ranks that
     share rank 0's directory read them there."""
     paths = output.paths
     if vocab_size is None:
         vocab_size = read_target_info(cfg.target_model, cfg.trust_remote_code, cfg.allow_pickle_weights).vocab_size
-    output.spread(all_texts(me, output.identity()), me.rank)
-    output.fetch(paths.plan_dir)  # another node than rank 0's: the saved plan rank 0 found
+    exchange.meet(me)
+    exchange.fetch(paths.plan_dir)  # another node than rank 0's: the saved plan rank 0 found
     spec = plan_spec(cfg, encoder, shape, input_sha256, vocab_size)
     saved = None if cfg.overwrite else load_plan(paths, spec)
     if all_true(me, saved is not None):
@@ -91,16 +92,16 @@ def plan_job(cfg: ProduceConfig, output: CacheOutput, me: Topology, source: Inpu
     else:
         _together(me, lambda: _encode_my_part(cfg, paths, me, source, encoder, spec))
         # Every part where every rank reads: its own put by each rank (rank 0: its node's), then brought down.
-        _together(me, lambda: output.put_files(_part_files(paths, me.rank) if not me.is_leader else
-                                               output.plan_files()))
-        output.fetch(paths.plan_dir)
+        _together(me, lambda: exchange.put_files(_part_files(paths, me.rank) if not me.is_leader else
+                                                 output.plan_files()))
+        exchange.fetch(paths.plan_dir)
         parts = read_parts(paths, spec)
     parts = _together(me, lambda: _require_parts(parts, cfg, source))
     check_invalid_rows(parts, cfg.on_invalid)
     if me.is_leader:
-        return _together(me, lambda: _merge_and_save(output, parts, spec))
+        return _together(me, lambda: _merge_and_save(output, exchange, parts, spec))
     _together(me, lambda: None)  # rank 0 merges
-    output.fetch(paths.plan_dir)
+    exchange.fetch(paths.plan_dir)
     loaded = load_plan(paths, spec)
     if loaded is None:
         raise PlanningError(f"the plan rank 0 saved in {paths.plan_dir} cannot be read here; is --output-dir "
@@ -158,7 +159,7 @@ def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig, source: I
     return parts
 
 
-def _merge_and_save(output: CacheOutput, parts: list[PartHeader], spec: PlanSpec) -> Plan:
+def _merge_and_save(output: CacheOutput, exchange: Exchange, parts: list[PartHeader], spec: PlanSpec) -> Plan:
     paths = output.paths
     crash_point("merging_plan")
     store, tables = open_store(paths, parts, spec)
@@ -167,5 +168,5 @@ def _merge_and_save(output: CacheOutput, parts: list[PartHeader], spec: PlanSpec
     keep = {paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS)}
     keep |= {f for p in parts for f in (paths.plan_part_header(p.part), *(paths.plan_part(p.part, k) for k in p.arrays))}
     output.remove([f for f in output.plan_files() if f not in keep])  # parts of a larger earlier job, temporaries
-    output.put_files([*(paths.plan_array(n) for n in PLAN_ARRAYS), paths.plan_header])  # for other nodes' ranks
+    exchange.put_files([*(paths.plan_array(n) for n in PLAN_ARRAYS), paths.plan_header])  # other nodes' ranks
     return plan

@@ -8,8 +8,10 @@ local *staging directory* (``--staging-dir``); this object makes the store follo
 * **bringing it down** (:meth:`RemoteOutput.lock`, the job's leader, holding the lease): the staging
   directory is made to agree with the store (``pull.StagingPull``: a producer on another machine
   resumes with an empty one), and unfinished multipart uploads are aborted (``multipart``);
-* **ranks on other nodes** (a torchrun job with no shared filesystem) exchange the files they read of
-  each other's through the store (the ``CacheOutput`` hooks ``identity`` ... ``claim_completion``);
+* **ranks on other nodes** (a torchrun job with no shared filesystem; the producer's ``exchange``
+  decides what moves, and when): a rank joins with a staging directory that is not the leader's
+  (:meth:`RemoteOutput.join`, ``apart``), and staged files are put up (:meth:`RemoteOutput.push`) or
+  brought down (``pull_file``, ``pull_directory``, ``pull_indexes``) on demand;
 * **publishing**: a shard is sealed in staging, then uploaded, size-checked and committed by its
   index on the store (``uploads.ShardUploads``, bounded by ``staging_limit``), and only then indexed
   in staging, where its tar is deleted;
@@ -30,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -86,10 +87,6 @@ class RemoteOutput(CacheOutput):
         self._sync = StagingSync(self.store, self.paths, rank, self._copies, self._holds)
         self._puller = StagingPull(self.store, self.paths, self._sync, self._copies)
         self._syncing = False
-        self._apart = False  # this staging directory is not the job leader's (another node)
-        self._spread = False  # some rank's staging directory is not the leader's: files go through the store
-        self._refreshed = 0.0
-        self._fetched: dict[str, float] = {}  # path -> when fetch_file last asked the store
         self._sizes: dict[int, int] = {}  # shard id -> its tar's size on the store (-1: not there)
         self._sizes_lock = threading.Lock()
         self._announce: dict[int, Callable[[ShardIndex], None]] = {}  # shard id -> publish()'s callback
@@ -128,21 +125,22 @@ class RemoteOutput(CacheOutput):
             self.release()
             raise
 
-    def join(self) -> None:
-        """Another rank of the job: this node's lock; on another node than the leader's, the store's
-        published shards and manifest brought down (every rank must see the same published set)."""
-        if self._apart:  # nobody made this node's staging directory a cache's
+    def join(self, *, apart: bool = False) -> None:
+        """Another rank of the job: this node's lock; ``apart`` (this staging directory is not the leader's:
+        another node), the store's published shards and manifest brought down (every rank must see the same
+        published set), and a stop request brought down from the store from here on."""
+        if apart:  # nobody made this node's staging directory a cache's
             os.makedirs(self.paths.control_dir, exist_ok=True)
             self.create()
         super().join()
-        if self._apart:
+        if apart:
             # An earlier run's stop request and heartbeats here are no run's now (the leader forgot the store's);
             # this rank's event log goes on from the store's segments.
             CacheOutput.forget_heartbeats(self)
             self._puller.events(self._puller.listing(self.paths.events_dir), ranks={self.rank})
             self._set_sizes(self._puller.shards(self._puller.listing(self.paths.shards_dir), clean_store=False))
-            self.fetch_file(self.paths.manifest)
-        self._sync.start(leader=False, pull_stop=self._apart)
+            self.pull_file(self.paths.manifest)
+        self._sync.start(leader=False, pull_stop=apart)
         self._syncing = True
 
     def release(self) -> None:
@@ -180,72 +178,34 @@ class RemoteOutput(CacheOutput):
             self._sizes = sizes
             self._published = None  # listed again from the staging directory on first use
 
-    # -- ranks on other nodes ----------------------------------------------------------------
-    # Ranks whose staging directory is the leader's read each other's files there; a rank on
-    # another node gets them through the store (the plan's parts and merged plan, heartbeats,
-    # shard indexes, the weights and the manifest), each brought down only when it changed.
+    # -- staged files put up and brought down on demand ---------------------------------------
+    # Besides what the sync thread puts and :meth:`pull` brings down: for the ranks of a job on other
+    # nodes, each staging its own copy (the producer's ``exchange`` says when). A file comes down only
+    # where the staged one is not the store's version; none is removed here.
 
-    def identity(self) -> str:
-        """The staging directory as the job's ranks compare it: the same only on the same machine's same directory
-        (made here, and checked to stage this cache: a rank on another node than the leader's starts with this)."""
-        claim_staging(self.paths, str(self.url))
-        return staging_identity(self.root)
+    def push(self, files: Iterable[str]) -> None:
+        """Put these staged files on the store now, where they changed since last put or brought down."""
+        self._sync.push_files(list(files))
 
-    def spread(self, identities: list[str], rank: int) -> None:
-        """Every rank's :meth:`identity` (rank order): which ranks share the leader's staging directory."""
-        self._apart = identities[rank] != identities[0]
-        self._spread = len(set(identities)) > 1
+    def pull_file(self, path: str) -> None:
+        """The store's version of ``path`` staged, where the store holds one."""
+        self._pull(path, self.store.head(self.paths.relative(path)))
 
-    def put_files(self, files: Iterable[str]) -> None:
-        """Put these files now, for ranks on other nodes (nothing where every rank shares one directory)."""
-        if self._spread:
-            self._push([f for f in files if os.path.exists(f)])
+    def pull_directory(self, directory: str) -> None:
+        """The store's versions of ``directory``'s files staged."""
+        for name, info in self.store.list(self.paths.relative(directory)).items():
+            self._pull(os.path.join(directory, name), info)
 
-    def fetch(self, directory: str) -> None:
-        """Bring down a directory's files that other nodes put (a rank on another node than the leader's,
-        or the leader of a job spread over nodes)."""
-        if not (self._apart or (self._spread and self._lease is not None)):
-            return
-        relative = self.paths.relative(directory)
-        for name, info in self.store.list(relative).items():
-            self._fetch(os.path.join(directory, name), info)
-
-    def fetch_file(self, path: str) -> None:
-        """Bring down one file that another node may have written last (the weights, the complete manifest);
-        asked again within a second, it is not asked of the store again."""
-        now = time.monotonic()
-        if self._spread and now - self._fetched.get(path, -1.0) >= 1.0:
-            self._fetched[path] = now
-            self._fetch(path, self.store.head(self.paths.relative(path)))
-
-    def _fetch(self, path: str, info: ObjectInfo | None) -> None:
-        if info is not None:  # the store's version, unless the file here is it (put or brought down before)
+    def _pull(self, path: str, info: ObjectInfo | None) -> None:
+        if info is not None:
             self._puller.file(path, info, remove_missing=False)
 
-    def refresh(self) -> None:
-        """While ranks wait for each other: the store's shard indexes and heartbeats, at most every sync
-        interval; only where this node's staging directory is not the leader's, or by the leader (the
-        other ranks of a node read what those bring down)."""
-        if not (self._apart or (self._spread and self._lease is not None)) \
-                or time.monotonic() - self._refreshed < max(2.0, self._sync.interval):
-            return
-        self._refreshed = time.monotonic()
+    def pull_indexes(self) -> None:
+        """The shard indexes the store holds that are not staged in its version (shards published from
+        other staging directories) brought down, their tars' sizes noted."""
         self._copies.copy_many([(self.paths.relative(self.paths.shard_index(k)), info)
                                 for k, info in self._list_sizes().items()
                                 if not self._copies.unchanged(self.paths.relative(self.paths.shard_index(k)), info)])
-        self.fetch(self.paths.status_dir)
-
-    def claim_completion(self, run_id: str) -> bool:
-        """One rank of this node (the directory's ``O_EXCL``), then one of the job (a conditional create on the store)."""
-        if not super().claim_completion(run_id):
-            return False
-        relative = self.paths.relative(self.paths.completion_claim(run_id))
-        mine = f"{run_id} rank {self.rank} pid {os.getpid()} on {socket.gethostname()}\n".encode()
-        try:
-            self.store.put(relative, mine, create=True)  # ours also where it landed and its answer was lost
-        except ConditionFailedError:  # another rank's
-            return False
-        return True
 
     def _list_sizes(self) -> dict[int, ObjectInfo]:
         """One listing of ``shards/``: the tars' sizes noted; the indexes returned by shard id."""
@@ -287,7 +247,7 @@ class RemoteOutput(CacheOutput):
         """Staged, then put; a complete manifest only after the weights it names are on the store."""
         super().write_manifest(manifest)
         if manifest.complete and os.path.exists(self.paths.target_weights):
-            self._push([self.paths.target_weights])
+            self.push([self.paths.target_weights])
         with open(self.paths.manifest, "rb") as handle:
             data = handle.read()
         relative = self.paths.relative(self.paths.manifest)
@@ -331,9 +291,6 @@ class RemoteOutput(CacheOutput):
         return isinstance(theirs, dict) and isinstance(ours, dict) and bool(ours.get("cache_id")) \
             and theirs.get("cache_id") == ours.get("cache_id")
 
-    def _push(self, files: list[str]) -> None:
-        self._sync.push_files(files)
-
     def complete(self, manifest: Manifest) -> None:
         self.flush()
         # One LIST for the tars' sizes (not a HEAD per shard another process published), and the
@@ -362,7 +319,7 @@ class RemoteOutput(CacheOutput):
         self._list_sizes()  # one LIST, not a HEAD per shard another process published
         entries = [shard_entry(self.paths, self.shard_index(k)) for k in sorted(self.scan())]
         write_wids_index(self.paths, entries=entries)
-        self._push([self.paths.wids_index])
+        self.push([self.paths.wids_index])
 
     def space_needed(self, missing_bytes: int, largest_shard: int, writers: int = 1) -> int:
         # Staged at once, at most: the limit's worth waiting, one shard let through past it (its upload
