@@ -1,8 +1,14 @@
 """Objects of a remote cache copied into a local directory, each with the version it was copied from.
 
-A copy is kept as long as the store's object keeps its size and ETag (recorded per object, in a
-``seen`` directory beside the copies), so a reader comparing the local file's identity sees it
-change exactly when the store's object changed; an object gone from the store is removed here.
+Every node-local copy of a remote cache (the readers' mirror, a producer's staging directory, a
+monitor's view) is made and judged here, one way: :meth:`LocalCopies.unchanged` says whether the local
+file is the store's current version (size and ETag, recorded per object as a :class:`CopiedFrom` in the
+copy's ``seen`` directory, :func:`.localdir.replica_dirs`), and :meth:`LocalCopies.download` (streamed) or
+:meth:`LocalCopies.write` (bytes at hand) replaces it: into a locked temporary (``localdir.Temporaries``),
+removed on any failure, so the old copy stays whole; ``os.replace`` on success; the record written after.
+A copy is kept as long as the store's object keeps its size and ETag, so a reader comparing the local
+file's identity sees it change exactly when the store's object changed; an object gone from the store
+is removed here.
 The manifest and shard indexes are read whole, and no further than one byte past their readers'
 limit (a larger object is cut there, for the reader's own size check to refuse).
 
@@ -20,13 +26,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from typing import Callable
 
 import msgspec
 
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import MANIFEST
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
-from dspark_cache.storage.remote.localdir import private, write_private
+from dspark_cache.storage.remote.localdir import Temporaries, private, replica_dirs, write_private
 from dspark_cache.storage.remote.node import DaemonThreads
 from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 
@@ -99,10 +106,14 @@ def authenticate(path: str, entry: CopiedFrom, limit: int,
 
 
 class LocalCopies:
-    """Copies of ``store``'s objects under ``root`` (paths relative to the cache), versions in ``seen``."""
+    """Copies of ``store``'s objects under ``root`` (paths relative to the cache), kept as
+    :func:`.localdir.replica_dirs` says for the bookkeeping directory ``state`` (records in its ``seen``,
+    downloads in progress in its ``tmp``: both made by the caller, as its directory rule says)."""
 
-    def __init__(self, store: ObjectStore, root: str, seen: str) -> None:
-        self.store, self.root, self._seen_dir = store, root, seen
+    def __init__(self, store: ObjectStore, root: str, state: str) -> None:
+        self.store, self.root = store, root
+        self._seen_dir, temporaries = replica_dirs(state)
+        self.temporaries = Temporaries(temporaries)
         # relative path -> (the local file's stat, the record) once authenticated in this process
         self._verified: dict[str, tuple[StatKey, CopiedFrom]] = {}
 
@@ -161,6 +172,28 @@ class LocalCopies:
         return entry is not None and (entry.size, entry.etag) == (info.size, info.etag) and self.authentic(
             relative, entry)
 
+    def download(self, relative: str, *, expected: int | None = None,
+                 seen: Callable[[memoryview], object] | None = None,
+                 restart: Callable[[], object] | None = None,
+                 check: Callable[[str], None] | None = None) -> ObjectInfo:
+        """Make the local copy the store's current version of ``relative``, streamed to a locked temporary
+        and renamed over the old copy only when whole; returns the version copied. ``expected``, ``seen``,
+        ``restart``: as :meth:`ObjectStore.download`; ``check(temporary)`` may refuse the bytes (raises).
+        On any failure (the object gone: ``FileNotFoundError``) the temporary is removed and the old copy
+        and its record are as they were."""
+        with self.temporaries.new(relative.replace("/", "%")) as temporary:
+            info = self.store.download(relative, temporary, seen=seen, restart=restart, expected=expected)
+            if check is not None:
+                check(temporary)
+            os.replace(temporary, self.local(relative))
+        self.record(relative, info)  # after the rename: the record names the file as it stays
+        return info
+
+    def write(self, relative: str, data: bytes, info: ObjectInfo) -> None:
+        """Make the local copy ``data``, the store's version ``info`` (what a GET or our own PUT brought)."""
+        atomic_write_bytes(self.local(relative), data, durable=False)
+        self.record(relative, info, data)
+
     def copy_many(self, objects: list[tuple[str, ObjectInfo]]) -> None:
         """Copy these small objects in, several requests in flight (a cache of 10,000 shards has as
         many indexes: one at a time, opening it would wait on 10,000 round trips)."""
@@ -190,8 +223,7 @@ class LocalCopies:
                     relative, entry):
                 self.record(relative, info, data)
             return
-        atomic_write_bytes(self.local(relative), data, durable=False)
-        self.record(relative, info, data)
+        self.write(relative, data, info)
 
     def _holds(self, relative: str, data: bytes) -> bool:
         """Whether the local file holds exactly ``data`` (what the store just sent: no record is trusted)."""

@@ -10,7 +10,10 @@ in local directories, and serve what they find there as the store's. Two rules k
   way from the local cache directory down to the copy, is refused (:func:`own_directory`): whoever
   can write there can plant files this process would serve as the store's.
 
-:class:`Temporaries` holds the downloads in progress, each locked by its writer while it lives.
+Each such directory is the cache's layout plus one bookkeeping directory of its own (``.mirror``,
+``.view``, the staging directory's ``.dspark-staging-state``), which holds, as :func:`replica_dirs`
+names them, the record of what each copied file is a copy of (``seen``, :mod:`.copies`) and the
+downloads in progress (``tmp``): :class:`Temporaries`, each locked by its writer while it lives.
 """
 
 from __future__ import annotations
@@ -124,6 +127,20 @@ def _check_owned(path: str, what: str, option: str) -> None:
             f"the {what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): its files "
             f"could have been put there by them, and are not read as the store's. Run chmod go-w {path} if "
             f"only you wrote there (or remove it), or choose another {option}")
+
+
+def replica_dirs(state: str) -> tuple[str, str]:
+    """``(seen, tmp)`` of a node-local copy whose bookkeeping directory is ``state`` (the module's
+    docstring)."""
+    return os.path.join(state, "seen"), os.path.join(state, "tmp")
+
+
+def own_replica_dirs(state: str, root: str, *, what: str = "local copy",
+                     option: str = "--local-cache-dir") -> None:
+    """Make the bookkeeping directories of the copy at ``root`` (:func:`replica_dirs`), as
+    :func:`own_directory` makes and checks a directory."""
+    for directory in (state, *replica_dirs(state)):
+        own_directory(directory, root, what=what, option=option)
 
 
 def write_private(path: str, data: bytes) -> None:

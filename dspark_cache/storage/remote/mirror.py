@@ -42,8 +42,8 @@ from dspark_cache.format.errors import CacheError, CorruptShardError
 from dspark_cache.format.paths import MANIFEST, SHARDS_DIR, CachePaths
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.storage.remote.copies import LocalCopies
-from dspark_cache.storage.remote.localdir import (LocalCopyError, Temporaries, default_local_cache_dir,
-                                                 local_copy_dir, own_directory)
+from dspark_cache.storage.remote.localdir import (LocalCopyError, default_local_cache_dir, local_copy_dir,
+                                                 own_directory, own_replica_dirs)
 from dspark_cache.storage.remote.node import DaemonThreads, hold_lock, release_all
 from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.storage.remote.url import RemoteURL
@@ -81,10 +81,10 @@ class NodeMirror:
         own_directory(self.root, base)
         self.paths = CachePaths(self.root)
         self._meta = os.path.join(self.root, _MIRROR)
-        for sub in (self.paths.shards_dir, *(os.path.join(self._meta, d) for d in ("use", "get", "tmp", "seen"))):
+        for sub in (self.paths.shards_dir, *(os.path.join(self._meta, d) for d in ("use", "get"))):
             own_directory(sub, self.root)
-        self._temporaries = Temporaries(os.path.join(self._meta, "tmp"))
-        self.copies = LocalCopies(self.store, self.root, os.path.join(self._meta, "seen"))
+        own_replica_dirs(self._meta, self.root)
+        self.copies = LocalCopies(self.store, self.root, self._meta)
         if cache_limit is not None and cache_limit <= 0:
             raise ValueError(f"cache_limit={cache_limit}: it is the local cache's size in bytes, more than 0")
         self.cache_limit = cache_limit if cache_limit is not None else int(
@@ -100,7 +100,7 @@ class NodeMirror:
         self._wanted_bytes: dict[int, int] = {}
         self._closed = False
         self.downloads = 0  # tars this process downloaded (the rest it found on the node)
-        self._temporaries.clean()
+        self.copies.temporaries.clean()
         _mirrors.add(self)
         # Dropped without close(): its use locks must not keep shards unevictable for the process's life.
         weakref.finalize(self, release_all, self._in_use)
@@ -167,10 +167,7 @@ class NodeMirror:
             self.copies.remove(relative)
             return False
         if not self.copies.unchanged(relative, info):
-            with self._temporaries.new(relative.replace("/", "%")) as tmp:
-                got = self.store.download(relative, tmp)
-                os.replace(tmp, self.copies.local(relative))
-            self.copies.record(relative, got)
+            self.copies.download(relative)
         return True
 
     def tar_size(self, shard_id: int) -> int:
@@ -226,28 +223,33 @@ class NodeMirror:
     def _download(self, index: ShardIndex) -> None:
         tar = self.paths.shard_tar(index.shard_id)
         relative = f"{SHARDS_DIR}/{os.path.basename(tar)}"
+        use = self._lock_file("use", index.shard_id)
+        problem = ""
         for attempt in (1, 2):  # a corrupted download is fetched again once
             digest = xxhash.xxh3_64()
-            with self._temporaries.new(os.path.basename(tar)) as tmp:
-                try:
-                    info = self.store.download(relative, tmp, seen=digest.update, restart=digest.reset,
-                                               expected=index.tar_bytes)
-                except FileNotFoundError as exc:
-                    if exc.filename is not None:  # a local file (the client names none for a missing object)
-                        raise
-                    raise CorruptShardError(self.store.name(relative), "the tar is not in the store "
-                                            "although its index is published") from exc
-                problem = _check_tar(tmp, index, digest.intdigest())
-                if problem is None:
-                    os.replace(tmp, tar)
-                    use = self._lock_file("use", index.shard_id)
-                    os.utime(use if os.path.exists(use) else tar)
-                    self.copies.record(relative, info)  # after the utime: it names the file as it stays
-                    with self._lock:
-                        self.downloads += 1
-                    return
-            log.warning("download of %s did not match its index (%s)%s", self.store.name(relative), problem,
-                        "; fetching it again" if attempt == 1 else "")
+
+            def check(temporary: str) -> None:
+                problem = _check_tar(temporary, index, digest.intdigest())
+                if problem is not None:
+                    raise _Damaged(problem)
+                os.utime(use if os.path.exists(use) else temporary)  # before the record names the file
+
+            try:
+                self.copies.download(relative, expected=index.tar_bytes, seen=digest.update,
+                                     restart=digest.reset, check=check)
+            except _Damaged as exc:
+                problem = str(exc)
+                log.warning("download of %s did not match its index (%s)%s", self.store.name(relative),
+                            problem, "; fetching it again" if attempt == 1 else "")
+                continue
+            except FileNotFoundError as exc:
+                if exc.filename is not None:  # a local file (the client names none for a missing object)
+                    raise
+                raise CorruptShardError(self.store.name(relative), "the tar is not in the store "
+                                        "although its index is published") from exc
+            with self._lock:
+                self.downloads += 1
+            return
         raise CorruptShardError(self.store.name(relative), f"downloaded twice, and twice it did not match its "
                                 f"index ({problem}): the object in the store is damaged")
 
@@ -420,6 +422,10 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Damaged(Exception):
+    """A download that is not the tar its index describes (why, in words)."""
 
 
 def _check_tar(path: str, index: ShardIndex, xxh3: int) -> str | None:

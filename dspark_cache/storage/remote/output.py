@@ -83,7 +83,7 @@ class RemoteOutput(CacheOutput):
         self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
         self._lease: Lease | None = None
         self.lease_wait = lease_wait
-        self._copies = LocalCopies(self.store, self.root, self.paths.staging_seen)
+        self._copies = LocalCopies(self.store, self.root, self.paths.staging_state)
         self._sync = StagingSync(self.store, self.paths, rank, self._copies, self._holds)
         self._puller = StagingPull(self.store, self.paths, self._sync, self._copies)
         self._syncing = False
@@ -405,12 +405,12 @@ class RemoteOutput(CacheOutput):
     def shard_tar(self, shard_id: int) -> Iterator[str]:
         path = self.paths.shard_tar(shard_id)
         os.makedirs(self.paths.shards_dir, exist_ok=True)
+        relative = self.paths.relative(path)
         try:
-            self.store.download(self.paths.relative(path), path)
+            self._copies.download(relative)
             yield path
         finally:
-            if os.path.exists(path):
-                os.unlink(path)
+            self._copies.remove(relative)
 
     def unpublish(self, shard_id: int) -> None:
         """The store's index, then its tar (readers stop seeing it first), then the staged copies."""

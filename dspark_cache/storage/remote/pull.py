@@ -95,11 +95,8 @@ class StagingPull:
             return
         if not self.copies.unchanged(relative, info):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            temporary = f"{path}.{os.getpid()}.tmp"
             limit = MAX_MANIFEST_BYTES if path == self.paths.manifest else None
-            self.store.download(relative, temporary, expected=limit)
-            os.replace(temporary, path)
-            self.copies.record(relative, info)
+            self.copies.download(relative, expected=limit)
         self.sync.mark(path)
 
     def events(self, listing: dict[str, ObjectInfo], ranks: set[int] | None = None) -> None:

@@ -5,6 +5,8 @@ A producer (or ``dspark-convert``) writes a remote cache into a local staging di
 directory names the URL it stages in ``.dspark-staging``, made by the first process that finds it
 empty (the ranks of a node race for that, and one link wins) and checked by every later one. The
 ranks of a job compare :func:`staging_identity` to know which of them share rank 0's directory.
+What the store's files brought down are copies of, and the downloads in progress, are kept in
+``.dspark-staging-state`` as every node-local copy keeps them (:func:`.localdir.replica_dirs`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.storage.remote.localdir import local_copy_dir, own_directory
+from dspark_cache.storage.remote.localdir import (Temporaries, local_copy_dir, own_directory, own_replica_dirs,
+                                                 replica_dirs)
 from dspark_cache.storage.remote.url import RemoteURL
 
 
@@ -65,6 +68,8 @@ def claim_staging(paths: CachePaths, url: str) -> None:
         raise StagingDirectoryError(
             f"staging directory {root} stages {staged}, not {url}; two caches cannot share one --staging-dir: "
             "choose another (or remove that one once its producer is done)")
+    own_replica_dirs(paths.staging_state, root, what="staging directory", option="--staging-dir")
+    Temporaries(replica_dirs(paths.staging_state)[1]).clean()  # downloads of a process killed midway
 
 
 def missing_top(root: str) -> str | None:

@@ -17,10 +17,12 @@ the monitor's directory reader works on it unchanged:
 
 Layout: ``<local_cache_dir>/monitor/<scheme>/<store>/<bucket>/<prefix>/`` (next to the readers' copies,
 never one of them; ``<store>``: the endpoint or account, :func:`.localdir.store_key`), with ``.view/``
-holding what each file was copied from, so that a monitor started again fetches nothing that did not
-change; a file found there is shown only once authenticated (:func:`.copies.authenticate`), in a
-directory only this user may write (:func:`.localdir.own_directory`). A second monitor of the same
-cache on the node takes a private directory beside it instead (removed by :meth:`RemoteView.close`).
+its bookkeeping as every node-local copy keeps it (:func:`.localdir.replica_dirs`: what each file was
+copied from, so that a monitor started again fetches nothing that did not change; the downloads in
+progress), plus what was followed of each segmented log (``copied.json``). A file found there is shown
+only once authenticated (:class:`.copies.LocalCopies`), in a directory only this user may write
+(:func:`.localdir.own_directory`). A second monitor of the same cache on the node takes a private
+directory beside it instead (removed by :meth:`RemoteView.close`).
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ import tempfile
 from collections import Counter
 from typing import Any, Iterator
 
-from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.paths import MANIFEST, CachePaths
 from dspark_cache.format.status import MAX_STATUS_BYTES
 from dspark_cache.format.validate import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from dspark_cache.storage.backing import StorageOptions
-from dspark_cache.storage.remote.copies import CopiedFrom, StatKey, authenticate, describe
-from dspark_cache.storage.remote.localdir import local_copy_dir, own_directory, private, write_private
+from dspark_cache.storage.remote.copies import LocalCopies
+from dspark_cache.storage.remote.localdir import (local_copy_dir, own_directory, own_replica_dirs, private,
+                                                 write_private)
 from dspark_cache.storage.remote.node import DaemonThreads, hold_lock
 from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.storage.remote.sync import MAX_STOP_BYTES, sync_interval
@@ -91,10 +93,11 @@ class RemoteView:
             self._private = True
         self.paths = CachePaths(self.root)
         for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir,
-                          self.paths.control_dir, os.path.join(self.root, _STATE)):
+                          self.paths.control_dir):
             own_directory(directory, self.root, what="monitor's copy")
-        self._seen: dict[str, CopiedFrom] = {}  # relative path -> what its local copy was copied from
-        self._verified: dict[str, StatKey] = {}  # relative path -> its stat when last authenticated
+        own_replica_dirs(os.path.join(self.root, _STATE), self.root, what="monitor's copy")
+        self.copies = LocalCopies(self.store, self.root, os.path.join(self.root, _STATE))
+        self.copies.temporaries.clean()  # an earlier monitor's downloads, cut short
         self.logs = SegmentedLogs(self.paths, self._get, self.store.name, events_tail)
         self._saved: str | None = None
         self._threads: DaemonThreads | None = None  # started at the first refresh with several objects to fetch
@@ -138,55 +141,20 @@ class RemoteView:
         raise here, in one line, before anything else is read."""
         self._list(self.paths.relative(self.paths.status_dir))
 
-    def _local(self, relative: str) -> str:
-        return os.path.join(self.root, *relative.split("/"))
-
-    def _remove(self, relative: str) -> None:
-        try:
-            os.unlink(self._local(relative))
-        except FileNotFoundError:
-            pass
-        self._seen.pop(relative, None)
-        self._verified.pop(relative, None)
-
-    def _current(self, relative: str, info: ObjectInfo) -> bool:
-        """Whether the local file is an authentic copy of the store's version ``info``."""
-        entry = self._seen.get(relative)
-        if entry is None or (entry.size, entry.etag) != (info.size, info.etag):
-            return False
-        key = authenticate(self._local(relative), entry, MAX_LOG_BYTES, self._verified.get(relative))
-        if key is None:
-            return False
-        self._verified[relative] = key
-        return True
-
     def _copy_small(self, relative: str, info: ObjectInfo | None, limit: int) -> bool:
         """Make the local copy of a small object the store's (``info``: as listed; ``None``: not there).
         Whether the store has it."""
         if info is None:
-            self._remove(relative)
+            self.copies.remove(relative)
             return False
-        if self._current(relative, info):
+        if self.copies.unchanged(relative, info):
             return True
         got = self._get(relative, limit)
         if got is None:  # deleted since it was listed
-            self._remove(relative)
+            self.copies.remove(relative)
             return False
-        self._write(relative, *got)
+        self.copies.write(relative, *got)  # bytes past a reader's limit are kept: its check refuses them
         return True
-
-    def _write(self, relative: str, data: bytes, info: ObjectInfo) -> None:
-        """The local copy of what a GET brought (bytes past a reader's limit are kept: its check refuses them)."""
-        atomic_write_bytes(self._local(relative), data, durable=False)
-        self._record(relative, info, data)
-
-    def _record(self, relative: str, info: ObjectInfo, data: bytes | None = None) -> None:
-        entry = describe(self._local(relative), info, data)
-        self._verified.pop(relative, None)
-        if entry is None:
-            self._seen.pop(relative, None)
-        else:
-            self._seen[relative] = entry
 
     def _sweep(self, directory: str, keep: set[str]) -> None:
         """Remove the files of a local directory the store no longer has (everything here is a copy)."""
@@ -194,7 +162,7 @@ class RemoteView:
             if name not in keep:
                 path = os.path.join(directory, name)
                 if os.path.isfile(path) or os.path.islink(path):
-                    self._remove(self.paths.relative(path))
+                    self.copies.remove(self.paths.relative(path))
 
     def _copy_changed(self, directory: str, listed: dict[str, ObjectInfo], limit: int) -> set[str]:
         """Copy the listed small objects of a local directory that changed since they were copied, several
@@ -203,7 +171,7 @@ class RemoteView:
         relative_dir = self.paths.relative(directory)
         kept = set(listed)
         wanted = [name for name, info in sorted(listed.items())
-                  if not self._current(f"{relative_dir}/{name}", info)]
+                  if not self.copies.unchanged(f"{relative_dir}/{name}", info)]
         self.requests["get"] += len(wanted)  # counted here: the transfer threads only fetch
         fetched: Iterator[tuple[str, tuple[bytes, ObjectInfo] | None]]
         if len(wanted) > 1:
@@ -217,7 +185,7 @@ class RemoteView:
             if got is None:
                 kept.discard(name)  # deleted since the listing
             else:
-                self._write(f"{relative_dir}/{name}", *got)
+                self.copies.write(f"{relative_dir}/{name}", *got)
         self._sweep(directory, kept)
         return kept
 
@@ -260,14 +228,14 @@ class RemoteView:
             relative = self.paths.relative(self.paths.events(rank))
             try:
                 if rank in segments:
-                    self._seen.pop(relative, None)  # followed from segments: not a copy of one object
+                    self.copies.record(relative, None)  # followed from segments: not a copy of one object
                     self.logs.follow(rank, segments[rank])
                 else:
                     self._copy_whole_log(rank, whole[rank])
             except Refused as exc:
                 self.warnings.append(str(exc))
                 self.logs.copies.pop(rank, None)
-                self._remove(relative)
+                self.copies.remove(relative)
                 continue
             kept.add(os.path.basename(self.paths.events(rank)))
         for rank in set(self.logs.copies) - set(segments):
@@ -279,23 +247,16 @@ class RemoteView:
         """A log stored whole (a local cache uploaded as it is): copied once per version, streamed to disk."""
         relative = self.paths.relative(self.paths.events(rank))
         self.logs.copies.pop(rank, None)
-        if self._current(relative, info):
+        if self.copies.unchanged(relative, info):
             return
         if info.size > MAX_LOG_BYTES:
             raise Refused(f"{self.store.name(relative)} is over {MAX_LOG_BYTES >> 20} MiB: rank {rank}'s events "
                            "are not shown")
-        temporary = os.path.join(self._state_dir(self.root), f"log.{os.getpid()}.tmp")
         try:
             self.requests["get"] += 1
-            got = self.store.download(relative, temporary, expected=MAX_LOG_BYTES)
-            os.replace(temporary, self._local(relative))
+            self.copies.download(relative, expected=MAX_LOG_BYTES)
         except FileNotFoundError:
-            self._remove(relative)
-            return
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-        self._record(relative, got)
+            self.copies.remove(relative)
 
     # -- the stop request ---------------------------------------------------------------------
 
@@ -305,7 +266,7 @@ class RemoteView:
         relative = self.paths.relative(self.paths.stop_request)
         self.requests["put"] += 1
         etag = self.store.put(relative, note)
-        self._write(relative, note, ObjectInfo(len(note), etag, 0.0))
+        self.copies.write(relative, note, ObjectInfo(len(note), etag, 0.0))
         self._save_state()
 
     # -- what was copied from what ------------------------------------------------------------
@@ -320,7 +281,8 @@ class RemoteView:
         return os.path.join(self._state_dir(self.root), "copied.json")
 
     def _load_state(self) -> None:
-        """What an earlier monitor copied here, where the local file is still as it left it."""
+        """What an earlier monitor followed of each segmented log, where the local file is still as it left
+        it (the copies of single objects have their records in ``seen``)."""
         try:
             with open(self._state_file(), encoding="utf-8") as handle:
                 if not private(os.fstat(handle.fileno())):  # others may have rewritten it: no word of it holds
@@ -328,10 +290,6 @@ class RemoteView:
                 state = json.load(handle)
             if state.get("url") != self.remote:
                 return
-            for relative, fields in state["seen"].items():  # each checked when it is next needed (_current)
-                size, etag, inode, ctime_ns, md5 = fields
-                self._seen[str(relative)] = CopiedFrom(int(size), str(etag), int(inode), int(ctime_ns),
-                                                       bool(md5))
             for rank, entry in state["logs"].items():
                 known = LogCopy(int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()})
                 path = self.paths.events(int(rank))
@@ -340,12 +298,11 @@ class RemoteView:
                         and os.path.getsize(path) == known.size():
                     self.logs.copies[int(rank)] = known
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
-            self._seen, self.logs.copies = {}, {}  # unreadable: everything is fetched again once
+            self.logs.copies = {}  # unreadable: every segmented log is fetched again once
 
     def _save_state(self) -> None:
         state: dict[str, Any] = {
             "url": self.remote,
-            "seen": {r: [v.size, v.etag, v.inode, v.ctime_ns, v.md5] for r, v in sorted(self._seen.items())},
             "logs": {str(rank): {"first": known.first,
                                  "parts": {str(k): list(v) for k, v in sorted(known.parts.items())},
                                  **_identity_of(self.paths.events(rank))}
