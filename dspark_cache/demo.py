@@ -36,7 +36,9 @@ def ensure_embedded(workdir: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; arguments it does not know (``--no-progress``, ``--device cpu`` ...) go to dspark-produce."""
-    parser = argparse.ArgumentParser(description="Run dspark-produce on the embedded default target and data.")
+    parser = argparse.ArgumentParser(
+        description="Run dspark-produce on the embedded default target and data."
+    )
     parser.add_argument("--workdir", default=".demo")
     args, extra = parser.parse_known_args(argv)
     target, data = ensure_embedded(args.workdir)

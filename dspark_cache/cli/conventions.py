@@ -38,8 +38,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_USAGE: "usage error (one line on stderr), or a path that is not the cache the command needs",
     EXIT_STOPPED: "stopped on request or interrupted: rerun the same command to resume",
     EXIT_INCOMPLETE: "finished, but part of the work is missing (dspark-produce: shards of a rank that died, "
-                     "rerun with any number of ranks; dspark-regenerate: rows whose requests failed): rerun the same "
-                     "command to complete it",
+    "rerun with any number of ranks; dspark-regenerate: rows whose requests failed): rerun the same "
+    "command to complete it",
 }
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL")  # WARN: logging's alias of WARNING
@@ -122,8 +122,14 @@ def error(prog: str, message: str, code: int = EXIT_ERROR) -> int:
     return code
 
 
-def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool = True, cache_limit: bool = True,
-                          staging: bool = False, local_cache_help: str | None = None) -> None:
+def add_storage_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    local_cache: bool = True,
+    cache_limit: bool = True,
+    staging: bool = False,
+    local_cache_help: str | None = None,
+) -> None:
     """The options of a cache at an object-store URL (``s3://bucket/prefix``), the same on every script:
     ``local_cache`` where something of it is kept on this node (``cache_limit``: its tars, bounded),
     ``staging`` where it is written."""
@@ -138,17 +144,28 @@ def add_storage_arguments(parser: argparse.ArgumentParser, *, local_cache: bool 
                            help=local_cache_help or "where this node keeps downloaded shards (default "
                            "$DSPARK_LOCAL_CACHE_DIR or ~/.cache/dspark-cache/remote)")
     if local_cache and cache_limit:
-        group.add_argument("--cache-limit", metavar="SIZE", default=None,
-                           help="bytes of shards kept there, e.g. 200G (default $DSPARK_CACHE_LIMIT or half the "
-                           "free space)")
+        group.add_argument(
+            "--cache-limit",
+            metavar="SIZE",
+            default=None,
+            help="bytes of shards kept there, e.g. 200G (default $DSPARK_CACHE_LIMIT or half the free space)",
+        )
     if staging:
-        group.add_argument("--staging-dir", metavar="DIR", default=None,
-                           help="local directory shards are written to before their upload (default "
-                           "$DSPARK_LOCAL_CACHE_DIR/staging/... or ~/.cache/dspark-cache/remote/staging/...); one per "
-                           "cache, shared by the processes of a node")
-        group.add_argument("--staging-limit", metavar="SIZE", default=None,
-                           help="bytes of finished shards waiting there for their upload before writing waits, per "
-                           "process, e.g. 16G (default 8G; one shard always fits)")
+        group.add_argument(
+            "--staging-dir",
+            metavar="DIR",
+            default=None,
+            help="local directory shards are written to before their upload (default "
+            "$DSPARK_LOCAL_CACHE_DIR/staging/... or ~/.cache/dspark-cache/remote/staging/...); one per "
+            "cache, shared by the processes of a node",
+        )
+        group.add_argument(
+            "--staging-limit",
+            metavar="SIZE",
+            default=None,
+            help="bytes of finished shards waiting there for their upload before writing waits, per "
+            "process, e.g. 16G (default 8G; one shard always fits)",
+        )
 
 
 def storage_from_args(args: argparse.Namespace) -> "StorageOptions":

@@ -71,5 +71,7 @@ _TEMPLATE = r"""
 
 QWEN3_STOCK = _TEMPLATE.replace("@@GEN_OPEN@@\n", "").replace("@@GEN_CLOSE@@\n", "").strip()
 QWEN3_GENERATION = (
-    _TEMPLATE.replace("@@GEN_OPEN@@", "{%- generation %}").replace("@@GEN_CLOSE@@", "{%- endgeneration %}").strip()
+    _TEMPLATE.replace("@@GEN_OPEN@@", "{%- generation %}")
+    .replace("@@GEN_CLOSE@@", "{%- endgeneration %}")
+    .strip()
 )

@@ -51,18 +51,24 @@ def draft_layer_union(num_layers: int, draft_depths: Sequence[int]) -> list[int]
     """The layers a cache must hold to train drafters of each of ``draft_depths`` layers with
     NeMo's default spread (:func:`build_target_layer_ids`): the sorted union of their spreads."""
     if not draft_depths or any(depth < 1 for depth in draft_depths):
-        raise ValueError(f"--for-draft-layers {list(draft_depths)}: give drafter depths of 1 or more, e.g. 1,2,3,5")
+        raise ValueError(
+            f"--for-draft-layers {list(draft_depths)}: give drafter depths of 1 or more, e.g. 1,2,3,5"
+        )
     return sorted({i for depth in draft_depths for i in build_target_layer_ids(num_layers, depth)})
 
 
-def layer_positions(stored: Sequence[int], wanted: Sequence[int], where: str = "the cache") -> tuple[int, ...]:
+def layer_positions(
+    stored: Sequence[int], wanted: Sequence[int], where: str = "the cache"
+) -> tuple[int, ...]:
     """Where each of ``wanted`` (in the caller's order) lies among a cache's ``stored`` ids.
 
     Raises ``ValueError`` naming the ids the cache lacks (or repeats), and what to do.
     """
     odd = [i for i in wanted if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
     if odd:
-        raise ValueError(f"target_layer_ids {list(wanted)}: {odd} are not layer ids (integers, NeMo's convention)")
+        raise ValueError(
+            f"target_layer_ids {list(wanted)}: {odd} are not layer ids (integers, NeMo's convention)"
+        )
     wanted = [int(i) for i in wanted]
     position = {layer: k for k, layer in enumerate(stored)}
     missing = [i for i in wanted if i not in position]
@@ -70,7 +76,9 @@ def layer_positions(stored: Sequence[int], wanted: Sequence[int], where: str = "
     if not wanted or missing or repeated:
         problem = ("no layer ids" if not wanted else f"layer ids {missing} that it does not hold" if missing
                    else f"layer ids {repeated} more than once")
-        raise ValueError(f"target_layer_ids {wanted} asks {where} (layers {list(stored)}) for {problem}. Choose a "
-                         "subset of its layers, or produce a cache that holds them (dspark-produce "
-                         "--target-layer-ids, or --for-draft-layers for several drafter depths)")
+        raise ValueError(
+            f"target_layer_ids {wanted} asks {where} (layers {list(stored)}) for {problem}. Choose a "
+            "subset of its layers, or produce a cache that holds them (dspark-produce "
+            "--target-layer-ids, or --for-draft-layers for several drafter depths)"
+        )
     return tuple(position[i] for i in wanted)

@@ -27,12 +27,26 @@ def read_manifest(root: str, *, missing_ok: Literal[False] = False, allow_incomp
 
 
 @overload
-def read_manifest(root: str, *, missing_ok: bool, allow_incomplete: bool = False,
-                  checked: bool = True, within: str | None = None, shown: str | None = None) -> Manifest | None: ...
+def read_manifest(
+    root: str,
+    *,
+    missing_ok: bool,
+    allow_incomplete: bool = False,
+    checked: bool = True,
+    within: str | None = None,
+    shown: str | None = None,
+) -> Manifest | None: ...
 
 
-def read_manifest(root: str, *, missing_ok: bool = False, allow_incomplete: bool = False,
-                  checked: bool = True, within: str | None = None, shown: str | None = None) -> Manifest | None:
+def read_manifest(
+    root: str,
+    *,
+    missing_ok: bool = False,
+    allow_incomplete: bool = False,
+    checked: bool = True,
+    within: str | None = None,
+    shown: str | None = None,
+) -> Manifest | None:
     """The manifest of the cache at ``root``.
 
     No manifest raises :class:`NotACacheError`, or gives ``None`` with ``missing_ok``. An incomplete

@@ -189,7 +189,9 @@ def load_array(path: str, dtype: np.dtype, record: ArrayRecord, verify: bool = T
             raise PlanError(f"{path} holds {descr} x {shape}, the plan says {dtype} x ({record.length},)")
         offset, size = handle.tell(), os.fstat(fd).st_size
         if size != offset + record.length * dtype.itemsize:
-            raise PlanError(f"{path} is {size} bytes; its header implies {offset + record.length * dtype.itemsize}")
+            raise PlanError(
+                f"{path} is {size} bytes; its header implies {offset + record.length * dtype.itemsize}"
+            )
         if verify and _data_digest(fd, offset, size - offset, dtype, inspect) != record.xxh3_64:
             raise PlanError(f"{path} does not match its checksum (damaged or from another plan)")
         if not record.length:
@@ -231,9 +233,11 @@ def claim(path: str) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise CacheError(f"{path} is a directory ({exc.strerror}) where the saved plan keeps a file; the producer "
-                         f"does not delete what it did not write: move it out of {os.path.dirname(path)} "
-                         "and rerun") from None
+        raise CacheError(
+            f"{path} is a directory ({exc.strerror}) where the saved plan keeps a file; the producer "
+            f"does not delete what it did not write: move it out of {os.path.dirname(path)} "
+            "and rerun"
+        ) from None
 
 
 def write_header(path: str, header: PartHeader | PlanHeader) -> None:

@@ -140,7 +140,9 @@ class PayloadLayout:
         return len(self.header) + (self.placed[-1][2] if self.placed else 0)
 
 
-def sample_specs(length: int, hidden_dim: int, hidden_size: int, dtype: str, stores_last: bool) -> list[TensorSpec]:
+def sample_specs(
+    length: int, hidden_dim: int, hidden_size: int, dtype: str, stores_last: bool
+) -> list[TensorSpec]:
     """The tensors of a sample of ``length`` tokens, in storage order (``dtype``: a code).
 
     FP8 samples start with their scales (one per token and ``hidden_size`` columns)."""
@@ -383,5 +385,7 @@ def dequantize_arrays(sample: dict[str, StoredTensor], out_code: str = "BF16") -
     out = {name: t for name, t in sample.items() if name not in (HIDDEN_SCALE, LAST_HIDDEN_SCALE)}
     for name, scale in ((HIDDEN, HIDDEN_SCALE), (LAST_HIDDEN, LAST_HIDDEN_SCALE)):
         stored = sample[name]
-        out[name] = StoredTensor(out_code, dequantize_rows(stored.array, sample[scale].array, stored.code, out_code))
+        out[name] = StoredTensor(
+            out_code, dequantize_rows(stored.array, sample[scale].array, stored.code, out_code)
+        )
     return out

@@ -269,7 +269,8 @@ class RankStatus(msgspec.Struct, kw_only=True):
     inflight_bytes: int = 0
     stage_seconds: dict[str, float] = msgspec.field(default_factory=dict)
     device_memory_bytes: int | None = None
-    weight_bytes: int | None = None  # the target's weights this rank holds (its shards under --tp-size/--ep-size)
+    # the target's weights this rank holds (its shards under --tp-size/--ep-size)
+    weight_bytes: int | None = None
     # Under --tp-size/--ep-size: the model-parallel group of ``group_size`` consecutive ranks this
     # rank computes with; its first rank writes the group's shards, the others write nothing.
     group: int | None = None

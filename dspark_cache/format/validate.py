@@ -55,8 +55,11 @@ class ForeignShardError(CorruptShardError):
 def check_cache_id(index: ShardIndex, cache_id: str, path: str) -> None:
     """A shard belongs to the cache whose ``cache_id`` its index carries (``""``: caches from before ids)."""
     if index.cache_id != cache_id:
-        raise ForeignShardError(path, f"the index was written for cache {index.cache_id or '(no id)'}, but the "
-                                      f"manifest is cache {cache_id or '(no id)'}")
+        raise ForeignShardError(
+            path,
+            f"the index was written for cache {index.cache_id or '(no id)'}, but the "
+            f"manifest is cache {cache_id or '(no id)'}",
+        )
 
 
 def check_manifest(m: Manifest, where: str) -> None:
@@ -76,9 +79,13 @@ def manifest_problems(m: Manifest) -> Iterable[str]:
     else:
         yield from _scheme_problems(m)
     # target_vocab_size bounds every token id (token_problem); the fillers read a limit of 0 as "unchecked"
-    for name, value, top in (("seq_length", m.seq_length, MAX_SEQ_LENGTH), ("hidden_size", m.hidden_size, MAX_HIDDEN_SIZE),
-                             ("num_hidden_layers", m.num_hidden_layers, MAX_LAYERS), ("shard_size", m.shard_size, _U64),
-                             ("target_vocab_size", m.target_vocab_size, MAX_VOCAB_SIZE)):
+    for name, value, top in (
+        ("seq_length", m.seq_length, MAX_SEQ_LENGTH),
+        ("hidden_size", m.hidden_size, MAX_HIDDEN_SIZE),
+        ("num_hidden_layers", m.num_hidden_layers, MAX_LAYERS),
+        ("shard_size", m.shard_size, _U64),
+        ("target_vocab_size", m.target_vocab_size, MAX_VOCAB_SIZE),
+    ):
         if not 1 <= value <= top:
             yield f"{name} {value} is not in [1, {top}]"
     try:
@@ -96,8 +103,10 @@ def manifest_problems(m: Manifest) -> Iterable[str]:
         yield f"num_samples {m.num_samples} is not in [0, planned_samples {m.planned_samples}]"
     least = -(-m.planned_samples // m.shard_size) if m.shard_size >= 1 else 0
     if m.planned_samples >= 0 and not least <= m.num_shards <= max(m.planned_samples, least):
-        yield (f"num_shards {m.num_shards} does not fit planned_samples {m.planned_samples} in shards of at most "
-               f"shard_size {m.shard_size}")
+        yield (
+            f"num_shards {m.num_shards} does not fit planned_samples {m.planned_samples} in shards of at most "
+            f"shard_size {m.shard_size}"
+        )
     if not 0 <= m.pad_token_id < max(m.target_vocab_size, 1):  # loaders pad input_ids with it
         yield f"pad_token_id {m.pad_token_id} is not in [0, target_vocab_size {m.target_vocab_size})"
     yield from _regenerated_problems(m)
@@ -146,16 +155,24 @@ def check_fp8_sample(sample: Mapping[str, StoredTensor], path: str, sample_id: i
         states, scales = sample[name].array, sample[scale_name].array
         rows, groups = scales.shape if scales.ndim == 2 else (-1, 0)
         if states.ndim != 2 or rows != states.shape[0] or not groups or states.shape[1] % groups:
-            raise CorruptShardError(path, f"{scale_name} of shape {list(scales.shape)} does not fit {name} of shape "
-                                          f"{list(states.shape)}", sample_id)
+            raise CorruptShardError(
+                path,
+                f"{scale_name} of shape {list(scales.shape)} does not fit {name} of shape "
+                f"{list(states.shape)}",
+                sample_id,
+            )
         bad = fp8_bad_scales(scales, hidden.code)
         if bad.any():
             token, column = (int(i) for i in np.argwhere(bad)[0])
-            raise CorruptShardError(path, fp8_scale_reason(token, column, float(scales[token, column])), sample_id)
+            raise CorruptShardError(
+                path, fp8_scale_reason(token, column, float(scales[token, column])), sample_id
+            )
         bad = fp8_bad_codes(states, hidden.code)
         if bad.any():
             token, at = (int(i) for i in np.argwhere(bad)[0])
-            raise CorruptShardError(path, fp8_code_reason(token, at // (states.shape[1] // groups)), sample_id)
+            raise CorruptShardError(
+                path, fp8_code_reason(token, at // (states.shape[1] // groups)), sample_id
+            )
 
 
 def token_problem(ids: np.ndarray, mask: np.ndarray, vocab_size: int | None) -> str | None:
@@ -172,8 +189,10 @@ def token_problem(ids: np.ndarray, mask: np.ndarray, vocab_size: int | None) -> 
             at = int(np.argmax(bad))
             if vocab_size is None:
                 return f"token id {int(ids[at])} at token {at} is negative (no embedding row has that index)"
-            return (f"token id {int(ids[at])} at token {at} is outside the target's vocabulary size {vocab_size} "
-                    "(its embedding rows)")
+            return (
+                f"token id {int(ids[at])} at token {at} is outside the target's vocabulary size {vocab_size} "
+                "(its embedding rows)"
+            )
     if mask.size and not 0 <= int(mask.min()) <= int(mask.max()) < MASK_LIMIT:
         at = int(np.argmax((mask < 0) | (mask >= MASK_LIMIT)))
         return f"loss mask value {int(mask[at])} at token {at} is not 0 or 1"
@@ -205,8 +224,11 @@ def check_index(index: ShardIndex, shard_id: int, shape: SampleShape, seq_length
         seen.add(entry.sample_id)
         cursor = entry.offset + entry.size + block_padding(entry.size)
     if cursor + END_OF_ARCHIVE != index.tar_bytes:
-        raise CorruptShardError(path, f"the indexed samples end at byte {cursor}, but the tar has {index.tar_bytes} "
-                                      "bytes: entries are missing or sizes are wrong")
+        raise CorruptShardError(
+            path,
+            f"the indexed samples end at byte {cursor}, but the tar has {index.tar_bytes} "
+            "bytes: entries are missing or sizes are wrong",
+        )
     if any(not 0 <= sid for sid in index.nonfinite):
         raise CorruptShardError(path, "a dropped (non-finite) sample id is negative")
 
@@ -239,25 +261,34 @@ def _check_entry(entry, shape: SampleShape, seq_length: int, cursor: int, path: 
 def check_header(actual: bytes | memoryview, entry, shape: SampleShape, path: str) -> None:
     """The sample's header must be exactly what the writer derives from its index entry."""
     if bytes(actual) != shape.header(entry.length, entry.sample_id, entry.offset):
-        raise CorruptShardError(path, "the sample's header does not match its index entry (length, id or shape)",
-                                entry.sample_id)
+        raise CorruptShardError(
+            path, "the sample's header does not match its index entry (length, id or shape)", entry.sample_id
+        )
 
 
 def check_catalog(manifest: Manifest, indexes: dict[int, ShardIndex], where: str) -> None:
     """Across shards of a complete cache: the listed shards, unique ids, the manifest's sample count."""
     extra = sorted(s for s in indexes if not 0 <= s < manifest.num_shards)
     if extra:
-        raise CacheError(f"{where}: shards {extra[:5]} are published but the manifest plans {manifest.num_shards} "
-                         "shards; the manifest or the shard directory was tampered with: run dspark-verify")
+        raise CacheError(
+            f"{where}: shards {extra[:5]} are published but the manifest plans {manifest.num_shards} "
+            "shards; the manifest or the shard directory was tampered with: run dspark-verify"
+        )
     seen: set[int] = set()
     total = 0
     for shard_id, index in indexes.items():
         for entry in index.samples:
             if entry.sample_id in seen:
-                raise CorruptShardError(where, f"sample {entry.sample_id} is listed by two shards (one is shard "
-                                               f"{shard_id}); run dspark-verify --repair", entry.sample_id)
+                raise CorruptShardError(
+                    where,
+                    f"sample {entry.sample_id} is listed by two shards (one is shard "
+                    f"{shard_id}); run dspark-verify --repair",
+                    entry.sample_id,
+                )
             seen.add(entry.sample_id)
         total += index.num_samples
     if manifest.complete and len(indexes) == manifest.num_shards and total != manifest.num_samples:
-        raise CacheError(f"{where}: the shards hold {total} samples but the manifest says {manifest.num_samples}; "
-                         "run dspark-verify, then rerun dspark-produce to repair")
+        raise CacheError(
+            f"{where}: the shards hold {total} samples but the manifest says {manifest.num_samples}; "
+            "run dspark-verify, then rerun dspark-produce to repair"
+        )

@@ -73,8 +73,10 @@ def parse_header(path: str, head: bytes, size: int, vocab_size: int | None, hidd
         raise TargetWeightsError(path, f"{size} bytes, too short for a safetensors header (truncated)")
     length = int.from_bytes(head[:8], "little")
     if not 2 <= length <= MAX_WEIGHTS_HEADER or 8 + length > size:
-        raise TargetWeightsError(path, f"its header claims {length} bytes in a {size}-byte file (truncated or "
-                                 "not a safetensors file)")
+        raise TargetWeightsError(
+            path,
+            f"its header claims {length} bytes in a {size}-byte file (truncated or not a safetensors file)",
+        )
     if len(head) < 8 + length:
         raise TargetWeightsError(path, "short read of its header")
     try:
@@ -86,11 +88,16 @@ def parse_header(path: str, head: bytes, size: int, vocab_size: int | None, hidd
     header.pop("__metadata__", None)
     if sorted(header) != sorted(WEIGHT_NAMES):
         raise TargetWeightsError(path, f"it holds {sorted(header)}, not exactly {list(WEIGHT_NAMES)}")
-    tensors = {name: _tensor(path, name, header[name], 8 + length, vocab_size, hidden_size) for name in WEIGHT_NAMES}
+    tensors = {
+        name: _tensor(path, name, header[name], 8 + length, vocab_size, hidden_size) for name in WEIGHT_NAMES
+    }
     spans = sorted((t.start, t.end) for t in tensors.values())
     if spans[0][0] != 8 + length or spans[0][1] != spans[1][0] or spans[1][1] != size:
-        raise TargetWeightsError(path, f"its tensors cover bytes {spans} of a {size}-byte file whose data starts "
-                                 f"at {8 + length} (truncated, extended or overlapping)")
+        raise TargetWeightsError(
+            path,
+            f"its tensors cover bytes {spans} of a {size}-byte file whose data starts "
+            f"at {8 + length} (truncated, extended or overlapping)",
+        )
     return tensors
 
 
@@ -103,7 +110,10 @@ def _tensor(path: str, name: str, info: object, data_start: int, vocab_size: int
         raise TargetWeightsError(path, f"{name} has dtype {dtype!r}, not one of {sorted(FLOAT_ITEMSIZE)}")
     if not (isinstance(shape, list) and len(shape) == 2 and all(type(n) is int and n >= 1 for n in shape)):
         raise TargetWeightsError(path, f"{name} has shape {shape!r}, not [vocab, hidden]")
-    want = [vocab_size if vocab_size is not None else shape[0], hidden_size if hidden_size is not None else shape[1]]
+    want = [
+        vocab_size if vocab_size is not None else shape[0],
+        hidden_size if hidden_size is not None else shape[1],
+    ]
     if shape != want:
         raise TargetWeightsError(path, f"{name} has shape {shape}, the manifest says [{want[0]}, {want[1]}] "
                                  "(target_vocab_size, hidden_size): it is another target's")
@@ -126,8 +136,9 @@ def _open(path: str, within: str | None) -> int:
 
 def _checked(path: str, got: int, want: int | None) -> None:
     if want is not None and got != want:
-        raise TargetWeightsError(path, f"its xxh3-64 is {got:#018x}, the manifest recorded {want:#018x} (damaged "
-                                 "or replaced)")
+        raise TargetWeightsError(
+            path, f"its xxh3-64 is {got:#018x}, the manifest recorded {want:#018x} (damaged or replaced)"
+        )
 
 
 def check_target_weights(path: str, vocab_size: int | None, hidden_size: int | None, xxh3: int | None = None,

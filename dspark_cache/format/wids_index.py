@@ -60,7 +60,9 @@ def encode_wids_index(entries: list[Entry]) -> bytes:
             f'  "shardlist": [{body}]\n}}\n').encode()
 
 
-def write_wids_index(paths: CachePaths, *, durable: bool = True, entries: list[Entry] | None = None) -> list[Entry]:
+def write_wids_index(
+    paths: CachePaths, *, durable: bool = True, entries: list[Entry] | None = None
+) -> list[Entry]:
     """Rewrite the index exactly from every published shard index (or as ``entries``, where the tars are
     not in this directory); returns its entries.
 
@@ -68,7 +70,9 @@ def write_wids_index(paths: CachePaths, *, durable: bool = True, entries: list[E
     ``dspark-verify`` names it.
     """
     if entries is None:
-        entries = [e for e in (_entry_from_index(paths, s) for s in paths.indexed_shard_ids()) if e is not None]
+        entries = [
+            e for e in (_entry_from_index(paths, s) for s in paths.indexed_shard_ids()) if e is not None
+        ]
     atomic_write_bytes(paths.wids_index, encode_wids_index(entries), durable=durable)
     return entries
 
@@ -117,7 +121,11 @@ def read_wids_index(paths: CachePaths) -> dict[str, Any]:
 
 
 def _well_formed(data: Any) -> bool:
-    if not isinstance(data, dict) or data.get("__kind__") != WIDS_KIND or data.get("wids_version") != WIDS_VERSION:
+    if (
+        not isinstance(data, dict)
+        or data.get("__kind__") != WIDS_KIND
+        or data.get("wids_version") != WIDS_VERSION
+    ):
         return False
     shards = data.get("shardlist")
     return isinstance(shards, list) and all(

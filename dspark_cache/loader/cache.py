@@ -33,8 +33,15 @@ class Cache:
     the hidden states' dtype, as ``build_dataloader``'s (FP8 caches: bf16 by default, or ``"fp32"``,
     or ``"raw"``); ``target_layer_ids`` the layers handed out, as ``build_dataloader``'s."""
 
-    def __init__(self, path: str | os.PathLike, *, allow_incomplete: bool = False, dtype: object = None,
-                 storage: StorageOptions | None = None, target_layer_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        allow_incomplete: bool = False,
+        dtype: object = None,
+        storage: StorageOptions | None = None,
+        target_layer_ids: Sequence[int] | None = None,
+    ) -> None:
         self.cache = CacheDir(path, allow_incomplete=allow_incomplete, storage=storage)
         self.path, self.paths = self.cache.root, self.cache.paths
         self.manifest, self.shape = self.cache.manifest, self.cache.shape
@@ -42,7 +49,8 @@ class Cache:
             self.out_code = resolve_out_code(self.shape, dtype)  # None: as stored
             self.select = None if target_layer_ids is None else \
                 layer_positions(self.shape.layer_ids, target_layer_ids, where=f"the cache at {self.path}")
-            if self.select == tuple(range(len(self.shape.layer_ids))):  # all of them, as stored: nothing to pick
+            # all of them, as stored: nothing to pick
+            if self.select == tuple(range(len(self.shape.layer_ids))):
                 self.select = None
         except BaseException:
             self.cache.close()
@@ -77,7 +85,9 @@ class Cache:
                 self.cache.prefetch(self._sequence[at + 1: at + 1 + _PREFETCH_SHARDS])
             self.cache.hold(shard)  # a remote cache's shard: downloaded to this node, kept while open
             try:
-                reader = ShardReader(self.paths, shard.shard_id, shard, self.shape, self.manifest.target_vocab_size)
+                reader = ShardReader(
+                    self.paths, shard.shard_id, shard, self.shape, self.manifest.target_vocab_size
+                )
             except BaseException:
                 self.cache.let_go(shard.shard_id)
                 raise

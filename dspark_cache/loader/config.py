@@ -82,7 +82,9 @@ class LoaderConfig:
         if self.target_layer_ids is not None:  # checked against the cache's layers when it is opened
             object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
         if self.cache_limit is not None and self.cache_limit <= 0:
-            raise ValueError(f"cache_limit={self.cache_limit}: the bytes of shards kept on this node, more than 0")
+            raise ValueError(
+                f"cache_limit={self.cache_limit}: the bytes of shards kept on this node, more than 0"
+            )
 
     @property
     def storage(self) -> StorageOptions:

@@ -96,7 +96,9 @@ class DSparkLoader(NemoAttributes):
 
     def __len__(self) -> int:
         """Batches this rank yields in a whole epoch (exact once the cache is complete)."""
-        return epoch_steps(0, self.num_samples(), 0, self.config.batch_size, self.world_size, self.config.drop_last)
+        return epoch_steps(
+            0, self.num_samples(), 0, self.config.batch_size, self.world_size, self.config.drop_last
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning at the next iteration."""
@@ -112,7 +114,9 @@ class DSparkLoader(NemoAttributes):
         if step >= steps:
             return None
         total = order.total if order.total is not None else len(order.refs)
-        return rank_batch(order.refs, total, base, step, c.batch_size, self.world_size, self.rank, c.partial_last)
+        return rank_batch(
+            order.refs, total, base, step, c.batch_size, self.world_size, self.rank, c.partial_last
+        )
 
     # -- iterate ------------------------------------------------------------------------------
 
@@ -164,7 +168,9 @@ class DSparkLoader(NemoAttributes):
         diff = [f"{k}: state has {state.get(k)!r}, this loader has {getattr(self.config, k)!r}"
                 for k in ORDER_OPTIONS if state.get(k) != getattr(self.config, k)]
         if diff:
-            raise ValueError("cannot restore a loader state made with other settings:\n  " + "\n  ".join(diff))
+            raise ValueError(
+                "cannot restore a loader state made with other settings:\n  " + "\n  ".join(diff)
+            )
         self._check_identity(state)
         bad = [f"{k}={state.get(k)!r}" for k in ("epoch", "offset") if not _count(state.get(k))]
         if bad:  # int() would take 1.5 or "3", and a negative offset would shift the epoch silently
@@ -180,11 +186,14 @@ class DSparkLoader(NemoAttributes):
         if "mixture" in state:
             raise ValueError("cannot restore a loader state taken on a mixture of caches into a loader of "
                              f"one cache ({self.cache.root}); build the loader on the same mixture")
-        if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:  # states from before ids: no check
-            raise ValueError(f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
-                             f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
-                             "re-produced with --overwrite), whose order is of other samples; start its first "
-                             "epoch from the beginning instead of loading this state")
+        # states from before ids: no check
+        if state.get("cache_id", self.cache.cache_id) != self.cache.cache_id:
+            raise ValueError(
+                f"cannot restore a loader state taken on cache {state['cache_id'] or '(no id)'}: "
+                f"{self.cache.root} holds cache {self.cache.cache_id or '(no id)'} now (it was "
+                "re-produced with --overwrite), whose order is of other samples; start its first "
+                "epoch from the beginning instead of loading this state"
+            )
 
     def close(self) -> None:
         self.reader.close()

@@ -73,8 +73,22 @@ def _native() -> ctypes.CDLL | None:
         return None
     fn = lib.dspark_fill_batch
     p = ctypes.c_void_p
-    fn.argtypes = [p, ctypes.c_uint64, p, ctypes.c_uint64, p, ctypes.c_uint64, p, p, ctypes.c_uint64, p,
-                   ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+    fn.argtypes = [
+        p,
+        ctypes.c_uint64,
+        p,
+        ctypes.c_uint64,
+        p,
+        ctypes.c_uint64,
+        p,
+        p,
+        ctypes.c_uint64,
+        p,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_uint64),
+    ]
     fn.restype = ctypes.c_int
     return lib
 
@@ -97,16 +111,31 @@ def run(program: BatchProgram, scratch: np.ndarray, *, native: bool) -> Failure 
 def run_native(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
     lib = _native()
     if lib is None:
-        raise RuntimeError("the native batch filler is not built, or was built from other sources; rebuild it: "
-                           "`pip install -e .` in the checkout, with a C compiler")
+        raise RuntimeError(
+            "the native batch filler is not built, or was built from other sources; rebuild it: "
+            "`pip install -e .` in the checkout, with a C compiler"
+        )
     ops, segs = program.arrays()
     picks = np.ascontiguousarray(program.picks)
     bases = np.array([b.ctypes.data for b in program.buffers], dtype=np.uint64)
     sizes = np.array([b.nbytes for b in program.buffers], dtype=np.uint64)
     fail, detail = ctypes.c_uint64(), ctypes.c_uint64()
-    code = lib.dspark_fill_batch(ops.ctypes.data, len(ops), segs.ctypes.data, len(segs), picks.ctypes.data,
-                                 len(picks), bases.ctypes.data, sizes.ctypes.data, len(bases), scratch.ctypes.data,
-                                 scratch.nbytes, CHUNK, ctypes.byref(fail), ctypes.byref(detail))
+    code = lib.dspark_fill_batch(
+        ops.ctypes.data,
+        len(ops),
+        segs.ctypes.data,
+        len(segs),
+        picks.ctypes.data,
+        len(picks),
+        bases.ctypes.data,
+        sizes.ctypes.data,
+        len(bases),
+        scratch.ctypes.data,
+        scratch.nbytes,
+        CHUNK,
+        ctypes.byref(fail),
+        ctypes.byref(detail),
+    )
     return None if code == RC_OK else Failure(code, program.tag(fail.value), detail.value)
 
 
@@ -151,7 +180,8 @@ def run_python(program: BatchProgram, scratch: np.ndarray) -> Failure | None:
                 except _Stop as stop:
                     if not (op.check and stop.code in _RULE_CODES):
                         raise
-                    read.gap(op.count)  # damaged bytes are named as such, not by the rule they happen to break
+                    # damaged bytes are named as such, not by the rule they happen to break
+                    read.gap(op.count)
                     raise _Stop(RC_CHECKSUM) if read.hasher.intdigest() != op.value else stop
                 if op.check and read.hasher.intdigest() != op.value:
                     raise _Stop(RC_CHECKSUM)
@@ -169,7 +199,9 @@ def _check_fp8(codes: np.ndarray, scales: np.ndarray, code: str, group: int, run
     found = []
     for g0, ng in runs:
         bad_scale = fp8_bad_scales(scales[:, g0 : g0 + ng], code)
-        bad = bad_scale | fp8_bad_codes(codes[:, g0 * group : (g0 + ng) * group], code).reshape(-1, ng, group).any(2)
+        bad = bad_scale | fp8_bad_codes(codes[:, g0 * group : (g0 + ng) * group], code).reshape(
+            -1, ng, group
+        ).any(2)
         found.append((bad_scale, bad))
     rows = [int(np.argmax(bad.any(1))) for _, bad in found if bad.any()]
     if not rows:
@@ -185,9 +217,25 @@ class _SampleRead:
     """One payload, in file order: bytes outside every segment are read to scratch and dropped;
     with ``check``, every byte read is hashed (xxhash hashes a large buffer without the GIL)."""
 
-    def __init__(self, bufs: list[np.ndarray], scratch: np.ndarray, picks: list[PickRecord], fd: int, offset: int,
-                 size: int, check: int, mem: np.ndarray | None = None) -> None:
-        self.bufs, self.scratch, self.picks, self.fd, self.offset, self.size = bufs, scratch, picks, fd, offset, size
+    def __init__(
+        self,
+        bufs: list[np.ndarray],
+        scratch: np.ndarray,
+        picks: list[PickRecord],
+        fd: int,
+        offset: int,
+        size: int,
+        check: int,
+        mem: np.ndarray | None = None,
+    ) -> None:
+        self.bufs, self.scratch, self.picks, self.fd, self.offset, self.size = (
+            bufs,
+            scratch,
+            picks,
+            fd,
+            offset,
+            size,
+        )
         self.mem = mem  # OP_SAMPLE_MEM: the payload's bytes, read from here instead of the file
         self.hasher = xxhash.xxh3_64() if check else None
         self.pos = 0
@@ -216,16 +264,27 @@ class _SampleRead:
                 raise _Stop(RC_INVALID)
             rows = seg.len // seg.row_bytes
             cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(-1, seg.col_bytes)
-        self.rows(_span(self.bufs, seg.buf, seg.off, seg.len), seg.row_bytes, seg.col_off, seg.col_bytes, cols)
+        self.rows(
+            _span(self.bufs, seg.buf, seg.off, seg.len), seg.row_bytes, seg.col_off, seg.col_bytes, cols
+        )
 
     def chosen(self, seg: SegmentRecord, rows: int, unit_out: int = 1) -> list[tuple[PickRecord, np.ndarray]]:
         """The segment's picks, each with its destination as ``[rows, stride]`` bytes; checked as C checks them
         (``unit_out``: output bytes per stored byte of a pick's range, for its bounds)."""
-        if seg.pick_first > len(self.picks) or seg.pick_count > len(self.picks) - seg.pick_first or not seg.row_bytes:
+        if (
+            seg.pick_first > len(self.picks)
+            or seg.pick_count > len(self.picks) - seg.pick_first
+            or not seg.row_bytes
+        ):
             raise _Stop(RC_INVALID)
         out = []
         for p in self.picks[seg.pick_first : seg.pick_first + seg.pick_count]:
-            if p.src + p.len > seg.row_bytes or not p.stride or p.dst + p.len * unit_out > p.stride or p.to_col > 1:
+            if (
+                p.src + p.len > seg.row_bytes
+                or not p.stride
+                or p.dst + p.len * unit_out > p.stride
+                or p.to_col > 1
+            ):
                 raise _Stop(RC_INVALID)
             buf, off = (seg.col_buf, seg.col_dst) if p.to_col else (seg.buf, seg.off)
             out.append((p, _span(self.bufs, buf, off, rows * p.stride).reshape(rows, p.stride)))
@@ -273,14 +332,20 @@ class _SampleRead:
             if seg.col_bytes:
                 if seg.col_off + seg.col_bytes > out_row:
                     raise _Stop(RC_INVALID)
-                cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(rows, seg.col_bytes)
+                cols = _span(self.bufs, seg.col_buf, seg.col_dst, rows * seg.col_bytes).reshape(
+                    rows, seg.col_bytes
+                )
         for first, piece in self.whole_rows(in_row, rows):
             n = len(piece)
             part = scales[first : first + n]
             _check_fp8(piece, part, code, group, [(g0, ng) for g0, ng, _, _ in runs], first)
             for g0, ng, dst, at in runs:
                 codes = piece[:, g0 * group : (g0 + ng) * group]
-                out = dequantize_rows(codes, part[:, g0 : g0 + ng], code, out_code).view(np.uint8).reshape(n, -1)
+                out = (
+                    dequantize_rows(codes, part[:, g0 : g0 + ng], code, out_code)
+                    .view(np.uint8)
+                    .reshape(n, -1)
+                )
                 dst[first : first + n, at : at + out.shape[1]] = out
                 if cols is not None:
                     cols[first : first + n] = out[:, seg.col_off : seg.col_off + seg.col_bytes]
@@ -296,7 +361,9 @@ class _SampleRead:
         if seg.limit and values.size and int(values.max()) >= seg.limit:
             raise _Stop(RC_BAD_TOKEN, int(np.argmax(values >= np.uint64(seg.limit))))
 
-    def rows(self, dst: np.ndarray, row_bytes: int, col_off: int, col_bytes: int, cols: np.ndarray | None) -> None:
+    def rows(
+        self, dst: np.ndarray, row_bytes: int, col_off: int, col_bytes: int, cols: np.ndarray | None
+    ) -> None:
         step = max(row_bytes, CHUNK // row_bytes * row_bytes) if cols is not None else CHUNK
         for done in range(0, dst.nbytes, step):
             piece = self.read_into(dst[done : done + step])

@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 _NOTE_EVERY = 30.0  # seconds between "still waiting" log lines
 
 
-def wait_for_manifest(path: str, poll: float, timeout: float | None, storage: StorageOptions | None = None) -> None:
+def wait_for_manifest(
+    path: str, poll: float, timeout: float | None, storage: StorageOptions | None = None
+) -> None:
     """Follow mode may start before the producer has planned: wait for the manifest (an object
     store is asked at most once a second)."""
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -27,7 +29,9 @@ def wait_for_manifest(path: str, poll: float, timeout: float | None, storage: St
     try:
         while not backing.has_manifest():
             if deadline is not None and time.monotonic() > deadline:
-                raise NotACacheError(f"no manifest appeared in {path} within {timeout} s; is dspark-produce running?")
+                raise NotACacheError(
+                    f"no manifest appeared in {path} within {timeout} s; is dspark-produce running?"
+                )
             time.sleep(poll if backing.remote is None else max(poll, 1.0))
     finally:
         backing.close()

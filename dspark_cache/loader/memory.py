@@ -92,7 +92,9 @@ class Slab:
         else:
             raw = torch.from_numpy(fresh_pages(total))
             self.dirty = np.zeros(capacity, dtype=bool)
-        self._flat = {f.name: raw[offsets[f.name] : offsets[f.name] + f.nbytes(capacity)].view(f.dtype) for f in fields}
+        self._flat = {
+            f.name: raw[offsets[f.name] : offsets[f.name] + f.nbytes(capacity)].view(f.dtype) for f in fields
+        }
         # The batch program addresses each field's bytes; made once per slab (a torch reshape
         # and view per field and batch cost ~45 us each, a sixth of the filler's Python time).
         self._bytes = {name: flat.view(torch.uint8).numpy() for name, flat in self._flat.items()}

@@ -82,9 +82,21 @@ class MixtureReader:
     """Turns a rank's batches over global shard ids into tensors, plus ``source_ids`` ``[B]``
     beside ``sample_ids``."""
 
-    def __init__(self, caches: list[CacheDir], layouts: list[BatchLayout], bases: list[int], *,
-                 batch_size: int, num_threads: int, pad_to: str, pin_memory: bool, nemo_keys_only: bool, keep: int,
-                 verify_mode: str = "once", native: bool | None = None) -> None:
+    def __init__(
+        self,
+        caches: list[CacheDir],
+        layouts: list[BatchLayout],
+        bases: list[int],
+        *,
+        batch_size: int,
+        num_threads: int,
+        pad_to: str,
+        pin_memory: bool,
+        nemo_keys_only: bool,
+        keep: int,
+        verify_mode: str = "once",
+        native: bool | None = None,
+    ) -> None:
         self.joined = JoinedCaches(caches, bases)
         self.pad_to, self.layouts = pad_to, layouts
         self.raw_scales = layouts[0].raw_scales  # the same for every source (one dtype handed out)

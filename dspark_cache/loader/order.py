@@ -75,7 +75,9 @@ class EpochOrder:
     follows a producer) and hands their indexes to :meth:`add_window`.
     """
 
-    def __init__(self, num_shards: int, seed: int, epoch: int, shuffle: bool, window: int, streaming: bool) -> None:
+    def __init__(
+        self, num_shards: int, seed: int, epoch: int, shuffle: bool, window: int, streaming: bool
+    ) -> None:
         shard_ids = list(range(num_shards))
         # While following a producer, visit shards in id order (the order they are produced in);
         # otherwise in the permuted order. Either way the order depends on shard ids only.
@@ -124,7 +126,9 @@ class RankBatch:
     repeat: tuple[bool, ...]
 
 
-def epoch_steps(available: int, total: int | None, offset: int, batch_size: int, world_size: int, drop_last: bool) -> int:
+def epoch_steps(
+    available: int, total: int | None, offset: int, batch_size: int, world_size: int, drop_last: bool
+) -> int:
     """Global steps from ``offset``: complete ones while the epoch grows, the tail policy at its end.
 
     ``available`` samples of the order are known; ``total`` is the epoch's size once known.

@@ -92,7 +92,9 @@ class BatchProgram:
         if count:
             self.fills([buf], [offset], [count], [value])
 
-    def sample(self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object, xxh3: int | None = None) -> None:
+    def sample(
+        self, fd: int, offset: int, size: int, segs: np.ndarray, tag: object, xxh3: int | None = None
+    ) -> None:
         """One payload (:meth:`samples`)."""
         self.samples([fd], [offset], [size], segs, [len(segs)], [tag], [xxh3])
 

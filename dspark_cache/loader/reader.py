@@ -65,7 +65,11 @@ def resolve_out_code(shape: SampleShape, dtype: object = None) -> str | None:
         return "BF16" if shape.fp8 else None
     if dtype == "raw":
         return None
-    code = CACHE_DTYPES.get(dtype) if isinstance(dtype, str) else _CODE_OF_TORCH.get(str(dtype).removeprefix("torch."))
+    code = (
+        CACHE_DTYPES.get(dtype)
+        if isinstance(dtype, str)
+        else _CODE_OF_TORCH.get(str(dtype).removeprefix("torch."))
+    )
     if code is None:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(CACHE_DTYPES)}, 'raw' or their torch dtypes")
     if code == shape.dtype:
@@ -74,8 +78,10 @@ def resolve_out_code(shape: SampleShape, dtype: object = None) -> str | None:
         return code
     if shape.fp8:
         raise ValueError(f"dtype {dtype!r}: an FP8 cache is handed out as bf16 or fp32 (dequantised), or raw")
-    raise ValueError(f"dtype {dtype!r}: this cache stores {shape.dtype} and is handed out as stored; only FP8 "
-                     "caches are converted while read (convert on the device instead: batch[key].to(dtype))")
+    raise ValueError(
+        f"dtype {dtype!r}: this cache stores {shape.dtype} and is handed out as stored; only FP8 "
+        "caches are converted while read (convert on the device instead: batch[key].to(dtype))"
+    )
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,13 @@ class BatchLayout:
             object.__setattr__(self, "select", None if identity else select)
 
     @classmethod
-    def from_manifest(cls, m: Manifest, dtype: object = None,
-                      layer_ids: "tuple[int, ...] | list[int] | None" = None, where: str = "the cache") -> "BatchLayout":
+    def from_manifest(
+        cls,
+        m: Manifest,
+        dtype: object = None,
+        layer_ids: "tuple[int, ...] | list[int] | None" = None,
+        where: str = "the cache",
+    ) -> "BatchLayout":
         """The batches of the cache that ``m`` describes (``where``: its name in errors), states as
         ``dtype`` (:func:`resolve_out_code`), of the layers ``layer_ids`` (default: all the cache holds)."""
         shape = SampleShape.from_manifest(m)
@@ -210,7 +221,9 @@ class BatchReader:
         # allocated on the training thread); pinned slabs are fenced on the training thread's
         # stream, captured here.
         stream = torch.cuda.current_stream() if self.memory.pinned else None
-        rows = [(row, ref.shard_id, ref.entry, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))]
+        rows = [
+            (row, ref.shard_id, ref.entry, entry) for row, (ref, entry) in enumerate(zip(batch.refs, entries))
+        ]
         # One task per batch: threads work on different (prefetched) batches, and a batch costs
         # one hand-over between threads instead of one per sample.
         return PendingBatch(self.pool.submit(self._read, rows, width, stream, batch.repeat))
@@ -426,17 +439,25 @@ class BatchReader:
             if failure.code == fill.RC_CHECKSUM:
                 raise CorruptShardError(path, "checksum mismatch", entry.sample_id)
             if failure.code == fill.RC_SHORT_READ:
-                raise CorruptShardError(path, f"short read ({failure.detail} of {entry.size} bytes)", entry.sample_id)
+                raise CorruptShardError(
+                    path, f"short read ({failure.detail} of {entry.size} bytes)", entry.sample_id
+                )
             if failure.code == fill.RC_BAD_SCALE:
                 raise CorruptShardError(path, fp8_scale_reason(failure.detail), entry.sample_id)
             if failure.code == fill.RC_BAD_CODE:
                 raise CorruptShardError(path, fp8_code_reason(failure.detail), entry.sample_id)
             if failure.code == fill.RC_BAD_TOKEN:
-                raise CorruptShardError(path, self._token_reason(buffers, failure.tag, entry.length, failure.detail),
-                                        entry.sample_id)
+                raise CorruptShardError(
+                    path,
+                    self._token_reason(buffers, failure.tag, entry.length, failure.detail),
+                    entry.sample_id,
+                )
             if failure.code == fill.RC_READ_ERROR:
-                raise OSError(failure.detail, f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
-                              str(path))
+                raise OSError(
+                    failure.detail,
+                    f"{os.strerror(failure.detail)} while reading sample {entry.sample_id}",
+                    str(path),
+                )
         raise CacheError(f"internal error: the batch program is invalid at {where}; please report it "
                          "(DSPARK_NATIVE=0 switches to the Python filler meanwhile)")
 

@@ -102,7 +102,8 @@ FILL_ABI = 3  # csrc/batch_fill.c's dspark_fill_abi(): bumped with any change to
 OP = np.dtype([(name, _U64) for name in OpRecord._fields])
 SEGMENT = np.dtype([(name, _U64) for name in SegmentRecord._fields])
 PICK = np.dtype([(name, _U64) for name in PickRecord._fields])
-assert OP.itemsize == 64 and SEGMENT.itemsize == 144 and PICK.itemsize == 40  # sizeof(op_t), segment_t, pick_t
+# sizeof(op_t), segment_t, pick_t
+assert OP.itemsize == 64 and SEGMENT.itemsize == 144 and PICK.itemsize == 40
 
 
 def segment(kind: int, src_off: int, length: int, buf: int, off: int, *, row_bytes: int = 0, col_off: int = 0,
@@ -110,8 +111,28 @@ def segment(kind: int, src_off: int, length: int, buf: int, off: int, *, row_byt
             group: int = 0, out_size: int = 0, fp8_kind: int = 0, limit: int = 0, pick_first: int = 0,
             pick_count: int = 0) -> tuple[int, ...]:
     """One segment's fields in :data:`SEGMENT` order (for ``np.array([...], dtype=SEGMENT)``)."""
-    return tuple(SegmentRecord(kind, src_off, length, buf, off, row_bytes, col_off, col_bytes, col_buf, col_dst,
-                               scale_buf, scale_off, group, out_size, fp8_kind, limit, pick_first, pick_count))
+    return tuple(
+        SegmentRecord(
+            kind,
+            src_off,
+            length,
+            buf,
+            off,
+            row_bytes,
+            col_off,
+            col_bytes,
+            col_buf,
+            col_dst,
+            scale_buf,
+            scale_off,
+            group,
+            out_size,
+            fp8_kind,
+            limit,
+            pick_first,
+            pick_count,
+        )
+    )
 
 
 def segment_table(rows: list[tuple[int, ...]]) -> np.ndarray:

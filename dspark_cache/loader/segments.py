@@ -35,8 +35,20 @@ from dspark_cache.format.sample import (
 
 from dspark_cache.format.validate import MASK_LIMIT
 from dspark_cache.loader.records import (
-    FP8_KINDS, SEG_COPY, SEG_COPY_COLS, SEG_DEQUANT, SEG_PICK, SEG_WIDEN_I32, SEG_WIDEN_U8, SEGMENT, SEGMENT_COLUMN,
-    PickRecord, as_table, pick_table, segment, segment_table,
+    FP8_KINDS,
+    SEG_COPY,
+    SEG_COPY_COLS,
+    SEG_DEQUANT,
+    SEG_PICK,
+    SEG_WIDEN_I32,
+    SEG_WIDEN_U8,
+    SEGMENT,
+    SEGMENT_COLUMN,
+    PickRecord,
+    as_table,
+    pick_table,
+    segment,
+    segment_table,
 )
 
 # Batch buffers a segment writes to, by index (the program's first buffers, in this order). The
@@ -83,8 +95,22 @@ def place_rows(templates: Sequence[RowTemplate], headers: np.ndarray, rows: np.n
     # record arrays promotes their dtype in Python pair by pair, and field arithmetic is slower too.
     table = np.concatenate([part for t in templates for part in (_HEADER_SLOT, t.table)])
     kind, src_off, length, buf, off, col_bytes, col_buf, col_dst, scale_buf, scale_off, pick_count = (
-        table[:, SEGMENT_COLUMN[name]] for name in ("kind", "src_off", "len", "buf", "off", "col_bytes", "col_buf", "col_dst",
-                                             "scale_buf", "scale_off", "pick_count"))  # views: written in place
+        table[:, SEGMENT_COLUMN[name]]
+        for name in (
+            "kind",
+            "src_off",
+            "len",
+            "buf",
+            "off",
+            "col_bytes",
+            "col_buf",
+            "col_dst",
+            # views: written in place
+            "scale_buf",
+            "scale_off",
+            "pick_count",
+        )
+    )
     row_of = np.repeat(rows, counts)
     src_off += np.repeat(headers, counts)
     off += strides[buf] * row_of
@@ -94,7 +120,12 @@ def place_rows(templates: Sequence[RowTemplate], headers: np.ndarray, rows: np.n
     scaled = kind == SEG_DEQUANT
     if scaled.any():
         scale_off[scaled] += strides[scale_buf[scaled]] * row_of[scaled]
-    src_off[starts], length[starts], buf[starts], off[starts] = 0, headers, header_buf, rows * np.uint64(header_stride)
+    src_off[starts], length[starts], buf[starts], off[starts] = (
+        0,
+        headers,
+        header_buf,
+        rows * np.uint64(header_stride),
+    )
     return table.view(SEGMENT).reshape(-1), counts
 
 
@@ -121,7 +152,10 @@ def layer_picks(shape: SampleShape, out_code: str | None, select: tuple[int, ...
 
     def picks(unit_in: int, unit_out: int) -> list[PickRecord]:
         """Per layer: ``unit_in`` stored bytes (or codes) in, ``unit_out`` bytes out."""
-        out = [PickRecord(k * unit_in, unit_in, 0, j * unit_out, len(select) * unit_out) for j, k in enumerate(select)]
+        out = [
+            PickRecord(k * unit_in, unit_in, 0, j * unit_out, len(select) * unit_out)
+            for j, k in enumerate(select)
+        ]
         return out + [PickRecord(k * unit_in, unit_in, 1, 0, unit_out) for k in final]
 
     hidden = shape.hidden_size
@@ -156,9 +190,19 @@ def row_template(length: int, shape: SampleShape, out_code: str | None = None, *
         if name == HIDDEN and picks.states[1]:
             rows.append(_picked_states_segment(start, size, shape, out_code, picks.states))
         elif name == HIDDEN_SCALE and picks.scales[1]:
-            rows.append(segment(SEG_PICK, start, size, _BUF[HIDDEN_SCALE], 0, row_bytes=len(shape.layer_ids) * _SCALE_BYTES,
-                                col_buf=_BUF[LAST_HIDDEN_SCALE], pick_first=picks.scales[0],
-                                pick_count=picks.scales[1]))
+            rows.append(
+                segment(
+                    SEG_PICK,
+                    start,
+                    size,
+                    _BUF[HIDDEN_SCALE],
+                    0,
+                    row_bytes=len(shape.layer_ids) * _SCALE_BYTES,
+                    col_buf=_BUF[LAST_HIDDEN_SCALE],
+                    pick_first=picks.scales[0],
+                    pick_count=picks.scales[1],
+                )
+            )
         elif name in (HIDDEN, LAST_HIDDEN):
             rows.append(_states_segment(name, start, size, shape, out_code))
         elif name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE):
@@ -174,7 +218,9 @@ def row_template(length: int, shape: SampleShape, out_code: str | None = None, *
     return RowTemplate(placed[-1][2] if placed else 0, segs)
 
 
-def _states_segment(name: str, start: int, size: int, shape: SampleShape, out_code: str | None) -> tuple[int, ...]:
+def _states_segment(
+    name: str, start: int, size: int, shape: SampleShape, out_code: str | None
+) -> tuple[int, ...]:
     """Hidden or final states into their buffer: copied, or dequantised (``out_code``); the final
     state's columns copied out of the hidden rows when it is stored inside them."""
     width = shape.hidden_dim if name == HIDDEN else shape.hidden_size
@@ -197,18 +243,41 @@ def _picked_states_segment(start: int, size: int, shape: SampleShape, out_code: 
     """The hidden states through picks: copied (``SEG_PICK``) or dequantised per picked layer."""
     first, count = picks
     if out_code is not None:
-        return segment(SEG_DEQUANT, start, size, _BUF[HIDDEN], 0, row_bytes=shape.hidden_dim, scale_buf=_BUF[HIDDEN_SCALE],
-                       group=shape.hidden_size, out_size=DTYPE_SIZES[out_code], fp8_kind=FP8_KINDS[shape.dtype],
-                       col_buf=_BUF[LAST_HIDDEN], pick_first=first, pick_count=count)
+        return segment(
+            SEG_DEQUANT,
+            start,
+            size,
+            _BUF[HIDDEN],
+            0,
+            row_bytes=shape.hidden_dim,
+            scale_buf=_BUF[HIDDEN_SCALE],
+            group=shape.hidden_size,
+            out_size=DTYPE_SIZES[out_code],
+            fp8_kind=FP8_KINDS[shape.dtype],
+            col_buf=_BUF[LAST_HIDDEN],
+            pick_first=first,
+            pick_count=count,
+        )
     return segment(SEG_PICK, start, size, _BUF[HIDDEN], 0, row_bytes=shape.hidden_dim * shape.itemsize,
                    col_buf=_BUF[LAST_HIDDEN], pick_first=first, pick_count=count)
 
 
-def _scales_segment(name: str, start: int, size: int, shape: SampleShape, out_code: str | None) -> tuple[int, ...]:
+def _scales_segment(
+    name: str, start: int, size: int, shape: SampleShape, out_code: str | None
+) -> tuple[int, ...]:
     """FP8 scales into their buffer; handed out raw with the final state's scale (the last
     layer's) copied out of the hidden ones when that state is stored inside the hidden rows."""
     if name == HIDDEN_SCALE and out_code is None and not shape.stores_last:
         layers = len(shape.layer_ids)
-        return segment(SEG_COPY_COLS, start, size, _BUF[HIDDEN_SCALE], 0, row_bytes=layers * _SCALE_BYTES,
-                       col_off=(layers - 1) * _SCALE_BYTES, col_bytes=_SCALE_BYTES, col_buf=_BUF[LAST_HIDDEN_SCALE])
+        return segment(
+            SEG_COPY_COLS,
+            start,
+            size,
+            _BUF[HIDDEN_SCALE],
+            0,
+            row_bytes=layers * _SCALE_BYTES,
+            col_off=(layers - 1) * _SCALE_BYTES,
+            col_bytes=_SCALE_BYTES,
+            col_buf=_BUF[LAST_HIDDEN_SCALE],
+        )
     return segment(SEG_COPY, start, size, _BUF[name], 0)

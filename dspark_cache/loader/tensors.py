@@ -17,8 +17,20 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from dspark_cache.format.sample import (
-    FP8_MAX, HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK, TORCH_NAMES, StoredTensor, dequantize_arrays,
-    fp8_bad_codes, fp8_bad_scales, fp8_code_reason, fp8_scale_reason,
+    FP8_MAX,
+    HIDDEN,
+    HIDDEN_SCALE,
+    INPUT_IDS,
+    LAST_HIDDEN,
+    LAST_HIDDEN_SCALE,
+    LOSS_MASK,
+    TORCH_NAMES,
+    StoredTensor,
+    dequantize_arrays,
+    fp8_bad_codes,
+    fp8_bad_scales,
+    fp8_code_reason,
+    fp8_scale_reason,
 )
 from dspark_cache.format.wds import decode_dspark_arrays
 
@@ -42,7 +54,9 @@ def sample_to_torch(sample: Mapping[str, StoredTensor]) -> dict[str, torch.Tenso
     return out
 
 
-def select_layers(sample: Mapping[str, torch.Tensor], positions: Sequence[int], hidden_size: int) -> dict[str, torch.Tensor]:
+def select_layers(
+    sample: Mapping[str, torch.Tensor], positions: Sequence[int], hidden_size: int
+) -> dict[str, torch.Tensor]:
     """A sample's states (and raw FP8 scales) of the stored layers at ``positions``, in that order
     (a new tensor each: ``[L, len(positions) * H]``, ``[L, len(positions)]``). The final state is
     untouched: a sample always carries it, inside the stored states or beside them."""
@@ -114,9 +128,11 @@ def _refuse(checks: list, batch: Mapping[str, Any]) -> None:
                 at = where[0].tolist()
                 token, column = (at[1], at[2]) if _padded(batch) else (at[0], at[1])
                 sample = f" of sample {int(ids[at[0]])}" if ids is not None and _padded(batch) else ""
-                raise ValueError(f"dequantize: {name}{sample}: {reason(token, column)}. These states are damaged: run "
-                                 "dspark-verify on the cache they came from (dspark-verify --repair, then rerun "
-                                 "dspark-produce, recomputes them)")
+                raise ValueError(
+                    f"dequantize: {name}{sample}: {reason(token, column)}. These states are damaged: run "
+                    "dspark-verify on the cache they came from (dspark-verify --repair, then rerun "
+                    "dspark-produce, recomputes them)"
+                )
 
 
 _OUT_CODES = {torch.bfloat16: "BF16", torch.float32: "F32"}

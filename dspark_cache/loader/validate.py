@@ -45,7 +45,9 @@ def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = 
     handed_out = _NAME_OF_CODE.get(delivered or "", manifest.dtype)
     unknown = set(expect) - set(_FIELDS) - {"compute_dtype"}
     if unknown:
-        raise ValueError(f"unknown expect keys {sorted(unknown)}; known: {sorted(set(_FIELDS) | {'compute_dtype'})}")
+        raise ValueError(
+            f"unknown expect keys {sorted(unknown)}; known: {sorted(set(_FIELDS) | {'compute_dtype'})}"
+        )
     problems: list[str] = []
 
     delivered_fields = {"target_layer_ids": layers, "target_hidden_dim": len(layers) * manifest.hidden_size}
@@ -56,8 +58,11 @@ def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = 
             hint = ""
             if field == "target_layer_ids" and set(want) <= set(manifest.target_layer_ids):
                 hint = f" (it holds {list(manifest.target_layer_ids)}: pass target_layer_ids={list(want)} to take them)"
-            what = "the loader hands out" if field in delivered_fields and layers != list(manifest.target_layer_ids) \
+            what = (
+                "the loader hands out"
+                if field in delivered_fields and layers != list(manifest.target_layer_ids)
                 else "the cache has"
+            )
             problems.append(f"{field}: {what} {have!r}, training expects {want!r}{hint}")
 
     for key, want in expect.items():
@@ -76,8 +81,10 @@ def check_expectations(manifest: Manifest, expect: dict[str, Any], where: str = 
     if compute == "fp32" and handed_out != "fp32":
         fix = "pass dtype='fp32' to dequantise it to fp32" if manifest.dtype in FP8_DTYPES else \
             "CPU training needs an fp32 cache"
-        problems.append(f"dtype: the loader hands out {handed_out!r} states (cache {manifest.dtype!r}) but training "
-                        f"computes in fp32 ({fix})")
+        problems.append(
+            f"dtype: the loader hands out {handed_out!r} states (cache {manifest.dtype!r}) but training "
+            f"computes in fp32 ({fix})"
+        )
     if problems:
         raise CacheMismatchError(
             f"{where} does not match this training run:\n  " + "\n  ".join(problems)
@@ -90,4 +97,6 @@ def _dtype_name(dtype: Any) -> str | None:
     if dtype is None:
         return None
     name = str(dtype).removeprefix("torch.")
-    return {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(name, name)
+    return {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(
+        name, name
+    )

@@ -93,7 +93,8 @@ def read_target_weight_modules(cache_dir: str) -> tuple[SimpleNamespace, SimpleN
         embed, head = nemo_format.read_target_weights(nemo_format.target_weights_path(cache_dir),
                                                       *nemo_format.weight_shape(cache_dir))
     else:
-        with _nemo_errors():  # an unreadable manifest: FileNotFoundError / ValueError, as NeMo's callers expect
+        # an unreadable manifest: FileNotFoundError / ValueError, as NeMo's callers expect
+        with _nemo_errors():
             manifest = read_dspark_manifest(cache_dir, allow_incomplete=True)
         embed, head = nemo_format.read_target_weights(CachePaths(cache_dir).target_weights,
                                                       manifest.target_vocab_size, manifest.hidden_size,
@@ -164,9 +165,14 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
     built for this cache hands out that subset (a NeMo cache must match exactly, as in NeMo).
     """
     if str(manifest["target_model"]) != str(target_model):
-        log.warning("DSpark cache at %s was built for target_model=%r, but this run configured target_model=%r. "
-                    "Continuing because raw paths can differ across machines; structural cache fields will still "
-                    "be validated.", cache_dir, manifest["target_model"], target_model)
+        log.warning(
+            "DSpark cache at %s was built for target_model=%r, but this run configured target_model=%r. "
+            "Continuing because raw paths can differ across machines; structural cache fields will still "
+            "be validated.",
+            cache_dir,
+            manifest["target_model"],
+            target_model,
+        )
     hidden_size = int(target_config.hidden_size)
     recorded = [int(x) for x in manifest["target_layer_ids"]]
     wanted = [int(x) for x in target_layer_ids]
@@ -193,17 +199,24 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
         raise ValueError(f"DSpark cache at {cache_dir} has unsupported dtype={manifest['dtype']!r}; "
                          f"produce it with --dtype one of {sorted(nemo_format.DTYPES)}.")
     if compute_dtype == torch.float32 and cache_dtype != torch.float32:
-        raise ValueError(f"DSpark cache at {cache_dir} stores dtype={manifest['dtype']}, but CPU cached training "
-                         "requires fp32 cache tensors. Regenerate with --dtype fp32 or train on CUDA.")
+        raise ValueError(
+            f"DSpark cache at {cache_dir} stores dtype={manifest['dtype']}, but CPU cached training "
+            "requires fp32 cache tensors. Regenerate with --dtype fp32 or train on CUDA."
+        )
 
     def check_layers() -> None:
         if recorded != wanted and not subset:
             holds = "holds" if ours else "was built for"
-            raise ValueError(f"DSpark cache at {cache_dir} {holds} target_layer_ids={recorded}, but this run "
-                             f"requested target_layer_ids={wanted}. Set recipe_args.target_layer_ids to "
-                             + ("a subset of the cache's, or produce a cache that holds this run's (dspark-produce "
-                                "--for-draft-layers captures the layers of several drafter depths in one cache)."
-                                if ours else "the cache's, or produce a cache with this run's."))
+            raise ValueError(
+                f"DSpark cache at {cache_dir} {holds} target_layer_ids={recorded}, but this run "
+                f"requested target_layer_ids={wanted}. Set recipe_args.target_layer_ids to "
+                + (
+                    "a subset of the cache's, or produce a cache that holds this run's (dspark-produce "
+                    "--for-draft-layers captures the layers of several drafter depths in one cache)."
+                    if ours
+                    else "the cache's, or produce a cache with this run's."
+                )
+            )
 
     if ours:  # which layers are missing says more than the dimension they would have made
         check_layers()
@@ -220,7 +233,9 @@ def validate_cached_dspark_manifest(cache_dir: str, manifest: dict[str, Any], ta
     if ours:
         _RECIPE_LAYERS[_cache_key(cache_dir)] = (manifest.get("cache_id"), tuple(wanted))
         if subset:
-            log.info("DSpark cache at %s holds layers %s; training on %s of them", cache_dir, recorded, wanted)
+            log.info(
+                "DSpark cache at %s holds layers %s; training on %s of them", cache_dir, recorded, wanted
+            )
 
 
 class _nemo_errors:

@@ -71,8 +71,12 @@ class DSparkMapDataset(torch.utils.data.Dataset):
 
     def submit(self, indices: Sequence[int]) -> "PendingNemoBatch":
         """Start reading the batch of ``indices`` on the reader thread; ``.result()`` waits for it."""
-        refs = tuple(SampleRef(int(self._shard[i]), int(self._entry[i])) for i in map(self._position, indices))
-        return PendingNemoBatch(self._batch_reader(len(refs)).submit(RankBatch(0, refs, (False,) * len(refs))))
+        refs = tuple(
+            SampleRef(int(self._shard[i]), int(self._entry[i])) for i in map(self._position, indices)
+        )
+        return PendingNemoBatch(
+            self._batch_reader(len(refs)).submit(RankBatch(0, refs, (False,) * len(refs)))
+        )
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """One sample: each of NeMo's four keys without the batch dimension."""
@@ -92,8 +96,10 @@ class DSparkMapDataset(torch.utils.data.Dataset):
             self._cache = CacheDir(self.cache_dir, cache_id=self.manifest.cache_id, storage=self.storage)
             self._reader, self._pid = None, os.getpid()
             if self._cache.manifest.identity() != self.manifest.identity():
-                raise CacheError(f"{self.cache_dir} was replaced by a different cache while training read it; "
-                                 "restart training")
+                raise CacheError(
+                    f"{self.cache_dir} was replaced by a different cache while training read it; "
+                    "restart training"
+                )
         return self._cache
 
     def _batch_reader(self, rows: int) -> BatchReader:
@@ -149,7 +155,9 @@ def _positions(cache: CacheDir) -> tuple[np.ndarray, np.ndarray]:
     """(shard id, index entry) of every sample, in ascending sample id (every shard checked, no
     sample listed twice: positions must name one sample each)."""
     order = cache.sample_order()
-    return np.asarray([s for s, _ in order], dtype=np.int32), np.asarray([k for _, k in order], dtype=np.int32)
+    return np.asarray([s for s, _ in order], dtype=np.int32), np.asarray(
+        [k for _, k in order], dtype=np.int32
+    )
 
 
 def collate(data: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

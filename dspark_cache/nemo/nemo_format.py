@@ -173,7 +173,9 @@ def read_target_weights(path: str, vocab_size: int | None = None, hidden_size: i
             "so training can skip loading the target model; rerun the producer (dspark-produce with the cache's "
             "original arguments) to write them: no shard is recomputed."
         ) from exc
-    return _weight(data, checked.tensors["embed_tokens.weight"]), _weight(data, checked.tensors["lm_head.weight"])
+    return _weight(data, checked.tensors["embed_tokens.weight"]), _weight(
+        data, checked.tensors["lm_head.weight"]
+    )
 
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -26,7 +26,11 @@ class ReadAheadDataLoader(DataLoader):
     ``submit(indices) -> pending`` (see :class:`~dspark_cache.nemo.dataset.DSparkMapDataset`)."""
 
     def _get_iterator(self) -> Any:
-        if self.num_workers == 0 and _SingleProcessDataLoaderIter is not None and hasattr(self.dataset, "submit"):
+        if (
+            self.num_workers == 0
+            and _SingleProcessDataLoaderIter is not None
+            and hasattr(self.dataset, "submit")
+        ):
             return _ReadAheadIter(self)
         return super()._get_iterator()
 

@@ -38,8 +38,10 @@ def install(module: ModuleType | None = None) -> ModuleType:
         module = recipe_module()
     missing = [name for name in REPLACEMENTS if not hasattr(module, name)]
     if missing:
-        raise RuntimeError(f"{module.__name__} has no {', '.join(missing)}: this nemo-automodel is not the 0.7.0 "
-                           "API dspark_cache.nemo was built for; install nemo-automodel==0.7.0")
+        raise RuntimeError(
+            f"{module.__name__} has no {', '.join(missing)}: this nemo-automodel is not the 0.7.0 "
+            "API dspark_cache.nemo was built for; install nemo-automodel==0.7.0"
+        )
     for name, replacement in REPLACEMENTS.items():
         setattr(module, name, replacement)
     return module

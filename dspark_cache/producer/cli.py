@@ -42,11 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "giving up (exit 1). A lease left by a killed run on this host is taken at once. "
                         "Default: the lease's time-to-live plus 30 s (90 s), enough for a preempted job's "
                         "lease to expire; 0 gives up at once")
-    parser.add_argument("--tui", action="store_true",
-                        help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bars (log lines at INFO instead); bars are drawn only when stderr is a "
-                        "terminal, by rank 0")
+    parser.add_argument(
+        "--tui",
+        action="store_true",
+        help="watch this run in dspark-monitor (the producer runs as a child; q stops it gracefully)",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (log lines at INFO instead); bars are drawn only when stderr is a "
+        "terminal, by rank 0",
+    )
 
 
 def run(args: argparse.Namespace, foreground: Foreground | None = None) -> int:
@@ -74,7 +80,12 @@ def dry_run(cfg: ProduceConfig) -> int:
     from dspark_cache.producer.config import cache_output
     from dspark_cache.producer.device.ranks import new_run_id
     from dspark_cache.producer.device.topology import Topology
-    from dspark_cache.producer.plan.store import forget_found, found_directory, keep_plan_files, leave_as_found
+    from dspark_cache.producer.plan.store import (
+        forget_found,
+        found_directory,
+        keep_plan_files,
+        leave_as_found,
+    )
     from dspark_cache.producer.prepare import prepare, resolve_settings
     from dspark_cache.producer.report.summary import layers_cost, plan_report
     from dspark_cache.producer.resume import take_directory

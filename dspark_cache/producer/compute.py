@@ -65,10 +65,20 @@ def load_runner(p: Prepared, parallel: Any = None) -> TargetRunner:
     """The target on this rank's device (its slice of it with ``parallel``, transformers'
     ``DistributedConfig``), in the compute dtype, capturing the planned layers."""
     cfg = p.cfg
-    return TargetRunner(cfg.target_model, p.layer_ids, p.info.num_layers, p.device, CACHE_DTYPES[p.compute_dtype],
-                        CACHE_DTYPES[cfg.dtype], cfg.target_attn_implementation, cfg.trust_remote_code,
-                        distributed_config=parallel, device_map=cfg.device_map, revision=p.info.revision,
-                        allow_pickle=cfg.allow_pickle_weights)
+    return TargetRunner(
+        cfg.target_model,
+        p.layer_ids,
+        p.info.num_layers,
+        p.device,
+        CACHE_DTYPES[p.compute_dtype],
+        CACHE_DTYPES[cfg.dtype],
+        cfg.target_attn_implementation,
+        cfg.trust_remote_code,
+        distributed_config=parallel,
+        device_map=cfg.device_map,
+        revision=p.info.revision,
+        allow_pickle=cfg.allow_pickle_weights,
+    )
 
 
 def ensure_target_weights(p: Prepared, runner: TargetRunner | None, write: bool = True) -> bool:
@@ -87,8 +97,10 @@ def ensure_target_weights(p: Prepared, runner: TargetRunner | None, write: bool 
     if os.path.exists(p.paths.target_weights):
         log.warning("%s; rewriting it from the target", problem)
     if os.path.isdir(p.paths.target_weights) and not os.path.islink(p.paths.target_weights):
-        raise CacheError(f"{p.paths.target_weights} is a directory where the target weights belong: remove it "
-                         "(nothing of the cache is in it), then rerun dspark-produce with the same arguments")
+        raise CacheError(
+            f"{p.paths.target_weights} is a directory where the target weights belong: remove it "
+            "(nothing of the cache is in it), then rerun dspark-produce with the same arguments"
+        )
     from safetensors.torch import save
 
     runner = runner or load_runner(p)
@@ -101,7 +113,9 @@ def ensure_target_weights(p: Prepared, runner: TargetRunner | None, write: bool 
     return True
 
 
-def write_missing_target_weights(p: Prepared, topology: Topology, status: StatusReporter, run_id: str) -> bool:
+def write_missing_target_weights(
+    p: Prepared, topology: Topology, status: StatusReporter, run_id: str
+) -> bool:
     """Group 0 writes the target weights when they are missing or damaged after its shards (it had
     none to compute, or a rerun found the cache's shards done). Returns whether this rank wrote them."""
     if topology.group != 0 or weights_problem(p.paths, p.manifest) is None:
@@ -262,7 +276,8 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
                              writer_threads=writers, on_published=on_published, should_stop=should_stop,
                              on_batch=on_batch, on_nonfinite=p.cfg.on_nonfinite,
                              compression_level=p.manifest.compression_level)
-        progress.update(stats.tokens, stats.samples, len(published), len(owned))  # the last batch's counts too
+        # the last batch's counts too
+        progress.update(stats.tokens, stats.samples, len(published), len(owned))
         return stats, False
     except GroupStopped:  # a partner ended: the shards in flight were abandoned, a rerun computes them
         return latest, True

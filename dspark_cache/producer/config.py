@@ -40,8 +40,14 @@ DESCRIPTION = ("Run a frozen target once over chat data and write its hidden sta
 _U64_MAX = (1 << 64) - 1
 # The most index entries a shard index can hold and still be read back: its readers refuse an
 # index over MAX_INDEX_BYTES, so --shard-size is bounded by it at the widest entry a cache can hold.
-_WIDEST_ENTRY = len(msgspec.json.encode(SampleEntry(_U64_MAX, MAX_SEQ_LENGTH, MAX_SEQ_LENGTH, _U64_MAX, _U64_MAX,
-                                                    _U64_MAX))) + 1  # + the comma between entries
+_WIDEST_ENTRY = (
+    len(
+        msgspec.json.encode(
+            SampleEntry(_U64_MAX, MAX_SEQ_LENGTH, MAX_SEQ_LENGTH, _U64_MAX, _U64_MAX, _U64_MAX)
+        )
+    )
+    + 1
+)  # + the comma between entries
 MAX_SHARD_SIZE = MAX_INDEX_BYTES // _WIDEST_ENTRY
 
 DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
@@ -168,11 +174,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSONL/JSON/Parquet file, a directory of them, or an HF dataset id")
     p.add_argument("--output-dir", required=True, help="cache directory (resumed when it matches)")
     p.add_argument("--seq-length", type=int, default=2048, help="right-truncate samples to this many tokens")
-    p.add_argument("--batch-size", type=int, default=4,
-                   help="with --seq-length, the padded tokens per forward: batch-size x seq-length (NeMo's memory "
-                   "per forward); a batch of short samples holds more than batch-size of them")
-    p.add_argument("--shard-size", type=int, default=256,
-                   help="at most this many samples per shard (shards are cut from whole batches; any value works)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=4,
+        help="with --seq-length, the padded tokens per forward: batch-size x seq-length (NeMo's memory "
+        "per forward); a batch of short samples holds more than batch-size of them",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=256,
+        help="at most this many samples per shard (shards are cut from whole batches; any value works)",
+    )
     p.add_argument("--dtype", choices=sorted(CACHE_DTYPES), default="bf16", help="cache float dtype")
     p.add_argument("--compression", choices=list(CODECS), default="none",
                    help="lossless codec of each sample's payload: zstd stores the states as byte planes "
@@ -182,32 +196,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"zstd level with --compression zstd, {LEVELS[0]}..{LEVELS[1]} (default "
                    f"{DEFAULT_LEVEL}: higher levels cost the writers several times the CPU for no "
                    "fewer bytes on states)")
-    p.add_argument("--device", type=device_argument, default="auto",
-                   help=f"{DEVICE_FORMS}; auto = CUDA when present (under torchrun cuda:LOCAL_RANK), else cpu")
-    p.add_argument("--tp-size", type=size_argument, default=1,
-                   help="tensor parallelism for a target larger than one device: each group of this many torchrun "
-                   "ranks holds one copy of the target, split by transformers' TP plan; the group's first rank "
-                   "writes, groups share the shards")
-    p.add_argument("--ep-size", type=size_argument, default=1,
-                   help="expert parallelism for a mixture-of-experts target: its experts spread over this many "
-                   "ranks (attention is split over the same ranks: equal to --tp-size, or --tp-size left out)")
-    p.add_argument("--device-map", choices=["auto"], default=None,
-                   help="auto: one process spreads the target's layers over every visible GPU (accelerate), for a "
-                   "target with no TP plan; slower than --tp-size, as one GPU computes at a time (default: the "
-                   "whole target on --device)")
+    p.add_argument(
+        "--device",
+        type=device_argument,
+        default="auto",
+        help=f"{DEVICE_FORMS}; auto = CUDA when present (under torchrun cuda:LOCAL_RANK), else cpu",
+    )
+    p.add_argument(
+        "--tp-size",
+        type=size_argument,
+        default=1,
+        help="tensor parallelism for a target larger than one device: each group of this many torchrun "
+        "ranks holds one copy of the target, split by transformers' TP plan; the group's first rank "
+        "writes, groups share the shards",
+    )
+    p.add_argument(
+        "--ep-size",
+        type=size_argument,
+        default=1,
+        help="expert parallelism for a mixture-of-experts target: its experts spread over this many "
+        "ranks (attention is split over the same ranks: equal to --tp-size, or --tp-size left out)",
+    )
+    p.add_argument(
+        "--device-map",
+        choices=["auto"],
+        default=None,
+        help="auto: one process spreads the target's layers over every visible GPU (accelerate), for a "
+        "target with no TP plan; slower than --tp-size, as one GPU computes at a time (default: the "
+        "whole target on --device)",
+    )
     p.add_argument("--num-workers", type=int, default=None,
                    help="tokenising processes (default: this rank's share of the node's cores, at most 16; "
                    "0 = in process)")
-    p.add_argument("--split", default=None,
-                   help="HF split syntax: NAME, NAME[a:b] (negative counts from the end) or NAME[a%%:b%%], taken "
-                   "after the --shuffle-seed shuffle (JSON/JSONL files are shuffled only when --split is given); "
-                   "a plain file's one split is 'train'")
-    p.add_argument("--shuffle-seed", type=int, default=42,
-                   help="seed of the row shuffle (the order datasets' Dataset.shuffle(seed) gives): Parquet, "
-                   "save_to_disk and hub inputs are always shuffled; JSON/JSONL files only when --split is given "
-                   "(without it they are read in file order, as NeMo reads them). --split then takes its slice "
-                   "(NAME[a:b] rows, NAME[a%%:b%%] percent) of the shuffled rows: the same seed and --split "
-                   "select the same rows, in the same order, every run")
+    p.add_argument(
+        "--split",
+        default=None,
+        help="HF split syntax: NAME, NAME[a:b] (negative counts from the end) or NAME[a%%:b%%], taken "
+        "after the --shuffle-seed shuffle (JSON/JSONL files are shuffled only when --split is given); "
+        "a plain file's one split is 'train'",
+    )
+    p.add_argument(
+        "--shuffle-seed",
+        type=int,
+        default=42,
+        help="seed of the row shuffle (the order datasets' Dataset.shuffle(seed) gives): Parquet, "
+        "save_to_disk and hub inputs are always shuffled; JSON/JSONL files only when --split is given "
+        "(without it they are read in file order, as NeMo reads them). --split then takes its slice "
+        "(NAME[a:b] rows, NAME[a%%:b%%] percent) of the shuffled rows: the same seed and --split "
+        "select the same rows, in the same order, every run",
+    )
     p.add_argument("--draft-num-hidden-layers", type=int, default=5,
                    help="how many layers NeMo's spread picks when --target-layer-ids is not given")
     p.add_argument("--target-layer-ids", type=_int_list("layer ids", "1,9,17"), nargs="+", action=_Joined,
@@ -215,22 +252,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="explicit layer ids (NeMo convention), as 1 9 17 or 1,9,17 (--target-layer-ids=-1,3 "
                    "when a comma list starts with -1); may be more than one drafter uses: training takes any "
                    "subset (build_dataloader(..., target_layer_ids=...), or NeMo's recipe)")
-    p.add_argument("--for-draft-layers", type=_depths, default=None, metavar="D1,D2,...",
-                   help="capture the union of NeMo's default layer spreads for drafters of these depths (e.g. "
-                   "1,2,3,5), so that one cache trains each of them; the log and --dry-run say what it costs")
-    p.add_argument("--chat-template", default=None,
-                   help="inline Jinja, a template file or a tokenizer_config.json (default: the tokenizer's own)")
+    p.add_argument(
+        "--for-draft-layers",
+        type=_depths,
+        default=None,
+        metavar="D1,D2,...",
+        help="capture the union of NeMo's default layer spreads for drafters of these depths (e.g. "
+        "1,2,3,5), so that one cache trains each of them; the log and --dry-run say what it costs",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="inline Jinja, a template file or a tokenizer_config.json (default: the tokenizer's own)",
+    )
     p.add_argument("--mask-reasoning-content", action="store_true", help="do not supervise reasoning_content")
     p.add_argument("--mask-generation-prompt", action="store_true",
                    help="do not supervise the tokens the generation prompt supplies in each assistant turn "
                    "(role header, template-inserted empty think block), as NeMo 0.7.0")
     p.add_argument("--target-attn-implementation", default=None, help="attn_implementation for the target")
-    p.add_argument("--target-force-hf", action="store_true", help="accepted for NeMo compatibility (always HF here)")
+    p.add_argument(
+        "--target-force-hf", action="store_true", help="accepted for NeMo compatibility (always HF here)"
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own Python code")
-    p.add_argument("--allow-pickle-weights", action="store_true",
-                   help="load a target whose weights are only pickles (pytorch_model.bin): unpickling runs "
-                   "arbitrary code from the checkpoint, so only for one you trust (default: safetensors only)")
-    p.add_argument("--resume", action="store_true", help="accepted for NeMo compatibility: resume is automatic")
+    p.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="load a target whose weights are only pickles (pytorch_model.bin): unpickling runs "
+        "arbitrary code from the checkpoint, so only for one you trust (default: safetensors only)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="accepted for NeMo compatibility: resume is automatic"
+    )
     p.add_argument("--compute-dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
                    help="target compute dtype; auto = bf16 on CUDA, fp32 on CPU (as NeMo)")
     p.add_argument("--max-batch-tokens", type=int, default=None,
@@ -244,19 +296,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "do not depend on it; --max-inflight-bytes should hold a batch for each, and one more")
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows: stop during planning (default) or skip and count them")
-    p.add_argument("--max-row-bytes", type=int, default=1 << 28,
-                   help="a JSONL row longer than this is an invalid row (default 256 MiB; memory per row is a few "
-                   "times its size, the tokens of a row are bounded by --seq-length)")
-    p.add_argument("--on-nonfinite", choices=["error", "skip"], default="error",
-                   help="NaN/inf hidden states: stop (default) or drop the sample and list it in the manifest")
+    p.add_argument(
+        "--max-row-bytes",
+        type=int,
+        default=1 << 28,
+        help="a JSONL row longer than this is an invalid row (default 256 MiB; memory per row is a few "
+        "times its size, the tokens of a row are bounded by --seq-length)",
+    )
+    p.add_argument(
+        "--on-nonfinite",
+        choices=["error", "skip"],
+        default="error",
+        help="NaN/inf hidden states: stop (default) or drop the sample and list it in the manifest",
+    )
     p.add_argument("--rank-timeout", type=float, default=RANK_TIMEOUT_S,
                    help="seconds without a heartbeat after which a finished rank stops waiting for another")
-    p.add_argument("--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over")
-    p.add_argument("--force", action="store_true", help="start even when the projected cache exceeds free disk space")
-    p.add_argument("--dry-run", action="store_true",
-                   help="encode and plan the input, print what the cache would hold (samples, tokens, padding, "
-                   "shards, exact bytes) and exit without loading the target; only the plan is written (in "
-                   "OUTPUT_DIR/plan/), and the real run reuses it")
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete an existing cache in --output-dir and start over"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="start even when the projected cache exceeds free disk space"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="encode and plan the input, print what the cache would hold (samples, tokens, padding, "
+        "shards, exact bytes) and exit without loading the target; only the plan is written (in "
+        "OUTPUT_DIR/plan/), and the real run reuses it",
+    )
 
 
 def _int_list(what: str, example: str) -> Callable[[str], list[int]]:
@@ -323,8 +390,10 @@ def validate_config(cfg: ProduceConfig) -> None:
     remote_only = ("storage_options", "staging_dir", "staging_limit", "lease_wait")
     if not is_remote(cfg.output_dir) and any(getattr(cfg, n) is not None for n in remote_only):
         given = [f"--{n.replace('_', '-')}" for n in remote_only if getattr(cfg, n) is not None]
-        raise ConfigError(f"{', '.join(given)} apply to an --output-dir on object storage (s3://bucket/prefix), not to "
-                          f"the directory {cfg.output_dir}; leave them out")
+        raise ConfigError(
+            f"{', '.join(given)} apply to an --output-dir on object storage (s3://bucket/prefix), not to "
+            f"the directory {cfg.output_dir}; leave them out"
+        )
     cache_output_options(cfg)  # malformed JSON or size: named now
     for name in ("seq_length", "batch_size", "shard_size", "draft_num_hidden_layers", "max_inflight_bytes",
                  "max_row_bytes", "writer_threads"):
@@ -343,22 +412,30 @@ def validate_config(cfg: ProduceConfig) -> None:
                           "fewer")
     # The readers refuse what the format cannot hold (format/validate.py): refuse it here, not after hours.
     if cfg.seq_length > MAX_SEQ_LENGTH:
-        raise ConfigError(f"--seq-length {cfg.seq_length} is over {MAX_SEQ_LENGTH}, the longest sample a cache's "
-                          "index and readers accept; pass a smaller --seq-length")
+        raise ConfigError(
+            f"--seq-length {cfg.seq_length} is over {MAX_SEQ_LENGTH}, the longest sample a cache's "
+            "index and readers accept; pass a smaller --seq-length"
+        )
     if cfg.shard_size > MAX_SHARD_SIZE:
-        raise ConfigError(f"--shard-size {cfg.shard_size} is over {MAX_SHARD_SIZE}, the most samples a shard index "
-                          f"can list within the {MAX_INDEX_BYTES >> 20} MiB its readers accept; pass a smaller "
-                          "--shard-size")
+        raise ConfigError(
+            f"--shard-size {cfg.shard_size} is over {MAX_SHARD_SIZE}, the most samples a shard index "
+            f"can list within the {MAX_INDEX_BYTES >> 20} MiB its readers accept; pass a smaller "
+            "--shard-size"
+        )
     problem = device_problem(cfg.device)
     if problem:
         raise ConfigError(problem)
     if os.path.isfile(cfg.target_model):
-        raise ConfigError(f"--target-model {cfg.target_model} is a file; pass the checkpoint's directory (the one "
-                          "holding config.json and the weights) or a hub id")
+        raise ConfigError(
+            f"--target-model {cfg.target_model} is a file; pass the checkpoint's directory (the one "
+            "holding config.json and the weights) or a hub id"
+        )
     if cfg.max_batch_tokens is not None and cfg.max_batch_tokens < cfg.seq_length:
-        raise ConfigError(f"--max-batch-tokens {cfg.max_batch_tokens} is below --seq-length {cfg.seq_length}: a "
-                          "sample that long would not fit one batch; pass at least the sequence length, or a "
-                          "smaller --seq-length")
+        raise ConfigError(
+            f"--max-batch-tokens {cfg.max_batch_tokens} is below --seq-length {cfg.seq_length}: a "
+            "sample that long would not fit one batch; pass at least the sequence length, or a "
+            "smaller --seq-length"
+        )
     if cfg.num_workers is not None and cfg.num_workers < 0:
         raise ConfigError(f"--num-workers must be >= 0 (0 = tokenise in process), got {cfg.num_workers}")
     if not (math.isfinite(cfg.rank_timeout) and cfg.rank_timeout > 0):
@@ -366,10 +443,15 @@ def validate_config(cfg: ProduceConfig) -> None:
     if cfg.shuffle_seed < 0:
         raise ConfigError(f"--shuffle-seed must be >= 0, got {cfg.shuffle_seed}")
     if cfg.for_draft_layers is not None and cfg.target_layer_ids is not None:
-        raise ConfigError("--for-draft-layers and --target-layer-ids both choose the layers captured; give one")
+        raise ConfigError(
+            "--for-draft-layers and --target-layer-ids both choose the layers captured; give one"
+        )
     if cfg.for_draft_layers is not None and (not cfg.for_draft_layers or min(cfg.for_draft_layers) < 1):
-        raise ConfigError(f"--for-draft-layers {cfg.for_draft_layers}: give drafter depths of 1 or more, e.g. 1,2,3,5")
-    if cfg.target_layer_ids is not None:  # order and the lower bound need no target; its depth is checked later
+        raise ConfigError(
+            f"--for-draft-layers {cfg.for_draft_layers}: give drafter depths of 1 or more, e.g. 1,2,3,5"
+        )
+    # order and the lower bound need no target; its depth is checked later
+    if cfg.target_layer_ids is not None:
         ids = list(cfg.target_layer_ids)
         if min(ids, default=0) < EMBEDDING_LAYER:
             raise ConfigError(f"--target-layer-ids {ids}: ids start at {EMBEDDING_LAYER} (the embeddings); "

@@ -57,7 +57,9 @@ def finish(p: Prepared, status: StatusReporter, run_id: str, me: Topology) -> tu
     if p.exchange.claim_completion(run_id):
         p.manifest.target_weights_xxh3 = target_weights_checksum(p)
         p.output.complete(p.manifest)
-        status.event(EventKind.FINISHED, "cache complete", samples=p.manifest.num_samples, bytes=p.plan.num_bytes)
+        status.event(
+            EventKind.FINISHED, "cache complete", samples=p.manifest.num_samples, bytes=p.plan.num_bytes
+        )
         return p.manifest, []
     deadline = time.time() + p.cfg.rank_timeout  # another rank claimed it: let it finish writing
     while time.time() < deadline:

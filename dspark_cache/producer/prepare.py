@@ -122,8 +122,13 @@ def regenerated_inputs(source: InputSource) -> list[RegeneratedInput]:
         seen = runs.get(key)
         runs[key] = RegeneratedInput(**msgspec.structs.asdict(run), rows=1 + (seen.rows if seen else 0))
     if unreadable:
-        log.warning("%d rows of %s carry a %r record that is not dspark-regenerate's; the manifest does not count "
-                    "them as regenerated", unreadable, source.path, REGENERATED_KEY)
+        log.warning(
+            "%d rows of %s carry a %r record that is not dspark-regenerate's; the manifest does not count "
+            "them as regenerated",
+            unreadable,
+            source.path,
+            REGENERATED_KEY,
+        )
     return list(runs.values())
 
 
@@ -132,22 +137,46 @@ def build_manifest(cfg: ProduceConfig, info: TargetInfo, layer_ids: list[int], p
                    regenerated: list[RegeneratedInput] | None = None) -> Manifest:
     """The manifest of the cache this run makes: its identity (what resume compares) and its plan's totals."""
     return Manifest(
-        target_model=cfg.target_model, target_model_type=info.model_type, target_vocab_size=info.vocab_size,
-        hidden_size=info.hidden_size, num_hidden_layers=info.num_layers, seq_length=cfg.seq_length,
-        dtype=cfg.dtype, compression=cfg.compression, compression_level=cfg.level,
-        num_samples=plan.num_samples, shard_size=cfg.shard_size,
-        target_hidden_dim=info.hidden_size * len(layer_ids), target_last_hidden_dim=info.hidden_size,
-        target_layer_ids=layer_ids, train_data_path=str(cfg.input_data), train_split=cfg.split,
-        shuffle_seed=cfg.shuffle_seed, mask_reasoning_content=cfg.mask_reasoning_content,
+        target_model=cfg.target_model,
+        target_model_type=info.model_type,
+        target_vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size,
+        num_hidden_layers=info.num_layers,
+        seq_length=cfg.seq_length,
+        dtype=cfg.dtype,
+        compression=cfg.compression,
+        compression_level=cfg.level,
+        num_samples=plan.num_samples,
+        shard_size=cfg.shard_size,
+        target_hidden_dim=info.hidden_size * len(layer_ids),
+        target_last_hidden_dim=info.hidden_size,
+        target_layer_ids=layer_ids,
+        train_data_path=str(cfg.input_data),
+        train_split=cfg.split,
+        shuffle_seed=cfg.shuffle_seed,
+        mask_reasoning_content=cfg.mask_reasoning_content,
         mask_generation_prompt=cfg.mask_generation_prompt,
-        chat_template_sha256=sha256_text(tokenizer.chat_template), input_sha256=input_sha256,
-        tokenizer_sha256=tokenizer_sha256(tokenizer), compute_dtype=compute_dtype,
-        attn_implementation=cfg.target_attn_implementation, pad_token_id=int(tokenizer.pad_token_id),
-        num_rows=plan.num_rows, planned_samples=plan.num_samples, num_shards=len(plan.shards),
-        planned_tokens=plan.num_tokens, planned_loss_tokens=plan.num_loss_tokens, planned_bytes=plan.num_bytes,
-        planned_padded_tokens=plan.padded_tokens, plan_sha256=plan.shard_samples_sha256(),
-        max_batch_tokens=cfg.batch_token_budget, skipped_rows=plan.skipped_counts(), skipped=plan.skipped, versions=library_versions(),
-        target_fingerprint=info.fingerprint, regenerated=list(regenerated or []), created_at=time.time(),
+        chat_template_sha256=sha256_text(tokenizer.chat_template),
+        input_sha256=input_sha256,
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        compute_dtype=compute_dtype,
+        attn_implementation=cfg.target_attn_implementation,
+        pad_token_id=int(tokenizer.pad_token_id),
+        num_rows=plan.num_rows,
+        planned_samples=plan.num_samples,
+        num_shards=len(plan.shards),
+        planned_tokens=plan.num_tokens,
+        planned_loss_tokens=plan.num_loss_tokens,
+        planned_bytes=plan.num_bytes,
+        planned_padded_tokens=plan.padded_tokens,
+        plan_sha256=plan.shard_samples_sha256(),
+        max_batch_tokens=cfg.batch_token_budget,
+        skipped_rows=plan.skipped_counts(),
+        skipped=plan.skipped,
+        versions=library_versions(),
+        target_fingerprint=info.fingerprint,
+        regenerated=list(regenerated or []),
+        created_at=time.time(),
     )
 
 
@@ -194,7 +223,9 @@ def resolve_settings(cfg: ProduceConfig) -> Settings:
         raise ConfigError(f"{exc}; the target is {cfg.target_model}") from None
     source = InputSource(cfg.input_data, cfg.split, cfg.shuffle_seed, cfg.max_row_bytes)
     device = resolve_device(cfg.device)
-    compute_dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    compute_dtype = (
+        cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    )
     return Settings(cfg, template, info, layer_ids, source, device, compute_dtype)
 
 
@@ -209,16 +240,30 @@ def prepare(settings: Settings, output: CacheOutput) -> Prepared:
     input_sha256 = settings.source.content_sha256()
     exchange = exchange_for(output)
     plan = plan_input(cfg, encoder, settings.source, shape, output, input_sha256, info.vocab_size, exchange)
-    log.info("plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
-             "padding %.1f%% of computed tokens", plan.num_rows, plan.num_samples, len(plan.skipped),
-             plan.num_tokens, plan.num_loss_tokens, len(plan.shards), plan.num_bytes / 1e6, 100 * plan.padding_waste)
+    log.info(
+        "plan: %d rows -> %d samples (%d skipped), %d tokens (%d supervised), %d shards, %.1f MB on disk, "
+        "padding %.1f%% of computed tokens",
+        plan.num_rows,
+        plan.num_samples,
+        len(plan.skipped),
+        plan.num_tokens,
+        plan.num_loss_tokens,
+        len(plan.shards),
+        plan.num_bytes / 1e6,
+        100 * plan.padding_waste,
+    )
     if cfg.for_draft_layers:
         log.info("%s", layers_cost(cfg.for_draft_layers, info.num_layers, shape, plan.num_tokens))
     regenerated = regenerated_inputs(settings.source)
     if regenerated:
-        log.info("input: %s", "; ".join(f"{r.rows} rows regenerated by {r.model} (--turns {r.turns}, temperature "
-                                        f"{r.temperature}, top-p {r.top_p}, max-tokens {r.max_tokens}, seed {r.seed})"
-                                        for r in regenerated))
+        log.info(
+            "input: %s",
+            "; ".join(
+                f"{r.rows} rows regenerated by {r.model} (--turns {r.turns}, temperature "
+                f"{r.temperature}, top-p {r.top_p}, max-tokens {r.max_tokens}, seed {r.seed})"
+                for r in regenerated
+            ),
+        )
     manifest = build_manifest(cfg, info, layer_ids, plan, tokenizer, input_sha256, settings.compute_dtype,
                               regenerated)
     _check_readable(manifest, cfg)

@@ -71,8 +71,10 @@ def check_existing(output: CacheOutput, new: Manifest, overwrite: bool) -> Manif
         lines = "\n".join(f"  {name}: cache has {a!r}, this run has {b!r}" for name, a, b in diff)
         target_changed = any(name == "target_fingerprint" for name, _, _ in diff)
         if target_changed and old.target_fingerprint:
-            lines += ("\n  (the checkpoint at --target-model is not the one the cache was made from: its weight "
-                      "files or config.json changed; point --target-model at that checkpoint)")
+            lines += (
+                "\n  (the checkpoint at --target-model is not the one the cache was made from: its weight "
+                "files or config.json changed; point --target-model at that checkpoint)"
+            )
         elif target_changed:
             lines += ("\n  (the cache was made by a version that did not fingerprint its target: --overwrite "
                       "remakes it)")

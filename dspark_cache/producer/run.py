@@ -47,7 +47,8 @@ def produce(cfg: ProduceConfig) -> RunResult:
     had_lock = True  # whether the lock file was there before this run (rank 0 finds out)
     try:
         settings = resolve_settings(cfg)
-        check_target(cfg.target_model, topology, cfg.trust_remote_code)  # before planning, on every rank alike
+        # before planning, on every rank alike
+        check_target(cfg.target_model, topology, cfg.trust_remote_code)
         if topology.is_leader:  # before the input is read: a second producer is refused at once
             had_lock = found_directory(output).had_lock
             take_directory(output, run_id, topology.world_size, cfg.overwrite)
@@ -72,7 +73,9 @@ def produce(cfg: ProduceConfig) -> RunResult:
                     raise
         error, run_id = share_setup(topology, error, run_id)
         if error:
-            raise CacheError(error if topology.is_leader else f"rank 0 could not prepare {p.paths.root}: {error}")
+            raise CacheError(
+                error if topology.is_leader else f"rank 0 could not prepare {p.paths.root}: {error}"
+            )
         if not topology.is_leader:
             output.join(apart=p.exchange.apart)
             existing = read_existing(output)
@@ -97,7 +100,9 @@ def _run_locked(p: Prepared, topology: Topology, run_id: str, existing: Manifest
     except BaseException as exc:
         status.update(force=True, state=RankState.FAILED, last_error=str(exc) or type(exc).__name__)
         shard = status.status.shard  # the failed shard (a writer's, else the device's): the monitor marks it
-        status.event(EventKind.ERROR, f"producer failed: {exc}", **({"shard": shard} if shard is not None else {}))
+        status.event(
+            EventKind.ERROR, f"producer failed: {exc}", **({"shard": shard} if shard is not None else {})
+        )
         raise
     finally:
         stop.uninstall()

@@ -77,7 +77,9 @@ def base_url(url: str) -> str:
     """``http://host:port`` from what a user passes (``.../v1``, a trailing slash); ValueError when not HTTP(S)."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--endpoint {url!r} is not an http:// or https:// URL; pass e.g. http://127.0.0.1:8000")
+        raise ValueError(
+            f"--endpoint {url!r} is not an http:// or https:// URL; pass e.g. http://127.0.0.1:8000"
+        )
     path = parts.path.rstrip("/")
     path = path[: -len("/v1")] if path.endswith("/v1") else path
     return f"{parts.scheme}://{parts.netloc}{path}"
@@ -241,9 +243,11 @@ class Client:
                 self.close()
                 raise Transient(f"{self.url} did not answer within {timeout:g} s")
             if len(data) > MAX_ANSWER_BYTES:
-                self.close()  # the rest of the body is never read: the connection cannot carry another request
-                raise Rejected(f"{self.url} answered more than {MAX_ANSWER_BYTES >> 20} MiB, which no chat completion "
-                               "is")
+                # the rest of the body is never read: the connection cannot carry another request
+                self.close()
+                raise Rejected(
+                    f"{self.url} answered more than {MAX_ANSWER_BYTES >> 20} MiB, which no chat completion is"
+                )
             if resp.will_close:
                 self.close()
             if 300 <= resp.status < 400:

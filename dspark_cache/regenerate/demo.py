@@ -48,8 +48,10 @@ def serve(target: str, port: int, log_path: str) -> subprocess.Popen:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"transformers serve exited ({proc.returncode}); see {log_path} (is the serving extra "
-                             "installed? pip install 'transformers[serving]')")
+            raise SystemExit(
+                f"transformers serve exited ({proc.returncode}); see {log_path} (is the serving extra "
+                "installed? pip install 'transformers[serving]')"
+            )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as resp:
                 print(f"serving {json.load(resp)['data'][0]['id']}", flush=True)
@@ -61,8 +63,10 @@ def serve(target: str, port: int, log_path: str) -> subprocess.Popen:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Regenerate the embedded sample data with the embedded target, "
-                                     "then produce a cache from it.")
+    parser = argparse.ArgumentParser(
+        description="Regenerate the embedded sample data with the embedded target, "
+        "then produce a cache from it."
+    )
     parser.add_argument("--workdir", default=".demo")
     parser.add_argument("--rows", type=int, default=96, help="rows of the sample data to regenerate")
     args, extra = parser.parse_known_args(argv)
@@ -72,17 +76,48 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     server = serve(target, port, os.path.join(args.workdir, "serve.log"))
     try:
-        code = _step([*shlex.split(command_hint("dspark-regenerate")), "--input-data", data, "--split", f"train[:{args.rows}]",
-                      "--output", regenerated, "--endpoint", f"http://127.0.0.1:{port}", "--overwrite",
-                      "--concurrency", "8", "--max-tokens", "48", *extra])
+        code = _step(
+            [
+                *shlex.split(command_hint("dspark-regenerate")),
+                "--input-data",
+                data,
+                "--split",
+                f"train[:{args.rows}]",
+                "--output",
+                regenerated,
+                "--endpoint",
+                f"http://127.0.0.1:{port}",
+                "--overwrite",
+                "--concurrency",
+                "8",
+                "--max-tokens",
+                "48",
+                *extra,
+            ]
+        )
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait()
     if code != 0:
         return code
-    code = _step([*shlex.split(command_hint("dspark-produce")), "--target-model", target, "--input-data", regenerated,
-                  "--output-dir", cache, "--overwrite", "--seq-length", "2048", "--batch-size", "16",
-                  "--shard-size", "64"])
+    code = _step(
+        [
+            *shlex.split(command_hint("dspark-produce")),
+            "--target-model",
+            target,
+            "--input-data",
+            regenerated,
+            "--output-dir",
+            cache,
+            "--overwrite",
+            "--seq-length",
+            "2048",
+            "--batch-size",
+            "16",
+            "--shard-size",
+            "64",
+        ]
+    )
     if code == 0:
         with open(CachePaths(cache).manifest) as handle:
             print(f"the manifest records: regenerated = {json.load(handle)['regenerated']}")

@@ -100,13 +100,16 @@ def parse_reply(doc: Any, url: str) -> tuple[Reply, str]:
         message: dict[str, Any] = {"role": "assistant", "content": _text(msg.get("content"), "content") or ""}
         # vLLM names the thinking "reasoning_content" (newer releases also "reasoning"); SGLang and
         # transformers serve "reasoning_content". The producer reads reasoning_content.
-        reasoning = _text(msg.get("reasoning_content"), "reasoning_content") or _text(msg.get("reasoning"), "reasoning")
+        reasoning = _text(msg.get("reasoning_content"), "reasoning_content") or _text(
+            msg.get("reasoning"), "reasoning"
+        )
         if reasoning:
             message["reasoning_content"] = reasoning
         calls = msg.get("tool_calls")
         if calls:
-            if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                                      for c in calls):
+            if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+            ):
                 raise ValueError("its tool_calls are not a list of function calls")
             message["tool_calls"] = calls
         try:
@@ -194,19 +197,24 @@ class EndpointPool:
         model = wanted or live[0].served[0]
         for ep in live:
             if model not in ep.served:
-                raise ModelMismatchError(f"{ep.url} serves {', '.join(ep.served) or 'no model'}, not {model}: "
-                                         "point every --endpoint at servers of the same model"
-                                         + ("" if wanted else ", or choose one with --model"))
+                raise ModelMismatchError(
+                    f"{ep.url} serves {', '.join(ep.served) or 'no model'}, not {model}: "
+                    "point every --endpoint at servers of the same model"
+                    + ("" if wanted else ", or choose one with --model")
+                )
             if not wanted and len(ep.served) > 1:
-                raise ModelMismatchError(f"{ep.url} serves several models ({', '.join(ep.served)}); choose one "
-                                         "with --model")
+                raise ModelMismatchError(
+                    f"{ep.url} serves several models ({', '.join(ep.served)}); choose one with --model"
+                )
         self.model = model
         return model
 
     def why_none(self) -> str:
         detail = "; ".join(f"{ep.url} ({ep.last_error or 'no answer'})" for ep in self._endpoints)
-        return (f"no endpoint answers: {detail}. Start the server (vllm serve / transformers serve ...) or fix "
-                "--endpoint, then rerun the same command")
+        return (
+            f"no endpoint answers: {detail}. Start the server (vllm serve / transformers serve ...) or fix "
+            "--endpoint, then rerun the same command"
+        )
 
     # -- rotation ----------------------------------------------------------------------------
 
@@ -240,8 +248,12 @@ class EndpointPool:
             others = any(e is not ep and e.down_until <= now for e in self._endpoints)
             if ep.failures < DOWN_AFTER or ep.down_until > now or not others:
                 return
-            log.warning("endpoint %s failed %d requests in a row (last: %s); left out of the rotation for a while",
-                        ep.url, ep.failures, exc.reason)
+            log.warning(
+                "endpoint %s failed %d requests in a row (last: %s); left out of the rotation for a while",
+                ep.url,
+                ep.failures,
+                exc.reason,
+            )
             self._down(ep, f"failed {ep.failures} requests in a row, the last: {exc.reason}", now)
 
     def _pick(self) -> _Endpoint:
@@ -254,8 +266,11 @@ class EndpointPool:
                     self._turn += 1
                     return up[self._turn % len(up)]
                 if self._all_down_since is not None and now - self._all_down_since > self.give_up_after:
-                    raise NoEndpointError(self.why_none().replace("no endpoint answers",
-                                                                  f"no endpoint answered for {self.give_up_after:g} s"))
+                    raise NoEndpointError(
+                        self.why_none().replace(
+                            "no endpoint answers", f"no endpoint answered for {self.give_up_after:g} s"
+                        )
+                    )
                 wait = min(e.down_until for e in self._endpoints) - now
             if self._stopping.wait(min(max(wait, 0.01), 1.0)):
                 raise NoEndpointError("stopped")
@@ -293,12 +308,16 @@ class EndpointPool:
                 continue
             self._mark_up(ep)
             if model and not same_model(model, self.model):
-                raise ModelMismatchError(f"{ep.url} now serves {model}, not {self.model} (the model this run records): "
-                                         "restart it with the original model, or write to another --output")
+                raise ModelMismatchError(
+                    f"{ep.url} now serves {model}, not {self.model} (the model this run records): "
+                    "restart it with the original model, or write to another --output"
+                )
             return reply
 
 
 def refused_message(exc: RequestFailed) -> str:
     keys = " or ".join(f"${name}" for name in API_KEY_ENV)
-    return (f"{exc.reason}: the endpoint refuses this client's credentials. Pass --api-key (or set {keys}) to the "
-            "key the server was started with, then rerun the same command")
+    return (
+        f"{exc.reason}: the endpoint refuses this client's credentials. Pass --api-key (or set {keys}) to the "
+        "key the server was started with, then rerun the same command"
+    )

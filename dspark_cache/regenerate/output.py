@@ -191,8 +191,10 @@ def _spent(size: int) -> None:
 def take_lock(files: OutputFiles) -> DirectoryLock | None:
     """Hold ``OUTPUT.lock`` for this run, or raise naming the run that holds it."""
     def refusal(holder: str) -> CacheError:
-        return OutputError(f"{files.path} is being written by another dspark-regenerate run ({holder}); wait for it "
-                           "to finish or stop it (kill -TERM its pid), then rerun; or choose another --output")
+        return OutputError(
+            f"{files.path} is being written by another dspark-regenerate run ({holder}); wait for it "
+            "to finish or stop it (kill -TERM its pid), then rerun; or choose another --output"
+        )
 
     try:
         os.makedirs(os.path.dirname(files.path), exist_ok=True)
@@ -210,12 +212,16 @@ def read_state(files: OutputFiles) -> State | None:
     except FileNotFoundError:
         return None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise OutputError(f"{files.state} is not a dspark-regenerate state file ({exc}); pass --overwrite to start "
-                          "over, or choose another --output") from None
+        raise OutputError(
+            f"{files.state} is not a dspark-regenerate state file ({exc}); pass --overwrite to start "
+            "over, or choose another --output"
+        ) from None
     if state.format != STATE_FORMAT:
-        raise OutputError(f"{files.path} was written by another version of dspark-regenerate ({state.format}, this "
-                          f"one writes {STATE_FORMAT}): resume it with that version, pass --overwrite to start over, "
-                          "or choose another --output")
+        raise OutputError(
+            f"{files.path} was written by another version of dspark-regenerate ({state.format}, this "
+            f"one writes {STATE_FORMAT}): resume it with that version, pass --overwrite to start over, "
+            "or choose another --output"
+        )
     return state
 
 
@@ -228,15 +234,19 @@ def check_identity(files: OutputFiles, new: Identity) -> State | None:
         # made, and a run must not count them (a leftover OUTPUT.skipped would silently drop its rows).
         leftovers = [p for p in (files.path, files.skipped) if os.path.exists(p) and os.path.getsize(p) > 0]
         if leftovers:
-            raise OutputError(f"{' and '.join(leftovers)} exist{'s' if len(leftovers) == 1 else ''} but {files.state} "
-                              "does not, so nothing says how those rows were made: pass --overwrite to start over, "
-                              "or choose another --output")
+            raise OutputError(
+                f"{' and '.join(leftovers)} exist{'s' if len(leftovers) == 1 else ''} but {files.state} "
+                "does not, so nothing says how those rows were made: pass --overwrite to start over, "
+                "or choose another --output"
+            )
         return None
     diff = identity_diff(old.identity, new)
     if diff:
         lines = "\n".join(f"  {name}: the output has {a!r}, this run has {b!r}" for name, a, b in diff)
-        raise OutputError(f"{files.path} was made with a different configuration:\n{lines}\nRerun with the "
-                          "original settings to resume it, pass --overwrite to start over, or choose another --output")
+        raise OutputError(
+            f"{files.path} was made with a different configuration:\n{lines}\nRerun with the "
+            "original settings to resume it, pass --overwrite to start over, or choose another --output"
+        )
     return old
 
 
@@ -281,7 +291,11 @@ def _lines(path: str, cut: bool) -> Iterator[bytes]:
         for line in handle:
             if not line.endswith(b"\n"):
                 if cut:
-                    log.info("%s: cutting off a torn last line (%d bytes) left by an interrupted run", path, len(line))
+                    log.info(
+                        "%s: cutting off a torn last line (%d bytes) left by an interrupted run",
+                        path,
+                        len(line),
+                    )
                     handle.truncate(offset)
                 return
             yield line
@@ -308,9 +322,10 @@ def done_rows(files: OutputFiles, cut: bool = True) -> set[int]:
                 index = decoder.decode(line).regenerated.source.index if what == "row" else \
                     msgspec.json.decode(line, type=Skipped).index
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise OutputError(f"{path} line {number} is not a {what} dspark-regenerate wrote ({exc}); the file was "
-                                  "edited or damaged: pass --overwrite to start over, or choose another --output") \
-                    from None
+                raise OutputError(
+                    f"{path} line {number} is not a {what} dspark-regenerate wrote ({exc}); the file was "
+                    "edited or damaged: pass --overwrite to start over, or choose another --output"
+                ) from None
             done.add(index)
     return done
 

@@ -76,7 +76,11 @@ def count_rows(source: InputSource) -> int | None:
     """The rows ``source`` yields, when known without parsing them; JSONL read in order: its non-blank lines
     (every such line is a row, valid or not)."""
     hint = source.count_hint()
-    if hint is not None or not source.files or not all(f.endswith((".jsonl", ".ndjson")) for f in source.files):
+    if (
+        hint is not None
+        or not source.files
+        or not all(f.endswith((".jsonl", ".ndjson")) for f in source.files)
+    ):
         return hint
     return sum(_non_blank_lines(file) for file in source.files)
 
@@ -144,14 +148,19 @@ def check_row(value: dict[str, Any], messages: list[dict[str, Any]], tools: Any,
         raise InvalidRow("empty conversation", "'messages' is empty: there is nothing to answer")
     first = targets(messages, turns)[0]
     if all(m["role"] == "system" for m in messages[:first]):
-        raise InvalidRow("nothing to answer", f"no user or tool turn comes before turn {first}, the first one to "
-                         f"regenerate (--turns {turns}): there is nothing to answer")
+        raise InvalidRow(
+            "nothing to answer",
+            f"no user or tool turn comes before turn {first}, the first one to "
+            f"regenerate (--turns {turns}): there is nothing to answer",
+        )
     for name, part in (("messages", messages), ("tools", tools), *_kept(value).items()):
         try:
             encode_row({name: part})
         except UnicodeEncodeError:
-            raise InvalidRow("lone surrogate", f"{_where(name)} holds a lone UTF-16 surrogate, which is not valid "
-                             "Unicode text") from None
+            raise InvalidRow(
+                "lone surrogate",
+                f"{_where(name)} holds a lone UTF-16 surrogate, which is not valid Unicode text",
+            ) from None
         except (TypeError, ValueError) as exc:
             raise InvalidRow("value not JSON", f"{_where(name)} holds {exc}") from None
         except RecursionError:
@@ -197,7 +206,8 @@ class Regenerator:
         try:
             messages, replies = regenerate(job.messages, self.cfg.turns, generate)
         except RowFailed as exc:
-            if exc.final and self.cfg.on_failed == "skip":  # the server's answer will not change: not asked again
+            # the server's answer will not change: not asked again
+            if exc.final and self.cfg.on_failed == "skip":
                 return Finished(skipped=Skipped(index=row.index, where=row.where, reason=REJECTED,
                                                 detail=exc.reason))
             return Finished(failed=Skipped(index=row.index, where=row.where, reason="request failed",
@@ -208,8 +218,13 @@ class Regenerator:
             cut = Skipped(index=row.index, where=row.where, reason=TRUNCATED,
                           detail=f"a turn reached --max-tokens {self.cfg.max_tokens}")
             return Finished(skipped=cut, tokens=tokens, answered=True)
-        record = RowRegeneration(**msgspec.structs.asdict(self.settings), row_seed=seed, finish_reasons=reasons,
-                                 completion_tokens=tokens, source=RowSource(index=row.index, where=row.where))
+        record = RowRegeneration(
+            **msgspec.structs.asdict(self.settings),
+            row_seed=seed,
+            finish_reasons=reasons,
+            completion_tokens=tokens,
+            source=RowSource(index=row.index, where=row.where),
+        )
         out = {"messages": messages, **_kept(row.value), REGENERATED_KEY: msgspec.to_builtins(record)}
         # check_row and parse_reply vouch for every value
         return Finished(row=encode_row(out), tokens=tokens, answered=True)
@@ -237,8 +252,9 @@ def run_regenerate(cfg: RegenerateConfig, progress_total: bool = True) -> Result
     try:
         lock = take_lock(files)
     except OSError as exc:
-        raise RunError(f"--output {cfg.output} cannot be written ({exc.strerror or exc}); choose a writable path") \
-            from None
+        raise RunError(
+            f"--output {cfg.output} cannot be written ({exc.strerror or exc}); choose a writable path"
+        ) from None
     try:
         try:
             sha = source.content_sha256()
@@ -272,7 +288,10 @@ def endpoint_wide(unanswered: list[Skipped], files: OutputFiles) -> RunError:
 def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files: OutputFiles, done: set[int],
           result: Result, answered: bool = True) -> None:
     writer = OrderedWriter(files, cfg.fsync_rows, proven=answered)
-    threads = [threading.Thread(target=regen.work, daemon=True, name=f"regenerate-{i}") for i in range(cfg.concurrency)]
+    threads = [
+        threading.Thread(target=regen.work, daemon=True, name=f"regenerate-{i}")
+        for i in range(cfg.concurrency)
+    ]
     for thread in threads:
         thread.start()
     # Rows handed out ahead of the oldest unwritten one: room for a slow row (a long conversation) not to
@@ -298,9 +317,11 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
                     continue
                 log.warning("%s: %s", written.failed.where, written.failed.detail)
                 if cfg.on_failed == "error" and stop is None:
-                    stop = RunError(f"{written.failed.where}: the request failed: {written.failed.detail}. Check the "
-                                    "server's log; rerun the same command to resume (or pass --on-failed skip to "
-                                    "list such rows and go on)")
+                    stop = RunError(
+                        f"{written.failed.where}: the request failed: {written.failed.detail}. Check the "
+                        "server's log; rerun the same command to resume (or pass --on-failed skip to "
+                        "list such rows and go on)"
+                    )
                     regen.pool.stop()
 
         def settle(block: bool) -> None:
@@ -335,9 +356,11 @@ def _loop(cfg: RegenerateConfig, regen: Regenerator, source: InputSource, files:
                     if cfg.on_invalid == "error":
                         while writer.next_seq < seq and stop is None:  # rows before it are written first
                             settle(True)
-                        stop = stop or RunError(f"{row.where}: invalid row ({error.reason}): {error.detail}. Fix the "
-                                                "row, or pass --on-invalid skip to skip such rows (listed in "
-                                                f"{files.skipped}); rerun the same command to resume")
+                        stop = stop or RunError(
+                            f"{row.where}: invalid row ({error.reason}): {error.detail}. Fix the "
+                            "row, or pass --on-invalid skip to skip such rows (listed in "
+                            f"{files.skipped}); rerun the same command to resume"
+                        )
                         break
                     hand(seq, Finished(skipped=_invalid(row, error)))
                 else:

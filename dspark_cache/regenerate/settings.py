@@ -17,9 +17,11 @@ import msgspec
 
 from dspark_cache.format.schema import TURN_MODES, Regeneration
 
-DESCRIPTION = ("Regenerate the assistant turns of chat rows with the target itself, through one or more running "
-               "OpenAI-compatible servers (vLLM, SGLang, transformers serve), and write them as JSONL that "
-               "dspark-produce reads: the step before dspark-produce. Resumable: rerun the same command.")
+DESCRIPTION = (
+    "Regenerate the assistant turns of chat rows with the target itself, through one or more running "
+    "OpenAI-compatible servers (vLLM, SGLang, transformers serve), and write them as JSONL that "
+    "dspark-produce reads: the step before dspark-produce. Resumable: rerun the same command."
+)
 MAX_ROW_BYTES = 1 << 28  # as dspark-produce's --max-row-bytes
 API_KEY_ENV = ("DSPARK_API_KEY", "OPENAI_API_KEY")
 
@@ -67,22 +69,40 @@ class RegenerateConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options (``--log-level`` and ``--version`` come with the shared parser)."""
-    p.add_argument("--input-data", required=True,
-                   help="what dspark-produce reads: JSONL/JSON/Parquet file, a directory of them, a save_to_disk "
-                   "directory or an HF dataset id")
+    p.add_argument(
+        "--input-data",
+        required=True,
+        help="what dspark-produce reads: JSONL/JSON/Parquet file, a directory of them, a save_to_disk "
+        "directory or an HF dataset id",
+    )
     p.add_argument("--output", required=True, help="the JSONL file written (resumed when it matches)")
-    p.add_argument("--endpoint", action="append", required=True, metavar="URL",
-                   help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (or .../v1); repeat for several: "
-                   "requests are spread over them")
-    p.add_argument("--model", default=None,
-                   help="the served model to use when an endpoint serves several (default: the one it serves)")
-    p.add_argument("--api-key", default=None,
-                   help=f"bearer token for the endpoints (default ${API_KEY_ENV[0]}, then ${API_KEY_ENV[1]}); never "
-                   "written anywhere")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (or .../v1); repeat for several: "
+        "requests are spread over them",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the served model to use when an endpoint serves several (default: the one it serves)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"bearer token for the endpoints (default ${API_KEY_ENV[0]}, then ${API_KEY_ENV[1]}); never "
+        "written anywhere",
+    )
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight, over all endpoints")
-    p.add_argument("--turns", choices=TURN_MODES, default="all",
-                   help="all: regenerate every assistant turn in order, each given the regenerated history; last: "
-                   "only the last one (earlier turns kept as they are)")
+    p.add_argument(
+        "--turns",
+        choices=TURN_MODES,
+        default="all",
+        help="all: regenerate every assistant turn in order, each given the regenerated history; last: "
+        "only the last one (earlier turns kept as they are)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens generated at most per assistant turn")
@@ -91,20 +111,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help="sent with every request, e.g. '{\"enable_thinking\": false}' to turn a template's "
                    "reasoning off (vLLM, SGLang and transformers serve read it)")
-    p.add_argument("--on-truncated", choices=["keep", "drop"], default="keep",
-                   help="a turn cut at --max-tokens (finish_reason length): keep the row, or drop it (listed in "
-                   "OUTPUT.skipped)")
+    p.add_argument(
+        "--on-truncated",
+        choices=["keep", "drop"],
+        default="keep",
+        help="a turn cut at --max-tokens (finish_reason length): keep the row, or drop it (listed in "
+        "OUTPUT.skipped)",
+    )
     p.add_argument("--on-invalid", choices=["error", "skip"], default="error",
                    help="invalid input rows (as dspark-produce judges them): stop, or skip them (listed in "
                    "OUTPUT.skipped)")
-    p.add_argument("--on-failed", choices=["skip", "error"], default="skip",
-                   help="a row whose request still fails after --retries: list it in OUTPUT.failed, go on and exit 4 "
-                   "(a rerun tries it again); a row the server rejects (4xx, or an answer no line can hold): list "
-                   "it in OUTPUT.skipped. Or stop on either")
-    p.add_argument("--retries", type=int, default=6,
-                   help="retries of a request answered 429/5xx or not a chat completion, timed out or reset, with "
-                   "exponential backoff (an endpoint that refuses connections costs no retry: it leaves the "
-                   "rotation instead, as does one failing 3 requests in a row while another is up)")
+    p.add_argument(
+        "--on-failed",
+        choices=["skip", "error"],
+        default="skip",
+        help="a row whose request still fails after --retries: list it in OUTPUT.failed, go on and exit 4 "
+        "(a rerun tries it again); a row the server rejects (4xx, or an answer no line can hold): list "
+        "it in OUTPUT.skipped. Or stop on either",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=6,
+        help="retries of a request answered 429/5xx or not a chat completion, timed out or reset, with "
+        "exponential backoff (an endpoint that refuses connections costs no retry: it leaves the "
+        "rotation instead, as does one failing 3 requests in a row while another is up)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds one request may take in all, its answer read (however slowly it comes)")
     p.add_argument("--give-up-after", type=float, default=300.0,
@@ -113,15 +145,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shuffle-seed", type=int, default=42, help="as dspark-produce's --shuffle-seed")
     p.add_argument("--max-row-bytes", type=int, default=MAX_ROW_BYTES,
                    help="a JSONL row longer than this is an invalid row (as dspark-produce)")
-    p.add_argument("--fsync-rows", type=int, default=64,
-                   help="rows appended between two fsyncs of the output (a crash of the machine loses at most "
-                   "these; a killed process loses only the rows in flight)")
-    p.add_argument("--overwrite", action="store_true", help="delete an existing OUTPUT and its sidecars and start over")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check the endpoints, the input (read whole, for its hash) and the output (settings a run "
-                   "would refuse are refused), count the rows and those already done; write nothing")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (log lines at INFO instead); a bar is drawn only when stderr is a terminal")
+    p.add_argument(
+        "--fsync-rows",
+        type=int,
+        default=64,
+        help="rows appended between two fsyncs of the output (a crash of the machine loses at most "
+        "these; a killed process loses only the rows in flight)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete an existing OUTPUT and its sidecars and start over"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the endpoints, the input (read whole, for its hash) and the output (settings a run "
+        "would refuse are refused), count the rows and those already done; write nothing",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (log lines at INFO instead); a bar is drawn only when stderr is a terminal",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RegenerateConfig:
@@ -157,7 +201,9 @@ def validate_config(cfg: RegenerateConfig) -> None:
             raise ConfigError(f"--chat-template-kwargs is not JSON ({exc}); pass an object such as "
                               "'{\"enable_thinking\": false}'") from None
         if not isinstance(kwargs, dict):
-            raise ConfigError("--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+            raise ConfigError(
+                "--chat-template-kwargs must be a JSON object, e.g. '{\"enable_thinking\": false}'"
+            )
     if os.path.isdir(cfg.output):
         raise ConfigError(f"--output {cfg.output} is a directory; pass the JSONL file to write, e.g. "
                           f"{os.path.join(cfg.output, 'regenerated.jsonl')}")

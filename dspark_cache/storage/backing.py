@@ -48,7 +48,9 @@ class StorageOptions:
         limit = self.cache_limit
         if limit is None and os.environ.get(ENV_CACHE_LIMIT):
             limit = parse_size(os.environ[ENV_CACHE_LIMIT], ENV_CACHE_LIMIT)
-        return StorageOptions(options, self.local_cache_dir or os.environ.get(ENV_LOCAL_CACHE_DIR) or None, limit)
+        return StorageOptions(
+            options, self.local_cache_dir or os.environ.get(ENV_LOCAL_CACHE_DIR) or None, limit
+        )
 
 
 ENV_STORAGE_OPTIONS = "DSPARK_STORAGE_OPTIONS"
@@ -61,7 +63,9 @@ def parse_size(text: str, where: str) -> int:
     """``"500G"``, ``"1.5T"``, ``"1048576"`` (binary units) as bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
     if match is None or float(match[1]) <= 0:
-        raise ValueError(f"{where}={text!r} is not a size; write bytes, or a number with K, M, G or T (e.g. 500G)")
+        raise ValueError(
+            f"{where}={text!r} is not a size; write bytes, or a number with K, M, G or T (e.g. 500G)"
+        )
     return int(float(match[1]) * _UNITS[match[2].upper()])
 
 
@@ -129,13 +133,20 @@ class LocalBacking:
         pass
 
 
-def open_backing(path: str | os.PathLike, storage: StorageOptions | None = None, *, poll: float | None = None) -> Backing:
+def open_backing(
+    path: str | os.PathLike, storage: StorageOptions | None = None, *, poll: float | None = None
+) -> Backing:
     """The backing of the cache at ``path`` (a directory, or an object-store URL)."""
     if not is_remote(path):
         return LocalBacking(os.fspath(path))
     from dspark_cache.storage.remote.mirror import NodeMirror  # the client library is an optional extra
 
     storage = (storage or StorageOptions()).resolved()
-    mirror = NodeMirror(str(path), storage_options=storage.storage_options, local_cache_dir=storage.local_cache_dir,
-                        cache_limit=storage.cache_limit, **({} if poll is None else {"poll": poll}))
+    mirror = NodeMirror(
+        str(path),
+        storage_options=storage.storage_options,
+        local_cache_dir=storage.local_cache_dir,
+        cache_limit=storage.cache_limit,
+        **({} if poll is None else {"poll": poll}),
+    )
     return mirror

@@ -105,7 +105,9 @@ class CacheDir:
         self.backing.refresh_listing(force=True)
         # Taken before the read: a manifest replaced right after it still reads as changed.
         self._manifest_file = path_identity(self.paths.manifest)
-        self.manifest = read_manifest(self.paths.root, allow_incomplete=allow_incomplete or follow, shown=self.root)
+        self.manifest = read_manifest(
+            self.paths.root, allow_incomplete=allow_incomplete or follow, shown=self.root
+        )
         self.cache_id = self.manifest.cache_id if cache_id is None else cache_id
         if self.manifest.cache_id != self.cache_id:
             raise self._replaced(f"it is cache {self.manifest.cache_id or '(no id)'} now")
@@ -113,7 +115,9 @@ class CacheDir:
         self.shape = SampleShape.from_manifest(self.manifest)
         # A remote cache's open files are shards held on this node: few, so that eviction can
         # keep its local copy within cache_limit.
-        self.max_open_files = max_open_files if self.remote is None else min(max_open_files, _REMOTE_OPEN_FILES)
+        self.max_open_files = (
+            max_open_files if self.remote is None else min(max_open_files, _REMOTE_OPEN_FILES)
+        )
         self._indexes: dict[int, ShardIndex] = {}
         self._fds: OrderedDict[int, int] = OrderedDict()  # shard id -> fd, least recently used first
         # Plain ints close with nothing: a CacheDir dropped without close() (a loader per epoch, a
@@ -253,10 +257,14 @@ class CacheDir:
         if same_index and os.fstat(fd).st_size == index.tar_bytes:
             return
         self.check_current(force=True)  # raises when the whole cache was replaced
-        if same_index:  # the tar alone changed size (truncated, appended to): the read names the sample it hits
+        # the tar alone changed size (truncated, appended to): the read names the sample it hits
+        if same_index:
             return
-        raise CorruptShardError(self.paths.shard_tar(shard_id), "the shard was rewritten or removed after its index "
-                                "was read (another process changed the cache while it was being read)")
+        raise CorruptShardError(
+            self.paths.shard_tar(shard_id),
+            "the shard was rewritten or removed after its index "
+            "was read (another process changed the cache while it was being read)",
+        )
 
     # -- open files ---------------------------------------------------------------------------
 

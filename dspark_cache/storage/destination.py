@@ -14,9 +14,15 @@ from dspark_cache.storage.output import CacheOutput
 from dspark_cache.storage.remote.url import is_remote
 
 
-def open_output(path: str | os.PathLike, *, storage: StorageOptions | None = None, staging_dir: str | None = None,
-                staging_limit: int | None = None, rank: int = 0,
-                lease_wait: float | None = None) -> CacheOutput:
+def open_output(
+    path: str | os.PathLike,
+    *,
+    storage: StorageOptions | None = None,
+    staging_dir: str | None = None,
+    staging_limit: int | None = None,
+    rank: int = 0,
+    lease_wait: float | None = None,
+) -> CacheOutput:
     """The write side of the cache at ``path``: a directory's :class:`CacheOutput`, or for an object-store URL
     a ``remote.output.RemoteOutput`` staged in ``staging_dir`` (``staging_limit`` bytes of tars at most;
     ``lease_wait``: seconds to wait for a lease another producer holds)."""
@@ -24,5 +30,11 @@ def open_output(path: str | os.PathLike, *, storage: StorageOptions | None = Non
         return CacheOutput(path)
     from dspark_cache.storage.remote.output import RemoteOutput  # the client library is an optional extra
 
-    return RemoteOutput(os.fspath(path), storage=storage, staging_dir=staging_dir, staging_limit=staging_limit,
-                        rank=rank, lease_wait=lease_wait)
+    return RemoteOutput(
+        os.fspath(path),
+        storage=storage,
+        staging_dir=staging_dir,
+        staging_limit=staging_limit,
+        rank=rank,
+        lease_wait=lease_wait,
+    )

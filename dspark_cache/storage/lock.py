@@ -61,8 +61,10 @@ class LockFileError(CacheError):
 
 
 def _not_a_lock_file(path: str) -> LockFileError:
-    return LockFileError(f"{path} is not a regular file; it is the cache's lock file. Remove it (no producer can be "
-                         "holding it), or choose another --output-dir")
+    return LockFileError(
+        f"{path} is not a regular file; it is the cache's lock file. Remove it (no producer can be "
+        "holding it), or choose another --output-dir"
+    )
 
 
 def check_lock_file(path: str) -> None:
@@ -112,7 +114,8 @@ def describe_holder(record: dict | None) -> str:
         world = int(record.get("world_size", 1))
     except (TypeError, ValueError, OverflowError, OSError):
         when, world = "?", 1
-    run = f", run {record['run_id']}" if record.get("run_id") else ""  # a dspark-regenerate output's lock has none
+    # a dspark-regenerate output's lock has none
+    run = f", run {record['run_id']}" if record.get("run_id") else ""
     text = f"pid {record.get('pid')} on host {record.get('host')}{run}, started {when}"
     if world > 1:
         text = f"rank 0 of a {world}-rank job: {text}; every rank of that job holds the lock until it exits"
@@ -133,8 +136,10 @@ class DirectoryLock:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError as exc:  # another process got in while the lock was converted
-            raise CacheLockedError(f"lost the lock on {self.path} to another producer "
-                                   f"({describe_holder(_read_holder(self.fd))}); rerun when it is done") from exc
+            raise CacheLockedError(
+                f"lost the lock on {self.path} to another producer "
+                f"({describe_holder(_read_holder(self.fd))}); rerun when it is done"
+            ) from exc
 
     def remove(self) -> None:
         """Delete the lock file, then release it (a failed dry run that created it). A process that
@@ -208,7 +213,9 @@ def hold_exclusive(path: str, record: dict, refusal: Callable[[str], CacheError]
     return DirectoryLock(path, fd)
 
 
-def lock_exclusive(paths: CachePaths, run_id: str, world_size: int, overwrite: bool = False) -> DirectoryLock | None:
+def lock_exclusive(
+    paths: CachePaths, run_id: str, world_size: int, overwrite: bool = False
+) -> DirectoryLock | None:
     """Rank 0: take the directory (its ``control/`` must exist) or raise naming who holds it."""
     what = "--overwrite refused: it does not stop a live run, and " if overwrite else ""
 

@@ -46,7 +46,9 @@ def check_directories(paths: CachePaths) -> None:
     sub-directories may not: the producer deletes files in them.
     """
     if os.path.lexists(paths.root) and not os.path.isdir(paths.root):
-        raise CacheDirectoryError(f"--output-dir {paths.root} exists and is not a directory; choose another --output-dir")
+        raise CacheDirectoryError(
+            f"--output-dir {paths.root} exists and is not a directory; choose another --output-dir"
+        )
     blocker = _nearest_existing_parent(paths.root)
     if not os.path.isdir(blocker):  # no directory can be made under a file
         raise CacheDirectoryError(f"--output-dir {paths.root} cannot hold a cache: {blocker} is a file, not "
@@ -162,7 +164,9 @@ def written_files(paths: CachePaths, dirs: bool = False) -> list[str]:
     out += [p for n, p in _entries(paths.shards_dir, dirs)
             if n == os.path.basename(paths.wids_index) or _is_temporary_of(n, paths.wids_index)]
     for n, p in _entries(paths.root, dirs):
-        if any(n == os.path.basename(f) or _is_temporary_of(n, f) for f in (paths.manifest, paths.target_weights)):
+        if any(
+            n == os.path.basename(f) or _is_temporary_of(n, f) for f in (paths.manifest, paths.target_weights)
+        ):
             out.append(p)
     return sorted(set(out))
 
@@ -189,7 +193,9 @@ def is_written_name(paths: CachePaths, relative: str) -> bool:
 def plan_files(paths: CachePaths) -> list[str]:
     """The saved plan's files and their temporaries."""
     fixed = [os.path.basename(p) for p in (paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS))]
-    parts = [paths.plan_part_header] + [lambda k, kind=kind: paths.plan_part(k, kind) for kind in PLAN_PART_KINDS]
+    parts = [paths.plan_part_header] + [
+        lambda k, kind=kind: paths.plan_part(k, kind) for kind in PLAN_PART_KINDS
+    ]
     return sorted(p for n, p in _entries(paths.plan_dir)
                   if _made_by(n, parts) or n in fixed or temporary_base(n) in fixed)
 

@@ -51,7 +51,8 @@ class CacheOutput:
     def __init__(self, root: str | os.PathLike) -> None:
         self.paths = CachePaths(os.fspath(root))
         self.root = self.paths.root
-        self.shown = self.root  # what messages call the cache (a remote one's URL; ``root`` is then its staging)
+        # what messages call the cache (a remote one's URL; ``root`` is then its staging)
+        self.shown = self.root
         self._lock: DirectoryLock | None = None
         self._locked = False  # taken (the lock is None where the filesystem has no locks)
         self._published: set[int] | None = None

@@ -71,8 +71,15 @@ class MonitorApp(App[None]):
     MonitorApp.-compact ThroughputChart Sparkline { height: 1; }
     """
 
-    def __init__(self, path: str, refresh: float = 1.0, clock: Callable[[], float] = time.time,
-                 disk_free: Callable[[str], int | None] | None = None, *, scanner: CacheScanner | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        refresh: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        disk_free: Callable[[str], int | None] | None = None,
+        *,
+        scanner: CacheScanner | None = None,
+    ) -> None:
         """Watch the directory ``path``; or, given a ``scanner`` (a cache on object storage:
         ``tui.remote.RemoteScanner``), what it scans (``path`` is then only a name)."""
         super().__init__()
@@ -182,7 +189,9 @@ class MonitorApp(App[None]):
     def on_stop_requested(self, message: StopRequested) -> None:
         """Say whether the stop request was written (the snapshot that follows shows the notice)."""
         if message.refused is not None:
-            self.notify(f"could not ask the producer to stop: {message.refused}", severity="error", markup=False)
+            self.notify(
+                f"could not ask the producer to stop: {message.refused}", severity="error", markup=False
+            )
         else:
             self.notify("asked the producer to stop after the shards in flight "
                         "(rerun dspark-produce to resume)")

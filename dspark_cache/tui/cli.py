@@ -16,9 +16,11 @@ from dspark_cache.cli.conventions import (
 from dspark_cache.storage.remote.url import is_remote
 
 PROG = "dspark-monitor"
-DESCRIPTION = ("Watch a dspark cache: a live producer run, a finished cache, one on a shared filesystem or on "
-               "object storage (s3://bucket/prefix, polled every few seconds). Without a terminal (a job script's "
-               "log, a pipe) it prints one plain report and exits.")
+DESCRIPTION = (
+    "Watch a dspark cache: a live producer run, a finished cache, one on a shared filesystem or on "
+    "object storage (s3://bucket/prefix, polled every few seconds). Without a terminal (a job script's "
+    "log, a pipe) it prints one plain report and exits."
+)
 EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE) + " (1 and 2: the plain report's)"
 
 
@@ -29,11 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--refresh", type=float, default=1.0,
                         help="seconds between refreshes (default 1; a cache on object storage: at least "
                         "$DSPARK_SYNC_INTERVAL or 5, how often the producer puts its heartbeats)")
-    parser.add_argument("--no-wait", action="store_true",
-                        help="exit with code 2 when CACHE_DIR does not exist, instead of waiting for it (for scripts)")
-    parser.add_argument("--once", action="store_true",
-                        help="print one plain report and exit, as without a terminal: exit 1 when a rank failed or "
-                        "fell silent before the cache completed")
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="exit with code 2 when CACHE_DIR does not exist, instead of waiting for it (for scripts)",
+    )
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="print one plain report and exit, as without a terminal: exit 1 when a rank failed or "
+        "fell silent before the cache completed",
+    )
     add_storage_arguments(parser, cache_limit=False, local_cache_help=(  # no tar is read: no --cache-limit
         "where the monitor keeps its copy of the cache's small files, under monitor/ (default "
         "$DSPARK_LOCAL_CACHE_DIR or ~/.cache/dspark-cache/remote)"))
@@ -50,12 +58,22 @@ def run(args: argparse.Namespace) -> int:
     if is_remote(args.cache_dir):
         return run_remote(args, once)
     if args.storage_options is not None or args.local_cache_dir is not None:
-        given = [option for option, value in (("--storage-options", args.storage_options),
-                                              ("--local-cache-dir", args.local_cache_dir)) if value is not None]
-        raise UsageError(f"{', '.join(given)} apply to a cache on object storage (s3://bucket/prefix), not to the "
-                         f"directory {args.cache_dir}; leave them out")
+        given = [
+            option
+            for option, value in (
+                ("--storage-options", args.storage_options),
+                ("--local-cache-dir", args.local_cache_dir),
+            )
+            if value is not None
+        ]
+        raise UsageError(
+            f"{', '.join(given)} apply to a cache on object storage (s3://bucket/prefix), not to the "
+            f"directory {args.cache_dir}; leave them out"
+        )
     if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
-        raise UsageError(f"{args.cache_dir} is not a directory; pass the --output-dir of a dspark-produce run")
+        raise UsageError(
+            f"{args.cache_dir} is not a directory; pass the --output-dir of a dspark-produce run"
+        )
     if (args.no_wait or once) and not os.path.exists(args.cache_dir):
         raise UsageError(f"{args.cache_dir} does not exist; pass the --output-dir of a dspark-produce run "
                          "(only on a terminal and without --no-wait or --once does the monitor wait for it)")
@@ -96,9 +114,11 @@ def run_remote(args: argparse.Namespace, once: bool) -> int:
         except (CacheError, OSError) as exc:
             return error(PROG, str(exc), reader_failure_code(exc))
         if now and not view.found:
-            raise UsageError(f"no dspark cache is stored at {view.remote} (no manifest, shard, heartbeat or event "
-                             "log there yet); pass the --output-dir of a dspark-produce run (only on a terminal "
-                             "and without --no-wait or --once does the monitor wait for it)")
+            raise UsageError(
+                f"no dspark cache is stored at {view.remote} (no manifest, shard, heartbeat or event "
+                "log there yet); pass the --output-dir of a dspark-produce run (only on a terminal "
+                "and without --no-wait or --once does the monitor wait for it)"
+            )
         scanner = RemoteScanner(view, every, refreshed=now)
         if once:
             return print_report(view.remote, every, scanner=scanner)

@@ -17,9 +17,14 @@ QUESTION = ("Stop it gracefully and quit? It finishes the shards in flight and e
 def question(log_path: str) -> list[Para]:
     """The question, its words laid out to the dialog's width (the log path is shortened, never folded)."""
     blank = Para([piece("")])
-    return [Para([piece("The producer is still running.", "bold")]), blank, Para(words(QUESTION, log=log_path), " "),
-            blank, Para([piece("  y", "bold"), piece("stop the producer and quit")]),
-            Para([piece("  n", "bold"), piece("keep watching (escape too)")])]
+    return [
+        Para([piece("The producer is still running.", "bold")]),
+        blank,
+        Para(words(QUESTION, log=log_path), " "),
+        blank,
+        Para([piece("  y", "bold"), piece("stop the producer and quit")]),
+        Para([piece("  n", "bold"), piece("keep watching (escape too)")]),
+    ]
 
 
 class ConfirmStop(ModalScreen[bool]):

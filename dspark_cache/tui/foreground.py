@@ -56,18 +56,25 @@ class ForegroundMonitor(MonitorApp):
 def run_with_monitor(producer_argv: list[str], output_dir: str) -> int:
     """Start ``dspark-produce producer_argv`` and show the monitor until the user quits."""
     if is_remote(output_dir):  # its log and the screen's files would be a local directory named s3:/...
-        raise UsageError(f"--tui watches an --output-dir on this machine; to watch {output_dir}, run dspark-produce "
-                         f"without --tui and dspark-monitor {output_dir} beside it")
+        raise UsageError(
+            f"--tui watches an --output-dir on this machine; to watch {output_dir}, run dspark-produce "
+            f"without --tui and dspark-monitor {output_dir} beside it"
+        )
     paths = CachePaths(output_dir)
     log_dir = paths.logs_dir
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"produce-{time.strftime('%Y%m%d-%H%M%S')}.log")
     with open(log_path, "ab") as log:
         # If the monitor dies (even by SIGKILL) the producer is told: it stops at a shard boundary, resumable.
-        child = subprocess.Popen([sys.executable, "-m", "dspark_cache.producer", *producer_argv],
-                                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=exec_with_parent(PARENT_DEATH_SIGNAL))
+        child = subprocess.Popen(
+            [sys.executable, "-m", "dspark_cache.producer", *producer_argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=exec_with_parent(PARENT_DEATH_SIGNAL),
+        )
         try:
-            if has_terminal():  # else no one could quit the app: the producer just runs, and its log tail is shown
+            # else no one could quit the app: the producer just runs, and its log tail is shown
+            if has_terminal():
                 ForegroundMonitor(paths.root, child, log_path).run()
         finally:
             code = child.wait()

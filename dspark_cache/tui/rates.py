@@ -66,7 +66,9 @@ class _RunBeats:
         last = self.recent[-1] if self.recent else None
         if last is not None and beat.time == last.time:
             return  # the same heartbeat read again
-        if last is not None and (beat.time < last.time or beat.tokens < last.tokens or beat.bytes < last.bytes):
+        if last is not None and (
+            beat.time < last.time or beat.tokens < last.tokens or beat.bytes < last.bytes
+        ):
             self.first = None  # not a continuation of what was seen: the counts cannot be differenced
             self.recent.clear()
         if self.first is None:
@@ -155,7 +157,9 @@ def run_average(ranks: Iterable[RankStatus], tokens_per_byte: float | None) -> R
     if not (seconds > 0 and written):
         return None
     bytes_per_s = written / seconds
-    return RunAverage(None if tokens_per_byte is None else bytes_per_s * tokens_per_byte, bytes_per_s, seconds)
+    return RunAverage(
+        None if tokens_per_byte is None else bytes_per_s * tokens_per_byte, bytes_per_s, seconds
+    )
 
 
 def tokens_per_byte(tokens: int, written: int) -> float | None:

@@ -76,7 +76,9 @@ def lines(snap: Snapshot) -> list[str]:
             shown.append(f"last error: {clip(status.last_error, 1000)}")
         out.append("  " + ", ".join(shown))
     recent = snap.events[-RECENT_EVENTS:]
-    out += ["events (newest last):" if recent else "events: none yet"] + ["  " + t for t in _flat(event_lines(recent))]
+    out += ["events (newest last):" if recent else "events: none yet"] + [
+        "  " + t for t in _flat(event_lines(recent))
+    ]
     errors = [e for e in snap.events if e.kind == "error"][-RECENT_ERRORS:]
     if errors:
         out += ["errors (newest last):"] + ["  " + t for t in _flat(event_lines(errors))]
@@ -126,7 +128,9 @@ def exit_code(snap: Snapshot) -> int:
     return EXIT_OK
 
 
-def print_report(path: str, every: float, out: TextIO | None = None, scanner: CacheScanner | None = None) -> int:
+def print_report(
+    path: str, every: float, out: TextIO | None = None, scanner: CacheScanner | None = None
+) -> int:
     """Print one report of the cache at ``path`` (or of what ``scanner`` scans: a cache on object
     storage) and return the exit code (see :func:`exit_code`)."""
     scanner = scanner or CacheScanner(path)

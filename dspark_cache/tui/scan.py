@@ -112,13 +112,22 @@ class CacheScanner:
                             if partial_is_written(s, mtime, ranks, now, self.patience))
         events = self.events.read()
         return Snapshot(
-            now=now, path=self.shown, manifest=manifest, manifest_error=manifest_error,
-            published=MappingProxyType(published), writing=writing, abandoned=frozenset(partials) - writing,
+            now=now,
+            path=self.shown,
+            manifest=manifest,
+            manifest_error=manifest_error,
+            published=MappingProxyType(published),
+            writing=writing,
+            abandoned=frozenset(partials) - writing,
             failed=failed_shards(events),
-            ranks=ranks, rates=self.rates.observe(ranks), events=events,
+            ranks=ranks,
+            rates=self.rates.observe(ranks),
+            events=events,
             disk_free=None if self.remote else self.disk_free(self.paths.root),
             stop_requested=os.path.exists(self.paths.stop_request),
-            warnings=manifest_warnings + tuple(self.reader.warnings), remote=self.remote, patience=self.patience,
+            warnings=manifest_warnings + tuple(self.reader.warnings),
+            remote=self.remote,
+            patience=self.patience,
         )
 
     def _read_manifest(self) -> tuple[Manifest | None, str | None, tuple[str, ...]]:
@@ -179,7 +188,8 @@ class CacheScanner:
             digits = _DIGITS.search(os.path.basename(path))
             if digits and self.paths.shard_partial(int(digits.group())) == path:
                 try:
-                    out[int(digits.group())] = os.lstat(path).st_mtime  # metadata only: a FIFO is never opened
+                    # metadata only: a FIFO is never opened
+                    out[int(digits.group())] = os.lstat(path).st_mtime
                 except OSError:
                     continue  # published or deleted since the listing
         return out

@@ -57,7 +57,8 @@ class Snapshot:
     manifest_error: str | None = None
     published: Mapping[int, ShardSummary] = field(default_factory=lambda: MappingProxyType({}))
     writing: frozenset[int] = frozenset()  # a .partial with a live writer (format.status.partial_is_written)
-    abandoned: frozenset[int] = frozenset()  # a .partial no live rank writes: a killed run's, deleted on resume
+    # a .partial no live rank writes: a killed run's, deleted on resume
+    abandoned: frozenset[int] = frozenset()
     failed: frozenset[int] = frozenset()
     ranks: tuple[RankStatus, ...] = ()
     rates: tuple[RankRate | None, ...] = ()  # measured by the scanner, one per rank (see tui.rates)
@@ -105,7 +106,11 @@ class Snapshot:
         return list(zip(self.ranks, rates))
 
     def _live_rates(self) -> list[RankRate]:
-        return [rate for r, rate in self.rank_rates() if rate is not None and rank_is_live(r, self.now, self.patience)]
+        return [
+            rate
+            for r, rate in self.rank_rates()
+            if rate is not None and rank_is_live(r, self.now, self.patience)
+        ]
 
     @property
     def can_stop(self) -> bool:

@@ -59,15 +59,19 @@ def _verify(cache: CacheDir, path: str) -> Report:
     paths, manifest = cache.paths, cache.manifest
     report = Report(cache=path, complete=manifest.complete, shards_total=manifest.num_shards,
                     leftovers=paths.partial_files(), produce_command=produce_command(manifest, path))
-    report.problems += [f"{paths.shard_index(s)} is published but the manifest plans {manifest.num_shards} shards"
-                        for s in cache.extra_shards()]
+    report.problems += [
+        f"{paths.shard_index(s)} is published but the manifest plans {manifest.num_shards} shards"
+        for s in cache.extra_shards()
+    ]
     present = set(cache.indexed_ids())
     indexes: dict[int, ShardIndex] = {}
     for shard_id in range(manifest.num_shards):
         if shard_id not in present:
             report.missing.append(shard_id)
             if cache.remote is not None and cache.backing.tar_size(shard_id) >= 0:
-                report.leftovers.append(cache.backing.store.name(f"shards/{os.path.basename(paths.shard_tar(shard_id))}"))
+                report.leftovers.append(
+                    cache.backing.store.name(f"shards/{os.path.basename(paths.shard_tar(shard_id))}")
+                )
             elif os.path.exists(paths.shard_tar(shard_id)):  # renamed, killed before its index: unpublished
                 report.leftovers.append(paths.shard_tar(shard_id))
             continue
@@ -138,8 +142,10 @@ def repair(path: str, report: Report, storage: StorageOptions | None = None) -> 
     output = open_output(path, storage=storage)
     remote = is_remote(path)
     if not remote and os.path.islink(output.paths.shards_dir):
-        raise CacheError(f"{output.paths.shards_dir} is a symlink: dspark-verify --repair never deletes through one; "
-                         "replace it with a real directory first")
+        raise CacheError(
+            f"{output.paths.shards_dir} is a symlink: dspark-verify --repair never deletes through one; "
+            "replace it with a real directory first"
+        )
     if remote:
         output.check()
         output.lock(f"dspark-verify-{os.getpid()}")
@@ -220,8 +226,10 @@ def _blamed(problem: dict) -> str:
 
 def print_report(report: Report) -> None:
     """The report for people: what is wrong, file by file, and what to do about it."""
-    print(f"{report.cache}: {headline_state(report)}, {report.shards_ok}/{report.shards_total} shards verified, "
-          f"{report.samples_ok} samples")
+    print(
+        f"{report.cache}: {headline_state(report)}, {report.shards_ok}/{report.shards_total} shards verified, "
+        f"{report.samples_ok} samples"
+    )
     for problem in report.problems:
         print(f"problem: {problem}")
     if report.missing:
@@ -235,9 +243,11 @@ def print_report(report: Report) -> None:
     if report.ok:
         print("OK")
     elif report.corrupt and not all(p.get("repaired") for p in report.corrupt):
-        print("Run dspark-verify --repair to rebuild damaged indexes and unpublish corrupt shards, then rerun "
-              "dspark-produce with the settings the cache was made with (its manifest's); it recomputes "
-              f"exactly those shards:{rerun}")
+        print(
+            "Run dspark-verify --repair to rebuild damaged indexes and unpublish corrupt shards, then rerun "
+            "dspark-produce with the settings the cache was made with (its manifest's); it recomputes "
+            f"exactly those shards:{rerun}"
+        )
     elif report.missing or deleted or not report.complete:
         print("Rerun dspark-produce with the settings the cache was made with (its manifest's) to compute "
               f"the missing shards ({format_ranges(report.missing + deleted)}), or wait, if a producer is "

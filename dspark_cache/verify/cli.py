@@ -21,8 +21,10 @@ from dspark_cache.format.schema import FORMAT_ID
 from dspark_cache.format.validate import InvalidManifestError
 
 PROG = "dspark-verify"
-DESCRIPTION = (f"Verify a dspark cache ({FORMAT_ID}): manifest, every shard index, every shard, sample checksum "
-               "and header.")
+DESCRIPTION = (
+    f"Verify a dspark cache ({FORMAT_ID}): manifest, every shard index, every shard, sample checksum "
+    "and header."
+)
 EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE)
 
 
@@ -30,9 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``CACHE_DIR``, ``--json``, ``--repair``."""
     parser.add_argument("cache_dir")
     parser.add_argument("--json", action="store_true", help="print one JSON object for machines")
-    parser.add_argument("--repair", action="store_true",
-                        help="rebuild a damaged index from its intact tar; delete other corrupt shards (tar and "
-                        "index) so that a dspark-produce rerun recomputes them")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="rebuild a damaged index from its intact tar; delete other corrupt shards (tar and "
+        "index) so that a dspark-produce rerun recomputes them",
+    )
     add_storage_arguments(parser)
 
 
@@ -55,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {exc}; check the path and its permissions", file=sys.stderr)
         return EXIT_NOT_A_CACHE
     if args.json:
-        print(msgspec.json.encode({**asdict(report), "ok": report.ok, "state": headline_state(report)}).decode())
+        print(
+            msgspec.json.encode({**asdict(report), "ok": report.ok, "state": headline_state(report)}).decode()
+        )
     else:
         print_report(report)
     return EXIT_OK if report.ok else EXIT_ERROR

@@ -119,7 +119,8 @@ class ShardReader:
         except (ValueError, KeyError, TypeError, RuntimeError, UnicodeDecodeError, OverflowError) as exc:
             raise CorruptShardError(self.path, f"undecodable sample ({type(exc).__name__}: {exc})",
                                     entry.sample_id) from exc
-        check_fp8_sample(sample, self.path, entry.sample_id)  # raw reads too: a NaN scale is damage either way
+        # raw reads too: a NaN scale is damage either way
+        check_fp8_sample(sample, self.path, entry.sample_id)
         check_token_values(sample, self.vocab_size, self.path, entry.sample_id)
         return sample
 

@@ -10,8 +10,16 @@ import argparse
 import sys
 
 from dspark_cache.cli.conventions import (
-    EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageError, add_storage_arguments, staging_limit_from_args,
-    exit_codes_epilog, storage_from_args,
+    EXIT_ERROR,
+    EXIT_NOT_A_CACHE,
+    EXIT_OK,
+    EXIT_STOPPED,
+    EXIT_USAGE,
+    UsageError,
+    add_storage_arguments,
+    staging_limit_from_args,
+    exit_codes_epilog,
+    storage_from_args,
 )
 from dspark_cache.format.codec import CODECS, DEFAULT_LEVEL, LEVELS
 from dspark_cache.format.errors import CacheError, NotACacheError
@@ -49,15 +57,27 @@ EPILOG = exit_codes_epilog(EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED) + (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``SRC DST --to`` and the direction's options."""
     p.add_argument("src", metavar="SRC", help="the cache to read (complete)")
-    p.add_argument("dst", metavar="DST", help="the directory to write (created; resumed when it holds the same "
-                   "conversion)")
+    p.add_argument(
+        "dst",
+        metavar="DST",
+        help="the directory to write (created; resumed when it holds the same conversion)",
+    )
     p.add_argument("--to", required=True, choices=["dspark", "nemo"], help="the layout to write")
-    p.add_argument("--pad-token-id", type=int, default=None, metavar="N",
-                   help="--to dspark: the id NeMo padded rows with (default: the tokenizer's pad token, or its eos "
-                   "when it has none; required when target_model is not a local tokenizer directory)")
-    p.add_argument("--eos-token-id", type=int, default=None, metavar="N",
-                   help="--to dspark: the tokenizer's eos id, when it cannot be loaded (decides NeMo's pad == eos "
-                   "rule)")
+    p.add_argument(
+        "--pad-token-id",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--to dspark: the id NeMo padded rows with (default: the tokenizer's pad token, or its eos "
+        "when it has none; required when target_model is not a local tokenizer directory)",
+    )
+    p.add_argument(
+        "--eos-token-id",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--to dspark: the tokenizer's eos id, when it cannot be loaded (decides NeMo's pad == eos rule)",
+    )
     p.add_argument("--shard-size", type=int, default=None, metavar="N",
                    help="--to nemo: samples per NeMo shard (default: the source's shard_size)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
@@ -76,8 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.to == "nemo" and (args.pad_token_id is not None or args.eos_token_id is not None):
-        raise UsageError("--pad-token-id/--eos-token-id apply to --to dspark (an export pads with the manifest's "
-                         "pad_token_id)")
+        raise UsageError(
+            "--pad-token-id/--eos-token-id apply to --to dspark (an export pads with the manifest's "
+            "pad_token_id)"
+        )
     if args.to == "dspark" and args.shard_size is not None:
         raise UsageError("--shard-size applies to --to nemo (an import keeps NeMo's shards)")
     if args.to == "nemo" and (args.compression is not None or args.compression_level is not None):
@@ -95,13 +117,19 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.shard_size is not None and args.shard_size < 1:
         raise UsageError("--shard-size must be >= 1")
     if args.to == "dspark" and is_remote(args.src):
-        raise UsageError("dspark-convert --to dspark reads NeMo caches from local directories only (NeMo's own "
-                         "loader reads no object store); copy SRC to a local directory first")
+        raise UsageError(
+            "dspark-convert --to dspark reads NeMo caches from local directories only (NeMo's own "
+            "loader reads no object store); copy SRC to a local directory first"
+        )
     if args.to == "nemo" and is_remote(args.dst):
-        raise UsageError("dspark-convert --to nemo writes a local directory (NeMo's recipe reads only those); give "
-                         "DST as a directory")
+        raise UsageError(
+            "dspark-convert --to nemo writes a local directory (NeMo's recipe reads only those); give "
+            "DST as a directory"
+        )
     if (args.staging_dir or args.staging_limit) and not (args.to == "dspark" and is_remote(args.dst)):
-        raise UsageError("--staging-dir/--staging-limit apply to --to dspark with DST on object storage (s3://...)")
+        raise UsageError(
+            "--staging-dir/--staging-limit apply to --to dspark with DST on object storage (s3://...)"
+        )
 
 
 def summary(result: ConvertResult) -> str:
@@ -115,11 +143,15 @@ def summary(result: ConvertResult) -> str:
         f"ratio before/after {result.ratio:.2f}",
     ]
     if result.direction == "dspark":
-        lines.append(f"pad id {result.pad_token_id} (from {result.pad_source}); {result.ambiguous} samples with an "
-                     f"ambiguous length (NeMo's rule decided); {result.skipped} rows skipped (all padding)")
+        lines.append(
+            f"pad id {result.pad_token_id} (from {result.pad_source}); {result.ambiguous} samples with an "
+            f"ambiguous length (NeMo's rule decided); {result.skipped} rows skipped (all padding)"
+        )
     else:
-        lines.append(f"{result.allocated_after / 1e6:,.1f} MB of it allocated on disk: the zero padding is left as "
-                     "holes (sparse), which read as zeros")
+        lines.append(
+            f"{result.allocated_after / 1e6:,.1f} MB of it allocated on disk: the zero padding is left as "
+            "holes (sparse), which read as zeros"
+        )
     return "\n".join(lines)
 
 
@@ -131,12 +163,19 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.quiet else sys.stderr
     try:
         if args.to == "dspark":
-            result = convert_to_dspark(args.src, args.dst, pad_token_id=args.pad_token_id,
-                                       eos_token_id=args.eos_token_id, overwrite=args.overwrite, progress=progress,
-                                       storage=storage_from_args(args), staging_dir=args.staging_dir,
-                                       staging_limit=staging_limit_from_args(args),
-                                       compression=args.compression or "none",
-                                       compression_level=args.compression_level)
+            result = convert_to_dspark(
+                args.src,
+                args.dst,
+                pad_token_id=args.pad_token_id,
+                eos_token_id=args.eos_token_id,
+                overwrite=args.overwrite,
+                progress=progress,
+                storage=storage_from_args(args),
+                staging_dir=args.staging_dir,
+                staging_limit=staging_limit_from_args(args),
+                compression=args.compression or "none",
+                compression_level=args.compression_level,
+            )
         else:
             result = convert_to_nemo(args.src, args.dst, shard_size=args.shard_size, overwrite=args.overwrite,
                                      progress=progress, dtype=args.dtype, storage=storage_from_args(args))
@@ -144,12 +183,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; published shards are kept: rerun the same command to resume", file=sys.stderr)
+        print(
+            f"{PROG}: interrupted; published shards are kept: rerun the same command to resume",
+            file=sys.stderr,
+        )
         return EXIT_STOPPED
     except (CacheError, OSError) as exc:  # ConvertError, and CacheOutput's lock and directory checks' errors
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         # No cache at SRC is the exit code dspark-verify gives the same directory.
-        return EXIT_NOT_A_CACHE if any(isinstance(e, NotACacheError) for e in (exc, exc.__cause__)) else EXIT_ERROR
+        return (
+            EXIT_NOT_A_CACHE
+            if any(isinstance(e, NotACacheError) for e in (exc, exc.__cause__))
+            else EXIT_ERROR
+        )
     print(summary(result))
     return EXIT_OK
 

@@ -100,8 +100,10 @@ def open_source_file(path: str) -> int:
     try:
         return open_regular(path)
     except NotARegularFileError as exc:
-        raise ConvertError(f"{path} is {exc.reason}: a cache file must be a plain file; put the real file "
-                           "there (copy it again from the producer's output, or re-run the producer)") from exc
+        raise ConvertError(
+            f"{path} is {exc.reason}: a cache file must be a plain file; put the real file "
+            "there (copy it again from the producer's output, or re-run the producer)"
+        ) from exc
 
 
 def copy_file_atomic(src: str, dst: str) -> None:
@@ -130,11 +132,19 @@ def require_weights(path: str, vocab_size: int | None, hidden_size: int | None,
         return check_target_weights(path, vocab_size, hidden_size, xxh3)
     except TargetWeightsError as exc:
         if exc.reason == "missing":
-            raise ConvertError(f"{path} is missing: a cache needs its target's embed_tokens and lm_head weights. "
-                               "Copy it from the producer's output, or re-run the producer to write it") from exc
-        what = f"{path} is {exc.reason}" if isinstance(exc.__cause__, NotARegularFileError) else f"{path}: {exc.reason}"
-        raise ConvertError(f"{what}: the source's target weights cannot be used; copy the file again from the "
-                           "producer's output, or re-run the producer to write it") from exc
+            raise ConvertError(
+                f"{path} is missing: a cache needs its target's embed_tokens and lm_head weights. "
+                "Copy it from the producer's output, or re-run the producer to write it"
+            ) from exc
+        what = (
+            f"{path} is {exc.reason}"
+            if isinstance(exc.__cause__, NotARegularFileError)
+            else f"{path}: {exc.reason}"
+        )
+        raise ConvertError(
+            f"{what}: the source's target weights cannot be used; copy the file again from the "
+            "producer's output, or re-run the producer to write it"
+        ) from exc
 
 
 def _is_regular(path: str) -> bool:
@@ -149,9 +159,13 @@ def _destination_entries(root: str) -> list[os.DirEntry]:
     the weights, NeMo's shards and leftovers at the top, our shards' files in a real ``shards/``."""
     paths = CachePaths(root)
     top = {os.path.basename(paths.manifest), os.path.basename(paths.target_weights)}
-    out = [entry for entry in _scan(root)
-           if entry.name in top or nemo_format.SHARD_RE.match(entry.name) or nemo_format.is_leftover(entry.name)]
-    if not os.path.islink(paths.shards_dir):  # a linked shards/ is refused by CacheOutput.check, never entered
+    out = [
+        entry
+        for entry in _scan(root)
+        if entry.name in top or nemo_format.SHARD_RE.match(entry.name) or nemo_format.is_leftover(entry.name)
+    ]
+    # a linked shards/ is refused by CacheOutput.check, never entered
+    if not os.path.islink(paths.shards_dir):
         out += [entry for entry in _scan(paths.shards_dir) if entry.name.startswith("shard-")]
     return out
 
@@ -174,8 +188,10 @@ def check_destination_files(root: str, overwrite: bool) -> None:
         if stat.S_ISREG(mode) or (overwrite and not stat.S_ISDIR(mode)):
             continue
         hint = "" if stat.S_ISDIR(mode) else ", pass --overwrite to replace it"
-        raise ConvertError(f"{entry.path} is {kind_of(mode)}, not a regular file: dspark-convert reads, keeps and "
-                           f"replaces only plain files in DST. Remove or rename it{hint}, or choose another DST")
+        raise ConvertError(
+            f"{entry.path} is {kind_of(mode)}, not a regular file: dspark-convert reads, keeps and "
+            f"replaces only plain files in DST. Remove or rename it{hint}, or choose another DST"
+        )
 
 
 def remove_partials(output: CacheOutput) -> None:
@@ -238,7 +254,9 @@ def lock_destination(root: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
         os.close(fd)
-        raise ConvertError(f"another dspark-convert is writing {root}; wait for it or choose another DST") from exc
+        raise ConvertError(
+            f"another dspark-convert is writing {root}; wait for it or choose another DST"
+        ) from exc
     return fd
 
 

@@ -22,8 +22,17 @@ from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert.common import ConvertError, ConvertUsageError
 from dspark_cache.nemo.convert.stfile import SafetensorsFile
 
-_INT_FIELDS = ("target_vocab_size", "hidden_size", "num_hidden_layers", "seq_length", "num_samples", "shard_size",
-               "target_hidden_dim", "target_last_hidden_dim", "shuffle_seed")
+_INT_FIELDS = (
+    "target_vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "seq_length",
+    "num_samples",
+    "shard_size",
+    "target_hidden_dim",
+    "target_last_hidden_dim",
+    "shuffle_seed",
+)
 _STR_FIELDS = ("target_model", "target_model_type", "dtype", "train_data_path", "chat_template_sha256")
 _BOOL_FIELDS = ("mask_reasoning_content", "mask_generation_prompt")
 # Fields that size something: at least 1. Every integer must also fit int64, as our manifest stores it.
@@ -113,8 +122,10 @@ class NemoSource:
                     raise ConvertError(f"{handle.path}: no {key} tensor; a NeMo DSpark shard holds "
                                        f"{', '.join(nemo_format.CACHE_KEYS)}")
                 if got.dtype != dtype or got.shape != shape:
-                    raise ConvertError(f"{handle.path}: {key} is {got.dtype} {list(got.shape)}, but "
-                                       f"{self.manifest_path} implies {dtype} {list(shape)} for shard {shard}")
+                    raise ConvertError(
+                        f"{handle.path}: {key} is {got.dtype} {list(got.shape)}, but "
+                        f"{self.manifest_path} implies {dtype} {list(shape)} for shard {shard}"
+                    )
         except BaseException:
             handle.close()
             raise
@@ -132,7 +143,9 @@ def _check_fields(path: str, manifest: dict[str, Any]) -> None:
             raise ConvertError(f"{path}: field {name} must be a string, found {manifest.get(name)!r:.100}")
     for name in _BOOL_FIELDS:
         if not isinstance(manifest.get(name), bool):
-            raise ConvertError(f"{path}: field {name} must be true or false, found {manifest.get(name)!r:.100}")
+            raise ConvertError(
+                f"{path}: field {name} must be true or false, found {manifest.get(name)!r:.100}"
+            )
     if manifest.get("train_split") is not None and not isinstance(manifest["train_split"], str):
         raise ConvertError(f"{path}: field train_split must be a string or null, "
                            f"found {manifest['train_split']!r:.100}")
@@ -140,8 +153,10 @@ def _check_fields(path: str, manifest: dict[str, Any]) -> None:
         raise ConvertError(f"{path}: dtype {manifest['dtype']!r} is not one of {sorted(nemo_format.DTYPES)}")
     small = [name for name in _POSITIVE_FIELDS if manifest[name] < 1]
     if small or manifest["num_samples"] < 0 or manifest["seq_length"] > _INT32_MAX:
-        raise ConvertError(f"{path}: {', '.join(small) or 'seq_length or num_samples'} out of range: "
-                           f"{', '.join(_POSITIVE_FIELDS)} must be >= 1, num_samples >= 0 and seq_length < 2^31")
+        raise ConvertError(
+            f"{path}: {', '.join(small) or 'seq_length or num_samples'} out of range: "
+            f"{', '.join(_POSITIVE_FIELDS)} must be >= 1, num_samples >= 0 and seq_length < 2^31"
+        )
     ids = manifest.get("target_layer_ids")
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ConvertError(f"{path}: target_layer_ids must be a list of integers, found {ids!r:.100}")
@@ -151,12 +166,15 @@ def _check_fields(path: str, manifest: dict[str, Any]) -> None:
         raise ConvertError(f"{path}: target_layer_ids: {exc}") from exc
     hidden = manifest["hidden_size"]
     if manifest["target_hidden_dim"] != hidden * len(ids) or manifest["target_last_hidden_dim"] != hidden:
-        raise ConvertError(f"{path}: target_hidden_dim {manifest['target_hidden_dim']} / target_last_hidden_dim "
-                           f"{manifest['target_last_hidden_dim']} do not fit hidden_size {hidden} x {len(ids)} layers")
+        raise ConvertError(
+            f"{path}: target_hidden_dim {manifest['target_hidden_dim']} / target_last_hidden_dim "
+            f"{manifest['target_last_hidden_dim']} do not fit hidden_size {hidden} x {len(ids)} layers"
+        )
 
 
 def _check_complete(source: NemoSource) -> None:
-    complete = source.manifest.get("complete", True)  # absent = a cache older than the marker (NeMo accepts it)
+    # absent = a cache older than the marker (NeMo accepts it)
+    complete = source.manifest.get("complete", True)
     if complete is not True:
         raise ConvertError(
             f"{source.manifest_path} says complete: {json.dumps(complete)}: NeMo's precompute has not finished "
@@ -190,18 +208,26 @@ def _check_manifest_file(src: str) -> None:
     except FileNotFoundError:
         return
     except NotARegularFileError as exc:
-        raise ConvertError(f"{path} is {exc.reason}: put NeMo's manifest.json there (a plain file), or re-run "
-                           "NeMo's precompute") from exc
+        raise ConvertError(
+            f"{path} is {exc.reason}: put NeMo's manifest.json there (a plain file), or re-run "
+            "NeMo's precompute"
+        ) from exc
     except FileTooLargeError as exc:
-        raise ConvertError(f"{path} is {exc.size} bytes, far more than a NeMo manifest (~1 KB): it is not one; "
-                           "restore NeMo's manifest.json or re-run NeMo's precompute") from exc
+        raise ConvertError(
+            f"{path} is {exc.size} bytes, far more than a NeMo manifest (~1 KB): it is not one; "
+            "restore NeMo's manifest.json or re-run NeMo's precompute"
+        ) from exc
     try:
         manifest = json.loads(data)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
-        raise ConvertError(f"{path}: not a JSON manifest ({type(exc).__name__}: {exc!s:.200}); restore NeMo's "
-                           "manifest.json or re-run NeMo's precompute") from exc
+        raise ConvertError(
+            f"{path}: not a JSON manifest ({type(exc).__name__}: {exc!s:.200}); restore NeMo's "
+            "manifest.json or re-run NeMo's precompute"
+        ) from exc
     if not isinstance(manifest, dict):
-        raise ConvertError(f"{path}: not a JSON object; restore NeMo's manifest.json or re-run NeMo's precompute")
+        raise ConvertError(
+            f"{path}: not a JSON object; restore NeMo's manifest.json or re-run NeMo's precompute"
+        )
 
 
 def open_nemo_source(src: str) -> NemoSource:

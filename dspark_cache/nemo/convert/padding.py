@@ -40,7 +40,9 @@ def _tokenizer_ids(target_model: str) -> tuple[int | None, int | None, str]:
     from transformers import AutoTokenizer  # only here: importing transformers takes a second
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target_model, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(
+            target_model, local_files_only=True, trust_remote_code=False
+        )
     except Exception as exc:  # any failure means the same thing to the user: pass the ids
         return None, None, f"its tokenizer in {target_model} did not load ({type(exc).__name__}: {exc})"
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -64,7 +66,9 @@ def resolve_pad_rule(target_model: str, manifest_path: str, pad_token_id: int | 
     return rule
 
 
-def _pad_rule(target_model: str, manifest_path: str, pad_token_id: int | None, eos_token_id: int | None) -> PadRule:
+def _pad_rule(
+    target_model: str, manifest_path: str, pad_token_id: int | None, eos_token_id: int | None
+) -> PadRule:
     if pad_token_id is not None and eos_token_id is not None:
         return PadRule(pad_token_id, eos_token_id, "--pad-token-id/--eos-token-id")
     tok_pad, tok_eos, why_not = _tokenizer_ids(target_model)
@@ -76,7 +80,9 @@ def _pad_rule(target_model: str, manifest_path: str, pad_token_id: int | None, e
             "with is unknown (it is the tokenizer's pad token, or its eos token when it has none; add "
             "--eos-token-id too when pad == eos)"
         )
-    return PadRule(tok_pad, eos_token_id if eos_token_id is not None else tok_eos, f"the tokenizer in {target_model}")
+    return PadRule(
+        tok_pad, eos_token_id if eos_token_id is not None else tok_eos, f"the tokenizer in {target_model}"
+    )
 
 
 @dataclass
@@ -87,7 +93,8 @@ class PadEvidence:
     ours means ours is wrong: with it nothing would be stripped."""
 
     rows: int = 0
-    tails: collections.Counter = field(default_factory=collections.Counter)  # id -> rows ending in a run of it
+    # id -> rows ending in a run of it
+    tails: collections.Counter = field(default_factory=collections.Counter)
 
     def add(self, ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
         self.rows += 1

@@ -55,14 +55,20 @@ class TensorRange:
         return self.start + row * self.shape[1] * self.position_bytes
 
 
-def header_bytes(specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, TensorRange]]:
+def header_bytes(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+) -> tuple[bytes, dict[str, TensorRange]]:
     """The header ``safetensors.torch.save_file`` writes for these tensors (no metadata), in the
     given order, and where each tensor's bytes will lie."""
     entries: dict[str, dict] = {}
     cursor = 0
     for name, dtype, shape in specs:
         size = math.prod(shape) * dtype.itemsize
-        entries[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [cursor, cursor + size]}
+        entries[name] = {
+            "dtype": _CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [cursor, cursor + size],
+        }
         cursor += size
     raw = json.dumps(entries, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % _HEADER_ALIGN)
@@ -95,8 +101,10 @@ def _parse_entry(path: str, name: str, info: object, base: int, size: int) -> Te
         raise ConvertError(f"{path}: tensor {name!r} spans bytes {offsets} but its shape {shape} needs "
                            f"{tensor.nbytes}")
     if base + offsets[1] > size:
-        raise ConvertError(f"{path}: tensor {name!r} ends at byte {base + offsets[1]} but the file has {size} "
-                           "bytes (truncated? copy the shard again or re-run its producer)")
+        raise ConvertError(
+            f"{path}: tensor {name!r} ends at byte {base + offsets[1]} but the file has {size} "
+            "bytes (truncated? copy the shard again or re-run its producer)"
+        )
     return tensor
 
 
@@ -106,13 +114,17 @@ def _check_tiling(path: str, tensors: dict[str, TensorRange], base: int, size: i
     cursor = base
     for tensor in sorted(tensors.values(), key=lambda t: (t.start, t.nbytes)):
         if tensor.start != cursor:
-            raise ConvertError(f"{path}: tensor {tensor.name!r} starts at byte {tensor.start}, not {cursor} where "
-                               "the previous one ends (overlapping or gapped offsets: not a safetensors file "
-                               "as NeMo writes it; copy the shard again or re-run its producer)")
+            raise ConvertError(
+                f"{path}: tensor {tensor.name!r} starts at byte {tensor.start}, not {cursor} where "
+                "the previous one ends (overlapping or gapped offsets: not a safetensors file "
+                "as NeMo writes it; copy the shard again or re-run its producer)"
+            )
         cursor += tensor.nbytes
     if cursor != size:
-        raise ConvertError(f"{path}: the tensors end at byte {cursor} but the file has {size} bytes (damaged or "
-                           "appended to; copy the shard again or re-run its producer)")
+        raise ConvertError(
+            f"{path}: the tensors end at byte {cursor} but the file has {size} bytes (damaged or "
+            "appended to; copy the shard again or re-run its producer)"
+        )
 
 
 class SafetensorsFile:

@@ -29,8 +29,18 @@ from dspark_cache.format.tar.writer import ShardWriter, predict_shard_bytes
 from dspark_cache.format.validate import token_problem
 from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert.common import (
-    ConvertError, ConvertResult, Progress, check_destination_files, check_paths, clear_destination, ensure_weights,
-    file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
+    ConvertError,
+    ConvertResult,
+    Progress,
+    check_destination_files,
+    check_paths,
+    clear_destination,
+    ensure_weights,
+    file_bytes,
+    lock_cache,
+    lock_destination,
+    remove_partials,
+    require_weights,
 )
 from dspark_cache.nemo.convert.nemo_source import NemoSource, open_nemo_source
 from dspark_cache.nemo.convert.padding import PadEvidence, PadRule, real_length, resolve_pad_rule
@@ -59,12 +69,16 @@ class ImportPlan:
         return [sid for sid in rows if self.lengths[sid]]
 
 
-def _check_row(path: str, row: int, sample: int, ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> None:
+def _check_row(
+    path: str, row: int, sample: int, ids: torch.Tensor, mask: torch.Tensor, vocab_size: int
+) -> None:
     """format's rule for what a sample may hold (training indexes the embedding with every id)."""
     problem = token_problem(ids.numpy(), mask.numpy(), min(vocab_size, _INT32_MAX + 1))
     if problem:
-        raise ConvertError(f"{path} row {row} (sample {sample}): {problem}; the shard is damaged or belongs to "
-                           "another target: copy it again or re-run NeMo's precompute")
+        raise ConvertError(
+            f"{path} row {row} (sample {sample}): {problem}; the shard is damaged or belongs to "
+            "another target: copy it again or re-run NeMo's precompute"
+        )
 
 
 def plan_import(source: NemoSource, rule: PadRule, shape: SampleShape) -> ImportPlan:
@@ -100,20 +114,39 @@ def build_manifest(source: NemoSource, rule: PadRule, plan: ImportPlan, compress
     m = source.manifest
     kept = int(np.count_nonzero(plan.lengths))
     return Manifest(
-        complete=False, target_model=m["target_model"], target_model_type=m["target_model_type"],
-        target_vocab_size=m["target_vocab_size"], hidden_size=m["hidden_size"],
-        num_hidden_layers=m["num_hidden_layers"], seq_length=m["seq_length"], dtype=m["dtype"],
-        compression=compression, compression_level=compression_level, num_samples=kept,
-        shard_size=m["shard_size"], target_hidden_dim=m["target_hidden_dim"],
-        target_last_hidden_dim=m["target_last_hidden_dim"], target_layer_ids=list(m["target_layer_ids"]),
-        train_data_path=m["train_data_path"], train_split=m.get("train_split"), shuffle_seed=m["shuffle_seed"],
+        complete=False,
+        target_model=m["target_model"],
+        target_model_type=m["target_model_type"],
+        target_vocab_size=m["target_vocab_size"],
+        hidden_size=m["hidden_size"],
+        num_hidden_layers=m["num_hidden_layers"],
+        seq_length=m["seq_length"],
+        dtype=m["dtype"],
+        compression=compression,
+        compression_level=compression_level,
+        num_samples=kept,
+        shard_size=m["shard_size"],
+        target_hidden_dim=m["target_hidden_dim"],
+        target_last_hidden_dim=m["target_last_hidden_dim"],
+        target_layer_ids=list(m["target_layer_ids"]),
+        train_data_path=m["train_data_path"],
+        train_split=m.get("train_split"),
+        shuffle_seed=m["shuffle_seed"],
         mask_reasoning_content=bool(m["mask_reasoning_content"]),
-        mask_generation_prompt=bool(m["mask_generation_prompt"]), chat_template_sha256=m["chat_template_sha256"],
+        mask_generation_prompt=bool(m["mask_generation_prompt"]),
+        chat_template_sha256=m["chat_template_sha256"],
         compute_dtype="",  # NeMo does not record it (bf16 on CUDA, fp32 on CPU): unknown
-        pad_token_id=rule.pad_id, num_rows=source.num_samples, planned_samples=kept, num_shards=source.num_shards,
-        planned_tokens=int(plan.lengths.sum()), planned_loss_tokens=int(plan.loss_tokens.sum()),
-        planned_bytes=sum(plan.shard_bytes), skipped_rows={ALL_PADDING: len(plan.skipped)} if plan.skipped else {},
-        skipped=plan.skipped, versions=_versions(), created_at=time.time(),
+        pad_token_id=rule.pad_id,
+        num_rows=source.num_samples,
+        planned_samples=kept,
+        num_shards=source.num_shards,
+        planned_tokens=int(plan.lengths.sum()),
+        planned_loss_tokens=int(plan.loss_tokens.sum()),
+        planned_bytes=sum(plan.shard_bytes),
+        skipped_rows={ALL_PADDING: len(plan.skipped)} if plan.skipped else {},
+        skipped=plan.skipped,
+        versions=_versions(),
+        created_at=time.time(),
     )
 
 
@@ -125,12 +158,15 @@ def _existing_manifest(output: CacheOutput, new: Manifest, overwrite: bool) -> M
     paths = output.paths
     if not os.path.exists(paths.manifest):
         if output.published() or nemo_format.shard_indices(paths.root):
-            raise ConvertError(f"{output.shown} holds shards but no manifest.json, so they cannot be verified; "
-                               "pass --overwrite to replace them, or choose another DST")
+            raise ConvertError(
+                f"{output.shown} holds shards but no manifest.json, so they cannot be verified; "
+                "pass --overwrite to replace them, or choose another DST"
+            )
         return None
     if nemo_format.is_nemo_cache(paths.root):
-        raise ConvertError(f"{output.shown} holds a NeMo-layout cache; pass --overwrite to replace it, or choose "
-                           "another DST")
+        raise ConvertError(
+            f"{output.shown} holds a NeMo-layout cache; pass --overwrite to replace it, or choose another DST"
+        )
     try:  # unchecked: a manifest of ours that does not add up is another cache, named by the diff
         old = read_manifest(paths.root, allow_incomplete=True, checked=False)
     except ManifestDecodeError as exc:
@@ -138,8 +174,10 @@ def _existing_manifest(output: CacheOutput, new: Manifest, overwrite: bool) -> M
     diff = identity_diff(old, new)
     if diff:
         lines = "\n".join(f"  {name}: DST has {a!r}, this conversion gives {b!r}" for name, a, b in diff)
-        raise ConvertError(f"{output.shown} holds a different cache:\n{lines}\nPass --overwrite to replace it, "
-                           "or choose another DST")
+        raise ConvertError(
+            f"{output.shown} holds a different cache:\n{lines}\nPass --overwrite to replace it, "
+            "or choose another DST"
+        )
     return old
 
 
@@ -179,8 +217,12 @@ def _versions() -> dict[str, str]:
     to ask its version would cost a second when the pad id is given)."""
     from importlib.metadata import version
 
-    return {"dspark_cache": __version__, "torch": str(torch.__version__), "transformers": version("transformers"),
-            "tokenizers": version("tokenizers")}
+    return {
+        "dspark_cache": __version__,
+        "torch": str(torch.__version__),
+        "transformers": version("transformers"),
+        "tokenizers": version("tokenizers"),
+    }
 
 
 def _row_tensors(handle: SafetensorsFile, row: int, sid: int, length: int,
@@ -275,5 +317,16 @@ def convert_to_dspark(src: str, dst: str, *, pad_token_id: int | None = None, eo
         os.close(lock)
     after = sum(output.shard_index(k).tar_bytes for k in output.scan()) + file_bytes(
         [paths.shard_index(k) for k in range(source.num_shards)])  # the tars of a remote cache are not here
-    return ConvertResult("dspark", manifest.num_samples, source.num_shards, len(kept), source.shard_bytes(), after,
-                         time.perf_counter() - started, rule.pad_id, plan.ambiguous, len(plan.skipped), rule.source)
+    return ConvertResult(
+        "dspark",
+        manifest.num_samples,
+        source.num_shards,
+        len(kept),
+        source.shard_bytes(),
+        after,
+        time.perf_counter() - started,
+        rule.pad_id,
+        plan.ambiguous,
+        len(plan.skipped),
+        rule.source,
+    )

@@ -36,8 +36,19 @@ from dspark_cache.format.sample import CACHE_DTYPES, HIDDEN, INPUT_IDS, LAST_HID
 from dspark_cache.loader.cache import Cache, open_cache
 from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert.common import (
-    ConvertError, ConvertResult, ConvertUsageError, Progress, check_destination_files, check_paths, clear_destination,
-    ensure_weights, file_bytes, lock_cache, lock_destination, remove_partials, require_weights,
+    ConvertError,
+    ConvertResult,
+    ConvertUsageError,
+    Progress,
+    check_destination_files,
+    check_paths,
+    clear_destination,
+    ensure_weights,
+    file_bytes,
+    lock_cache,
+    lock_destination,
+    remove_partials,
+    require_weights,
 )
 from dspark_cache.nemo.convert.stfile import (
     SafetensorsFile, TensorRange, file_size, header_bytes, pwrite_all, raw_bytes,
@@ -93,16 +104,21 @@ def _existing_manifest(output: CacheOutput, new: dict, overwrite: bool) -> dict 
                                "--overwrite to replace them, or choose another DST")
         return None
     if not nemo_format.is_nemo_cache(dst):
-        raise ConvertError(f"{path} is not a NeMo manifest (a dspark cache, or unreadable); pass --overwrite to "
-                           "replace that cache, or choose another DST")
+        raise ConvertError(
+            f"{path} is not a NeMo manifest (a dspark cache, or unreadable); pass --overwrite to "
+            "replace that cache, or choose another DST"
+        )
     old = nemo_format.read_manifest(dst, allow_incomplete=True)
     # NeMo's own resume rule: every field but the bookkeeping ones must match.
     diff = [k for k in sorted(old.keys() | new.keys())
             if k not in ("format_version", "complete") and old.get(k) != new.get(k)]
     if diff:
-        lines = "\n".join(f"  {k}: DST has {old.get(k)!r}, this conversion gives {new.get(k)!r}" for k in diff)
-        raise ConvertError(f"{dst} holds a different cache:\n{lines}\nPass --overwrite to replace it, or choose "
-                           "another DST")
+        lines = "\n".join(
+            f"  {k}: DST has {old.get(k)!r}, this conversion gives {new.get(k)!r}" for k in diff
+        )
+        raise ConvertError(
+            f"{dst} holds a different cache:\n{lines}\nPass --overwrite to replace it, or choose another DST"
+        )
     return old
 
 
@@ -128,8 +144,10 @@ def _write_shard(cache: Cache, positions: list[int], path: str, specs: list[Spec
         for row, position in enumerate(positions):
             sample = cache.read(position)  # checksum-verified
             if sample[INPUT_IDS].shape[0] > seq:
-                raise ConvertError(f"{cache.path}: sample {sample['sample_id']} has {sample[INPUT_IDS].shape[0]} "
-                                   f"tokens, more than the manifest's seq_length {seq}")
+                raise ConvertError(
+                    f"{cache.path}: sample {sample['sample_id']} has {sample[INPUT_IDS].shape[0]} "
+                    f"tokens, more than the manifest's seq_length {seq}"
+                )
             _write_row(fd, ranges, row, sample, pad_id)
             crash_point("nemo_mid_shard")
         os.fsync(fd)
@@ -168,7 +186,8 @@ def _reconcile(output: CacheOutput, manifest: dict, shards: list[list[int]],
     check_destination_files(dst, overwrite)
     existing = _existing_manifest(output, manifest, overwrite)
     remove_partials(output)
-    for stale in nemo_format.shard_indices(dst):  # beyond this cache's shards: NeMo's reader would refuse them
+    # beyond this cache's shards: NeMo's reader would refuse them
+    for stale in nemo_format.shard_indices(dst):
         if stale >= len(shards):
             os.unlink(nemo_format.shard_path(dst, stale))
     kept = {k for k, rows in enumerate(shards) if os.path.exists(nemo_format.shard_path(dst, k))
@@ -208,8 +227,13 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         progress_log.kept(len(kept), sum(out_bytes[k] for k in kept))
         for k in (k for k in range(len(shards)) if k not in kept):
             try:
-                _write_shard(cache, shards[k], nemo_format.shard_path(dst, k), shard_specs(manifest, len(shards[k])),
-                             cache.manifest.pad_token_id)
+                _write_shard(
+                    cache,
+                    shards[k],
+                    nemo_format.shard_path(dst, k),
+                    shard_specs(manifest, len(shards[k])),
+                    cache.manifest.pad_token_id,
+                )
             except CorruptShardError as exc:  # names the source shard and sample; published shards stay
                 raise ConvertError(str(exc)) from exc
             progress_log.shard_done(k, len(shards[k]), out_bytes[k])
@@ -219,7 +243,9 @@ def convert_to_nemo(src: str, dst: str, *, shard_size: int | None = None, overwr
         output.release()
         os.close(lock)
         cache.close()
-    before = sum(s.tar_bytes for s in cache.shards) + file_bytes([source.shard_index(s.shard_id) for s in cache.shards])
+    before = sum(s.tar_bytes for s in cache.shards) + file_bytes(
+        [source.shard_index(s.shard_id) for s in cache.shards]
+    )
     written = [nemo_format.shard_path(dst, k) for k in range(len(shards))]
     return ConvertResult("nemo", total, len(shards), len(kept), before, file_bytes(written),
                          time.perf_counter() - started, cache.manifest.pad_token_id,

@@ -88,12 +88,16 @@ def _weight_names(where: str, names: list[str], allow_pickle: bool, explicit: st
     if explicit is not None:
         if (not isinstance(explicit, str) or not explicit or os.path.isabs(explicit)
                 or ".." in explicit.replace("\\", "/").split("/")):
-            raise TargetError(f"target model {where}: config.json's {EXPLICIT_WEIGHTS_KEY} {explicit!r} is not a "
-                              "file inside the checkpoint directory; fix or remove it")
+            raise TargetError(
+                f"target model {where}: config.json's {EXPLICIT_WEIGHTS_KEY} {explicit!r} is not a "
+                "file inside the checkpoint directory; fix or remove it"
+            )
         if not explicit.endswith((".safetensors", ".safetensors.index.json")) and not allow_pickle:
-            raise TargetError(f"target model {where}: config.json's {EXPLICIT_WEIGHTS_KEY} names pickle weights "
-                              f"({explicit}), which run arbitrary code when loaded; pass "
-                              "--allow-pickle-weights if you trust this checkpoint")
+            raise TargetError(
+                f"target model {where}: config.json's {EXPLICIT_WEIGHTS_KEY} names pickle weights "
+                f"({explicit}), which run arbitrary code when loaded; pass "
+                "--allow-pickle-weights if you trust this checkpoint"
+            )
         return explicit
     present = set(names)
     for name in SAFETENSORS_FILES + (PICKLE_FILES if allow_pickle else ()):
@@ -101,11 +105,15 @@ def _weight_names(where: str, names: list[str], allow_pickle: bool, explicit: st
             return name
     if any(name in present for name in PICKLE_FILES):
         pickles = ", ".join(sorted(present & set(PICKLE_FILES)))
-        raise TargetError(f"target model {where} has only pickle weights ({pickles}), which run arbitrary code "
-                          "when loaded; convert them to safetensors, or pass "
-                          "--allow-pickle-weights if you trust this checkpoint")
-    raise TargetError(f"target model {where} has no weights ({' or '.join(SAFETENSORS_FILES)}); pass a complete "
-                      "checkpoint to --target-model")
+        raise TargetError(
+            f"target model {where} has only pickle weights ({pickles}), which run arbitrary code "
+            "when loaded; convert them to safetensors, or pass "
+            "--allow-pickle-weights if you trust this checkpoint"
+        )
+    raise TargetError(
+        f"target model {where} has no weights ({' or '.join(SAFETENSORS_FILES)}); pass a complete "
+        "checkpoint to --target-model"
+    )
 
 
 def local_fingerprint(path: str, allow_pickle: bool = False) -> str:
@@ -126,8 +134,10 @@ def local_fingerprint(path: str, allow_pickle: bool = False) -> str:
             weight_map = json.loads(read_regular(index_path, MAX_INDEX_BYTES))["weight_map"]
             files += sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise TargetError(f"target model {path}: {entry} is not a readable weight index ({first_line(exc)}); "
-                              "repair or re-download the checkpoint") from exc
+            raise TargetError(
+                f"target model {path}: {entry} is not a readable weight index ({first_line(exc)}); "
+                "repair or re-download the checkpoint"
+            ) from exc
     # What loads first, in the order of earlier versions (so a plain checkpoint keeps its fingerprint),
     # then every other weight file present: replacing any of them is a changed checkpoint.
     extras = [name for name in _weight_files(path) if name not in set(files)]
@@ -140,13 +150,17 @@ def local_fingerprint(path: str, allow_pickle: bool = False) -> str:
             fd = open_regular(where)
         except FileNotFoundError:
             if loaded:
-                raise TargetError(f"target model {path}: cannot read {name} (it is missing); the checkpoint is "
-                                  "incomplete: repair or re-download it") from None
+                raise TargetError(
+                    f"target model {path}: cannot read {name} (it is missing); the checkpoint is "
+                    "incomplete: repair or re-download it"
+                ) from None
             digest.update(f"{name}\0dangling\n".encode())  # a dangling link that nothing loads
             continue
         except (OSError, CacheError) as exc:
-            raise TargetError(f"target model {path}: cannot read {name} ({first_line(exc)}); the checkpoint is "
-                              "incomplete: repair or re-download it") from exc
+            raise TargetError(
+                f"target model {path}: cannot read {name} ({first_line(exc)}); the checkpoint is "
+                "incomplete: repair or re-download it"
+            ) from exc
         try:
             size = os.fstat(fd).st_size
             part = _file_digest(fd, name, size, where, strict=loaded)
@@ -205,7 +219,9 @@ def _file_digest(fd: int, name: str, size: int, where: str, strict: bool = True)
         digest.update(os.pread(fd, span, data_start))
     else:
         for i in range(DATA_SAMPLES):
-            digest.update(os.pread(fd, SAMPLE_BYTES, data_start + i * (span - SAMPLE_BYTES) // (DATA_SAMPLES - 1)))
+            digest.update(
+                os.pread(fd, SAMPLE_BYTES, data_start + i * (span - SAMPLE_BYTES) // (DATA_SAMPLES - 1))
+            )
     return digest.hexdigest()
 
 
@@ -222,9 +238,11 @@ def _hub_commit(repo: str) -> tuple[str, list[str]]:
         return str(info.sha), [s.rfilename for s in info.siblings or []]
     cached = try_to_load_from_cache(repo, CONFIG_FILE)
     if not isinstance(cached, str):
-        raise TargetError(f"target model {repo!r} is not in the local Hugging Face cache and {reason}: download "
-                          f"it where the hub is reachable (hf download {repo}), or pass a local checkpoint "
-                          "directory to --target-model")
+        raise TargetError(
+            f"target model {repo!r} is not in the local Hugging Face cache and {reason}: download "
+            f"it where the hub is reachable (hf download {repo}), or pass a local checkpoint "
+            "directory to --target-model"
+        )
     snapshot = os.path.dirname(cached)
     if reason != OFFLINE:
         log.warning("target model %s: %s; using its cached snapshot %s", repo, reason, snapshot)

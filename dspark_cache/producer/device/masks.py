@@ -90,7 +90,9 @@ def masks_match(base: torch.nn.Module, masks: CausalMasks, vocab_size: int, devi
     try:
         with torch.inference_mode():
             theirs = base(input_ids=ids, use_cache=False).last_hidden_state
-            ours = base(input_ids=ids, attention_mask=masks.mapping(2, length, device), use_cache=False).last_hidden_state
+            ours = base(
+                input_ids=ids, attention_mask=masks.mapping(2, length, device), use_cache=False
+            ).last_hidden_state
     except Exception as exc:  # a model whose forward refuses a dict mask
         log.info("the target does not take a mask mapping (%s): using its own masks", exc)
         return False

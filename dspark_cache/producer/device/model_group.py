@@ -67,18 +67,24 @@ def target_problem(config: Any, tp_size: int, ep_size: int) -> str | None:
     kind = getattr(config, "model_type", "") or type(config).__name__
     size = max(tp_size, ep_size)
     if not getattr(text, "base_model_tp_plan", None):
-        return (f"{kind} has no tensor-parallel plan in transformers {transformers.__version__} "
-                "(base_model_tp_plan), so --tp-size/--ep-size cannot split it; on one node, --device-map auto runs "
-                "it as one process spread over the GPUs (slower: one GPU computes at a time)")
+        return (
+            f"{kind} has no tensor-parallel plan in transformers {transformers.__version__} "
+            "(base_model_tp_plan), so --tp-size/--ep-size cannot split it; on one node, --device-map auto runs "
+            "it as one process spread over the GPUs (slower: one GPU computes at a time)"
+        )
     if ep_size > 1 and not getattr(text, "base_model_ep_plan", None):
         return f"{kind} has no expert-parallel plan (base_model_ep_plan); use --tp-size instead of --ep-size"
     heads = getattr(text, "num_attention_heads", None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
         if isinstance(count, int) and count % size:
-            return f"its {count} {what} do not divide over {size} ranks; pick a group size that divides {count}"
+            return (
+                f"its {count} {what} do not divide over {size} ranks; pick a group size that divides {count}"
+            )
     if ep_size > 1:
-        experts = next((getattr(text, n) for n in EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None)
+        experts = next(
+            (getattr(text, n) for n in EXPERT_COUNTS if isinstance(getattr(text, n, None), int)), None
+        )
         if experts is None:
             return f"--ep-size needs a mixture-of-experts target; {kind} has no experts ({'/'.join(EXPERT_COUNTS)})"
         if experts % ep_size:
@@ -97,8 +103,10 @@ def distributed_config(topology: Topology) -> Any:
     try:
         return DistributedConfig(**kwargs)
     except TypeError as exc:  # a transformers without ep_size
-        raise ParallelError(f"transformers {transformers.__version__} cannot take {kwargs} ({exc}); --ep-size "
-                            "needs a newer transformers (tested with 5.24)") from exc
+        raise ParallelError(
+            f"transformers {transformers.__version__} cannot take {kwargs} ({exc}); --ep-size "
+            "needs a newer transformers (tested with 5.24)"
+        ) from exc
 
 
 GO, DRAIN, END = 2, 1, 0  # what a group agrees before a batch: the least any rank says wins
@@ -190,7 +198,8 @@ class PartnerWatch:
         for rank in self.topology.partners():
             try:
                 s = read_rank_status(self.paths.status(rank))
-            except (OSError, CacheError, msgspec.DecodeError):  # not written yet, or mid-replace: a later poll
+            # not written yet, or mid-replace: a later poll
+            except (OSError, CacheError, msgspec.DecodeError):
                 continue
             if s.run_id != self.run_id:
                 continue
@@ -201,7 +210,9 @@ class PartnerWatch:
             if s.state in RankState.ACTIVE and process_gone(s):
                 return f"{who} died (process {s.pid} is gone)"
             if rank_is_stale(s, now, self.timeout):
-                return f"{who} has been silent for {now - s.updated_at:.0f} s (--rank-timeout {self.timeout:g})"
+                return (
+                    f"{who} has been silent for {now - s.updated_at:.0f} s (--rank-timeout {self.timeout:g})"
+                )
         return None
 
     def wait_gone(self, seconds: float = 2.0) -> str | None:
@@ -227,5 +238,7 @@ class PartnerWatch:
 
 def group_error(reason: str, topology: Topology) -> CacheError:
     """The error a rank raises when its group lost a partner: what happened and what to do."""
-    return CacheError(f"{reason}; rank {topology.rank} cannot compute without it. The group's published shards "
-                      "are kept: rerun the same command to resume")
+    return CacheError(
+        f"{reason}; rank {topology.rank} cannot compute without it. The group's published shards "
+        "are kept: rerun the same command to resume"
+    )

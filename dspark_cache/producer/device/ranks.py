@@ -146,8 +146,15 @@ def _may_publish(status: RankStatus) -> bool:
     return working and status.rank % max(1, status.group_size) == 0
 
 
-def await_other_ranks(paths: CachePaths, planned: set[int], topology: Topology, run_id: str,
-                      rank_timeout: float, poll: float = 1.0, refresh: Callable[[], None] = lambda: None) -> set[int]:
+def await_other_ranks(
+    paths: CachePaths,
+    planned: set[int],
+    topology: Topology,
+    run_id: str,
+    rank_timeout: float,
+    poll: float = 1.0,
+    refresh: Callable[[], None] = lambda: None,
+) -> set[int]:
     """Wait while shards are missing and some other rank of this run is alive and may still
     publish them; return missing. (Ranks that wait, as this one does, publish nothing more: two
     of them must not wait for each other.) ``refresh`` brings other nodes' files in before each look."""

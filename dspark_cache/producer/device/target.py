@@ -71,7 +71,9 @@ def read_target_info(path: str, trust_remote_code: bool = False, allow_pickle: b
 
     checkpoint = resolve_checkpoint(path, allow_pickle)
     try:
-        config = AutoConfig.from_pretrained(path, revision=checkpoint.revision, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            path, revision=checkpoint.revision, trust_remote_code=trust_remote_code
+        )
     except Exception as exc:
         raise TargetError(f"cannot read the config of target model {path!r}: {first_line(exc)}") from exc
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -90,7 +92,10 @@ def check_loaded(path: str, loading: dict[str, Any]) -> None:
     those at random and only warns, and every hidden state computed from them would be noise.
     (A tied ``lm_head`` is the embedding itself, never missing.)"""
     problems = []
-    for key, what in (("missing_keys", "missing from the checkpoint"), ("mismatched_keys", "of another shape")):
+    for key, what in (
+        ("missing_keys", "missing from the checkpoint"),
+        ("mismatched_keys", "of another shape"),
+    ):
         names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in loading.get(key) or ())
         if names:
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
@@ -154,8 +159,10 @@ class TargetRunner:
         # The format names dtypes by safetensors code ("BF16", CACHE_DTYPES' values); torch needs its own.
         compute_dtype, cache_dtype = torch_dtype(compute_dtype), torch_dtype(cache_dtype)
         if compute_dtype.itemsize == 1:
-            raise TargetError(f"--compute-dtype {compute_dtype} is a storage format, not one a target computes in; "
-                              "use bf16, fp16 or fp32 (or auto)")
+            raise TargetError(
+                f"--compute-dtype {compute_dtype} is a storage format, not one a target computes in; "
+                "use bf16, fp16 or fp32 (or auto)"
+            )
         if cache_dtype.itemsize == 1:
             # FP8 caches: the forward hands out the states as computed; the pipeline quantises them
             # (with their scales) after the non-finite check. The weights keep the compute dtype.
@@ -188,7 +195,9 @@ class TargetRunner:
             device = output_device(self.base, device)
         self.hidden_size = int(self.text_config(model).hidden_size)
         self.masks = CausalMasks(self.text_config(model), compute_dtype)
-        self.sync_free = masks_match(self.base, self.masks, int(model.get_input_embeddings().weight.shape[0]), device)
+        self.sync_free = masks_match(
+            self.base, self.masks, int(model.get_input_embeddings().weight.shape[0]), device
+        )
         self.device = device
         self.cache_dtype = cache_dtype
         self.layer_ids = list(layer_ids)
@@ -208,7 +217,9 @@ class TargetRunner:
         return sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
 
     def _hook_module(self, layer_id: int) -> Any:
-        module = self.base.get_input_embeddings() if layer_id == EMBEDDING_LAYER else self.base.layers[layer_id]
+        module = (
+            self.base.get_input_embeddings() if layer_id == EMBEDDING_LAYER else self.base.layers[layer_id]
+        )
 
         def hook(_module: Any, _args: Any, output: Any) -> None:
             # Under a TP plan the residual stream leaves each layer whole on every rank (row-wise
@@ -216,9 +227,11 @@ class TargetRunner:
             # rank of the group runs the same hooks, so the gather is a matched collective).
             state = full_tensor(_first_tensor(output))
             if state.shape[-1] != self.hidden_size:
-                raise TargetError(f"layer {layer_id} of the target returns states {state.shape[-1]} wide, not "
-                                  f"hidden_size {self.hidden_size}: its tensor-parallel plan leaves them split; "
-                                  "run without --tp-size/--ep-size (or with --device-map auto)")
+                raise TargetError(
+                    f"layer {layer_id} of the target returns states {state.shape[-1]} wide, not "
+                    f"hidden_size {self.hidden_size}: its tensor-parallel plan leaves them split; "
+                    "run without --tp-size/--ep-size (or with --device-map auto)"
+                )
             self._captured[layer_id] = state
 
         return module.register_forward_hook(hook)
@@ -268,4 +281,6 @@ class TargetRunner:
         waits for the device."""
         self._captured.clear()
         masks = self.masks.mapping(*input_ids.shape, input_ids.device) if self.sync_free else None
-        return full_tensor(self.base(input_ids=input_ids, attention_mask=masks, use_cache=False).last_hidden_state)
+        return full_tensor(
+            self.base(input_ids=input_ids, attention_mask=masks, use_cache=False).last_hidden_state
+        )

@@ -117,24 +117,34 @@ def check_topology(topology: Topology, device: str = "auto", device_map: str | N
         if value < 1:
             raise ParallelError(f"{option} must be >= 1, got {value}")
     if ep > 1 and tp not in (1, ep):
-        raise ParallelError(f"--ep-size {ep} with --tp-size {tp}: transformers spreads the experts over the "
-                            "tensor-parallel ranks, so --ep-size must equal --tp-size (or leave --tp-size out)")
+        raise ParallelError(
+            f"--ep-size {ep} with --tp-size {tp}: transformers spreads the experts over the "
+            "tensor-parallel ranks, so --ep-size must equal --tp-size (or leave --tp-size out)"
+        )
     size = topology.group_size
     problem = _world_problem(size, topology.world_size)
     if problem:
         raise ParallelError(f"--{'tp' if tp >= ep else 'ep'}-size {size}: {problem}")
     if device_map is not None:
         if topology.model_parallel:
-            raise ParallelError("--device-map auto spreads one process over the GPUs; it does not combine with "
-                                "--tp-size/--ep-size (use one or the other)")
+            raise ParallelError(
+                "--device-map auto spreads one process over the GPUs; it does not combine with "
+                "--tp-size/--ep-size (use one or the other)"
+            )
         if topology.local_world_size > 1:
-            raise ParallelError(f"--device-map auto gives one process every GPU of its node, but torchrun started "
-                                f"{topology.local_world_size} per node; use --nproc_per_node 1, or --tp-size to "
-                                "share the GPUs between ranks")
+            raise ParallelError(
+                f"--device-map auto gives one process every GPU of its node, but torchrun started "
+                f"{topology.local_world_size} per node; use --nproc_per_node 1, or --tp-size to "
+                "share the GPUs between ranks"
+            )
     if topology.model_parallel and topology.local_world_size % size and topology.is_leader:
-        log.warning("model-parallel groups of %d ranks with %d ranks per node: some groups span two nodes, and "
-                    "their collectives cross the network; make --nproc_per_node a multiple of %d",
-                    size, topology.local_world_size, size)
+        log.warning(
+            "model-parallel groups of %d ranks with %d ranks per node: some groups span two nodes, and "
+            "their collectives cross the network; make --nproc_per_node a multiple of %d",
+            size,
+            topology.local_world_size,
+            size,
+        )
     _check_device(topology, device)
 
 
@@ -145,6 +155,8 @@ def _check_device(topology: Topology, device: str) -> None:
     import torch
 
     if torch.cuda.is_available():
-        raise ParallelError("--tp-size/--ep-size with --device cpu on a machine with CUDA: transformers places "
-                            "tensor-parallel shards on the GPUs; use --device cuda (or hide the GPUs with "
-                            "CUDA_VISIBLE_DEVICES= to test on CPU)")
+        raise ParallelError(
+            "--tp-size/--ep-size with --device cpu on a machine with CUDA: transformers places "
+            "tensor-parallel shards on the GPUs; use --device cuda (or hide the GPUs with "
+            "CUDA_VISIBLE_DEVICES= to test on CPU)"
+        )

@@ -34,8 +34,14 @@ from dspark_cache.producer.encode.text import (
     SURROGATE, appended_block, common_prefix, common_suffix, find_surrogate, turn_end, warn_once,
 )
 from dspark_cache.producer.encode.template import (
-    GENERATION_BLOCK, RENDER_CHARS_FLOOR, RENDER_CHARS_PER_ROW_CHAR, RENDER_SECONDS, ChatTemplateError, RenderBudget,
-    bounded_template, render_bounded,
+    GENERATION_BLOCK,
+    RENDER_CHARS_FLOOR,
+    RENDER_CHARS_PER_ROW_CHAR,
+    RENDER_SECONDS,
+    ChatTemplateError,
+    RenderBudget,
+    bounded_template,
+    render_bounded,
 )
 from dspark_cache.producer.encode.tokens import (
     CHARS_PER_TOKEN_GUESS, EXACT_CHARS, MAX_CHARS_PER_TOKEN, Tokens, kept_end, realign, stable_count,
@@ -86,7 +92,9 @@ class ChatEncoder:
                 "the tokenizer has no chat template and --chat-template was not set; pass one"
             )
         if not isinstance(tokenizer.chat_template, str):
-            raise ChatTemplateError("the tokenizer's chat_template is not a single string; pass --chat-template")
+            raise ChatTemplateError(
+                "the tokenizer's chat_template is not a single string; pass --chat-template"
+            )
         self.tokenizer = tokenizer
         self.seq_length = seq_length
         self.mask_reasoning_content = mask_reasoning_content
@@ -115,22 +123,38 @@ class ChatEncoder:
         if self.template is None:
             return
         names = sorted(self.tokenizer.special_tokens_map)
-        probe_template = ("{{ messages|tojson }}|{{ tools|tojson }}|{{ documents|tojson }}|{{ add_generation_prompt }}"
-                          "|{{ enable_thinking }}" + "".join("|{{ %s }}" % name for name in names))
-        probe = [{"role": "user", "content": "Hi", "name": None},
-                 {"role": "assistant", "content": "Hello", "reasoning_content": "A greeting.",
-                  "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+        probe_template = (
+            "{{ messages|tojson }}|{{ tools|tojson }}|{{ documents|tojson }}|{{ add_generation_prompt }}"
+            "|{{ enable_thinking }}" + "".join("|{{ %s }}" % name for name in names)
+        )
+        probe = [
+            {"role": "user", "content": "Hi", "name": None},
+            {
+                "role": "assistant",
+                "content": "Hello",
+                "reasoning_content": "A greeting.",
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            },
+        ]
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         template, self.template = self.template, bounded_template(probe_template)
         try:
             ours = self.render(probe, tools, add_generation_prompt=True, enable_thinking=False)
         finally:
             self.template = template
-        theirs = self.tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, chat_template=probe_template,
-                                                    add_generation_prompt=True, enable_thinking=False)
+        theirs = self.tokenizer.apply_chat_template(
+            probe,
+            tools=tools,
+            tokenize=False,
+            chat_template=probe_template,
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
         if ours != theirs:
-            log.warning("this transformers hands chat templates other data than our bounded render does; rendering "
-                        "with its own (a template that loops or renders gigabytes is then not stopped)")
+            log.warning(
+                "this transformers hands chat templates other data than our bounded render does; rendering "
+                "with its own (a template that loops or renders gigabytes is then not stopped)"
+            )
             self.template = None
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, spans: list | None = None,
@@ -209,7 +233,9 @@ class ChatEncoder:
     def check_text(self, messages: list[dict[str, Any]], text: str) -> None:
         """Refuse text that no tokenizer can take (lone surrogates from JSON escapes like \\ud800)."""
         if not text.isascii() and SURROGATE.search(text):
-            raise InvalidRow("lone surrogate", find_surrogate(messages, text) + ", which is not valid Unicode text")
+            raise InvalidRow(
+                "lone surrogate", find_surrogate(messages, text) + ", which is not valid Unicode text"
+            )
 
     def encode(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> EncodedRow:
         """Token ids and loss mask for one conversation (may have zero supervised tokens)."""
@@ -243,7 +269,9 @@ class ChatEncoder:
 
     # -- NeMo's optional loss-mask rules (each bounded as ``tokens`` is) ---------------------------
 
-    def _render_with_generation_spans(self, messages: list[dict[str, Any]], tools: Any) -> tuple[str, list] | None:
+    def _render_with_generation_spans(
+        self, messages: list[dict[str, Any]], tools: Any
+    ) -> tuple[str, list] | None:
         """What ``apply_chat_template(..., return_assistant_tokens_mask=True)`` renders, and its spans (None when
         only transformers can render it)."""
         if self.template is None:
@@ -331,7 +359,9 @@ class ChatEncoder:
                 warn_once("align the reasoning of a long row on a word boundary (masked by characters)")
                 after = [t for t, start in enumerate(toks.starts) if start >= same_from]
                 other_toks = self.tokens(other, keep)
-                return common_prefix(toks.ids[:keep], other_toks.ids[:keep]), (after[0] if after else len(toks))
+                return common_prefix(toks.ids[:keep], other_toks.ids[:keep]), (
+                    after[0] if after else len(toks)
+                )
             margin *= 2
 
     def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any, **kwargs: Any) -> list[int]:

@@ -56,7 +56,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise InvalidRow("bad tool_calls", f"{where}[{i}].function has no name")
         if not isinstance(fn.get("arguments", {}), str):
             fn["arguments"] = json.dumps(fn.get("arguments", {}))
-        out.append({"id": call.get("id") or f"call_{i}", "type": call.get("type") or "function", "function": fn})
+        out.append(
+            {"id": call.get("id") or f"call_{i}", "type": call.get("type") or "function", "function": fn}
+        )
     return out
 
 

@@ -58,14 +58,20 @@ def _encode_one(encode: Encode, row: RawRow) -> Result:
     except ChatTemplateError:
         raise
     except MemoryError:  # not the row's fault alone, and a bare MemoryError says nothing
-        raise MemoryError(f"out of memory while encoding the row at {row.where}; lower --num-workers (each worker "
-                          "holds its rows) or --max-row-bytes, or free memory, then rerun") from None
+        raise MemoryError(
+            f"out of memory while encoding the row at {row.where}; lower --num-workers (each worker "
+            "holds its rows) or --max-row-bytes, or free memory, then rerun"
+        ) from None
     except Exception as exc:  # the template or tokenizer refused this row's content
-        return InvalidRow("cannot encode", f"the chat template or tokenizer failed on this row ({_clipped(exc)})")
+        return InvalidRow(
+            "cannot encode", f"the chat template or tokenizer failed on this row ({_clipped(exc)})"
+        )
     except BaseException as exc:
         if not is_rust_panic(exc):
             raise
-        return InvalidRow("tokenizer panic", f"the tokenizer crashed (a Rust panic) on this row ({_clipped(exc)})")
+        return InvalidRow(
+            "tokenizer panic", f"the tokenizer crashed (a Rust panic) on this row ({_clipped(exc)})"
+        )
 
 
 def _worker_init(parent: int) -> None:
@@ -93,7 +99,9 @@ def _results(rows: list[RawRow], future: Future) -> Iterator[tuple[RawRow, Resul
         ) from None
 
 
-def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) -> Iterator[tuple[RawRow, Result]]:
+def encode_rows(
+    rows: Iterable[RawRow], encode: Encode, num_workers: int = 0
+) -> Iterator[tuple[RawRow, Result]]:
     """Encode rows in order; ``num_workers > 1`` spreads chunks over forked processes.
 
     Forking is safe here: it happens before the target model is loaded or any device is used.
@@ -111,7 +119,9 @@ def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) ->
     # ProcessPoolExecutor, not Pool: a worker that dies raises BrokenProcessPool instead of
     # leaving the planner waiting forever for a lost chunk.
     context = multiprocessing.get_context("fork")
-    pool = ProcessPoolExecutor(num_workers, mp_context=context, initializer=_worker_init, initargs=(os.getpid(),))
+    pool = ProcessPoolExecutor(
+        num_workers, mp_context=context, initializer=_worker_init, initargs=(os.getpid(),)
+    )
     try:
         pending: deque[tuple[list[RawRow], Future]] = deque()
         for chunk in chunks:
@@ -120,7 +130,8 @@ def encode_rows(rows: Iterable[RawRow], encode: Encode, num_workers: int = 0) ->
                 yield from _results(*pending.popleft())
         while pending:
             yield from _results(*pending.popleft())
-    except BaseException:  # an interrupt, a closed generator, a failed row: the chunks in flight are not wanted
+    # an interrupt, a closed generator, a failed row: the chunks in flight are not wanted
+    except BaseException:
         _abandon(pool)
         raise
     else:
@@ -141,7 +152,8 @@ def _abandon(pool: ProcessPoolExecutor) -> None:
     """
     processes = list((getattr(pool, "_processes", None) or {}).values())
     kill = getattr(pool, "kill_workers", None)
-    if kill is not None:  # Python 3.14 on: shutdown(wait=False, cancel_futures=True), then SIGKILL each worker
+    # Python 3.14 on: shutdown(wait=False, cancel_futures=True), then SIGKILL each worker
+    if kill is not None:
         kill()
     else:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -39,14 +39,19 @@ def resolve_chat_template(arg: str) -> str:
     try:  # a FIFO or device is refused, not opened; a huge file is refused, not read
         text = read_regular(arg, MAX_TEMPLATE_BYTES).decode("utf-8")
     except NotARegularFileError as exc:
-        raise ChatTemplateError(f"--chat-template {arg} is {exc.reason}; pass a template file or the template "
-                                "text") from None
+        raise ChatTemplateError(
+            f"--chat-template {arg} is {exc.reason}; pass a template file or the template text"
+        ) from None
     except FileTooLargeError as exc:
-        raise ChatTemplateError(f"--chat-template {arg} is {exc.size} bytes, more than a chat template can be "
-                                f"({MAX_TEMPLATE_BYTES >> 20} MiB); is it the right file?") from None
+        raise ChatTemplateError(
+            f"--chat-template {arg} is {exc.size} bytes, more than a chat template can be "
+            f"({MAX_TEMPLATE_BYTES >> 20} MiB); is it the right file?"
+        ) from None
     except UnicodeDecodeError as exc:
-        raise ChatTemplateError(f"--chat-template {arg} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                                "pass the template file") from None
+        raise ChatTemplateError(
+            f"--chat-template {arg} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "pass the template file"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -78,7 +83,8 @@ def tokenizer_sha256(tokenizer: Any) -> str:
 RENDER_SECONDS = 5.0  # per render of a row; a real template renders a row in well under a millisecond
 RENDER_CHARS_PER_ROW_CHAR = 8  # a render may hold each character of the row this many times ...
 RENDER_CHARS_FLOOR = 1 << 20  # ... plus this much (headers, a default system prompt, tool schemas)
-_MAX_INT_BITS = 1 << 16  # numbers a template computes stay far below this (big-int arithmetic cannot be interrupted)
+# numbers a template computes stay far below this (big-int arithmetic cannot be interrupted)
+_MAX_INT_BITS = 1 << 16
 FORMATS = ("format", "format_map")  # the str methods that format their arguments into the string
 _SPEC_DIGITS = re.compile(r"%[#0\- +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?:[^{}]*?(\d+)(?:\.(\d+))?[^{}]*\}")
 
@@ -103,9 +109,12 @@ class RenderBudget:
                                   "(does the chat template loop?)")
 
     def too_large(self, what: str) -> TemplateLimitError:
-        return TemplateLimitError("template output too large", f"template rendering {what}, over the {self.chars} "
-                                  f"characters allowed for this row ({RENDER_CHARS_PER_ROW_CHAR}x its text + "
-                                  f"{RENDER_CHARS_FLOOR >> 20} MiB; does the chat template repeat itself?)")
+        return TemplateLimitError(
+            "template output too large",
+            f"template rendering {what}, over the {self.chars} "
+            f"characters allowed for this row ({RENDER_CHARS_PER_ROW_CHAR}x its text + "
+            f"{RENDER_CHARS_FLOOR >> 20} MiB; does the chat template repeat itself?)",
+        )
 
     def sized(self, value: Any) -> Any:
         if isinstance(value, (str, list, tuple, dict)) and len(value) > self.chars:
@@ -123,7 +132,9 @@ class RenderBudget:
         """A ``%``- or ``{}``-format string whose field widths alone exceed the bound."""
         if "%" in text or "{" in text:
             for match in _SPEC_DIGITS.finditer(text):
-                if any(group and len(group) > 7 or group and int(group) > self.chars for group in match.groups()):
+                if any(
+                    group and len(group) > 7 or group and int(group) > self.chars for group in match.groups()
+                ):
                     raise self.too_large(f"asked for a field width of {match.group()!r}")
 
     def check_replace(self, text: Any, old: Any, new: Any) -> None:
@@ -134,7 +145,12 @@ class RenderBudget:
     def check_binop(self, op: str, left: Any, right: Any) -> None:
         seq = (str, list, tuple)
         if op == "*":
-            if isinstance(left, seq) and isinstance(right, int) or isinstance(right, seq) and isinstance(left, int):
+            if (
+                isinstance(left, seq)
+                and isinstance(right, int)
+                or isinstance(right, seq)
+                and isinstance(left, int)
+            ):
                 size, times = (len(left), right) if isinstance(left, seq) else (len(right), left)
                 if size * times > self.chars:
                     raise self.too_large(f"repeated {size} items {times} times")
@@ -144,7 +160,12 @@ class RenderBudget:
         elif op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
                 right * left.bit_length() > _MAX_INT_BITS:
             raise self.too_large(f"raised a number to the power {right}")
-        elif op == "+" and isinstance(left, seq) and isinstance(right, seq) and len(left) + len(right) > self.chars:
+        elif (
+            op == "+"
+            and isinstance(left, seq)
+            and isinstance(right, seq)
+            and len(left) + len(right) > self.chars
+        ):
             raise self.too_large(f"joined {len(left)} and {len(right)} items")
         elif op == "%" and isinstance(left, str):
             self.check_spec(left)

@@ -41,7 +41,9 @@ def stable_count(word_ids: list[int | None], ends: list[int] | None = None, guar
         return 0
     last_word = words[-1]
     if guard is not None and ends is not None:
-        last_word = min(last_word, next((w for w, e in zip(word_ids, ends) if w is not None and e > guard), last_word))
+        last_word = min(
+            last_word, next((w for w, e in zip(word_ids, ends) if w is not None and e > guard), last_word)
+        )
     last_stable = last_word - UNSTABLE_WORDS
     for i in range(len(word_ids) - 1, -1, -1):
         if word_ids[i] is not None and word_ids[i] <= last_stable:

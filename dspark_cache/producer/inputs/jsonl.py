@@ -89,7 +89,9 @@ def scan_lines(file: str) -> LineIndex:
             ends = np.flatnonzero(data == 10)
             if len(ends):
                 # Each segment runs to and includes its newline; the first continues the last chunk's line.
-                flags = np.maximum.reduceat(text[:ends[-1] + 1], np.concatenate(([0], ends[:-1] + 1))).astype(bool)
+                flags = np.maximum.reduceat(
+                    text[: ends[-1] + 1], np.concatenate(([0], ends[:-1] + 1))
+                ).astype(bool)
                 flags[0] |= has_text
                 starts = np.concatenate(([line_start], base + ends[:-1] + 1)).astype(np.int64)
                 offsets.append(starts[flags])

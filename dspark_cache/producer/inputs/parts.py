@@ -117,8 +117,10 @@ class JsonPart(Part):
                 raise InputError(f"{self.file}: not a valid JSON document ({exc}); use JSONL for one row per "
                                  "line") from exc
             except RecursionError:
-                raise InputError(f"{self.file}: a JSON document nested too deeply to read; use JSONL (one row per "
-                                 "line), where such a row is reported and can be skipped") from None
+                raise InputError(
+                    f"{self.file}: a JSON document nested too deeply to read; use JSONL (one row per "
+                    "line), where such a row is reported and can be skipped"
+                ) from None
             self._rows = data if isinstance(data, list) else [data]
         return self._rows
 

@@ -48,7 +48,9 @@ def check_input_file(file: str) -> None:
     try:
         mode = os.stat(file).st_mode
     except FileNotFoundError:
-        raise InputError(f"input file {file} does not exist (or is a broken symlink); check --input-data") from None
+        raise InputError(
+            f"input file {file} does not exist (or is a broken symlink); check --input-data"
+        ) from None
     except OSError as exc:
         raise InputError(f"input file {file} cannot be read ({exc.strerror}); check --input-data") from None
     if not stat.S_ISREG(mode):

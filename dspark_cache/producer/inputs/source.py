@@ -53,7 +53,9 @@ def _looks_like_hub_id(path: str) -> bool:
 def _is_saved_dataset(path: str) -> bool:
     """A ``save_to_disk`` directory: a DatasetDict (dataset_dict.json) or a Dataset (state + info)."""
     has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
-    return os.path.isdir(path) and (has("dataset_dict.json") or (has("state.json") and has("dataset_info.json")))
+    return os.path.isdir(path) and (
+        has("dataset_dict.json") or (has("state.json") and has("dataset_info.json"))
+    )
 
 
 def _read_json(file: str) -> Any:
@@ -61,7 +63,9 @@ def _read_json(file: str) -> Any:
         with io.TextIOWrapper(open_input(file), encoding="utf-8") as handle:
             return json.load(handle)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{file}: unreadable ({exc}); is this a complete datasets.save_to_disk directory?") from exc
+        raise InputError(
+            f"{file}: unreadable ({exc}); is this a complete datasets.save_to_disk directory?"
+        ) from exc
 
 
 def _saved_split(path: str, split: str | None, spec: SplitSpec | None) -> tuple[str, bool]:
@@ -144,7 +148,8 @@ class InputSource:
         elif self.is_hub:
             self.split_name = self.spec.name if self.spec else "train"
         self.files = [] if self.is_hub or self.is_saved else _data_files(self.path)
-        self.saved_files = _saved_files(self.path) if self.is_saved else []  # checked before datasets maps them
+        # checked before datasets maps them
+        self.saved_files = _saved_files(self.path) if self.is_saved else []
         if self.files:
             check_split_name(split, self.spec, ["train"], f"{self.path} (plain files have one split)")
         self._line_indexes: dict[str, LineIndex] = {}
@@ -209,8 +214,10 @@ class InputSource:
         lo, hi = self.spec.bounds(total)
         if hi > lo:
             return None
-        return (f"--split {self.split!r} selects none of the {total} rows of {self.path}: choose a slice within "
-                f"them (e.g. {self.spec.name}[:{max(total // 2, 1)}]) or check --input-data")
+        return (
+            f"--split {self.split!r} selects none of the {total} rows of {self.path}: choose a slice within "
+            f"them (e.g. {self.spec.name}[:{max(total // 2, 1)}]) or check --input-data"
+        )
 
     def _selection(self, parts: list[Part]) -> tuple[np.ndarray, np.ndarray]:
         """Each part's first global position, and the selected global positions in output order."""
@@ -257,7 +264,9 @@ class InputSource:
         return parts
 
     def _saved_where(self, pos: int) -> str:
-        return f"{self.path}[{self.split_name}] row {pos}" if self.is_dataset_dict else f"{self.path} row {pos}"
+        return (
+            f"{self.path}[{self.split_name}] row {pos}" if self.is_dataset_dict else f"{self.path} row {pos}"
+        )
 
     def _load_hub(self, datasets: Any) -> Any:
         """The hub dataset, its revision asked once: unreachable, it is loaded from the local cache or
@@ -289,7 +298,9 @@ class InputSource:
             try:
                 import datasets
             except ImportError as exc:  # pragma: no cover - datasets is a dependency
-                raise InputError("reading Parquet, save_to_disk or hub datasets needs the 'datasets' package") from exc
+                raise InputError(
+                    "reading Parquet, save_to_disk or hub datasets needs the 'datasets' package"
+                ) from exc
             try:
                 loaded = load(datasets)
             except InputError:

@@ -24,7 +24,14 @@ import torch
 
 from dspark_cache.format.codec import DEFAULT_LEVEL
 from dspark_cache.format.geometry import SampleShape
-from dspark_cache.format.sample import HIDDEN, HIDDEN_SCALE, INPUT_IDS, LAST_HIDDEN, LAST_HIDDEN_SCALE, LOSS_MASK
+from dspark_cache.format.sample import (
+    HIDDEN,
+    HIDDEN_SCALE,
+    INPUT_IDS,
+    LAST_HIDDEN,
+    LAST_HIDDEN_SCALE,
+    LOSS_MASK,
+)
 from dspark_cache.format.schema import ShardIndex
 from dspark_cache.producer.pipeline.host_ring import HostCopier, HostRing, region_bytes, ring_capacity
 from dspark_cache.producer.pipeline.schedule import ShardSchedule, Step
@@ -57,7 +64,9 @@ def finite_flags(hidden: torch.Tensor, last: torch.Tensor | None, real: torch.Te
     return (ok | ~real.bool()).all(-1)
 
 
-def stored_states(shape: SampleShape, hidden: torch.Tensor, last: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def stored_states(
+    shape: SampleShape, hidden: torch.Tensor, last: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """The batch's ``[B, T, ...]`` float tensors as a sample stores them, by tensor name, on the
     device: the forward's outputs, or for an FP8 cache their float8 bytes and scales."""
     if not shape.fp8:
@@ -77,7 +86,9 @@ def _staged_names(shape: SampleShape) -> list[str]:
     return [spec.name for spec in shape.specs(1) if spec.name not in _NOT_STAGED]
 
 
-def _staged_shapes(shape: SampleShape, batch: list[PlannedSample]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _staged_shapes(
+    shape: SampleShape, batch: list[PlannedSample]
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Views a batch takes in the ring: each sample's stored float tensors (scales, hidden and final
     states), then the flags."""
     shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
@@ -87,7 +98,9 @@ def _staged_shapes(shape: SampleShape, batch: list[PlannedSample]) -> list[tuple
     return shapes + [((len(batch),), torch.bool)]
 
 
-def collate(batch: list[PlannedSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(
+    batch: list[PlannedSample], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad a length-grouped batch to its longest sample (not to seq_length)."""
     width = max(s.length for s in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)

@@ -61,7 +61,9 @@ def quantize_fp8(states: torch.Tensor, group: int, code: str) -> tuple[torch.Ten
     if states.shape[-1] % group:
         raise ValueError(f"states of width {states.shape[-1]} are not whole groups of {group} columns")
     out = torch.empty(states.shape, dtype=torch_dtype(code), device=states.device)
-    scales = torch.empty((*states.shape[:-1], states.shape[-1] // group), dtype=torch.float32, device=states.device)
+    scales = torch.empty(
+        (*states.shape[:-1], states.shape[-1] // group), dtype=torch.float32, device=states.device
+    )
     source, target = states.unflatten(-1, (-1, group)), out.unflatten(-1, (-1, group))
     for k in range(scales.shape[-1]):
         part = source[..., k, :].float()  # the input itself when it is float32: never written to

@@ -46,7 +46,8 @@ class WriteJob:
 
     shard: ShardPlan
     samples: list[PlannedSample]
-    tensors: list[dict[str, torch.Tensor]]  # per sample: its stored float tensors (states, FP8 scales) by name
+    # per sample: its stored float tensors (states, FP8 scales) by name
+    tensors: list[dict[str, torch.Tensor]]
     finite: torch.Tensor  # bool [B], host (in the region too)
     ready: torch.cuda.Event | None  # recorded after the last copy into the region
     region: Region

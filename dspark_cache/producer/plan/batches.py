@@ -68,7 +68,8 @@ class ShardBatches(Sequence):
     """A shard's batches, made from the plan's arrays when asked for (one shard at a time in memory)."""
 
     def __init__(self, store: TokenStore, records: np.ndarray, starts: np.ndarray) -> None:
-        self.store, self.records, self.starts = store, records, starts  # starts: len(batches) + 1, shard-relative
+        # starts: len(batches) + 1, shard-relative
+        self.store, self.records, self.starts = store, records, starts
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -154,7 +155,9 @@ class Plan:
             first, last = int(self.shard_starts[s]), int(self.shard_starts[s + 1])
             starts = np.asarray(self.batch_starts[first:last + 1])
             records = self.samples[starts[0]:starts[-1]]
-            out.append(ShardPlan(s, ShardBatches(self.store, records, starts - starts[0]), int(self.shard_bytes[s])))
+            out.append(
+                ShardPlan(s, ShardBatches(self.store, records, starts - starts[0]), int(self.shard_bytes[s]))
+            )
         return out
 
     @property
@@ -230,7 +233,12 @@ def batch_starts_of(lengths: np.ndarray, max_batch_tokens: int, cap: int) -> np.
     starts = [0]
     width = count = 0
     for i, n in enumerate(lengths.tolist()):
-        if count and count < cap and width * (count + 1) <= max_batch_tokens and width - n <= width * MAX_PAD_FRACTION:
+        if (
+            count
+            and count < cap
+            and width * (count + 1) <= max_batch_tokens
+            and width - n <= width * MAX_PAD_FRACTION
+        ):
             count += 1
             continue
         if count:
@@ -271,4 +279,6 @@ def plan_from_rows(num_rows: int, rows: np.ndarray, store: TokenStore, skipped: 
     ids, lengths = samples["sample_id"], samples["length"]
     sizes = np.array([predict_shard_bytes(shape, ids[a:b].tolist(), lengths[a:b].tolist())
                       for a, b in zip(bounds[:-1], bounds[1:])], dtype=np.int64)
-    return Plan(num_rows, samples, batch_starts, shard_starts, sizes, store, sorted(skipped, key=lambda r: r.row))
+    return Plan(
+        num_rows, samples, batch_starts, shard_starts, sizes, store, sorted(skipped, key=lambda r: r.row)
+    )

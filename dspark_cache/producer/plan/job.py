@@ -76,7 +76,9 @@ def plan_job(cfg: ProduceConfig, output: CacheOutput, exchange: Exchange, me: To
     share rank 0's directory read them there."""
     paths = output.paths
     if vocab_size is None:
-        vocab_size = read_target_info(cfg.target_model, cfg.trust_remote_code, cfg.allow_pickle_weights).vocab_size
+        vocab_size = read_target_info(
+            cfg.target_model, cfg.trust_remote_code, cfg.allow_pickle_weights
+        ).vocab_size
     exchange.meet(me)
     exchange.fetch(paths.plan_dir)  # another node than rank 0's: the saved plan rank 0 found
     spec = plan_spec(cfg, encoder, shape, input_sha256, vocab_size)
@@ -114,17 +116,25 @@ def _part_files(paths: CachePaths, part: int) -> list[str]:
     return [*(paths.plan_part(part, kind) for kind in PLAN_PART_KINDS), paths.plan_part_header(part)]
 
 
-def plan_spec(cfg: ProduceConfig, encoder: Any, shape: SampleShape, input_sha256: str, vocab_size: int) -> PlanSpec:
+def plan_spec(
+    cfg: ProduceConfig, encoder: Any, shape: SampleShape, input_sha256: str, vocab_size: int
+) -> PlanSpec:
     """The keys and bounds of this job's plan."""
     key = encode_key(cfg, encoder.tokenizer, input_sha256, vocab_size)
-    return PlanSpec(keys=(key, batching_key(key, shape, cfg.shard_size, cfg.batch_token_budget)), vocab_size=vocab_size,
-                    seq_length=cfg.seq_length, shape=shape, shard_size=cfg.shard_size,
-                    max_batch_tokens=cfg.batch_token_budget)
+    return PlanSpec(
+        keys=(key, batching_key(key, shape, cfg.shard_size, cfg.batch_token_budget)),
+        vocab_size=vocab_size,
+        seq_length=cfg.seq_length,
+        shape=shape,
+        shard_size=cfg.shard_size,
+        max_batch_tokens=cfg.batch_token_budget,
+    )
 
 
 def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: Topology, source: InputSource, encoder: Any,
                     spec: PlanSpec) -> PartHeader:
-    CacheOutput(paths.root).check()  # every rank, before writing: the plan directory must not lead out of the cache
+    # every rank, before writing: the plan directory must not lead out of the cache
+    CacheOutput(paths.root).check()
     started = time.perf_counter()
 
     def encode(row: RawRow):
@@ -136,26 +146,41 @@ def _encode_my_part(cfg: ProduceConfig, paths: CachePaths, me: Topology, source:
     total = source.count_hint()
     mine = None if total is None else len(range(rank, total, world))
     with counter("encoding rows", "rows", total=mine) as bar:
-        header = encode_part(paths, encode_rows(rows, encode, cfg.tokenize_workers), rank, world, spec.keys[0],
-                             bar.update, vocab_size=spec.vocab_size, total_rows=mine)
+        header = encode_part(
+            paths,
+            encode_rows(rows, encode, cfg.tokenize_workers),
+            rank,
+            world,
+            spec.keys[0],
+            bar.update,
+            vocab_size=spec.vocab_size,
+            total_rows=mine,
+        )
     log.info("rank %d encoded %d rows in %.1f s", rank, header.rows, time.perf_counter() - started)
     return header
 
 
-def _require_parts(parts: list[PartHeader] | None, cfg: ProduceConfig, source: InputSource) -> list[PartHeader]:
+def _require_parts(
+    parts: list[PartHeader] | None, cfg: ProduceConfig, source: InputSource
+) -> list[PartHeader]:
     """The parts every rank wrote, and an input that gives at least one sample."""
     if parts is None:
-        raise InputError(f"the tokenised parts of {cfg.input_data} are incomplete on disk; is --output-dir the "
-                         "same shared directory on every node?")
+        raise InputError(
+            f"the tokenised parts of {cfg.input_data} are incomplete on disk; is --output-dir the "
+            "same shared directory on every node?"
+        )
     rows = sum(p.rows for p in parts)
     if rows == 0:
         raise InputError(source.empty_split() or f"{cfg.input_data} holds no rows; check --input-data")
     if not sum(p.arrays["rows"].length for p in parts):
         skipped = [r for p in parts for r in p.skipped]
         reasons = ", ".join(f"{n} {r}" for r, n in reason_counts(skipped).items())
-        raise InputError(f"none of the {rows} rows of {cfg.input_data} gives a supervised sample ({reasons}):\n"
-                         + "\n".join(listed_rows(parts, skipped)) + "\nFix these rows, or check that "
-                         "--input-data (and --split) name the data you meant")
+        raise InputError(
+            f"none of the {rows} rows of {cfg.input_data} gives a supervised sample ({reasons}):\n"
+            + "\n".join(listed_rows(parts, skipped))
+            + "\nFix these rows, or check that "
+            "--input-data (and --split) name the data you meant"
+        )
     return parts
 
 
@@ -166,7 +191,12 @@ def _merge_and_save(output: CacheOutput, exchange: Exchange, parts: list[PartHea
     plan = merge_parts(parts, store, tables, spec)
     save_plan(paths, plan, parts, spec.keys)
     keep = {paths.plan_header, *(paths.plan_array(n) for n in PLAN_ARRAYS)}
-    keep |= {f for p in parts for f in (paths.plan_part_header(p.part), *(paths.plan_part(p.part, k) for k in p.arrays))}
-    output.remove([f for f in output.plan_files() if f not in keep])  # parts of a larger earlier job, temporaries
+    keep |= {
+        f
+        for p in parts
+        for f in (paths.plan_part_header(p.part), *(paths.plan_part(p.part, k) for k in p.arrays))
+    }
+    # parts of a larger earlier job, temporaries
+    output.remove([f for f in output.plan_files() if f not in keep])
     exchange.put_files([*(paths.plan_array(n) for n in PLAN_ARRAYS), paths.plan_header])  # other nodes' ranks
     return plan

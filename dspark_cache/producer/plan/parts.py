@@ -20,7 +20,15 @@ import numpy as np
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.plan import (
-    LOSS_MASK, PART_ROW, TOKEN_ID, ArrayRecord, ArrayWriter, InvalidRowNote, PartHeader, token_problem, write_header,
+    LOSS_MASK,
+    PART_ROW,
+    TOKEN_ID,
+    ArrayRecord,
+    ArrayWriter,
+    InvalidRowNote,
+    PartHeader,
+    token_problem,
+    write_header,
 )
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.encode.chat import EncodedRow
@@ -39,7 +47,9 @@ _FLUSH_ROWS = 4096  # row records buffered before they are appended to the row t
 class PartWriter:
     """Streams encoded rows into part ``part``'s arrays; :meth:`close` publishes its header."""
 
-    def __init__(self, paths: CachePaths, part: int, num_parts: int, encode_key: str, vocab_size: int) -> None:
+    def __init__(
+        self, paths: CachePaths, part: int, num_parts: int, encode_key: str, vocab_size: int
+    ) -> None:
         os.makedirs(paths.plan_dir, exist_ok=True)
         self.paths, self.part, self.num_parts, self.encode_key = paths, part, num_parts, encode_key
         self.vocab_size = vocab_size
@@ -96,8 +106,16 @@ class PartWriter:
         self._flush()
         arrays: dict[str, ArrayRecord] = {"ids": self.ids.close(), "mask": self.mask.close(),
                                           "rows": self.table.close()}
-        header = PartHeader(encode_key=self.encode_key, part=self.part, num_parts=self.num_parts, rows=self.rows,
-                            tokens=arrays["ids"].length, arrays=arrays, skipped=self.skipped, invalid=self.invalid)
+        header = PartHeader(
+            encode_key=self.encode_key,
+            part=self.part,
+            num_parts=self.num_parts,
+            rows=self.rows,
+            tokens=arrays["ids"].length,
+            arrays=arrays,
+            skipped=self.skipped,
+            invalid=self.invalid,
+        )
         write_header(self.paths.plan_part_header(self.part), header)
         return header
 
@@ -109,8 +127,10 @@ class PartWriter:
         """What this part takes on disk: so far, or extrapolated to ``total_rows`` rows when known."""
         so_far = self.ids.length * (TOKEN_ID.itemsize + LOSS_MASK.itemsize) + \
             (self.table.length + len(self._pending)) * PART_ROW.itemsize
-        basis = (f"{TOKEN_ID.itemsize + LOSS_MASK.itemsize} bytes per token and {PART_ROW.itemsize} per sample; "
-                 f"{self.rows} rows read so far")
+        basis = (
+            f"{TOKEN_ID.itemsize + LOSS_MASK.itemsize} bytes per token and {PART_ROW.itemsize} per sample; "
+            f"{self.rows} rows read so far"
+        )
         if total_rows and self.rows:
             return max(so_far, so_far * total_rows // self.rows), f"{basis}, of {total_rows}"
         return so_far, basis

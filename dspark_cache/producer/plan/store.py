@@ -29,8 +29,21 @@ from dspark_cache.format.files import read_regular
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import PLAN_ARRAYS, PLAN_PART_KINDS, CachePaths
 from dspark_cache.format.plan import (
-    BOUNDARY, LOSS_MASK, MAX_HEADER_BYTES, PART_ROW, PLAN_SAMPLE, TOKEN_ID, ArrayRecord, PartHeader, PlanError,
-    PlanHeader, load_array, read_header, token_problem, write_array, write_header,
+    BOUNDARY,
+    LOSS_MASK,
+    MAX_HEADER_BYTES,
+    PART_ROW,
+    PLAN_SAMPLE,
+    TOKEN_ID,
+    ArrayRecord,
+    PartHeader,
+    PlanError,
+    PlanHeader,
+    load_array,
+    read_header,
+    token_problem,
+    write_array,
+    write_header,
 )
 from dspark_cache.format.schema import SkippedRow
 from dspark_cache.producer.encode.template import sha256_text, tokenizer_sha256
@@ -66,19 +79,35 @@ def _key(fields: dict[str, Any]) -> str:
 def encode_key(cfg: Any, tokenizer: Any, input_sha256: str, vocab_size: int) -> str:
     """What every sample's tokens depend on (``cfg``: the producer's settings; ``vocab_size``: the
     target's, which decides which rows are invalid)."""
-    return _key({
-        "version": __version__, "input": str(cfg.input_data), "input_sha256": input_sha256, "split": cfg.split,
-        "shuffle_seed": cfg.shuffle_seed, "max_row_bytes": cfg.max_row_bytes, "seq_length": cfg.seq_length,
-        "tokenizer_sha256": tokenizer_sha256(tokenizer), "chat_template_sha256": sha256_text(tokenizer.chat_template),
-        "mask_reasoning_content": cfg.mask_reasoning_content, "mask_generation_prompt": cfg.mask_generation_prompt,
-        "vocab_size": vocab_size,
-    })
+    return _key(
+        {
+            "version": __version__,
+            "input": str(cfg.input_data),
+            "input_sha256": input_sha256,
+            "split": cfg.split,
+            "shuffle_seed": cfg.shuffle_seed,
+            "max_row_bytes": cfg.max_row_bytes,
+            "seq_length": cfg.seq_length,
+            "tokenizer_sha256": tokenizer_sha256(tokenizer),
+            "chat_template_sha256": sha256_text(tokenizer.chat_template),
+            "mask_reasoning_content": cfg.mask_reasoning_content,
+            "mask_generation_prompt": cfg.mask_generation_prompt,
+            "vocab_size": vocab_size,
+        }
+    )
 
 
 def batching_key(key: str, shape: SampleShape, shard_size: int, max_batch_tokens: int) -> str:
     """What the batches, shards and their sizes depend on, besides the tokens."""
-    return _key({"encode_key": key, "shape": [list(shape.layer_ids), shape.num_layers, shape.hidden_size, shape.dtype],
-                 "shard_size": shard_size, "max_batch_tokens": max_batch_tokens, "max_pad": MAX_PAD_FRACTION})
+    return _key(
+        {
+            "encode_key": key,
+            "shape": [list(shape.layer_ids), shape.num_layers, shape.hidden_size, shape.dtype],
+            "shard_size": shard_size,
+            "max_batch_tokens": max_batch_tokens,
+            "max_pad": MAX_PAD_FRACTION,
+        }
+    )
 
 
 def _header_digest(path: str) -> ArrayRecord:
@@ -101,10 +130,13 @@ def read_parts(paths: CachePaths, spec: PlanSpec, verify: bool = False) -> list[
         first = read_header(paths.plan_part_header(0), PartHeader)
         if first is None or first.encode_key != key or first.part != 0:
             return None
-        on_disk = len(CacheOutput(paths.root).plan_files())  # every part has a header there: a count past that is a lie
+        # every part has a header there: a count past that is a lie
+        on_disk = len(CacheOutput(paths.root).plan_files())
         if not 1 <= first.num_parts <= on_disk:
-            raise PlanError(f"{paths.plan_part_header(0)} claims {first.num_parts} parts, and {paths.plan_dir} "
-                            f"holds {on_disk} plan files")
+            raise PlanError(
+                f"{paths.plan_part_header(0)} claims {first.num_parts} parts, and {paths.plan_dir} "
+                f"holds {on_disk} plan files"
+            )
         parts = [first]
         for k in range(1, first.num_parts):  # stops at the first part that is not there
             p = read_header(paths.plan_part_header(k), PartHeader)
@@ -129,11 +161,15 @@ def _check_part_header(p: PartHeader, spec: PlanSpec) -> None:
     samples = a["rows"].length
     if not (a["ids"].length == a["mask"].length == p.tokens and 0 <= samples <= p.rows
             and samples + len(p.skipped) == p.rows and 0 <= p.tokens <= samples * spec.seq_length):
-        raise PlanError(f"part {p.part}: {p.rows} rows, {samples} samples, {len(p.skipped)} skipped, {p.tokens} "
-                        f"tokens ({a['ids'].length} ids, {a['mask'].length} mask values) do not fit together")
+        raise PlanError(
+            f"part {p.part}: {p.rows} rows, {samples} samples, {len(p.skipped)} skipped, {p.tokens} "
+            f"tokens ({a['ids'].length} ids, {a['mask'].length} mask values) do not fit together"
+        )
 
 
-def open_store(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> tuple[TokenStore, list[np.ndarray]]:
+def open_store(
+    paths: CachePaths, parts: list[PartHeader], spec: PlanSpec
+) -> tuple[TokenStore, list[np.ndarray]]:
     """Memory-map every part's tokens, checked against its header and by value (``spec``: the
     bounds); also returns their row tables."""
     token_parts, tables = [], []
@@ -151,8 +187,10 @@ def open_store(paths: CachePaths, parts: list[PartHeader], spec: PlanSpec) -> tu
         token_parts.append((ids, mask))
         tables.append(table)
     # Every input row is one sample or one skipped row, once: a row twice would be merged twice.
-    rows = np.concatenate([t["sample_id"] for t in tables] + [np.array([r.row for p in parts for r in p.skipped],
-                                                                       dtype=np.int64)])
+    rows = np.concatenate(
+        [t["sample_id"] for t in tables]
+        + [np.array([r.row for p in parts for r in p.skipped], dtype=np.int64)]
+    )
     if np.unique(rows).shape[0] != rows.shape[0]:
         raise PlanError("the saved parts hold the same row twice")
     return TokenStore(token_parts), tables
@@ -200,8 +238,13 @@ def _check_rows(p: PartHeader, table: np.ndarray, spec: PlanSpec) -> None:
         table["offset"][0] == 0 and np.array_equal(table["offset"][1:], ends[:-1])))
     if not tiled:
         raise PlanError(f"part {p.part}: its row table does not tile its {p.tokens} tokens in order")
-    if table.size and not (1 <= lengths.min() and lengths.max() <= spec.seq_length and table["sample_id"].min() >= 0
-                           and 1 <= table["loss_tokens"].min() and bool(np.all(table["loss_tokens"] <= lengths))):
+    if table.size and not (
+        1 <= lengths.min()
+        and lengths.max() <= spec.seq_length
+        and table["sample_id"].min() >= 0
+        and 1 <= table["loss_tokens"].min()
+        and bool(np.all(table["loss_tokens"] <= lengths))
+    ):
         raise PlanError(f"part {p.part}: a row's length (1..{spec.seq_length}), loss token count or id is "
                         "out of range")
 
@@ -218,8 +261,15 @@ def merge_parts(parts: list[PartHeader], store: TokenStore, tables: list[np.ndar
         span["part"] = k
         at += table.shape[0]
     skipped = [row for p in parts for row in p.skipped]
-    return plan_from_rows(sum(p.rows for p in parts), rows, store, skipped, spec.shape, shard_size=spec.shard_size,
-                          max_batch_tokens=spec.max_batch_tokens)
+    return plan_from_rows(
+        sum(p.rows for p in parts),
+        rows,
+        store,
+        skipped,
+        spec.shape,
+        shard_size=spec.shard_size,
+        max_batch_tokens=spec.max_batch_tokens,
+    )
 
 
 def listed_rows(parts: list[PartHeader], rows: list[SkippedRow]) -> list[str]:
@@ -259,10 +309,17 @@ def save_plan(paths: CachePaths, plan: Plan, parts: list[PartHeader], keys: tupl
         CacheOutput(paths.root).remove([paths.plan_header])
         arrays = {name: write_array(paths.plan_array(name), values[name], dtype)
                   for name, dtype in _PLAN_ARRAYS.items()}
-        header = PlanHeader(encode_key=keys[0], batching_key=keys[1], num_rows=plan.num_rows, num_parts=len(parts),
-                            parts=[_header_digest(paths.plan_part_header(p.part)) for p in parts], arrays=arrays,
-                            shard_samples_sha256=plan.shard_samples_sha256(), skipped=plan.skipped,
-                            invalid=sorted((n for p in parts for n in p.invalid), key=lambda n: n.row))
+        header = PlanHeader(
+            encode_key=keys[0],
+            batching_key=keys[1],
+            num_rows=plan.num_rows,
+            num_parts=len(parts),
+            parts=[_header_digest(paths.plan_part_header(p.part)) for p in parts],
+            arrays=arrays,
+            shard_samples_sha256=plan.shard_samples_sha256(),
+            skipped=plan.skipped,
+            invalid=sorted((n for p in parts for n in p.invalid), key=lambda n: n.row),
+        )
         write_header(paths.plan_header, header)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
@@ -287,7 +344,9 @@ def load_plan(paths: CachePaths, spec: PlanSpec) -> tuple[Plan, list[PartHeader]
         store, tables = open_store(paths, parts, spec)
         a = {name: load_array(paths.plan_array(name), dtype, header.arrays[name])
              for name, dtype in _PLAN_ARRAYS.items()}
-        plan = Plan(header.num_rows, a["samples"], a["batches"], a["shards"], a["shard_bytes"], store, header.skipped)
+        plan = Plan(
+            header.num_rows, a["samples"], a["batches"], a["shards"], a["shard_bytes"], store, header.skipped
+        )
         _check_plan(plan, header, merge_parts(parts, store, tables, spec))
     except (PlanError, KeyError, OSError) as exc:
         log.warning("saved plan in %s unusable (%s); it is rebuilt", paths.plan_dir, exc)
@@ -360,7 +419,9 @@ def leave_as_found(output: CacheOutput, found: FoundDirectory) -> None:
         try:
             os.replace(link, path)
         except OSError as exc:
-            log.warning("could not put back %s after the failed dry run (%s); the next run rebuilds it", path, exc)
+            log.warning(
+                "could not put back %s after the failed dry run (%s); the next run rebuilds it", path, exc
+            )
     if not found.had_lock:
         output.drop_lock()
     for directory in reversed(found.missing_dirs):

@@ -64,9 +64,20 @@ def _new_bar(desc: str, unit: str, total: int | None, unit_scale: bool = False, 
     columns, rows = _terminal_size()
     sized = columns > 0 and rows > 0
     # The unit's leading space: "120 rows/s", not tqdm's "120rows/s".
-    return tqdm(total=total, desc=desc, unit=f" {unit}", unit_scale=unit_scale, initial=initial, file=sys.stderr,
-                dynamic_ncols=sized, ncols=None if sized else columns or FALLBACK_COLUMNS,
-                nrows=None if sized else rows or FALLBACK_ROWS, mininterval=BAR_REFRESH_S, leave=True, disable=False)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=f" {unit}",
+        unit_scale=unit_scale,
+        initial=initial,
+        file=sys.stderr,
+        dynamic_ncols=sized,
+        ncols=None if sized else columns or FALLBACK_COLUMNS,
+        nrows=None if sized else rows or FALLBACK_ROWS,
+        mininterval=BAR_REFRESH_S,
+        leave=True,
+        disable=False,
+    )
 
 
 def _terminal_size() -> tuple[int, int]:
@@ -222,7 +233,8 @@ class ProgressLog:
         self._last = (tokens, samples, shards_done, shards_total)
         if self._bar is not None:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
-            self._bar.update(self.done[0] + tokens - self._bar.n)  # tqdm counts increments; the pipeline gives totals
+            # tqdm counts increments; the pipeline gives totals
+            self._bar.update(self.done[0] + tokens - self._bar.n)
         elif self._clock.due():
             log.info("%s", self.line())
 
@@ -235,7 +247,12 @@ class ProgressLog:
         """The job's tokens and samples done, shards published and shards planned, earlier runs' included."""
         tokens, samples, shards_done, shards_total = self._last
         done_tokens, done_samples, done_shards = self.done
-        return done_tokens + tokens, done_samples + samples, done_shards + shards_done, done_shards + shards_total
+        return (
+            done_tokens + tokens,
+            done_samples + samples,
+            done_shards + shards_done,
+            done_shards + shards_total,
+        )
 
     def _postfix(self) -> str:
         _, samples, shards_done, shards_total = self._counts()

@@ -63,7 +63,8 @@ class StopFlag:
         self.event.set()
 
     def __call__(self) -> bool:
-        if not self.event.is_set() and os.path.isfile(self.paths.stop_request):  # a file, as the monitor writes
+        # a file, as the monitor writes
+        if not self.event.is_set() and os.path.isfile(self.paths.stop_request):
             self.reason = "stop requested by the monitor"
             self._asked = True
             log.warning("stop requested by the monitor: finishing the shards in flight, then stopping")

@@ -61,19 +61,27 @@ class StatusReporter:
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         """Append one event line (O_APPEND keeps lines whole across restarts; a symlinked log is not followed)."""
-        line = encode_json(Event(time=time.time(), rank=self.rank, kind=kind, message=message, data=data)) + b"\n"
+        line = (
+            encode_json(Event(time=time.time(), rank=self.rank, kind=kind, message=message, data=data))
+            + b"\n"
+        )
         os.makedirs(self.paths.events_dir, exist_ok=True)
         path = self.paths.events(self.rank)
         with self._lock:
             try:  # non-blocking: a FIFO there must not hang the run (CacheOutput.check refuses one up front)
-                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+                fd = os.open(
+                    path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644
+                )
             except OSError as exc:
-                raise CacheError(f"{path} cannot be appended to ({exc.strerror}): the event log must be a regular "
-                                 "file; move it away and rerun") from exc
+                raise CacheError(
+                    f"{path} cannot be appended to ({exc.strerror}): the event log must be a regular "
+                    "file; move it away and rerun"
+                ) from exc
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise CacheError(f"{path} is not a regular file: the event log must be one; move it away and "
-                                     "rerun")
+                    raise CacheError(
+                        f"{path} is not a regular file: the event log must be one; move it away and rerun"
+                    )
                 os.write(fd, line)
             finally:
                 os.close(fd)
@@ -120,7 +128,17 @@ def announce(status: StatusReporter, plan: Plan, existing: Manifest | None, done
         status.event(EventKind.RESUMED, line, published=len(kept), total=len(plan.shards), samples=samples)
         if todo:  # a complete cache says so itself ("nothing to do")
             log.info("%s", line)
-    status.event(EventKind.PLAN, "planned", rows=plan.num_rows, samples=plan.num_samples, shards=len(plan.shards),
-                 tokens=plan.num_tokens, bytes=plan.num_bytes, skipped=plan.skipped_counts())
+    status.event(
+        EventKind.PLAN,
+        "planned",
+        rows=plan.num_rows,
+        samples=plan.num_samples,
+        shards=len(plan.shards),
+        tokens=plan.num_tokens,
+        bytes=plan.num_bytes,
+        skipped=plan.skipped_counts(),
+    )
     for row in plan.skipped:
-        status.event(EventKind.SKIPPED_ROW, f"{row.where}: skipped ({row.reason})", row=row.row, reason=row.reason)
+        status.event(
+            EventKind.SKIPPED_ROW, f"{row.where}: skipped ({row.reason})", row=row.row, reason=row.reason
+        )

@@ -61,18 +61,23 @@ def summary(result: RunResult) -> str:
     m, plan, output_dir = result.manifest, result.plan, result.output.shown
     try:
         done = published(result.output)
-    except (CacheError, OSError) as exc:  # the run's own line must not fail on a damaged index: say so instead
+    # the run's own line must not fail on a damaged index: say so instead
+    except (CacheError, OSError) as exc:
         return (f"cache {'complete' if m.complete else 'incomplete'}: planned {plan.num_samples} samples in "
                 f"{len(plan.shards)} shards; the published shards could not be counted ({exc}); "
                 f"run dspark-verify {output_dir}")
     skipped = f"{len(plan.skipped)} rows skipped"
     if m.complete:
-        return (f"cache complete: {done.samples} samples ({skipped}), {done.tokens} tokens, {done.shards} shards, "
-                f"{done.bytes / 1e6:.1f} MB ({done.bytes / max(done.tokens, 1):.0f} bytes/token), "
-                f"{result.seconds:.1f} s")
-    return (f"cache incomplete: {done.shards} of {len(plan.shards)} shards, {done.samples} of {plan.num_samples} "
-            f"samples, {done.tokens} of {plan.num_tokens} tokens, {done.bytes / 1e6:.1f} of "
-            f"{plan.num_bytes / 1e6:.1f} MB published ({skipped}), {result.seconds:.1f} s")
+        return (
+            f"cache complete: {done.samples} samples ({skipped}), {done.tokens} tokens, {done.shards} shards, "
+            f"{done.bytes / 1e6:.1f} MB ({done.bytes / max(done.tokens, 1):.0f} bytes/token), "
+            f"{result.seconds:.1f} s"
+        )
+    return (
+        f"cache incomplete: {done.shards} of {len(plan.shards)} shards, {done.samples} of {plan.num_samples} "
+        f"samples, {done.tokens} of {plan.num_tokens} tokens, {done.bytes / 1e6:.1f} of "
+        f"{plan.num_bytes / 1e6:.1f} MB published ({skipped}), {result.seconds:.1f} s"
+    )
 
 
 def bytes_per_token(shape: SampleShape) -> int:
@@ -83,11 +88,15 @@ def bytes_per_token(shape: SampleShape) -> int:
 def layers_cost(depths: list[int], num_layers: int, shape: SampleShape, tokens: int) -> str:
     """What ``--for-draft-layers`` costs: the union's bytes against one cache per drafter depth."""
     own = bytes_per_token(shape)
-    alone = sum(bytes_per_token(dataclasses.replace(shape, layer_ids=tuple(build_target_layer_ids(num_layers, d))))
-                for d in depths)
-    return (f"--for-draft-layers {','.join(map(str, depths))}: layers {list(shape.layer_ids)} ({len(shape.layer_ids)} of "
-            f"{num_layers}) serve all {len(depths)} drafter depths: {own} bytes/token, {own * tokens / 1e9:.3f} GB "
-            f"for these {tokens} tokens; one cache per depth would store {alone} bytes/token ({alone / own:.2f}x)")
+    alone = sum(
+        bytes_per_token(dataclasses.replace(shape, layer_ids=tuple(build_target_layer_ids(num_layers, d))))
+        for d in depths
+    )
+    return (
+        f"--for-draft-layers {','.join(map(str, depths))}: layers {list(shape.layer_ids)} ({len(shape.layer_ids)} of "
+        f"{num_layers}) serve all {len(depths)} drafter depths: {own} bytes/token, {own * tokens / 1e9:.3f} GB "
+        f"for these {tokens} tokens; one cache per depth would store {alone} bytes/token ({alone / own:.2f}x)"
+    )
 
 
 def plan_report(plan: Plan, manifest: Manifest, output: CacheOutput, note: str | None = None) -> str:
@@ -96,15 +105,21 @@ def plan_report(plan: Plan, manifest: Manifest, output: CacheOutput, note: str |
     batches = sum(len(s.batches) for s in plan.shards)
     output_dir = output.shown
     free = "object storage" if is_remote(output_dir) else f"{output.free_space() / 1e9:.1f} GB free"
-    return "\n".join([
-        f"dry run: {plan.num_rows} rows -> {plan.num_samples} samples (skipped: {skipped})",
-        f"  tokens: {plan.num_tokens} ({plan.num_loss_tokens} supervised), seq_length {manifest.seq_length}",
-        f"  batches: {batches}, {plan.padded_tokens} tokens computed (padding {100 * plan.padding_waste:.1f}%)",
-        f"  shards: {len(plan.shards)} of at most {manifest.shard_size} samples, {plan.num_bytes} bytes "
-        f"({plan.num_bytes / 1e9:.3f} GB, {plan.num_bytes / max(1, plan.num_tokens):.0f} bytes/token"
-        + (f"; uncompressed: --compression {manifest.compression} stores fewer"
-           if manifest.compression != "none" else "") + ")",
-        f"  stored per token: layers {manifest.target_layer_ids} x {manifest.hidden_size} in {manifest.dtype}; "
-        f"{output_dir}: {free}",
-        *([f"  {note}"] if note else []),
-    ])
+    return "\n".join(
+        [
+            f"dry run: {plan.num_rows} rows -> {plan.num_samples} samples (skipped: {skipped})",
+            f"  tokens: {plan.num_tokens} ({plan.num_loss_tokens} supervised), seq_length {manifest.seq_length}",
+            f"  batches: {batches}, {plan.padded_tokens} tokens computed (padding {100 * plan.padding_waste:.1f}%)",
+            f"  shards: {len(plan.shards)} of at most {manifest.shard_size} samples, {plan.num_bytes} bytes "
+            f"({plan.num_bytes / 1e9:.3f} GB, {plan.num_bytes / max(1, plan.num_tokens):.0f} bytes/token"
+            + (
+                f"; uncompressed: --compression {manifest.compression} stores fewer"
+                if manifest.compression != "none"
+                else ""
+            )
+            + ")",
+            f"  stored per token: layers {manifest.target_layer_ids} x {manifest.hidden_size} in {manifest.dtype}; "
+            f"{output_dir}: {free}",
+            *([f"  {note}"] if note else []),
+        ]
+    )

@@ -127,7 +127,8 @@ class LocalCopies:
         """The record of the store's version the local copy is, if any (and readable)."""
         try:
             with open(self._seen(relative), "rb") as handle:
-                if not private(os.fstat(handle.fileno())):  # others may have rewritten it: no word of it holds
+                # others may have rewritten it: no word of it holds
+                if not private(os.fstat(handle.fileno())):
                     return None
                 return msgspec.json.decode(handle.read(4096), type=CopiedFrom)
         except (FileNotFoundError, msgspec.DecodeError, msgspec.ValidationError):

@@ -92,8 +92,10 @@ def _expires_at(record: LeaseRecord | None, info: ObjectInfo) -> float:
 def describe_lease(record: LeaseRecord | None, info: ObjectInfo, now: float) -> str:
     holder = describe_holder(msgspec.to_builtins(record) if record is not None else None)
     left = _expires_at(record, info) - now
-    return f"{holder}; its lease was renewed {max(0.0, now - info.modified):.0f} s ago and expires in {left:.0f} s " \
-           "unless renewed"
+    return (
+        f"{holder}; its lease was renewed {max(0.0, now - info.modified):.0f} s ago and expires in {left:.0f} s "
+        "unless renewed"
+    )
 
 
 def _advice(store: ObjectStore, left: float) -> str:
@@ -109,12 +111,22 @@ class Lease:
     """This producer's hold on a remote cache: :meth:`take` it, keep it renewed (a daemon thread) until
     :meth:`release`; :meth:`check` raises once it is lost."""
 
-    def __init__(self, store: ObjectStore, run_id: str, world_size: int = 1, ttl: float | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, run_id: str, world_size: int = 1, ttl: float | None = None
+    ) -> None:
         self.store = store
         self.ttl = ttl if ttl is not None else _ttl()
         now = time.time()
-        self.record = LeaseRecord(host=socket.gethostname(), pid=os.getpid(), run_id=run_id, world_size=world_size,
-                                  started_at=now, renewed_at=now, ttl=self.ttl, node=node_identity())
+        self.record = LeaseRecord(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            run_id=run_id,
+            world_size=world_size,
+            started_at=now,
+            renewed_at=now,
+            ttl=self.ttl,
+            node=node_identity(),
+        )
         self._etag: str | None = None
         self._renewed = 0.0  # when the store last accepted a renewal (this machine's clock)
         self._lost: str | None = None
@@ -207,7 +219,8 @@ class Lease:
             found = _read(self.store)
             holder = (describe_lease(*found, time.time()) if found is not None else "nobody: it was deleted")
             self._lose(f"another producer took it over ({holder})")
-        except CacheError as exc:  # the store did not answer: try again; past the ttl it may be someone else's
+        # the store did not answer: try again; past the ttl it may be someone else's
+        except CacheError as exc:
             if time.monotonic() - self._renewed > self.ttl:
                 self._lose(f"it could not be renewed for {self.ttl:.0f} s ({exc})")
             else:
@@ -255,5 +268,7 @@ class Lease:
             if found is not None and found[1].etag == self._etag:
                 self.store.delete(LEASE)
         except ObjectStoreError as exc:  # it expires by itself
-            log.warning("could not delete the lease on %s (%s); it expires in %.0f s", self.store.url, exc, self.ttl)
+            log.warning(
+                "could not delete the lease on %s (%s); it expires in %.0f s", self.store.url, exc, self.ttl
+            )
         self._etag = None

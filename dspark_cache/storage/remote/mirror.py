@@ -250,8 +250,11 @@ class NodeMirror:
             with self._lock:
                 self.downloads += 1
             return
-        raise CorruptShardError(self.store.name(relative), f"downloaded twice, and twice it did not match its "
-                                f"index ({problem}): the object in the store is damaged")
+        raise CorruptShardError(
+            self.store.name(relative),
+            f"downloaded twice, and twice it did not match its "
+            f"index ({problem}): the object in the store is damaged",
+        )
 
     def acquire(self, index: ShardIndex) -> None:
         """Make the shard's tar local and hold it in use (never evicted) until :meth:`release`."""
@@ -373,8 +376,12 @@ class NodeMirror:
                 finally:
                     os.close(fd)
             if total > self.cache_limit:
-                log.info("the local cache at %s holds %d bytes, over its limit of %d: every shard there is in use",
-                         self.root, total, self.cache_limit)
+                log.info(
+                    "the local cache at %s holds %d bytes, over its limit of %d: every shard there is in use",
+                    self.root,
+                    total,
+                    self.cache_limit,
+                )
         finally:
             os.close(lock)
 

@@ -45,7 +45,9 @@ def _client_arguments(options: dict[str, Any]) -> dict[str, Any]:
     endpoint = client_endpoint(options)
     if endpoint:
         arguments["endpoint_url"] = endpoint
-    if "region_name" not in arguments and not (os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
+    if "region_name" not in arguments and not (
+        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    ):
         arguments["region_name"] = "us-east-1"  # what obstore assumes too
     return arguments
 
@@ -61,9 +63,12 @@ def abort_unfinished_uploads(url: RemoteURL, storage_options: dict[str, Any] | N
         import boto3
         from botocore.exceptions import BotoCoreError, ClientError
     except ImportError:
-        log.warning("boto3 is missing, so unfinished multipart uploads under %s are not aborted (they are "
-                    "invisible but billed): pip install \"dspark-cache[s3]\", or give the bucket a lifecycle rule "
-                    "AbortIncompleteMultipartUpload", url)
+        log.warning(
+            "boto3 is missing, so unfinished multipart uploads under %s are not aborted (they are "
+            'invisible but billed): pip install "dspark-cache[s3]", or give the bucket a lifecycle rule '
+            "AbortIncompleteMultipartUpload",
+            url,
+        )
         return 0
     client = boto3.client("s3", **_client_arguments(dict(storage_options or {})))
     prefix = url.prefix.strip("/") + "/" if url.prefix.strip("/") else ""
@@ -84,13 +89,17 @@ def abort_unfinished_uploads(url: RemoteURL, storage_options: dict[str, Any] | N
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         if code in ("AccessDenied", "403"):  # a narrow policy: the run goes on, the parts stay billed
-            log.warning("%s: not allowed to list or abort unfinished multipart uploads (403), so parts left by "
-                        "an interrupted producer stay (invisible, billed); allow s3:ListBucketMultipartUploads and "
-                        "s3:AbortMultipartUpload, or give the bucket an AbortIncompleteMultipartUpload lifecycle rule",
-                        url)
+            log.warning(
+                "%s: not allowed to list or abort unfinished multipart uploads (403), so parts left by "
+                "an interrupted producer stay (invisible, billed); allow s3:ListBucketMultipartUploads and "
+                "s3:AbortMultipartUpload, or give the bucket an AbortIncompleteMultipartUpload lifecycle rule",
+                url,
+            )
             return aborted
         raise ObjectStoreError(f"listing unfinished uploads under {url} failed ({code or exc}); check the "
                                "endpoint and rerun") from exc
     except BotoCoreError as exc:
-        raise ObjectStoreError(f"listing unfinished uploads under {url} failed ({exc}); check the network and "
-                               "the endpoint, then rerun") from exc
+        raise ObjectStoreError(
+            f"listing unfinished uploads under {url} failed ({exc}); check the network and "
+            "the endpoint, then rerun"
+        ) from exc

@@ -138,7 +138,9 @@ class RemoteOutput(CacheOutput):
             # this rank's event log goes on from the store's segments.
             CacheOutput.forget_heartbeats(self)
             self._puller.events(self._puller.listing(self.paths.events_dir), ranks={self.rank})
-            self._set_sizes(self._puller.shards(self._puller.listing(self.paths.shards_dir), clean_store=False))
+            self._set_sizes(
+                self._puller.shards(self._puller.listing(self.paths.shards_dir), clean_store=False)
+            )
             self.pull_file(self.paths.manifest)
         self._sync.start(leader=False, pull_stop=apart)
         self._syncing = True
@@ -169,9 +171,15 @@ class RemoteOutput(CacheOutput):
         """Make the staging directory agree with the store (the store is the truth)."""
         self.create()
         self._set_sizes(self._puller.pull())
-        aborted = abort_unfinished_uploads(self.url, self._storage_options, lambda r: is_written_name(self.paths, r))
+        aborted = abort_unfinished_uploads(
+            self.url, self._storage_options, lambda r: is_written_name(self.paths, r)
+        )
         if aborted:
-            log.info("%s: aborted %d unfinished multipart uploads left by an interrupted producer", self.url, aborted)
+            log.info(
+                "%s: aborted %d unfinished multipart uploads left by an interrupted producer",
+                self.url,
+                aborted,
+            )
 
     def _set_sizes(self, sizes: dict[int, int]) -> None:
         with self._sizes_lock:
@@ -203,9 +211,13 @@ class RemoteOutput(CacheOutput):
     def pull_indexes(self) -> None:
         """The shard indexes the store holds that are not staged in its version (shards published from
         other staging directories) brought down, their tars' sizes noted."""
-        self._copies.copy_many([(self.paths.relative(self.paths.shard_index(k)), info)
-                                for k, info in self._list_sizes().items()
-                                if not self._copies.unchanged(self.paths.relative(self.paths.shard_index(k)), info)])
+        self._copies.copy_many(
+            [
+                (self.paths.relative(self.paths.shard_index(k)), info)
+                for k, info in self._list_sizes().items()
+                if not self._copies.unchanged(self.paths.relative(self.paths.shard_index(k)), info)
+            ]
+        )
 
     def _list_sizes(self) -> dict[int, ObjectInfo]:
         """One listing of ``shards/``: the tars' sizes noted; the indexes returned by shard id."""
@@ -378,7 +390,9 @@ class RemoteOutput(CacheOutput):
         """On a transfer thread, once the store holds the shard's index (``etag``): index it in staging, drop its tar."""
         write_index(self.paths, index)
         relative = self.paths.relative(self.paths.shard_index(index.shard_id))
-        self._copies.record(relative, ObjectInfo(os.path.getsize(self.paths.shard_index(index.shard_id)), etag, 0.0))
+        self._copies.record(
+            relative, ObjectInfo(os.path.getsize(self.paths.shard_index(index.shard_id)), etag, 0.0)
+        )
         with self._sizes_lock:
             self._sizes[index.shard_id] = index.tar_bytes
             if self._published is not None:

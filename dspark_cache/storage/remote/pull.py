@@ -80,10 +80,16 @@ class StagingPull:
             if found is None:
                 continue
             shard_id, kind = found
-            if kind == "tar" or shard_id not in indexes:  # sealed and not committed, or unpublished on the store
+            # sealed and not committed, or unpublished on the store
+            if kind == "tar" or shard_id not in indexes:
                 self.copies.remove(f"{shards}/{name}")
-        self.copies.copy_many([(self.paths.relative(paths.shard_index(k)), info) for k, info in sorted(indexes.items())
-                               if not self.copies.unchanged(self.paths.relative(paths.shard_index(k)), info)])
+        self.copies.copy_many(
+            [
+                (self.paths.relative(paths.shard_index(k)), info)
+                for k, info in sorted(indexes.items())
+                if not self.copies.unchanged(self.paths.relative(paths.shard_index(k)), info)
+            ]
+        )
         return {k: tars.get(k, -1) for k in indexes}
 
     def file(self, path: str, info: ObjectInfo | None, *, remove_missing: bool = True) -> None:

@@ -19,8 +19,13 @@ from typing import Any
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.storage.remote.localdir import (Temporaries, local_copy_dir, own_directory, own_replica_dirs,
-                                                 replica_dirs)
+from dspark_cache.storage.remote.localdir import (
+    Temporaries,
+    local_copy_dir,
+    own_directory,
+    own_replica_dirs,
+    replica_dirs,
+)
 from dspark_cache.storage.remote.url import RemoteURL
 
 
@@ -62,12 +67,15 @@ def claim_staging(paths: CachePaths, url: str) -> None:
             finally:
                 os.unlink(temporary)
     else:
-        raise StagingDirectoryError(f"staging directory {root}: its {os.path.basename(mark)} keeps vanishing; is "
-                                    "another program clearing it? Choose another --staging-dir")
+        raise StagingDirectoryError(
+            f"staging directory {root}: its {os.path.basename(mark)} keeps vanishing; is "
+            "another program clearing it? Choose another --staging-dir"
+        )
     if staged != url:
         raise StagingDirectoryError(
             f"staging directory {root} stages {staged}, not {url}; two caches cannot share one --staging-dir: "
-            "choose another (or remove that one once its producer is done)")
+            "choose another (or remove that one once its producer is done)"
+        )
     own_replica_dirs(paths.staging_state, root, what="staging directory", option="--staging-dir")
     Temporaries(replica_dirs(paths.staging_state)[1]).clean()  # downloads of a process killed midway
 

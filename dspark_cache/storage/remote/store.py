@@ -118,7 +118,7 @@ def _client() -> Any:
         import obstore.store  # noqa: F401  (the submodule from_url lives in)
     except ImportError as exc:
         raise MissingExtraError(
-            f"caches on object storage need the optional client: pip install \"{EXTRA}\" (obstore), then rerun"
+            f'caches on object storage need the optional client: pip install "{EXTRA}" (obstore), then rerun'
         ) from exc
     return obstore
 
@@ -131,8 +131,15 @@ def _default_client_options(endpoint: str | None) -> dict[str, Any]:
 
 
 def _default_retry() -> dict[str, Any]:
-    return {"max_retries": 8, "retry_timeout": timedelta(minutes=3),
-            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
+    return {
+        "max_retries": 8,
+        "retry_timeout": timedelta(minutes=3),
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": timedelta(seconds=15),
+            "base": 2,
+        },
+    }
 
 
 def client_endpoint(config: dict[str, Any]) -> str | None:
@@ -140,7 +147,11 @@ def client_endpoint(config: dict[str, Any]) -> str | None:
     for key in ("aws_endpoint_url_s3", "endpoint_url", "endpoint", "aws_endpoint", "aws_endpoint_url"):
         if config.get(key):
             return str(config[key])
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+    return (
+        os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or os.environ.get("AWS_ENDPOINT")
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -268,15 +279,18 @@ class ObjectStore:
         text = _first_line(exc)
         full = str(exc)  # the markers may sit past the first line's 300 characters (a long request URL)
         if "NoSuchBucket" in full or "bucket does not exist" in full.lower():
-            return NoSuchBucketError(f"{what} {where}: the bucket {self.url.bucket} does not exist (or this "
-                                     "endpoint is not the store it is in); create it or fix the URL / AWS_ENDPOINT_URL")
+            return NoSuchBucketError(
+                f"{what} {where}: the bucket {self.url.bucket} does not exist (or this "
+                "endpoint is not the store it is in); create it or fix the URL / AWS_ENDPOINT_URL"
+            )
         if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or any(
                 marker in full for marker in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                                               "403 Forbidden")):
             return AccessDeniedError(
                 f"{what} {where}: access denied (403). The credentials in use (AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or the instance's role) may not do this on bucket "
-                f"{self.url.bucket}; fix the credentials or the bucket policy, then rerun")
+                f"{self.url.bucket}; fix the credentials or the bucket policy, then rerun"
+            )
         if isinstance(exc, (errors.PreconditionError, errors.AlreadyExistsError)):
             return ConditionFailedError(f"{what} {where}: the object exists or changed since it was read")
         return ObjectStoreError(
@@ -289,7 +303,8 @@ class ObjectStore:
             raise ObjectStoreError(
                 f"{what} {self.name(relative)} from a forked process: the object-store client does not survive "
                 "fork(). Read remote caches in the main process or in spawned workers: "
-                "DataLoader(..., multiprocessing_context=\"spawn\") (or \"forkserver\")")
+                'DataLoader(..., multiprocessing_context="spawn") (or "forkserver")'
+            )
         try:
             return call()
         except OSError as exc:
@@ -325,11 +340,13 @@ class ObjectStore:
                     FileNotFoundError):
                 raise
             except (ObjectStoreError, OSError) as exc:
-                if isinstance(exc, OSError) and exc.errno in _LOCAL_DISK:  # this machine's disk: no retry mends it
+                # this machine's disk: no retry mends it
+                if isinstance(exc, OSError) and exc.errno in _LOCAL_DISK:
                     raise ObjectStoreError(
                         f"{what} {self.name(relative)}: the local file {exc.filename or ''} could not be written "
                         f"({exc.strerror}); free space there or choose another --local-cache-dir / --staging-dir "
-                        "(or a smaller --cache-limit / --staging-limit), then rerun") from exc
+                        "(or a smaller --cache-limit / --staging-limit), then rerun"
+                    ) from exc
                 if tries == _ATTEMPTS:
                     if isinstance(exc, CacheError):
                         raise
@@ -370,7 +387,9 @@ class ObjectStore:
             return b"".join(parts)[: limit + 1]
 
         def attempt() -> tuple[bytes, ObjectInfo] | None:
-            result = self._call("reading", relative, lambda: self._obstore.get(self._store, key), missing=None)
+            result = self._call(
+                "reading", relative, lambda: self._obstore.get(self._store, key), missing=None
+            )
             if result is None:
                 return None
             data = self._call("reading", relative, lambda: read(result))
@@ -510,9 +529,18 @@ class ObjectStore:
         def attempt() -> str:
             # A path, not an open file: the client reads it itself, ~10% less CPU than through Python calls
             # (BENCHMARKS.md), which the device's copies share the cores with.
-            result = self._call("writing", relative, lambda: self._obstore.put(
-                self._store, key, pathlib.Path(source), use_multipart=size > _MULTIPART, chunk_size=_CHUNK * 2,
-                max_concurrency=8))
+            result = self._call(
+                "writing",
+                relative,
+                lambda: self._obstore.put(
+                    self._store,
+                    key,
+                    pathlib.Path(source),
+                    use_multipart=size > _MULTIPART,
+                    chunk_size=_CHUNK * 2,
+                    max_concurrency=8,
+                ),
+            )
             return str(result.get("e_tag") or "")
         return self._again("writing", relative, attempt)
 

@@ -79,7 +79,8 @@ class StagingSync:
         self.store, self.paths, self.rank, self.copies, self.holds = store, paths, rank, copies, holds
         self.leader = self.pull_stop = False
         self.interval = interval if interval is not None else sync_interval()
-        self._put: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last put or brought down
+        # relative path -> (size, mtime_ns) last put or brought down
+        self._put: dict[str, tuple[int, int]] = {}
         self._segment = 0  # the event log's open segment
         self._segment_start = 0  # where it begins in the local log
         self._lock = threading.Lock()  # one push at a time (the thread's and a forced one)
@@ -111,8 +112,12 @@ class StagingSync:
             try:
                 self.push()
             except CacheError as exc:  # a heartbeat missed is not a failed run: try again next time
-                log.warning("could not bring the producer's files to %s (%s); retrying in %.0f s", self.store.url,
-                            exc, self.interval)
+                log.warning(
+                    "could not bring the producer's files to %s (%s); retrying in %.0f s",
+                    self.store.url,
+                    exc,
+                    self.interval,
+                )
 
     def stop(self) -> None:
         """Stop the thread and push what changed since its last turn."""
@@ -152,7 +157,11 @@ class StagingSync:
         except FileNotFoundError:
             names = []
         header = os.path.basename(self.paths.plan_header)
-        files = [os.path.join(self.paths.plan_dir, n) for n in names if n.endswith((".npy", ".json")) and n != header]
+        files = [
+            os.path.join(self.paths.plan_dir, n)
+            for n in names
+            if n.endswith((".npy", ".json")) and n != header
+        ]
         yield from files
         if header in names:
             yield self.paths.plan_header

@@ -84,7 +84,8 @@ class ShardUploads:
                 raise ObjectStoreError(
                     f"{self.store.name(tar)}: after its upload the store holds "
                     f"{'nothing' if info is None else f'{info.size} bytes'}, its index says {index.tar_bytes}; the "
-                    "shard is not published (rerun to upload it again; if this repeats, check the store)")
+                    "shard is not published (rerun to upload it again; if this repeats, check the store)"
+                )
             # The commit: only while this producer holds the cache, and only as a new object, so that
             # this write landing late, after another producer took the cache over, fails.
             etag = self._commit(self.paths.relative(self.paths.shard_index(shard)), encode_json(index), None)

@@ -41,8 +41,10 @@ class RemoteURL:
             raise ValueError(f"{url!r} is not an object-store URL (scheme://bucket/prefix)")
         scheme = match["scheme"].lower()
         if scheme not in SCHEMES:
-            raise ValueError(f"{url}: the scheme {scheme}:// is not an object store this tool reads; use one of "
-                             f"{', '.join(s + '://' for s in SCHEMES)}, or a local directory")
+            raise ValueError(
+                f"{url}: the scheme {scheme}:// is not an object store this tool reads; use one of "
+                f"{', '.join(s + '://' for s in SCHEMES)}, or a local directory"
+            )
         if not match["bucket"]:
             raise ValueError(f"{url}: no bucket; write {scheme}://BUCKET/PREFIX")
         prefix = (match["prefix"] or "").strip("/")

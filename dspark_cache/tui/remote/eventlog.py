@@ -67,7 +67,9 @@ class SegmentedLogs:
         if not changed:
             return
         start, last = changed[0], max(known.parts, default=None)
-        if last is not None and (start < last or (start == last and listed[start].size < known.parts[start][0])):
+        if last is not None and (
+            start < last or (start == last and listed[start].size < known.parts[start][0])
+        ):
             self._rebuild(rank, listed)
             return
         fetched = []
@@ -77,7 +79,11 @@ class SegmentedLogs:
                 break
             fetched.append((k, got))
         offset = known.start_of(start)
-        if start in known.parts and fetched and not _begins(path, offset, fetched[0][1][0][:known.parts[start][0]]):
+        if (
+            start in known.parts
+            and fetched
+            and not _begins(path, offset, fetched[0][1][0][: known.parts[start][0]])
+        ):
             self._rebuild(rank, listed)  # not the same log grown
             return
         with open(path, "r+b") as handle:
@@ -111,8 +117,10 @@ class SegmentedLogs:
         relative = self.paths.relative(self.paths.events_segment(rank, segment))
         got = self._get(relative, MAX_SEGMENT_BYTES)
         if got is not None and len(got[0]) > MAX_SEGMENT_BYTES:
-            raise Refused(f"{self._name(relative)} is over {MAX_SEGMENT_BYTES >> 20} MiB (a segment is cut near "
-                          f"1 MiB): rank {rank}'s events are not shown")
+            raise Refused(
+                f"{self._name(relative)} is over {MAX_SEGMENT_BYTES >> 20} MiB (a segment is cut near "
+                f"1 MiB): rank {rank}'s events are not shown"
+            )
         return got
 
 

@@ -38,8 +38,16 @@ class RemoteScanner(CacheScanner):
 
     remote = True
 
-    def __init__(self, view: RemoteView, every: float, clock: Callable[[], float] = time.time, history: int = 120,
-                 *, refreshed: bool = False, monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        view: RemoteView,
+        every: float,
+        clock: Callable[[], float] = time.time,
+        history: int = 120,
+        *,
+        refreshed: bool = False,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(view.root, clock=clock, disk_free=lambda _: None, history=history)
         self.view = view
         self.every = every
@@ -53,7 +61,9 @@ class RemoteScanner(CacheScanner):
     def refresh(self, *, force: bool = False) -> None:
         """Refresh the copy from the store, unless it was refreshed less than ``every`` s ago (``force``: now)."""
         now = self._monotonic()
-        if self._closed or (not force and self._refreshed_at is not None and now - self._refreshed_at < self.every):
+        if self._closed or (
+            not force and self._refreshed_at is not None and now - self._refreshed_at < self.every
+        ):
             return
         self._refreshed_at = now
         try:

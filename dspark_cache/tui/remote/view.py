@@ -52,7 +52,8 @@ from dspark_cache.tui.remote.eventlog import LogCopy, Refused, SegmentedLogs
 
 log = logging.getLogger(__name__)
 
-EVENTS_TAIL = 256 * 1024  # bytes of a log's newest segments fetched at the first look (the monitor's tail window)
+# bytes of a log's newest segments fetched at the first look (the monitor's tail window)
+EVENTS_TAIL = 256 * 1024
 MAX_LOG_BYTES = 64 << 20  # a whole (unsegmented) log, as a local cache uploaded as it is holds one
 _GET_THREADS = 8  # index GETs in flight at once (a first look at a cache of thousands of shards)
 _STATE = ".view"
@@ -74,7 +75,9 @@ class RemoteView:
     watcher thread).
     """
 
-    def __init__(self, url: str, storage: StorageOptions | None = None, *, events_tail: int = EVENTS_TAIL) -> None:
+    def __init__(
+        self, url: str, storage: StorageOptions | None = None, *, events_tail: int = EVENTS_TAIL
+    ) -> None:
         storage = (storage or StorageOptions()).resolved()
         self.url = RemoteURL.parse(url)
         self.remote = str(self.url)
@@ -86,7 +89,9 @@ class RemoteView:
         self._private = False
         base, self.root = default_view_dir(self.url, storage)
         own_directory(os.path.join(self.root, _STATE), base, what="monitor's copy")
-        self._held = hold_lock(os.path.join(self._state_dir(self.root), "monitor.held"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._held = hold_lock(
+            os.path.join(self._state_dir(self.root), "monitor.held"), fcntl.LOCK_EX | fcntl.LOCK_NB
+        )
         if self._held is None:  # another monitor of this cache on this node: a directory of our own
             self.root = tempfile.mkdtemp(prefix=f"{os.path.basename(self.root) or self.url.bucket}.",
                                          dir=os.path.dirname(self.root))
@@ -100,7 +105,8 @@ class RemoteView:
         self.copies.temporaries.clean()  # an earlier monitor's downloads, cut short
         self.logs = SegmentedLogs(self.paths, self._get, self.store.name, events_tail)
         self._saved: str | None = None
-        self._threads: DaemonThreads | None = None  # started at the first refresh with several objects to fetch
+        # started at the first refresh with several objects to fetch
+        self._threads: DaemonThreads | None = None
         self._load_state()
 
     def __repr__(self) -> str:
@@ -177,7 +183,10 @@ class RemoteView:
         if len(wanted) > 1:
             if self._threads is None:
                 self._threads = DaemonThreads(_GET_THREADS, "dspark-monitor")
-            futures = [(name, self._threads.submit(self.store.get, f"{relative_dir}/{name}", limit)) for name in wanted]
+            futures = [
+                (name, self._threads.submit(self.store.get, f"{relative_dir}/{name}", limit))
+                for name in wanted
+            ]
             fetched = ((name, future.result()) for name, future in futures)
         else:
             fetched = ((name, self.store.get(f"{relative_dir}/{name}", limit)) for name in wanted)
@@ -192,7 +201,11 @@ class RemoteView:
     def _refresh_shards(self) -> dict[str, ObjectInfo]:
         """The indexes (never the tars): new or changed ones fetched; unpublished ones removed."""
         listing = self._list(self.paths.relative(self.paths.shards_dir))
-        indexes = {name: info for name, info in listing.items() if (self.paths.shard_file(name) or (0, ""))[1] == "idx"}
+        indexes = {
+            name: info
+            for name, info in listing.items()
+            if (self.paths.shard_file(name) or (0, ""))[1] == "idx"
+        }
         self._copy_changed(self.paths.shards_dir, indexes, MAX_INDEX_BYTES)
         return listing
 
@@ -250,8 +263,10 @@ class RemoteView:
         if self.copies.unchanged(relative, info):
             return
         if info.size > MAX_LOG_BYTES:
-            raise Refused(f"{self.store.name(relative)} is over {MAX_LOG_BYTES >> 20} MiB: rank {rank}'s events "
-                           "are not shown")
+            raise Refused(
+                f"{self.store.name(relative)} is over {MAX_LOG_BYTES >> 20} MiB: rank {rank}'s events "
+                "are not shown"
+            )
         try:
             self.requests["get"] += 1
             self.copies.download(relative, expected=MAX_LOG_BYTES)
@@ -285,13 +300,16 @@ class RemoteView:
         it (the copies of single objects have their records in ``seen``)."""
         try:
             with open(self._state_file(), encoding="utf-8") as handle:
-                if not private(os.fstat(handle.fileno())):  # others may have rewritten it: no word of it holds
+                # others may have rewritten it: no word of it holds
+                if not private(os.fstat(handle.fileno())):
                     return
                 state = json.load(handle)
             if state.get("url") != self.remote:
                 return
             for rank, entry in state["logs"].items():
-                known = LogCopy(int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()})
+                known = LogCopy(
+                    int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()}
+                )
                 path = self.paths.events(int(rank))
                 # the very file the last monitor left (a file put in its place is no copy of the store's)
                 if _identity(path) == (int(entry["inode"]), int(entry["ctime_ns"])) \

@@ -36,7 +36,10 @@ def disk(snap: Snapshot) -> list[Para]:
     rest = max(0, projected - written)
     planned = human_bytes(projected) if m.compression == "none" else f"~{human_bytes(projected)}"
     stored = "stored" if snap.remote else "written"  # from the published shards' indexes
-    out = [Para([piece(f"{stored} {human_bytes(written)}"), piece(f"of {planned} projected")], " "), Para([free])]
+    out = [
+        Para([piece(f"{stored} {human_bytes(written)}"), piece(f"of {planned} projected")], " "),
+        Para([free]),
+    ]
     if not snap.complete and snap.disk_free is not None and rest > snap.disk_free:
         out.append(Para(words("the rest ($rest) will not fit: free space before the disk fills", "bold red",
                               rest=human_bytes(rest)), " "))

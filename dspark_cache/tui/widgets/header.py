@@ -37,8 +37,19 @@ def header(snap: Snapshot) -> list[Para]:
         return [Para([where, *words("cannot show this cache:", "bold red"),
                       *words(clip(snap.manifest_error, 600))], " ")]
     if snap.manifest is None:
-        return [Para([where, *words("not a dspark cache yet (no manifest.json yet). Waiting for dspark-produce "
-                                    "to plan; start it with --output-dir pointing here.", "yellow")], " ")]
+        return [
+            Para(
+                [
+                    where,
+                    *words(
+                        "not a dspark cache yet (no manifest.json yet). Waiting for dspark-produce "
+                        "to plan; start it with --output-dir pointing here.",
+                        "yellow",
+                    ),
+                ],
+                " ",
+            )
+        ]
     return identity(snap.manifest, snap)
 
 
@@ -53,7 +64,8 @@ def identity(m: Manifest, snap: Snapshot) -> list[Para]:
               piece(f"seq {integer(m.seq_length)}")]),
         Para([piece(f"{snap.path} (object storage)" if snap.remote else snap.path),
               piece(f"ranks: {integer(world) if world > 0 else '-'}"),
-              piece(f"input: {m.train_data_path}")]),  # a long path is shortened in its middle: keeps its name
+              # a long path is shortened in its middle: keeps its name
+              piece(f"input: {m.train_data_path}")]),
     ]
 
 

@@ -57,13 +57,23 @@ def bar_position(done: int, planned: int) -> dict[str, float]:
 def summary(m: Manifest, snap: Snapshot) -> Para:
     """The line of a complete cache."""
     elapsed = (m.completed_at or snap.now) - m.created_at if m.created_at else None
-    return Para([piece("complete:", "bold green"), *words(
-        "$samples, $tokens, $shards, $bytes ($ratio) in $elapsed; $skipped, $nonfinite",
-        samples=f"{integer(m.num_samples)} samples", tokens=f"{human_count(m.planned_tokens)} tokens",
-        shards=f"{integer(m.num_shards)} shards", bytes=human_bytes(snap.bytes_done),
-        ratio=f"{bytes_per_token(snap.bytes_done, m.planned_tokens)} B/token", elapsed=human_duration(elapsed),
-        skipped=f"{integer(len(m.skipped))} rows skipped", nonfinite=f"{integer(len(m.nonfinite_samples))} non-finite",
-    )], " ")
+    return Para(
+        [
+            piece("complete:", "bold green"),
+            *words(
+                "$samples, $tokens, $shards, $bytes ($ratio) in $elapsed; $skipped, $nonfinite",
+                samples=f"{integer(m.num_samples)} samples",
+                tokens=f"{human_count(m.planned_tokens)} tokens",
+                shards=f"{integer(m.num_shards)} shards",
+                bytes=human_bytes(snap.bytes_done),
+                ratio=f"{bytes_per_token(snap.bytes_done, m.planned_tokens)} B/token",
+                elapsed=human_duration(elapsed),
+                skipped=f"{integer(len(m.skipped))} rows skipped",
+                nonfinite=f"{integer(len(m.nonfinite_samples))} non-finite",
+            ),
+        ],
+        " ",
+    )
 
 
 def bytes_per_token(written: int, tokens: int) -> str:
@@ -83,4 +93,6 @@ def running(m: Manifest, snap: Snapshot) -> Para:
     rate = snap.tokens_per_s
     if rate is None:  # a second heartbeat is needed to measure the live run's own work
         return Para([*done, piece("tok/s measuring…"), piece("ETA ?")])
-    return Para([*done, piece(f"{human_count(rate)} tok/s"), piece(f"ETA {human_duration(snap.eta_seconds())}")])
+    return Para(
+        [*done, piece(f"{human_count(rate)} tok/s"), piece(f"ETA {human_duration(snap.eta_seconds())}")]
+    )

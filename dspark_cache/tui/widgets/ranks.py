@@ -33,8 +33,10 @@ from dspark_cache.tui.widgets import VIEW
 
 COLUMNS = ("rank", "state", "shard", "host/pid", "run shards", "tok/s", "inflight", "weights", "device mem",
            "heartbeat", "last error")
-COMPACT_COLUMNS = ("rank", "state", "run shards", "tok/s", "weights/mem", "heartbeat", "last error")  # 80 cells
-NARROW_COLUMNS = ("rank", "state", "run shards", "tok/s", "heartbeat", "last error")  # when even those do not fit
+# 80 cells
+COMPACT_COLUMNS = ("rank", "state", "run shards", "tok/s", "weights/mem", "heartbeat", "last error")
+# when even those do not fit
+NARROW_COLUMNS = ("rank", "state", "run shards", "tok/s", "heartbeat", "last error")
 LAYOUTS = (COLUMNS, COMPACT_COLUMNS, NARROW_COLUMNS)  # the first whose row fits is shown
 STATE_CHARS = max(len(state) for state in RankState.ALL)  # a state no producer writes is clipped to these
 ERROR = "last error"
@@ -66,7 +68,9 @@ class RankTable(DataTable):
         room = self.scrollable_content_region.width  # 0 before the first layout: nothing to fit yet
         layouts = LAYOUTS[1:] if self.compact else LAYOUTS
         least = self._width(MIN_ERROR_CHARS)
-        columns = next((c for c in layouts if not room or self._others_width(c, rows) + least <= room), layouts[-1])
+        columns = next(
+            (c for c in layouts if not room or self._others_width(c, rows) + least <= room), layouts[-1]
+        )
         self.clear(columns=True)  # a column keeps its widest cell until cleared: size them to these rows
         self.add_columns(*columns)
         others = self._others_width(columns, rows) + self._width(0)

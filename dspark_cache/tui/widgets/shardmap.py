@@ -79,12 +79,20 @@ class ShardMap(Fitted):
 
 def shard_states(snap: Snapshot) -> dict[str, Collection[int]]:
     """The shards of ``snap`` that are not pending, by state."""
-    return {"published": snap.published, "writing": snap.writing, "abandoned": snap.abandoned, "failed": snap.failed}
+    return {
+        "published": snap.published,
+        "writing": snap.writing,
+        "abandoned": snap.abandoned,
+        "failed": snap.failed,
+    }
 
 
 def shard_counts(counts: dict[str, int], per: int) -> Para:
     """``22 published  1 writing  35 pending  1 failed``; abandoned ones only when there are some."""
-    pieces = [piece(f"{integer(counts['published'])} published"), piece(f"{integer(counts['writing'])} writing")]
+    pieces = [
+        piece(f"{integer(counts['published'])} published"),
+        piece(f"{integer(counts['writing'])} writing"),
+    ]
     if counts["abandoned"]:
         pieces.append(piece(f"{integer(counts['abandoned'])} abandoned (rerun resumes)", "red"))
     pieces += [piece(f"{integer(counts['pending'])} pending"), piece(f"{integer(counts['failed'])} failed")]
