@@ -15,7 +15,8 @@ import pytest
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.storage.remote.store import ObjectStore
-from tests.support.proc import BIN, assert_same_samples, free_port, kill_group, run, start
+from tests.support.ports import free_port
+from tests.support.proc import BIN, assert_same_samples, kill_group, run, start
 from tests.support.produce import produce_args
 
 ARGS = ("--shard-size", "6", "--num-workers", "0", "--rank-timeout", "60")

@@ -23,7 +23,7 @@ from dspark_cache.cli import produce as produce_main, verify as verify_main
 from dspark_cache.format.paths import LEASE, CachePaths
 from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.storage.remote.url import RemoteURL
-from tests.support.faultproxy import FaultProxy, matching
+from tests.support.faultproxy import matching
 from tests.support.produce import produce_args, write_jsonl
 from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
 from tests.support.remote import upload_cache
@@ -93,12 +93,6 @@ def _shard_ids(listing: dict[str, ObjectInfo], kind: str) -> set[int]:
 @pytest.fixture
 def remote(s3_server, s3_bucket) -> Remote:
     return Remote(f"{s3_bucket}/runs/cache", _options(s3_server.endpoint))
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy("127.0.0.1", s3_server.port) as p:
-        yield p
 
 
 def _assert_samples_equal(remote: Remote, node, reference: str, exact: bool = True) -> None:

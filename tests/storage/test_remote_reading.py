@@ -48,12 +48,6 @@ def remote(local, s3_bucket, s3_env) -> str:
     return url
 
 
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy("127.0.0.1", s3_server.port) as p:
-        yield p
-
-
 def _via(proxy: FaultProxy, **extra) -> dict:
     return {"endpoint": proxy.endpoint, **extra}
 

@@ -17,7 +17,7 @@ from dspark_cache.format.paths import LEASE
 from dspark_cache.storage.remote.lease import Lease
 from dspark_cache.storage.remote.store import ConditionFailedError, ObjectStore, UnrepresentableKeyError
 from dspark_cache.storage.remote.url import RemoteURL
-from tests.support.faultproxy import FaultProxy, Request
+from tests.support.faultproxy import Request
 from tests.support.remote import upload_cache
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY
 
@@ -27,12 +27,6 @@ ARGS = ("--shard-size", "6")
 def _options(endpoint: str, **extra) -> dict:
     return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
             "region": REGION, **extra}
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy("127.0.0.1", s3_server.port) as p:
-        yield p
 
 
 def _lease_put(conditional: str):

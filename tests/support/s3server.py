@@ -31,6 +31,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.ports import free_port
+
 log = logging.getLogger(__name__)
 
 ACCESS_KEY = SECRET_KEY = "testing"
@@ -38,14 +40,6 @@ REGION = "us-east-1"
 START_TIMEOUT_S = 30.0
 _IAM_SETUP_CALLS = ("CreateUser", "PutUserPolicy", "CreateAccessKey")
 _ORPHAN_MARKER = "DSPARK_ORPHAN_TEST_RUN"  # tests.support.processes.MARKER: never on our server
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it; another process could still take it before
-    the server binds, so :meth:`S3Server.start` retries on "address in use")."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -15,7 +15,6 @@ from datetime import timedelta
 
 import msgspec
 import pytest
-from rich.text import Text
 
 from dspark_cache.cli import monitor as monitor_main, produce as produce_main, verify as verify_main
 from dspark_cache.cli.conventions import EXIT_STOPPED
@@ -30,6 +29,7 @@ from dspark_cache.tui.remote.scanner import RemoteScanner
 from dspark_cache.tui.remote.view import RemoteView
 from dspark_cache.tui.scan import CacheScanner
 from tests.support.faultproxy import FaultProxy
+from tests.support.monitor import plain
 from tests.support.produce import produce_args, run_produce
 from tests.support.proc import kill_group, producer_cmd, start, wait_for
 from tests.support.s3server import REGION, S3Server, unique_bucket_name
@@ -43,11 +43,6 @@ def options(server: S3Server, endpoint: str | None = None) -> dict:
     the producers the tests start are forked warm."""
     return {"endpoint": endpoint or server.endpoint, "access_key_id": server.access_key,
             "secret_access_key": server.secret_key, "region": REGION}
-
-
-def plain(widget) -> str:
-    content = widget.content
-    return content.plain if isinstance(content, Text) else Text.from_markup(str(content)).plain
 
 
 @pytest.fixture(scope="module")
