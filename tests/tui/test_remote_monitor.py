@@ -230,7 +230,7 @@ def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, 
 
 
 def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_path, monkeypatch):
-    from dspark_cache.tui.remote.scanner import eventlog
+    from dspark_cache.tui.remote import eventlog
 
     url = complete.replace("runs/done", "runs/huge-segment")
     store = ObjectStore(url, options(s3_server))
@@ -254,7 +254,7 @@ def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_pa
 
 
 def test_a_log_stored_whole_is_copied_once_per_version(complete, s3_server, tmp_path, monkeypatch):
-    from dspark_cache.tui.remote.scanner import view as view_module
+    from dspark_cache.tui.remote import view as view_module
 
     url = complete.replace("runs/done", "runs/whole-log")
     store = ObjectStore(url, options(s3_server))
