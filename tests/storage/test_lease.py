@@ -50,9 +50,10 @@ HOLDERS = {
     "dead holder on this host": (
         lambda pid: _record(host=socket.gethostname(), pid=pid, node=node_identity()), 0.0, "taken"),
     "live holder elsewhere": (lambda pid: _record(), 0.3, "refused"),
-    "live holder on this host": (lambda pid: _record(pid=os.getppid(), node=node_identity()), 0.3,
-                                 "refused"),
-    "holder's clock behind": (lambda pid: _record(renewed_at=time.time() + LONG_AGO, ttl=60.0), 0.3, "refused"),
+    "live holder on this host": (
+        lambda pid: _record(pid=os.getppid(), node=node_identity()), 0.3, "refused"),
+    "holder's clock behind": (
+        lambda pid: _record(renewed_at=time.time() + LONG_AGO, ttl=60.0), 0.3, "refused"),
     "not a lease": (lambda pid: b"{not json", 0.3, "refused"),
 }
 
