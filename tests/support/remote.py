@@ -47,11 +47,14 @@ class _Client:
         self.lose_answers = 0  # conditional writes still to lose the answer of
         self.before_match: Callable[[], object] | None = None  # run once, before the next If-Match write
         self.matches = 0  # If-Match writes sent
+        self.before_put: Callable[[str], object] | None = None  # run before every write, with its key
 
     def __getattr__(self, name: str):
         return getattr(self._obstore, name)
 
     def put(self, store, key: str, data, **kwargs):
+        if self.before_put is not None:
+            self.before_put(key)
         self.matches += isinstance(kwargs.get("mode"), dict)
         if self.before_match is not None and isinstance(kwargs.get("mode"), dict):
             hook, self.before_match = self.before_match, None
