@@ -18,7 +18,7 @@ from dspark_cache.storage.remote.lease import Lease
 from dspark_cache.storage.remote.store import ConditionFailedError, ObjectStore, UnrepresentableKeyError
 from dspark_cache.storage.remote.url import RemoteURL
 from tests.support.faultproxy import Request
-from tests.support.remote import upload_cache
+from tests.support.remote import KEYS, upload_cache
 from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY
 
 ARGS = ("--shard-size", "6")
@@ -82,17 +82,17 @@ def test_conditional_writes_refuse_what_they_must(s3_server, s3_bucket):
     """What makes a late commit fail: a create over an object, a match over a version replaced or
     deleted since; and what makes a lost answer harmless: the same bytes again are ours."""
     store = ObjectStore(f"{s3_bucket}/cache", _options(s3_server.endpoint))
-    first = store.put("shards/shard-000000.idx", b"mine", create=True)
-    assert store.put("shards/shard-000000.idx", b"mine", create=True) == first  # ours already: the same bytes
+    first = store.put(KEYS.shard_index(0), b"mine", create=True)
+    assert store.put(KEYS.shard_index(0), b"mine", create=True) == first  # ours already: the same bytes
     with pytest.raises(ConditionFailedError):
-        store.put("shards/shard-000000.idx", b"a late one", create=True)
-    second = store.put("shards/shard-000000.idx", b"replaced", match=first)
+        store.put(KEYS.shard_index(0), b"a late one", create=True)
+    second = store.put(KEYS.shard_index(0), b"replaced", match=first)
     with pytest.raises(ConditionFailedError):
-        store.put("shards/shard-000000.idx", b"late", match=first)  # If-Match on a version replaced since
-    store.delete("shards/shard-000000.idx")
+        store.put(KEYS.shard_index(0), b"late", match=first)  # If-Match on a version replaced since
+    store.delete(KEYS.shard_index(0))
     with pytest.raises(ConditionFailedError):
-        store.put("shards/shard-000000.idx", b"late", match=second)  # If-Match on a version deleted since
-    assert store.head("shards/shard-000000.idx") is None
+        store.put(KEYS.shard_index(0), b"late", match=second)  # If-Match on a version deleted since
+    assert store.head(KEYS.shard_index(0)) is None
 
 
 # -- 4. keys the client cannot represent --------------------------------------------------------
@@ -108,8 +108,8 @@ def test_listings_skip_and_name_keys_the_client_cannot_represent(local_cache_url
     caplog.set_level("WARNING")
     fresh = ObjectStore(url, store_options(s3_server))
     assert dict(fresh.walk()) == mine  # every file of the cache, none of the odd keys
-    assert fresh.list("shards") == {name.split("/", 1)[1]: info for name, info in mine.items()
-                                    if name.startswith("shards/")}
+    assert fresh.list(KEYS.shards_dir) == {name.split("/", 1)[1]: info for name, info in mine.items()
+                                           if name.startswith(KEYS.shards_dir + "/")}
     named = [r.getMessage() for r in caplog.records if "cannot represent" in r.getMessage()]
     assert named and all(m.startswith(f"s3://{parsed.bucket}/{parsed.prefix}/") for m in named), named
     assert not any("check the network" in r.getMessage() for r in caplog.records)
@@ -117,7 +117,7 @@ def test_listings_skip_and_name_keys_the_client_cannot_represent(local_cache_url
     client.put_object(Bucket=parsed.bucket, Key=f"{parsed.prefix}/shards/odd\x02", Body=b"x")
     said = r"shards/: it holds the key .*shards/odd\\x02.*rename or delete"
     with pytest.raises(UnrepresentableKeyError, match=said):
-        fresh.list("shards")
+        fresh.list(KEYS.shards_dir)
 
 
 def store_options(s3_server) -> dict:

@@ -77,3 +77,7 @@ def memory_store(memory=None, url: str = "s3://bucket/cache") -> tuple[ObjectSto
     store._store = memory if memory is not None else MemoryStore()
     store._obstore = client
     return store, client
+
+# A cache's names relative to its root, as its object keys are under the cache's prefix
+# (os.path.join("", name) is name).
+KEYS = CachePaths("")

@@ -101,7 +101,8 @@ def test_a_refresh_makes_five_requests_when_nothing_changed(complete, s3_server,
             view.refresh()
             seen = sorted((s.method, "list" if "list-type" in s.target else s.target.rsplit("/", 1)[-1])
                           for s in proxy.log)
-            assert seen == [("GET", "list")] * 3 + [("HEAD", "manifest.json"), ("HEAD", "stop")], seen
+            heads = [("HEAD", MANIFEST), ("HEAD", os.path.basename(KEYS.stop_request))]
+            assert seen == [("GET", "list")] * 3 + heads, seen
         view.close()
 
 
@@ -152,7 +153,7 @@ def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, 
     before = scanner.scan()
     assert before.complete and len(before.published) == _num_shards(store) and before.ranks
     # What is gone from the store is gone from the copy.
-    store.delete(f"{SHARDS_DIR}/shard-000001.idx")
+    store.delete(paths.relative(paths.shard_index(1)))
     store.delete(paths.relative(paths.status(0)))
     view.refresh()
     after = scanner.scan()
