@@ -49,10 +49,12 @@ def test_only_paths_spells_cache_file_names():
 
 
 TESTS = PACKAGE.parent / "tests"
-# A cache file's name as a whole string (alone or ending a path): what tests write as CachePaths(...).x.
+# A cache file's name as a whole string (alone or ending a path): what tests write as CachePaths(...).x
+# (NeMo's layout: nemo/nemo_format's path functions).
 _CACHE_FILE = re.compile(
     r"(?:^|/)(?:manifest\.json|target_weights\.safetensors|lease\.json|wids-index\.json|plan\.json"
-    r"|shard-\d{6,}\.(?:tar|idx)(?:\.partial)?|rank-\d{5,}\.jsonl?(?:\.\d{6,})?|part-\d{5}\.\w+(?:\.npy)?)$",
+    r"|shard-\d{6,}\.(?:tar|idx|safetensors)(?:\.partial)?|rank-\d{5,}\.jsonl?(?:\.\d{6,})?"
+    r"|part-\d{5}\.\w+(?:\.npy)?)$",
     re.ASCII)  # ASCII digits: ours (a name with others is a hostile test's plant)
 _CACHE_DIRS = {"shards", "status", "events", "control", "plan", "logs"}
 _FORMATTED = ("shard-", "rank-", "part-", "shards/", "status/", "events/", "control/", "plan/")

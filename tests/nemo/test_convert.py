@@ -204,7 +204,7 @@ def test_layer_ids_without_final_state_keep_both_tensors(tmp_path, capsys):
 def test_damaged_duplicate_fails_and_keeps_published_shards(tmp_path, capsys):
     src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, shard_size=2)
-    path = os.path.join(src, "shard-000001.safetensors")
+    path = nemo_format.shard_path(src, 1)
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(path)
@@ -225,20 +225,20 @@ def test_partial_source_is_refused(tmp_path, capsys):
     code, _, err = _convert(capsys, src, str(tmp_path / "a"), "--to", "dspark", "--pad-token-id", str(P))
     assert code == 1 and "manifest.json says complete: false" in err and "Re-run" in err
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, shard_size=2)
-    os.unlink(os.path.join(src, "shard-000001.safetensors"))
+    os.unlink(nemo_format.shard_path(src, 1))
     code, _, err = _convert(capsys, src, str(tmp_path / "b"), "--to", "dspark", "--pad-token-id", str(P))
-    assert code == 1 and "is partial" in err and "shard-000001.safetensors" in err
+    assert code == 1 and "is partial" in err and os.path.basename(nemo_format.shard_path(src, 1)) in err
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")  # nothing written
 
 
 def test_bad_shard_names_file_and_reason(tmp_path, capsys):
     src = str(tmp_path / "nemo")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, shard_size=2)
-    path = os.path.join(src, "shard-000002.safetensors")
+    path = nemo_format.shard_path(src, 2)
     with open(path, "r+b") as handle:
         handle.truncate(os.path.getsize(path) - 10)
     code, _, err = _convert(capsys, src, str(tmp_path / "a"), "--to", "dspark", "--pad-token-id", str(P))
-    assert code == 1 and "shard-000002.safetensors" in err and "truncated" in err
+    assert code == 1 and os.path.basename(path) in err and "truncated" in err
 
 
 def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cache, tmp_path, capsys):
@@ -389,7 +389,7 @@ def test_sigkill_mid_export_then_rerun_equals_uninterrupted(small_cache, exporte
         nemo_format.read_manifest(dst)  # NeMo's reader refuses it until the last shard is in
     with pytest.raises(ValueError, match="shard indices"):
         nemo_format.NemoCacheDataset(dst)
-    with open(os.path.join(dst, "shard-000002.safetensors.partial"), "wb") as handle:
+    with open(nemo_format.partial_path(nemo_format.shard_path(dst, 2)), "wb") as handle:
         handle.write(b"half a shard")  # what a kill inside a shard leaves
     code, out, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "5")
     assert code == 0, err

@@ -158,7 +158,7 @@ def _nested_manifest(src: str) -> None:
 
 
 def _appended(src: str) -> None:
-    with open(os.path.join(src, "shard-000001.safetensors"), "ab") as handle:
+    with open(nemo_format.shard_path(src, 1), "ab") as handle:
         handle.write(b"\0" * 64)
 
 

@@ -13,7 +13,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.schema import ShardIndex, decode_json
 from dspark_cache.storage.remote.store import ObjectStoreError
 from dspark_cache.storage.remote.uploads import ShardUploads
-from tests.support.remote import memory_store
+from tests.support.remote import KEYS, memory_store
 
 WAIT_S = 10.0  # the longest a test waits for a transfer thread to reach a point
 
@@ -41,8 +41,8 @@ class _Queue:
                                     threads=threads)
 
     def _commit(self, relative: str, data: bytes, expected: str | None) -> str:
-        tar = relative.replace(".idx", ".tar")
-        info = self.store.head(tar)
+        shard, _ = KEYS.shard_file(os.path.basename(relative))
+        info = self.store.head(KEYS.shard_tar(shard))
         self.commits.append((relative, None if info is None else info.size))
         return self.store.put(relative, data, create=True)
 
