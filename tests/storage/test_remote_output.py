@@ -27,16 +27,11 @@ from tests.support.faultproxy import matching
 from tests.support.produce import produce_args, write_jsonl
 from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
 from tests.support.remote import KEYS, upload_cache
-from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, unique_bucket_name
+from tests.support.s3server import S3Server, client_options, unique_bucket_name
 
 ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")  # 46 samples in 19 shards (as test_resume)
 ENV = {"DSPARK_SYNC_INTERVAL": "0.2"}  # the small files go up five times a second
 TAR_PUTS = matching(method="PUT", suffix=".tar")
-
-
-def _options(endpoint: str, **extra) -> dict:
-    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "region": REGION,
-            **extra}
 
 
 @dataclass
@@ -93,7 +88,7 @@ def _shard_ids(listing: dict[str, ObjectInfo], kind: str) -> set[int]:
 
 @pytest.fixture
 def remote(s3_server, s3_bucket) -> Remote:
-    return Remote(f"{s3_bucket}/runs/cache", _options(s3_server.endpoint))
+    return Remote(f"{s3_bucket}/runs/cache", client_options(s3_server.endpoint))
 
 
 def _assert_samples_equal(remote: Remote, node, reference: str, exact: bool = True) -> None:
@@ -234,7 +229,7 @@ def test_a_second_producer_on_the_same_url_is_refused_at_once_naming_the_holder(
         embedded, remote, proxy, tmp_path, capsys):
     # The first producer is held: one tar upload stalls, and a staging limit of one shard holds the writer.
     proxy.fail_next(1, "stall", match=TAR_PUTS, stall_s=5)
-    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=_options(proxy.endpoint)),
+    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
                   env=ENV)
     try:
         wait_for(lambda: proxy.faults["stall"] == 1 or first.poll() is not None, timeout=120)
@@ -332,7 +327,7 @@ def test_a_late_index_of_a_producer_that_lost_its_lease_never_enters_the_next_ru
     (a conditional create), leaving B's cache whole, and A must stop with a message that says why."""
     env = {**ENV, "DSPARK_LEASE_TTL": "2"}
     proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))
-    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=_options(proxy.endpoint)),
+    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
                   env=env)
     try:
         wait_for(lambda: proxy.faults["hold"] == 1 or first.poll() is not None, timeout=120)
@@ -366,7 +361,7 @@ def test_an_index_the_run_did_not_write_keeps_the_cache_incomplete_until_a_rerun
     runs (a lapsed producer's, of a larger plan). The completing producer checks the store's indexes
     against what it wrote or read and does not mark the cache complete; a rerun resumes and completes it."""
     proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))  # the run is past its pull
-    running = start(remote.cmd(embedded, tmp_path / "a", options=_options(proxy.endpoint)), env=ENV)
+    running = start(remote.cmd(embedded, tmp_path / "a", options=client_options(proxy.endpoint)), env=ENV)
     try:
         wait_for(lambda: proxy.faults["hold"] == 1 or running.poll() is not None, timeout=120)
         assert running.poll() is None, running.communicate()
@@ -494,7 +489,7 @@ def test_a_follow_loader_reads_every_sample_once_while_the_producer_uploads(
     # first window) are up before shard 4 (with several, shard 4 may be sealed first and hold them back).
     proxy.fail_next(1, "stall", match=matching(method="PUT", suffix="/" + KEYS.shard_tar(4)), stall_s=3)
     producer = start(remote.cmd(embedded, tmp_path / "staging", "--staging-limit", "1", "--writer-threads", "1",
-                                options=_options(proxy.endpoint)), env=ENV)
+                                options=client_options(proxy.endpoint)), env=ENV)
     seen: list[tuple[float, list[int], list[bool]]] = []
     try:
         store = remote.store
@@ -618,7 +613,7 @@ def test_transient_faults_on_tar_uploads_are_retried_and_the_run_completes(
     proxy.fail_next(2, "503", match=TAR_PUTS)
     proxy.fail_next(2, "reset", match=TAR_PUTS)
     proxy.fail_next(1, "500", match=TAR_PUTS)
-    done = run(remote.cmd(embedded, tmp_path / "staging", options=_options(proxy.endpoint)), env=ENV)
+    done = run(remote.cmd(embedded, tmp_path / "staging", options=client_options(proxy.endpoint)), env=ENV)
     assert done.returncode == 0, done.stderr
     assert (proxy.faults["503"], proxy.faults["reset"], proxy.faults["500"]) == (2, 2, 1)
     _assert_verified(remote, tmp_path / "node", capsys)
@@ -629,7 +624,7 @@ def test_transient_faults_on_tar_uploads_are_retried_and_the_run_completes(
 def test_a_store_that_keeps_failing_ends_in_an_error_naming_the_object_and_a_rerun_resumes(
         embedded, reference, remote, proxy, tmp_path, capsys):
     proxy.fail_next(None, "503", match=matching(method="PUT", suffix="/" + KEYS.shard_tar(2)))
-    failing = _options(proxy.endpoint, retry_config={"max_retries": 1})
+    failing = client_options(proxy.endpoint, retry_config={"max_retries": 1})
     staging = tmp_path / "staging"
     # A staging limit of one shard: uploads go one at a time, and the writer waits for room when the
     # failure comes, so the failure reaches it there (not only at the end of the run). One writer: shards
@@ -662,8 +657,7 @@ def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, 
     with S3Server(check_credentials=True) as strict:
         bucket = unique_bucket_name()
         strict.make_bucket(bucket)
-        wrong = {"endpoint": strict.endpoint, "access_key_id": strict.access_key,
-                 "secret_access_key": "wrong-secret-value", "region": REGION}
+        wrong = strict.options(secret_access_key="wrong-secret-value")
         denied = Remote(f"s3://{bucket}/c", wrong)
         capsys.readouterr()
         code = produce_main(denied.args(embedded, tmp_path / "a"))
@@ -672,7 +666,7 @@ def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, 
         assert err[0].startswith("dspark-produce: error") and "access denied (403)" in err[0], err
         assert "wrong-secret-value" not in err[0]
         assert strict.boto3_client().list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
-    missing = Remote(f"s3://{unique_bucket_name('absent')}/c", _options(s3_server.endpoint))
+    missing = Remote(f"s3://{unique_bucket_name('absent')}/c", client_options(s3_server.endpoint))
     code = produce_main(missing.args(embedded, tmp_path / "b"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1, err

@@ -53,6 +53,13 @@ def _die_with_parent() -> None:
         pass
 
 
+def client_options(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY, **extra) -> dict:
+    """The object-store client's storage options for an S3 server at ``endpoint`` (ours, or a fault
+    proxy in front of it), with ``extra`` options."""
+    return {"endpoint": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": REGION,
+            **extra}
+
+
 class S3Server:
     """Moto's S3 server on ``127.0.0.1`` and a free port, started by :meth:`start` (or ``with``)."""
 
@@ -76,6 +83,11 @@ class S3Server:
         if self.port is None:
             raise RuntimeError("S3Server not started")
         return f"http://{self.host}:{self.port}"
+
+    def options(self, endpoint: str | None = None, **extra) -> dict:
+        """The object-store client's storage options for this server, or for a proxy in front of it at
+        ``endpoint`` (no AWS_* variable needed: producers the tests start with them are forked warm)."""
+        return client_options(endpoint or self.endpoint, self.access_key, self.secret_key, **extra)
 
     def env(self) -> dict[str, str]:
         """The environment a client process needs to reach this server (botocore/s3fs and obstore
