@@ -101,7 +101,7 @@ def test_listings_skip_and_name_keys_the_client_cannot_represent(local_cache_url
     for key in odd:
         client.put_object(Bucket=parsed.bucket, Key=f"{parsed.prefix}/{key}", Body=b"not ours")
     caplog.set_level("WARNING")
-    fresh = ObjectStore(url, storeclient_options(s3_server))
+    fresh = ObjectStore(url, s3_server.options())
     assert dict(fresh.walk()) == mine  # every file of the cache, none of the odd keys
     assert fresh.list(KEYS.shards_dir) == {name.split("/", 1)[1]: info for name, info in mine.items()
                                            if name.startswith(KEYS.shards_dir + "/")}
@@ -118,7 +118,7 @@ def test_listings_skip_and_name_keys_the_client_cannot_represent(local_cache_url
 @pytest.fixture
 def local_cache_url(produced, s3_server, s3_bucket) -> tuple[str, ObjectStore]:
     url = f"{s3_bucket}/runs/cache"
-    return url, upload_cache(produced(*ARGS), url, storage_options=storeclient_options(s3_server))
+    return url, upload_cache(produced(*ARGS), url, storage_options=s3_server.options())
 
 
 # -- 5. client options at the top level; a panic of the client ----------------------------------
