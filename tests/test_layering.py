@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,66 @@ def test_only_paths_spells_cache_file_names():
             if text in NAMES or text.startswith(PREFIXES):
                 offenders.append(f"dspark_cache/{where}:{line}: {text!r}")
     assert not offenders, "cache file names spelled outside format/paths.py:\n" + "\n".join(offenders)
+
+
+TESTS = PACKAGE.parent / "tests"
+# A cache file's name as a whole string (alone or ending a path): what tests write as CachePaths(...).x
+# (NeMo's layout: nemo/nemo_format's path functions).
+_CACHE_FILE = re.compile(
+    r"(?:^|/)(?:manifest\.json|target_weights\.safetensors|lease\.json|wids-index\.json|plan\.json"
+    r"|shard-\d{6,}\.(?:tar|idx|safetensors)(?:\.partial)?|rank-\d{5,}\.jsonl?(?:\.\d{6,})?"
+    r"|part-\d{5}\.\w+(?:\.npy)?)$",
+    re.ASCII)  # ASCII digits: ours (a name with others is a hostile test's plant)
+_CACHE_DIRS = {"shards", "status", "events", "control", "plan", "logs"}
+_FORMATTED = ("shard-", "rank-", "part-", "shards/", "status/", "events/", "control/", "plan/")
+_DIR_CALLS = {"os.path.join", "open", "os.open", "os.makedirs", "os.mkdir", "os.listdir"}
+_DIR_METHODS = {"list", "rglob", "key", "head", "delete", "upload", "download"}
+# Spellings tests keep on purpose, by file: NeMo's own layout (its writer's oracle, not ours), files planted
+# under wrong or near-miss names, the node replica's own bookkeeping names, and the layout asserted as is.
+TEST_SPELLINGS: dict[str, set[str]] = {
+    "tests/test_layering.py": {"manifest.json", "target_weights.safetensors"},  # NAMES, the package's rule
+    # NeMo's layout written or read as NeMo's own code does, independently of nemo/nemo_format.py.
+    "tests/support/nemo_fixture.py": {"manifest.json", "target_weights.safetensors",
+                                      "f'shard-{start // shard_size:06d}.safetensors'"},
+    "tests/support/convert_fixture.py": {"manifest.json", "target_weights.safetensors",
+                                         "f'shard-{shard:06d}.safetensors'"},
+    "tests/nemo/parity/compare.py": {"manifest.json", "target_weights.safetensors"},
+    "tests/nemo/parity/run.py": {"logs"},  # the parity run's own log directory, not a cache's
+    # A download temporary of the node's replica (storage/remote), named as it names them.
+    "tests/storage/test_remote_reading.py": {"f'shard-000002.tar.{os.getpid()}.1'"},
+}
+
+
+def _test_spellings(tree: ast.AST):
+    """Cache file names spelled in a test: a whole string naming one, an f-string starting like one, a
+    cache directory's bare name given to a path call or a store's method."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and not re.search(r"\s", node.value) and _CACHE_FILE.search(node.value):
+            yield node.lineno, node.value
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant) \
+                and str(node.values[0].value).startswith(_FORMATTED) and not any(
+                    isinstance(part, ast.Constant) and re.search(r"\s", part.value) for part in node.values):
+            yield node.lineno, ast.unparse(node)
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            method = isinstance(node.func, ast.Attribute) and node.func.attr in _DIR_METHODS
+            if name in _DIR_CALLS or method:
+                yield from ((arg.lineno, arg.value) for arg in node.args if isinstance(arg, ast.Constant)
+                            and arg.value in _CACHE_DIRS)
+
+
+def test_tests_name_cache_files_through_cache_paths():
+    """Tests spell a cache's files as the package does (CachePaths), so that a renamed file is renamed in
+    one place; the exceptions are listed, by file, in TEST_SPELLINGS."""
+    offenders = []
+    for path in sorted(TESTS.rglob("*.py")):
+        where = path.relative_to(TESTS.parent).as_posix()
+        allowed = TEST_SPELLINGS.get(where, set())
+        for line, text in _test_spellings(ast.parse(path.read_text())):
+            if text not in allowed:
+                offenders.append(f"{where}:{line}: {text!r}")
+    assert not offenders, "cache names spelled in tests, not through CachePaths:\n" + "\n".join(offenders)
 
 
 def test_parts_never_import_each_other():

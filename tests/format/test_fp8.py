@@ -21,6 +21,7 @@ import dspark_cache
 from dspark_cache.format.errors import CorruptShardError
 from dspark_cache.format.geometry import SampleShape
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.nemo import nemo_format
 from dspark_cache.format.sample import (
     CACHE_DTYPES, FP8_MAX, HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, dequantize_rows,
     float32_to_bf16_bits, fp8_to_float32, is_fp8,
@@ -323,7 +324,7 @@ def test_nemo_path_reports_and_hands_out_the_recipe_dtype(fp8_cache, tmp_path):
     assert torch.equal(batch[HIDDEN][0, :n], first[HIDDEN])
     # dspark-convert --to nemo dequantises: NeMo's own layout has no FP8.
     convert_to_nemo(fp8_cache, str(tmp_path / "nemo"), dtype="fp32", progress=None)
-    with open(tmp_path / "nemo" / "manifest.json") as handle:
+    with open(nemo_format.manifest_path(str(tmp_path / "nemo"))) as handle:
         assert json.load(handle)["dtype"] == "fp32"
     row = NemoCacheDataset(str(tmp_path / "nemo"))[0]
     assert torch.equal(row[HIDDEN][:n], first[HIDDEN]) and not row[HIDDEN][n:].any()

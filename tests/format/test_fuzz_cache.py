@@ -71,10 +71,11 @@ def test_hostile_caches_are_refused_or_read_exactly(pristine, tmp_path):
 _WEIGHTS_READER = """
 import json, sys
 from dspark_cache.format.errors import CacheError
+from dspark_cache.format.paths import CachePaths
 from dspark_cache.nemo import read_target_weight_modules
 from dspark_cache.verify import verify_cache
 for root in sys.argv[1:]:
-    path = root + "/target_weights.safetensors"
+    path = CachePaths(root).target_weights
     flagged = [p for p in verify_cache(root).problems if path in p]
     try:
         read_target_weight_modules(root)

@@ -124,7 +124,7 @@ def test_index_damage_is_named(small_cache, tmp_path, damage, needle, capsys):
     _edit_index(copy, 0, damage)
     with pytest.raises(CorruptShardError, match=needle) as err:
         dspark_cache.open_cache(copy)
-    assert "shard-000000.idx" in str(err.value)
+    assert os.path.basename(CachePaths(copy).shard_index(0)) in str(err.value)
     with pytest.raises(CorruptShardError, match=needle):
         list(dspark_cache.build_dataloader(copy, batch_size=4))
     assert verify_main([copy, "--json"]) == 1
@@ -153,7 +153,7 @@ def test_manifest_damage_is_named(small_cache, tmp_path, change, needle, capsys)
     json.dump(data, open(path, "w"))
     with pytest.raises(CacheError, match=needle) as err:
         list(dspark_cache.build_dataloader(copy, batch_size=4))
-    assert "manifest.json" in str(err.value) or copy in str(err.value)
+    assert os.path.basename(path) in str(err.value) or copy in str(err.value)
     with pytest.raises(CacheError, match=needle):
         dspark_cache.open_cache(copy)
     capsys.readouterr()
@@ -191,7 +191,8 @@ def test_special_files_never_hang_or_stream_forever(small_cache, tmp_path, kind)
     assert "verify: 1" in out.stdout
     for who in ("loader:", "open_cache:"):
         line = next(line for line in out.stdout.splitlines() if line.startswith(who))
-        assert "shard-000002.tar" in line and ("not a regular file" in line or "is a directory" in line), line
+        named = os.path.basename(tar) in line
+        assert named and ("not a regular file" in line or "is a directory" in line), line
 
 
 def test_repair_rebuilds_an_index_when_the_tar_is_intact(small_cache, tmp_path, capsys):

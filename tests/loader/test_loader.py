@@ -17,7 +17,7 @@ import dspark_cache
 from dspark_cache.format.errors import CorruptShardError, IncompleteCacheError
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.loader.validate import CacheMismatchError
-from tests.support.proc import free_port
+from tests.support.ports import free_port
 from tests.support import warm
 
 

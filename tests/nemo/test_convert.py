@@ -23,6 +23,7 @@ from dspark_cache.verify import verify_cache
 from tests.support.convert_fixture import write_tiny_nemo
 from tests.support.nemo_fixture import write_nemo_cache
 from tests.support.proc import BIN, run
+from tests.support.remote import KEYS as CACHE_KEYS
 
 KEYS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 P = 7  # the tiny caches' pad id
@@ -203,7 +204,7 @@ def test_layer_ids_without_final_state_keep_both_tensors(tmp_path, capsys):
 def test_damaged_duplicate_fails_and_keeps_published_shards(tmp_path, capsys):
     src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, shard_size=2)
-    path = os.path.join(src, "shard-000001.safetensors")
+    path = nemo_format.shard_path(src, 1)
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(path)
@@ -224,20 +225,20 @@ def test_partial_source_is_refused(tmp_path, capsys):
     code, _, err = _convert(capsys, src, str(tmp_path / "a"), "--to", "dspark", "--pad-token-id", str(P))
     assert code == 1 and "manifest.json says complete: false" in err and "Re-run" in err
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, shard_size=2)
-    os.unlink(os.path.join(src, "shard-000001.safetensors"))
+    os.unlink(nemo_format.shard_path(src, 1))
     code, _, err = _convert(capsys, src, str(tmp_path / "b"), "--to", "dspark", "--pad-token-id", str(P))
-    assert code == 1 and "is partial" in err and "shard-000001.safetensors" in err
+    assert code == 1 and "is partial" in err and os.path.basename(nemo_format.shard_path(src, 1)) in err
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")  # nothing written
 
 
 def test_bad_shard_names_file_and_reason(tmp_path, capsys):
     src = str(tmp_path / "nemo")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, shard_size=2)
-    path = os.path.join(src, "shard-000002.safetensors")
+    path = nemo_format.shard_path(src, 2)
     with open(path, "r+b") as handle:
         handle.truncate(os.path.getsize(path) - 10)
     code, _, err = _convert(capsys, src, str(tmp_path / "a"), "--to", "dspark", "--pad-token-id", str(P))
-    assert code == 1 and "shard-000002.safetensors" in err and "truncated" in err
+    assert code == 1 and os.path.basename(path) in err and "truncated" in err
 
 
 def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cache, tmp_path, capsys):
@@ -255,7 +256,8 @@ def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cac
         handle.seek(entry.offset + entry.size - 1)
         handle.write(bytes([last[0] ^ 0xFF]))
     code, _, err = _convert(capsys, src, dst, "--to", "nemo", "--shard-size", "5")
-    assert code == 1 and f"shard-{shard_id:06d}.tar" in err and f"sample {entry.sample_id}" in err and "checksum" in err
+    assert code == 1 and os.path.basename(CachePaths(src).shard_tar(shard_id)) in err
+    assert f"sample {entry.sample_id}" in err and "checksum" in err
     assert nemo_format.shard_indices(dst) == [0] and not [n for n in os.listdir(dst) if n.endswith(".partial")]
     assert nemo_format.read_manifest(dst, allow_incomplete=True)["complete"] is False
 
@@ -263,7 +265,7 @@ def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cac
 def test_late_manifest_fields_default_as_nemo_reads_them(tmp_path, capsys):
     src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, mask_reasoning_content=True)
-    manifest_path = os.path.join(src, "manifest.json")
+    manifest_path = nemo_format.manifest_path(src)
     with open(manifest_path) as handle:
         manifest = json.load(handle)
     del manifest["mask_generation_prompt"]  # written by a NeMo older than the field
@@ -387,7 +389,7 @@ def test_sigkill_mid_export_then_rerun_equals_uninterrupted(small_cache, exporte
         nemo_format.read_manifest(dst)  # NeMo's reader refuses it until the last shard is in
     with pytest.raises(ValueError, match="shard indices"):
         nemo_format.NemoCacheDataset(dst)
-    with open(os.path.join(dst, "shard-000002.safetensors.partial"), "wb") as handle:
+    with open(nemo_format.partial_path(nemo_format.shard_path(dst, 2)), "wb") as handle:
         handle.write(b"half a shard")  # what a kill inside a shard leaves
     code, out, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "5")
     assert code == 0, err
@@ -410,8 +412,8 @@ def test_weights_are_checked_recorded_and_never_kept_when_they_differ(small_cach
     shutil.copytree(small_cache, src)
     _flip_last_byte(CachePaths(src).target_weights)  # same size, other bytes: the manifest's checksum says no
     code, _, err = _convert(capsys, src, str(tmp_path / "nemo"), "--to", "nemo")
-    assert code == 1 and "target_weights.safetensors" in err and "xxh3" in err
-    assert not os.path.exists(tmp_path / "nemo" / "manifest.json")  # refused before DST was touched
+    assert code == 1 and os.path.basename(CachePaths(src).target_weights) in err and "xxh3" in err
+    assert not os.path.exists(nemo_format.manifest_path(str(tmp_path / "nemo")))  # refused: DST never made
 
     back = str(tmp_path / "back")
     assert _convert(capsys, exported, back, "--to", "dspark")[0] == 0
@@ -437,10 +439,10 @@ def test_import_into_object_storage_equals_import_into_a_directory(exported, tmp
     assert code == 0, err
     assert assert_same_samples(local, url) == len(dspark_cache.open_cache(local))
     assert verify_cache(url).ok
-    assert not [n for n in os.listdir(os.path.join(staging, "shards")) if n.endswith(".tar")]
+    assert not [n for n in os.listdir(CachePaths(staging).shards_dir) if n.endswith(".tar")]
     store = ObjectStore(url)
-    assert store.get("target_weights.safetensors")[0] == _weights(local)
-    assert store.head("control/lease.json") is None
+    assert store.get(CACHE_KEYS.target_weights)[0] == _weights(local)
+    assert store.head(CACHE_KEYS.lease) is None
     code, out, err = _convert(capsys, exported, url, "--to", "dspark", "--staging-dir", str(tmp_path / "elsewhere"))
     assert code == 0, err
     shards = dspark_cache.open_cache(local).manifest.num_shards

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.nemo import nemo_format
 from dspark_cache.nemo.convert import convert_to_dspark
 from tests.support.scripts import convert as main
 from tests.support.convert_fixture import write_tiny_nemo
@@ -50,7 +51,10 @@ def test_special_files_in_the_source_are_refused(tmp_path):
     """A FIFO (used to hang the open), /dev/zero (used to fill memory) or a directory in place of
     the manifest, a shard or the target weights."""
     jobs, names = [], {}
-    for name in ("manifest.json", "shard-000001.safetensors", "target_weights.safetensors"):
+    # Names relative to the cache's root (os.path.join("", name) is name).
+    relative = (nemo_format.manifest_path(""), nemo_format.shard_path("", 1),
+                nemo_format.target_weights_path(""))
+    for name in relative:
         for kind in SPECIALS:
             src = str(tmp_path / f"{name}-{kind}" / "nemo")
             write_tiny_nemo(src, IDS, MASKS)
@@ -77,7 +81,8 @@ def test_special_files_in_the_destination_are_refused_and_kept(tmp_path):
     jobs, where = [], {}
     mine = CachePaths(ours)  # our files, named relative to a cache's root
     cases = [("dspark", os.path.relpath(p, ours)) for p in (mine.manifest, mine.target_weights, mine.shard_index(0))]
-    cases += [("nemo", "manifest.json"), ("nemo", "shard-000000.safetensors"), ("nemo", "target_weights.safetensors")]
+    cases += [("nemo", nemo_format.manifest_path("")), ("nemo", nemo_format.shard_path("", 0)),
+              ("nemo", nemo_format.target_weights_path(""))]
     for to, name in cases:
         for kind in SPECIALS:
             dst = str(tmp_path / f"{to}-{name.replace('/', '_')}-{kind}")
@@ -106,7 +111,7 @@ def test_special_files_in_the_destination_are_refused_and_kept(tmp_path):
 
 
 def _edit_manifest(src: str, **fields) -> None:
-    path = os.path.join(src, "manifest.json")
+    path = nemo_format.manifest_path(src)
     with open(path) as handle:
         manifest = json.load(handle)
     manifest.update(fields)
@@ -123,7 +128,7 @@ def _write_header(path: str, header: dict, data: bytes) -> None:
 
 def _overlapping_last_state(src: str) -> None:
     """Shard 0 rewritten so target_last_hidden_states' offsets point into target_hidden_states."""
-    path = os.path.join(src, "shard-000000.safetensors")
+    path = nemo_format.shard_path(src, 0)
     tensors = load_file(path)
     header, data, cursor = {}, b"", 0
     for key in ("input_ids", "loss_mask", "target_hidden_states"):
@@ -140,12 +145,12 @@ def _overlapping_last_state(src: str) -> None:
 
 def _nested_header(src: str) -> None:
     header = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    with open(os.path.join(src, "shard-000000.safetensors"), "wb") as handle:
+    with open(nemo_format.shard_path(src, 0), "wb") as handle:
         handle.write(struct.pack("<Q", len(header)) + header)
 
 
 def _nested_manifest(src: str) -> None:
-    path = os.path.join(src, "manifest.json")
+    path = nemo_format.manifest_path(src)
     with open(path) as handle:
         text = handle.read().rstrip().rstrip("}")
     with open(path, "w") as handle:
@@ -153,7 +158,7 @@ def _nested_manifest(src: str) -> None:
 
 
 def _appended(src: str) -> None:
-    with open(os.path.join(src, "shard-000001.safetensors"), "ab") as handle:
+    with open(nemo_format.shard_path(src, 1), "ab") as handle:
         handle.write(b"\0" * 64)
 
 

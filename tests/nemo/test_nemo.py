@@ -19,6 +19,7 @@ import dspark_cache
 import dspark_cache.nemo as dn
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.manifest import read_manifest, write_manifest
+from dspark_cache.nemo import nemo_format
 from tests.support.nemo_fixture import NEMO_FIELDS, write_nemo_cache
 
 FIELD_TYPES = {"target_model": str, "target_model_type": str, "target_vocab_size": int, "hidden_size": int,
@@ -56,7 +57,7 @@ def test_read_manifest_is_nemos_dict(which, small_cache, nemo_cache):
 
 def test_nemo_manifest_gets_nemos_defaults(nemo_cache, tmp_path):
     copy = _copy(nemo_cache, tmp_path)
-    path = os.path.join(copy, "manifest.json")
+    path = nemo_format.manifest_path(copy)
     data = json.load(open(path))
     del data["mask_generation_prompt"], data["mask_reasoning_content"], data["complete"]  # an older NeMo cache
     json.dump(data, open(path, "w"))
@@ -74,9 +75,9 @@ def test_incomplete_cache_is_a_value_error(which, small_cache, nemo_cache, tmp_p
         manifest.complete = False
         write_manifest(paths, manifest)
     else:
-        data = json.load(open(os.path.join(copy, "manifest.json")))
+        data = json.load(open(nemo_format.manifest_path(copy)))
         data["complete"] = False
-        json.dump(data, open(os.path.join(copy, "manifest.json"), "w"))
+        json.dump(data, open(nemo_format.manifest_path(copy), "w"))
     with pytest.raises(ValueError, match="(?i)incomplete"):
         dn.read_manifest(copy)
     with pytest.raises(ValueError, match="(?i)incomplete"):
@@ -93,7 +94,7 @@ def test_missing_cache_is_file_not_found(tmp_path):
 
 def test_nemo_cache_with_another_version_is_refused_as_nemo_does(nemo_cache, tmp_path):
     copy = _copy(nemo_cache, tmp_path)
-    os.unlink(os.path.join(copy, "manifest.json"))  # shards but no manifest: NeMo's format, unreadable
+    os.unlink(nemo_format.manifest_path(copy))  # shards but no manifest: NeMo's format, unreadable
     with pytest.raises(FileNotFoundError, match="manifest not found"):
         dn.read_manifest(copy)
 

@@ -5,6 +5,7 @@ shard completes the job, the lock record is never a FIFO we block on, a resume s
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -157,18 +158,19 @@ def test_a_lock_record_that_is_not_a_regular_file_is_refused_without_blocking(tm
 def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(embedded, tmp_path, tiny_data, capsys):
     out = tmp_path / "cache"
     assert run_produce(embedded.stock, tiny_data, str(out), *ARGS) == 0
-    shards = out / "shards"
+    paths = CachePaths(str(out))
+    shards = pathlib.Path(paths.shards_dir)
     mine = {shards / "notes.tmp": "mine", shards / "draft.partial": "mine too", shards / "shard-1.tar.partial": "x",
             shards / "shard-000000.idx.tmp": "not the writer's spelling"}
     for path, text in mine.items():
         path.write_text(text)
-    ours = [shards / "shard-000007.tar.partial", shards / "shard-000001.idx.123.456.tmp"]
+    ours = [pathlib.Path(paths.shard_partial(7)), shards / "shard-000001.idx.123.456.tmp"]
     for path in ours:
         path.write_bytes(b"half written")
     assert run_produce(embedded.stock, tiny_data, str(out), *ARGS) == 0
     assert {p: p.read_text() for p in mine} == mine  # a user's files are not leftovers, whatever their suffix
     assert not any(p.exists() for p in ours)
-    odd = shards / "shard-000003.tar.partial"
+    odd = pathlib.Path(paths.shard_partial(3))
     odd.mkdir()  # a directory named as a leftover: never deleted, and it would block every write of shard 3
     published = sorted(os.listdir(shards))
     capsys.readouterr()

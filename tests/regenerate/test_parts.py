@@ -27,7 +27,7 @@ from tests.support.regenerate import (
     CHAT, canned_endpoint, completion, count_lines, read_jsonl, regen_cmd,
 )
 from tests.support.regenerate import regenerate as run_regenerate
-from tests.support.serving import free_port
+from tests.support.ports import free_port
 
 BIN = os.path.dirname(sys.executable)
 

@@ -32,7 +32,7 @@ from tests.support.faultproxy import FaultProxy, matching
 from tests.support.produce import run_produce, write_jsonl
 from tests.support.proc import kill_group, wait_for
 from tests.support.regenerate import MAX_TOKENS, count_lines, read_jsonl, regenerate, start_regenerate
-from tests.support.serving import free_port
+from tests.support.ports import free_port
 
 CHAT = matching(method="POST", suffix="/v1/chat/completions")
 ROWS = 24

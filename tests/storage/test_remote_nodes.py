@@ -14,8 +14,10 @@ import subprocess
 import pytest
 
 from dspark_cache.format.paths import CachePaths
+from tests.support.remote import KEYS
 from dspark_cache.storage.remote.store import ObjectStore
-from tests.support.proc import BIN, assert_same_samples, free_port, kill_group, run, start
+from tests.support.ports import free_port
+from tests.support.proc import BIN, assert_same_samples, kill_group, run, start
 from tests.support.produce import produce_args
 
 ARGS = ("--shard-size", "6", "--num-workers", "0", "--rank-timeout", "60")
@@ -57,16 +59,15 @@ def test_two_nodes_without_a_shared_filesystem(embedded, produced, s3_bucket, s3
 
     # Each node staged, uploaded and indexed only what it computed, and heard of the rest through the store.
     store = ObjectStore(url)
-    paths = CachePaths("")
-    listed = store.list("shards")
-    shard_ids = sorted(p[0] for p in map(paths.shard_file, listed) if p is not None and p[1] == "idx")
+    listed = store.list(KEYS.shards_dir)
+    shard_ids = sorted(p[0] for p in map(KEYS.shard_file, listed) if p is not None and p[1] == "idx")
     assert shard_ids == list(range(len(shard_ids))) and len(shard_ids) >= 4
     for staging in stagings:
-        names = os.listdir(os.path.join(staging, "shards"))
+        names = os.listdir(CachePaths(staging).shards_dir)
         assert not [n for n in names if n.endswith(".tar")], names  # every tar went up and left staging
-    events = {n for n in store.list("events") if paths.events_segment_of(n) is not None}
-    assert {paths.events_segment_of(n)[0] for n in events} == {0, 1}, events  # both ranks' logs are there
-    assert store.head("control/lease.json") is None  # given back
+    events = {n for n in store.list(KEYS.events_dir) if KEYS.events_segment_of(n) is not None}
+    assert {KEYS.events_segment_of(n)[0] for n in events} == {0, 1}, events  # both ranks' logs are there
+    assert store.head(KEYS.lease) is None  # given back
     # The completion was claimed once, on the store, by one of the ranks.
-    claims = [n for n in store.list("control") if CachePaths.is_completion_claim(n)]
+    claims = [n for n in store.list(KEYS.control_dir) if CachePaths.is_completion_claim(n)]
     assert len(claims) == 1, claims

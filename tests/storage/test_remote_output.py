@@ -23,20 +23,15 @@ from dspark_cache.cli import produce as produce_main, verify as verify_main
 from dspark_cache.format.paths import LEASE, CachePaths
 from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.storage.remote.url import RemoteURL
-from tests.support.faultproxy import FaultProxy, matching
+from tests.support.faultproxy import matching
 from tests.support.produce import produce_args, write_jsonl
 from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
-from tests.support.remote import upload_cache
-from tests.support.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, unique_bucket_name
+from tests.support.remote import KEYS, upload_cache
+from tests.support.s3server import S3Server, client_options, unique_bucket_name
 
 ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")  # 46 samples in 19 shards (as test_resume)
 ENV = {"DSPARK_SYNC_INTERVAL": "0.2"}  # the small files go up five times a second
 TAR_PUTS = matching(method="PUT", suffix=".tar")
-
-
-def _options(endpoint: str, **extra) -> dict:
-    return {"endpoint": endpoint, "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "region": REGION,
-            **extra}
 
 
 @dataclass
@@ -65,7 +60,7 @@ class Remote:
         return _shard_ids(self.listing(), kind)
 
     def manifest(self) -> dict:
-        got = self.store.get("manifest.json")
+        got = self.store.get(KEYS.manifest)
         assert got is not None, f"no manifest on {self.url}"
         return json.loads(got[0])
 
@@ -85,20 +80,15 @@ def _shard_ids(listing: dict[str, ObjectInfo], kind: str) -> set[int]:
     out = set()
     for relative in listing:
         directory, _, name = relative.rpartition("/")
-        if directory == "shards" and name.startswith("shard-") and name.endswith(f".{kind}"):
-            out.add(int(name[len("shard-"):-len(kind) - 1]))
+        found = KEYS.shard_file(name) if directory == KEYS.shards_dir else None
+        if found is not None and found[1] == kind:
+            out.add(found[0])
     return out
 
 
 @pytest.fixture
 def remote(s3_server, s3_bucket) -> Remote:
-    return Remote(f"{s3_bucket}/runs/cache", _options(s3_server.endpoint))
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy("127.0.0.1", s3_server.port) as p:
-        yield p
+    return Remote(f"{s3_bucket}/runs/cache", client_options(s3_server.endpoint))
 
 
 def _assert_samples_equal(remote: Remote, node, reference: str, exact: bool = True) -> None:
@@ -162,27 +152,27 @@ def test_produce_to_s3_equals_produce_to_a_directory(embedded, reference, remote
         assert f"cache complete: {theirs.manifest.num_samples} samples" in done.stdout, done.stdout
     assert f" {len(shards)} shards, " in done.stdout, done.stdout
     for k in shards:  # every tar whole: the size the local run wrote
-        assert listing[f"shards/shard-{k:06d}.tar"].size == os.path.getsize(local.shard_tar(k)), k
-    for name in ("manifest.json", "target_weights.safetensors", "shards/wids-index.json", "plan/plan.json",
-                 "status/rank-00000.json", "events/rank-00000.jsonl.000000"):
+        assert listing[KEYS.shard_tar(k)].size == os.path.getsize(local.shard_tar(k)), k
+    for name in (KEYS.manifest, KEYS.target_weights, KEYS.wids_index, KEYS.plan_header,
+                 KEYS.status(0), KEYS.events_segment(0, 0)):
         assert name in listing, (name, sorted(listing))
     for name in os.listdir(local.plan_dir):  # the saved plan, every file of it
-        assert f"plan/{name}" in listing, name
+        assert local.relative(os.path.join(local.plan_dir, name)) in listing, name
     assert LEASE not in listing  # given back at the end
     store = remote.store
     with open(local.wids_index, "rb") as handle:
-        assert store.get("shards/wids-index.json")[0] == handle.read()
+        assert store.get(KEYS.wids_index)[0] == handle.read()
     with open(local.target_weights, "rb") as handle:
-        assert store.get("target_weights.safetensors")[0] == handle.read()
-    status = json.loads(store.get("status/rank-00000.json")[0])
+        assert store.get(KEYS.target_weights)[0] == handle.read()
+    status = json.loads(store.get(KEYS.status(0))[0])
     assert status["state"] == "finished"
-    segment = store.get("events/rank-00000.jsonl.000000")[0].decode()
+    segment = store.get(KEYS.events_segment(0, 0))[0].decode()
     published = [json.loads(line) for line in segment.splitlines() if '"shard_published"' in line]
     assert sorted(e["data"]["shard"] for e in published) == sorted(shards)
     # Staging keeps the indexes (the published set), no tar: each was deleted once committed.
-    staged = os.listdir(CachePaths(str(staging)).shards_dir)
-    assert not [n for n in staged if n.endswith(".tar")], staged
-    assert {n for n in staged if n.endswith(".idx")} == {f"shard-{k:06d}.idx" for k in shards}
+    staged = CachePaths(str(staging))
+    assert not [n for n in os.listdir(staged.shards_dir) if n.endswith(".tar")], staged
+    assert staged.indexed_shard_ids() == sorted(shards)
     _assert_samples_equal(remote, tmp_path / "node", reference)
     _assert_verified(remote, tmp_path / "node2", capsys)
     # The staged manifest and an index written over in place (same size, same name): a rerun brings the
@@ -218,7 +208,7 @@ def test_killed_between_a_tar_and_its_index_then_resumed_from_an_empty_staging_d
     resumed = run(remote.cmd(embedded, tmp_path / "b", "--log-level", "INFO"), env=env)
     assert resumed.returncode == 0, resumed.stderr
     for k in orphans:
-        assert f"removing {remote.store.name(f'shards/shard-{k:06d}.tar')}: its upload was never committed" \
+        assert f"removing {remote.store.name(KEYS.shard_tar(k))}: its upload was never committed" \
             in resumed.stderr, resumed.stderr[-3000:]
     log = _after_last_resume(tmp_path / "b")
     assert log[0]["data"]["published"] == len(committed)
@@ -239,7 +229,7 @@ def test_a_second_producer_on_the_same_url_is_refused_at_once_naming_the_holder(
         embedded, remote, proxy, tmp_path, capsys):
     # The first producer is held: one tar upload stalls, and a staging limit of one shard holds the writer.
     proxy.fail_next(1, "stall", match=TAR_PUTS, stall_s=5)
-    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=_options(proxy.endpoint)),
+    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
                   env=ENV)
     try:
         wait_for(lambda: proxy.faults["stall"] == 1 or first.poll() is not None, timeout=120)
@@ -337,17 +327,17 @@ def test_a_late_index_of_a_producer_that_lost_its_lease_never_enters_the_next_ru
     (a conditional create), leaving B's cache whole, and A must stop with a message that says why."""
     env = {**ENV, "DSPARK_LEASE_TTL": "2"}
     proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))
-    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=_options(proxy.endpoint)),
+    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
                   env=env)
     try:
         wait_for(lambda: proxy.faults["hold"] == 1 or first.poll() is not None, timeout=120)
         assert first.poll() is None, first.communicate()
-        proxy.fail_next(None, "reset", match=matching(method="PUT", suffix="/lease.json"))  # A renews no more
+        proxy.fail_next(None, "reset", match=matching(method="PUT", suffix="/" + LEASE))  # A renews no more
         _wait_for_the_lease_to_expire(remote)
         second = run(remote.cmd(embedded, tmp_path / "b", "--overwrite"), env=env)
         assert second.returncode == 0, second.stderr
         assert "took over the lease" in second.stderr, second.stderr
-        indexes = {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")}
+        indexes = {k: remote.store.get(KEYS.shard_index(k))[0] for k in remote.shard_ids("idx")}
         proxy.release()  # A's index PUT goes on to the store now
         _, err = first.communicate(timeout=120)
     finally:
@@ -359,7 +349,7 @@ def test_a_late_index_of_a_producer_that_lost_its_lease_never_enters_the_next_ru
     assert len(lines) == 1 and "this producer lost its lease" in lines[0], err
     assert "Traceback" not in err
     # B's cache as B left it: every index B's, readable and verified.
-    assert {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")} == indexes
+    assert {k: remote.store.get(KEYS.shard_index(k))[0] for k in remote.shard_ids("idx")} == indexes
     _assert_verified(remote, tmp_path / "node", capsys)
     _assert_samples_equal(remote, tmp_path / "node2", reference)
 
@@ -371,12 +361,12 @@ def test_an_index_the_run_did_not_write_keeps_the_cache_incomplete_until_a_rerun
     runs (a lapsed producer's, of a larger plan). The completing producer checks the store's indexes
     against what it wrote or read and does not mark the cache complete; a rerun resumes and completes it."""
     proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))  # the run is past its pull
-    running = start(remote.cmd(embedded, tmp_path / "a", options=_options(proxy.endpoint)), env=ENV)
+    running = start(remote.cmd(embedded, tmp_path / "a", options=client_options(proxy.endpoint)), env=ENV)
     try:
         wait_for(lambda: proxy.faults["hold"] == 1 or running.poll() is not None, timeout=120)
         assert running.poll() is None, running.communicate()
         stray = {"format_version": 1, "shard_id": 99, "cache_id": "a-lapsed-run"}
-        remote.store.put("shards/shard-000099.idx", json.dumps(stray).encode())
+        remote.store.put(KEYS.shard_index(99), json.dumps(stray).encode())
         proxy.release()
         _, err = running.communicate(timeout=180)
     finally:
@@ -388,7 +378,7 @@ def test_an_index_the_run_did_not_write_keeps_the_cache_incomplete_until_a_rerun
     assert not remote.manifest()["complete"]
     again = run(remote.cmd(embedded, tmp_path / "a"), env=ENV)
     assert again.returncode == 0, again.stderr
-    assert remote.manifest()["complete"] and "shards/shard-000099.idx" not in remote.listing()
+    assert remote.manifest()["complete"] and KEYS.shard_index(99) not in remote.listing()
     _assert_verified(remote, tmp_path / "node", capsys)
     _assert_samples_equal(remote, tmp_path / "node2", reference)
 
@@ -432,20 +422,20 @@ def test_overwrite_clears_the_stores_files_and_remakes_the_cache(embedded, refer
     upload_cache(reference, remote.url, storage_options=remote.options)  # a complete cache is there
     store = remote.store
     old = remote.manifest()["cache_id"]
-    store.put("shards/shard-000099.tar", b"left by someone")  # ours by its name, outside any plan
-    store.put("status/rank-00007.json", b"{}")  # a heartbeat of a larger job
+    store.put(KEYS.shard_tar(99), b"left by someone")  # ours by its name, outside any plan
+    store.put(KEYS.status(7), b"{}")  # a heartbeat of a larger job
     store.put("notes/README.txt", b"not ours")
     done = run(remote.cmd(embedded, tmp_path / "staging", "--overwrite"), env=ENV)
     assert done.returncode == 0, done.stderr
     listing = remote.listing()
-    assert "shards/shard-000099.tar" not in listing and "status/rank-00007.json" not in listing
+    assert KEYS.shard_tar(99) not in listing and KEYS.status(7) not in listing
     assert store.get("notes/README.txt")[0] == b"not ours"  # what is not ours is kept
     manifest = remote.manifest()
     assert manifest["complete"] and manifest["cache_id"] != old
     shards = set(CachePaths(reference).indexed_shard_ids())
     assert _shard_ids(listing, "tar") == _shard_ids(listing, "idx") == shards
     for k in shards:  # remade: every index names the new cache
-        assert json.loads(store.get(f"shards/shard-{k:06d}.idx")[0])["cache_id"] == manifest["cache_id"], k
+        assert json.loads(store.get(KEYS.shard_index(k))[0])["cache_id"] == manifest["cache_id"], k
     _assert_verified(remote, tmp_path / "node", capsys)
     _assert_samples_equal(remote, tmp_path / "node2", reference)
 
@@ -460,14 +450,14 @@ def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite
     assert run(remote.cmd(embedded, b, "--overwrite"), env=ENV).returncode == 0
     second = remote.manifest()["cache_id"]
     assert second != first
-    indexes = {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")}
+    indexes = {k: remote.store.get(KEYS.shard_index(k))[0] for k in remote.shard_ids("idx")}
     tars = {r: i.etag for r, i in remote.listing().items() if r.endswith(".tar")}
     again = run(remote.cmd(embedded, a), env=ENV)
     assert again.returncode == 0, again.stderr
     assert {r: i.etag for r, i in remote.listing().items() if r.endswith(".tar")} == tars  # nothing recomputed
     assert remote.manifest()["cache_id"] == second
-    assert {k: remote.store.get(f"shards/shard-{k:06d}.idx")[0] for k in remote.shard_ids("idx")} == indexes
-    assert json.loads(open(os.path.join(a, "manifest.json"), "rb").read())["cache_id"] == second
+    assert {k: remote.store.get(KEYS.shard_index(k))[0] for k in remote.shard_ids("idx")} == indexes
+    assert json.loads(open(CachePaths(a).manifest, "rb").read())["cache_id"] == second
     _assert_verified(remote, tmp_path / "node", capsys)
 
 
@@ -480,8 +470,8 @@ def test_two_ranks_produce_to_s3(embedded, reference, remote, tmp_path, capsys):
     run_ranks(producer_cmd(*remote.args(embedded, staging, "--num-workers", "0")), 2, env=ENV)
     listing = remote.listing()
     for rank in (0, 1):
-        assert f"events/rank-{rank:05d}.jsonl.000000" in listing, sorted(listing)
-        status = json.loads(remote.store.get(f"status/rank-{rank:05d}.json")[0])
+        assert KEYS.events_segment(rank, 0) in listing, sorted(listing)
+        status = json.loads(remote.store.get(KEYS.status(rank))[0])
         assert status["state"] == "finished" and status["shards_owned"] > 0, status  # both ranks worked
     assert LEASE not in listing
     assert not [n for n in os.listdir(CachePaths(str(staging)).shards_dir) if n.endswith(".tar")]
@@ -497,13 +487,13 @@ def test_a_follow_loader_reads_every_sample_once_while_the_producer_uploads(
     # Shard 4's upload stalls 3 s and the staging limit holds the writer meanwhile: the loader is
     # certain to read shards before the cache is complete. One writer, so that shards 0-3 (the loader's
     # first window) are up before shard 4 (with several, shard 4 may be sealed first and hold them back).
-    proxy.fail_next(1, "stall", match=matching(method="PUT", suffix="/shard-000004.tar"), stall_s=3)
+    proxy.fail_next(1, "stall", match=matching(method="PUT", suffix="/" + KEYS.shard_tar(4)), stall_s=3)
     producer = start(remote.cmd(embedded, tmp_path / "staging", "--staging-limit", "1", "--writer-threads", "1",
-                                options=_options(proxy.endpoint)), env=ENV)
+                                options=client_options(proxy.endpoint)), env=ENV)
     seen: list[tuple[float, list[int], list[bool]]] = []
     try:
         store = remote.store
-        wait_for(lambda: store.head("manifest.json") is not None or producer.poll() is not None, timeout=120)
+        wait_for(lambda: store.head(KEYS.manifest) is not None or producer.poll() is not None, timeout=120)
         assert producer.poll() is None, producer.communicate()
         assert not remote.manifest()["complete"]
         loader = dspark_cache.build_dataloader(remote.url, 3, follow=True, seed=2, poll_interval=0.1,
@@ -624,7 +614,7 @@ def test_transient_faults_on_tar_uploads_are_retried_and_the_run_completes(
     proxy.fail_next(2, "503", match=TAR_PUTS)
     proxy.fail_next(2, "reset", match=TAR_PUTS)
     proxy.fail_next(1, "500", match=TAR_PUTS)
-    done = run(remote.cmd(embedded, tmp_path / "staging", options=_options(proxy.endpoint)), env=ENV)
+    done = run(remote.cmd(embedded, tmp_path / "staging", options=client_options(proxy.endpoint)), env=ENV)
     assert done.returncode == 0, done.stderr
     assert (proxy.faults["503"], proxy.faults["reset"], proxy.faults["500"]) == (2, 2, 1)
     _assert_verified(remote, tmp_path / "node", capsys)
@@ -634,8 +624,8 @@ def test_transient_faults_on_tar_uploads_are_retried_and_the_run_completes(
 @pytest.mark.slow
 def test_a_store_that_keeps_failing_ends_in_an_error_naming_the_object_and_a_rerun_resumes(
         embedded, reference, remote, proxy, tmp_path, capsys):
-    proxy.fail_next(None, "503", match=matching(method="PUT", suffix="/shard-000002.tar"))
-    failing = _options(proxy.endpoint, retry_config={"max_retries": 1})
+    proxy.fail_next(None, "503", match=matching(method="PUT", suffix="/" + KEYS.shard_tar(2)))
+    failing = client_options(proxy.endpoint, retry_config={"max_retries": 1})
     staging = tmp_path / "staging"
     # A staging limit of one shard: uploads go one at a time, and the writer waits for room when the
     # failure comes, so the failure reaches it there (not only at the end of the run). One writer: shards
@@ -646,7 +636,7 @@ def test_a_store_that_keeps_failing_ends_in_an_error_naming_the_object_and_a_rer
     assert failed.returncode == 1, failed.stderr
     lines = _error_lines(failed.stderr)
     assert len(lines) == 1, failed.stderr
-    assert remote.store.name("shards/shard-000002.tar") in lines[0], lines[0]
+    assert remote.store.name(KEYS.shard_tar(2)) in lines[0], lines[0]
     assert proxy.faults["503"] >= 2
     committed = remote.shard_ids("idx")
     assert committed == {0, 1}, committed  # those before it were published, none after it
@@ -668,8 +658,7 @@ def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, 
     with S3Server(check_credentials=True) as strict:
         bucket = unique_bucket_name()
         strict.make_bucket(bucket)
-        wrong = {"endpoint": strict.endpoint, "access_key_id": strict.access_key,
-                 "secret_access_key": "wrong-secret-value", "region": REGION}
+        wrong = strict.options(secret_access_key="wrong-secret-value")
         denied = Remote(f"s3://{bucket}/c", wrong)
         capsys.readouterr()
         code = produce_main(denied.args(embedded, tmp_path / "a"))
@@ -678,7 +667,7 @@ def test_refused_credentials_and_a_missing_bucket_are_one_line_errors(embedded, 
         assert err[0].startswith("dspark-produce: error") and "access denied (403)" in err[0], err
         assert "wrong-secret-value" not in err[0]
         assert strict.boto3_client().list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0
-    missing = Remote(f"s3://{unique_bucket_name('absent')}/c", _options(s3_server.endpoint))
+    missing = Remote(f"s3://{unique_bucket_name('absent')}/c", client_options(s3_server.endpoint))
     code = produce_main(missing.args(embedded, tmp_path / "b"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1, err

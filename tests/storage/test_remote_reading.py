@@ -29,7 +29,7 @@ from dspark_cache.storage.remote.localdir import LocalCopyError
 from dspark_cache.storage.remote.staging import default_staging_dir
 from dspark_cache.tui.remote.view import RemoteView
 from tests.support.proc import assert_same_samples, run, start
-from tests.support.remote import publish_shard, upload_cache
+from tests.support.remote import KEYS, publish_shard, upload_cache
 from tests.support.s3server import S3Server, unique_bucket_name
 
 ARGS = ("--shard-size", "6")  # 47 samples in 10 shards of ~0.85 MB
@@ -46,12 +46,6 @@ def remote(local, s3_bucket, s3_env) -> str:
     url = f"{s3_bucket}/runs/cache"
     upload_cache(local, url)
     return url
-
-
-@pytest.fixture
-def proxy(s3_server):
-    with FaultProxy("127.0.0.1", s3_server.port) as p:
-        yield p
 
 
 def _via(proxy: FaultProxy, **extra) -> dict:
@@ -71,7 +65,8 @@ def test_urls_are_remote_and_plain_paths_are_not():
     assert is_remote("s3://bucket/a/b") and is_remote("gs://b") and not is_remote("/data/cache")
     assert not is_remote("file:///data/cache") and not is_remote("relative/dir")
     url = RemoteURL.parse("s3://bucket/a/b/")
-    assert (url.bucket, url.prefix, url.key("shards/shard-000001.idx")) == ("bucket", "a/b", "a/b/shards/shard-000001.idx")
+    key = KEYS.shard_index(1)
+    assert (url.bucket, url.prefix, url.key(key)) == ("bucket", "a/b", "a/b/" + key)
     for bad, said in [("s3:///x", "no bucket"), ("ftp://b/x", "not an object store"), ("s3://b/a/../c", "'..'")]:
         with pytest.raises(ValueError, match=said):
             RemoteURL.parse(bad)
@@ -141,16 +136,16 @@ def test_a_corrupted_object_is_fetched_again_once_then_named(local, remote, prox
     store = ObjectStore(remote)
     damaged = bytearray(open(paths.shard_tar(3), "rb").read())
     damaged[len(damaged) // 2] ^= 0xFF
-    store.put("shards/shard-000003.tar", bytes(damaged))
+    store.put(KEYS.shard_tar(3), bytes(damaged))
     node = str(tmp_path / "n")
     with dspark_cache.open_cache(remote, storage_options=_via(proxy), local_cache_dir=node) as cache:
         first = next(i for i, (shard, _) in enumerate(cache._order) if shard == 3)
         with pytest.raises(CorruptShardError, match=r"s3://.*/runs/cache/shards/shard-000003\.tar.*downloaded twice"):
             cache.read(first)
         root = cache.cache.backing.root
-    assert len(_tar_gets(proxy, "shard-000003.tar")) == 2
-    assert os.path.isdir(os.path.join(root, "shards"))
-    assert not os.path.exists(os.path.join(root, "shards", "shard-000003.tar"))  # never kept on the node
+    assert len(_tar_gets(proxy, os.path.basename(KEYS.shard_tar(3)))) == 2
+    assert os.path.isdir(CachePaths(root).shards_dir)
+    assert not os.path.exists(CachePaths(root).shard_tar(3))  # never kept on the node
 
 
 # -- the node's local copy: only the store's bytes are served ---------------------------------
@@ -302,7 +297,7 @@ def test_two_endpoints_with_the_same_bucket_and_prefix_never_share_a_local_copy(
             store = upload_cache(local, f"s3://{bucket}/runs/cache", manifest=False,
                                  storage_options={"endpoint": server.endpoint})
             changed = {**manifest, "train_data_path": f"on-{server.port}"}
-            store.put("manifest.json", json.dumps(changed).encode())
+            store.put(KEYS.manifest, json.dumps(changed).encode())
         url = f"s3://{bucket}/runs/cache"
         with dspark_cache.open_cache(url, storage_options={"endpoint": a.endpoint},
                                      local_cache_dir=node) as on_a, \
@@ -324,7 +319,7 @@ def test_two_endpoints_with_the_same_bucket_and_prefix_never_share_a_local_copy(
 
 def _node_tar_bytes(node: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(node) for f in files
-               if f.endswith(".tar") and os.path.basename(d) == "shards")
+               if f.endswith(".tar") and os.path.basename(d) == KEYS.shards_dir)
 
 
 def test_verify_streams_a_remote_cache_and_names_a_damaged_object(local, remote, tmp_path, capsys):
@@ -336,30 +331,31 @@ def test_verify_streams_a_remote_cache_and_names_a_damaged_object(local, remote,
     store = ObjectStore(remote)
     data = bytearray(open(CachePaths(local).shard_tar(8), "rb").read())
     data[-2000] ^= 1
-    store.put("shards/shard-000008.tar", bytes(data))
-    store.delete("shards/shard-000005.idx")  # unpublished: its tar is a leftover
+    store.put(KEYS.shard_tar(8), bytes(data))
+    store.delete(KEYS.shard_index(5))  # unpublished: its tar is a leftover
     assert verify_main([remote, *node, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["missing"] == [5] and [c["shard"] for c in report["corrupt"]] == [8]
-    assert report["corrupt"][0]["path"].endswith("/runs/cache/shards/shard-000008.tar")
+    assert report["corrupt"][0]["path"].endswith("/runs/cache/" + KEYS.shard_tar(8))
     assert report["corrupt"][0]["path"].startswith("s3://")
-    assert any(p.endswith("/runs/cache/shards/shard-000005.tar") for p in report["leftovers"])
+    assert any(p.endswith("/runs/cache/" + KEYS.shard_tar(5)) for p in report["leftovers"])
     # --repair: an index whose tar is intact is rebuilt on the store, a damaged tar is unpublished there
     # (index first), and the tar without an index is removed; the repair holds the cache's lease.
-    original = store.get("shards/shard-000003.idx")[0]
+    original = store.get(KEYS.shard_index(3))[0]
     index = json.loads(original)
     index["samples"][1][1] += 1  # the second sample's length: the index no longer matches its tar
-    store.put("shards/shard-000003.idx", json.dumps(index).encode())
+    store.put(KEYS.shard_index(3), json.dumps(index).encode())
     staging = ["--local-cache-dir", str(tmp_path / "repair")]
     assert verify_main([remote, *node, "--repair"]) == 1
     out = capsys.readouterr().out
     assert "index rebuilt" in out and "deleted" in out, out
-    assert store.get("shards/shard-000003.idx")[0] == original
-    assert store.head("shards/shard-000008.idx") is None and store.head("shards/shard-000008.tar") is None
-    assert store.head("shards/shard-000005.tar") is None
-    assert store.head("control/lease.json") is None  # given back
-    wids = json.loads(store.get("shards/wids-index.json")[0])
-    assert [e["url"] for e in wids["shardlist"]] == [f"shard-{k:06d}.tar" for k in range(10) if k not in (5, 8)]
+    assert store.get(KEYS.shard_index(3))[0] == original
+    assert store.head(KEYS.shard_index(8)) is None and store.head(KEYS.shard_tar(8)) is None
+    assert store.head(KEYS.shard_tar(5)) is None
+    assert store.head(KEYS.lease) is None  # given back
+    wids = json.loads(store.get(KEYS.wids_index)[0])
+    assert [e["url"] for e in wids["shardlist"]] == [os.path.basename(KEYS.shard_tar(k))
+                                                    for k in range(10) if k not in (5, 8)]
     assert verify_main([remote, *staging, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["missing"] == [5, 8] and report["corrupt"] == [] and report["shards_ok"] == 8
@@ -399,14 +395,14 @@ def test_follow_mode_reads_a_cache_while_it_is_published_to_s3(local, s3_bucket,
     manifest = json.loads(open(paths.manifest).read())
     manifest.update(complete=False, completed_at=None)
     store = upload_cache(local, url, shards=[], manifest=False)
-    store.put("manifest.json", json.dumps(manifest).encode())
+    store.put(KEYS.manifest, json.dumps(manifest).encode())
     shard_ids = paths.indexed_shard_ids()
 
     def publish() -> None:
         for shard_id in shard_ids:
             time.sleep(0.3)
             publish_shard(store, local, shard_id)
-        store.upload("manifest.json", paths.manifest)  # complete
+        store.upload(KEYS.manifest, paths.manifest)  # complete
 
     writer = threading.Thread(target=publish)
     started = time.monotonic()
@@ -451,7 +447,7 @@ def test_a_cache_replaced_in_the_store_stops_the_reader(local, remote, tmp_path)
     cache = CacheDir(remote, storage=StorageOptions(local_cache_dir=str(tmp_path / "n")), poll=0.0)
     assert cache.load_all()
     other = {**json.loads(open(CachePaths(local).manifest).read()), "cache_id": "another-run"}
-    ObjectStore(remote).put("manifest.json", json.dumps(other).encode())
+    ObjectStore(remote).put(KEYS.manifest, json.dumps(other).encode())
     with pytest.raises(CacheReplacedError, match="replaced"):
         cache.pin({0})
 
@@ -492,12 +488,12 @@ def test_an_index_object_over_the_readers_limit_is_refused_not_held_whole(remote
     limit = 512  # stands for MAX_INDEX_BYTES (256 MiB): the same rule at a size a test can afford
     monkeypatch.setitem(copies._MAX_SMALL, False, limit)
     monkeypatch.setattr(reader, "MAX_INDEX_BYTES", limit)
-    ObjectStore(remote).put("shards/shard-000002.idx", b"[" + b" " * 100_000 + b"]")
+    ObjectStore(remote).put(KEYS.shard_index(2), b"[" + b" " * 100_000 + b"]")
     node = tmp_path / "n"
     cache = CacheDir(remote, storage=StorageOptions(local_cache_dir=str(node)))
-    copied = next(node.rglob("shard-000002.idx"))
+    copied = next(node.rglob(os.path.basename(KEYS.shard_index(2))))
     assert copied.stat().st_size == limit + 1  # cut one byte past the limit
-    with pytest.raises(CorruptShardError, match="shard-000002.idx"):
+    with pytest.raises(CorruptShardError, match=os.path.basename(KEYS.shard_index(2))):
         cache.load_all()
 
 
@@ -518,7 +514,7 @@ def test_a_forked_worker_does_not_keep_the_parents_shards_held(remote, tmp_path)
     if pid == 0:  # the worker: lives on while the parent lets go
         os.close(writer)
         try:  # the client's runtime does not survive fork: a request must fail at once, not hang
-            cache.backing.store.head("manifest.json")
+            cache.backing.store.head(KEYS.manifest)
             said = b"n"
         except ObjectStoreError as exc:
             said = b"s" if "forked process" in str(exc) and "spawn" in str(exc) else b"n"
@@ -544,19 +540,20 @@ def test_a_tar_object_larger_than_its_index_says_is_cut_not_streamed_whole(local
     node = tmp_path / "n"
     cache = CacheDir(remote, storage=StorageOptions({"endpoint": proxy.endpoint}, str(node)))
     index = cache.require(1)
-    ObjectStore(remote).put("shards/shard-000001.tar", b"\0" * (40 << 20))  # 40 MiB; the index says < 1 MB
+    ObjectStore(remote).put(KEYS.shard_tar(1), b"\0" * (40 << 20))  # 40 MiB; the index says < 1 MB
     with pytest.raises(CorruptShardError, match=r"s3://.*shard-000001\.tar.*downloaded twice") as refused:
         cache.hold(index)
     got = int(re.search(r"\((\d+) bytes, the index says", str(refused.value)).group(1))
     assert index.tar_bytes < got <= index.tar_bytes + (8 << 20)  # cut one chunk past the index's size
-    assert not [p for p in node.rglob("shard-000001.tar") if p.parent.name == "shards"]  # never kept
+    tar = os.path.basename(KEYS.shard_tar(1))
+    assert not [p for p in node.rglob(tar) if p.parent.name == KEYS.shards_dir]  # never kept
 
 
 def test_a_full_local_disk_is_named_at_once_not_retried_as_the_network(remote):
     store = ObjectStore(remote)
     started = time.monotonic()
     with pytest.raises(ObjectStoreError, match=r"the local file /dev/full could not be written \(No space left"):
-        store.download("shards/shard-000000.tar", "/dev/full")  # every write there fails with ENOSPC
+        store.download(KEYS.shard_tar(0), "/dev/full")  # every write there fails with ENOSPC
     assert time.monotonic() - started < 5  # no backoff: no retry mends a full disk
 
 
@@ -568,9 +565,9 @@ def test_resuming_aborts_only_the_caches_own_unfinished_uploads(s3_server, s3_bu
 
     url = RemoteURL.parse(f"{s3_bucket}/caches/run1")
     client = boto3.client("s3", endpoint_url=s3_server.endpoint)
-    keys = ["caches/run1/shards/shard-000003.tar",  # ours: a producer killed mid-upload
-            "caches/run1/sub/shards/shard-000000.tar",  # a cache nested under ours
-            "caches/run1-other/shards/shard-000000.tar",  # a neighbour whose name starts like ours
+    keys = ["caches/run1/" + KEYS.shard_tar(3),  # ours: a producer killed mid-upload
+            "caches/run1/sub/" + KEYS.shard_tar(0),  # a cache nested under ours
+            "caches/run1-other/" + KEYS.shard_tar(0),  # a neighbour whose name starts like ours
             "other-app/backup.bin"]
     for key in keys:
         client.create_multipart_upload(Bucket=url.bucket, Key=key)

@@ -21,6 +21,7 @@ import torch
 
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
+from dspark_cache.nemo import nemo_format
 
 PAD = 7
 _VALUES = [0, -1, 1, 2, 3, 7, 100, 10**12, 2**63, -(2**63), 10**30, "x", "", None, 1.5, True, False, [], {}, [1, 2]]
@@ -90,7 +91,7 @@ def _nested(depth: int) -> str:
 
 
 def _mutate_manifest(src: str, dst: str, reference: str, rng: random.Random) -> str:
-    path = os.path.join(src, "manifest.json")
+    path = nemo_format.manifest_path(src)
     with open(path) as handle:
         text = handle.read()
     data = json.loads(text)
@@ -157,8 +158,7 @@ _SPECIALS = {"fifo": os.mkfifo, "dev_zero": lambda p: os.symlink("/dev/zero", p)
 
 
 def _mutate_special(src: str, dst: str, reference: str, rng: random.Random) -> str:
-    path = rng.choice(_shards(src) + [os.path.join(src, name) for name in ("manifest.json",
-                                                                           "target_weights.safetensors")])
+    path = rng.choice(_shards(src) + [nemo_format.manifest_path(src), nemo_format.target_weights_path(src)])
     how = rng.choice(sorted(_SPECIALS))
     os.unlink(path)
     _SPECIALS[how](path)
@@ -173,9 +173,9 @@ def _mutate_shard_set(src: str, dst: str, reference: str, rng: random.Random) ->
         os.unlink(victim)
         return f"{os.path.basename(victim)} missing"
     if how == "extra":
-        shutil.copyfile(shards[-1], os.path.join(src, f"shard-{len(shards):06d}.safetensors"))
+        shutil.copyfile(shards[-1], nemo_format.shard_path(src, len(shards)))
         return "an extra shard"
-    os.rename(shards[-1], os.path.join(src, f"shard-{len(shards) + 3:06d}.safetensors"))
+    os.rename(shards[-1], nemo_format.shard_path(src, len(shards) + 3))
     return "the last shard renumbered past a gap"
 
 
@@ -185,7 +185,7 @@ def _mutate_dst(src: str, dst: str, reference: str, rng: random.Random) -> str:
     shutil.copytree(reference, dst)
     paths = CachePaths(dst)
     victims = [paths.manifest, paths.target_weights, paths.shard_index(0), paths.shard_tar(1),
-               os.path.join(dst, "shard-000000.safetensors"), paths.shard_partial(2)]  # a NeMo shard's name
+               nemo_format.shard_path(dst, 0), paths.shard_partial(2)]  # a NeMo shard's name
     how = rng.choice(["resume", "special", "special", "special", "manifest"])
     if how == "resume":
         return "an earlier complete conversion"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -13,6 +12,7 @@ import torch
 
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
+from tests.support.ports import free_port
 from tests.support.processes import alive, descendants
 from tests.support.warm import BIN, WarmProcess, popen
 
@@ -99,12 +99,6 @@ def wait_for(predicate, timeout: float = 120, poll: float = 0.05) -> None:
 
 def published(cache_dir: str) -> int:
     return sum(1 for e in events(cache_dir) if e["kind"] == "shard_published")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_same_samples(a_dir, b_dir, exact: bool = True, tolerance: tuple[float, float] = (1e-4, 1e-5)) -> int:

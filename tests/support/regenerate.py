@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from tests.support.faultproxy import FaultProxy, matching
-from tests.support.proc import free_port, run, start
+from tests.support.ports import free_port
+from tests.support.proc import run, start
 from tests.support.warm import BIN
 
 CHAT = matching(method="POST", suffix="/v1/chat/completions")

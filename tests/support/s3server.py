@@ -31,6 +31,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.ports import free_port
+
 log = logging.getLogger(__name__)
 
 ACCESS_KEY = SECRET_KEY = "testing"
@@ -38,14 +40,6 @@ REGION = "us-east-1"
 START_TIMEOUT_S = 30.0
 _IAM_SETUP_CALLS = ("CreateUser", "PutUserPolicy", "CreateAccessKey")
 _ORPHAN_MARKER = "DSPARK_ORPHAN_TEST_RUN"  # tests.support.processes.MARKER: never on our server
-
-
-def free_port() -> int:
-    """A port nothing listens on now (the OS picks it; another process could still take it before
-    the server binds, so :meth:`S3Server.start` retries on "address in use")."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -57,6 +51,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: stop() still ends it
         pass
+
+
+def client_options(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY, **extra) -> dict:
+    """The object-store client's storage options for an S3 server at ``endpoint`` (ours, or a fault
+    proxy in front of it), with ``extra`` options."""
+    return {"endpoint": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": REGION,
+            **extra}
 
 
 class S3Server:
@@ -82,6 +83,11 @@ class S3Server:
         if self.port is None:
             raise RuntimeError("S3Server not started")
         return f"http://{self.host}:{self.port}"
+
+    def options(self, endpoint: str | None = None, **extra) -> dict:
+        """The object-store client's storage options for this server, or for a proxy in front of it at
+        ``endpoint`` (no AWS_* variable needed: producers the tests start with them are forked warm)."""
+        return client_options(endpoint or self.endpoint, self.access_key, self.secret_key, **extra)
 
     def env(self) -> dict[str, str]:
         """The environment a client process needs to reach this server (botocore/s3fs and obstore

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +19,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from tests.support.ports import free_port
+
 BIN = os.path.dirname(sys.executable)
 START_TIMEOUT_S = 180.0
 # The token the stopping variant also ends a turn on: one the random tiny target emits often, so
 # that greedy answers end early ("stop") for some prompts and run to --max-tokens ("length") for others.
 STOP_WORD = " kavi"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stopping_target(target: str, out: str) -> str:

@@ -15,7 +15,6 @@ from datetime import timedelta
 
 import msgspec
 import pytest
-from rich.text import Text
 
 from dspark_cache.cli import monitor as monitor_main, produce as produce_main, verify as verify_main
 from dspark_cache.cli.conventions import EXIT_STOPPED
@@ -30,24 +29,13 @@ from dspark_cache.tui.remote.scanner import RemoteScanner
 from dspark_cache.tui.remote.view import RemoteView
 from dspark_cache.tui.scan import CacheScanner
 from tests.support.faultproxy import FaultProxy
+from tests.support.monitor import plain
 from tests.support.produce import produce_args, run_produce
 from tests.support.proc import kill_group, producer_cmd, start, wait_for
-from tests.support.s3server import REGION, S3Server, unique_bucket_name
+from tests.support.s3server import S3Server, unique_bucket_name
 
 KEYS = CachePaths("/cache")  # a cache's names, relative to its root: its object keys
 ARGS = ("--seq-length", "256", "--shard-size", "8", "--batch-size", "4")
-
-
-def options(server: S3Server, endpoint: str | None = None) -> dict:
-    """The client's options for ``server`` (or a proxy in front of it): no AWS_* variable is set, so
-    the producers the tests start are forked warm."""
-    return {"endpoint": endpoint or server.endpoint, "access_key_id": server.access_key,
-            "secret_access_key": server.secret_key, "region": REGION}
-
-
-def plain(widget) -> str:
-    content = widget.content
-    return content.plain if isinstance(content, Text) else Text.from_markup(str(content)).plain
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +44,7 @@ def complete(s3_server, embedded, tmp_path_factory):
     bucket = unique_bucket_name("monitor")
     url = s3_server.make_bucket(bucket) + "/runs/done"
     staging = tmp_path_factory.mktemp("staging") / "done"
-    assert run_produce(embedded.stock, embedded.data, url, *ARGS, "--storage-options", json.dumps(options(s3_server)),
+    assert run_produce(embedded.stock, embedded.data, url, *ARGS, "--storage-options", json.dumps(s3_server.options()),
                        "--staging-dir", str(staging)) == 0
     yield url
     s3_server.remove_bucket(bucket)
@@ -69,9 +57,9 @@ def _num_shards(store: ObjectStore) -> int:
 
 
 def test_once_reports_a_complete_remote_cache(complete, s3_server, tmp_path, capsys):
-    store = ObjectStore(complete, options(s3_server))
+    store = ObjectStore(complete, s3_server.options())
     shards = _num_shards(store)
-    argv = [complete, "--once", "--local-cache-dir", str(tmp_path), "--storage-options", json.dumps(options(s3_server))]
+    argv = [complete, "--once", "--local-cache-dir", str(tmp_path), "--storage-options", json.dumps(s3_server.options())]
     assert monitor_main(argv) == 0
     out = capsys.readouterr().out
     assert f"{complete} (object storage)" in out
@@ -91,9 +79,9 @@ def test_a_refresh_makes_five_requests_when_nothing_changed(complete, s3_server,
     """The first look fetches each small object once (never a tar); after it, a refresh is a HEAD of
     the manifest and of the stop request and one LIST of shards/, status/ and events/; a monitor
     started again on the same local copy fetches nothing that did not change."""
-    shards = _num_shards(ObjectStore(complete, options(s3_server)))
+    shards = _num_shards(ObjectStore(complete, s3_server.options()))
     with FaultProxy("127.0.0.1", s3_server.port) as proxy:
-        storage = StorageOptions(options(s3_server, proxy.endpoint), str(tmp_path))
+        storage = StorageOptions(s3_server.options(proxy.endpoint), str(tmp_path))
         view = RemoteView(complete, storage)
         view.refresh()
         gets = [s.target for s in proxy.log if s.method == "GET" and "list-type" not in s.target]
@@ -109,14 +97,15 @@ def test_a_refresh_makes_five_requests_when_nothing_changed(complete, s3_server,
             view.refresh()
             seen = sorted((s.method, "list" if "list-type" in s.target else s.target.rsplit("/", 1)[-1])
                           for s in proxy.log)
-            assert seen == [("GET", "list")] * 3 + [("HEAD", "manifest.json"), ("HEAD", "stop")], seen
+            heads = [("HEAD", MANIFEST), ("HEAD", os.path.basename(KEYS.stop_request))]
+            assert seen == [("GET", "list")] * 3 + heads, seen
         view.close()
 
 
 def test_scans_refresh_at_most_every_period_and_a_failed_refresh_is_a_warning(complete, s3_server, tmp_path):
     with FaultProxy("127.0.0.1", s3_server.port) as proxy:
         quick = {"max_retries": 0, "retry_timeout": timedelta(seconds=5)}  # a failure ends the request at once
-        view = RemoteView(complete, StorageOptions({**options(s3_server, proxy.endpoint), "retry_config": quick},
+        view = RemoteView(complete, StorageOptions({**s3_server.options(proxy.endpoint), "retry_config": quick},
                                                    str(tmp_path)))
         ticks = [0.0]
         scanner = RemoteScanner(view, 30.0, monotonic=lambda: ticks[0])
@@ -151,16 +140,16 @@ def _event(rank: int, n: int) -> bytes:
 
 def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, tmp_path):
     url = complete.replace("runs/done", "runs/copy")
-    store = ObjectStore(url, options(s3_server))
-    _copy_small_objects(ObjectStore(complete, options(s3_server)), store)
-    view = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    store = ObjectStore(url, s3_server.options())
+    _copy_small_objects(ObjectStore(complete, s3_server.options()), store)
+    view = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
     view.refresh()
     paths = CachePaths(view.root)
     scanner = CacheScanner(view.root)
     before = scanner.scan()
     assert before.complete and len(before.published) == _num_shards(store) and before.ranks
     # What is gone from the store is gone from the copy.
-    store.delete(f"{SHARDS_DIR}/shard-000001.idx")
+    store.delete(paths.relative(paths.shard_index(1)))
     store.delete(paths.relative(paths.status(0)))
     view.refresh()
     after = scanner.scan()
@@ -195,7 +184,7 @@ def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, 
     assert damaged.manifest is None and f"{url}/{MANIFEST}" in damaged.manifest_error, damaged.manifest_error
     assert view.root not in damaged.manifest_error
     # A second monitor of the same cache on this node gets a directory of its own.
-    other = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    other = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
     assert other.root != view.root
     other.refresh()
     assert len(CacheScanner(other.root).scan().published) == len(after.published)
@@ -207,8 +196,8 @@ def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, 
 def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, s3_server, tmp_path, capsys):
     """The monitor's copy written over after a monitor left it (the manifest, an index, a heartbeat): the
     next monitor shows the store's; a copy others may write is refused, naming it."""
-    store = ObjectStore(complete, options(s3_server))
-    storage = StorageOptions(options(s3_server), str(tmp_path / "node"))
+    store = ObjectStore(complete, s3_server.options())
+    storage = StorageOptions(s3_server.options(), str(tmp_path / "node"))
     view = RemoteView(complete, storage)
     view.refresh()
     root, paths = view.root, CachePaths(view.root)
@@ -229,7 +218,7 @@ def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, 
     with pytest.raises(LocalCopyError, match=rf"monitor's copy {re.escape(root)} is writable by other"):
         RemoteView(complete, storage)
     argv = [complete, "--once", "--local-cache-dir", str(tmp_path / "node"), "--storage-options",
-            json.dumps(options(s3_server))]
+            json.dumps(s3_server.options())]
     capsys.readouterr()
     assert monitor_main(argv) != 0
     err = capsys.readouterr().err.strip()
@@ -241,13 +230,13 @@ def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_pa
     from dspark_cache.tui.remote import eventlog
 
     url = complete.replace("runs/done", "runs/huge-segment")
-    store = ObjectStore(url, options(s3_server))
+    store = ObjectStore(url, s3_server.options())
     paths = CachePaths("/cache")
     limit = len(_event(8, 0)) + 1  # one event fits, two do not
     monkeypatch.setattr(eventlog, "MAX_SEGMENT_BYTES", limit)
     store.put(paths.relative(paths.events_segment(8, 0)), _event(8, 0))
     store.put(paths.relative(paths.events_segment(9, 0)), _event(9, 0) + _event(9, 1))
-    view = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    view = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
     view.refresh()
     local = CachePaths(view.root)
     assert open(local.events(8), "rb").read() == _event(8, 0)
@@ -265,11 +254,11 @@ def test_a_log_stored_whole_is_copied_once_per_version(complete, s3_server, tmp_
     from dspark_cache.tui.remote import view as view_module
 
     url = complete.replace("runs/done", "runs/whole-log")
-    store = ObjectStore(url, options(s3_server))
+    store = ObjectStore(url, s3_server.options())
     paths = CachePaths("/cache")
     whole = paths.relative(paths.events(3))  # a local cache uploaded as it is: one object per log
     store.put(whole, _event(3, 0) + _event(3, 1))
-    view = RemoteView(url, StorageOptions(options(s3_server), str(tmp_path)))
+    view = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
     view.refresh()
     local = CachePaths(view.root)
     assert open(local.events(3), "rb").read() == _event(3, 0) + _event(3, 1)
@@ -298,17 +287,17 @@ def test_errors_are_one_line_and_exit_2_or_1_for_a_store_that_refuses(complete, 
     dspark-produce says it, issue 41 item 14), for dspark-verify too."""
     node = ["--local-cache-dir", str(tmp_path)]
     missing = f"s3://{unique_bucket_name('absent')}/c"
-    assert monitor_main([missing, "--once", *node, "--storage-options", json.dumps(options(s3_server))]) == 2
+    assert monitor_main([missing, "--once", *node, "--storage-options", json.dumps(s3_server.options())]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dspark-monitor: error:") and "does not exist" in err[0], err
     nothing = complete.replace("runs/done", "nothing/here")
-    assert monitor_main([nothing, "--once", *node, "--storage-options", json.dumps(options(s3_server))]) == 2
+    assert monitor_main([nothing, "--once", *node, "--storage-options", json.dumps(s3_server.options())]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"no dspark cache is stored at {nothing}" in err[0], err
     with S3Server(check_credentials=True) as strict:
         bucket = unique_bucket_name()
         strict.make_bucket(bucket)
-        wrong = {**options(strict), "access_key_id": "AKIAWRONG0000000", "secret_access_key": "nope"}
+        wrong = {**strict.options(), "access_key_id": "AKIAWRONG0000000", "secret_access_key": "nope"}
         assert monitor_main([f"s3://{bucket}/c", "--once", *node, "--storage-options", json.dumps(wrong)]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "access denied (403)" in err[0] and "nope" not in err[0], err
@@ -350,7 +339,7 @@ def _running(store: ObjectStore, paths: CachePaths) -> bool:
 async def test_the_s_key_stops_a_producer_writing_to_s3(embedded, s3_server, s3_bucket, tmp_path, monkeypatch):
     url = f"{s3_bucket}/live"
     monkeypatch.setenv("DSPARK_SYNC_INTERVAL", "0.3")  # the producer's and the monitor's
-    storage = options(s3_server)
+    storage = s3_server.options()
     # One sample a shard, 240 of them, and staging that holds one shard: the producer computes at most a shard
     # ahead of its uploads, and when the test sees two on the store most of the job is still to do (48 shards
     # were all uploaded, on a loaded machine, in the time the test took to see two and freeze the producer:

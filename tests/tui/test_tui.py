@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-from rich.text import Text
 
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
@@ -22,20 +21,12 @@ from dspark_cache.tui.scan import CacheScanner
 from dspark_cache.tui.widgets.shardmap import PLACED, shard_map
 from dspark_cache.verify import verify_cache
 from tests.support import tui_states
+from tests.support.monitor import app_for, plain
 from tests.support.produce import produce_args
 from tests.support.proc import producer_cmd, published, run, start, wait_for
 from tests.support import warm
 
 SNAP_ROOT = os.path.join(tempfile.gettempdir(), "dspark-monitor-snapshot")  # fixed: paths are on screen
-
-
-def plain(widget) -> str:
-    content = widget.content
-    return content.plain if isinstance(content, Text) else Text.from_markup(str(content)).plain
-
-
-def app_for(root: str, free: int = 10**12) -> MonitorApp:
-    return MonitorApp(root, refresh=3600, clock=lambda: tui_states.NOW, disk_free=lambda _: free)
 
 
 @pytest.mark.anyio

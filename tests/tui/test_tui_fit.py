@@ -22,7 +22,7 @@ from tests.support.proc import producer_cmd, run
 
 
 def test_lines_break_only_between_pieces_and_long_pieces_keep_both_ends():
-    path = "/data/" + "very-long-directory/" * 6 + "shard-000042.tar"
+    path = CachePaths("/data/" + "very-long-directory/" * 6).shard_tar(42)
     para = Para([piece("written 880.0 MB"), piece("of 2.4 GB projected"), *words("at $path now", path=path)], " ")
     shown = fit([para], 30).plain.splitlines()
     assert shown[:2] == ["written 880.0 MB", "of 2.4 GB projected at"]

@@ -25,6 +25,7 @@ from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.display import clock_time, human_bytes, human_count, human_duration, integer, short_bytes
 from dspark_cache.tui.tail import TAIL_WINDOW
 from tests.support import tui_states
+from tests.support.monitor import app_for, plain
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD_TIMEOUT = 25.0  # a healthy child needs a few seconds; a hung one is killed
@@ -33,15 +34,6 @@ MEMORY_BOUND = 40 << 20  # peak Python allocations while the monitor shows one h
 
 
 # --- driving the app ---------------------------------------------------------------------------
-
-
-def plain(widget) -> str:
-    content = widget.content
-    return content.plain if hasattr(content, "plain") else str(content)
-
-
-def app_for(root: str) -> MonitorApp:
-    return MonitorApp(root, refresh=3600, clock=lambda: tui_states.NOW, disk_free=lambda _: 10**12)
 
 
 def screen_text(app: MonitorApp) -> dict:
