@@ -14,18 +14,19 @@ from dspark_cache.storage.remote.copies import LocalCopies
 from dspark_cache.storage.remote.localdir import Temporaries, own_replica_dirs, replica_dirs
 from dspark_cache.storage.remote.output import RemoteOutput
 from dspark_cache.storage.remote.store import ObjectStore, ObjectStoreError
-from tests.storage.test_remote_store import _options, proxy  # noqa: F401  (a fixture)
 from tests.support.faultproxy import matching
+from tests.support.remote import KEYS
+from tests.support.s3server import client_options
 
-RELATIVE = "target_weights.safetensors"
+RELATIVE = KEYS.target_weights  # its key under the prefix: names relative to the cache root
 FAST_FAILING = {"max_retries": 0, "retry_timeout": 2}  # a cut download fails in about a second, not a minute
 
 
 @pytest.fixture
-def copies(s3_bucket, proxy, tmp_path) -> LocalCopies:  # noqa: F811  (the proxy fixture, imported)
+def copies(s3_bucket, proxy, tmp_path) -> LocalCopies:
     root, state = str(tmp_path / "copy"), str(tmp_path / "copy" / ".state")
     own_replica_dirs(state, root)
-    store = ObjectStore(f"{s3_bucket}/cache", _options(proxy.endpoint, **FAST_FAILING))
+    store = ObjectStore(f"{s3_bucket}/cache", client_options(proxy.endpoint, **FAST_FAILING))
     return LocalCopies(store, root, state)
 
 
@@ -33,11 +34,11 @@ def _temporaries(directory: str) -> list[str]:
     return [name for name in os.listdir(directory) if not name.startswith(".")]  # ".creating": the guard
 
 
-def _cut_every_get(proxy) -> None:  # noqa: F811
+def _cut_every_get(proxy) -> None:
     proxy.fail_next(None, "cut", match=matching("GET", suffix=RELATIVE), cut_after=64 << 10)
 
 
-def test_a_download_cut_midway_leaves_no_temporary_and_keeps_the_old_copy(copies, proxy):  # noqa: F811
+def test_a_download_cut_midway_leaves_no_temporary_and_keeps_the_old_copy(copies, proxy):
     copies.store.put(RELATIVE, b"old" * 1000)
     old = copies.download(RELATIVE)
     path = copies.local(RELATIVE)
@@ -52,7 +53,7 @@ def test_a_download_cut_midway_leaves_no_temporary_and_keeps_the_old_copy(copies
     assert copies.unchanged(RELATIVE, old)  # its record still names it
 
 
-def test_a_copy_whose_record_matches_is_reused_without_a_request(copies, proxy):  # noqa: F811
+def test_a_copy_whose_record_matches_is_reused_without_a_request(copies, proxy):
     copies.store.put(RELATIVE, b"weights" * 100)
     info = copies.store.head(RELATIVE)
     copies.copy(RELATIVE, info)
@@ -64,7 +65,7 @@ def test_a_copy_whose_record_matches_is_reused_without_a_request(copies, proxy):
     assert os.path.exists(seen)  # one record per copied object, the CopiedFrom format
 
 
-def test_a_changed_etag_is_fetched_again(copies, proxy):  # noqa: F811
+def test_a_changed_etag_is_fetched_again(copies, proxy):
     copies.store.put(RELATIVE, b"a" * 4096)
     first = copies.download(RELATIVE)
     copies.store.put(RELATIVE, b"b" * 4096)  # the same size: only the ETag says it changed
@@ -77,13 +78,13 @@ def test_a_changed_etag_is_fetched_again(copies, proxy):  # noqa: F811
     assert copies.unchanged(RELATIVE, second)
 
 
-def test_a_staging_pull_whose_download_is_cut_leaks_no_temporary(s3_bucket, proxy, tmp_path):  # noqa: F811
+def test_a_staging_pull_whose_download_is_cut_leaks_no_temporary(s3_bucket, proxy, tmp_path):
     """A producer resuming brings the store's files into its staging directory: a download that fails
     leaves no partial file behind (it used to leave ``<file>.<pid>.tmp`` beside the copy), and the
     staged copy brought down before is kept."""
     staging = tmp_path / "staging"
     output = RemoteOutput(f"{s3_bucket}/cache", staging_dir=str(staging),
-                          storage=StorageOptions(_options(proxy.endpoint, **FAST_FAILING)))
+                          storage=StorageOptions(client_options(proxy.endpoint, **FAST_FAILING)))
     output.check()
     output.store.put(RELATIVE, b"old" * 1000)
     output.pull()
@@ -98,13 +99,13 @@ def test_a_staging_pull_whose_download_is_cut_leaks_no_temporary(s3_bucket, prox
     assert open(paths.target_weights, "rb").read() == b"old" * 1000
 
 
-def test_a_staging_download_cut_short_by_a_kill_is_removed_at_the_next_check(s3_bucket, proxy,  # noqa: F811
+def test_a_staging_download_cut_short_by_a_kill_is_removed_at_the_next_check(s3_bucket, proxy,
                                                                               tmp_path):
     """A producer killed mid-download holds no lock on its temporary any more: the next run's check
     removes it (one of a live download, locked, would stay)."""
     staging = tmp_path / "staging"
     output = RemoteOutput(f"{s3_bucket}/cache", staging_dir=str(staging),
-                          storage=StorageOptions(_options(proxy.endpoint)))
+                          storage=StorageOptions(client_options(proxy.endpoint)))
     output.check()
     temporaries = replica_dirs(CachePaths(str(staging)).staging_state)[1]
     left = os.path.join(temporaries, f"{RELATIVE}.0123abcd")
