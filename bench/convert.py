@@ -116,7 +116,9 @@ def peak_rss_mb() -> float:
         return next(int(line.split()[1]) for line in handle if line.startswith("VmHWM")) / 1024
 
 
-def run_child(direction: str, src: str, dst: str, cold: bool, shard_size: int | None = None, label: str = "") -> dict:
+def run_child(
+    direction: str, src: str, dst: str, cold: bool, shard_size: int | None = None, label: str = ""
+) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     if cold:
         evict(src)
@@ -127,7 +129,9 @@ def run_child(direction: str, src: str, dst: str, cold: bool, shard_size: int | 
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     result["load_before"] = load
-    nemo, ours = (result["after"], result["before"]) if direction == "export" else (result["before"], result["after"])
+    nemo, ours = (
+        (result["after"], result["before"]) if direction == "export" else (result["before"], result["after"])
+    )
     result.update(nemo_gbps=nemo / result["seconds"] / 1e9, ours_gbps=ours / result["seconds"] / 1e9,
                   nemo_bytes=nemo, ours_bytes=ours)
     print(f"  {direction} {label}: {result['seconds']:.2f} s, {result['nemo_gbps']:.2f} GB/s "
@@ -139,8 +143,13 @@ def run_child(direction: str, src: str, dst: str, cold: bool, shard_size: int | 
 def machine() -> dict:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    mem = next((int(line.split()[1]) // 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0)
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "?",
+    )
+    mem = next(
+        (int(line.split()[1]) // 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0
+    )
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_mb": mem, "python": platform.python_version(),
             "torch": torch.__version__}
 
@@ -168,8 +177,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workdir", default=os.path.join(ROOT, ".bench"),
-                   help="a fresh directory of ours is made inside it and removed at the end (never the directory itself)")
+    p.add_argument(
+        "--workdir",
+        default=os.path.join(ROOT, ".bench"),
+        help="a fresh directory of ours is made inside it and removed at the end (never the directory itself)",
+    )
     p.add_argument("--child", nargs=3, metavar=("DIRECTION", "SRC", "DST"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -205,10 +217,12 @@ def main() -> None:
     os.makedirs(os.path.join(ROOT, ".bench"), exist_ok=True)
     with open(os.path.join(ROOT, ".bench", "convert.json"), "w") as handle:
         json.dump(results, handle, indent=2)
-    print(f"\nshard bytes: NeMo layout {first['nemo_bytes'] / 1e9:.2f} GB ({first['allocated'] / 1e9:.2f} GB allocated "
-          f"by the export: sparse padding), ours {first['ours_bytes'] / 1e9:.3f} GB "
-          f"(ratio {first['nemo_bytes'] / first['ours_bytes']:.2f}); peak RSS of an export with "
-          f"--shard-size {args.shard_size * 4}: {big['peak_rss_mb']:.0f} MB")
+    print(
+        f"\nshard bytes: NeMo layout {first['nemo_bytes'] / 1e9:.2f} GB ({first['allocated'] / 1e9:.2f} GB allocated "
+        f"by the export: sparse padding), ours {first['ours_bytes'] / 1e9:.3f} GB "
+        f"(ratio {first['nemo_bytes'] / first['ours_bytes']:.2f}); peak RSS of an export with "
+        f"--shard-size {args.shard_size * 4}: {big['peak_rss_mb']:.0f} MB"
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 

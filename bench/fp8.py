@@ -52,9 +52,30 @@ def produce(target: str, data: str, out: str, dtype: str) -> float:
     from dspark_cache.producer.__main__ import main
 
     started = time.perf_counter()
-    code = main(["--target-model", target, "--input-data", data, "--output-dir", out, "--device", "cpu",
-                 "--dtype", dtype, "--seq-length", "1024", "--batch-size", "4", "--shard-size", "4", "--overwrite",
-                 "--log-level", "WARNING", "--no-progress"])
+    code = main(
+        [
+            "--target-model",
+            target,
+            "--input-data",
+            data,
+            "--output-dir",
+            out,
+            "--device",
+            "cpu",
+            "--dtype",
+            dtype,
+            "--seq-length",
+            "1024",
+            "--batch-size",
+            "4",
+            "--shard-size",
+            "4",
+            "--overwrite",
+            "--log-level",
+            "WARNING",
+            "--no-progress",
+        ]
+    )
     if code != 0:
         raise SystemExit(f"dspark-produce --dtype {dtype} failed with exit {code}")
     return time.perf_counter() - started
@@ -69,12 +90,16 @@ def build_inputs(work: str, rows: int) -> tuple[str, str]:
 
     target = os.path.join(work, "target-h1024")
     if not os.path.isdir(target):
-        build_target(target, hidden_size=1024, num_layers=4, intermediate_size=512, num_heads=16, num_kv_heads=8)
+        build_target(
+            target, hidden_size=1024, num_layers=4, intermediate_size=512, num_heads=16, num_kv_heads=8
+        )
     tok = AutoTokenizer.from_pretrained(target)
     chosen = []
     for row in sample_rows(400, seed=5):
-        messages = row.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"]),
-                                            "content": m["value"]} for m in row["conversations"]]
+        messages = row.get("messages") or [
+            {"role": {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"]), "content": m["value"]}
+            for m in row["conversations"]
+        ]
         if not any(m["role"] == "assistant" for m in messages):
             continue
         n = len(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
@@ -170,7 +195,9 @@ def print_tables(results: dict) -> None:
     print("\n| dtype | shard bytes | vs bf16 |\n|---|---|---|")
     for name in DTYPES:
         print(f"| {name} | {b[name]:,} | {b[name] / b['bf16']:.3f}x |")
-    print(f"\nscales: {results['scale_bytes']:,} bytes = {results['scale_bytes'] / b['fp8']:.3%} of the fp8 shards")
+    print(
+        f"\nscales: {results['scale_bytes']:,} bytes = {results['scale_bytes'] / b['fp8']:.3%} of the fp8 shards"
+    )
     if "demo" in results:
         d = results["demo"]
         print(f"demo (H=64): bf16 {d['bf16']:,} B, fp8 {d['fp8']:,} B: {d['fp8'] / d['bf16']:.3f}x")
@@ -181,15 +208,19 @@ def print_tables(results: dict) -> None:
         fp8, e5m2 = r["fp8"][i], r["fp8_e5m2"][i]
         print(f"| {ids} | {r['bf16'][i]['rel_rms']:.2e} | {fp8['rel_rms']:.4f} | {fp8['max_rel']:.4f} | "
               f"{e5m2['rel_rms']:.4f} | {e5m2['max_rel']:.4f} |")
-    print("\n| outlier ratio | fp8 rel RMS (other channels), worst layer | fp8 max | e5m2 rel RMS | e5m2 max | "
-          "fp8 outlier channels rel RMS |\n|---|---|---|---|---|---|")
+    print(
+        "\n| outlier ratio | fp8 rel RMS (other channels), worst layer | fp8 max | e5m2 rel RMS | e5m2 max | "
+        "fp8 outlier channels rel RMS |\n|---|---|---|---|---|---|"
+    )
     for ratio in OUTLIER_RATIOS:
         rows = [row for row in results["outliers"] if row["ratio"] == ratio]
         worst = max(rows, key=lambda row: row["fp8"]["rel_rms"])
         out = max((row["fp8_outliers"]["rel_rms"] for row in rows), default=0.0) if ratio else 0.0
-        print(f"| {ratio:g} | {worst['fp8']['rel_rms']:.4f} | {max(row['fp8']['max_rel'] for row in rows):.4f} | "
-              f"{max(row['fp8_e5m2']['rel_rms'] for row in rows):.4f} | "
-              f"{max(row['fp8_e5m2']['max_rel'] for row in rows):.4f} | {out:.4f} |")
+        print(
+            f"| {ratio:g} | {worst['fp8']['rel_rms']:.4f} | {max(row['fp8']['max_rel'] for row in rows):.4f} | "
+            f"{max(row['fp8_e5m2']['rel_rms'] for row in rows):.4f} | "
+            f"{max(row['fp8_e5m2']['max_rel'] for row in rows):.4f} | {out:.4f} |"
+        )
 
 
 def main() -> None:
@@ -205,12 +236,20 @@ def main() -> None:
     manifest = dspark_cache.open_cache(caches["fp8"]).manifest
     lengths = [e.length for s in dspark_cache.open_cache(caches["fp8"]).shards for e in s.samples]
     results = {
-        "machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": args.rows, "samples": len(lengths),
-        "tokens": sum(lengths), "hidden_size": manifest.hidden_size,
-        "layers": [*manifest.target_layer_ids, *(["final"] if dspark_cache.open_cache(caches["fp8"]).shape.stores_last
-                                                 else [])],
-        "produce_seconds": seconds, "bytes": {name: shard_bytes(c) for name, c in caches.items()},
-        "scale_bytes": scale_bytes(caches["fp8"]), "error": reconstruction(caches),
+        "machine": os.uname().nodename,
+        "cpus": os.cpu_count(),
+        "rows": args.rows,
+        "samples": len(lengths),
+        "tokens": sum(lengths),
+        "hidden_size": manifest.hidden_size,
+        "layers": [
+            *manifest.target_layer_ids,
+            *(["final"] if dspark_cache.open_cache(caches["fp8"]).shape.stores_last else []),
+        ],
+        "produce_seconds": seconds,
+        "bytes": {name: shard_bytes(c) for name, c in caches.items()},
+        "scale_bytes": scale_bytes(caches["fp8"]),
+        "error": reconstruction(caches),
         "outliers": outliers(layer_states(caches["fp32"], None)),
     }
     if not args.skip_demo:

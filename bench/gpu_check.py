@@ -188,7 +188,8 @@ class SyncRecorder:
 
         def show(message, category, filename, lineno, file=None, line=None):
             text = str(message)
-            if "synchroniz" in text.lower() and "prototype" not in text:  # not set_sync_debug_mode's own notice
+            # not set_sync_debug_mode's own notice
+            if "synchroniz" in text.lower() and "prototype" not in text:
                 self.count += 1
                 key = f"{threading.current_thread().name} {os.path.basename(filename)}:{lineno}"
                 self.where[key] = self.where.get(key, 0) + 1
@@ -219,7 +220,9 @@ def time_forward(batches: list[list[PlannedSample]], forward: Forward, device: t
     return time.perf_counter() - start
 
 
-def check_efficiency(device: torch.device, work: str, budget: int, rows: int, seq: int) -> tuple[dict, dict, dict]:
+def check_efficiency(
+    device: torch.device, work: str, budget: int, rows: int, seq: int
+) -> tuple[dict, dict, dict]:
     from dspark_cache.format.layers import build_target_layer_ids
     from dspark_cache.producer.device.target import TargetRunner, read_target_info
 
@@ -246,9 +249,17 @@ def check_efficiency(device: torch.device, work: str, budget: int, rows: int, se
         paths = fresh_dir(work, label)
         rings = []
         start = time.perf_counter()
-        stats = run_pipeline(shards, fwd, output=CacheOutput(paths.root), shape=shape, device=device, pad_id=0,
-                             max_inflight_bytes=budget, check_finite=check,
-                             on_batch=lambda st, ring: rings.append((ring.capacity, ring.peak)))
+        stats = run_pipeline(
+            shards,
+            fwd,
+            output=CacheOutput(paths.root),
+            shape=shape,
+            device=device,
+            pad_id=0,
+            max_inflight_bytes=budget,
+            check_finite=check,
+            on_batch=lambda st, ring: rings.append((ring.capacity, ring.peak)),
+        )
         sync(device)
         seconds = time.perf_counter() - start
         captured[label] = (stats, rings[-1] if rings else (0, 0))
@@ -266,30 +277,51 @@ def check_efficiency(device: torch.device, work: str, budget: int, rows: int, se
 
     write_s, _ = pipeline("write", instant, check=False)
     if device.type == "cuda":
-        torch.cuda.reset_peak_host_memory_stats() if hasattr(torch.cuda, "reset_peak_host_memory_stats") else None
+        torch.cuda.reset_peak_host_memory_stats() if hasattr(
+            torch.cuda, "reset_peak_host_memory_stats"
+        ) else None
     pipeline_s, stats = pipeline("pipeline", runner.forward)
     ring_capacity, ring_peak = captured["pipeline"][1]
     # Syncs are counted in a run of their own: the dispatch-mode trap slows every operation.
     syncs = SyncRecorder()
     watched = shards[: max(2, len(shards) // 8)]
     with syncs.watching(device), HostSyncTrap() as trap:
-        run_pipeline(watched, runner.forward, output=CacheOutput(fresh_dir(work, "syncs").root), shape=shape, device=device,
-                     pad_id=0, max_inflight_bytes=budget)
+        run_pipeline(
+            watched,
+            runner.forward,
+            output=CacheOutput(fresh_dir(work, "syncs").root),
+            shape=shape,
+            device=device,
+            pad_id=0,
+            max_inflight_bytes=budget,
+        )
     stored_bytes = stats.bytes
     efficiency = {
         "target": "Qwen3-0.6B shape (random weights)" if not tiny else "embedded tiny Qwen3 (CPU mode)",
-        "compute_dtype": str(compute), "mask_path_sync_free": runner.sync_free, "load_s": round(load_s, 2),
-        "rows": rows, "seq_length": seq, "batches": len(batches), "real_tokens": real_tokens,
-        "padded_tokens": padded_tokens, "padding_waste": round(padded_tokens / real_tokens - 1, 4),
-        "forward_only_s": round(forward_s, 3), "write_only_s": round(write_s, 3), "pipeline_s": round(pipeline_s, 3),
+        "compute_dtype": str(compute),
+        "mask_path_sync_free": runner.sync_free,
+        "load_s": round(load_s, 2),
+        "rows": rows,
+        "seq_length": seq,
+        "batches": len(batches),
+        "real_tokens": real_tokens,
+        "padded_tokens": padded_tokens,
+        "padding_waste": round(padded_tokens / real_tokens - 1, 4),
+        "forward_only_s": round(forward_s, 3),
+        "write_only_s": round(write_s, 3),
+        "pipeline_s": round(pipeline_s, 3),
         "efficiency_vs_forward_only": round(forward_s / pipeline_s, 3),
         "overlap": round(max(forward_s, write_s) / pipeline_s, 3),
-        "pipeline_tokens_per_s": round(real_tokens / pipeline_s), "forward_tokens_per_s": round(real_tokens / forward_s),
-        "stored_gb": round(stored_bytes / 1e9, 3), "write_gb_per_s": round(stored_bytes / 1e9 / write_s, 3),
+        "pipeline_tokens_per_s": round(real_tokens / pipeline_s),
+        "forward_tokens_per_s": round(real_tokens / forward_s),
+        "stored_gb": round(stored_bytes / 1e9, 3),
+        "write_gb_per_s": round(stored_bytes / 1e9 / write_s, 3),
         "stage_seconds": stats.times.as_dict(),
     }
     host_syncs = {
-        "steps": sum(len(sh.batches) for sh in watched), "main_thread_trap": trap.count, "main_thread_first": trap.where[:2],
+        "steps": sum(len(sh.batches) for sh in watched),
+        "main_thread_trap": trap.count,
+        "main_thread_first": trap.where[:2],
         "cuda_sync_debug": syncs.count if device.type == "cuda" else "skipped: CUDA only",
         "cuda_sync_debug_where": syncs.where,
     }
@@ -309,7 +341,9 @@ def check_efficiency(device: torch.device, work: str, budget: int, rows: int, se
 
 
 def max_batch_bytes(shards: list[ShardPlan], shape: SampleShape) -> int:
-    per_token = shape.hidden_dim * shape.itemsize + (shape.hidden_size * shape.itemsize if shape.stores_last else 0)
+    per_token = shape.hidden_dim * shape.itemsize + (
+        shape.hidden_size * shape.itemsize if shape.stores_last else 0
+    )
     return max(sum(s.length for s in b) * per_token for sh in shards for b in sh.batches)
 
 
@@ -340,7 +374,9 @@ def check_loader(device: torch.device, work: str) -> dict:
             for batch in loader:
                 if busy:
                     torch.cuda._sleep(2_000_000)  # the copy below waits behind ~1 ms of device work
-                out.append({k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)})
+                out.append(
+                    {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
+                )
                 del batch  # dropped at once: the loader may reuse its memory
         torch.cuda.synchronize()
         return out
@@ -348,7 +384,9 @@ def check_loader(device: torch.device, work: str) -> dict:
     want = epochs(False, False)
 
     def mismatches(got: list[dict[str, torch.Tensor]]) -> int:
-        return sum(1 for a, b in zip(want, got) for k in a if not torch.equal(a[k], b[k])) + abs(len(want) - len(got))
+        return sum(1 for a, b in zip(want, got) for k in a if not torch.equal(a[k], b[k])) + abs(
+            len(want) - len(got)
+        )
 
     result = {"batches": len(want), "mismatched": mismatches(epochs(True, True))}
     result["slab_fence"] = check_slab_fence(device)
@@ -399,7 +437,9 @@ def main() -> int:
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30)
     p.add_argument("--rows", type=int, default=None, help="rows for (e) (default 1024 on CUDA, 48 on a CPU)")
     p.add_argument("--seq-length", type=int, default=None, help="(default 2048 on CUDA, 256 on a CPU)")
-    p.add_argument("--workdir", default=None, help="where caches are written (default: a temporary directory)")
+    p.add_argument(
+        "--workdir", default=None, help="where caches are written (default: a temporary directory)"
+    )
     p.add_argument("--out", default=None, help="also write the JSON report here")
     args = p.parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

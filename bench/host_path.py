@@ -211,10 +211,21 @@ def run_ours(shards: list[ShardPlan], workdir: str, writers: int, gbps: float | 
         device = SyntheticDevice(gbps, shape)
         reaper = Reaper()
         started = time.perf_counter()
-        stats = run_pipeline(shards, device.forward, output=CacheOutput(out), shape=shape,
-                             device=torch.device("cpu"), pad_id=0, max_inflight_bytes=budget, writer_threads=writers,
-                             check_finite=False, durable=durable, copier=device, compression_level=level,
-                             on_published=lambda shard, index: reaper.delete(paths.shard_tar(shard.shard_id)))
+        stats = run_pipeline(
+            shards,
+            device.forward,
+            output=CacheOutput(out),
+            shape=shape,
+            device=torch.device("cpu"),
+            pad_id=0,
+            max_inflight_bytes=budget,
+            writer_threads=writers,
+            check_finite=False,
+            durable=durable,
+            copier=device,
+            compression_level=level,
+            on_published=lambda shard, index: reaper.delete(paths.shard_tar(shard.shard_id)),
+        )
         seconds = time.perf_counter() - started - device.fill_seconds
         reaper.close()
         assert stats.shards == len(shards), (stats.shards, len(shards))
@@ -233,7 +244,9 @@ def run_raw(sizes: list[int], workdir: str, threads: int, source: np.ndarray, du
         def write(files: list[tuple[int, int]], start: int) -> None:
             at = start
             for number, size in files:
-                fd = os.open(os.path.join(out, f"file-{number}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(
+                    os.path.join(out, f"file-{number}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+                )
                 try:
                     left = size
                     while left:
@@ -269,7 +282,9 @@ def shard_sizes(shards: list[ShardPlan]) -> list[int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", default=os.path.join(ROOT, ".bench", "host_path.json"), help="where the results go")
+    p.add_argument(
+        "--json", default=os.path.join(ROOT, ".bench", "host_path.json"), help="where the results go"
+    )
     p.add_argument("--dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir(),
                    help="the file system written to (default /dev/shm: the disk is not the limit)")
     p.add_argument("--samples", type=int, default=256, help="samples a run writes (~36 MB each on average)")
@@ -292,7 +307,9 @@ def main() -> None:
     cores = os.cpu_count() or 1
     counts = [int(x) for x in args.threads.split(",")] if args.threads else list(range(1, cores + 1))
     durable = not args.no_durable
-    shards = plan(long_tail_lengths(args.samples, args.seed, args.longest), args.batch_tokens, args.shard_samples)
+    shards = plan(
+        long_tail_lengths(args.samples, args.seed, args.longest), args.batch_tokens, args.shard_samples
+    )
     sizes = shard_sizes(shards)
     total = sum(sizes)
     source = np.full(args.max_inflight_bytes, 0x5A, dtype=np.uint8)
@@ -314,7 +331,10 @@ def main() -> None:
             assert written == total or shape.compressed, (written, total)
             on_disk.append(written)
             ours[n].append(total / seconds / 1e9)
-            print(f"  rep {rep}: {n} thread(s): raw {raw[n][-1]:.2f} GB/s, ours {ours[n][-1]:.2f} GB/s", flush=True)
+            print(
+                f"  rep {rep}: {n} thread(s): raw {raw[n][-1]:.2f} GB/s, ours {ours[n][-1]:.2f} GB/s",
+                flush=True,
+            )
 
     raw_gbps = {str(n): statistics.median(v) for n, v in raw.items()}
     writer_gbps = {str(n): statistics.median(v) for n, v in ours.items()}
@@ -336,15 +356,32 @@ def main() -> None:
         "pipeline_efficiency": statistics.median(efficiencies),
         "best_writers": best,
         "writer_vs_raw": writer_gbps[str(best)] / best_raw,
-        "scaling_1_to_2": ({"raw": raw_gbps["2"] / raw_gbps["1"], "ours": writer_gbps["2"] / writer_gbps["1"]}
-                           if "1" in raw_gbps and "2" in raw_gbps else None),
-        "runs": {"raw": {str(k): v for k, v in raw.items()}, "ours": {str(k): v for k, v in ours.items()},
-                 "pipeline": pipeline_runs},
-        "setup": {"dir": args.dir, "shards": len(shards), "bytes": total, "samples": args.samples,
-                  "bytes_per_token": QWEN3_8B.data_size(1), "durable": durable, "native_writer": native_available(),
-                  "cores": cores, "repeat": args.repeat, "device_gbps": rate, "compression": args.compression,
-                  "compression_level": args.compression_level, "bytes_on_disk": statistics.median(on_disk),
-                  "disk_ratio": statistics.median(on_disk) / total},
+        "scaling_1_to_2": (
+            {"raw": raw_gbps["2"] / raw_gbps["1"], "ours": writer_gbps["2"] / writer_gbps["1"]}
+            if "1" in raw_gbps and "2" in raw_gbps
+            else None
+        ),
+        "runs": {
+            "raw": {str(k): v for k, v in raw.items()},
+            "ours": {str(k): v for k, v in ours.items()},
+            "pipeline": pipeline_runs,
+        },
+        "setup": {
+            "dir": args.dir,
+            "shards": len(shards),
+            "bytes": total,
+            "samples": args.samples,
+            "bytes_per_token": QWEN3_8B.data_size(1),
+            "durable": durable,
+            "native_writer": native_available(),
+            "cores": cores,
+            "repeat": args.repeat,
+            "device_gbps": rate,
+            "compression": args.compression,
+            "compression_level": args.compression_level,
+            "bytes_on_disk": statistics.median(on_disk),
+            "disk_ratio": statistics.median(on_disk) / total,
+        },
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -105,7 +105,10 @@ def make_nemo_shards(cache_root: str, nemo_root: str, seq: int) -> list[str]:
     cache = dspark_cache.open_cache(cache_root)
     files = []
     for shard in cache.shards:
-        rows = [sample_to_torch(cache.reader(shard).read_sample(e)) for e in sorted(shard.samples, key=lambda e: e.sample_id)]
+        rows = [
+            sample_to_torch(cache.reader(shard).read_sample(e))
+            for e in sorted(shard.samples, key=lambda e: e.sample_id)
+        ]
         batch = {}
         for key, dtype in (("input_ids", torch.int64), ("loss_mask", torch.int64),
                            ("target_hidden_states", None), ("target_last_hidden_states", None)):
@@ -186,8 +189,18 @@ def bench_ours(root: str, batch: int, pad_to: str, threads: int, native: bool, v
     from dspark_cache.loader.verify import VerifiedSamples
 
     os.environ["DSPARK_NATIVE"] = "1" if native else "0"
-    loader = dspark_cache.build_dataloader(root, batch, shuffle=True, seed=0, pad_to=pad_to, num_workers=threads,
-                                           prefetch=4, pin_memory=False, verify=verify, dtype=dtype)
+    loader = dspark_cache.build_dataloader(
+        root,
+        batch,
+        shuffle=True,
+        seed=0,
+        pad_to=pad_to,
+        num_workers=threads,
+        prefetch=4,
+        pin_memory=False,
+        verify=verify,
+        dtype=dtype,
+    )
     seconds = []
     for epoch in range(9):
         if epoch == 8:
@@ -234,9 +247,17 @@ def measure_fp8(args: argparse.Namespace, work: str) -> dict:
     """``--fp8``: the same states as a bf16 and an fp8 cache; delivered bf16 GB/s of each reader."""
     roots, tars = {}, {}
     for dtype in ("bf16", "fp8"):
-        roots[dtype], lengths = make_cache(os.path.join(work, dtype), args.samples, args.hidden, args.seq_length,
-                                           args.shard_size, dtype=dtype)
-        tars[dtype] = [CachePaths(roots[dtype]).shard_tar(i) for i in range(-(-args.samples // args.shard_size))]
+        roots[dtype], lengths = make_cache(
+            os.path.join(work, dtype),
+            args.samples,
+            args.hidden,
+            args.seq_length,
+            args.shard_size,
+            dtype=dtype,
+        )
+        tars[dtype] = [
+            CachePaths(roots[dtype]).shard_tar(i) for i in range(-(-args.samples // args.shard_size))
+        ]
         warm(tars[dtype])
     payload = sum(n * (args.hidden * len(LAYERS) * 2 + 5) for n in lengths)  # bf16 delivered, for all
     from dspark_cache.loader.fill import native_available
@@ -269,11 +290,22 @@ def measure_fp8(args: argparse.Namespace, work: str) -> dict:
     med = {k: statistics.median(v) for k, v in runs.items()}
     base = runs["ours_bf16_cache"]
     return {
-        "mode": "fp8", "cold": args.cold, "samples": args.samples, "mean_tokens": statistics.mean(lengths), "payload_bytes": payload,
-        "tar_bytes": {d: sum(os.path.getsize(f) for f in tars[d]) for d in tars}, "seconds": med, "runs": runs,
+        "mode": "fp8",
+        "cold": args.cold,
+        "samples": args.samples,
+        "mean_tokens": statistics.mean(lengths),
+        "payload_bytes": payload,
+        "tar_bytes": {d: sum(os.path.getsize(f) for f in tars[d]) for d in tars},
+        "seconds": med,
+        "runs": runs,
         "bf16_gb_per_s": {k: payload / v / 1e9 for k, v in med.items()},
-        "vs_bf16_cache_paired": {k: statistics.median(b / o for b, o in zip(base, v)) for k, v in runs.items()},
-        "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(), "native_filler": native,
+        "vs_bf16_cache_paired": {
+            k: statistics.median(b / o for b, o in zip(base, v)) for k, v in runs.items()
+        },
+        "threads": args.threads,
+        "batch_size": args.batch_size,
+        "cores": os.cpu_count(),
+        "native_filler": native,
     }
 
 
@@ -289,12 +321,19 @@ def main() -> None:
     p.add_argument("--workdir", default=None,
                    help="where the caches are written: a fresh directory inside it, removed at the end "
                         "(default: inside --results-dir)")
-    p.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON results are saved (default: .bench/)")
+    p.add_argument(
+        "--results-dir", default=RESULTS_DIR, help="where the JSON results are saved (default: .bench/)"
+    )
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this run (threads hand the GIL over sooner)")
-    p.add_argument("--fp8", action="store_true", help="FP8 mode: bf16 vs fp8 caches of the same states (see above)")
-    p.add_argument("--ours-only", action="store_true",
-                   help="leave out the WebDataset and NeMo readers (and NeMo's padded copy of the cache, ~5x its size)")
+    p.add_argument(
+        "--fp8", action="store_true", help="FP8 mode: bf16 vs fp8 caches of the same states (see above)"
+    )
+    p.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="leave out the WebDataset and NeMo readers (and NeMo's padded copy of the cache, ~5x its size)",
+    )
     p.add_argument("--cold", action="store_true",
                    help="drop the caches' pages before every epoch and raw read (reads come from the disk)")
     args = p.parse_args()
@@ -345,30 +384,47 @@ def measure(args: argparse.Namespace, work: str) -> dict:
             evict(tars)
         add("raw", bench_raw(tars, 256 << 20))
         for pad_to in ("longest", "seq_length"):
-            first, steady, first_read = bench_ours(root, args.batch_size, pad_to, args.threads, native, cold=cold)
+            first, steady, first_read = bench_ours(
+                root, args.batch_size, pad_to, args.threads, native, cold=cold
+            )
             add(f"ours_{pad_to}_first_epoch", first)
             add(f"ours_{pad_to}", steady)
             add(f"ours_{pad_to}_first_read_warm_memory", first_read)
             if not args.cold:
                 add(f"ours_{pad_to}_python_filler",
                     bench_ours(root, args.batch_size, pad_to, args.threads, native=False)[1])
-            add(f"ours_{pad_to}_verify_always",
-                bench_ours(root, args.batch_size, pad_to, args.threads, native, verify="always", cold=cold)[1])
+            add(
+                f"ours_{pad_to}_verify_always",
+                bench_ours(root, args.batch_size, pad_to, args.threads, native, verify="always", cold=cold)[
+                    1
+                ],
+            )
         if not (args.cold or args.ours_only):
             add("webdataset", bench_webdataset(tars))
             add("nemo", bench_nemo(nemo_files, args.shard_size, args.samples, args.batch_size))
     med = {k: statistics.median(v) for k, v in runs.items()}
     result = {
-        "cold": args.cold, "samples": args.samples, "mean_tokens": statistics.mean(lengths), "payload_bytes": payload,
-        "tar_bytes": tar_bytes, "nemo_bytes": nemo_bytes, "mb_per_sample": payload / args.samples / 1e6,
-        "seconds": med, "runs": runs,
+        "cold": args.cold,
+        "samples": args.samples,
+        "mean_tokens": statistics.mean(lengths),
+        "payload_bytes": payload,
+        "tar_bytes": tar_bytes,
+        "nemo_bytes": nemo_bytes,
+        "mb_per_sample": payload / args.samples / 1e6,
+        "seconds": med,
+        "runs": runs,
         "gb_per_s": {k: payload / v / 1e9 for k, v in med.items()},
         "samples_per_s": {k: args.samples / v for k, v in med.items()},
         "vs_raw": {k: med["raw"] / v for k, v in med.items()},
         # The same ratio per repetition (raw and ours measured moments apart), then the median:
         # robust to this VM's memory bandwidth drifting between repetitions.
-        "vs_raw_paired": {k: statistics.median(r / o for r, o in zip(runs["raw"], v)) for k, v in runs.items()},
-        "threads": args.threads, "batch_size": args.batch_size, "cores": os.cpu_count(), "native_filler": native,
+        "vs_raw_paired": {
+            k: statistics.median(r / o for r, o in zip(runs["raw"], v)) for k, v in runs.items()
+        },
+        "threads": args.threads,
+        "batch_size": args.batch_size,
+        "cores": os.cpu_count(),
+        "native_filler": native,
     }
     return result
 

@@ -56,8 +56,14 @@ class Obstore:
         from obstore.store import S3Store
 
         self.ob = obstore
-        self.store = S3Store(bucket, endpoint=endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
-                             region=REGION, client_options={"allow_http": True})
+        self.store = S3Store(
+            bucket,
+            endpoint=endpoint,
+            access_key_id=ACCESS_KEY,
+            secret_access_key=SECRET_KEY,
+            region=REGION,
+            client_options={"allow_http": True},
+        )
 
     def put(self, key: str, data: bytes) -> None:
         self.ob.put(self.store, key, data)
@@ -157,7 +163,10 @@ def one_rep(client, big_key: str, size: int, data: bytes, small_key: str, prefix
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "?",
+    )
     libs = {name: version(name) for name in ("obstore", "s3fs", "aiobotocore", "botocore", "fsspec", "moto")}
     return {"cpu": cpu, "nproc": os.cpu_count(), "python": platform.python_version(), **libs}
 
@@ -173,13 +182,16 @@ def fill_prefix(server: S3Server, bucket: str, prefix: str, keys: int) -> None:
 def table(results: dict) -> str:
     rows = ["| operation | obstore | s3fs | ratio (s3fs / obstore) |", "|---|---|---|---|"]
     size = results["args"]["size_mib"]
-    for op, label, throughput in (("put", f"PUT {size} MiB", True),
-                                  ("put, one request", f"PUT {size} MiB, one request", True),
-                                  ("get", f"GET {size} MiB to memory", True),
-                                  ("get to file", f"GET {size} MiB to a file", True),
-                                  ("range 1 MiB", "ranged GET 1 MiB", False), ("small get", "GET 2 KB", False),
-                                  ("list", f"LIST {results['args']['keys']} keys", False),
-                                  ("create", "conditional create 2 KB", False)):
+    for op, label, throughput in (
+        ("put", f"PUT {size} MiB", True),
+        ("put, one request", f"PUT {size} MiB, one request", True),
+        ("get", f"GET {size} MiB to memory", True),
+        ("get to file", f"GET {size} MiB to a file", True),
+        ("range 1 MiB", "ranged GET 1 MiB", False),
+        ("small get", "GET 2 KB", False),
+        ("list", f"LIST {results['args']['keys']} keys", False),
+        ("create", "conditional create 2 KB", False),
+    ):
         cells = []
         for lib in ("obstore", "s3fs"):
             seconds = results["median_s"][lib][op]
@@ -230,9 +242,11 @@ def main() -> None:
     for lib, err in errors.items():
         print(f"conditional create on an existing key, {lib}: {err}")
     m = results["machine"]
-    print(f"\nmachine: {m['cpu']}, nproc {m['nproc']}, Python {m['python']}; obstore {m['obstore']}, "
-          f"s3fs {m['s3fs']} (aiobotocore {m['aiobotocore']}, botocore {m['botocore']}, fsspec {m['fsspec']}), "
-          f"moto {m['moto']}; medians of {args.repeat}; {results['seconds_total']:.0f} s in all")
+    print(
+        f"\nmachine: {m['cpu']}, nproc {m['nproc']}, Python {m['python']}; obstore {m['obstore']}, "
+        f"s3fs {m['s3fs']} (aiobotocore {m['aiobotocore']}, botocore {m['botocore']}, fsspec {m['fsspec']}), "
+        f"moto {m['moto']}; medians of {args.repeat}; {results['seconds_total']:.0f} s in all"
+    )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:

@@ -46,7 +46,9 @@ def upload(store, path: str, kind: str) -> tuple[float, float, float]:
         with open(path, "rb") as handle:
             obstore.put(store, "k", handle, use_multipart=True, chunk_size=16 << 20, max_concurrency=8)
     else:
-        obstore.put(store, "k", pathlib.Path(path), use_multipart=True, chunk_size=16 << 20, max_concurrency=8)
+        obstore.put(
+            store, "k", pathlib.Path(path), use_multipart=True, chunk_size=16 << 20, max_concurrency=8
+        )
     wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF)
     stop.set()
     spinner.join()
@@ -67,7 +69,10 @@ def main() -> None:
             for _ in range(3):
                 for kind in ("file", "path"):
                     wall, cpu, spins = upload(store, path, kind)
-                    print(f"{kind:4}: wall {wall:.2f} s, CPU {cpu:.2f} s, spinner {spins:.1f} M steps/s", flush=True)
+                    print(
+                        f"{kind:4}: wall {wall:.2f} s, CPU {cpu:.2f} s, spinner {spins:.1f} M steps/s",
+                        flush=True,
+                    )
         finally:
             os.unlink(path)
 

@@ -56,7 +56,11 @@ def dry_run(target: str, data: str, out: str, seq_length: int) -> dict:
         stderr.seek(0)
         if proc.returncode != 0:
             raise SystemExit(f"dry run failed ({proc.returncode}):\n{stderr.read().decode()}")
-        return {"seconds": seconds, "rss_mb": usage.ru_maxrss / 1024, "report": stdout.read().decode().strip()}
+        return {
+            "seconds": seconds,
+            "rss_mb": usage.ru_maxrss / 1024,
+            "report": stdout.read().decode().strip(),
+        }
 
 
 def measure(target: str, data: str, workdir: str, seq_length: int) -> dict:
@@ -96,8 +100,10 @@ def main() -> None:
               f"{r['reuse_rss_mb']:.0f} MB |")
     if len(results) >= 2:
         small, large = results[min(results)], results[max(results)]
-        print(f"peak RSS {max(results)} / {min(results)} rows: {large['fresh_rss_mb'] / small['fresh_rss_mb']:.2f}x "
-              f"(+{large['fresh_rss_mb'] - small['fresh_rss_mb']:.0f} MB)")
+        print(
+            f"peak RSS {max(results)} / {min(results)} rows: {large['fresh_rss_mb'] / small['fresh_rss_mb']:.2f}x "
+            f"(+{large['fresh_rss_mb'] - small['fresh_rss_mb']:.0f} MB)"
+        )
     for rows, r in results.items():
         print(f"\n{rows} rows:\n{r['report']}")
     path = os.path.join(BENCH_DIR, f"planning-{int(time.time())}.json")

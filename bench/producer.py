@@ -58,20 +58,46 @@ def ensure_inputs(args: argparse.Namespace) -> tuple[str, str]:
     name = f"target-h{args.hidden}-l{args.layers}-v{args.model_vocab}-a{heads}x{head_dim}"
     target = args.target or os.path.join(BENCH_DIR, name)
     if not os.path.exists(os.path.join(target, "config.json")):
-        build_target(target, hidden_size=args.hidden, num_layers=args.layers, intermediate_size=args.hidden * 3,
-                     num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=head_dim,
-                     model_vocab_size=args.model_vocab)
+        build_target(
+            target,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            intermediate_size=args.hidden * 3,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 2),
+            head_dim=head_dim,
+            model_vocab_size=args.model_vocab,
+        )
     data = args.data or os.path.join(BENCH_DIR, f"data-{args.data_profile}-{args.rows}.jsonl")
     if not os.path.exists(data):
         write_sample_data(data, num_rows=args.rows, profile=args.data_profile)
     return target, data
 
 
-def produce_cli_args(args: argparse.Namespace, target: str, data: str, out: str, shard_size: int | None = None) -> list[str]:
-    return ["--target-model", target, "--input-data", data, "--output-dir", out, "--overwrite",
-            "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
-            "--shard-size", str(shard_size or args.shard_size), "--dtype", args.dtype, "--device", args.device,
-            "--log-level", "WARNING"]
+def produce_cli_args(
+    args: argparse.Namespace, target: str, data: str, out: str, shard_size: int | None = None
+) -> list[str]:
+    return [
+        "--target-model",
+        target,
+        "--input-data",
+        data,
+        "--output-dir",
+        out,
+        "--overwrite",
+        "--seq-length",
+        str(args.seq_length),
+        "--batch-size",
+        str(args.batch_size),
+        "--shard-size",
+        str(shard_size or args.shard_size),
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--log-level",
+        "WARNING",
+    ]
 
 
 def load_plan(args: argparse.Namespace, target: str, data: str, workers: int | None = None):
@@ -84,10 +110,17 @@ def load_plan(args: argparse.Namespace, target: str, data: str, workers: int | N
     )
 
     # The plan is saved where dspark-produce saves it: in an output directory (a scratch one here).
-    cfg = ProduceConfig(target_model=target, input_data=data, output_dir=tempfile.mkdtemp(prefix="plan-", dir=args.workdir),
-                        overwrite=True, seq_length=args.seq_length,
-                        batch_size=args.batch_size, shard_size=args.shard_size, dtype=args.dtype,
-                        num_workers=workers)
+    cfg = ProduceConfig(
+        target_model=target,
+        input_data=data,
+        output_dir=tempfile.mkdtemp(prefix="plan-", dir=args.workdir),
+        overwrite=True,
+        seq_length=args.seq_length,
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+        dtype=args.dtype,
+        num_workers=workers,
+    )
     info = read_target_info(target)
     hidden = args.synthetic_hidden or info.hidden_size
     layers = args.synthetic_layers or info.num_layers
@@ -190,8 +223,16 @@ def measure_phases(args: argparse.Namespace) -> dict:
         paths.ensure_dirs()
         t = time.perf_counter()
         # A fake device has no NaN to find; on a real one the check is device work (counted above).
-        stats = run_pipeline(plan.shards, fwd, output=CacheOutput(paths.root), shape=shape, device=device, pad_id=pad,
-                             max_inflight_bytes=budget, check_finite=not args.synthetic)
+        stats = run_pipeline(
+            plan.shards,
+            fwd,
+            output=CacheOutput(paths.root),
+            shape=shape,
+            device=device,
+            pad_id=pad,
+            max_inflight_bytes=budget,
+            check_finite=not args.synthetic,
+        )
         seconds = time.perf_counter() - t
         shutil.rmtree(out)
         os.sync()  # no dirty pages of this run may slow the next one
@@ -209,7 +250,9 @@ def measure_phases(args: argparse.Namespace) -> dict:
         write_only()  # warm-up: the first write on a fresh process is the slowest
         write_s = min(write_only() for _ in range(3))  # the writer's own cost (see below)
         padded = sum(max(s.length for s in b) * len(b) for sh in plan.shards for b in sh.batches)
-        forward = SyntheticTarget(shape, cfg.batch_token_budget, args.synthetic_ratio * write_s / padded, device).forward
+        forward = SyntheticTarget(
+            shape, cfg.batch_token_budget, args.synthetic_ratio * write_s / padded, device
+        ).forward
     runs = {"device_s": [], "write_s": [], "pipeline_s": [], "pipeline_writer_busy_s": []}
     if not args.synthetic:
         runs["device_one_by_one_s"] = []
@@ -233,7 +276,9 @@ def measure_phases(args: argparse.Namespace) -> dict:
     # "efficiencies" above 1. The per-repetition ratios are kept for reference.
     per_rep = [max(d, w) / p for d, w, p in zip(runs["device_s"], runs["write_s"], runs["pipeline_s"])]
     result["efficiency_runs"] = per_rep
-    result["efficiency"] = max(min(runs["device_s"]), min(runs["write_s"])) / statistics.median(runs["pipeline_s"])
+    result["efficiency"] = max(min(runs["device_s"]), min(runs["write_s"])) / statistics.median(
+        runs["pipeline_s"]
+    )
     # Overlap inside one run: the slower stage's own time (device, or the writer thread's busy
     # time in that same run) over the wall time. Immune to a disk whose speed drifts between
     # runs; 1.0 means the other stage was completely hidden.
@@ -275,7 +320,9 @@ def measure_nemo(args: argparse.Namespace) -> dict:
     captured: dict = {}
     for i in layer_ids:
         module = base.get_input_embeddings() if i == -1 else (base.norm if i == n - 1 else base.layers[i])
-        module.register_forward_hook(lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+        module.register_forward_hook(
+            lambda m, a, o, i=i: captured.__setitem__(i, o[0] if isinstance(o, tuple) else o)
+        )
     base.norm.register_forward_hook(lambda m, a, o: captured.__setitem__("norm", o))
     out = os.path.join(args.workdir, "nemo")
     shutil.rmtree(out, ignore_errors=True)
@@ -319,7 +366,9 @@ def measure_nemo(args: argparse.Namespace) -> dict:
               os.path.join(out, "target_weights.safetensors"))
     with open(os.path.join(out, "manifest.json"), "w") as handle:
         json.dump({"num_samples": len(samples), "seq_length": seq, "complete": True}, handle)
-    shard_bytes = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("shard-"))
+    shard_bytes = sum(
+        os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.startswith("shard-")
+    )
     return {"bytes": shard_bytes, "peak_rss_mb": peak_rss_mb(), "samples": len(samples)}
 
 
@@ -433,10 +482,16 @@ def main() -> None:
     p.add_argument("--target")
     p.add_argument("--data")
     p.add_argument("--rows", type=int, default=600)
-    p.add_argument("--data-profile", choices=["default", "long-tail"], default="default",
-                   help="embedded data: 'long-tail' has users' length shape (log-normal body, ~10%% at seq_length)")
+    p.add_argument(
+        "--data-profile",
+        choices=["default", "long-tail"],
+        default="default",
+        help="embedded data: 'long-tail' has users' length shape (log-normal body, ~10%% at seq_length)",
+    )
     p.add_argument("--heads", type=int, default=None, help="attention heads (default hidden/64)")
-    p.add_argument("--head-dim", type=int, default=None, help="head dim (default hidden/heads; real Qwen3: 128)")
+    p.add_argument(
+        "--head-dim", type=int, default=None, help="head dim (default hidden/heads; real Qwen3: 128)"
+    )
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--model-vocab", type=int, default=2048)
@@ -447,12 +502,22 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workdir", default=None,
-                   help="where caches are written: a fresh directory inside it, removed at the end (default: in .bench/)")
-    p.add_argument("--synthetic-rows", type=int, default=600,
-                   help="rows of the sample data in the synthetic suite (more rows: pipeline fill and drain matter less)")
-    p.add_argument("--synthetic-dir", default=None,
-                   help="where the synthetic suite writes (default: /dev/shm, a RAM filesystem, when present)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where caches are written: a fresh directory inside it, removed at the end (default: in .bench/)",
+    )
+    p.add_argument(
+        "--synthetic-rows",
+        type=int,
+        default=600,
+        help="rows of the sample data in the synthetic suite (more rows: pipeline fill and drain matter less)",
+    )
+    p.add_argument(
+        "--synthetic-dir",
+        default=None,
+        help="where the synthetic suite writes (default: /dev/shm, a RAM filesystem, when present)",
+    )
     p.add_argument("--synthetic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--synthetic-ratio", type=float, default=1.0, help=argparse.SUPPRESS)
     p.add_argument("--synthetic-hidden", type=int, default=None, help=argparse.SUPPRESS)

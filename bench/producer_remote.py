@@ -104,7 +104,9 @@ def object_kind(target: str, prefix: str) -> str:
     path = target.partition("?")[0].lstrip("/")
     if "?" in target and "prefix=" in target.partition("?")[2]:
         listed = re.search(r"prefix=([^&]*)", target).group(1).replace("%2F", "/")
-        return "listing " + (listed[len(prefix):].strip("/").split("/")[0] + "/" if listed.startswith(prefix) else listed)
+        return "listing " + (
+            listed[len(prefix) :].strip("/").split("/")[0] + "/" if listed.startswith(prefix) else listed
+        )
     key = path[len(BUCKET) + 1:]
     if not key.startswith(prefix + "/"):
         return "bucket" if not key else "other"
@@ -161,7 +163,9 @@ class Bench:
 
         self.args, self.pargs = args, pargs
         self.target, self.data = ensure_inputs(pargs)
-        self.cfg, self.info, self.layer_ids, self.shape, self.plan, tok = load_plan(pargs, self.target, self.data)
+        self.cfg, self.info, self.layer_ids, self.shape, self.plan, tok = load_plan(
+            pargs, self.target, self.data
+        )
         self.pad = tok.pad_token_id
         self.device = torch.device("cpu")
         self.padded = sum(max(s.length for s in b) * len(b) for sh in self.plan.shards for b in sh.batches)
@@ -191,8 +195,12 @@ class Bench:
         prefix = f"run-{uuid.uuid4().hex[:12]}"
         if remote:
             assert self.server is not None
-            output = RemoteOutput(f"s3://{BUCKET}/{prefix}", storage=StorageOptions({"endpoint": self.server.endpoint}),
-                                  staging_dir=where, staging_limit=staging_limit)
+            output = RemoteOutput(
+                f"s3://{BUCKET}/{prefix}",
+                storage=StorageOptions({"endpoint": self.server.endpoint}),
+                staging_dir=where,
+                staging_limit=staging_limit,
+            )
             start = log_end(self.server)
         else:
             output = CacheOutput(where)
@@ -230,19 +238,38 @@ class Bench:
         cpu = os.times()
         moto_cpu = cpu_seconds(self.server._proc.pid) if remote else 0.0  # noqa: SLF001
         t = time.perf_counter()
-        stats = run_pipeline(self.plan.shards, forward, output=output, shape=self.shape, device=self.device,
-                             pad_id=self.pad, max_inflight_bytes=ring or self.pargs.max_inflight_bytes,
-                             writer_threads=self.args.writer_threads, on_published=on_published, check_finite=False)
+        stats = run_pipeline(
+            self.plan.shards,
+            forward,
+            output=output,
+            shape=self.shape,
+            device=self.device,
+            pad_id=self.pad,
+            max_inflight_bytes=ring or self.pargs.max_inflight_bytes,
+            writer_threads=self.args.writer_threads,
+            on_published=on_published,
+            check_finite=False,
+        )
         pipeline_s = time.perf_counter() - t
         output.flush()
         seconds = time.perf_counter() - t
         used = os.times()
-        out = {"seconds": seconds, "pipeline_s": pipeline_s, "flush_tail_s": seconds - pipeline_s,
-               "cpu_s": used.user + used.system - cpu.user - cpu.system,
-               "bytes": stats.bytes, "writer_busy_s": stats.times.write, "backpressure_s": stats.times.backpressure,
-               "shards": len(sizes), "tar_sizes": sizes, "stage_times": stats.times.as_dict(),
-               "timeline": [(k, n, round(a, 3), round(committed[k], 3) if k in committed else None)
-                            for k, n, a in timeline]}
+        out = {
+            "seconds": seconds,
+            "pipeline_s": pipeline_s,
+            "flush_tail_s": seconds - pipeline_s,
+            "cpu_s": used.user + used.system - cpu.user - cpu.system,
+            "bytes": stats.bytes,
+            "writer_busy_s": stats.times.write,
+            "backpressure_s": stats.times.backpressure,
+            "shards": len(sizes),
+            "tar_sizes": sizes,
+            "stage_times": stats.times.as_dict(),
+            "timeline": [
+                (k, n, round(a, 3), round(committed[k], 3) if k in committed else None)
+                for k, n, a in timeline
+            ],
+        }
         if remote:
             out.update(output.transfer)
             out.update({f"peak_{k}": v for k, v in peak.items()})
@@ -312,7 +339,9 @@ class Bench:
             self.server.reset()
             self.server.make_bucket(BUCKET)
         else:
-            out["shards"] = sum(n.endswith(".idx") for n in os.listdir(os.path.join(where, "cache", "shards")))
+            out["shards"] = sum(
+                n.endswith(".idx") for n in os.listdir(os.path.join(where, "cache", "shards"))
+            )
         shutil.rmtree(where, ignore_errors=True)
         return out
 
@@ -322,9 +351,12 @@ def measure(args: argparse.Namespace) -> dict:
     pargs = producer_args(args)
     bench = Bench(args, pargs)
     plan = bench.plan
-    print(f"plan: {plan.num_samples} samples, {plan.num_tokens} real tokens, {len(plan.shards)} shards of "
-          f"{pargs.shard_size}, padded tokens {bench.padded} ({bench.padded / plan.num_tokens - 1:.1%} padding) "
-          f"[{time.monotonic() - began:.0f} s]", flush=True)
+    print(
+        f"plan: {plan.num_samples} samples, {plan.num_tokens} real tokens, {len(plan.shards)} shards of "
+        f"{pargs.shard_size}, padded tokens {bench.padded} ({bench.padded / plan.num_tokens - 1:.1%} padding) "
+        f"[{time.monotonic() - began:.0f} s]",
+        flush=True,
+    )
     runs: dict[str, list] = {}
 
     def add(key: str, value) -> None:
@@ -353,9 +385,12 @@ def measure(args: argparse.Namespace) -> dict:
         write_s3 = min(r["seconds"] for r in runs["write_s3"])
         sizes = runs["write_local"][0]["tar_sizes"]
         small = args.small_limit_shards * int(statistics.median(sizes))
-        print(f"  calibration: fastest write-only local {write_local:.2f} s, s3 {write_s3:.2f} s; small staging "
-              f"limit {small / 1e6:.0f} MB ({args.small_limit_shards} median shards of "
-              f"{statistics.median(sizes) / 1e6:.1f} MB; largest {max(sizes) / 1e6:.1f} MB)", flush=True)
+        print(
+            f"  calibration: fastest write-only local {write_local:.2f} s, s3 {write_s3:.2f} s; small staging "
+            f"limit {small / 1e6:.0f} MB ({args.small_limit_shards} median shards of "
+            f"{statistics.median(sizes) / 1e6:.1f} MB; largest {max(sizes) / 1e6:.1f} MB)",
+            flush=True,
+        )
         add("write_s3_small_limit", bench.through(bench.instant, "s3", staging_limit=small))
         r = runs["write_s3_small_limit"][-1]
         print(f"  write-only s3, small limit: {r['seconds']:.2f} s, stalled {r['stalled_seconds']:.2f} s, "
@@ -366,29 +401,41 @@ def measure(args: argparse.Namespace) -> dict:
                 add(f"device_{ratio}", bench.device_only(forward))
                 add(f"local_{ratio}", bench.through(forward, "local"))
                 add(f"s3_{ratio}", bench.through(forward, "s3"))
-                print(f"  ratio {ratio} rep {rep}: device {runs[f'device_{ratio}'][-1]:.2f} s, local "
-                      f"{runs[f'local_{ratio}'][-1]['seconds']:.2f} s, s3 {runs[f's3_{ratio}'][-1]['seconds']:.2f} s "
-                      f"(stalled {runs[f's3_{ratio}'][-1]['stalled_seconds']:.2f} s, tail "
-                      f"{runs[f's3_{ratio}'][-1]['flush_tail_s']:.2f} s)", flush=True)
+                print(
+                    f"  ratio {ratio} rep {rep}: device {runs[f'device_{ratio}'][-1]:.2f} s, local "
+                    f"{runs[f'local_{ratio}'][-1]['seconds']:.2f} s, s3 {runs[f's3_{ratio}'][-1]['seconds']:.2f} s "
+                    f"(stalled {runs[f's3_{ratio}'][-1]['stalled_seconds']:.2f} s, tail "
+                    f"{runs[f's3_{ratio}'][-1]['flush_tail_s']:.2f} s)",
+                    flush=True,
+                )
             add(f"s3_small_limit_{ratio}", bench.through(forward, "s3", staging_limit=small))
             r = runs[f"s3_small_limit_{ratio}"][-1]
-            print(f"  ratio {ratio}, small limit: s3 {r['seconds']:.2f} s, stalled {r['stalled_seconds']:.2f} s, "
-                  f"peak staged {r['peak_staged_bytes'] / 1e6:.0f} MB", flush=True)
+            print(
+                f"  ratio {ratio}, small limit: s3 {r['seconds']:.2f} s, stalled {r['stalled_seconds']:.2f} s, "
+                f"peak staged {r['peak_staged_bytes'] / 1e6:.0f} MB",
+                flush=True,
+            )
             # The default ring (--max-inflight-bytes 1 GiB) holds this whole run: a writer held by the
             # staging limit is then invisible to the device. With a ring smaller than the run it reaches it.
             add(f"s3_small_limit_small_ring_{ratio}", bench.through(forward, "s3", staging_limit=small,
                                                                     ring=args.small_ring))
             r = runs[f"s3_small_limit_small_ring_{ratio}"][-1]
-            print(f"  ratio {ratio}, small limit, ring {args.small_ring / 1e6:.0f} MB: s3 {r['seconds']:.2f} s, "
-                  f"stalled {r['stalled_seconds']:.2f} s, device waited for ring space "
-                  f"{r['backpressure_s']:.2f} s", flush=True)
+            print(
+                f"  ratio {ratio}, small limit, ring {args.small_ring / 1e6:.0f} MB: s3 {r['seconds']:.2f} s, "
+                f"stalled {r['stalled_seconds']:.2f} s, device waited for ring space "
+                f"{r['backpressure_s']:.2f} s",
+                flush=True,
+            )
         for rep in range(args.whole_repeat):
             add("whole_local", bench.whole_command("local"))
             add("whole_s3", bench.whole_command("s3"))
-            print(f"  whole command rep {rep}: local {runs['whole_local'][-1]['seconds']:.2f} s, s3 "
-                  f"{runs['whole_s3'][-1]['seconds']:.2f} s, {runs['whole_s3'][-1]['requests_total']} requests "
-                  f"({runs['whole_s3'][-1]['moto_requests_total']} in moto's log) for "
-                  f"{runs['whole_s3'][-1]['shards']} shards", flush=True)
+            print(
+                f"  whole command rep {rep}: local {runs['whole_local'][-1]['seconds']:.2f} s, s3 "
+                f"{runs['whole_s3'][-1]['seconds']:.2f} s, {runs['whole_s3'][-1]['requests_total']} requests "
+                f"({runs['whole_s3'][-1]['moto_requests_total']} in moto's log) for "
+                f"{runs['whole_s3'][-1]['shards']} shards",
+                flush=True,
+            )
     except BaseException:  # what the server said before it went (stop() removes its log)
         proc = server._proc  # noqa: SLF001
         print(f"moto server running: {server.running}, exit code {proc.poll() if proc else None}\n"
@@ -405,15 +452,31 @@ def measure(args: argparse.Namespace) -> dict:
 def summarise(args, pargs, bench, runs, write_local, write_s3, small, total_s) -> dict:
     med = statistics.median
     plan = bench.plan
-    res: dict = {"machine": machine(), "args": vars(args), "samples": plan.num_samples, "tokens": plan.num_tokens,
-                 "shards": len(plan.shards), "padded_tokens": bench.padded,
-                 "bytes": runs["write_local"][0]["bytes"], "tar_sizes": runs["write_local"][0]["tar_sizes"],
-                 "write_local_fastest_s": write_local, "write_s3_fastest_s": write_s3, "small_limit": small,
-                 "runs": runs, "seconds_total": total_s}
-    res["write_only"] = {sink: {"median_s": med(r["seconds"] for r in runs[f"write_{sink}"]),
-                                "gb_per_s": res["bytes"] / med(r["seconds"] for r in runs[f"write_{sink}"]) / 1e9}
-                         for sink in ("local", "s3")}
-    res["write_only"]["s3"]["vs_local"] = res["write_only"]["s3"]["median_s"] / res["write_only"]["local"]["median_s"]
+    res: dict = {
+        "machine": machine(),
+        "args": vars(args),
+        "samples": plan.num_samples,
+        "tokens": plan.num_tokens,
+        "shards": len(plan.shards),
+        "padded_tokens": bench.padded,
+        "bytes": runs["write_local"][0]["bytes"],
+        "tar_sizes": runs["write_local"][0]["tar_sizes"],
+        "write_local_fastest_s": write_local,
+        "write_s3_fastest_s": write_s3,
+        "small_limit": small,
+        "runs": runs,
+        "seconds_total": total_s,
+    }
+    res["write_only"] = {
+        sink: {
+            "median_s": med(r["seconds"] for r in runs[f"write_{sink}"]),
+            "gb_per_s": res["bytes"] / med(r["seconds"] for r in runs[f"write_{sink}"]) / 1e9,
+        }
+        for sink in ("local", "s3")
+    }
+    res["write_only"]["s3"]["vs_local"] = (
+        res["write_only"]["s3"]["median_s"] / res["write_only"]["local"]["median_s"]
+    )
     shards = len(plan.shards)
     per_shard = {k: v / shards for k, v in runs["write_s3"][0]["requests"].items()}
     res["requests_per_shard"] = per_shard
@@ -443,8 +506,19 @@ def summarise(args, pargs, bench, runs, write_local, write_s3, small, total_s) -
         for key, name in (("s3_small_limit", f"s3_small_limit_{ratio}"),
                           ("s3_small_limit_small_ring", f"s3_small_limit_small_ring_{ratio}")):
             sm = runs[name][0]
-            out[key] = {k: sm[k] for k in ("seconds", "stalled_seconds", "peak_staged_bytes", "peak_staging_tar_bytes",
-                                           "flush_tail_s", "staging_limit", "backpressure_s", "ring_budget")}
+            out[key] = {
+                k: sm[k]
+                for k in (
+                    "seconds",
+                    "stalled_seconds",
+                    "peak_staged_bytes",
+                    "peak_staging_tar_bytes",
+                    "flush_tail_s",
+                    "staging_limit",
+                    "backpressure_s",
+                    "ring_budget",
+                )
+            }
             out[key]["vs_default_limit"] = sm["seconds"] / out["s3"]["median_s"]
             out[key]["device_busy"] = med(dev) / sm["seconds"]
         res["ratios"][str(ratio)] = out
@@ -466,46 +540,76 @@ def summarise(args, pargs, bench, runs, write_local, write_s3, small, total_s) -
 
 def report(r: dict) -> str:
     mb = 1e6
-    lines = [f"{r['samples']} samples, {r['tokens']:,} real tokens, {r['shards']} shards, {r['bytes'] / 1e9:.2f} GB "
-             f"per run (tars median {statistics.median(r['tar_sizes']) / mb:.1f} MB, largest "
-             f"{max(r['tar_sizes']) / mb:.1f} MB)", ""]
+    lines = [
+        f"{r['samples']} samples, {r['tokens']:,} real tokens, {r['shards']} shards, {r['bytes'] / 1e9:.2f} GB "
+        f"per run (tars median {statistics.median(r['tar_sizes']) / mb:.1f} MB, largest "
+        f"{max(r['tar_sizes']) / mb:.1f} MB)",
+        "",
+    ]
     w = r["write_only"]
-    lines += ["| write only (instant device) | median s | GB/s |", "|---|---|---|",
-              f"| local (/dev/shm) | {w['local']['median_s']:.2f} | {w['local']['gb_per_s']:.2f} |",
-              f"| s3 (staging on /dev/shm, until flush) | {w['s3']['median_s']:.2f} | {w['s3']['gb_per_s']:.2f} |",
-              f"| s3, staging limit {r['small_limit'] / mb:.0f} MB | {r['write_s3_small_limit']['seconds']:.2f} | "
-              f"{r['bytes'] / r['write_s3_small_limit']['seconds'] / 1e9:.2f} |", ""]
-    lines += ["| ratio | device s | local s | s3 s | s3/local (paired) | efficiency local / s3 | device busy local / s3 "
-              "| s3 stalled s | s3 tail after pipeline s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| write only (instant device) | median s | GB/s |",
+        "|---|---|---|",
+        f"| local (/dev/shm) | {w['local']['median_s']:.2f} | {w['local']['gb_per_s']:.2f} |",
+        f"| s3 (staging on /dev/shm, until flush) | {w['s3']['median_s']:.2f} | {w['s3']['gb_per_s']:.2f} |",
+        f"| s3, staging limit {r['small_limit'] / mb:.0f} MB | {r['write_s3_small_limit']['seconds']:.2f} | "
+        f"{r['bytes'] / r['write_s3_small_limit']['seconds'] / 1e9:.2f} |",
+        "",
+    ]
+    lines += [
+        "| ratio | device s | local s | s3 s | s3/local (paired) | efficiency local / s3 | device busy local / s3 "
+        "| s3 stalled s | s3 tail after pipeline s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for ratio, o in r["ratios"].items():
         lo, s3 = o["local"], o["s3"]
-        lines.append(f"| {ratio} | {o['device_median_s']:.2f} | {lo['median_s']:.2f} | {s3['median_s']:.2f} | "
-                     f"{o['s3_vs_local']:.3f}x ({o['s3_vs_local_paired']:.3f}x) | {lo['efficiency']:.2f} / "
-                     f"{s3['efficiency']:.2f} | {lo['device_busy']:.2f} / {s3['device_busy']:.2f} | "
-                     f"{statistics.median(s3['stalled_s']):.2f} | {statistics.median(s3['flush_tail_s']):.2f} |")
-    lines += ["", "| ratio | main-thread copy s local / s3 | writer busy s local / s3 | bench CPU s local / s3 | "
-              "moto CPU s |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {ratio} | {o['device_median_s']:.2f} | {lo['median_s']:.2f} | {s3['median_s']:.2f} | "
+            f"{o['s3_vs_local']:.3f}x ({o['s3_vs_local_paired']:.3f}x) | {lo['efficiency']:.2f} / "
+            f"{s3['efficiency']:.2f} | {lo['device_busy']:.2f} / {s3['device_busy']:.2f} | "
+            f"{statistics.median(s3['stalled_s']):.2f} | {statistics.median(s3['flush_tail_s']):.2f} |"
+        )
+    lines += [
+        "",
+        "| ratio | main-thread copy s local / s3 | writer busy s local / s3 | bench CPU s local / s3 | "
+        "moto CPU s |",
+        "|---|---|---|---|---|",
+    ]
     for ratio, o in r["ratios"].items():
         lo, s3 = o["local"], o["s3"]
-        lines.append(f"| {ratio} | {lo['copy_s']:.2f} / {s3['copy_s']:.2f} | {lo['writer_busy_s']:.2f} / "
-                     f"{s3['writer_busy_s']:.2f} | {lo['cpu_s']:.1f} / {s3['cpu_s']:.1f} | {s3['moto_cpu_s']:.1f} |")
-    lines += ["", "| staging limit run | seconds | vs default limit | stalled s | peak staged MB (transfer) | "
-              "peak tar MB in staging dir |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {ratio} | {lo['copy_s']:.2f} / {s3['copy_s']:.2f} | {lo['writer_busy_s']:.2f} / "
+            f"{s3['writer_busy_s']:.2f} | {lo['cpu_s']:.1f} / {s3['cpu_s']:.1f} | {s3['moto_cpu_s']:.1f} |"
+        )
+    lines += [
+        "",
+        "| staging limit run | seconds | vs default limit | stalled s | peak staged MB (transfer) | "
+        "peak tar MB in staging dir |",
+        "|---|---|---|---|---|---|",
+    ]
     for ratio, o in r["ratios"].items():
         sm = o["s3_small_limit"]
-        lines.append(f"| ratio {ratio}, limit {sm['staging_limit'] / mb:.0f} MB | {sm['seconds']:.2f} | "
-                     f"{sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} | {sm['peak_staged_bytes'] / mb:.0f} | "
-                     f"{sm['peak_staging_tar_bytes'] / mb:.0f} |")
+        lines.append(
+            f"| ratio {ratio}, limit {sm['staging_limit'] / mb:.0f} MB | {sm['seconds']:.2f} | "
+            f"{sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} | {sm['peak_staged_bytes'] / mb:.0f} | "
+            f"{sm['peak_staging_tar_bytes'] / mb:.0f} |"
+        )
         sm = o["s3_small_limit_small_ring"]
-        lines.append(f"| ratio {ratio}, limit {sm['staging_limit'] / mb:.0f} MB, ring {sm['ring_budget'] / mb:.0f} MB | "
-                     f"{sm['seconds']:.2f} | {sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} "
-                     f"(device waited {sm['backpressure_s']:.2f}) | {sm['peak_staged_bytes'] / mb:.0f} | "
-                     f"{sm['peak_staging_tar_bytes'] / mb:.0f} |")
+        lines.append(
+            f"| ratio {ratio}, limit {sm['staging_limit'] / mb:.0f} MB, ring {sm['ring_budget'] / mb:.0f} MB | "
+            f"{sm['seconds']:.2f} | {sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} "
+            f"(device waited {sm['backpressure_s']:.2f}) | {sm['peak_staged_bytes'] / mb:.0f} | "
+            f"{sm['peak_staging_tar_bytes'] / mb:.0f} |"
+        )
     sm = r["write_s3_small_limit"]
-    lines.append(f"| instant device, limit {sm['staging_limit'] / mb:.0f} MB | {sm['seconds']:.2f} | "
-                 f"{sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} | {sm['peak_staged_bytes'] / mb:.0f} | "
-                 f"{sm['peak_staging_tar_bytes'] / mb:.0f} |")
-    lines.append(f"(instant device, default 8 GiB limit: peak staged {r['write_s3_peak_staged_bytes'] / mb:.0f} MB)")
+    lines.append(
+        f"| instant device, limit {sm['staging_limit'] / mb:.0f} MB | {sm['seconds']:.2f} | "
+        f"{sm['vs_default_limit']:.3f}x | {sm['stalled_seconds']:.2f} | {sm['peak_staged_bytes'] / mb:.0f} | "
+        f"{sm['peak_staging_tar_bytes'] / mb:.0f} |"
+    )
+    lines.append(
+        f"(instant device, default 8 GiB limit: peak staged {r['write_s3_peak_staged_bytes'] / mb:.0f} MB)"
+    )
     lines += ["", "requests per shard (pipeline to s3, moto's log): " + ", ".join(
         f"{k} {v:.2f}" for k, v in r["requests_per_shard"].items())]
     if "whole" in r:
@@ -519,7 +623,10 @@ def report(r: dict) -> str:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "?",
+    )
     return {**producer_machine(), "model": cpu, **{n: version(n) for n in ("obstore", "moto")}}
 
 
@@ -538,14 +645,25 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200, help="rows of the embedded sample data")
     p.add_argument("--data-profile", choices=["default", "long-tail"], default="long-tail")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--writer-threads", type=int, default=2, help="shards written at once (the producer's option)")
-    p.add_argument("--ratios", default="2,1",
-                   help="fake device time as multiples of the fastest s3 write-only time (2: compute-bound, 1: balanced)")
+    p.add_argument(
+        "--writer-threads", type=int, default=2, help="shards written at once (the producer's option)"
+    )
+    p.add_argument(
+        "--ratios",
+        default="2,1",
+        help="fake device time as multiples of the fastest s3 write-only time (2: compute-bound, 1: balanced)",
+    )
     p.add_argument("--small-limit-shards", type=float, default=2.0,
                    help="the backpressure runs' --staging-limit, in median shards")
-    p.add_argument("--small-ring", type=int, default=512 << 20,
-                   help="--max-inflight-bytes of one more backpressure run per ratio (default 512 MiB, under the run's bytes)")
-    p.add_argument("--whole-repeat", type=int, default=2, help="whole dspark-produce commands per sink (0: none)")
+    p.add_argument(
+        "--small-ring",
+        type=int,
+        default=512 << 20,
+        help="--max-inflight-bytes of one more backpressure run per ratio (default 512 MiB, under the run's bytes)",
+    )
+    p.add_argument(
+        "--whole-repeat", type=int, default=2, help="whole dspark-produce commands per sink (0: none)"
+    )
     p.add_argument("--whole-shard-size", type=int, default=16)
     p.add_argument("--synthetic-dir", default=None, help="where caches and staging go (default /dev/shm)")
     args = p.parse_args()
@@ -555,8 +673,10 @@ def main() -> None:
     print()
     print(report(result))
     m = result["machine"]
-    print(f"\nmachine: {m['model']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, obstore "
-          f"{m['obstore']}, moto {m['moto']}; medians of {args.repeat}; {result['seconds_total']:.0f} s in all")
+    print(
+        f"\nmachine: {m['model']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, obstore "
+        f"{m['obstore']}, moto {m['moto']}; medians of {args.repeat}; {result['seconds_total']:.0f} s in all"
+    )
     path = os.path.join(BENCH_DIR, f"producer-remote-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as handle:
         json.dump(result, handle, indent=2)

@@ -104,7 +104,9 @@ def run_plain(port: int, model: str, rows: list[dict], concurrency: int, max_tok
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
@@ -132,22 +134,35 @@ def main() -> int:
                       f"{r['cpu_ms_per_request']:.2f} client CPU ms/request", flush=True)
             r = run_plain(server.port, server.model, rows, 16, args.max_tokens)
             results.setdefault("plain c=16", []).append(r)
-            print(f"rep {rep} plain loop c=16: {r['rows_per_s']:.2f} rows/s, {r['tokens_per_s']:.0f} tok/s", flush=True)
-    print(f"\nmachine: {platform.platform()}, {os.cpu_count()} CPUs; transformers serve {' '.join(extra) or '(plain)'}; "
-          f"{args.rows} prompts x {args.max_tokens} tokens, medians of {args.repeat}")
-    med = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()}
+            print(
+                f"rep {rep} plain loop c=16: {r['rows_per_s']:.2f} rows/s, {r['tokens_per_s']:.0f} tok/s",
+                flush=True,
+            )
+    print(
+        f"\nmachine: {platform.platform()}, {os.cpu_count()} CPUs; transformers serve {' '.join(extra) or '(plain)'}; "
+        f"{args.rows} prompts x {args.max_tokens} tokens, medians of {args.repeat}"
+    )
+    med = {
+        name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in results.items()
+    }
     for name, m in med.items():
         cpu = f", client {m['cpu_ms_per_request']:.2f} CPU ms/request" if "cpu_ms_per_request" in m else ""
         print(f"{name:>14}: {m['rows_per_s']:.2f} rows/s, {m['tokens_per_s']:.0f} generated tok/s{cpu}")
     outputs = {c: open(os.path.join(args.workdir, f"out-{c}.jsonl"), "rb").read() for c in args.concurrency}
     same = len(set(outputs.values())) == 1
-    print(f"outputs at concurrency {', '.join(map(str, args.concurrency))}: {'identical' if same else 'DIFFER'} bytes")
+    print(
+        f"outputs at concurrency {', '.join(map(str, args.concurrency))}: {'identical' if same else 'DIFFER'} bytes"
+    )
     if "client c=16" in med:
-        print(f"client c=16 / plain loop c=16: {med['client c=16']['tokens_per_s'] / med['plain c=16']['tokens_per_s']:.3f}"
-              " (tokens/s)")
+        print(
+            f"client c=16 / plain loop c=16: {med['client c=16']['tokens_per_s'] / med['plain c=16']['tokens_per_s']:.3f}"
+            " (tokens/s)"
+        )
     name = "regenerate-cb.json" if args.continuous_batching else "regenerate.json"
     with open(os.path.join(os.path.dirname(args.workdir), name), "w") as handle:
-        json.dump({"args": vars(args), "runs": results, "medians": med, "outputs_identical": same}, handle, indent=1)
+        json.dump(
+            {"args": vars(args), "runs": results, "medians": med, "outputs_identical": same}, handle, indent=1
+        )
     return 0
 
 

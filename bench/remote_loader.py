@@ -61,7 +61,10 @@ IN_FLIGHT = 4  # dspark_cache.storage.remote.mirror._IN_FLIGHT
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "?",
+    )
     return {"cpu": cpu, "nproc": os.cpu_count(), "python": platform.python_version(),
             **{name: version(name) for name in ("obstore", "moto", "torch")}}
 
@@ -83,8 +86,16 @@ def run_epochs(path: str, args: argparse.Namespace, epochs: int, call_len: bool 
     first (untimed), as a training framework does before its first epoch."""
     import dspark_cache
 
-    loader = dspark_cache.build_dataloader(path, args.batch_size, shuffle=True, seed=0, num_workers=args.threads,
-                                           pad_to=args.pad_to, pin_memory=False, **storage)
+    loader = dspark_cache.build_dataloader(
+        path,
+        args.batch_size,
+        shuffle=True,
+        seed=0,
+        num_workers=args.threads,
+        pad_to=args.pad_to,
+        pin_memory=False,
+        **storage,
+    )
     mirror = loader.cache.backing if loader.cache.remote else None
     intervals: list[tuple[float, float]] = []
     threads: list[str] = []
@@ -171,10 +182,13 @@ def measure(args: argparse.Namespace, work: str) -> dict:
     tar_bytes = sum(tar_sizes)
     payload = sum(n * (args.hidden * len(LAYERS) * 2 + 5) for n in lengths)
     made = time.monotonic() - began
-    print(f"cache: {args.samples} samples, {shards} shards of {statistics.median(tar_sizes) / 1e6:.1f} MB "
-          f"(median), {tar_bytes / 1e6:.0f} MB of tars; tokens per sample median {statistics.median(lengths):.0f}, "
-          f"mean {statistics.mean(lengths):.0f}, p99 {sorted(lengths)[int(0.99 * (len(lengths) - 1))]}, "
-          f"max {max(lengths)} (seq_length {args.seq_length}) [{made:.0f} s]", flush=True)
+    print(
+        f"cache: {args.samples} samples, {shards} shards of {statistics.median(tar_sizes) / 1e6:.1f} MB "
+        f"(median), {tar_bytes / 1e6:.0f} MB of tars; tokens per sample median {statistics.median(lengths):.0f}, "
+        f"mean {statistics.mean(lengths):.0f}, p99 {sorted(lengths)[int(0.99 * (len(lengths) - 1))]}, "
+        f"max {max(lengths)} (seq_length {args.seq_length}) [{made:.0f} s]",
+        flush=True,
+    )
 
     import obstore.store
 
@@ -192,9 +206,20 @@ def measure(args: argparse.Namespace, work: str) -> dict:
         keys = [f"{PREFIX}/shards/{os.path.basename(f)}" for f in tars]
         get_all(store, keys[:2], IN_FLIGHT)  # warm-up: connections, moto's first responses
         warm(tars)
-        runs: dict[str, list] = {k: [] for k in (
-            "local", "local_epoch2", "s3_cold", "s3_steady", "s3_cold_len_first", "s3_limit_third", "get_ceiling",
-            "get_one_stream", "download_to_file")}
+        runs: dict[str, list] = {
+            k: []
+            for k in (
+                "local",
+                "local_epoch2",
+                "s3_cold",
+                "s3_steady",
+                "s3_cold_len_first",
+                "s3_limit_third",
+                "get_ceiling",
+                "get_one_stream",
+                "download_to_file",
+            )
+        }
         detail: dict[str, list] = {"s3_cold": [], "s3_cold_len_first": [], "s3_limit_third": [], "local": []}
         for rep in range(args.repeat):  # interleaved so that drift hits every reader alike
             local = run_epochs(root, args, 2)
@@ -203,7 +228,9 @@ def measure(args: argparse.Namespace, work: str) -> dict:
             detail["local"].append(local)
 
             node = os.path.join(work, f"node-cold-{rep}")
-            cold = run_epochs(url, args, 2, storage_options=options, local_cache_dir=node, cache_limit=2 * tar_bytes)
+            cold = run_epochs(
+                url, args, 2, storage_options=options, local_cache_dir=node, cache_limit=2 * tar_bytes
+            )
             shutil.rmtree(node, ignore_errors=True)
             runs["s3_cold"].append(cold["seconds"][0])
             runs["s3_steady"].append(cold["seconds"][1])
@@ -228,28 +255,52 @@ def measure(args: argparse.Namespace, work: str) -> dict:
             runs["download_to_file"].append(download_all(url, options, [os.path.basename(f) for f in tars],
                                                          os.path.join(work, "files"), IN_FLIGHT))
             warm(tars)  # the local cache's pages again, after ~1 GB written to the node dirs
-            print(f"  rep {rep}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items())
-                  + f"; cold downloads {cold['downloads']} ({cold['prefetched'][0]} ahead), len-first "
-                  f"{with_len['prefetched'][0]} ahead, limit-1/3 downloads {third['downloads'][0]}", flush=True)
+            print(
+                f"  rep {rep}: "
+                + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in runs.items())
+                + f"; cold downloads {cold['downloads']} ({cold['prefetched'][0]} ahead), len-first "
+                f"{with_len['prefetched'][0]} ahead, limit-1/3 downloads {third['downloads'][0]}",
+                flush=True,
+            )
     med = {k: statistics.median(v) for k, v in runs.items()}
     batches = detail["local"][0]["batches"][0]
     return {
-        "machine": machine(), "args": vars(args), "shards": shards, "tar_bytes": tar_bytes, "tar_sizes": tar_sizes,
-        "payload_bytes": payload, "lengths": {"median": statistics.median(lengths), "mean": statistics.mean(lengths),
-                                              "max": max(lengths), "min": min(lengths)},
-        "batches_per_epoch": batches, "seconds": med, "runs": runs, "detail": detail,
+        "machine": machine(),
+        "args": vars(args),
+        "shards": shards,
+        "tar_bytes": tar_bytes,
+        "tar_sizes": tar_sizes,
+        "payload_bytes": payload,
+        "lengths": {
+            "median": statistics.median(lengths),
+            "mean": statistics.mean(lengths),
+            "max": max(lengths),
+            "min": min(lengths),
+        },
+        "batches_per_epoch": batches,
+        "seconds": med,
+        "runs": runs,
+        "detail": detail,
         "gb_per_s": {k: tar_bytes / v / 1e9 for k, v in med.items()},
         "batches_per_s": {k: batches / v for k, v in med.items() if not k.startswith(("get", "download"))},
         "vs_local": {k: med["local"] / v for k, v in med.items()},
-        "vs_local_paired": {k: statistics.median(a / b for a, b in zip(runs["local"], v)) for k, v in runs.items()},
+        "vs_local_paired": {
+            k: statistics.median(a / b for a, b in zip(runs["local"], v)) for k, v in runs.items()
+        },
         "cold_first_batch_s": statistics.median(d["first_batch_s"][0] for d in detail["s3_cold"]),
         "local_first_batch_s": statistics.median(d["first_batch_s"][0] for d in detail["local"]),
         "cold_download_busy_s": statistics.median(d["download_busy_s"][0] for d in detail["s3_cold"]),
         "cold_download_sum_s": statistics.median(d["download_sum_s"][0] for d in detail["s3_cold"]),
-        "len_first_download_busy_s": statistics.median(d["download_busy_s"][0] for d in detail["s3_cold_len_first"]),
-        "len_first_download_sum_s": statistics.median(d["download_sum_s"][0] for d in detail["s3_cold_len_first"]),
-        "prefetched": {k: [d["prefetched"][0] for d in detail[k]] for k in ("s3_cold", "s3_cold_len_first",
-                                                                            "s3_limit_third")},
+        "len_first_download_busy_s": statistics.median(
+            d["download_busy_s"][0] for d in detail["s3_cold_len_first"]
+        ),
+        "len_first_download_sum_s": statistics.median(
+            d["download_sum_s"][0] for d in detail["s3_cold_len_first"]
+        ),
+        "prefetched": {
+            k: [d["prefetched"][0] for d in detail[k]]
+            for k in ("s3_cold", "s3_cold_len_first", "s3_limit_third")
+        },
         "cold_downloads": [d["downloads"] for d in detail["s3_cold"]],
         "limit_third_downloads": [d["downloads"][0] for d in detail["s3_limit_third"]],
         "seconds_total": time.monotonic() - began,
@@ -263,21 +314,28 @@ def table(r: dict) -> str:
         "local": "page cache warm; fresh loader (hashes every sample)",
         "local_epoch2": "same loader, 2nd epoch (no hashing)",
         "s3_cold": f"empty node dir, limit 2x cache; downloads {statistics.median(d[0] for d in r['cold_downloads']):.0f}"
-                   f"/{shards}, {ahead['s3_cold']:.0f} of them ahead by the mirror's pool; first batch after "
-                   f"{r['cold_first_batch_s']:.2f} s (local {r['local_first_batch_s']:.2f} s)",
+        f"/{shards}, {ahead['s3_cold']:.0f} of them ahead by the mirror's pool; first batch after "
+        f"{r['cold_first_batch_s']:.2f} s (local {r['local_first_batch_s']:.2f} s)",
         "s3_steady": f"same loader, 2nd epoch; downloads {statistics.median(d[1] for d in r['cold_downloads']):.0f}",
         "s3_cold_len_first": f"as 2, but len(loader) called first (untimed); {ahead['s3_cold_len_first']:.0f}/{shards} "
-                             "downloaded ahead by the mirror's pool",
+        "downloaded ahead by the mirror's pool",
         "s3_limit_third": f"limit = 1/3 of the tars; downloads {statistics.median(r['limit_third_downloads']):.0f}"
-                          f"/{shards} shards, {ahead['s3_limit_third']:.0f} ahead",
+        f"/{shards} shards, {ahead['s3_limit_third']:.0f} ahead",
         "get_ceiling": f"obstore GET of every tar into memory, {IN_FLIGHT} at a time",
         "get_one_stream": "the same, one at a time",
         "download_to_file": f"ObjectStore.download (the mirror's call) of every tar to a file, {IN_FLIGHT} at a time",
     }
-    labels = {"local": "1. local disk", "local_epoch2": "1b. local disk, epoch 2", "s3_cold": "2. s3 cold, 1st epoch",
-              "s3_cold_len_first": "2b. s3 cold, len() first", "s3_steady": "3. s3 steady, 2nd epoch",
-              "s3_limit_third": "4. s3, cache_limit 1/3, 1st epoch", "get_ceiling": "5. GET ceiling",
-              "get_one_stream": "5b. GET, one stream", "download_to_file": "5c. download to files"}
+    labels = {
+        "local": "1. local disk",
+        "local_epoch2": "1b. local disk, epoch 2",
+        "s3_cold": "2. s3 cold, 1st epoch",
+        "s3_cold_len_first": "2b. s3 cold, len() first",
+        "s3_steady": "3. s3 steady, 2nd epoch",
+        "s3_limit_third": "4. s3, cache_limit 1/3, 1st epoch",
+        "get_ceiling": "5. GET ceiling",
+        "get_one_stream": "5b. GET, one stream",
+        "download_to_file": "5c. download to files",
+    }
     rows = ["| reader | seconds | GB/s (tar bytes) | batches/s | vs local (paired) | notes |",
             "|---|---|---|---|---|---|"]
     for k, label in labels.items():
@@ -293,13 +351,17 @@ def overlap_lines(r: dict) -> list[str]:
     lines = []
     for k, label in (("s3_cold", "cold epoch"), ("s3_cold_len_first", "cold epoch, len() first")):
         where = (s[k] - parallel) / (serial - parallel) if serial > parallel else float("nan")
-        lines.append(f"{label} {s[k]:.2f} s vs GET ceiling + local = {serial:.2f} s (no overlap) and "
-                     f"max(GET ceiling, local) = {parallel:.2f} s (full overlap): {where:.0%} of the way from full "
-                     "overlap to none (>100%: slower than downloading then reading)")
+        lines.append(
+            f"{label} {s[k]:.2f} s vs GET ceiling + local = {serial:.2f} s (no overlap) and "
+            f"max(GET ceiling, local) = {parallel:.2f} s (full overlap): {where:.0%} of the way from full "
+            "overlap to none (>100%: slower than downloading then reading)"
+        )
     for k, label in (("cold", "cold epoch"), ("len_first", "cold epoch, len() first")):
         busy, total = r[f"{k}_download_busy_s"], r[f"{k}_download_sum_s"]
-        lines.append(f"{label}: the mirror was downloading during {busy:.2f} s of it; its downloads took {total:.2f} s "
-                     f"summed ({total / busy:.1f} in flight on average)")
+        lines.append(
+            f"{label}: the mirror was downloading during {busy:.2f} s of it; its downloads took {total:.2f} s "
+            f"summed ({total / busy:.1f} in flight on average)"
+        )
     return lines
 
 
@@ -317,7 +379,9 @@ def main() -> None:
     p.add_argument("--workdir", default=None,
                    help="where the cache and the node-local copies are written: a fresh directory inside it, "
                         "removed at the end (default: inside --results-dir)")
-    p.add_argument("--results-dir", default=RESULTS_DIR, help="where the JSON results are saved (default: .bench/)")
+    p.add_argument(
+        "--results-dir", default=RESULTS_DIR, help="where the JSON results are saved (default: .bench/)"
+    )
     args = p.parse_args()
     os.makedirs(args.results_dir, exist_ok=True)
     if args.workdir:
@@ -334,10 +398,12 @@ def main() -> None:
     for line in overlap_lines(result):
         print(line)
     m = result["machine"]
-    print(f"\nmachine: {m['cpu']}, nproc {m['nproc']}, Python {m['python']}; obstore {m['obstore']}, moto {m['moto']}, "
-          f"torch {m['torch']}; {result['shards']} shards, {result['tar_bytes'] / 1e6:.0f} MB, H={args.hidden}, "
-          f"seq {args.seq_length}, pad_to={args.pad_to}, batch {args.batch_size}, {args.threads} workers; "
-          f"medians of {args.repeat}; {result['seconds_total']:.0f} s in all")
+    print(
+        f"\nmachine: {m['cpu']}, nproc {m['nproc']}, Python {m['python']}; obstore {m['obstore']}, moto {m['moto']}, "
+        f"torch {m['torch']}; {result['shards']} shards, {result['tar_bytes'] / 1e6:.0f} MB, H={args.hidden}, "
+        f"seq {args.seq_length}, pad_to={args.pad_to}, batch {args.batch_size}, {args.threads} workers; "
+        f"medians of {args.repeat}; {result['seconds_total']:.0f} s in all"
+    )
     with open(out, "w") as handle:
         json.dump(result, handle, indent=2)
     print(f"results: {out}")

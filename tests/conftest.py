@@ -40,7 +40,9 @@ class Tokenizers(NamedTuple):
 
 
 @contextlib.contextmanager
-def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[pathlib.Path, bool]]:
+def once_per_session(
+    tmp_path_factory: pytest.TempPathFactory, name: str
+) -> Iterator[tuple[pathlib.Path, bool]]:
     """``(directory, done)``: a directory every xdist worker of this session shares (the process's own
     without xdist), held under a lock while the caller fills it; ``done`` when a worker already has."""
     base = tmp_path_factory.getbasetemp()
@@ -74,7 +76,9 @@ def embedded(tmp_path_factory) -> Embedded:
 def tokenizers(embedded) -> Tokenizers:
     from transformers import AutoTokenizer
 
-    return Tokenizers(AutoTokenizer.from_pretrained(embedded.stock), AutoTokenizer.from_pretrained(embedded.generation))
+    return Tokenizers(
+        AutoTokenizer.from_pretrained(embedded.stock), AutoTokenizer.from_pretrained(embedded.generation)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -138,9 +138,17 @@ def _run_imports(tree: ast.AST, typing_too: bool = False) -> list[ast.Import | a
     """The import statements that run: at module level and inside functions; those under TYPE_CHECKING
     only with ``typing_too`` (a type-only import still ties two modules' meanings together)."""
     guards = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-    typing_only = set() if typing_too else {
-        id(node) for branch in ast.walk(tree) if isinstance(branch, ast.If) and ast.unparse(branch.test) in guards
-        for statement in branch.body for node in ast.walk(statement)}
+    typing_only = (
+        set()
+        if typing_too
+        else {
+            id(node)
+            for branch in ast.walk(tree)
+            if isinstance(branch, ast.If) and ast.unparse(branch.test) in guards
+            for statement in branch.body
+            for node in ast.walk(statement)
+        }
+    )
     return [node for node in ast.walk(tree)
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only]
 
@@ -157,7 +165,9 @@ def _targets(module: str, path: pathlib.Path, node: ast.Import | ast.ImportFrom,
             package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
             anchor = ".".join(package[:len(package) - node.level + 1])
             base = f"{anchor}.{base}" if base else anchor
-        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        names = [
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+        ]
     out = set()
     for name in names:
         while name and name not in modules:
@@ -224,7 +234,9 @@ def test_format_reads_on_its_own():
     for path in sorted((PACKAGE / "format").rglob("*.py")):
         for node in _run_imports(ast.parse(path.read_text()), typing_too=True):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-            offenders += [f"{path.relative_to(PACKAGE)} imports {n}" for n in names if n.split(".")[0] in clients]
+            offenders += [
+                f"{path.relative_to(PACKAGE)} imports {n}" for n in names if n.split(".")[0] in clients
+            ]
     assert _modules()["dspark_cache.format.paths"] and not offenders, "\n".join(offenders)
 
 
@@ -264,9 +276,16 @@ def test_regenerate_stands_before_the_cache():
     ours = {m: targets for m, targets in graph.items() if m.startswith("dspark_cache.regenerate")}
     assert "dspark_cache.regenerate.run" in ours
     banned = tuple(f"dspark_cache.{p}" for p in ("loader", "tui", "verify", "nemo"))
-    offenders = sorted(f"{m} imports {t}" for m, targets in ours.items() for t in targets if t.startswith(banned))
-    offenders += sorted(f"{m} imports {t}" for m, targets in graph.items() if not m.startswith("dspark_cache.regenerate")
-                        and m != "dspark_cache.cli" for t in targets if t.startswith("dspark_cache.regenerate"))
+    offenders = sorted(
+        f"{m} imports {t}" for m, targets in ours.items() for t in targets if t.startswith(banned)
+    )
+    offenders += sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if not m.startswith("dspark_cache.regenerate") and m != "dspark_cache.cli"
+        for t in targets
+        if t.startswith("dspark_cache.regenerate")
+    )
     assert not offenders, "\n".join(offenders)
 
 
@@ -317,12 +336,14 @@ def test_format_never_imports_torch():
 
 def test_verify_help_never_imports_torch():
     """``dspark-verify --help`` (module and console script) imports no torch; -X importtime names the chain."""
-    for code in ("import runpy, sys\nsys.argv = ['dspark-verify', '--help']\n"
-                 "try:\n    runpy.run_module('dspark_cache.verify', run_name='__main__')\nexcept SystemExit:\n    pass",
-                 # the console script as installed (pyproject's dspark-verify = "dspark_cache.cli:verify")
-                 "from importlib.metadata import entry_points\n"
-                 "main = entry_points(group='console_scripts')['dspark-verify'].load()\n"
-                 "try:\n    main(['--help'])\nexcept SystemExit:\n    pass"):
+    for code in (
+        "import runpy, sys\nsys.argv = ['dspark-verify', '--help']\n"
+        "try:\n    runpy.run_module('dspark_cache.verify', run_name='__main__')\nexcept SystemExit:\n    pass",
+        # the console script as installed (pyproject's dspark-verify = "dspark_cache.cli:verify")
+        "from importlib.metadata import entry_points\n"
+        "main = entry_points(group='console_scripts')['dspark-verify'].load()\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+    ):
         torch_loaded, out, err = _imports_torch(code, "-X", "importtime")
         assert "usage:" in out, out + err  # --help really ran
         chain = [line for line in err.splitlines() if "torch" in line or "dspark_cache" in line]
@@ -336,6 +357,8 @@ def test_produce_help_never_imports_torch():
                 "main = entry_points(group='console_scripts')['dspark-produce'].load()\n"
                 f"try:\n    main({argv!r})\nexcept SystemExit as exc:\n    print('EXIT', exc.code)")
         torch_loaded, out, err = _imports_torch(code, "-X", "importtime")
-        assert ("usage:" in out) if argv == ["--help"] else ("EXIT 2" in out and "--target-model" in err), out + err
+        assert ("usage:" in out) if argv == ["--help"] else ("EXIT 2" in out and "--target-model" in err), (
+            out + err
+        )
         chain = [line for line in err.splitlines() if "torch" in line or "dspark_cache" in line]
         assert not torch_loaded, "torch imported by:\n" + "\n".join(chain[-40:])

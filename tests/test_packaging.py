@@ -59,10 +59,19 @@ def sdist(tmp_path_factory) -> tuple[dict[str, bytes], str]:
 def test_sdist_ships_the_package_and_the_license_but_no_tests(sdist):
     members, _ = sdist
     assert not [name for name in members if name.startswith("tests/")]
-    for name in ("LICENSE", "README.md", "pyproject.toml", "setup.py", "dspark_cache/loader/csrc/batch_fill.c",
-                 "dspark_cache/format/csrc/xxh3.h", "dspark_cache/format/tar/csrc/append.c"):
+    for name in (
+        "LICENSE",
+        "README.md",
+        "pyproject.toml",
+        "setup.py",
+        "dspark_cache/loader/csrc/batch_fill.c",
+        "dspark_cache/format/csrc/xxh3.h",
+        "dspark_cache/format/tar/csrc/append.c",
+    ):
         assert name in members, name
-    package = [name for name in _checkout_files() if name.startswith("dspark_cache/") and name.endswith(".py")]
+    package = [
+        name for name in _checkout_files() if name.startswith("dspark_cache/") and name.endswith(".py")
+    ]
     assert package and not [name for name in package if name not in members]
 
 

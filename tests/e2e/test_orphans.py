@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="wa
 GONE_WITHIN_S = 10.0
 
 
-def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until=None) -> set[tuple[int, int]]:
+def kill_and_check(
+    args: list[str], log: str, crash_at: str | None = None, until=None
+) -> set[tuple[int, int]]:
     """Run the producer; it is SIGKILLed at ``crash_at`` (a fault point) or once ``until(descendants)``
     holds. Returns the descendants seen; asserts that none of them (nor any process of the run) remains.
 
@@ -67,7 +69,8 @@ def kill_and_check(args: list[str], log: str, crash_at: str | None = None, until
 def test_sigkill_at_four_moments_leaves_no_process_and_a_rerun_completes(embedded, tmp_path):
     from dspark_cache.embedded.data import write_sample_data
 
-    data = write_sample_data(str(tmp_path / "rows.jsonl"), num_rows=160, seed=5)  # 3 chunks: both workers start
+    # 3 chunks: both workers start
+    data = write_sample_data(str(tmp_path / "rows.jsonl"), num_rows=160, seed=5)
     opts = ("--seq-length", "64", "--shard-size", "40", "--batch-size", "8", "--num-workers", "2")
     out = str(tmp_path / "out")
     args = produce_args(embedded.stock, data, out, *opts)
@@ -80,8 +83,13 @@ def test_sigkill_at_four_moments_leaves_no_process_and_a_rerun_completes(embedde
     left = read_manifest(out, allow_incomplete=True).num_shards - published
     assert left >= 2
     kill_and_check(args, log, crash_at=f"mid_shard:{left}")  # the last shard, half written
-    done = warm.run(producer_cmd(*args), {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True,
-                    text=True, timeout=300)
+    done = warm.run(
+        producer_cmd(*args),
+        {**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     reference = str(tmp_path / "reference")
     assert run_produce(embedded.stock, data, reference, *opts) == 0
@@ -109,7 +117,9 @@ time.sleep(120)
 def test_a_program_we_start_gets_sigterm_when_we_are_sigkilled(tmp_path):
     """The rule ``dspark-produce --tui`` starts its producer with: it stops gracefully if the monitor dies."""
     note = tmp_path / "child-saw"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(note)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD, str(note)], stdout=subprocess.PIPE, text=True
+    )
     child = int(parent.stdout.readline())
     deadline = time.monotonic() + GONE_WITHIN_S
     while not os.path.exists(f"{note}.ready") and time.monotonic() < deadline:  # its handler is installed
@@ -155,7 +165,12 @@ def test_torchrun_ranks_stop_when_their_agent_is_sigkilled(embedded, tmp_path):
     assert not left, f"ranks still running 60 s after their agent was SIGKILLed: {sorted(left)}"
     states = [open(CachePaths(out).status(r)).read() for r in (0, 1)]
     assert all('"state":"stopped"' in s for s in states), states
-    done = warm.run(producer_cmd(*args), {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True,
-                    text=True, timeout=300)
+    done = warm.run(
+        producer_cmd(*args),
+        {**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert read_manifest(out, allow_incomplete=True).complete

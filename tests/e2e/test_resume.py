@@ -107,7 +107,10 @@ def test_complete_cache_rerun_does_nothing(embedded, tmp_path, capsys):
     out = str(tmp_path / "cache")
     assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--resume") == 0
     paths = CachePaths(out)
-    stamps = {f: os.path.getmtime(f) for f in [paths.manifest] + [paths.shard_tar(i) for i in paths.indexed_shard_ids()]}
+    stamps = {
+        f: os.path.getmtime(f)
+        for f in [paths.manifest] + [paths.shard_tar(i) for i in paths.indexed_shard_ids()]
+    }
     assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--resume") == 0
     assert {f: os.path.getmtime(f) for f in stamps} == stamps
 

@@ -20,10 +20,30 @@ from dspark_cache.producer.device.topology import ParallelError, Topology, check
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.produce import produce_args, run_produce
-from tests.support.proc import (assert_same_samples, events, producer_cmd, published, run, run_ranks, start_ranks,
-                                torchrun, wait_for)
+from tests.support.proc import (
+    assert_same_samples,
+    events,
+    producer_cmd,
+    published,
+    run,
+    run_ranks,
+    start_ranks,
+    torchrun,
+    wait_for,
+)
 
-ARGS = ("--seq-length", "256", "--shard-size", "2", "--batch-size", "2", "--dtype", "fp32", "--num-workers", "0")
+ARGS = (
+    "--seq-length",
+    "256",
+    "--shard-size",
+    "2",
+    "--batch-size",
+    "2",
+    "--dtype",
+    "fp32",
+    "--num-workers",
+    "0",
+)
 
 
 def statuses(out: str) -> dict[int, dict]:
@@ -136,7 +156,9 @@ def test_moe_expert_parallel_equals_one_process(embedded, tmp_path):
 @pytest.mark.slow
 def test_sigkill_of_a_partner_ends_its_group_and_a_rerun_completes(embedded, tmp_path, reference):
     out = str(tmp_path / "cache")
-    ranks = start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4)
+    ranks = start_ranks(
+        producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2")), 4
+    )
     wait_for(lambda: published(out) >= 2)
     os.kill(ranks[1].pid, signal.SIGKILL)  # the partner of group 0's writer
     _, err0 = ranks[0].communicate(timeout=120)
@@ -184,8 +206,14 @@ def test_a_frozen_partner_does_not_hang_its_writer(embedded, tmp_path):
 def test_sigterm_to_a_partner_stops_its_group_at_a_shard_boundary(embedded, tmp_path):
     """The partner asks to stop; the writer, which got no signal, stops with it after the shards in flight."""
     out = str(tmp_path / "cache")
-    ranks = start_ranks(producer_cmd(*produce_args(embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2",
-                                                   "--writer-threads", "2")), 2)
+    ranks = start_ranks(
+        producer_cmd(
+            *produce_args(
+                embedded.stock, embedded.data, out, *ARGS, "--tp-size", "2", "--writer-threads", "2"
+            )
+        ),
+        2,
+    )
     wait_for(lambda: published(out) >= 1)
     os.kill(ranks[1].pid, signal.SIGTERM)
     for proc in ranks:
@@ -211,7 +239,8 @@ def test_a_target_without_a_tp_plan_is_refused_before_planning(embedded, tmp_pat
     config = GPT2Config(n_layer=8, n_embd=64, n_head=4, vocab_size=2048, bos_token_id=None, eos_token_id=None)
     GPT2LMHeadModel(config).save_pretrained(target)  # a whole checkpoint: only its missing TP plan is wrong
     out = str(tmp_path / "cache")
-    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}  # refused before meeting rank 1
+    # refused before meeting rank 1
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     proc = run(producer_cmd(*produce_args(target, embedded.data, out, *ARGS, "--tp-size", "2")), env=env)
     assert proc.returncode == 1
     line, = proc.stderr.strip().splitlines()
@@ -220,12 +249,16 @@ def test_a_target_without_a_tp_plan_is_refused_before_planning(embedded, tmp_pat
 
 
 def test_usage_errors_name_the_launch():
-    proc = run(producer_cmd("--target-model", "t", "--input-data", "d", "--output-dir", "o", "--tp-size", "2"))
+    proc = run(
+        producer_cmd("--target-model", "t", "--input-data", "d", "--output-dir", "o", "--tp-size", "2")
+    )
     assert proc.returncode == 2
     line, = proc.stderr.strip().splitlines()
     assert "--tp-size" in line and "torchrun --nproc_per_node 2" in line
-    proc = run(producer_cmd("--target-model", "t", "--input-data", "d", "--output-dir", "o", "--ep-size", "3"),
-               env={"WORLD_SIZE": "4"})
+    proc = run(
+        producer_cmd("--target-model", "t", "--input-data", "d", "--output-dir", "o", "--ep-size", "3"),
+        env={"WORLD_SIZE": "4"},
+    )
     assert proc.returncode == 2 and "not whole model-parallel groups of 3" in proc.stderr
 
 
@@ -235,8 +268,13 @@ def test_topologies(monkeypatch):
     topology = Topology.from_environment(tp_size=2)
     assert topology == Topology(rank=5, world_size=8, local_world_size=8, tp_size=2)
     check_topology(topology)
-    assert (topology.groups, topology.group, topology.writer, topology.group_ranks(), topology.partners()) == \
-        (4, 2, False, [4, 5], [4])
+    assert (
+        topology.groups,
+        topology.group,
+        topology.writer,
+        topology.group_ranks(),
+        topology.partners(),
+    ) == (4, 2, False, [4, 5], [4])
     experts = Topology(rank=0, world_size=4, local_world_size=4, ep_size=4)
     check_topology(experts)
     assert experts.group_size == 4  # experts and attention over 4 ranks
@@ -259,8 +297,9 @@ def test_targets_that_cannot_be_split_are_named_from_their_config(embedded):
 
     dense = Qwen3Config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
     assert "6 attention heads do not divide over 4" in target_problem(dense, 4, 1)
-    assert "2 key/value heads do not divide over 3" in target_problem(Qwen3Config(num_attention_heads=6,
-                                                                                  num_key_value_heads=2), 3, 1)
+    assert "2 key/value heads do not divide over 3" in target_problem(
+        Qwen3Config(num_attention_heads=6, num_key_value_heads=2), 3, 1
+    )
     assert "no expert-parallel plan" in target_problem(dense, 2, 2)
     moe = Qwen3MoeConfig(num_attention_heads=8, num_key_value_heads=4, num_experts=6)
     assert "6 experts do not divide over --ep-size 4" in target_problem(moe, 4, 4)

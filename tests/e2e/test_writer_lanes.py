@@ -32,18 +32,24 @@ def test_caches_are_byte_identical_whatever_the_writer_count(embedded, tmp_path,
     outs = {}
     for writers in (1, 2, 4):
         outs[writers] = str(tmp_path / f"w{writers}")
-        assert run_produce(embedded.stock, embedded.data, outs[writers], *ARGS, "--writer-threads", str(writers)) == 0
+        assert (
+            run_produce(embedded.stock, embedded.data, outs[writers], *ARGS, "--writer-threads", str(writers))
+            == 0
+        )
     names = _shard_files(outs[1])
     tars = [n for n in names if n.endswith(".tar")]
     assert len(tars) >= 8  # enough shards for 4 lanes to interleave
     for writers in (2, 4):
         assert _shard_files(outs[writers]) == names
-        match, mismatch, errors = filecmp.cmpfiles(CachePaths(outs[1]).shards_dir, CachePaths(outs[writers]).shards_dir,
-                                                   tars, shallow=False)
+        match, mismatch, errors = filecmp.cmpfiles(
+            CachePaths(outs[1]).shards_dir, CachePaths(outs[writers]).shards_dir, tars, shallow=False
+        )
         assert (mismatch, errors) == ([], []), writers
         for shard in CachePaths(outs[1]).indexed_shard_ids():  # equal but for the run's cache id
             assert _index(outs[writers], shard) == _index(outs[1], shard)
-        assert filecmp.cmp(CachePaths(outs[1]).wids_index, CachePaths(outs[writers]).wids_index, shallow=False)
+        assert filecmp.cmp(
+            CachePaths(outs[1]).wids_index, CachePaths(outs[writers]).wids_index, shallow=False
+        )
         assert verify_cache(outs[writers]).ok
 
 
@@ -67,7 +73,9 @@ def test_sigkill_with_several_shards_in_flight_then_resume(embedded, tmp_path, r
     for _ in range(3):
         before = len(CachePaths(out).indexed_shard_ids())
         proc = start(cmd)
-        wait_for(lambda: len(CachePaths(out).indexed_shard_ids()) > before or proc.poll() is not None, poll=0.002)
+        wait_for(
+            lambda: len(CachePaths(out).indexed_shard_ids()) > before or proc.poll() is not None, poll=0.002
+        )
         time.sleep(rng.uniform(0.0, 0.05))
         kill_group(proc)
         report = verify_cache(out)

@@ -34,7 +34,9 @@ def _pieces(rng: random.Random, samples: int) -> list[Piece]:
 
 
 def _expected(pieces: list[Piece], samples: int) -> tuple[bytes, list[int]]:
-    whole = b"".join(bytes(memoryview(p.buffer).cast("B")) if memoryview(p.buffer).nbytes else b"" for p in pieces)
+    whole = b"".join(
+        bytes(memoryview(p.buffer).cast("B")) if memoryview(p.buffer).nbytes else b"" for p in pieces
+    )
     per = [b"".join(bytes(memoryview(p.buffer).cast("B")) for p in pieces
                     if p.owner == k and memoryview(p.buffer).nbytes) for k in range(samples)]
     return whole, [xxhash.xxh3_64_intdigest(x) for x in per]

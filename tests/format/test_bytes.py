@@ -32,9 +32,14 @@ def test_realistic_samples_within_two_percent(tmp_path):
     target = build_target(str(tmp_path / "t"), hidden_size=1024, num_layers=4, intermediate_size=512,
                           num_heads=16, num_kv_heads=8)
     tok = AutoTokenizer.from_pretrained(target)
-    rows = [r for r in sample_rows(200, seed=5)
-            if 180 <= len(tok.apply_chat_template(normalise(r), tokenize=True, return_dict=True)["input_ids"]) <= 700
-            and any(m["role"] == "assistant" for m in normalise(r))][:10]
+    rows = [
+        r
+        for r in sample_rows(200, seed=5)
+        if 180
+        <= len(tok.apply_chat_template(normalise(r), tokenize=True, return_dict=True)["input_ids"])
+        <= 700
+        and any(m["role"] == "assistant" for m in normalise(r))
+    ][:10]
     data = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
     out = str(tmp_path / "cache")
     assert run_produce(target, data, out, "--shard-size", "4", "--batch-size", "4") == 0

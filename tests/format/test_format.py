@@ -50,7 +50,11 @@ def _write_shard(root, code, lengths, layer_ids=(1, 2, 3, 4), num_layers=5, h=24
         written[sid * 3] = t
     index = writer.publish()
     shape = SampleShape(layer_ids, num_layers, h, code)  # the metadata above names sample ids 0, 1, ...
-    assert index.tar_bytes == predict_shard_bytes(shape, range(len(lengths)), lengths) == os.path.getsize(paths.shard_tar(0))
+    assert (
+        index.tar_bytes
+        == predict_shard_bytes(shape, range(len(lengths)), lengths)
+        == os.path.getsize(paths.shard_tar(0))
+    )
     return paths, index, written
 
 
@@ -72,7 +76,9 @@ def test_round_trip_every_dtype(tmp_path, dtype_name, layer_ids):
             # The final state is stored once: as the last H columns, or on its own.
             last = t.get("target_last_hidden_states", t["target_hidden_states"][:, -24:])
             assert torch.equal(got["target_last_hidden_states"], last)
-            assert torch.equal(got["input_ids"], t["input_ids"]) and torch.equal(got["loss_mask"], t["loss_mask"])
+            assert torch.equal(got["input_ids"], t["input_ids"]) and torch.equal(
+                got["loss_mask"], t["loss_mask"]
+            )
 
 
 def test_tensor_data_is_page_aligned_and_64_byte_aligned(tmp_path):
@@ -149,7 +155,11 @@ def test_plain_webdataset_reads_our_shards(small_cache):
         codes = {"input_ids": "I32", "loss_mask": "U8"}
         for key in ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"):
             assert got[key].code == codes.get(key, CACHE_DTYPES[cache.manifest.dtype])
-            stored = want[key].to(torch.int32 if key == "input_ids" else torch.uint8) if key in codes else want[key]
+            stored = (
+                want[key].to(torch.int32 if key == "input_ids" else torch.uint8)
+                if key in codes
+                else want[key]
+            )
             assert got[key].array.tobytes() == stored.contiguous().view(torch.uint8).numpy().tobytes()
     # And the shard is a normal tar to the standard library too.
     with tarfile.open(urls[0]) as tar:
@@ -197,7 +207,11 @@ def test_reader_headers_equal_the_writers(layer_ids, num_layers):
     for dtype in ("BF16", "F32"):
         shape = SampleShape(layer_ids, num_layers, 1024, dtype)
         for _ in range(200):
-            length, sample_id, offset = rng.randint(1, 5000), rng.randint(0, 10**9), rng.randint(1, 10**7) * 512
+            length, sample_id, offset = (
+                rng.randint(1, 5000),
+                rng.randint(0, 10**9),
+                rng.randint(1, 10**7) * 512,
+            )
             want = layout_payload(shape.specs(length), shape.metadata(sample_id), offset).header
             assert shape.header(length, sample_id, offset) == want
 

@@ -26,7 +26,14 @@ from dspark_cache.format.sample import (
     CACHE_DTYPES, FP8_MAX, HIDDEN, HIDDEN_SCALE, LAST_HIDDEN, LAST_HIDDEN_SCALE, dequantize_rows,
     float32_to_bf16_bits, fp8_to_float32, is_fp8,
 )
-from dspark_cache.format.schema import FORMAT_FP8, FORMAT_ID, FP8_DTYPES, Manifest, decode_manifest, encode_json
+from dspark_cache.format.schema import (
+    FORMAT_FP8,
+    FORMAT_ID,
+    FP8_DTYPES,
+    Manifest,
+    decode_manifest,
+    encode_json,
+)
 from dspark_cache.format.tar.writer import ShardWriter
 from dspark_cache.format.wds import decode_dspark_arrays
 from dspark_cache.loader.tensors import decode_dspark_sample
@@ -70,7 +77,9 @@ def test_every_fp8_code_decodes_as_torch_does(code):
     assert finite.sum() >= 248 and np.isfinite(ours).all()
     assert np.array_equal(ours[finite].view(np.uint32), theirs[finite].view(np.uint32))
     values = np.random.default_rng(0).standard_normal(10_000).astype(np.float32) * 3e3
-    assert np.array_equal(float32_to_bf16_bits(values), torch.from_numpy(values).bfloat16().view(torch.int16).numpy())
+    assert np.array_equal(
+        float32_to_bf16_bits(values), torch.from_numpy(values).bfloat16().view(torch.int16).numpy()
+    )
 
 
 @pytest.mark.parametrize("code", sorted(TORCH_FP8))
@@ -129,7 +138,9 @@ def test_scales_cost_under_one_percent_and_fp8_halves_the_bytes_at_h1024():
     for layer_ids in ([1, 8, 14, 20, 27], [-1, 5, 9]):  # final state inside the ids, and apart
         fp8, bf16 = SampleShape(layer_ids, 28, 1024, "F8_E4M3"), SampleShape(layer_ids, 28, 1024, "BF16")
         for length in (1, 64, 700, 4096):
-            scales = sum(spec.nbytes for spec in fp8.specs(length) if spec.name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE))
+            scales = sum(
+                spec.nbytes for spec in fp8.specs(length) if spec.name in (HIDDEN_SCALE, LAST_HIDDEN_SCALE)
+            )
             assert scales < 0.01 * fp8.data_size(length)
             if length >= 64:
                 assert fp8.data_size(length) <= 0.53 * bf16.data_size(length)
@@ -173,9 +184,16 @@ def test_fp8_cache_round_trip_close_to_bf16(fp8_cache, small_cache):
         assert r["target_hidden_states"].dtype == torch.float8_e4m3fn and r[HIDDEN_SCALE].shape[1] == layers
         for k in range(layers):
             cols = slice(k * 64, (k + 1) * 64)
-            worst[k] = max(worst[k], _relative_rms(a["target_hidden_states"][:, cols], b["target_hidden_states"][:, cols]))
-        worst[-1] = max(worst[-1], _relative_rms(a["target_last_hidden_states"], b["target_last_hidden_states"]))
-        assert torch.equal(_bits(dspark_cache.dequantize(r)["target_hidden_states"]), _bits(a["target_hidden_states"]))
+            worst[k] = max(
+                worst[k],
+                _relative_rms(a["target_hidden_states"][:, cols], b["target_hidden_states"][:, cols]),
+            )
+        worst[-1] = max(
+            worst[-1], _relative_rms(a["target_last_hidden_states"], b["target_last_hidden_states"])
+        )
+        assert torch.equal(
+            _bits(dspark_cache.dequantize(r)["target_hidden_states"]), _bits(a["target_hidden_states"])
+        )
     assert max(worst) < 0.04 and min(worst) > 0.005  # per layer; quantisation happened
     fp8.close(), bf16.close(), raw.close()
 
@@ -190,7 +208,9 @@ def test_loader_dequantises_identically_in_c_python_and_torch(fp8_cache, executo
     default, f32, raw = epoch(None), epoch("fp32"), epoch("raw")
     assert raw[0][HIDDEN].dtype == torch.float8_e4m3fn and raw[0][LAST_HIDDEN_SCALE].shape[-1] == 1
     for a, b, r in zip(default, f32, raw):
-        assert HIDDEN_SCALE not in a and a[HIDDEN].dtype == torch.bfloat16 and b[HIDDEN].dtype == torch.float32
+        assert (
+            HIDDEN_SCALE not in a and a[HIDDEN].dtype == torch.bfloat16 and b[HIDDEN].dtype == torch.float32
+        )
         for name in STATES:
             assert torch.equal(_bits(dspark_cache.dequantize(r)[name]), _bits(a[name]))
             assert torch.equal(_bits(dspark_cache.dequantize(r, torch.float32)[name]), _bits(b[name]))
@@ -214,7 +234,9 @@ def test_dtype_is_checked_against_the_cache(fp8_cache, small_cache):
     with pytest.raises(CacheMismatchError, match="dtype='fp32'"):
         check_expectations(manifest, {"compute_dtype": "fp32"}, delivered="BF16")
     check_expectations(manifest, {"compute_dtype": "fp32", "dtype": "fp32"}, delivered="F32")
-    dspark_cache.build_dataloader(fp8_cache, 2, dtype=torch.float32, expect={"compute_dtype": torch.float32}).close()
+    dspark_cache.build_dataloader(
+        fp8_cache, 2, dtype=torch.float32, expect={"compute_dtype": torch.float32}
+    ).close()
 
 
 def test_webdataset_handlers_dequantise_unless_asked_not_to(fp8_cache):
@@ -259,16 +281,34 @@ def _write_fp8_cache(root: str, bad_scale_at: tuple[int, int] | None, dtype: str
         tensors = {HIDDEN: q, HIDDEN_SCALE: scales, "input_ids": torch.arange(n, dtype=torch.int32),
                    "loss_mask": torch.ones(n, dtype=torch.uint8)}
         if shape.stores_last:
-            tensors[LAST_HIDDEN], tensors[LAST_HIDDEN_SCALE] = quantize_fp8(torch.randn(n, 40, generator=g), 40, code)
+            tensors[LAST_HIDDEN], tensors[LAST_HIDDEN_SCALE] = quantize_fp8(
+                torch.randn(n, 40, generator=g), 40, code
+            )
         writer.append(sid, n, shape.specs(n), shape.metadata(sid), byte_views(tensors))
     writer.publish()
     save_file({name: torch.randn(10, 40, generator=g) for name in ("embed_tokens.weight", "lm_head.weight")},
               paths.target_weights)  # dspark-convert needs them
-    write_manifest(paths, Manifest(complete=True, target_model="t", target_model_type="qwen3", target_vocab_size=10,
-                                   hidden_size=40, num_hidden_layers=2, seq_length=16, dtype=dtype, num_samples=2,
-                                   planned_samples=2, shard_size=2, target_hidden_dim=40 * len(layer_ids),
-                                   target_last_hidden_dim=40, target_layer_ids=list(layer_ids), train_data_path="d",
-                                   num_shards=1))
+    write_manifest(
+        paths,
+        Manifest(
+            complete=True,
+            target_model="t",
+            target_model_type="qwen3",
+            target_vocab_size=10,
+            hidden_size=40,
+            num_hidden_layers=2,
+            seq_length=16,
+            dtype=dtype,
+            num_samples=2,
+            planned_samples=2,
+            shard_size=2,
+            target_hidden_dim=40 * len(layer_ids),
+            target_last_hidden_dim=40,
+            target_layer_ids=list(layer_ids),
+            train_data_path="d",
+            num_shards=1,
+        ),
+    )
     return paths
 
 
@@ -294,13 +334,19 @@ def test_a_bad_scale_is_refused_by_the_loader_and_dspark_verify(tmp_path, execut
 
     good = _write_fp8_cache(str(tmp_path / "good"), None)
     assert not verify_cache(good.root).corrupt  # (it has no target weights: a problem of another kind)
-    assert next(iter(dspark_cache.build_dataloader(good.root, 2, shuffle=False)))[HIDDEN].dtype == torch.bfloat16
+    assert (
+        next(iter(dspark_cache.build_dataloader(good.root, 2, shuffle=False)))[HIDDEN].dtype == torch.bfloat16
+    )
     bad = _write_fp8_cache(str(tmp_path / "bad"), (6, 1))
     for dtype in (None, "raw"):  # raw batches' scales are checked too
         with pytest.raises(CorruptShardError, match=r"sample 1.*scale of token 6 is not a positive number"):
             next(iter(dspark_cache.build_dataloader(bad.root, 2, shuffle=False, dtype=dtype)))
     report = verify_cache(bad.root)
-    assert not report.ok and report.corrupt[0]["sample"] == 1 and "token 6, column 1" in report.corrupt[0]["reason"]
+    assert (
+        not report.ok
+        and report.corrupt[0]["sample"] == 1
+        and "token 6, column 1" in report.corrupt[0]["reason"]
+    )
 
 
 def test_nemo_path_reports_and_hands_out_the_recipe_dtype(fp8_cache, tmp_path):
@@ -309,9 +355,17 @@ def test_nemo_path_reports_and_hands_out_the_recipe_dtype(fp8_cache, tmp_path):
     from dspark_cache.nemo.nemo_format import NemoCacheDataset
 
     manifest = calls.read_manifest(fp8_cache)
-    assert (manifest["dtype"], manifest["stored_dtype"]) == ("fp32", "fp8")  # CPU: the recipe computes in fp32
-    config = type("Config", (), {"hidden_size": manifest["hidden_size"], "vocab_size": manifest["target_vocab_size"],
-                                 "num_hidden_layers": manifest["num_hidden_layers"]})()
+    # CPU: the recipe computes in fp32
+    assert (manifest["dtype"], manifest["stored_dtype"]) == ("fp32", "fp8")
+    config = type(
+        "Config",
+        (),
+        {
+            "hidden_size": manifest["hidden_size"],
+            "vocab_size": manifest["target_vocab_size"],
+            "num_hidden_layers": manifest["num_hidden_layers"],
+        },
+    )()
     calls.validate_cached_dspark_manifest(fp8_cache, manifest, config, manifest["target_layer_ids"],
                                           target_model=manifest["target_model"],
                                           target_model_type=manifest["target_model_type"],
@@ -387,7 +441,9 @@ def test_every_reader_refuses_a_bad_scale_or_code(tmp_path, executor, name, dtyp
         with pytest.raises(CorruptShardError, match=named):
             list(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False))
     else:  # raw batches hand the codes out undecoded; dequantize decodes them, and refuses
-        raw = next(iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False)))
+        raw = next(
+            iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False))
+        )
         with pytest.raises(ValueError, match=r"target_hidden_states of sample 1: .*token 6, column 1"):
             dspark_cache.dequantize(raw)
     for dequantize in ("BF16", None):  # WebDataset wraps the handler's error (its own names the tar)
@@ -399,7 +455,11 @@ def test_every_reader_refuses_a_bad_scale_or_code(tmp_path, executor, name, dtyp
     with pytest.raises(CacheError, match=named):
         convert_to_nemo(paths.root, str(tmp_path / "nemo"), progress=None)
     report = verify_cache(paths.root)
-    assert not report.ok and report.corrupt[0]["sample"] == 1 and "token 6, column 1" in report.corrupt[0]["reason"]
+    assert (
+        not report.ok
+        and report.corrupt[0]["sample"] == 1
+        and "token 6, column 1" in report.corrupt[0]["reason"]
+    )
     assert report.corrupt[0]["rebuildable"] is False  # the writer's bytes: --repair deletes the shard
 
 
@@ -407,7 +467,9 @@ def test_every_reader_refuses_a_bad_scale_or_code(tmp_path, executor, name, dtyp
 def test_dequantize_refuses_bad_scales_on_the_device_it_runs_on(tmp_path, value):
     paths = _write_fp8_cache(str(tmp_path / "c"), None)
     sample = next(iter(dspark_cache.open_cache(paths.root, dtype="raw").samples()))
-    batch = next(iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False)))
+    batch = next(
+        iter(dspark_cache.build_dataloader(paths.root, 2, shuffle=False, dtype="raw", pin_memory=False))
+    )
     dspark_cache.dequantize(sample), dspark_cache.dequantize(batch)  # intact: fine, pads included
     sample[HIDDEN_SCALE][3, 0] = value
     batch[HIDDEN_SCALE][1, 3, 0] = value

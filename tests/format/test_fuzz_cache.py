@@ -37,7 +37,17 @@ def pristine(produced) -> str:
 
 
 def _run_worker(pristine: str, workdir: str, first: int, count: int, family: str = "cache") -> list[dict]:
-    args = [sys.executable, "-m", "tests.support.fuzz_worker", pristine, workdir, str(SEED), str(first), str(count), family]
+    args = [
+        sys.executable,
+        "-m",
+        "tests.support.fuzz_worker",
+        pristine,
+        workdir,
+        str(SEED),
+        str(first),
+        str(count),
+        family,
+    ]
     try:
         done = warm.run(args, capture_output=True, text=True, timeout=60 + 3 * count, cwd=os.getcwd())
         stdout, returncode, why = done.stdout, done.returncode, done.stderr[-2000:]
@@ -62,7 +72,9 @@ def test_hostile_caches_are_refused_or_read_exactly(pristine, tmp_path):
     counts = collections.Counter(r["outcome"] for r in results)
     kinds = collections.Counter((r["mutation"] or "?").split(" ")[0].rstrip(":") for r in results)
     print(f"\nfuzz: {len(results)} cases, seed {SEED}: {dict(counts)}; mutated files: {dict(kinds)}")
-    assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
+    assert not failures, "\n".join(
+        f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10]
+    )
     assert counts["rejected"] > CASES // 2  # the mutations do reach the checks
 
 
@@ -121,15 +133,34 @@ def _weights_mutations(path: str, rng) -> list[tuple[str, object]]:
         return apply
 
     outside = os.path.join(os.path.dirname(os.path.dirname(path)), "outside-weights.safetensors")
-    cases = [(f"truncated to {n}", truncate(n)) for n in
-             (0, 7, 8, header_end - 1, header_end, *sorted(rng.sample(range(header_end + 1, size), 3)), size - 1)]
+    cases = [
+        (f"truncated to {n}", truncate(n))
+        for n in (
+            0,
+            7,
+            8,
+            header_end - 1,
+            header_end,
+            *sorted(rng.sample(range(header_end + 1, size), 3)),
+            size - 1,
+        )
+    ]
     cases += [(f"bit flip in header at {at}", flip(at)) for at in sorted(rng.sample(range(header_end), 4))]
-    cases += [(f"bit flip in data at {at}", flip(at)) for at in sorted(rng.sample(range(header_end, size), 4))]
+    cases += [
+        (f"bit flip in data at {at}", flip(at)) for at in sorted(rng.sample(range(header_end, size), 4))
+    ]
     cases += [
         ("one row fewer", rewrite(lambda t: {k: v[:-1] for k, v in t.items()})),
         ("one column more", rewrite(lambda t: {k: np.pad(v, ((0, 0), (0, 1))) for k, v in t.items()})),
-        ("names swapped", rewrite(lambda t: {"embed_tokens.weight": t["lm_head.weight"],
-                                             "lm_head.weight": t["embed_tokens.weight"]})),
+        (
+            "names swapped",
+            rewrite(
+                lambda t: {
+                    "embed_tokens.weight": t["lm_head.weight"],
+                    "lm_head.weight": t["embed_tokens.weight"],
+                }
+            ),
+        ),
         ("a third tensor", rewrite(lambda t: {**t, "norm.weight": t["lm_head.weight"][0]})),
         ("int32 weights", rewrite(lambda t: {k: v.view(np.int32) for k, v in t.items()})),
         ("grown by a byte", lambda p: open(p, "ab").write(b"\0")),
@@ -138,7 +169,10 @@ def _weights_mutations(path: str, rng) -> list[tuple[str, object]]:
         ("directory", replace(os.mkdir)),
         ("symlink to /dev/zero", replace(lambda p: os.symlink("/dev/zero", p))),
         ("dangling symlink", replace(lambda p: os.symlink(p + ".gone", p))),
-        ("symlink out of the cache", lambda p: (shutil.copyfile(p, outside), os.unlink(p), os.symlink(outside, p))),
+        (
+            "symlink out of the cache",
+            lambda p: (shutil.copyfile(p, outside), os.unlink(p), os.symlink(outside, p)),
+        ),
     ]
     return cases
 
@@ -161,8 +195,14 @@ def test_fuzz_target_weights(pristine, embedded, tmp_path):
         root = shutil.copytree(pristine, str(tmp_path / f"case-{i}" / "cache"))
         apply(CachePaths(root).target_weights)
         roots[root] = name
-    done = warm.run([sys.executable, "-c", _WEIGHTS_READER, *roots], code=True, capture_output=True, text=True,
-                          timeout=60 + 5 * len(roots), cwd=os.getcwd())
+    done = warm.run(
+        [sys.executable, "-c", _WEIGHTS_READER, *roots],
+        code=True,
+        capture_output=True,
+        text=True,
+        timeout=60 + 5 * len(roots),
+        cwd=os.getcwd(),
+    )
     seen = {r["root"]: r for r in map(json.loads, done.stdout.splitlines())}
     bad = [f"{roots[root]}: {seen.get(root, 'no result (the reader hung or crashed)')}" for root in roots
            if not (seen.get(root, {}).get("flagged") and seen[root]["refused"] in ("TargetWeightsError",
@@ -208,8 +248,12 @@ def test_hostile_fp8_scales_and_codes_are_refused(pristine_fp8, tmp_path):
     failures = [r for r in results if r["outcome"].startswith("FAIL")]
     counts = collections.Counter(r["outcome"] for r in results)
     crafted = [r for r in results if (r["mutation"] or "").startswith("fp8:")]
-    print(f"\nfuzz fp8: {len(results)} cases, seed {SEED}: {dict(counts)}; crafted FP8 damage: {len(crafted)}")
-    assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
+    print(
+        f"\nfuzz fp8: {len(results)} cases, seed {SEED}: {dict(counts)}; crafted FP8 damage: {len(crafted)}"
+    )
+    assert not failures, "\n".join(
+        f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10]
+    )
     assert len(crafted) > FP8_CASES // 2 and all(r["outcome"] == "rejected" for r in crafted)
 
 
@@ -242,7 +286,9 @@ def test_hostile_compressed_frames_are_refused(pristine_zstd, tmp_path):
     crafted = [r for r in results if (r["mutation"] or "").startswith("zstd:")]
     kinds = collections.Counter(r["mutation"].split(": ")[-1] for r in crafted)
     print(f"\nfuzz zstd: {len(results)} cases, seed {SEED}: {dict(counts)}; crafted frames: {dict(kinds)}")
-    assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
+    assert not failures, "\n".join(
+        f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10]
+    )
     assert len(crafted) == ZSTD_CASES and all(r["outcome"] == "rejected" for r in crafted)
 
 
@@ -281,7 +327,8 @@ def test_fuzz_convert_sources(tmp_path):
     kinds = collections.Counter(c["mutation"].split(":")[0] for c in cases)
     print(f"\nconvert fuzz: {len(cases)} cases, seed {SEED}: {dict(counts)}; mutations: {dict(kinds)}")
     assert not failures, "\n".join(f"case {c['name']} ({c['mutation']}): {why}" for c, why in failures[:10])
-    assert counts["rejected"] > CONVERT_CASES // 2 and counts["same"] > 0  # the checks are reached, not just hit
+    # the checks are reached, not just hit
+    assert counts["rejected"] > CONVERT_CASES // 2 and counts["same"] > 0
 
 
 PLAN_CASES = int(os.environ.get("DSPARK_FUZZ_PLAN_CASES", "20"))
@@ -352,5 +399,7 @@ def test_hostile_token_ids_and_loss_masks_are_refused(pristine, tmp_path):
     failures = [r for r in results if r["outcome"].startswith("FAIL")]
     counts = collections.Counter(r["outcome"] for r in results)
     print(f"\nfuzz tokens: {len(results)} cases, seed {SEED}: {dict(counts)}")
-    assert not failures, "\n".join(f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10])
+    assert not failures, "\n".join(
+        f"case {r['case']} ({r['mutation']}): {r['outcome']}" for r in failures[:10]
+    )
     assert len(results) == TOKEN_CASES and all(r["outcome"] == "rejected" for r in results)

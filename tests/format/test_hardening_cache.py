@@ -29,7 +29,10 @@ def one_sample_shards(embedded, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("many")
     data = write_sample_data(str(root / "rows.jsonl"), num_rows=170, seed=5)
     out = str(root / "cache")
-    assert run_produce(embedded.stock, data, out, "--seq-length", "96", "--shard-size", "1", "--dtype", "fp32") == 0
+    assert (
+        run_produce(embedded.stock, data, out, "--seq-length", "96", "--shard-size", "1", "--dtype", "fp32")
+        == 0
+    )
     return out
 
 
@@ -142,7 +145,8 @@ def test_index_damage_is_named(small_cache, tmp_path, damage, needle, capsys):
     ({"num_hidden_layers": 3}, "target_layer_ids"),
     ({"hidden_size": 32}, "hidden_size"),
     ({"num_samples": 10**6}, "num_samples"),
-    ({"pad_token_id": 10**6}, "pad_token_id"),  # the loader pads input_ids with it: it must index the embedding
+    # the loader pads input_ids with it: it must index the embedding
+    ({"pad_token_id": 10**6}, "pad_token_id"),
 ])
 def test_manifest_damage_is_named(small_cache, tmp_path, change, needle, capsys):
     copy = str(tmp_path / "c")
@@ -186,7 +190,9 @@ def test_special_files_never_hang_or_stream_forever(small_cache, tmp_path, kind)
     os.unlink(tar)
     {"fifo": lambda: os.mkfifo(tar), "dev_zero": lambda: os.symlink("/dev/zero", tar),
      "directory": lambda: os.mkdir(tar)}[kind]()
-    out = warm.run([sys.executable, "-c", HANG_PROBE, copy], capture_output=True, text=True, timeout=120, code=True)
+    out = warm.run(
+        [sys.executable, "-c", HANG_PROBE, copy], capture_output=True, text=True, timeout=120, code=True
+    )
     assert out.returncode == 0, out.stderr
     assert "verify: 1" in out.stdout
     for who in ("loader:", "open_cache:"):
@@ -252,7 +258,9 @@ def test_rank_statuses_skip_fifos_and_huge_files(tmp_path):
 DEEP = "[" * 100_000 + "]" * 100_000  # past every JSON decoder's depth limit
 
 
-@pytest.mark.parametrize("where", [attrgetter("manifest"), methodcaller("shard_index", 0)], ids=["manifest", "index"])
+@pytest.mark.parametrize(
+    "where", [attrgetter("manifest"), methodcaller("shard_index", 0)], ids=["manifest", "index"]
+)
 def test_json_nested_too_deep_is_a_named_error(small_cache, tmp_path, where, capsys):
     copy = str(tmp_path / "c")
     shutil.copytree(small_cache, copy)

@@ -72,14 +72,17 @@ def test_damaged_weights_are_reported_refused_and_rewritten(embedded, weights_ca
     original = open(path, "rb").read()
     _damage(path, how)
     report = verify_cache(cache)
-    assert not report.ok and any(path in p and "rerun dspark-produce" in p.lower() for p in report.problems), \
-        report.problems
+    assert not report.ok and any(
+        path in p and "rerun dspark-produce" in p.lower() for p in report.problems
+    ), report.problems
     # The reader refuses it (a FIFO at once, never waiting for a writer): the file is named. Run in a
     # child so that a reader that would block cannot hang the test run.
     code = ("import sys, dspark_cache.nemo as n\n"
             "try:\n    n.read_target_weight_modules(sys.argv[1])\n"
             "except (FileNotFoundError, ValueError) as e:\n    print('REFUSED', type(e).__name__, e)\n")
-    done = warm.run([sys.executable, "-c", code, cache], capture_output=True, text=True, timeout=120, code=True)
+    done = warm.run(
+        [sys.executable, "-c", code, cache], capture_output=True, text=True, timeout=120, code=True
+    )
     assert done.stdout.startswith("REFUSED") and path in done.stdout, done.stdout + done.stderr
     shards_before = _mtimes(cache)
     assert run_produce(embedded.stock, embedded.data, cache, *ARGS) == 0
@@ -133,6 +136,11 @@ def test_nemo_layout_reads_refuse_fifos_and_foreign_weights(tmp_path, what, dama
         save_file({name: torch.zeros(99, 4, dtype=torch.bfloat16) for name in ("embed_tokens.weight",
                                                                                "lm_head.weight")}, path)
     # In a child: a reader that waits on a FIFO would hang the test run, not fail it.
-    done = warm.run([sys.executable, "-c", _NEMO_READER, root, what], code=True, capture_output=True, text=True,
-                          timeout=120)
+    done = warm.run(
+        [sys.executable, "-c", _NEMO_READER, root, what],
+        code=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.stdout.startswith("REFUSED") and path in done.stdout, done.stdout + done.stderr[-2000:]

@@ -56,7 +56,12 @@ def vocab(small_cache) -> int:
 
 # (name, tensor, value as a function of the vocabulary size, what the message says)
 DAMAGES = [
-    ("id-at-vocab", "input_ids", lambda v: v, r"token id {v} at token 3 is outside the target's vocabulary size {v}"),
+    (
+        "id-at-vocab",
+        "input_ids",
+        lambda v: v,
+        r"token id {v} at token 3 is outside the target's vocabulary size {v}",
+    ),
     ("id-max-int32", "input_ids", lambda v: 2**31 - 1, r"token id 2147483647 at token 3 is outside"),
     ("id-negative", "input_ids", lambda v: -1, r"token id -1 at token 3 is (outside|negative)"),
     ("mask-2", "loss_mask", lambda v: 2, r"loss mask value 2 at token 3 is not 0 or 1"),
@@ -92,7 +97,9 @@ def test_open_cache_and_convert_refuse(damaged, tmp_path):
 def test_both_fillers_refuse(damaged, executor, pad_to):
     root, tar, sample_id, says, _ = damaged
     for verify in ("once", "always"):
-        loader = dspark_cache.build_dataloader(root, 4, shuffle=False, pin_memory=False, pad_to=pad_to, verify=verify)
+        loader = dspark_cache.build_dataloader(
+            root, 4, shuffle=False, pin_memory=False, pad_to=pad_to, verify=verify
+        )
         try:
             with pytest.raises(CorruptShardError, match=_named(tar, sample_id, says)):
                 list(loader)
@@ -108,7 +115,8 @@ def test_the_nemo_dataset_refuses(damaged, executor):
     try:
         position = dataset.sample_ids.index(sample_id)
         with pytest.raises(CorruptShardError, match=_named(tar, sample_id, says)):
-            dataset.__getitems__([position - 1, position])  # the bad row second: its row's buffers, not row 0's
+            # the bad row second: its row's buffers, not row 0's
+            dataset.__getitems__([position - 1, position])
         with pytest.raises(CorruptShardError, match=_named(tar, sample_id, says)):
             dataset[position]
     finally:
@@ -118,7 +126,8 @@ def test_the_nemo_dataset_refuses(damaged, executor):
 def test_the_webdataset_decoder_refuses(damaged, vocab):
     root, tar, sample_id, says, name = damaged
     handlers = [functools.partial(decode_dspark_arrays, vocab_size=vocab)]
-    if name != "id-at-vocab" and name != "id-max-int32":  # a blob does not know its vocabulary: only these need it
+    # a blob does not know its vocabulary: only these need it
+    if name != "id-at-vocab" and name != "id-max-int32":
         handlers.append(decode_dspark_arrays)
     for handler in handlers:
         with pytest.raises(wds.autodecode.DecodingError) as raised:  # WebDataset's own error names the tar

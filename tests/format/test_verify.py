@@ -78,10 +78,14 @@ def test_repair_of_an_intact_cache_writes_nothing(small_cache, tmp_path, capsys)
     assert "OK" in capsys.readouterr().out
     assert _tree(copy) == before
     # The same on a real read-only filesystem: a read-only bind mount in a private mount namespace.
-    script = (f"mount --bind {copy} {copy} && mount -o remount,ro,bind {copy} && touch {copy}/probe 2>/dev/null; "
-              f"test ! -e {copy}/probe && exec {sys.executable} -m dspark_cache.verify --repair {copy}")
+    script = (
+        f"mount --bind {copy} {copy} && mount -o remount,ro,bind {copy} && touch {copy}/probe 2>/dev/null; "
+        f"test ! -e {copy}/probe && exec {sys.executable} -m dspark_cache.verify --repair {copy}"
+    )
     try:
-        done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            ["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120
+        )
     except FileNotFoundError:
         return  # no unshare here: the check above stands alone
     if "mount" in done.stderr and done.returncode != 0 and "OK" not in done.stdout:
@@ -101,20 +105,29 @@ def test_headline_says_corrupt_or_incomplete_first(small_cache, tmp_path, capsys
         handle.seek(5000)
         handle.write(bytes([b[0] ^ 0x40]))
     assert main([copy]) == 1
-    assert capsys.readouterr().out.splitlines()[0] == f"{copy}: CORRUPT, {total - 1}/{total} shards verified, " \
+    assert (
+        capsys.readouterr().out.splitlines()[0] == f"{copy}: CORRUPT, {total - 1}/{total} shards verified, "
         f"{sum(len(json.load(open(paths.shard_index(s)))['samples']) for s in range(1, total))} samples"
+    )
     os.unlink(paths.shard_index(total - 1))
     assert main([copy]) == 1
-    assert capsys.readouterr().out.startswith(f"{copy}: CORRUPT, INCOMPLETE, {total - 2}/{total} shards verified")
+    assert capsys.readouterr().out.startswith(
+        f"{copy}: CORRUPT, INCOMPLETE, {total - 2}/{total} shards verified"
+    )
     assert main([copy, "--repair"]) == 1  # shard 0's tar is damaged: deleted, to be recomputed with the other
     out = capsys.readouterr().out
-    assert "corrupt shard 0:" in out and f"compute the missing shards (0, {total - 1}), or wait, if a producer " \
-        "is still running:\n  " in out
+    assert (
+        "corrupt shard 0:" in out
+        and f"compute the missing shards (0, {total - 1}), or wait, if a producer is still running:\n  "
+        in out
+    )
     assert main([copy]) == 1
     assert capsys.readouterr().out.startswith(f"{copy}: INCOMPLETE, {total - 2}/{total} shards verified")
 
 
-def test_repair_of_a_damaged_index_blames_the_index_and_asks_for_nothing_missing(small_cache, tmp_path, capsys):
+def test_repair_of_a_damaged_index_blames_the_index_and_asks_for_nothing_missing(
+    small_cache, tmp_path, capsys
+):
     """Issue 23, item 17: the tar is intact, the index is rebuilt, and no shard is missing afterwards."""
     copy = str(tmp_path / "c")
     shutil.copytree(small_cache, copy)
@@ -129,7 +142,9 @@ def test_repair_of_a_damaged_index_blames_the_index_and_asks_for_nothing_missing
     assert lines[0].startswith(f"{copy}: CORRUPT, ")
     assert lines[1].startswith("damaged index of shard 1: ")
     assert lines[1].endswith("(index rebuilt from the intact tar)")
-    assert "dspark-produce" not in lines[-1] and lines[-1].startswith("Repaired: every damaged index was rebuilt")
+    assert "dspark-produce" not in lines[-1] and lines[-1].startswith(
+        "Repaired: every damaged index was rebuilt"
+    )
     assert main([copy]) == 0
 
 

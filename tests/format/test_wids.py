@@ -107,7 +107,9 @@ def test_wids_index_lists_every_shard_with_its_sample_count(small_cache, capsys)
     assert data["__kind__"] == WIDS_KIND == "wids-shard-index-v1" and data["wids_version"] == 1
     assert os.path.dirname(paths.wids_index) == paths.shards_dir
     shards = data["shardlist"]
-    assert [e["url"] for e in shards] == [os.path.basename(paths.shard_tar(i)) for i in range(manifest.num_shards)]
+    assert [e["url"] for e in shards] == [
+        os.path.basename(paths.shard_tar(i)) for i in range(manifest.num_shards)
+    ]
     for entry in shards:
         tar_path = os.path.join(paths.shards_dir, entry["url"])  # relative to the index, as wids resolves it
         with tarfile.open(tar_path) as tar:
@@ -126,7 +128,9 @@ def test_wids_reads_the_cache_by_position(small_cache, tmp_path, monkeypatch):
     paths = CachePaths(small_cache)
     before = sorted(os.listdir(paths.shards_dir))
     # The README's lines: cache_dir= the shards' own directory reads them in place, never copied.
-    dataset = wids.ShardListDataset(paths.wids_index, cache_dir=paths.shards_dir, transformations=[decode_wids_sample])
+    dataset = wids.ShardListDataset(
+        paths.wids_index, cache_dir=paths.shards_dir, transformations=[decode_wids_sample]
+    )
     expected = {s["sample_id"]: s for s in dspark_cache.open_cache(small_cache).samples()}
     order = _shard_order(small_cache)
     assert len(dataset) == len(expected) == len(order)
@@ -147,7 +151,9 @@ def _publish(paths: CachePaths, shard_id: int, count: int) -> None:
         n = 5 + sid % 7
         tensors = {"target_hidden_states": np.full((n, 8), sid, dtype=np.int16),
                    "input_ids": np.arange(n, dtype=np.int32), "loss_mask": np.ones(n, dtype=np.uint8)}
-        writer.append(sid, n, sample_specs(n, 8, 4, "BF16", False), sample_metadata(sid, [0, 1], 2, 4), tensors)
+        writer.append(
+            sid, n, sample_specs(n, 8, 4, "BF16", False), sample_metadata(sid, [0, 1], 2, 4), tensors
+        )
     writer.publish()
 
 
@@ -216,7 +222,11 @@ def test_convert_to_dspark_writes_the_index(tmp_path, capsys):
 def test_overwrite_deletes_the_index_and_its_temporaries(tmp_path):
     paths = CachePaths(str(tmp_path / "c"))
     paths.ensure_dirs()
-    for name in (paths.wids_index, f"{paths.wids_index}.123.456.tmp", os.path.join(paths.shards_dir, "notes.json")):
+    for name in (
+        paths.wids_index,
+        f"{paths.wids_index}.123.456.tmp",
+        os.path.join(paths.shards_dir, "notes.json"),
+    ):
         with open(name, "w", encoding="utf-8") as handle:
             handle.write("{}")
     listed = CacheOutput(paths.root).written_files()

@@ -48,13 +48,34 @@ def write_cache(root: str, dtype: str, layer_ids: tuple[int, ...]) -> str:
                     tensors[LAST_HIDDEN] = last.to(torch_dtype)
             writer.append(sid, n, shape.specs(n), shape.metadata(sid), byte_views(tensors))
         writer.publish()
-    save_file({name: torch.randn(10, HIDDEN_SIZE, generator=g) for name in ("embed_tokens.weight", "lm_head.weight")},
-              paths.target_weights)
-    write_manifest(paths, Manifest(
-        complete=True, target_model="t", target_model_type="qwen3", target_vocab_size=10, hidden_size=HIDDEN_SIZE,
-        num_hidden_layers=NUM_LAYERS, seq_length=16, dtype=dtype, num_samples=len(LENGTHS),
-        planned_samples=len(LENGTHS), shard_size=3, target_hidden_dim=HIDDEN_SIZE * len(layer_ids),
-        target_last_hidden_dim=HIDDEN_SIZE, target_layer_ids=list(layer_ids), train_data_path="d", num_shards=2))
+    save_file(
+        {
+            name: torch.randn(10, HIDDEN_SIZE, generator=g)
+            for name in ("embed_tokens.weight", "lm_head.weight")
+        },
+        paths.target_weights,
+    )
+    write_manifest(
+        paths,
+        Manifest(
+            complete=True,
+            target_model="t",
+            target_model_type="qwen3",
+            target_vocab_size=10,
+            hidden_size=HIDDEN_SIZE,
+            num_hidden_layers=NUM_LAYERS,
+            seq_length=16,
+            dtype=dtype,
+            num_samples=len(LENGTHS),
+            planned_samples=len(LENGTHS),
+            shard_size=3,
+            target_hidden_dim=HIDDEN_SIZE * len(layer_ids),
+            target_last_hidden_dim=HIDDEN_SIZE,
+            target_layer_ids=list(layer_ids),
+            train_data_path="d",
+            num_shards=2,
+        ),
+    )
     return root
 
 
@@ -93,7 +114,8 @@ def test_a_subset_is_the_full_batch_sliced(tmp_path, executor, dtype, layer_ids,
             for a, b in zip(full, picked):
                 assert b[HIDDEN].shape[-1] == len(chosen) * HIDDEN_SIZE
                 assert torch.equal(bits(by_layer(a[HIDDEN])[:, :, where]), bits(by_layer(b[HIDDEN])))
-                assert torch.equal(bits(a[LAST_HIDDEN]), bits(b[LAST_HIDDEN]))  # the final state, whatever the subset
+                # the final state, whatever the subset
+                assert torch.equal(bits(a[LAST_HIDDEN]), bits(b[LAST_HIDDEN]))
                 for key in (INPUT_IDS, LOSS_MASK, "attention_mask", "sample_ids"):
                     assert torch.equal(a[key], b[key])
                 if out == "raw":
@@ -122,7 +144,9 @@ def test_a_byte_of_a_layer_not_taken_still_fails_the_checksum(tmp_path, executor
     victim = cache.shards[0].samples[1]
     path = cache.paths.shard_tar(0)
     cache.close()
-    data_start = victim.offset + victim.size - SampleShape((-1, 0, 1, 2, 3), 4, 40, "BF16").data_size(victim.length)
+    data_start = (
+        victim.offset + victim.size - SampleShape((-1, 0, 1, 2, 3), 4, 40, "BF16").data_size(victim.length)
+    )
     with open(path, "r+b") as handle:  # token 0, layer -1 (stored first): not among the layers taken
         handle.seek(data_start)
         byte = handle.read(1)

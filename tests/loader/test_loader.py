@@ -113,7 +113,9 @@ def test_resume_with_another_world_size_covers_the_rest_once(small_cache):
         loader = dspark_cache.build_dataloader(small_cache, 2, seed=4, world_size=2, rank=r)
         loader.load_state_dict(state)
         for batch in loader:
-            rest += [s for s, rep in zip(batch["sample_ids"].tolist(), batch["is_repeat"].tolist()) if not rep]
+            rest += [
+                s for s, rep in zip(batch["sample_ids"].tolist(), batch["is_repeat"].tolist()) if not rep
+            ]
     assert sorted(first + rest) == list(dspark_cache.open_cache(small_cache).sample_ids)
     assert len(first) + len(rest) == n
 
@@ -164,10 +166,24 @@ def test_a_state_with_a_bad_epoch_or_offset_is_refused(small_cache, field, value
 
 def test_expect_names_every_mismatch(small_cache):
     m = dspark_cache.open_cache(small_cache).manifest
-    ok = {"model_type": "qwen3", "vocab_size": m.target_vocab_size, "hidden_size": 64, "num_hidden_layers": 8,
-          "seq_length": m.seq_length, "dtype": "bf16", "target_layer_ids": m.target_layer_ids, "compute_dtype": "bf16"}
+    ok = {
+        "model_type": "qwen3",
+        "vocab_size": m.target_vocab_size,
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "seq_length": m.seq_length,
+        "dtype": "bf16",
+        "target_layer_ids": m.target_layer_ids,
+        "compute_dtype": "bf16",
+    }
     dspark_cache.build_dataloader(small_cache, 2, expect=ok)
-    bad = {**ok, "hidden_size": 128, "seq_length": 1024, "target_layer_ids": [1, 2, 3], "compute_dtype": "fp32"}
+    bad = {
+        **ok,
+        "hidden_size": 128,
+        "seq_length": 1024,
+        "target_layer_ids": [1, 2, 3],
+        "compute_dtype": "fp32",
+    }
     with pytest.raises(CacheMismatchError) as err:
         dspark_cache.build_dataloader(small_cache, 2, expect=bad)
     text = str(err.value)
@@ -213,8 +229,11 @@ def test_shard_truncated_while_training_names_shard_and_sample(small_cache, tmp_
     cache = dspark_cache.open_cache(str(copy))
     victim = cache.shards[0].samples[-1]
     os.truncate(cache.paths.shard_tar(0), victim.offset + 100)  # cut inside the last sample
-    with pytest.raises(CorruptShardError, match=rf"shard-000000\.tar \(sample {victim.sample_id}\).*short read "
-                                                rf"\(100 of {victim.size} bytes\)"):
+    with pytest.raises(
+        CorruptShardError,
+        match=rf"shard-000000\.tar \(sample {victim.sample_id}\).*short read "
+        rf"\(100 of {victim.size} bytes\)",
+    ):
         list(loader)
 
 
@@ -232,9 +251,22 @@ print(json.dumps(out))
 
 def test_real_gloo_ranks_take_rank_and_world_from_torch_distributed(small_cache):
     port = str(free_port())
-    procs = [warm.popen([sys.executable, "-c", WORKER, small_cache], code=True, stdout=subprocess.PIPE, text=True,
-                        env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                             "MASTER_PORT": port}) for r in range(2)]
+    procs = [
+        warm.popen(
+            [sys.executable, "-c", WORKER, small_cache],
+            code=True,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )
+        for r in range(2)
+    ]
     outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
     assert [o["rank"] for o in outs] == [0, 1] and {o["world"] for o in outs} == {2}
     assert outs[0]["len"] == outs[1]["len"] == len(outs[0]["ids"]) == len(outs[1]["ids"])
@@ -259,7 +291,10 @@ def assert_batch_is_exact(batch, manifest, by_id):
             assert not batch[key][row, n:].any(), (sid, key)
         assert torch.equal(batch["input_ids"][row, :n], want["input_ids"].long())
         assert (batch["input_ids"][row, n:] == manifest.pad_token_id).all()
-        assert torch.equal(batch["loss_mask"][row, :n], want["loss_mask"].long()) and not batch["loss_mask"][row, n:].any()
+        assert (
+            torch.equal(batch["loss_mask"][row, :n], want["loss_mask"].long())
+            and not batch["loss_mask"][row, n:].any()
+        )
         assert batch["attention_mask"][row, :n].all() and not batch["attention_mask"][row, n:].any()
 
 
@@ -303,7 +338,9 @@ def test_the_public_api_is_listed_and_shows_its_options():
                  "IncompleteCacheError", "NotACacheError", "CacheLockedError", "dequantize"):
         assert name in names and name in dspark_cache.__all__, name
     assert "importlib" not in names and "Any" not in names
-    assert dspark_cache.CorruptShardError is CorruptShardError and issubclass(dspark_cache.CorruptShardError, CacheError)
+    assert dspark_cache.CorruptShardError is CorruptShardError and issubclass(
+        dspark_cache.CorruptShardError, CacheError
+    )
     params = inspect.signature(dspark_cache.build_dataloader).parameters
     assert list(params)[:2] == ["cached_target_path", "batch_size"]
     for option in dataclasses.fields(LoaderConfig):

@@ -70,12 +70,23 @@ def sample_program(payload, *, size=None, hidden_buf_bytes=None):
     program = BatchProgram([hidden, last, ids, mask])
     h = 4096
     f = h + rows * row_bytes + 64
-    segs = segment_table([
-        segment(SEG_COPY_COLS, h, rows * row_bytes, 0, 0, row_bytes=row_bytes, col_off=col_off, col_bytes=col_bytes,
-                col_buf=1),
-        segment(SEG_WIDEN_I32, f, 4 * rows, 2, 8),  # one int64 slot in: a row offset
-        segment(SEG_WIDEN_U8, f + 4 * rows, rows, 3, 0),
-    ])
+    segs = segment_table(
+        [
+            segment(
+                SEG_COPY_COLS,
+                h,
+                rows * row_bytes,
+                0,
+                0,
+                row_bytes=row_bytes,
+                col_off=col_off,
+                col_bytes=col_bytes,
+                col_buf=1,
+            ),
+            segment(SEG_WIDEN_I32, f, 4 * rows, 2, 8),  # one int64 slot in: a row offset
+            segment(SEG_WIDEN_U8, f + 4 * rows, rows, 3, 0),
+        ]
+    )
     program.sample(fd, 100, size or len(blob), segs, tag="the sample")
     return program, (hidden, last, ids, mask), (col_off, col_bytes)
 
@@ -161,8 +172,15 @@ def test_records_match_the_c_layout():
     """records.OP / SEGMENT are csrc/batch_fill.c's op_t / segment_t: named uint64 fields, in order."""
     from dspark_cache.loader import records
 
-    assert records.OP.names == records.OpRecord._fields and records.SEGMENT.names == records.SegmentRecord._fields
-    assert {records.OP[n].str for n in records.OP.names} == {records.SEGMENT[n].str for n in records.SEGMENT.names} == {"<u8"}
+    assert (
+        records.OP.names == records.OpRecord._fields
+        and records.SEGMENT.names == records.SegmentRecord._fields
+    )
+    assert (
+        {records.OP[n].str for n in records.OP.names}
+        == {records.SEGMENT[n].str for n in records.SEGMENT.names}
+        == {"<u8"}
+    )
     source = open(os.path.join(os.path.dirname(fill.__file__), "csrc", "batch_fill.c")).read()
     assert f"uint64_t {', '.join(records.OP.names)};" in source
     assert f"uint64_t {', '.join(records.SEGMENT.names)};" in source
@@ -201,11 +219,20 @@ def test_damaged_bytes_are_a_checksum_failure_before_a_broken_rule(tmp_path, exe
     path.write_bytes(bytes(blob))
     fd = os.open(path, os.O_RDONLY)
     try:
-        for xxh3, code in ((good, fill.RC_CHECKSUM), (xxhash.xxh3_64_intdigest(bytes(blob)), fill.RC_BAD_TOKEN),
-                           (None, fill.RC_BAD_TOKEN)):
+        for xxh3, code in (
+            (good, fill.RC_CHECKSUM),
+            (xxhash.xxh3_64_intdigest(bytes(blob)), fill.RC_BAD_TOKEN),
+            (None, fill.RC_BAD_TOKEN),
+        ):
             program = BatchProgram([np.zeros(64 * 8, dtype=np.uint8)])
-            program.sample(fd, 0, len(blob), segment_table([segment(SEG_WIDEN_I32, 128, 256, 0, 0, limit=1000)]),
-                           tag=0, xxh3=xxh3)
+            program.sample(
+                fd,
+                0,
+                len(blob),
+                segment_table([segment(SEG_WIDEN_I32, 128, 256, 0, 0, limit=1000)]),
+                tag=0,
+                xxh3=xxh3,
+            )
             failure = run(program, executor)
             assert failure.code == code
             assert failure.detail == (0 if code == fill.RC_CHECKSUM else 10)
@@ -226,8 +253,10 @@ def test_picks_hand_out_chosen_columns_in_the_callers_order(tmp_path, executor):
     path = tmp_path / "s"
     path.write_bytes(b"h" * 64 + stored.tobytes())
     chosen = [3, 0, 4]
-    picks = pick_table([PickRecord(k * layer, layer, 0, j * layer, len(chosen) * layer) for j, k in enumerate(chosen)]
-                       + [PickRecord((layers - 1) * layer, layer, 1, 0, layer)])
+    picks = pick_table(
+        [PickRecord(k * layer, layer, 0, j * layer, len(chosen) * layer) for j, k in enumerate(chosen)]
+        + [PickRecord((layers - 1) * layer, layer, 1, 0, layer)]
+    )
     hidden = np.full(rows * len(chosen) * layer + 32, 0xAB, dtype=np.uint8)
     last = np.full(rows * layer, 0xAB, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY)
@@ -244,8 +273,26 @@ def test_picks_hand_out_chosen_columns_in_the_callers_order(tmp_path, executor):
         for bad in (PickRecord(4 * layer, layer + 1, 0, 0, layer * 3), PickRecord(0, layer, 0, 1, layer)):
             hidden[:] = 0xAB
             program = BatchProgram([hidden, last], pick_table([bad]))
-            program.sample(fd, 0, 64 + stored.nbytes, segment_table([segment(
-                SEG_PICK, 64, stored.nbytes, 0, 0, row_bytes=layers * layer, col_buf=1, pick_count=1)]), tag=0)
+            program.sample(
+                fd,
+                0,
+                64 + stored.nbytes,
+                segment_table(
+                    [
+                        segment(
+                            SEG_PICK,
+                            64,
+                            stored.nbytes,
+                            0,
+                            0,
+                            row_bytes=layers * layer,
+                            col_buf=1,
+                            pick_count=1,
+                        )
+                    ]
+                ),
+                tag=0,
+            )
             assert run(program, executor).code == fill.RC_INVALID
             assert (hidden == 0xAB).all()
     finally:
@@ -265,18 +312,44 @@ def test_picked_fp8_layers_stop_at_the_first_bad_row_in_both_fillers(tmp_path, e
     scales = np.ones((rows, layers), dtype=np.float32)
     path = tmp_path / "s"
     path.write_bytes(codes.tobytes())
-    picks = pick_table([PickRecord(2 * group, group, 0, 0, 2 * group * 2), PickRecord(0, group, 0, group * 2, 2 * group * 2)])
+    picks = pick_table(
+        [PickRecord(2 * group, group, 0, 0, 2 * group * 2), PickRecord(0, group, 0, group * 2, 2 * group * 2)]
+    )
     fd = os.open(path, os.O_RDONLY)
     try:
-        for bad_scale_row, expect in ((None, (fill.RC_BAD_CODE, 5)), (2, (fill.RC_BAD_SCALE, 2)), (7, (fill.RC_BAD_CODE, 5))):
+        for bad_scale_row, expect in (
+            (None, (fill.RC_BAD_CODE, 5)),
+            (2, (fill.RC_BAD_SCALE, 2)),
+            (7, (fill.RC_BAD_CODE, 5)),
+        ):
             s = scales.copy()
             if bad_scale_row is not None:
                 s[bad_scale_row, 0] = 0.0
             out = np.zeros(rows * 2 * group * 2, dtype=np.uint8)
             program = BatchProgram([out, s.view(np.uint8).reshape(-1).copy()], picks)
-            program.sample(fd, 0, codes.nbytes, segment_table([segment(
-                SEG_DEQUANT, 0, codes.nbytes, 0, 0, row_bytes=layers * group, scale_buf=1, group=group, out_size=2,
-                fp8_kind=FP8_KINDS["F8_E4M3"], pick_count=2)]), tag=0)
+            program.sample(
+                fd,
+                0,
+                codes.nbytes,
+                segment_table(
+                    [
+                        segment(
+                            SEG_DEQUANT,
+                            0,
+                            codes.nbytes,
+                            0,
+                            0,
+                            row_bytes=layers * group,
+                            scale_buf=1,
+                            group=group,
+                            out_size=2,
+                            fp8_kind=FP8_KINDS["F8_E4M3"],
+                            pick_count=2,
+                        )
+                    ]
+                ),
+                tag=0,
+            )
             failure = run(program, executor)
             assert (failure.code, failure.detail) == expect
     finally:
@@ -299,15 +372,34 @@ def test_both_fillers_refuse_the_same_hostile_programs(tmp_path, executor):
         "segments past the table": dict(segs=[segment(SEG_COPY, 0, 64, 0, 0)], seg_count=2),
         "no scratch": dict(segs=[segment(SEG_COPY, 8, 64, 0, 0)], scratch=0),
         "not a descriptor": dict(segs=[segment(SEG_COPY, 0, 64, 0, 0)], fd=1 << 40),
-        "sizes that wrap": dict(size=huge, segs=[segment(SEG_DEQUANT, 0, huge, 0, 0, row_bytes=4, scale_buf=1, group=1,
-                                                           out_size=4, fp8_kind=FP8_KINDS["F8_E4M3"])]),
+        "sizes that wrap": dict(
+            size=huge,
+            segs=[
+                segment(
+                    SEG_DEQUANT,
+                    0,
+                    huge,
+                    0,
+                    0,
+                    row_bytes=4,
+                    scale_buf=1,
+                    group=1,
+                    out_size=4,
+                    fp8_kind=FP8_KINDS["F8_E4M3"],
+                )
+            ],
+        ),
     }
     try:
         for name, case in cases.items():
             out = np.full(16, 0xAB, dtype=np.uint8)
             program = BatchProgram([out, np.ones(16, dtype=np.uint8)])
-            program.sample(case.get("fd", fd), 0, case.get("size", 4096), segment_table(case["segs"]), tag=name)
-            set_last_op(program, check=case.get("check", 0), seg_count=case.get("seg_count", len(case["segs"])))
+            program.sample(
+                case.get("fd", fd), 0, case.get("size", 4096), segment_table(case["segs"]), tag=name
+            )
+            set_last_op(
+                program, check=case.get("check", 0), seg_count=case.get("seg_count", len(case["segs"]))
+            )
             failure = run(program, executor, scratch_bytes=case.get("scratch", 1 << 20))
             assert failure == fill.Failure(fill.RC_INVALID, name, 0), name
             assert (out == 0xAB).all(), name

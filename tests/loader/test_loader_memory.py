@@ -15,7 +15,9 @@ FIELDS = (Field("hidden", 3, torch.bfloat16, True), Field("ids", 1, torch.int64,
 def zero_claimed(slab: Slab, ranges: list[tuple[int, int]]) -> None:
     """Zero what claim asked for, through a batch program (as the reader does)."""
     names = [f.name for f in slab.fields]
-    program = BatchProgram([slab.field_bytes(name, t.nbytes) for name, t in slab.views(1, slab.capacity).items()])
+    program = BatchProgram(
+        [slab.field_bytes(name, t.nbytes) for name, t in slab.views(1, slab.capacity).items()]
+    )
     for name, offset, nbytes in slab.zero_spans(ranges):
         program.zero(names.index(name), offset, nbytes)
     assert fill.run(program, page_aligned_zeros(4096), native=fill.use_native_default()) is None

@@ -34,13 +34,17 @@ def test_negative_reader_threads_are_refused(small_cache, bad):
 
 def test_zero_reader_threads_means_one_and_reads_the_same_batches(small_cache):
     before = _reader_threads()
-    zero = dspark_cache.build_dataloader(small_cache, 3, shuffle=True, seed=5, num_workers=0, pin_memory=False)
+    zero = dspark_cache.build_dataloader(
+        small_cache, 3, shuffle=True, seed=5, num_workers=0, pin_memory=False
+    )
     batches = iter(zero)
     first = {k: v.clone() for k, v in next(batches).items()}
     assert len(_reader_threads() - before) == 1  # one new reader thread, off the training thread
     rest = [{k: v.clone() for k, v in b.items()} for b in batches]
     zero.close()
-    three = dspark_cache.build_dataloader(small_cache, 3, shuffle=True, seed=5, num_workers=3, pin_memory=False)
+    three = dspark_cache.build_dataloader(
+        small_cache, 3, shuffle=True, seed=5, num_workers=3, pin_memory=False
+    )
     expected = _all_batches(three)
     three.close()
     assert len(expected) == 1 + len(rest) > 1
@@ -70,9 +74,29 @@ def test_loader_bench_makes_its_directories_and_deletes_only_its_own(tmp_path):
     workdir, results = tmp_path / "work", tmp_path / "results" / "loader"
     workdir.mkdir()
     (workdir / "notes.txt").write_text("the user's, not the bench's")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "loader.py"), "--samples", "6", "--hidden", "32",
-                           "--seq-length", "128", "--shard-size", "3", "--repeat", "1", "--workdir", str(workdir),
-                           "--results-dir", str(results)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "loader.py"),
+            "--samples",
+            "6",
+            "--hidden",
+            "32",
+            "--seq-length",
+            "128",
+            "--shard-size",
+            "3",
+            "--repeat",
+            "1",
+            "--workdir",
+            str(workdir),
+            "--results-dir",
+            str(results),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (saved,) = results.glob("loader-*.json")
     printed, last = done.stdout.rsplit("\n", 2)[0], done.stdout.strip().splitlines()[-1]

@@ -51,7 +51,12 @@ def rank_view(order, world, rank, batch, drop_last, partial_last=False, offset=0
     out = []
     for step in range(steps):
         rb = rank_batch(order.refs, order.total, offset, step, batch, world, rank, partial_last)
-        out.append([(order.cache.indexes[r.shard_id].samples[r.entry].sample_id, rep) for r, rep in zip(rb.refs, rb.repeat)])
+        out.append(
+            [
+                (order.cache.indexes[r.shard_id].samples[r.entry].sample_id, rep)
+                for r, rep in zip(rb.refs, rb.repeat)
+            ]
+        )
     return out
 
 
@@ -111,7 +116,9 @@ def test_shuffle_keeps_locality_within_windows():
 def test_restriping_after_offset_covers_the_rest_exactly_once(old, new):
     order, _ = epoch_order(UNEVEN)
     consumed_steps = 2
-    first = [sid for r in range(old) for b in rank_view(order, old, r, 2, False)[:consumed_steps] for sid, _ in b]
+    first = [
+        sid for r in range(old) for b in rank_view(order, old, r, 2, False)[:consumed_steps] for sid, _ in b
+    ]
     offset = consumed_steps * 2 * old
     rest = [(sid, rep) for r in range(new) for b in rank_view(order, new, r, 2, False, offset=offset)
             for sid, rep in b]

@@ -66,7 +66,9 @@ def test_flip_before_the_first_read_is_detected(small_cache, tmp_path, executor,
     path, victim, at = victim_of(root)
     flip(path, at)
     loader = dspark_cache.build_dataloader(root, 4, shuffle=False, verify=mode)
-    with pytest.raises(CorruptShardError, match=rf"shard-000001\.tar \(sample {victim.sample_id}\).*checksum mismatch"):
+    with pytest.raises(
+        CorruptShardError, match=rf"shard-000001\.tar \(sample {victim.sample_id}\).*checksum mismatch"
+    ):
         epoch(loader)
     loader.close()
 

@@ -244,7 +244,9 @@ def test_expect_checks_every_source(sources):
                                            expect={"hidden_size": m.hidden_size, "dtype": "bf16"})
     assert loader.manifest.hidden_size == m.hidden_size
     mixture = [Source(sources["a"]), Source(sources["c"])]
-    with pytest.raises(CacheMismatchError, match=r"(?s)source 0 .* does not match.*seq_length: the cache has"):
+    with pytest.raises(
+        CacheMismatchError, match=r"(?s)source 0 .* does not match.*seq_length: the cache has"
+    ):
         dspark_cache.build_dataloader(mixture, 4, expect={"seq_length": 1024})
 
 
@@ -309,7 +311,9 @@ def test_a_compressed_source_mixes_bit_for_bit(sources, embedded, tmp_path):
     from tests.support.produce import run_produce
 
     start, end = SPLITS["b"]
-    data = write_jsonl(tmp_path / "b.jsonl", open(embedded.data, encoding="utf-8").read().splitlines()[start:end])
+    data = write_jsonl(
+        tmp_path / "b.jsonl", open(embedded.data, encoding="utf-8").read().splitlines()[start:end]
+    )
     packed = str(tmp_path / "b-zstd")
     assert run_produce(embedded.stock, data, packed, *SHARED, "--compression", "zstd") == 0
     plain = [Source(sources["a"]), Source(sources["b"], repeat=1.5), Source(sources["c"])]

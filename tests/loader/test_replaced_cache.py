@@ -72,18 +72,23 @@ def test_the_producer_gives_a_cache_an_id_that_resume_keeps_and_overwrite_renews
     out = _fresh_copy(cache_a, tmp_path)
     paths = CachePaths(out)
     first = CacheDir(out).cache_id
-    assert len(first) == 32 and all(load_shard_index(paths, s).cache_id == first for s in paths.indexed_shard_ids())
+    assert len(first) == 32 and all(
+        load_shard_index(paths, s).cache_id == first for s in paths.indexed_shard_ids()
+    )
     os.unlink(paths.shard_index(3))  # a resume recomputes it under the same id
     assert run_produce(embedded.stock, inputs[0], out, *ARGS) == 0
     assert CacheDir(out).cache_id == first and load_shard_index(paths, 3).cache_id == first
     _overwrite(embedded, inputs, out)
     second = CacheDir(out).cache_id
-    assert second != first and {load_shard_index(paths, s).cache_id for s in paths.indexed_shard_ids()} == {second}
+    assert second != first and {load_shard_index(paths, s).cache_id for s in paths.indexed_shard_ids()} == {
+        second
+    }
 
 
 @pytest.mark.parametrize("follow", [False, True], ids=["complete", "follow"])
-def test_a_loader_stops_when_its_cache_is_overwritten_with_other_input(embedded, inputs, cache_a, tmp_path, follow,
-                                                                        executor):
+def test_a_loader_stops_when_its_cache_is_overwritten_with_other_input(
+    embedded, inputs, cache_a, tmp_path, follow, executor
+):
     out = _fresh_copy(cache_a, tmp_path)
     old = _samples(out)
     loader = dspark_cache.build_dataloader(out, 2, shuffle=False, follow=follow, num_workers=1, prefetch=1,
@@ -92,7 +97,8 @@ def test_a_loader_stops_when_its_cache_is_overwritten_with_other_input(embedded,
     assert _rows_match(next(batches), old)
     _overwrite(embedded, inputs, out)
     new = _samples(out)
-    assert any(not torch.equal(new[s]["input_ids"], old[s]["input_ids"]) for s in old)  # other samples, same ids
+    # other samples, same ids
+    assert any(not torch.equal(new[s]["input_ids"], old[s]["input_ids"]) for s in old)
     with pytest.raises(CacheReplacedError, match=REPLACED):
         for batch in batches:
             assert _rows_match(batch, old)  # a batch already in flight is still all of the old cache
@@ -125,7 +131,9 @@ def test_a_shard_of_another_cache_is_refused_and_recomputed(embedded, inputs, ca
     paths, theirs = CachePaths(out), CachePaths(other)
     for name in (paths.shard_tar(2), paths.shard_index(2)):
         shutil.copyfile(name.replace(out, other, 1), name)
-    assert load_shard_index(paths, 2).cache_id == load_shard_index(theirs, 2).cache_id != CacheDir(out).cache_id
+    assert (
+        load_shard_index(paths, 2).cache_id == load_shard_index(theirs, 2).cache_id != CacheDir(out).cache_id
+    )
     with pytest.raises(ForeignShardError, match=r"shard-000002.idx.*written for cache"):
         dspark_cache.open_cache(out)
     with pytest.raises(ForeignShardError, match=os.path.basename(paths.shard_index(2))):
@@ -136,7 +144,9 @@ def test_a_shard_of_another_cache_is_refused_and_recomputed(embedded, inputs, ca
     assert verify_cache(out).ok
     ours, want = _samples(out), _samples(cache_a)
     assert ours.keys() == want.keys()
-    assert all(torch.equal(ours[s][k], want[s][k]) for s in want for k in ("input_ids", "target_hidden_states"))
+    assert all(
+        torch.equal(ours[s][k], want[s][k]) for s in want for k in ("input_ids", "target_hidden_states")
+    )
 
 
 def test_a_loader_state_of_the_old_cache_is_not_restored_on_the_new_one(embedded, inputs, cache_a, tmp_path):
@@ -151,7 +161,9 @@ def test_a_loader_state_of_the_old_cache_is_not_restored_on_the_new_one(embedded
     again.load_state_dict(state)  # the same cache: fine
     _overwrite(embedded, inputs, out)
     fresh = dspark_cache.build_dataloader(out, 2, shuffle=False, pin_memory=False)
-    with pytest.raises(ValueError, match="taken on cache .* holds cache .* start its first epoch from the beginning"):
+    with pytest.raises(
+        ValueError, match="taken on cache .* holds cache .* start its first epoch from the beginning"
+    ):
         fresh.load_state_dict(state)
     fresh.load_state_dict({k: v for k, v in state.items() if k != "cache_id"})  # a state from before ids
     again.close(), fresh.close()

@@ -34,7 +34,9 @@ def test_every_sample_is_its_template_at_its_row(dtype, out_code, select):
     shape = SampleShape((1, 4, 7), 8, 16, dtype)
     lengths, headers, rows = [5, 0, 12], [128, 256, 4000], [2, 0, 1]  # 0 tokens: only the header is read
     templates = [row_template(n, shape, out_code, vocab_size=100, select=select) for n in lengths]
-    segs, counts = place_rows(templates, np.array(headers), np.array(rows), STRIDES, HEADER_BUF, HEADER_STRIDE)
+    segs, counts = place_rows(
+        templates, np.array(headers), np.array(rows), STRIDES, HEADER_BUF, HEADER_STRIDE
+    )
     assert segs.dtype == SEGMENT and counts.tolist() == [len(t.segs) + 1 for t in templates]
     assert counts[1] == 1
     first = 0

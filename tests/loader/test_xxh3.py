@@ -141,7 +141,10 @@ def test_megabyte_buffers(lib, data):
     lengths = [1 << 20, 3_000_017, (4 << 20) + 1024, len(data) - 1, len(data)]
     assert mismatches([oneshot(lib, data, n) for n in lengths], data, lengths) == []
     assert mismatches([chunked(lib, data, n, [256 << 10]) for n in lengths], data, lengths) == []
-    assert mismatches([chunked(lib, data, n, [1, 255 << 10, 4096]) for n in lengths[:2]], data, lengths[:2]) == []
+    assert (
+        mismatches([chunked(lib, data, n, [1, 255 << 10, 4096]) for n in lengths[:2]], data, lengths[:2])
+        == []
+    )
 
 
 def test_streaming_fixed_chunkings(lib, data):

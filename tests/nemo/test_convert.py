@@ -90,9 +90,12 @@ def exported(small_cache, tmp_path_factory) -> str:
 
 def test_streamed_header_is_save_files():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        tensors = {"input_ids": torch.zeros(3, 5, dtype=torch.int64), "loss_mask": torch.ones(3, 5, dtype=torch.int64),
-                   "target_hidden_states": torch.zeros(3, 5, 12, dtype=dtype),
-                   "target_last_hidden_states": torch.zeros(3, 5, 4, dtype=dtype)}
+        tensors = {
+            "input_ids": torch.zeros(3, 5, dtype=torch.int64),
+            "loss_mask": torch.ones(3, 5, dtype=torch.int64),
+            "target_hidden_states": torch.zeros(3, 5, 12, dtype=dtype),
+            "target_last_hidden_states": torch.zeros(3, 5, 4, dtype=dtype),
+        }
         header, _ = header_bytes([(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
         assert save(tensors)[: len(header)] == header, dtype
 
@@ -156,7 +159,12 @@ def test_import_strips_padding_and_keeps_numbering(tmp_path, capsys):
     shards = {s.shard_id: [e.sample_id for e in s.samples] for s in cache.shards}
     assert shards == {0: [0, 1], 1: [2], 2: [4]}  # NeMo shard k -> our shard k
     m = cache.manifest
-    assert (m.num_rows, m.num_samples, m.pad_token_id, m.skipped_rows) == (5, 4, P, {"no real token (all padding)": 1})
+    assert (m.num_rows, m.num_samples, m.pad_token_id, m.skipped_rows) == (
+        5,
+        4,
+        P,
+        {"no real token (all padding)": 1},
+    )
     shard = cache.shards[0]
     stored, _ = decode_payload(cache.reader(shard).read_blob(shard.samples[0]))
     assert set(stored) == {"target_hidden_states", "input_ids", "loss_mask"}  # the final state is stored once
@@ -165,7 +173,9 @@ def test_import_strips_padding_and_keeps_numbering(tmp_path, capsys):
 def test_real_lengths_and_ambiguous_count_when_pad_is_eos(tmp_path, capsys):
     src, dst = str(tmp_path / "nemo"), str(tmp_path / "ours")
     write_tiny_nemo(src, TINY_IDS, TINY_MASKS, shard_size=2)
-    code, out, err = _convert(capsys, src, dst, "--to", "dspark", "--pad-token-id", str(P), "--eos-token-id", str(P))
+    code, out, err = _convert(
+        capsys, src, dst, "--to", "dspark", "--pad-token-id", str(P), "--eos-token-id", str(P)
+    )
     assert code == 0, err
     # NeMo keeps one trailing eos when pad == eos (rows 0, 3, 4: ambiguous, the eos may be the
     # sample's own); row 1's first pad-id token is supervised, so it is real and not ambiguous;
@@ -215,7 +225,8 @@ def test_damaged_duplicate_fails_and_keeps_published_shards(tmp_path, capsys):
     assert "shard-000001.safetensors row 0 (sample 2)" in err and "differs" in err
     assert err.count("\n") == 1
     paths = CachePaths(dst)
-    assert paths.indexed_shard_ids() == [0] and not paths.partial_files()  # shard 0 kept, nothing half-written
+    # shard 0 kept, nothing half-written
+    assert paths.indexed_shard_ids() == [0] and not paths.partial_files()
     assert not dspark_cache.open_cache(dst, allow_incomplete=True).manifest.complete
 
 
@@ -258,7 +269,9 @@ def test_corrupt_source_sample_fails_export_and_keeps_published_shards(small_cac
     code, _, err = _convert(capsys, src, dst, "--to", "nemo", "--shard-size", "5")
     assert code == 1 and os.path.basename(CachePaths(src).shard_tar(shard_id)) in err
     assert f"sample {entry.sample_id}" in err and "checksum" in err
-    assert nemo_format.shard_indices(dst) == [0] and not [n for n in os.listdir(dst) if n.endswith(".partial")]
+    assert nemo_format.shard_indices(dst) == [0] and not [
+        n for n in os.listdir(dst) if n.endswith(".partial")
+    ]
     assert nemo_format.read_manifest(dst, allow_incomplete=True)["complete"] is False
 
 
@@ -312,7 +325,8 @@ def test_different_cache_in_dst_needs_overwrite(small_cache, tmp_path, capsys):
     assert len(nemo_format.NemoCacheDataset(dst)) > 0  # refused: the cache there is untouched
     code, _, err = _convert(capsys, small_cache, dst, "--to", "nemo", "--shard-size", "7", "--overwrite")
     assert code == 0, err
-    assert len(nemo_format.NemoCacheDataset(dst)) == len(dspark_cache.open_cache(small_cache))  # no stale shard left
+    # no stale shard left
+    assert len(nemo_format.NemoCacheDataset(dst)) == len(dspark_cache.open_cache(small_cache))
     ours = str(tmp_path / "ours")
     tiny = str(tmp_path / "tiny")
     write_tiny_nemo(tiny, TINY_IDS, TINY_MASKS)
@@ -338,7 +352,9 @@ def test_overwrite_never_deletes_through_a_symlink(tmp_path, capsys):
     for extra in ((), ("--overwrite",)):
         code, _, err = _convert(capsys, src, str(dst), "--to", "dspark", "--pad-token-id", str(P), *extra)
         assert code == 1 and "is a symbolic link" in err
-    assert os.listdir(elsewhere) == ["precious.tar"] and (elsewhere / "precious.tar").read_bytes() == b"keep me"
+    assert (
+        os.listdir(elsewhere) == ["precious.tar"] and (elsewhere / "precious.tar").read_bytes() == b"keep me"
+    )
 
 
 def test_a_running_producer_or_conversion_holds_dst(tmp_path, capsys):
@@ -369,7 +385,8 @@ def test_sigkill_mid_import_then_rerun_equals_uninterrupted(exported, tmp_path, 
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert "dspark-convert: shard 1/" in killed.stderr  # progress, one line per shard
     paths = CachePaths(dst)
-    assert paths.indexed_shard_ids() == [0] and paths.partial_files()  # shard 0 published, shard 1 half-written
+    # shard 0 published, shard 1 half-written
+    assert paths.indexed_shard_ids() == [0] and paths.partial_files()
     assert not dspark_cache.open_cache(dst, allow_incomplete=True).manifest.complete
     code, out, err = _convert(capsys, exported, dst, "--to", "dspark")
     assert code == 0, err
@@ -407,7 +424,9 @@ def _flip_last_byte(path: str) -> None:
         handle.write(bytes([last[0] ^ 0x01]))
 
 
-def test_weights_are_checked_recorded_and_never_kept_when_they_differ(small_cache, exported, tmp_path, capsys):
+def test_weights_are_checked_recorded_and_never_kept_when_they_differ(
+    small_cache, exported, tmp_path, capsys
+):
     src = str(tmp_path / "ours")
     shutil.copytree(small_cache, src)
     _flip_last_byte(CachePaths(src).target_weights)  # same size, other bytes: the manifest's checksum says no
@@ -427,7 +446,9 @@ def test_weights_are_checked_recorded_and_never_kept_when_they_differ(small_cach
     assert verify_cache(back).ok
 
 
-def test_import_into_object_storage_equals_import_into_a_directory(exported, tmp_path, capsys, s3_bucket, s3_env):
+def test_import_into_object_storage_equals_import_into_a_directory(
+    exported, tmp_path, capsys, s3_bucket, s3_env
+):
     """--to dspark with DST on S3 writes through its staging directory: the same samples as a local import,
     every tar uploaded and gone from staging, and a rerun keeps what the store holds."""
     from dspark_cache.storage.remote.store import ObjectStore
@@ -443,7 +464,9 @@ def test_import_into_object_storage_equals_import_into_a_directory(exported, tmp
     store = ObjectStore(url)
     assert store.get(CACHE_KEYS.target_weights)[0] == _weights(local)
     assert store.head(CACHE_KEYS.lease) is None
-    code, out, err = _convert(capsys, exported, url, "--to", "dspark", "--staging-dir", str(tmp_path / "elsewhere"))
+    code, out, err = _convert(
+        capsys, exported, url, "--to", "dspark", "--staging-dir", str(tmp_path / "elsewhere")
+    )
     assert code == 0, err
     shards = dspark_cache.open_cache(local).manifest.num_shards
     assert f"{shards} kept from an earlier run" in out  # resumed from the store into an empty staging dir

@@ -22,7 +22,12 @@ from tests.support.convert_worker import run_jobs
 
 P = 7
 IDS = [[5, 6, 9, P, P, P, P, P], [5, 6, P, P, P, P, P, P], [5, 6, 9, 9, 9, 9, 9, 9], [5, P, 9, P, P, P, P, P]]
-MASKS = [[0, 1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0, 0]]
+MASKS = [
+    [0, 1, 1, 0, 0, 0, 0, 0],
+    [0, 1, 1, 0, 0, 0, 0, 0],
+    [0, 1, 1, 1, 1, 1, 1, 1],
+    [0, 1, 1, 0, 0, 0, 0, 0],
+]
 SPECIALS = {"fifo": os.mkfifo, "dev_zero": lambda path: os.symlink("/dev/zero", path), "directory": os.mkdir}
 
 
@@ -64,7 +69,9 @@ def test_special_files_in_the_source_are_refused(tmp_path):
             jobs.append({"name": case, "argv": _to_dspark(src, src + "-out")})
     results = run_jobs(jobs, str(tmp_path), timeout=120)
     for case, result in results.items():
-        kind = {"fifo": "a FIFO", "dev_zero": "a character device", "directory": "a directory"}[case.split()[1]]
+        kind = {"fifo": "a FIFO", "dev_zero": "a character device", "directory": "a directory"}[
+            case.split()[1]
+        ]
         _assert_refused(result, 1, f"{names[case]} is {kind}, not a regular file")
         assert not os.path.exists(os.path.dirname(names[case]) + "-out")  # refused before DST was made
 
@@ -80,7 +87,10 @@ def test_special_files_in_the_destination_are_refused_and_kept(tmp_path):
     convert_to_dspark(nemo, ours, pad_token_id=P, progress=None)  # a dspark source for --to nemo
     jobs, where = [], {}
     mine = CachePaths(ours)  # our files, named relative to a cache's root
-    cases = [("dspark", os.path.relpath(p, ours)) for p in (mine.manifest, mine.target_weights, mine.shard_index(0))]
+    cases = [
+        ("dspark", os.path.relpath(p, ours))
+        for p in (mine.manifest, mine.target_weights, mine.shard_index(0))
+    ]
     cases += [("nemo", nemo_format.manifest_path("")), ("nemo", nemo_format.shard_path("", 0)),
               ("nemo", nemo_format.target_weights_path(""))]
     for to, name in cases:
@@ -134,7 +144,11 @@ def _overlapping_last_state(src: str) -> None:
     for key in ("input_ids", "loss_mask", "target_hidden_states"):
         raw = tensors[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         code = {"input_ids": "I64", "loss_mask": "I64"}.get(key, "BF16")
-        header[key] = {"dtype": code, "shape": list(tensors[key].shape), "data_offsets": [cursor, cursor + len(raw)]}
+        header[key] = {
+            "dtype": code,
+            "shape": list(tensors[key].shape),
+            "data_offsets": [cursor, cursor + len(raw)],
+        }
         data, cursor = data + raw, cursor + len(raw)
     last = tensors["target_last_hidden_states"]
     start = header["target_hidden_states"]["data_offsets"][0]
@@ -164,22 +178,62 @@ def _appended(src: str) -> None:
 
 # name: (how the source lies, layer ids, shard size, expected exit code, what stderr must say)
 LIES = {
-    "manifest nested 1e5 deep": (_nested_manifest, None, 2, 1,
-                                 ["manifest.json: not a JSON manifest", "RecursionError"]),
-    "num_samples 1e12": (lambda s: _edit_manifest(s, num_samples=10**12), None, 2, 1,
-                         ["is partial", "declares 1000000000000 samples", "Re-run NeMo's precompute"]),
-    "num_samples and shard_size 1e12, one shard": (lambda s: _edit_manifest(s, num_samples=10**12, shard_size=10**12),
-                                                   None, 4, 1, ["shard-000000.safetensors: input_ids is", "implies"]),
-    "seq_length 1e30": (lambda s: _edit_manifest(s, seq_length=10**30), None, 2, 1,
-                        ["field seq_length must be a 64-bit integer"]),
-    "shuffle_seed 1e30": (lambda s: _edit_manifest(s, shuffle_seed=10**30), None, 2, 1,
-                          ["field shuffle_seed must be a 64-bit integer"]),
-    "mask flag a string": (lambda s: _edit_manifest(s, mask_reasoning_content="no"), None, 2, 1,
-                           ["field mask_reasoning_content must be true or false"]),
-    "safetensors header nested 1e5 deep": (_nested_header, None, 2, 1,
-                                           ["shard-000000.safetensors: unreadable safetensors header"]),
-    "overlapping tensors": (_overlapping_last_state, [-1, 0], 2, 1,
-                            ["shard-000000.safetensors: tensor 'target_", "overlapping or gapped offsets"]),
+    "manifest nested 1e5 deep": (
+        _nested_manifest,
+        None,
+        2,
+        1,
+        ["manifest.json: not a JSON manifest", "RecursionError"],
+    ),
+    "num_samples 1e12": (
+        lambda s: _edit_manifest(s, num_samples=10**12),
+        None,
+        2,
+        1,
+        ["is partial", "declares 1000000000000 samples", "Re-run NeMo's precompute"],
+    ),
+    "num_samples and shard_size 1e12, one shard": (
+        lambda s: _edit_manifest(s, num_samples=10**12, shard_size=10**12),
+        None,
+        4,
+        1,
+        ["shard-000000.safetensors: input_ids is", "implies"],
+    ),
+    "seq_length 1e30": (
+        lambda s: _edit_manifest(s, seq_length=10**30),
+        None,
+        2,
+        1,
+        ["field seq_length must be a 64-bit integer"],
+    ),
+    "shuffle_seed 1e30": (
+        lambda s: _edit_manifest(s, shuffle_seed=10**30),
+        None,
+        2,
+        1,
+        ["field shuffle_seed must be a 64-bit integer"],
+    ),
+    "mask flag a string": (
+        lambda s: _edit_manifest(s, mask_reasoning_content="no"),
+        None,
+        2,
+        1,
+        ["field mask_reasoning_content must be true or false"],
+    ),
+    "safetensors header nested 1e5 deep": (
+        _nested_header,
+        None,
+        2,
+        1,
+        ["shard-000000.safetensors: unreadable safetensors header"],
+    ),
+    "overlapping tensors": (
+        _overlapping_last_state,
+        [-1, 0],
+        2,
+        1,
+        ["shard-000000.safetensors: tensor 'target_", "overlapping or gapped offsets"],
+    ),
     "bytes after the tensors": (_appended, None, 2, 1, ["shard-000001.safetensors: the tensors end at byte"]),
 }
 

@@ -22,11 +22,25 @@ from dspark_cache.format.manifest import read_manifest, write_manifest
 from dspark_cache.nemo import nemo_format
 from tests.support.nemo_fixture import NEMO_FIELDS, write_nemo_cache
 
-FIELD_TYPES = {"target_model": str, "target_model_type": str, "target_vocab_size": int, "hidden_size": int,
-               "num_hidden_layers": int, "seq_length": int, "dtype": str, "num_samples": int, "shard_size": int,
-               "target_hidden_dim": int, "target_last_hidden_dim": int, "target_layer_ids": list,
-               "train_data_path": str, "shuffle_seed": int, "mask_reasoning_content": bool,
-               "mask_generation_prompt": bool, "chat_template_sha256": str}
+FIELD_TYPES = {
+    "target_model": str,
+    "target_model_type": str,
+    "target_vocab_size": int,
+    "hidden_size": int,
+    "num_hidden_layers": int,
+    "seq_length": int,
+    "dtype": str,
+    "num_samples": int,
+    "shard_size": int,
+    "target_hidden_dim": int,
+    "target_last_hidden_dim": int,
+    "target_layer_ids": list,
+    "train_data_path": str,
+    "shuffle_seed": int,
+    "mask_reasoning_content": bool,
+    "mask_generation_prompt": bool,
+    "chat_template_sha256": str,
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +73,8 @@ def test_nemo_manifest_gets_nemos_defaults(nemo_cache, tmp_path):
     copy = _copy(nemo_cache, tmp_path)
     path = nemo_format.manifest_path(copy)
     data = json.load(open(path))
-    del data["mask_generation_prompt"], data["mask_reasoning_content"], data["complete"]  # an older NeMo cache
+    # an older NeMo cache
+    del data["mask_generation_prompt"], data["mask_reasoning_content"], data["complete"]
     json.dump(data, open(path, "w"))
     manifest = dn.read_manifest(copy)
     assert manifest["mask_generation_prompt"] is False and manifest["mask_reasoning_content"] is False
@@ -188,10 +203,12 @@ def test_a_recipe_takes_its_layers_from_a_cache_that_holds_more(small_cache, nem
         assert torch.equal(a["target_last_hidden_states"], b["target_last_hidden_states"])
     with pytest.raises(ValueError, match=r"holds target_layer_ids=\[1, 2, 4, 6, 7\].*requested .*\[1, 3\]"):
         _validate(manifest, layer_ids=[1, 3], cache_dir=small_cache)
-    with pytest.raises(ValueError, match=r"layer ids \[1\] more than once"):  # refused by the check, not later
+    # refused by the check, not later
+    with pytest.raises(ValueError, match=r"layer ids \[1\] more than once"):
         _validate(manifest, layer_ids=[1, 1], cache_dir=small_cache)
     _validate({**manifest, "cache_id": "another"}, layer_ids=wanted, cache_dir=small_cache + "/")
-    again, _ = _run(small_cache, 5, 1, seed=3)  # a check of another cache at that place: not this one's layers
+    # a check of another cache at that place: not this one's layers
+    again, _ = _run(small_cache, 5, 1, seed=3)
     assert again[0]["target_hidden_states"].shape[-1] == 5 * h
     _validate(manifest, cache_dir=small_cache)
     with pytest.raises(ValueError, match="target_hidden_dim"):  # NeMo's cache: exactly its layers, as in NeMo
@@ -217,7 +234,9 @@ def test_validation_refuses_unknown_dtype(small_cache):
 def _run(cache_dir: str, batch_size: int, epochs: int, seed: int, **kwargs) -> tuple[list, list]:
     """Batches of ``epochs`` epochs and a draw from the global RNG after each (what the recipe does)."""
     torch.manual_seed(seed)
-    loader = dn.build_cached_dspark_dataloader(cache_dir=cache_dir, batch_size=batch_size, shuffle=True, **kwargs)
+    loader = dn.build_cached_dspark_dataloader(
+        cache_dir=cache_dir, batch_size=batch_size, shuffle=True, **kwargs
+    )
     batches, draws = [], []
     for _ in range(epochs):
         for batch in loader:
@@ -231,7 +250,11 @@ def test_same_run_as_nemo_cache(small_cache, nemo_cache):
     nemo, nemo_draws = _run(nemo_cache, 5, 2, seed=7)
     assert len(ours) == len(nemo) == 2 * -(-len(dspark_cache.open_cache(small_cache)) // 5)
     for a, b in zip(ours, nemo):
-        assert list(a) == list(b) == ["input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"]
+        assert (
+            list(a)
+            == list(b)
+            == ["input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states"]
+        )
         for key in a:
             assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
     assert all(torch.equal(x, y) for x, y in zip(our_draws, nemo_draws))
@@ -244,7 +267,9 @@ def test_reads_one_batch_ahead_without_workers(small_cache):
     first = next(iterator)
     assert iterator._ahead is not None  # the second batch is being read while the first is used
     dataset = dn.DSparkMapDataset(small_cache)
-    assert torch.equal(next(iterator)["input_ids"], torch.stack([dataset[i]["input_ids"] for i in range(4, 8)]))
+    assert torch.equal(
+        next(iterator)["input_ids"], torch.stack([dataset[i]["input_ids"] for i in range(4, 8)])
+    )
     assert first["input_ids"].shape[0] == 4
 
 

@@ -108,7 +108,9 @@ def test_unusable_inputs_fail_under_both_policies(embedded, tmp_path, capsys, po
 # A tokenizer.json normalizer whose regex backtracks past Oniguruma's retry limit on a long run of
 # "a"s: tokenizers then panics in Rust (pyo3_runtime.PanicException, not an Exception).
 PANIC_NORMALIZER = {"type": "Replace", "pattern": {"Regex": "(a|aa)+#"}, "content": "#"}
-PANIC_ROW = {"messages": [{"role": "user", "content": "x " + "a" * 60 + "b"}, {"role": "assistant", "content": "ok"}]}
+PANIC_ROW = {
+    "messages": [{"role": "user", "content": "x " + "a" * 60 + "b"}, {"role": "assistant", "content": "ok"}]
+}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,9 @@ def panicking_target(embedded, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
-def test_a_tokenizer_panic_is_an_invalid_row_in_process_and_in_workers(panicking_target, tmp_path, capsys, workers):
+def test_a_tokenizer_panic_is_an_invalid_row_in_process_and_in_workers(
+    panicking_target, tmp_path, capsys, workers
+):
     data = _write(tmp_path / "rows.jsonl", [json.dumps(GOOD), json.dumps(PANIC_ROW), json.dumps(GOOD)])
     out = str(tmp_path / "out")
     args = ("--seq-length", "64", "--num-workers", workers)
@@ -141,11 +145,18 @@ def test_a_tokenizer_panic_is_an_invalid_row_in_process_and_in_workers(panicking
 
 @pytest.mark.parametrize("policy", ["error", "skip"])
 def test_an_input_of_only_bad_rows_lists_them_like_a_partly_bad_one(embedded, tmp_path, capsys, policy):
-    bad = ['{"messages": [', json.dumps(NO_ANSWER)] + ['{"messages": [{"role": "narrator", "content": "x"}]}'] * 23
+    bad = ['{"messages": [', json.dumps(NO_ANSWER)] + [
+        '{"messages": [{"role": "narrator", "content": "x"}]}'
+    ] * 23
     data = _write(tmp_path / "bad.jsonl", bad)
-    assert run_produce(embedded.stock, data, str(tmp_path / "out"), "--seq-length", "64", "--on-invalid", policy) == 1
+    assert (
+        run_produce(embedded.stock, data, str(tmp_path / "out"), "--seq-length", "64", "--on-invalid", policy)
+        == 1
+    )
     err = capsys.readouterr().err
-    assert "none of the 25 rows" in err and "(1 malformed JSON, 1 no supervised token, 23 unknown role)" in err, err
+    assert (
+        "none of the 25 rows" in err and "(1 malformed JSON, 1 no supervised token, 23 unknown role)" in err
+    ), err
     assert f"{data}:1: malformed JSON (" in err and f"{data}:2: no supervised token" in err
     assert f"{data}:20: messages[0].role: unknown role 'narrator'" in err and f"{data}:21:" not in err
     assert "... and 5 more" in err and "Fix these rows" in err
@@ -156,4 +167,6 @@ def test_a_file_of_a_kind_we_do_not_read_says_so(embedded, tmp_path, capsys):
     text.write_text("one line of plain text\nanother line\n")
     assert run_produce(embedded.stock, str(text), str(tmp_path / "out")) == 1
     err = capsys.readouterr().err
-    assert f"input file {text} is not a kind of file dspark-produce reads" in err and "JSONL (.jsonl" in err, err
+    assert (
+        f"input file {text} is not a kind of file dspark-produce reads" in err and "JSONL (.jsonl" in err
+    ), err

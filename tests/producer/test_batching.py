@@ -19,7 +19,9 @@ def test_batches_respect_budget_and_are_deterministic():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 700, size=200).tolist()
     batches = length_grouped_batches(_samples(lengths), max_batch_tokens=2048, max_batch_samples=8)
-    again = length_grouped_batches(list(reversed(_samples(lengths))), max_batch_tokens=2048, max_batch_samples=8)
+    again = length_grouped_batches(
+        list(reversed(_samples(lengths))), max_batch_tokens=2048, max_batch_samples=8
+    )
     assert [[s.sample_id for s in b] for b in batches] == [[s.sample_id for s in b] for b in again]
     assert sorted(s.sample_id for b in batches for s in b) == list(range(200))
     for batch in batches:
@@ -63,7 +65,12 @@ def test_different_batch_budgets_give_identical_samples(embedded, tmp_path):
     a, b = outs
     # The budget changes which samples share a shard (so a resume must not mix the two plans) ...
     differs = {k for k in a.manifest.identity() if a.manifest.identity()[k] != b.manifest.identity()[k]}
-    assert "plan_sha256" in differs and differs <= {"plan_sha256", "planned_padded_tokens", "num_shards", "planned_bytes"}
+    assert "plan_sha256" in differs and differs <= {
+        "plan_sha256",
+        "planned_padded_tokens",
+        "num_shards",
+        "planned_bytes",
+    }
     # ... and nothing about the samples themselves, which every reader yields in ascending id.
     ids = [x["sample_id"] for x in a.samples()]
     assert ids == sorted(ids) and len(ids) == a.manifest.num_samples
@@ -71,4 +78,6 @@ def test_different_batch_budgets_give_identical_samples(embedded, tmp_path):
         assert x["sample_id"] == y["sample_id"]
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
         torch.testing.assert_close(x["target_hidden_states"], y["target_hidden_states"], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(x["target_last_hidden_states"], y["target_last_hidden_states"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            x["target_last_hidden_states"], y["target_last_hidden_states"], rtol=1e-4, atol=1e-5
+        )

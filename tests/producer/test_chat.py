@@ -138,11 +138,20 @@ def test_mask_generation_prompt_counts_truncated_turns_from_the_full_render(toke
 
 _TURN = "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
 HOSTILE = {  # a body run for a message whose content is "bad"; what the render must be stopped for
-    "nested range": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "slow"),
-    "loops over a string": ("{% set s = m.role * 1000 %}{% for a in s %}{% for b in s %}{% for c in s %}{% endfor %}"
-                            "{% endfor %}{% endfor %}", "slow"),  # no call or attribute inside: only the alarm
-    "nested output": ("{% for i in range(100000) %}{% for j in range(100000) %}{{ m.role * 1000 }}{% endfor %}"
-                      "{% endfor %}", "large"),
+    "nested range": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "slow",
+    ),
+    "loops over a string": (
+        "{% set s = m.role * 1000 %}{% for a in s %}{% for b in s %}{% for c in s %}{% endfor %}"
+        # no call or attribute inside: only the alarm
+        "{% endfor %}{% endfor %}",
+        "slow",
+    ),
+    "nested output": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ m.role * 1000 }}{% endfor %}{% endfor %}",
+        "large",
+    ),
     "string repeat": ("{{ m.role * 1000000000 }}", "large"),
     "center": ("{{ m.role | center(100000 * 100000) }}", "large"),
     "method width": ("{{ m.role.ljust(100000 * 100000) }}", "large"),
@@ -151,8 +160,11 @@ HOSTILE = {  # a body run for a message whose content is "bad"; what the render 
     "format width": ("{{ '{:>1000000000}'.format(m.role) }}", "large"),
     "replace": ("{{ m.role.replace('', 'y' * 1000000) }}", "large"),
     "constant": ("{{ 'x' | center(10000000000) }}", "large"),  # folded while compiling: left to the render
-    "append": ("{% set ns = namespace(s='y' * 100000) %}{% for i in range(100) %}{% set ns.s = ns.s + ns.s %}"
-               "{% endfor %}{{ ns.s }}", "large"),
+    "append": (
+        "{% set ns = namespace(s='y' * 100000) %}{% for i in range(100) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}{{ ns.s }}",
+        "large",
+    ),
 }
 
 
@@ -169,9 +181,13 @@ def test_a_template_that_loops_or_explodes_on_a_row_makes_it_invalid_quickly(tok
     encoder = ChatEncoder(tok, 512)
     encoder.render_seconds = 1.0
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    row = encoder.encode(good)  # an ordinary row renders as transformers renders the template without the trap
+    # an ordinary row renders as transformers renders the template without the trap
+    row = encoder.encode(good)
     plain = copy_with_template(tok, "{% for m in messages %}" + _TURN + "{% endfor %}")
-    assert row.input_ids.tolist() == plain.apply_chat_template(good, tokenize=True, return_dict=True)["input_ids"]
+    assert (
+        row.input_ids.tolist()
+        == plain.apply_chat_template(good, tokenize=True, return_dict=True)["input_ids"]
+    )
     started = time.monotonic()
     with pytest.raises(TemplateLimitError) as caught:
         encoder.encode([{"role": "user", "content": "bad"}, {"role": "assistant", "content": "ok"}])
@@ -180,7 +196,9 @@ def test_a_template_that_loops_or_explodes_on_a_row_makes_it_invalid_quickly(tok
     if kind == "slow":
         assert caught.value.reason == "template too slow" and "took over 1 s" in caught.value.detail
     else:
-        assert caught.value.reason == "template output too large" and caught.value.detail.startswith("template ")
+        assert caught.value.reason == "template output too large" and caught.value.detail.startswith(
+            "template "
+        )
     assert encoder.encode(good).input_ids.tolist() == row.input_ids.tolist()  # the encoder still works
 
 
@@ -199,9 +217,14 @@ def test_hostile_template_rows_follow_on_invalid_in_process_and_in_workers(embed
     import dspark_cache
     from tests.support.produce import run_produce, write_jsonl
 
-    template = ("{% for m in messages %}{% if m.content == 'loop' %}" + HOSTILE["nested range"][0] + "{% endif %}"
-                "{% if m.content == 'huge' %}" + HOSTILE["nested output"][0] + "{% endif %}" + _TURN + "{% endfor %}")
-    rows = [[{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}] for c in ("hi", "loop", "huge")]
+    template = (
+        "{% for m in messages %}{% if m.content == 'loop' %}" + HOSTILE["nested range"][0] + "{% endif %}"
+        "{% if m.content == 'huge' %}" + HOSTILE["nested output"][0] + "{% endif %}" + _TURN + "{% endfor %}"
+    )
+    rows = [
+        [{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}]
+        for c in ("hi", "loop", "huge")
+    ]
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": m} for m in rows])
     out = str(tmp_path / "out")
     args = ("--seq-length", "64", "--chat-template", template)
@@ -220,16 +243,22 @@ def test_a_chat_template_path_that_is_a_fifo_or_huge_is_refused_unread(tmp_path)
 
     fifo = tmp_path / "template.jinja"
     os.mkfifo(fifo)
-    with pytest.raises(ChatTemplateError, match=r"template\.jinja is a FIFO, not a regular file; pass a template"):
+    with pytest.raises(
+        ChatTemplateError, match=r"template\.jinja is a FIFO, not a regular file; pass a template"
+    ):
         resolve_chat_template(str(fifo))
     huge = tmp_path / "huge.jinja"
     with open(huge, "wb") as handle:
         handle.truncate(64 << 20)  # sparse: nothing is written, and nothing must be read
-    with pytest.raises(ChatTemplateError, match=r"huge\.jinja is 67108864 bytes, more than a chat template can be"):
+    with pytest.raises(
+        ChatTemplateError, match=r"huge\.jinja is 67108864 bytes, more than a chat template can be"
+    ):
         resolve_chat_template(str(huge))
 
 
-def test_a_template_that_loops_on_every_row_stops_the_run_after_a_few(embedded, tmp_path, capsys, monkeypatch):
+def test_a_template_that_loops_on_every_row_stops_the_run_after_a_few(
+    embedded, tmp_path, capsys, monkeypatch
+):
     """Issue 41, item 12: each looping render costs the whole deadline; a dataset of them would take days to
     report, so a part whose first rows all run out of time stops the run at once."""
     from dspark_cache.producer.encode import chat, template as template_module

@@ -81,7 +81,9 @@ def test_console_script_exit_code(embedded, tmp_path):
     usage = subprocess.run([exe, "--input-data", "x"], capture_output=True, text=True)
     assert usage.returncode == 2 and "--target-model" in usage.stderr
     data = write_jsonl(tmp_path / "d.jsonl", [json.dumps(GOOD), "not json"])
-    bad = subprocess.run([exe, *produce_args(embedded.stock, data, str(tmp_path / "o"))], capture_output=True, text=True)
+    bad = subprocess.run(
+        [exe, *produce_args(embedded.stock, data, str(tmp_path / "o"))], capture_output=True, text=True
+    )
     assert bad.returncode == 1 and "d.jsonl:2" in bad.stderr
 
 
@@ -129,8 +131,23 @@ def test_readme_exit_codes_are_the_code_table():
 
 def test_tui_flag_only_on_the_console_script(tmp_path):
     """The torchrun module refuses --tui (its child would start another monitor) with one usage line."""
-    done = warm.run([sys.executable, "-m", "dspark_cache.producer", "--tui", "--target-model", "x",
-                     "--input-data", "y", "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = warm.run(
+        [
+            sys.executable,
+            "-m",
+            "dspark_cache.producer",
+            "--tui",
+            "--target-model",
+            "x",
+            "--input-data",
+            "y",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--tui" in done.stderr, done.stderr
 
 
@@ -140,7 +157,9 @@ def test_tui_flag_only_on_the_console_script(tmp_path):
 def test_a_command_module_is_not_an_entry_that_does_nothing(tmp_path, module, entry):
     """A script still naming an entry's old path (``-m dspark_cache.producer.cli`` ...) fails naming the
     right one, instead of exiting 0 having done nothing."""
-    done = warm.run([sys.executable, "-m", module, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = warm.run(
+        [sys.executable, "-m", module, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and f"python -m {entry} with the same arguments" in done.stderr, done.stderr
     assert os.listdir(tmp_path) == []
 
@@ -149,13 +168,18 @@ def test_a_command_module_is_not_an_entry_that_does_nothing(tmp_path, module, en
     (["--log-level", "LOUD"], ["--log-level", "'LOUD'", "DEBUG"]),
     (["--device", "tpu"], ["--device", "'tpu'", "auto, cpu, cuda or cuda:N"]),
     (["--device", "cuda:x"], ["--device", "'cuda:x'", "auto, cpu, cuda or cuda:N"]),
-    (["--compute-dtype", "fp8"], ["--compute-dtype", "'fp8'", "'bf16'"]),  # a storage dtype, not a compute one
+    # a storage dtype, not a compute one
+    (["--compute-dtype", "fp8"], ["--compute-dtype", "'fp8'", "'bf16'"]),
 ])
 def test_bad_log_level_and_device_are_one_line_usage_errors(tmp_path, args, needles):
     """Checked while parsing: exit 2, one line naming the accepted values, no traceback, nothing written."""
     out = tmp_path / "out"
-    done = _script("dspark-produce", "--target-model", "x", "--input-data", "y", "--output-dir", str(out), *args)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    done = _script(
+        "dspark-produce", "--target-model", "x", "--input-data", "y", "--output-dir", str(out), *args
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, (
+        done.stderr
+    )
     assert all(needle in done.stderr for needle in needles), done.stderr
     assert done.stdout == "" and not out.exists()
 
@@ -178,7 +202,9 @@ def test_help_lists_defaults():
                             ("--dtype", "bf16"), ("--device", "auto"), ("--shuffle-seed", "42"),
                             ("--draft-num-hidden-layers", "5"), ("--compute-dtype", "auto"),
                             ("--rank-timeout", "300.0"), ("--log-level", "INFO")]:
-        assert f"(default: {default})" in blocks[option] or f"(default {default})" in blocks[option], blocks[option]
+        assert f"(default: {default})" in blocks[option] or f"(default {default})" in blocks[option], blocks[
+            option
+        ]
     assert "default" in blocks["--num-workers"] and "cores" in blocks["--num-workers"]
     assert not [b for b in blocks.values() if "(default: None)" in b or "(default: False)" in b]
     assert "--no-progress" in blocks

@@ -14,7 +14,18 @@ from tests.support.produce import run_produce
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-COMMON = ("--seq-length", "512", "--shard-size", "8", "--batch-size", "4", "--compute-dtype", "fp32", "--dtype", "fp32")
+COMMON = (
+    "--seq-length",
+    "512",
+    "--shard-size",
+    "8",
+    "--batch-size",
+    "4",
+    "--compute-dtype",
+    "fp32",
+    "--dtype",
+    "fp32",
+)
 
 
 # The default ids contain the final state (the target returns no separate last state: the
@@ -88,14 +99,24 @@ def test_staged_batches_survive_the_next_forward(tmp_path):
     counter = itertools.count(1)
 
     def numbered(ids, mask):
-        return torch.full((*ids.shape, 5 * 512), float(next(counter)), dtype=torch.bfloat16, device=ids.device), None
+        return torch.full(
+            (*ids.shape, 5 * 512), float(next(counter)), dtype=torch.bfloat16, device=ids.device
+        ), None
 
     paths = CachePaths(str(tmp_path))
     import os
 
     os.makedirs(paths.shards_dir)
-    run_pipeline(shards, numbered, output=CacheOutput(paths.root), shape=SampleShape((0, 1, 2, 3, 4), 5, 512, "BF16"),
-                 device=torch.device("cuda"), pad_id=0, max_inflight_bytes=32 << 20, check_finite=False)
+    run_pipeline(
+        shards,
+        numbered,
+        output=CacheOutput(paths.root),
+        shape=SampleShape((0, 1, 2, 3, 4), 5, 512, "BF16"),
+        device=torch.device("cuda"),
+        pad_id=0,
+        max_inflight_bytes=32 << 20,
+        check_finite=False,
+    )
     stored = _read_shards(str(tmp_path))
     assert len(stored) == len(samples)
     for sid, hidden in stored.items():
@@ -145,9 +166,15 @@ def test_producer_loop_has_no_host_sync(embedded, tmp_path):
     try:
         with warnings.catch_warnings(record=True) as caught, HostSyncTrap() as trap:
             warnings.simplefilter("always")
-            run_pipeline(_plan([[40, 33], [20], [64, 60, 2]] * 4, 3), runner.forward, output=CacheOutput(paths.root),
-                         shape=SampleShape((1, layers - 1), layers, hidden, "BF16"), device=device, pad_id=0,
-                         max_inflight_bytes=1 << 20)
+            run_pipeline(
+                _plan([[40, 33], [20], [64, 60, 2]] * 4, 3),
+                runner.forward,
+                output=CacheOutput(paths.root),
+                shape=SampleShape((1, layers - 1), layers, hidden, "BF16"),
+                device=device,
+                pad_id=0,
+                max_inflight_bytes=1 << 20,
+            )
         syncs = [f"{os.path.basename(w.filename)}:{w.lineno} {w.message}" for w in caught
                  if "synchroniz" in str(w.message)]
     finally:

@@ -25,7 +25,10 @@ def test_one_cache_serves_each_drafter_as_its_own_cache_would(embedded, tmp_path
     for depth in (1, 3):  # depth 5's spread is the union itself
         layers = build_target_layer_ids(8, depth)
         alone = str(tmp_path / f"alone-{depth}")
-        assert run_produce(embedded.stock, embedded.data, alone, *ARGS, "--draft-num-hidden-layers", str(depth)) == 0
+        assert (
+            run_produce(embedded.stock, embedded.data, alone, *ARGS, "--draft-num-hidden-layers", str(depth))
+            == 0
+        )
         own = dspark_cache.build_dataloader(alone, 4, shuffle=True, seed=2)
         shared = dspark_cache.build_dataloader(union, 4, shuffle=True, seed=2, target_layer_ids=layers,
                                                expect={"target_layer_ids": layers, "hidden_size": 64})
@@ -42,10 +45,16 @@ def test_one_cache_serves_each_drafter_as_its_own_cache_would(embedded, tmp_path
 
 def test_dry_run_states_what_the_union_costs(embedded, tmp_path, capsys):
     out = str(tmp_path / "c")
-    assert run_produce(embedded.stock, embedded.data, out, *ARGS, "--for-draft-layers", "1,2,3,5", "--dry-run") == 0
+    assert (
+        run_produce(embedded.stock, embedded.data, out, *ARGS, "--for-draft-layers", "1,2,3,5", "--dry-run")
+        == 0
+    )
     printed = capsys.readouterr().out
-    line = re.search(r"--for-draft-layers 1,2,3,5: layers \[1, 2, 4, 6, 7\] \(5 of 8\) serve all 4 drafter depths: "
-                     r"(\d+) bytes/token, .* one cache per depth would store (\d+) bytes/token \((\d+\.\d+)x\)", printed)
+    line = re.search(
+        r"--for-draft-layers 1,2,3,5: layers \[1, 2, 4, 6, 7\] \(5 of 8\) serve all 4 drafter depths: "
+        r"(\d+) bytes/token, .* one cache per depth would store (\d+) bytes/token \((\d+\.\d+)x\)",
+        printed,
+    )
     assert line, printed
     own, alone, ratio = int(line[1]), int(line[2]), float(line[3])
     # per token: fp32 states (64 columns a layer) plus an int32 id and a uint8 mask

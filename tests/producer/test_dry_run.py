@@ -19,7 +19,9 @@ def test_dry_run_prints_the_plan_of_the_real_run_and_writes_only_the_plan(embedd
     paths = CachePaths(out)
     dirs = {os.path.basename(paths.plan_dir), os.path.basename(paths.control_dir)}
     assert set(os.listdir(out)) <= dirs  # the saved plan (and the lock it was written under)
-    assert not os.listdir(paths.control_dir) or os.listdir(paths.control_dir) == [os.path.basename(paths.lock)]
+    assert not os.listdir(paths.control_dir) or os.listdir(paths.control_dir) == [
+        os.path.basename(paths.lock)
+    ]
     caplog.set_level("INFO", logger="dspark_cache")
     assert run_produce(embedded.stock, embedded.data, out, *args) == 0
     assert "reusing the saved plan" in caplog.text  # the real run tokenised nothing

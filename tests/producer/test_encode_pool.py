@@ -66,7 +66,9 @@ def test_running_out_of_memory_on_a_row_says_where_and_what_to_do():
 
     for workers in (0, 2):
         rows = (RawRow(i, f"data.jsonl:{i + 1}") for i in range(200))
-        with pytest.raises(MemoryError, match=r"out of memory while encoding the row at data\.jsonl:71; lower "):
+        with pytest.raises(
+            MemoryError, match=r"out of memory while encoding the row at data\.jsonl:71; lower "
+        ):
             list(encode_pool.encode_rows(rows, _encode_or_run_out, num_workers=workers))
 
 
@@ -91,16 +93,24 @@ def test_two_interrupts_while_workers_encode_exit_3_at_once_and_leave_no_worker(
 
     if not sys.platform.startswith("linux"):
         pytest.skip("walks /proc")
-    data = write_sample_data(str(tmp_path / "big.jsonl"), num_rows=4000, seed=5)  # encoding lasts many seconds
+    # encoding lasts many seconds
+    data = write_sample_data(str(tmp_path / "big.jsonl"), num_rows=4000, seed=5)
     args = produce_args(embedded.stock, data, str(tmp_path / "out"), "--num-workers", "2")
     run = uuid.uuid4().hex
     log = str(tmp_path / "produce.log")
     with open(log, "w") as out:
-        proc = subprocess.Popen(producer_cmd(*args), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", MARKER: run})
+        proc = subprocess.Popen(
+            producer_cmd(*args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", MARKER: run},
+        )
     try:
         deadline = time.monotonic() + 120
-        while len(workers := descendants(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        while (
+            len(workers := descendants(proc.pid)) < 2 and proc.poll() is None and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         assert len(workers) >= 2, "the pool's workers never started"
         time.sleep(0.5)  # rows are being encoded

@@ -60,7 +60,8 @@ def test_symlinked_cache_dir_is_refused_and_nothing_behind_it_is_touched(embedde
         err = capsys.readouterr().err
         assert f"{linked} is a symbolic link (to {elsewhere})" in err, err
         assert "real directory" in err and "--output-dir" in err
-        assert {p: p.read_text() for p in elsewhere.iterdir()} == victims  # every file behind the link survives
+        # every file behind the link survives
+        assert {p: p.read_text() for p in elsewhere.iterdir()} == victims
         assert not os.path.exists(CachePaths(str(out)).manifest)
 
 
@@ -173,8 +174,11 @@ def test_every_rank_of_a_job_holds_the_lock(tmp_path):
     ranks = []
     try:
         for role in ("rank0", "rank1"):
-            ranks.append(subprocess.Popen([sys.executable, "-c", HOLD, paths.root, role], stdout=subprocess.PIPE,
-                                          text=True))
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", HOLD, paths.root, role], stdout=subprocess.PIPE, text=True
+                )
+            )
             assert ranks[-1].stdout.readline() == "held\n"
         ranks[0].kill()
         ranks[0].wait()
@@ -197,23 +201,34 @@ def test_a_row_over_max_row_bytes_is_an_invalid_row(embedded, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert run_produce(embedded.stock, data, out, *ARGS, "--max-row-bytes", "4096") == 1
     err = capsys.readouterr().err
-    assert "d.jsonl:2: the row is 10" in err and "over --max-row-bytes 4096" in err and "--on-invalid skip" in err
-    assert run_produce(embedded.stock, data, out, *ARGS, "--max-row-bytes", "4096", "--on-invalid", "skip") == 0
+    assert (
+        "d.jsonl:2: the row is 10" in err
+        and "over --max-row-bytes 4096" in err
+        and "--on-invalid skip" in err
+    )
+    assert (
+        run_produce(embedded.stock, data, out, *ARGS, "--max-row-bytes", "4096", "--on-invalid", "skip") == 0
+    )
     m = json.load(open(CachePaths(out).manifest))
     assert m["skipped_rows"] == {"row too long": 1} and m["skipped"][0]["where"] == f"{data}:2"
     assert m["num_samples"] == 2
 
 
 def test_a_row_the_chat_template_refuses_is_an_invalid_row(embedded, tmp_path, capsys):
-    template = ("{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
-                "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    template = (
+        "{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
     boom = {"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "ok"}]}
     data = write_jsonl(tmp_path / "d.jsonl", [GOOD, boom, GOOD])
     out = str(tmp_path / "out")
     assert run_produce(embedded.stock, data, out, *ARGS, "--chat-template", template) == 1
     err = capsys.readouterr().err
     assert "d.jsonl:2: the chat template or tokenizer failed on this row" in err and "no boom here" in err
-    assert run_produce(embedded.stock, data, out, *ARGS, "--chat-template", template, "--on-invalid", "skip") == 0
+    assert (
+        run_produce(embedded.stock, data, out, *ARGS, "--chat-template", template, "--on-invalid", "skip")
+        == 0
+    )
     m = json.load(open(CachePaths(out).manifest))
     assert m["skipped_rows"] == {"cannot encode": 1} and m["num_samples"] == 2
 
@@ -244,7 +259,9 @@ print(json.dumps({"grew": rss("VmHWM:") - base, "lengths": [len(r.input_ids) for
 def test_a_huge_row_costs_memory_for_seq_length_tokens_not_for_the_row(embedded, tmp_path):
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("needs Linux /proc/self/clear_refs to measure peak memory")
-    words = " ".join(itertools.islice(itertools.cycle("the model reads a shard of cached states".split()), 2_000_000))
+    words = " ".join(
+        itertools.islice(itertools.cycle("the model reads a shard of cached states".split()), 2_000_000)
+    )
     row = {"messages": [{"role": "user", "content": "summarise"},
                         {"role": "assistant", "content": words, "reasoning_content": "think " * 50}]}
     data = write_jsonl(tmp_path / "big.jsonl", [row])
@@ -253,7 +270,9 @@ def test_a_huge_row_costs_memory_for_seq_length_tokens_not_for_the_row(embedded,
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # Tokenising the whole row took ~127 bytes per input byte; the row itself is held a few times.
-    assert result["grew"] < 10 * size, f"peak grew by {result['grew'] / 1e6:.0f} MB for a {size / 1e6:.0f} MB row"
+    assert result["grew"] < 10 * size, (
+        f"peak grew by {result['grew'] / 1e6:.0f} MB for a {size / 1e6:.0f} MB row"
+    )
     assert result["lengths"] == [2048] and result["exact"] == [False]
 
 

@@ -42,23 +42,29 @@ def tiny_cache(embedded, tiny_data, tmp_path_factory) -> str:
 
 # --- settings that cannot work: one usage line, exit 2, nothing read or written -----------------
 
-@pytest.mark.parametrize("args,needle", [
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--seq-length", "0"], "--seq-length must be >= 1"),
-    (["--shard-size", "0"], "--shard-size must be >= 1"),
-    (["--writer-threads", "0"], "--writer-threads must be >= 1"),
-    (["--writer-threads", "65"], "--writer-threads 65 is over 64"),
-    (["--seq-length", str((1 << 24) + 1)], "the longest sample a cache's index and readers accept"),
-    (["--shard-size", str(1 << 63)], "the most samples a shard index can list"),
-    (["--num-workers", "-1"], "--num-workers must be >= 0"),
-    (["--rank-timeout", "-5"], "--rank-timeout must be a positive number of seconds"),
-    (["--rank-timeout", "nan"], "--rank-timeout must be a positive number of seconds"),
-    (["--seq-length", "512", "--max-batch-tokens", "100"], "--max-batch-tokens 100 is below --seq-length 512"),
-    (["--shuffle-seed", "-1"], "--shuffle-seed must be >= 0"),
-    (["--target-layer-ids", "3", "1"], "must be strictly increasing"),
-    (["--target-layer-ids", "1", "1"], "must be strictly increasing"),
-    (["--target-layer-ids", "-2", "3"], "ids start at -1"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--seq-length", "0"], "--seq-length must be >= 1"),
+        (["--shard-size", "0"], "--shard-size must be >= 1"),
+        (["--writer-threads", "0"], "--writer-threads must be >= 1"),
+        (["--writer-threads", "65"], "--writer-threads 65 is over 64"),
+        (["--seq-length", str((1 << 24) + 1)], "the longest sample a cache's index and readers accept"),
+        (["--shard-size", str(1 << 63)], "the most samples a shard index can list"),
+        (["--num-workers", "-1"], "--num-workers must be >= 0"),
+        (["--rank-timeout", "-5"], "--rank-timeout must be a positive number of seconds"),
+        (["--rank-timeout", "nan"], "--rank-timeout must be a positive number of seconds"),
+        (
+            ["--seq-length", "512", "--max-batch-tokens", "100"],
+            "--max-batch-tokens 100 is below --seq-length 512",
+        ),
+        (["--shuffle-seed", "-1"], "--shuffle-seed must be >= 0"),
+        (["--target-layer-ids", "3", "1"], "must be strictly increasing"),
+        (["--target-layer-ids", "1", "1"], "must be strictly increasing"),
+        (["--target-layer-ids", "-2", "3"], "ids start at -1"),
+    ],
+)
 def test_settings_that_cannot_work_are_usage_errors(tmp_path, capsys, args, needle):
     from dspark_cache.producer.__main__ import main
 
@@ -101,7 +107,9 @@ def test_the_format_limits_are_the_readers_own():
     top = (1 << 64) - 1
     entry = SampleEntry(top, MAX_SEQ_LENGTH, MAX_SEQ_LENGTH, top, top, top)
     one = len(msgspec.json.encode(ShardIndex(shard_id=0, tar_bytes=0, tar_xxh3=0, samples=[entry])))
-    per_entry = len(msgspec.json.encode(ShardIndex(shard_id=0, tar_bytes=0, tar_xxh3=0, samples=[entry] * 2))) - one
+    per_entry = (
+        len(msgspec.json.encode(ShardIndex(shard_id=0, tar_bytes=0, tar_xxh3=0, samples=[entry] * 2))) - one
+    )
     assert (MAX_SHARD_SIZE + 1) * per_entry > MAX_INDEX_BYTES >= MAX_SHARD_SIZE * per_entry
 
 
@@ -111,10 +119,14 @@ def test_convert_and_verify_agree_on_a_directory_that_is_not_a_cache(tmp_path):
     done = {}
     for script, args in (("dspark-verify", [str(empty)]),
                          ("dspark-convert", [str(empty), str(tmp_path / "dst"), "--to", "nemo"])):
-        done[script] = subprocess.run([os.path.join(BIN, script), *args], capture_output=True, text=True, timeout=120)
+        done[script] = subprocess.run(
+            [os.path.join(BIN, script), *args], capture_output=True, text=True, timeout=120
+        )
     for script, proc in done.items():
         assert proc.returncode == EXIT_USAGE, (script, proc.stderr)
-        assert f"{empty} is not a dspark cache" in proc.stderr and "dspark-produce --output-dir" in proc.stderr
+        assert (
+            f"{empty} is not a dspark cache" in proc.stderr and "dspark-produce --output-dir" in proc.stderr
+        )
 
 
 # --- the lock record: its stop hint, and never anything but a regular file ---------------------
@@ -127,11 +139,14 @@ def test_a_refused_second_producer_is_told_the_monitors_stop_key(tmp_path):
     held = lock_exclusive(paths, "run-a", 1)
     try:
         with pytest.raises(CacheLockedError) as refused:
-            lock_exclusive(paths, "run-b", 1)  # another open file description: flock refuses it, as for a process
+            # another open file description: flock refuses it, as for a process
+            lock_exclusive(paths, "run-b", 1)
     finally:
         held.release()
     # The monitor's stop key is s (q only leaves it; under --tui q asks, then stops the child it started).
-    assert f"press s in dspark-monitor {paths.root}" in str(refused.value) and "q in" not in str(refused.value)
+    assert f"press s in dspark-monitor {paths.root}" in str(refused.value) and "q in" not in str(
+        refused.value
+    )
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "link to a device"])
@@ -139,14 +154,19 @@ def test_a_lock_record_that_is_not_a_regular_file_is_refused_without_blocking(tm
     """Every way in (rank 0, a joining rank, dspark-convert's destination) refuses it with what to do."""
     paths = CachePaths(str(tmp_path / "cache"))
     os.makedirs(paths.control_dir)
-    {"fifo": lambda p: os.mkfifo(p), "directory": os.mkdir, "link to a device": lambda p: os.symlink("/dev/zero", p)
-     }[kind](paths.lock)
+    {
+        "fifo": lambda p: os.mkfifo(p),
+        "directory": os.mkdir,
+        "link to a device": lambda p: os.symlink("/dev/zero", p),
+    }[kind](paths.lock)
     probe = ("import sys\nfrom dspark_cache.format.paths import CachePaths\n"
              "from dspark_cache.storage.lock import LockFileError, lock_exclusive, lock_shared\n"
              "paths = CachePaths(sys.argv[1])\n"
              "for take in (lambda: lock_exclusive(paths, 'r', 1), lambda: lock_shared(paths)):\n"
              "    try:\n        take()\n    except LockFileError as exc:\n        print(exc)\n")
-    done = subprocess.run([sys.executable, "-c", probe, paths.root], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, paths.root], capture_output=True, text=True, timeout=60
+    )
     lines = done.stdout.splitlines()
     assert done.returncode == 0 and len(lines) == 2, done.stdout + done.stderr
     assert all(f"{paths.lock} is not a regular file" in line and "Remove it" in line for line in lines), lines
@@ -155,13 +175,19 @@ def test_a_lock_record_that_is_not_a_regular_file_is_refused_without_blocking(tm
 
 # --- leftovers: only what the writer names, only regular files ----------------------------------
 
-def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(embedded, tmp_path, tiny_data, capsys):
+def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(
+    embedded, tmp_path, tiny_data, capsys
+):
     out = tmp_path / "cache"
     assert run_produce(embedded.stock, tiny_data, str(out), *ARGS) == 0
     paths = CachePaths(str(out))
     shards = pathlib.Path(paths.shards_dir)
-    mine = {shards / "notes.tmp": "mine", shards / "draft.partial": "mine too", shards / "shard-1.tar.partial": "x",
-            shards / "shard-000000.idx.tmp": "not the writer's spelling"}
+    mine = {
+        shards / "notes.tmp": "mine",
+        shards / "draft.partial": "mine too",
+        shards / "shard-1.tar.partial": "x",
+        shards / "shard-000000.idx.tmp": "not the writer's spelling",
+    }
     for path, text in mine.items():
         path.write_text(text)
     ours = [pathlib.Path(paths.shard_partial(7)), shards / "shard-000001.idx.123.456.tmp"]
@@ -188,8 +214,23 @@ def test_resume_deletes_only_the_writers_leftovers_and_refuses_odd_ones(embedded
 def test_a_stop_that_lands_on_the_last_shard_completes_the_job(embedded, tmp_path):
     """One shard, so the shard in flight is the last: the stop finishes it, and then the work is all done."""
     out = str(tmp_path / "cache")
-    proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
-                                            "--shard-size", "1000", "--batch-size", "1", "--num-workers", "0")))
+    proc = start(
+        producer_cmd(
+            *produce_args(
+                embedded.stock,
+                embedded.data,
+                out,
+                "--seq-length",
+                "256",
+                "--shard-size",
+                "1000",
+                "--batch-size",
+                "1",
+                "--num-workers",
+                "0",
+            )
+        )
+    )
     try:
         partial = CachePaths(out).shard_partial(0)
         wait_for(lambda: os.path.exists(partial) or proc.poll() is not None, timeout=240, poll=0.005)
@@ -228,7 +269,9 @@ def test_a_resume_says_what_it_kept_and_counts_the_whole_job(embedded, tiny_data
     shards = manifest.num_shards
     line = f"resuming: 2 of {shards} shards ({samples} samples) already published; computing {shards - 2}"
     assert f"INFO dspark_cache.producer.report.status: {line}\n" in again.stderr, again.stderr
-    final = re.search(r"progress: computed (\d+)/(\d+) samples, 100\.0% of tokens, (\d+)/(\d+) shards", again.stderr)
+    final = re.search(
+        r"progress: computed (\d+)/(\d+) samples, 100\.0% of tokens, (\d+)/(\d+) shards", again.stderr
+    )
     assert final, again.stderr
     assert [int(g) for g in final.groups()] == [manifest.num_samples] * 2 + [shards] * 2
 
@@ -260,8 +303,9 @@ def test_a_second_ctrl_c_while_exiting_exits_3_without_a_traceback(embedded, tmp
     assert not verify_cache(out).corrupt
 
 
-def test_a_plan_with_more_shards_than_readers_accept_is_refused_before_loading(embedded, tmp_path, monkeypatch,
-                                                                                capsys):
+def test_a_plan_with_more_shards_than_readers_accept_is_refused_before_loading(
+    embedded, tmp_path, monkeypatch, capsys
+):
     """The shard count is known only once planned: refused then, before the target loads, never after hours."""
     from dspark_cache.format import validate
 
@@ -274,15 +318,26 @@ def test_a_plan_with_more_shards_than_readers_accept_is_refused_before_loading(e
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,kind", [
-    (lambda paths: paths.events(0), "fifo"),  # appended to: a FIFO hung the run, deaf to SIGTERM
-    (lambda paths: paths.stop_request, "directory"),  # read as a stop request: every rerun stopped at once
-    (lambda paths: paths.shard_tar(5), "directory"),  # published over: a bare errno after computing the shard
-    (lambda paths: paths.shard_index(5), "directory"),
-    (lambda paths: paths.status(0), "directory"),  # the heartbeat's rename failed
-], ids=["events-fifo", "stop-directory", "shard-directory", "index-directory", "status-directory"])
-def test_a_non_file_under_a_name_the_producer_writes_is_refused_up_front(embedded, tiny_data, tiny_cache, tmp_path,
-                                                                           where, kind):
+@pytest.mark.parametrize(
+    "where,kind",
+    [
+        (lambda paths: paths.events(0), "fifo"),  # appended to: a FIFO hung the run, deaf to SIGTERM
+        (
+            lambda paths: paths.stop_request,
+            "directory",
+        ),  # read as a stop request: every rerun stopped at once
+        (
+            lambda paths: paths.shard_tar(5),
+            "directory",
+        ),  # published over: a bare errno after computing the shard
+        (lambda paths: paths.shard_index(5), "directory"),
+        (lambda paths: paths.status(0), "directory"),  # the heartbeat's rename failed
+    ],
+    ids=["events-fifo", "stop-directory", "shard-directory", "index-directory", "status-directory"],
+)
+def test_a_non_file_under_a_name_the_producer_writes_is_refused_up_front(
+    embedded, tiny_data, tiny_cache, tmp_path, where, kind
+):
     out = shutil.copytree(tiny_cache, str(tmp_path / "out"), symlinks=True)
     args = produce_args(embedded.stock, tiny_data, out, *ARGS)
     path = where(CachePaths(out))

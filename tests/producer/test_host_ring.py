@@ -104,7 +104,9 @@ def _plan(lengths: list[list[int]], shard_size: int) -> list[ShardPlan]:
     for batch in lengths:
         batches.append(samples[cursor : cursor + len(batch)])
         cursor += len(batch)
-    return [ShardPlan(i // shard_size, batches[i : i + shard_size]) for i in range(0, len(batches), shard_size)]
+    return [
+        ShardPlan(i // shard_size, batches[i : i + shard_size]) for i in range(0, len(batches), shard_size)
+    ]
 
 
 class NumberedForward:
@@ -158,9 +160,17 @@ def test_writer_bound_run_keeps_staged_bytes_within_budget_and_exact(tmp_path, b
     largest = max(sum(aligned(n * 2 * HIDDEN * 4) for n in batch) + ALIGN for batch in lengths)
     budget = budget_batches * largest
     seen: list[tuple[int, int]] = []
-    stats = run_pipeline(shards, NumberedForward(), output=CacheOutput(_paths(tmp_path).root), shape=SHAPE,
-                         device=torch.device("cpu"), pad_id=0, max_inflight_bytes=budget, writer_threads=writers,
-                         on_batch=lambda stats, ring: seen.append((ring.inflight, ring.capacity)))
+    stats = run_pipeline(
+        shards,
+        NumberedForward(),
+        output=CacheOutput(_paths(tmp_path).root),
+        shape=SHAPE,
+        device=torch.device("cpu"),
+        pad_id=0,
+        max_inflight_bytes=budget,
+        writer_threads=writers,
+        on_batch=lambda stats, ring: seen.append((ring.inflight, ring.capacity)),
+    )
     assert stats.samples == sum(len(b) for b in lengths)
     capacity = seen[0][1]
     assert capacity <= budget + largest
@@ -178,8 +188,15 @@ def test_stage_times_add_up_on_a_cpu(tmp_path):
     shards = _numbered_plan([[32, 30]] * 12, shard_size=3)
     forward = NumberedForward(delay=0.02)
     started = time.perf_counter()
-    stats = run_pipeline(shards, forward, output=CacheOutput(_paths(tmp_path).root), shape=SHAPE, device=torch.device("cpu"),
-                         pad_id=0, max_inflight_bytes=1 << 20)
+    stats = run_pipeline(
+        shards,
+        forward,
+        output=CacheOutput(_paths(tmp_path).root),
+        shape=SHAPE,
+        device=torch.device("cpu"),
+        pad_id=0,
+        max_inflight_bytes=1 << 20,
+    )
     wall = time.perf_counter() - started
     times = stats.times
     assert 12 * 0.02 <= times.device <= wall  # the forward's own time, every batch
@@ -201,7 +218,9 @@ def test_pipeline_main_loop_never_waits_for_the_device(tiny_target, tmp_path, at
     config = json.load(open(f"{tiny_target}/config.json"))
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     shape = SampleShape((1, layers - 1), layers, hidden, "F32")
-    runner = TargetRunner(tiny_target, [1, layers - 1], layers, torch.device("cpu"), torch.float32, torch.float32, attn)
+    runner = TargetRunner(
+        tiny_target, [1, layers - 1], layers, torch.device("cpu"), torch.float32, torch.float32, attn
+    )
     assert runner.sync_free
     shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
     with HostSyncTrap() as trap:
@@ -211,8 +230,15 @@ def test_pipeline_main_loop_never_waits_for_the_device(tiny_target, tmp_path, at
     # Control: the model's own masks wait once per forward, and the trap sees it.
     runner.sync_free = False
     with HostSyncTrap() as trap:
-        run_pipeline(shards, runner.forward, output=CacheOutput(_paths(tmp_path / "theirs").root), shape=shape,
-                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=1 << 20)
+        run_pipeline(
+            shards,
+            runner.forward,
+            output=CacheOutput(_paths(tmp_path / "theirs").root),
+            shape=shape,
+            device=torch.device("cpu"),
+            pad_id=0,
+            max_inflight_bytes=1 << 20,
+        )
     assert trap.count == 3
     ours, theirs = _read_shards(str(tmp_path / "ours")), _read_shards(str(tmp_path / "theirs"))
     assert ours.keys() == theirs.keys()
@@ -224,7 +250,9 @@ def test_a_mask_mapping_the_model_reads_differently_is_refused(tiny_target, monk
     from dspark_cache.producer.device import masks
 
     # "No mask" means causal to sdpa but bidirectional to eager: the check must catch it.
-    monkeypatch.setattr(masks.CausalMasks, "mapping", lambda self, b, t, device: {kind: None for kind in self.kinds})
+    monkeypatch.setattr(
+        masks.CausalMasks, "mapping", lambda self, b, t, device: {kind: None for kind in self.kinds}
+    )
     config = json.load(open(f"{tiny_target}/config.json"))
     layers = config["num_hidden_layers"]
     eager = TargetRunner(tiny_target, [1], layers, torch.device("cpu"), torch.float32, torch.float32, "eager")
@@ -246,9 +274,19 @@ def test_the_mask_check_sees_a_wrong_sliding_window(monkeypatch):
 
     from dspark_cache.producer.device import masks
 
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_sliding_window=True,
-                         sliding_window=16, max_window_layers=0, layer_types=["sliding_attention", "full_attention"])
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=0,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     base = Qwen3Model(config).eval()
@@ -282,8 +320,17 @@ def test_fp8_codes_and_scales_alone_cross_to_the_host(tmp_path, code):
     spy = _SpyStager()
     forward = lambda ids, mask: (torch.randn(*ids.shape, 2 * h), torch.randn(*ids.shape, h))  # noqa: E731
     shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
-    run_pipeline(shards, forward, output=CacheOutput(_paths(tmp_path).root), shape=shape, device=torch.device("cpu"),
-                 pad_id=0, max_inflight_bytes=1 << 20, copier=spy, writer_threads=2)
+    run_pipeline(
+        shards,
+        forward,
+        output=CacheOutput(_paths(tmp_path).root),
+        shape=shape,
+        device=torch.device("cpu"),
+        pad_id=0,
+        max_inflight_bytes=1 << 20,
+        copier=spy,
+        writer_threads=2,
+    )
     fp8 = torch.float8_e4m3fn if code == "F8_E4M3" else torch.float8_e5m2
     for dtypes, nbytes, tokens in spy.crossed:
         assert dtypes == {"target_hidden_states": fp8, "target_hidden_states_scale": torch.float32,
@@ -297,13 +344,29 @@ def test_a_ring_too_small_for_the_writers_is_named(tmp_path, caplog):
     shards = _numbered_plan([[200, 190]] * 12, shard_size=3)
     one_batch = sum(aligned(n * 2 * HIDDEN * 4) for n in (200, 190)) + ALIGN
     with caplog.at_level("WARNING", logger="dspark_cache.producer.pipeline.loop"):
-        run_pipeline(shards, NumberedForward(), output=CacheOutput(_paths(tmp_path / "small").root), shape=SHAPE,
-                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=2 * one_batch, writer_threads=3)
+        run_pipeline(
+            shards,
+            NumberedForward(),
+            output=CacheOutput(_paths(tmp_path / "small").root),
+            shape=SHAPE,
+            device=torch.device("cpu"),
+            pad_id=0,
+            max_inflight_bytes=2 * one_batch,
+            writer_threads=3,
+        )
     assert "--max-inflight-bytes" in caplog.text and "3 writer threads cannot all be busy" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="dspark_cache.producer.pipeline.loop"):
-        run_pipeline(shards, NumberedForward(), output=CacheOutput(_paths(tmp_path / "big").root), shape=SHAPE,
-                     device=torch.device("cpu"), pad_id=0, max_inflight_bytes=4 * one_batch, writer_threads=3)
+        run_pipeline(
+            shards,
+            NumberedForward(),
+            output=CacheOutput(_paths(tmp_path / "big").root),
+            shape=SHAPE,
+            device=torch.device("cpu"),
+            pad_id=0,
+            max_inflight_bytes=4 * one_batch,
+            writer_threads=3,
+        )
     assert "cannot all be busy" not in caplog.text
 
 

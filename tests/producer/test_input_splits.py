@@ -58,8 +58,9 @@ def _make(kind: str, tmp_path) -> str:
     if kind == "saved_dataset":
         datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
     else:
-        datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
-                              "test": datasets.Dataset.from_list(ROWS[:3])}).save_to_disk(str(tmp_path / "saved"))
+        datasets.DatasetDict(
+            {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:3])}
+        ).save_to_disk(str(tmp_path / "saved"))
     return str(tmp_path / "saved")
 
 
@@ -126,7 +127,9 @@ def test_saved_rows_name_their_split_and_position(tmp_path):
 
 def test_shuffle_is_deterministic_and_follows_the_seed(tmp_path):
     path = _make("jsonl", tmp_path)
-    runs = [[_number(r) for r in InputSource(path, split="train", shuffle_seed=seed).rows()] for seed in (3, 3, 4)]
+    runs = [
+        [_number(r) for r in InputSource(path, split="train", shuffle_seed=seed).rows()] for seed in (3, 3, 4)
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2] and sorted(runs[0]) == list(range(N))
 
 
@@ -145,13 +148,20 @@ def test_an_unparseable_split_is_an_input_error_that_shows_the_forms(tmp_path, s
     assert str(info.value).startswith(f"--split {split!r}") and words in str(info.value)
 
 
-@pytest.mark.parametrize("kind,split,words", [
-    ("jsonl", "validation[:5]", "has no split 'validation' (it has 'train'); pass one of those, e.g. --split 'train[:5]'"),
-    ("json", "test", "has no split 'test'"),
-    ("parquet", "validation[:5]", "has no split 'validation'"),
-    ("saved_dataset", "test", "the Dataset"),
-    ("saved_dict", "validation[2:]", "(it has 'train', 'test')"),
-])
+@pytest.mark.parametrize(
+    "kind,split,words",
+    [
+        (
+            "jsonl",
+            "validation[:5]",
+            "has no split 'validation' (it has 'train'); pass one of those, e.g. --split 'train[:5]'",
+        ),
+        ("json", "test", "has no split 'test'"),
+        ("parquet", "validation[:5]", "has no split 'validation'"),
+        ("saved_dataset", "test", "the Dataset"),
+        ("saved_dict", "validation[2:]", "(it has 'train', 'test')"),
+    ],
+)
 def test_a_split_name_the_input_does_not_have_is_an_input_error(tmp_path, kind, split, words):
     with pytest.raises(InputError) as info:
         InputSource(_make(kind, tmp_path), split=split)
@@ -162,7 +172,10 @@ def test_a_dataset_dict_without_train_needs_a_split(tmp_path):
     datasets.DatasetDict({"dev": datasets.Dataset.from_list(ROWS[:2])}).save_to_disk(str(tmp_path / "s"))
     with pytest.raises(InputError, match="no 'train' split .* --split dev"):
         InputSource(str(tmp_path / "s"))
-    assert [_number(r) for r in InputSource(str(tmp_path / "s"), split="dev", shuffle_seed=None).rows()] == [0, 1]
+    assert [_number(r) for r in InputSource(str(tmp_path / "s"), split="dev", shuffle_seed=None).rows()] == [
+        0,
+        1,
+    ]
 
 
 def test_saved_directory_hash_follows_its_data_not_datasets_cache_files(tmp_path):
@@ -177,7 +190,9 @@ def test_saved_directory_hash_follows_its_data_not_datasets_cache_files(tmp_path
 
 
 @pytest.mark.parametrize("split,seed", [(None, 42), ("train[2:37]", 5), ("train", None)])
-def test_keep_takes_a_share_with_unchanged_indices_and_parses_only_its_lines(tmp_path, monkeypatch, split, seed):
+def test_keep_takes_a_share_with_unchanged_indices_and_parses_only_its_lines(
+    tmp_path, monkeypatch, split, seed
+):
     lines = [json.dumps(r) for r in ROWS[:20]]
     lines[4] = '{"messages": [broken'
     path = _write_jsonl(tmp_path / "d.jsonl", lines, blank_every=4)
@@ -252,12 +267,21 @@ def test_produce_reads_a_save_to_disk_dict_split_slice(embedded, tmp_path):
 
 def test_produce_refuses_a_split_a_jsonl_file_does_not_have(embedded, tmp_path, capsys):
     path = _make("jsonl", tmp_path)
-    assert run_produce(embedded.stock, path, str(tmp_path / "cache"), "--split", "test[:5]", "--seq-length", "64") == 1
+    assert (
+        run_produce(
+            embedded.stock, path, str(tmp_path / "cache"), "--split", "test[:5]", "--seq-length", "64"
+        )
+        == 1
+    )
     assert "has no split 'test'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("split", ["train[100:]", "train[5:5]", "train[:0%]"])
 def test_a_split_that_selects_no_row_says_so_and_how_many_there_are(embedded, tmp_path, split, capsys):
-    assert run_produce(embedded.stock, embedded.data, str(tmp_path / "out"), "--split", split, "--dry-run") == 1
+    assert (
+        run_produce(embedded.stock, embedded.data, str(tmp_path / "out"), "--split", split, "--dry-run") == 1
+    )
     err = capsys.readouterr().err
-    assert f"--split {split!r} selects none of the 48 rows of {embedded.data}" in err and "choose a slice" in err
+    assert (
+        f"--split {split!r} selects none of the 48 rows of {embedded.data}" in err and "choose a slice" in err
+    )

@@ -56,7 +56,9 @@ def test_fifos_and_devices_in_the_input_are_refused_before_anything_opens_them(e
     good.write_text("".join(json.dumps(r) + "\n" for r in _rows(2)))
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
-    with pytest.raises(InputError, match=r"fifo\.jsonl is a FIFO, not a regular file; --input-data reads regular"):
+    with pytest.raises(
+        InputError, match=r"fifo\.jsonl is a FIFO, not a regular file; --input-data reads regular"
+    ):
         InputSource(str(fifo))
     with pytest.raises(InputError, match=r"fifo\.jsonl is a FIFO, not a regular file"):
         InputSource(str(tmp_path))  # inside a directory

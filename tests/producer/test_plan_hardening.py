@@ -26,7 +26,18 @@ from tests.support.plan_files import deadline, rechecksum
 from tests.support.produce import produce_args, run_produce, write_jsonl
 from tests.support.proc import assert_same_samples, producer_cmd, run
 
-ARGS = ("--seq-length", "256", "--shard-size", "4", "--batch-size", "4", "--dtype", "fp32", "--num-workers", "0")
+ARGS = (
+    "--seq-length",
+    "256",
+    "--shard-size",
+    "4",
+    "--batch-size",
+    "4",
+    "--dtype",
+    "fp32",
+    "--num-workers",
+    "0",
+)
 
 
 def _edit(path: str):
@@ -205,8 +216,14 @@ def a_symlink_for_the_rows(paths: CachePaths) -> str:
     return paths.plan_part(0, "rows")
 
 
-FILE_MUTATIONS = (a_billion_parts, sparse_terabyte_of_ids, sparse_terabyte_of_samples, a_directory_for_the_ids,
-                  a_directory_for_the_header, a_symlink_for_the_rows)
+FILE_MUTATIONS = (
+    a_billion_parts,
+    sparse_terabyte_of_ids,
+    sparse_terabyte_of_samples,
+    a_directory_for_the_ids,
+    a_directory_for_the_header,
+    a_symlink_for_the_rows,
+)
 
 
 @pytest.mark.parametrize("mutate", FILE_MUTATIONS, ids=lambda m: m.__name__)
@@ -249,8 +266,14 @@ def _spec(reference: str, header: dict):
 
     m = dspark_cache.open_cache(reference).manifest
     shape = SampleShape(list(m.target_layer_ids), m.num_hidden_layers, m.hidden_size, CACHE_DTYPES[m.dtype])
-    return PlanSpec(keys=(header["encode_key"], header["layout_key"]), vocab_size=m.target_vocab_size,
-                    seq_length=m.seq_length, shape=shape, shard_size=m.shard_size, max_batch_tokens=4 * m.seq_length)
+    return PlanSpec(
+        keys=(header["encode_key"], header["layout_key"]),
+        vocab_size=m.target_vocab_size,
+        seq_length=m.seq_length,
+        shape=shape,
+        shard_size=m.shard_size,
+        max_batch_tokens=4 * m.seq_length,
+    )
 
 
 # -- item 16: a full disk ------------------------------------------------------------------------------
@@ -260,14 +283,18 @@ def tiny_fs(tmp_path):
     """A 1 MiB tmpfs (this process may mount one: root, as in CI)."""
     mount = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a small filesystem here (needs root)")
     yield str(mount)
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.mark.slow
-def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_do(embedded, reference, tiny_fs):
+def test_a_full_disk_while_the_plan_is_written_says_where_how_much_and_what_to_do(
+    embedded, reference, tiny_fs
+):
     out = os.path.join(tiny_fs, "cache")
     filler = os.path.join(tiny_fs, "filler")
     with open(filler, "wb") as handle:  # room for the lock and directories, not for the tokens (~38 kB)
@@ -299,8 +326,13 @@ def test_a_failed_dry_run_leaves_no_lock_plan_or_directory_behind(embedded, tmp_
     assert run_produce(embedded.stock, bad, str(out), *ARGS, "--dry-run") == 1
     assert "1 invalid input row" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # no lock record, no plan files, no directories it made
-    assert run_produce(embedded.stock, write_jsonl(tmp_path / "good.jsonl", good), str(out), *ARGS, "--dry-run") == 0
-    kept = sorted(os.path.relpath(d, out) for d in (CachePaths(str(out)).control_dir, CachePaths(str(out)).plan_dir))
+    assert (
+        run_produce(embedded.stock, write_jsonl(tmp_path / "good.jsonl", good), str(out), *ARGS, "--dry-run")
+        == 0
+    )
+    kept = sorted(
+        os.path.relpath(d, out) for d in (CachePaths(str(out)).control_dir, CachePaths(str(out)).plan_dir)
+    )
     assert sorted(os.listdir(out)) == kept  # a successful dry run keeps its plan
 
 

@@ -15,7 +15,18 @@ from dspark_cache.verify import verify_cache
 from tests.support.produce import run_produce, write_jsonl
 from tests.support.proc import assert_same_samples
 
-ARGS = ("--seq-length", "256", "--shard-size", "4", "--batch-size", "4", "--dtype", "fp32", "--num-workers", "0")
+ARGS = (
+    "--seq-length",
+    "256",
+    "--shard-size",
+    "4",
+    "--batch-size",
+    "4",
+    "--dtype",
+    "fp32",
+    "--num-workers",
+    "0",
+)
 
 
 def _stamps(out: str) -> dict[str, tuple[int, int]]:
@@ -50,7 +61,10 @@ def test_a_resumed_run_reuses_the_saved_plan(embedded, tmp_path):
     assert _stamps(out) == before  # nothing tokenised, nothing merged: the same files
     assert verify_cache(out).ok
     assert_same_samples(out, reference, exact=True)
-    assert dspark_cache.open_cache(out).manifest.plan_sha256 == dspark_cache.open_cache(reference).manifest.plan_sha256
+    assert (
+        dspark_cache.open_cache(out).manifest.plan_sha256
+        == dspark_cache.open_cache(reference).manifest.plan_sha256
+    )
     assert paths.indexed_shard_ids()
 
 
@@ -71,7 +85,9 @@ def test_sizing_a_job_batches_again_without_tokenising(embedded, tmp_path):
 
 def _samples_per_shard(out: str) -> list[int]:
     """From the saved plan's arrays: shard s is batches shards[s]:shards[s + 1] of samples batches[b]:..."""
-    batches, shards = (np.load(CachePaths(out).plan_array(n), allow_pickle=False) for n in ("batches", "shards"))
+    batches, shards = (
+        np.load(CachePaths(out).plan_array(n), allow_pickle=False) for n in ("batches", "shards")
+    )
     return np.diff(batches[shards]).tolist()
 
 

@@ -39,8 +39,12 @@ def _check_cache(cache_dir, target, data, seq_length, masker, dtype):
         assert sample["loss_mask"].tolist() == mask, sid
         hidden, last = reference_hidden(model, ids, m.target_layer_ids)
         cast = sample["target_hidden_states"].dtype
-        torch.testing.assert_close(sample["target_hidden_states"].float(), hidden.to(cast).float(), **TOLERANCE[dtype])
-        torch.testing.assert_close(sample["target_last_hidden_states"].float(), last.to(cast).float(), **TOLERANCE[dtype])
+        torch.testing.assert_close(
+            sample["target_hidden_states"].float(), hidden.to(cast).float(), **TOLERANCE[dtype]
+        )
+        torch.testing.assert_close(
+            sample["target_last_hidden_states"].float(), last.to(cast).float(), **TOLERANCE[dtype]
+        )
         expected_ids.append(sid)
     # Every row with a supervised token (after truncation) is stored, in ascending id; the
     # others (no assistant turn, or the answer truncated away) are skipped and counted.
@@ -56,7 +60,12 @@ def _check_cache(cache_dir, target, data, seq_length, masker, dtype):
 def test_cache_equals_reference(embedded, tmp_path, variant, masker):
     target = getattr(embedded, variant)
     out = str(tmp_path / "cache")
-    assert run_produce(target, embedded.data, out, "--seq-length", "384", "--shard-size", "8", "--batch-size", "4") == 0
+    assert (
+        run_produce(
+            target, embedded.data, out, "--seq-length", "384", "--shard-size", "8", "--batch-size", "4"
+        )
+        == 0
+    )
     truncated = _check_cache(out, target, embedded.data, 384, masker, "bf16")
     assert truncated > 0  # the sample data has a long tail past seq_length
 

@@ -77,7 +77,9 @@ def test_no_progress_and_other_ranks_draw_no_bar(tty, monkeypatch, caplog):
         _count(6)
     assert tty.getvalue() == ""
     finals = [r.getMessage() for r in caplog.records if r.name == "dspark_cache.progress"]
-    assert finals[0].startswith("encoding rows: 5/5 rows") and finals[-1].startswith("encoding rows: 6/6 rows")
+    assert finals[0].startswith("encoding rows: 5/5 rows") and finals[-1].startswith(
+        "encoding rows: 6/6 rows"
+    )
 
 
 def test_log_records_print_above_the_bar(tty):
@@ -119,14 +121,20 @@ def test_compute_logs_a_final_line_without_a_bar(caplog):
         log.close()
         log.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "dspark_cache.progress"]
-    assert len(lines) == 1 and lines[0].startswith("computed 4/4 samples, 100.0% of tokens, 2/2 shards"), lines
+    assert len(lines) == 1 and lines[0].startswith("computed 4/4 samples, 100.0% of tokens, 2/2 shards"), (
+        lines
+    )
 
 
 # -- the real command, in real processes ----------------------------------------------------------
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -210,7 +218,9 @@ def test_stopped_run_counts_published_shards_and_pipes_no_bar(embedded, tmp_path
         stderr.seek(0)
         said, logged = stdout.read(), stderr.read()
     assert code == 3, said + logged
-    match = re.search(r"cache incomplete: (\d+) of (\d+) shards, (\d+) of (\d+) samples, (\d+) of (\d+) tokens", said)
+    match = re.search(
+        r"cache incomplete: (\d+) of (\d+) shards, (\d+) of (\d+) samples, (\d+) of (\d+) tokens", said
+    )
     assert match, said
     shards, planned_shards, samples, planned_samples, tokens, planned_tokens = map(int, match.groups())
     with CacheDir(out, allow_incomplete=True) as cache:

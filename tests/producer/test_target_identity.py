@@ -122,7 +122,9 @@ def test_fingerprint_covers_config_transformers_weights(embedded, tmp_path, caps
     target = _copy_target(embedded, tmp_path)
     shutil.copyfile(os.path.join(target, "model.safetensors"), os.path.join(target, "alt.safetensors"))
     config = json.load(open(os.path.join(target, "config.json")))
-    json.dump({**config, "transformers_weights": "alt.safetensors"}, open(os.path.join(target, "config.json"), "w"))
+    json.dump(
+        {**config, "transformers_weights": "alt.safetensors"}, open(os.path.join(target, "config.json"), "w")
+    )
     _replace_weights_after_a_run(embedded, tmp_path, capsys, target, "alt.safetensors")
 
 
@@ -134,10 +136,14 @@ def test_fingerprint_covers_weight_files_in_subfolders(tmp_path):
     before = local_fingerprint(target)
     os.makedirs(os.path.join(target, "sub"))
     other = build_target(str(tmp_path / "other"), seed=1)
-    shutil.copyfile(os.path.join(other, "model.safetensors"), os.path.join(target, "sub", "model.fp16.safetensors"))
+    shutil.copyfile(
+        os.path.join(other, "model.safetensors"), os.path.join(target, "sub", "model.fp16.safetensors")
+    )
     after = local_fingerprint(target)
     assert after != before and "2 weight files" in after
-    shutil.copyfile(os.path.join(target, "model.safetensors"), os.path.join(target, "sub", "model.fp16.safetensors"))
+    shutil.copyfile(
+        os.path.join(target, "model.safetensors"), os.path.join(target, "sub", "model.fp16.safetensors")
+    )
     assert local_fingerprint(target) != after
 
 
@@ -178,7 +184,9 @@ def test_pickle_only_checkpoint_needs_the_opt_in_flag(embedded, tmp_path, capsys
     from safetensors.torch import load_file
 
     target = _copy_target(embedded, tmp_path)
-    torch.save(load_file(os.path.join(target, "model.safetensors")), os.path.join(target, "pytorch_model.bin"))
+    torch.save(
+        load_file(os.path.join(target, "model.safetensors")), os.path.join(target, "pytorch_model.bin")
+    )
     os.unlink(os.path.join(target, "model.safetensors"))
     out = str(tmp_path / "cache")
     assert run_produce(target, embedded.data, out, *ARGS) == 1
@@ -224,15 +232,24 @@ def _closed_port() -> int:
 def test_uncached_hub_id_without_network_fails_fast_in_one_line(embedded, tmp_path, network):
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "home")}
     offline = "1" if network == "offline" else "0"
-    env.update(HF_HUB_OFFLINE=offline, TRANSFORMERS_OFFLINE=offline, HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}")
+    env.update(
+        HF_HUB_OFFLINE=offline, TRANSFORMERS_OFFLINE=offline, HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}"
+    )
     started = time.monotonic()
-    done = run(producer_cmd(*produce_args("someorg/not-cached", embedded.data, str(tmp_path / "cache"))), env=env,
-               timeout=120)
+    done = run(
+        producer_cmd(*produce_args("someorg/not-cached", embedded.data, str(tmp_path / "cache"))),
+        env=env,
+        timeout=120,
+    )
     took = time.monotonic() - started
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 1, done.stderr
     assert len(lines) == 1, done.stderr  # no retries, no warning printed twice
-    assert "someorg/not-cached" in lines[0] and "local Hugging Face cache" in lines[0] and "hf download" in lines[0]
+    assert (
+        "someorg/not-cached" in lines[0]
+        and "local Hugging Face cache" in lines[0]
+        and "hf download" in lines[0]
+    )
     assert took < 15, took  # the interpreter and its imports; the hub is asked once, without retries
 
 
@@ -245,7 +262,9 @@ def test_cached_hub_id_resolves_offline_to_its_commit(embedded, tmp_path):
         env = {"HF_HUB_CACHE": hub, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": offline,
                "TRANSFORMERS_OFFLINE": offline, "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
         started = time.monotonic()
-        done = run(producer_cmd(*produce_args("someorg/tiny", embedded.data, out, *ARGS)), env=env, timeout=300)
+        done = run(
+            producer_cmd(*produce_args("someorg/tiny", embedded.data, out, *ARGS)), env=env, timeout=300
+        )
         assert done.returncode == 0, done.stderr
         assert "Retry" not in done.stderr and time.monotonic() - started < 120
     assert dspark_cache.open_cache(out).manifest.target_fingerprint == f"hub someorg/tiny@{commit}"
@@ -259,11 +278,18 @@ def test_an_uncached_hub_dataset_without_network_fails_fast_in_one_line(embedded
     env = {"HF_HUB_CACHE": hub, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": offline,
            "HF_DATASETS_OFFLINE": offline, "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
     started = time.monotonic()
-    done = run(producer_cmd(*produce_args(embedded.stock, "someorg/not-cached", str(tmp_path / "a"), "--dry-run")),
-               env=env, timeout=120)
+    done = run(
+        producer_cmd(*produce_args(embedded.stock, "someorg/not-cached", str(tmp_path / "a"), "--dry-run")),
+        env=env,
+        timeout=120,
+    )
     took = time.monotonic() - started
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 1, done.stderr
     assert len(lines) == 1 and "Retry" not in done.stderr, done.stderr  # asked once, said once
-    assert "someorg/not-cached" in lines[0] and "local Hugging Face cache" in lines[0] and "hf download" in lines[0]
+    assert (
+        "someorg/not-cached" in lines[0]
+        and "local Hugging Face cache" in lines[0]
+        and "hf download" in lines[0]
+    )
     assert took < 15, took  # datasets alone retried each file it looked up: 28 s and a warning per try

@@ -59,30 +59,44 @@ def test_regenerated_history_and_reasoning_kept():
             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "old"}]
     out, replies = regenerate(rows, "all", generate)
     assert [m.get("reasoning_content") for m in out if m["role"] == "assistant"] == ["thought 1", "thought 2"]
-    assert asked[1] == [rows[0], {"role": "assistant", "content": "answer 1"}, rows[2]]  # no past reasoning sent
+    # no past reasoning sent
+    assert asked[1] == [rows[0], {"role": "assistant", "content": "answer 1"}, rows[2]]
     assert [r.completion_tokens for r in replies] == [3, 3]
     reply, model = parse_reply({"model": "m", "choices": [{"message": {"content": None, "reasoning": "r"},
                                                            "finish_reason": "length"}]}, "http://x")
-    assert reply == Reply({"role": "assistant", "content": "", "reasoning_content": "r"}, "length", 0) and model == "m"
+    assert (
+        reply == Reply({"role": "assistant", "content": "", "reasoning_content": "r"}, "length", 0)
+        and model == "m"
+    )
 
 
-@pytest.mark.parametrize("message, why", [
-    ({"content": 12345}, "its content is int, not text"),
-    ({"content": "ok", "reasoning_content": ["x"]}, "its reasoning_content is list, not text"),
-    ({"content": "bad \ud800 text"}, "its content holds a lone UTF-16 surrogate"),
-    ({"content": None, "tool_calls": "call it"}, "its tool_calls are not a list of function calls"),
-    ({"content": None, "tool_calls": [{"id": "1"}]}, "its tool_calls are not a list of function calls"),
-    ({"content": None, "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{\"x\": \"\ud83d\"}"}}]},
-     "it holds what JSON text cannot"),
-    ("just text", "its message is not an object"),
-])
+@pytest.mark.parametrize(
+    "message, why",
+    [
+        ({"content": 12345}, "its content is int, not text"),
+        ({"content": "ok", "reasoning_content": ["x"]}, "its reasoning_content is list, not text"),
+        ({"content": "bad \ud800 text"}, "its content holds a lone UTF-16 surrogate"),
+        ({"content": None, "tool_calls": "call it"}, "its tool_calls are not a list of function calls"),
+        ({"content": None, "tool_calls": [{"id": "1"}]}, "its tool_calls are not a list of function calls"),
+        (
+            {
+                "content": None,
+                "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": '{"x": "\ud83d"}'}}],
+            },
+            "it holds what JSON text cannot",
+        ),
+        ("just text", "its message is not an object"),
+    ],
+)
 def test_a_reply_that_cannot_be_written_is_not_taken(message, why):
     """What a server answers is written as it is: anything dspark-produce could not read is a rejected answer
     (the row is listed as skipped with the reason: the same request would get it again), never a line."""
     with pytest.raises(Rejected, match=why):
         parse_reply({"model": "m", "choices": [{"message": message, "finish_reason": "stop"}]}, "http://x")
     call = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    reply, _ = parse_reply({"model": "m", "choices": [{"message": {"content": None, "tool_calls": call}}]}, "http://x")
+    reply, _ = parse_reply(
+        {"model": "m", "choices": [{"message": {"content": None, "tool_calls": call}}]}, "http://x"
+    )
     assert reply.message == {"role": "assistant", "content": "", "tool_calls": call}
     with pytest.raises(Transient, match="not a chat completion"):  # a gateway's page, a cut answer: retried
         parse_reply({"model": "m", "choices": []}, "http://x")
@@ -102,10 +116,15 @@ def test_rows_no_server_can_answer_or_no_line_can_hold_are_invalid():
 
     u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}
     s = {"role": "system", "content": "be brief"}
-    cases = [([], {}, "empty conversation"), ([a, u], {}, "nothing to answer"), ([s, a, u], {}, "nothing to answer"),
-             ([s], {}, "nothing to answer"),
-             ([u, {"role": "user", "content": "bad \ud800"}], {}, "lone surrogate"),
-             ([u], {"title": "x \udfff"}, "lone surrogate"), ([u], {"handle": object()}, "value not JSON")]
+    cases = [
+        ([], {}, "empty conversation"),
+        ([a, u], {}, "nothing to answer"),
+        ([s, a, u], {}, "nothing to answer"),
+        ([s], {}, "nothing to answer"),
+        ([u, {"role": "user", "content": "bad \ud800"}], {}, "lone surrogate"),
+        ([u], {"title": "x \udfff"}, "lone surrogate"),
+        ([u], {"handle": object()}, "value not JSON"),
+    ]
     for messages, columns, reason in cases:
         with pytest.raises(InvalidRow) as err:
             check_row({"messages": messages, **columns}, messages, None, "all")
@@ -115,13 +134,26 @@ def test_rows_no_server_can_answer_or_no_line_can_hold_are_invalid():
     check_row({"messages": [a, u, a]}, [a, u, a], None, "last")  # the turn regenerated has a turn before it
     # Columns of Parquet and datasets that JSON has no type for are written as text, and kept.
     when = datetime.datetime(2024, 5, 1, 12, 30)
-    row = {"messages": [u], "timestamp": when, "blob": b"\x00\xff", "price": decimal.Decimal("1.50"),
-           "source": "sharegpt", "seen": numpy.datetime64("2024-05-01T12:30:00"), "count": decimal.Decimal("1E+2"),
-           "score": float("nan"), "scores": numpy.array([0.5, numpy.inf])}
+    row = {
+        "messages": [u],
+        "timestamp": when,
+        "blob": b"\x00\xff",
+        "price": decimal.Decimal("1.50"),
+        "source": "sharegpt",
+        "seen": numpy.datetime64("2024-05-01T12:30:00"),
+        "count": decimal.Decimal("1E+2"),
+        "score": float("nan"),
+        "scores": numpy.array([0.5, numpy.inf]),
+    }
     check_row(row, [u], None, "all")
-    assert encode_row(row) == ('{"messages":[{"role":"user","content":"q"}],"timestamp":"2024-05-01T12:30:00",'
-                               '"blob":"AP8=","price":"1.50","source":"sharegpt","seen":"2024-05-01T12:30:00",'
-                               '"count":"100","score":null,"scores":[0.5,null]}\n').encode()
+    assert (
+        encode_row(row)
+        == (
+            '{"messages":[{"role":"user","content":"q"}],"timestamp":"2024-05-01T12:30:00",'
+            '"blob":"AP8=","price":"1.50","source":"sharegpt","seen":"2024-05-01T12:30:00",'
+            '"count":"100","score":null,"scores":[0.5,null]}\n'
+        ).encode()
+    )
 
 
 def check_row_error(messages, **columns) -> InvalidRow:
@@ -139,8 +171,10 @@ def test_endpoint_urls():
 def test_resume_index_cuts_a_torn_line_and_refuses_an_edited_file(tmp_path):
     files = OutputFiles(str(tmp_path / "o.jsonl"))
     with open(files.path, "wb") as handle:
-        handle.write(b'{"regenerated":{"source":{"index":3,"where":"a:4"}}}\n{"regenerated":{"source":{"index":1}}}\n'
-                     b'{"regenerated":{"sour')
+        handle.write(
+            b'{"regenerated":{"source":{"index":3,"where":"a:4"}}}\n{"regenerated":{"source":{"index":1}}}\n'
+            b'{"regenerated":{"sour'
+        )
     torn = open(files.path, "rb").read()
     assert done_rows(files, cut=False) == {1, 3}
     assert open(files.path, "rb").read() == torn  # a dry run looks while a run may append: it never cuts
@@ -159,7 +193,9 @@ def test_rows_without_a_state_are_not_resumed_nor_counted(tmp_path):
     new = identity(RegenerateConfig(input_data="in.jsonl", output=files.path), "abc", "m")
     with open(files.skipped, "wb") as handle:
         handle.write(b'{"index":0,"where":"in.jsonl:1","reason":"truncated"}\n')
-    with pytest.raises(OutputError, match=r"o\.jsonl\.skipped exists but .*o\.jsonl\.state does not.*--overwrite"):
+    with pytest.raises(
+        OutputError, match=r"o\.jsonl\.skipped exists but .*o\.jsonl\.state does not.*--overwrite"
+    ):
         check_resume(files, new, overwrite=False)
     assert check_resume(files, new, overwrite=True) is False and not os.path.exists(files.skipped)
     assert check_resume(files, new, overwrite=False) is True
@@ -184,9 +220,24 @@ def test_identity_names_what_changed():
 
 
 def _manifest(**fields) -> Manifest:
-    base = dict(target_model="t", target_model_type="qwen3", target_vocab_size=10, hidden_size=4, num_hidden_layers=2,
-                seq_length=8, dtype="bf16", num_samples=1, planned_samples=1, num_shards=1, shard_size=1,
-                target_hidden_dim=4, target_last_hidden_dim=4, target_layer_ids=[1], train_data_path="x", num_rows=3)
+    base = dict(
+        target_model="t",
+        target_model_type="qwen3",
+        target_vocab_size=10,
+        hidden_size=4,
+        num_hidden_layers=2,
+        seq_length=8,
+        dtype="bf16",
+        num_samples=1,
+        planned_samples=1,
+        num_shards=1,
+        shard_size=1,
+        target_hidden_dim=4,
+        target_last_hidden_dim=4,
+        target_layer_ids=[1],
+        train_data_path="x",
+        num_rows=3,
+    )
     return Manifest(**{**base, **fields})
 
 
@@ -195,21 +246,29 @@ def test_manifest_regenerated_field():
     assert list(manifest_problems(_manifest(regenerated=[entry]))) == []
     bad = msgspec.structs.replace(entry, turns="some", rows=4)
     problems = list(manifest_problems(_manifest(regenerated=[bad])))
-    assert any("turns 'some'" in p for p in problems) and any("rows 4 is not in [1, num_rows 3]" in p for p in problems)
+    assert any("turns 'some'" in p for p in problems) and any(
+        "rows 4 is not in [1, num_rows 3]" in p for p in problems
+    )
     # A manifest from before the field reads, with no entry, and the field is not identity.
-    old = msgspec.json.decode(msgspec.json.encode(_manifest()).replace(b',"regenerated":[]', b""), type=Manifest)
+    old = msgspec.json.decode(
+        msgspec.json.encode(_manifest()).replace(b',"regenerated":[]', b""), type=Manifest
+    )
     assert old.regenerated == [] and "regenerated" not in _manifest(regenerated=[entry]).identity()
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([os.path.join(BIN, "dspark-regenerate"), *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [os.path.join(BIN, "dspark-regenerate"), *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_console_script_shares_the_conventions(tmp_path):
     """As every script: a usage error is one line and exit 2, --help exits 0 with the exit codes, and
     settings that cannot work are usage errors before anything is asked or read."""
     bad = _script("--no-such-option")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "see dspark-regenerate --help" in bad.stderr
+    assert (
+        bad.returncode == 2 and bad.stderr.count("\n") == 1 and "see dspark-regenerate --help" in bad.stderr
+    )
     helped = _script("--help")
     assert helped.returncode == 0 and "--on-truncated" in helped.stdout and "exit status: 0 " in helped.stdout
     base = ["--input-data", "x.jsonl", "--output", str(tmp_path / "o.jsonl"), "--endpoint"]
@@ -219,8 +278,12 @@ def test_the_console_script_shares_the_conventions(tmp_path):
                          (["http://h", "--chat-template-kwargs", "[1]"], "must be a JSON object")):
         done = _script(*base, *extra)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and words in done.stderr, done.stderr
-    module = subprocess.run([sys.executable, "-m", "dspark_cache.regenerate", "--version"], capture_output=True,
-                            text=True, timeout=120)
+    module = subprocess.run(
+        [sys.executable, "-m", "dspark_cache.regenerate", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert module.returncode == 0 and module.stdout.startswith("dspark-regenerate ")
     assert not os.listdir(tmp_path)
 
@@ -238,7 +301,9 @@ def test_no_endpoint_answers_is_one_line(embedded, tmp_path):
     done = run_regenerate(dead, embedded.data, str(out))
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dspark-regenerate: error: no endpoint answers: "), done.stderr
+    assert len(lines) == 1 and lines[0].startswith("dspark-regenerate: error: no endpoint answers: "), (
+        done.stderr
+    )
     assert all(url in lines[0] for url in dead) and "refused" in lines[0] and "rerun" in lines[0]
     assert not os.listdir(tmp_path), "nothing is written when no endpoint answers"
 
@@ -420,7 +485,9 @@ def test_an_endpoint_rejecting_every_row_is_asked_at_most_a_window_of_rows(tmp_p
     rows = 300
     data = _prompts(tmp_path / "rows.jsonl", rows)
     out = tmp_path / "regen.jsonl"
-    gone = {"error": {"message": "The model `canned/model` does not exist.", "type": "NotFoundError", "code": 404}}
+    gone = {
+        "error": {"message": "The model `canned/model` does not exist.", "type": "NotFoundError", "code": 404}
+    }
     with canned_endpoint() as endpoint:
         endpoint.fail_next(None, "answer", match=CHAT, status="404 Not Found", body=gone, first=True)
         done = run_regenerate([endpoint.endpoint], data, str(out), "--concurrency", "2")

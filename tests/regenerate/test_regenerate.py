@@ -44,14 +44,33 @@ pytestmark = pytest.mark.slow
 def _multi_turn_rows() -> list[dict]:
     """Rows with several assistant turns, a trailing user turn, a system turn and a prompt-only row."""
     return [
-        {"messages": [{"role": "user", "content": "what is a cache"}, {"role": "assistant", "content": "old one"},
-                      {"role": "user", "content": "and a shard"}, {"role": "assistant", "content": "old two"}]},
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "read the disk"},
-                      {"role": "assistant", "content": "old"}, {"role": "user", "content": "write the model"},
-                      {"role": "assistant", "content": "old"}, {"role": "user", "content": "train it"}]},
-        {"conversations": [{"from": "human", "value": "token speed"}, {"from": "gpt", "value": "old"},
-                           {"from": "human", "value": "layer state"}, {"from": "gpt", "value": "old"}],
-         "id": "sharegpt-3"},
+        {
+            "messages": [
+                {"role": "user", "content": "what is a cache"},
+                {"role": "assistant", "content": "old one"},
+                {"role": "user", "content": "and a shard"},
+                {"role": "assistant", "content": "old two"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "read the disk"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "write the model"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "train it"},
+            ]
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "token speed"},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "layer state"},
+                {"from": "gpt", "value": "old"},
+            ],
+            "id": "sharegpt-3",
+        },
         {"messages": [{"role": "user", "content": "only a prompt here"}]},
     ]
 
@@ -109,8 +128,12 @@ def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_pat
         messages, _ = normalise_row(raw)
         record = row["regenerated"]
         assert record["model"] == server.model and record["row_seed"] == row_seed(0, i)
-        assert (record["turns"], record["temperature"], record["top_p"], record["max_tokens"]) == ("all", 0.0, 1.0,
-                                                                                                   MAX_TOKENS)
+        assert (record["turns"], record["temperature"], record["top_p"], record["max_tokens"]) == (
+            "all",
+            0.0,
+            1.0,
+            MAX_TOKENS,
+        )
         assert len(record["finish_reasons"]) == max(1, sum(m["role"] == "assistant" for m in messages))
         assert [m["role"] for m in row["messages"]] == [m["role"] for m in messages] + \
             ([] if any(m["role"] == "assistant" for m in messages) else ["assistant"])
@@ -129,9 +152,18 @@ def test_regenerate_then_produce(server, rows_file, reference, embedded, tmp_pat
     assert run_produce(embedded.stock, str(out), str(cache), "--seq-length", "512") == 0
     manifest = msgspec.json.decode(Path(CachePaths(str(cache)).manifest).read_bytes())
     assert manifest["num_rows"] == len(inputs)
-    assert manifest["regenerated"] == [{"model": server.model, "turns": "all", "temperature": 0.0, "top_p": 1.0,
-                                        "max_tokens": MAX_TOKENS, "seed": 0, "chat_template_kwargs": {},
-                                        "rows": len(inputs)}]
+    assert manifest["regenerated"] == [
+        {
+            "model": server.model,
+            "turns": "all",
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "max_tokens": MAX_TOKENS,
+            "seed": 0,
+            "chat_template_kwargs": {},
+            "rows": len(inputs),
+        }
+    ]
     # The input the sample data itself is says nothing of regeneration: no entry.
     plain = tmp_path / "plain"
     assert run_produce(embedded.stock, rows_file, str(plain), "--seq-length", "512") == 0
@@ -151,7 +183,9 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(server, rows_file, refe
     for at, concurrency in ((3, "4"), (9, "1"), (16, "1")):  # killed three times, each further in
         # One request at a time writes rows one by one (a row of four turns holds back the rows after it
         # at 4 in flight, then they land together): the kill finds rows left to do.
-        proc = start_regenerate([server.url], rows_file, str(out), "--concurrency", concurrency, "--fsync-rows", "1")
+        proc = start_regenerate(
+            [server.url], rows_file, str(out), "--concurrency", concurrency, "--fsync-rows", "1"
+        )
         wait_for(lambda: count_lines(str(out)) >= at or proc.poll() is not None, timeout=120, poll=0.01)
         kill_group(proc)
         written = count_lines(str(out))
@@ -194,8 +228,15 @@ def test_two_endpoints_one_dead_then_back(server, rows_file, reference, tmp_path
     port = free_port()
     proxy = FaultProxy("127.0.0.1", server.port, port=port, dialect="openai")
     out = tmp_path / "regen.jsonl"
-    proc = start_regenerate([f"http://127.0.0.1:{port}", server.url], rows_file, str(out), "--concurrency", "4",
-                            "--log-level", "INFO")
+    proc = start_regenerate(
+        [f"http://127.0.0.1:{port}", server.url],
+        rows_file,
+        str(out),
+        "--concurrency",
+        "4",
+        "--log-level",
+        "INFO",
+    )
     try:
         wait_for(lambda: count_lines(str(out)) >= 3 or proc.poll() is not None, timeout=120)
         proxy.start()  # the endpoint comes up in the middle of the run
@@ -276,7 +317,9 @@ def test_turns_on_multi_turn_rows(server, tmp_path, turns):
         assert row["messages"] == _expected(server, messages, turns, row_seed(7, i))
         assert row["regenerated"]["turns"] == turns and row["regenerated"]["row_seed"] == row_seed(7, i)
     if turns == "last":  # earlier assistant turns are kept as they were
-        assert rows[0]["messages"][1]["content"] == "old one" and rows[0]["messages"][3]["content"] != "old two"
+        assert (
+            rows[0]["messages"][1]["content"] == "old one" and rows[0]["messages"][3]["content"] != "old two"
+        )
     else:
         assert "old one" not in json.dumps(rows[0]["messages"])
     assert rows[1]["messages"][-1] == {"role": "user", "content": "train it"}  # a trailing turn stays
@@ -286,7 +329,9 @@ def test_turns_on_multi_turn_rows(server, tmp_path, turns):
 
 def test_truncation_policies(server, rows_file, reference, tmp_path):
     kept = read_jsonl_bytes(reference)
-    truncated = {r["regenerated"]["source"]["index"] for r in kept if "length" in r["regenerated"]["finish_reasons"]}
+    truncated = {
+        r["regenerated"]["source"]["index"] for r in kept if "length" in r["regenerated"]["finish_reasons"]
+    }
     assert truncated and len(truncated) < len(kept), "the stopping target must end some turns both ways"
     out = tmp_path / "regen.jsonl"
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "4", "--on-truncated", "drop")
@@ -299,7 +344,9 @@ def test_truncation_policies(server, rows_file, reference, tmp_path):
                for r in read_jsonl(str(out)))
     # The policy is part of the output's identity: a rerun that keeps them is refused.
     again = regenerate([server.url], rows_file, str(out), "--on-truncated", "keep")
-    assert again.returncode == 1 and "on_truncated: the output has 'drop', this run has 'keep'" in again.stderr
+    assert (
+        again.returncode == 1 and "on_truncated: the output has 'drop', this run has 'keep'" in again.stderr
+    )
 
 
 def read_jsonl_bytes(data: bytes) -> list[dict]:
@@ -308,18 +355,33 @@ def read_jsonl_bytes(data: bytes) -> list[dict]:
 
 def test_bad_rows(server, tmp_path):
     good = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
-    data = write_jsonl(tmp_path / "bad.jsonl", [good[0], good[1], "{not json", {"text": "no messages"},
-                                                {"messages": [{"role": "wizard", "content": "x"}]}, good[2], good[3]])
+    data = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            good[0],
+            good[1],
+            "{not json",
+            {"text": "no messages"},
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            good[2],
+            good[3],
+        ],
+    )
     out = tmp_path / "regen.jsonl"
     stop = regenerate([server.url], data, str(out), "--concurrency", "4")
     assert stop.returncode == 1
     assert f"{data}:3: invalid row" in stop.stderr and "--on-invalid skip" in stop.stderr
-    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == [0, 1]  # the rows before it are kept
+    # the rows before it are kept
+    assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == [0, 1]
     done = regenerate([server.url], data, str(out), "--on-invalid", "skip")
     assert done.returncode == 0, done.stderr
     assert [r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))] == [0, 1, 5, 6]
     skipped = read_jsonl(str(out) + ".skipped")
-    assert [(s["index"], s["where"]) for s in skipped] == [(2, f"{data}:3"), (3, f"{data}:4"), (4, f"{data}:5")]
+    assert [(s["index"], s["where"]) for s in skipped] == [
+        (2, f"{data}:3"),
+        (3, f"{data}:4"),
+        (4, f"{data}:5"),
+    ]
     assert [s["reason"] for s in skipped][1:] == ["missing messages", "unknown role"]
 
 
@@ -342,7 +404,9 @@ def test_parquet_and_split_read_as_the_producer_reads_them(server, tmp_path):
     assert done.returncode == 0, done.stderr
     expected = list(InputSource(data, "train[2:6]", 5).rows())
     got = read_jsonl(str(out))
-    assert [r["regenerated"]["source"] for r in got] == [{"index": r.index, "where": r.where} for r in expected]
+    assert [r["regenerated"]["source"] for r in got] == [
+        {"index": r.index, "where": r.where} for r in expected
+    ]
     assert [r["messages"][0] for r in got] == [r.value["messages"][0] for r in expected]
     assert {r["regenerated"]["source"]["where"] for r in got} <= {f"{data} row {i}" for i in range(10)}
     number = [int(r["messages"][0]["content"].split()[-1]) for r in got]
@@ -358,7 +422,10 @@ def test_changed_configuration_and_a_second_run_are_refused(server, tmp_path):
     changed = regenerate([server.url], data, str(out), "--temperature", "0.5", "--seed", "3")
     assert changed.returncode == 1
     assert "regeneration.temperature: the output has 0.0, this run has 0.5" in changed.stderr
-    assert "regeneration.seed: the output has 0, this run has 3" in changed.stderr and "--overwrite" in changed.stderr
+    assert (
+        "regeneration.seed: the output has 0, this run has 3" in changed.stderr
+        and "--overwrite" in changed.stderr
+    )
     write_jsonl(data, [{"messages": [{"role": "user", "content": "another input"}]}])
     assert "input_sha256" in regenerate([server.url], data, str(out)).stderr
 
@@ -367,7 +434,11 @@ def test_changed_configuration_and_a_second_run_are_refused(server, tmp_path):
         held = regenerate([server.url], data, str(out), "--overwrite")
     finally:
         lock.release()
-    assert held.returncode == 1 and f"pid {os.getpid()}" in held.stderr and "another dspark-regenerate" in held.stderr
+    assert (
+        held.returncode == 1
+        and f"pid {os.getpid()}" in held.stderr
+        and "another dspark-regenerate" in held.stderr
+    )
     assert regenerate([server.url], data, str(out), "--overwrite").returncode == 0
     assert read_jsonl(str(out))[0]["messages"][0]["content"] == "another input"
 
@@ -398,7 +469,11 @@ def test_replies_no_output_line_can_hold_are_rejected_never_written(server, rows
     that are not calls): the same request would get the same answer, so the row is listed as skipped with the
     reason, at once, and never written; the other rows are the server's answers."""
     data = _small(rows_file, tmp_path)
-    bad = [{"content": 12345}, {"content": "half \ud800 a character"}, {"content": None, "tool_calls": "call"}]
+    bad = [
+        {"content": 12345},
+        {"content": "half \ud800 a character"},
+        {"content": None, "tool_calls": "call"},
+    ]
     out = tmp_path / "regen.jsonl"
     with FaultProxy("127.0.0.1", server.port, dialect="openai") as proxy:
         for message in bad:
@@ -416,7 +491,9 @@ def test_replies_no_output_line_can_hold_are_rejected_never_written(server, rows
     assert regenerate([server.url], data, str(direct)).returncode == 0
     written = _lines(out.read_bytes())
     assert len(written) == 3 and set(written) <= set(_lines(direct.read_bytes()))
-    assert {r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))}.isdisjoint(s["index"] for s in skipped)
+    assert {r["regenerated"]["source"]["index"] for r in read_jsonl(str(out))}.isdisjoint(
+        s["index"] for s in skipped
+    )
 
 
 def test_a_redirect_is_an_endpoint_failure_never_a_rejection(server, rows_file, tmp_path):
@@ -501,7 +578,9 @@ def test_refused_credentials_stop_the_run_in_one_line(server, rows_file, tmp_pat
             done = regenerate([proxy.endpoint], data, str(out))
             lines = done.stderr.strip().splitlines()
             assert done.returncode == 1 and len(lines) == 1, done.stderr
-            assert "HTTP 401" in lines[0] and "Invalid API key" in lines[0] and "--api-key" in lines[0], lines[0]
+            assert "HTTP 401" in lines[0] and "Invalid API key" in lines[0] and "--api-key" in lines[0], (
+                lines[0]
+            )
     assert count_lines(str(out)) == 0 and not os.path.exists(str(out) + ".failed")
 
 
@@ -523,7 +602,9 @@ def test_server_gone_for_good_stops_the_run_with_one_line(server, rows_file, tmp
     out = tmp_path / "regen.jsonl"
     proxy = FaultProxy("127.0.0.1", server.port, dialect="openai").start()
     try:
-        proc = start_regenerate([proxy.endpoint], rows_file, str(out), "--concurrency", "2", "--give-up-after", "3")
+        proc = start_regenerate(
+            [proxy.endpoint], rows_file, str(out), "--concurrency", "2", "--give-up-after", "3"
+        )
         wait_for(lambda: count_lines(str(out)) >= 2 or proc.poll() is not None, timeout=120)
         proxy.stop()
         _, stderr = proc.communicate(timeout=120)
@@ -531,8 +612,12 @@ def test_server_gone_for_good_stops_the_run_with_one_line(server, rows_file, tmp
         proxy.stop()
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("dspark-regenerate: error: no endpoint answered for 3 s: ") and proxy.endpoint in last
-    assert not (tmp_path / "regen.jsonl.failed").exists(), "rows in flight are not failed rows: a rerun resumes them"
+    assert (
+        last.startswith("dspark-regenerate: error: no endpoint answered for 3 s: ") and proxy.endpoint in last
+    )
+    assert not (tmp_path / "regen.jsonl.failed").exists(), (
+        "rows in flight are not failed rows: a rerun resumes them"
+    )
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "2")  # the endpoint is not identity
     assert done.returncode == 0, done.stderr
     assert count_lines(str(out)) == ROWS

@@ -23,12 +23,25 @@ LENGTHS = {0: [3, 5], 1: [4, 2], 2: [6]}  # shard id -> its samples' lengths
 
 def _manifest() -> Manifest:
     samples = sum(len(v) for v in LENGTHS.values())
-    return Manifest(complete=False, target_model="t", target_model_type="qwen3", target_vocab_size=100,
-                    hidden_size=SHAPE.hidden_size, num_hidden_layers=SHAPE.num_layers, seq_length=16, dtype="bf16",
-                    num_samples=samples, planned_samples=samples, shard_size=2,
-                    target_hidden_dim=SHAPE.hidden_size * len(SHAPE.layer_ids),
-                    target_last_hidden_dim=SHAPE.hidden_size, target_layer_ids=list(SHAPE.layer_ids),
-                    train_data_path="d", num_shards=len(LENGTHS), cache_id="cache-a")
+    return Manifest(
+        complete=False,
+        target_model="t",
+        target_model_type="qwen3",
+        target_vocab_size=100,
+        hidden_size=SHAPE.hidden_size,
+        num_hidden_layers=SHAPE.num_layers,
+        seq_length=16,
+        dtype="bf16",
+        num_samples=samples,
+        planned_samples=samples,
+        shard_size=2,
+        target_hidden_dim=SHAPE.hidden_size * len(SHAPE.layer_ids),
+        target_last_hidden_dim=SHAPE.hidden_size,
+        target_layer_ids=list(SHAPE.layer_ids),
+        train_data_path="d",
+        num_shards=len(LENGTHS),
+        cache_id="cache-a",
+    )
 
 
 def _writer(output: CacheOutput, shard_id: int) -> ShardWriter:

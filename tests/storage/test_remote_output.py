@@ -25,11 +25,21 @@ from dspark_cache.storage.remote.store import ObjectInfo, ObjectStore
 from dspark_cache.storage.remote.url import RemoteURL
 from tests.support.faultproxy import matching
 from tests.support.produce import produce_args, write_jsonl
-from tests.support.proc import assert_same_samples, events, kill_group, producer_cmd, run, run_ranks, start, wait_for
+from tests.support.proc import (
+    assert_same_samples,
+    events,
+    kill_group,
+    producer_cmd,
+    run,
+    run_ranks,
+    start,
+    wait_for,
+)
 from tests.support.remote import KEYS, upload_cache
 from tests.support.s3server import S3Server, client_options, unique_bucket_name
 
-ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")  # 46 samples in 19 shards (as test_resume)
+# 46 samples in 19 shards (as test_resume)
+ARGS = ("--seq-length", "256", "--shard-size", "3", "--batch-size", "2")
 ENV = {"DSPARK_SYNC_INTERVAL": "0.2"}  # the small files go up five times a second
 TAR_PUTS = matching(method="PUT", suffix=".tar")
 
@@ -229,8 +239,10 @@ def test_a_second_producer_on_the_same_url_is_refused_at_once_naming_the_holder(
         embedded, remote, proxy, tmp_path, capsys):
     # The first producer is held: one tar upload stalls, and a staging limit of one shard holds the writer.
     proxy.fail_next(1, "stall", match=TAR_PUTS, stall_s=5)
-    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
-                  env=ENV)
+    first = start(
+        remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
+        env=ENV,
+    )
     try:
         wait_for(lambda: proxy.faults["stall"] == 1 or first.poll() is not None, timeout=120)
         assert first.poll() is None, first.communicate()
@@ -327,8 +339,10 @@ def test_a_late_index_of_a_producer_that_lost_its_lease_never_enters_the_next_ru
     (a conditional create), leaving B's cache whole, and A must stop with a message that says why."""
     env = {**ENV, "DSPARK_LEASE_TTL": "2"}
     proxy.fail_next(1, "hold", match=matching(method="PUT", suffix=".idx"))
-    first = start(remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
-                  env=env)
+    first = start(
+        remote.cmd(embedded, tmp_path / "a", "--staging-limit", "1", options=client_options(proxy.endpoint)),
+        env=env,
+    )
     try:
         wait_for(lambda: proxy.faults["hold"] == 1 or first.poll() is not None, timeout=120)
         assert first.poll() is None, first.communicate()
@@ -418,7 +432,9 @@ def test_keys_the_client_cannot_represent_beside_a_cache_are_skipped_and_named(
 # -- 5. --overwrite ----------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_overwrite_clears_the_stores_files_and_remakes_the_cache(embedded, reference, remote, tmp_path, capsys):
+def test_overwrite_clears_the_stores_files_and_remakes_the_cache(
+    embedded, reference, remote, tmp_path, capsys
+):
     upload_cache(reference, remote.url, storage_options=remote.options)  # a complete cache is there
     store = remote.store
     old = remote.manifest()["cache_id"]
@@ -441,7 +457,9 @@ def test_overwrite_clears_the_stores_files_and_remakes_the_cache(embedded, refer
 
 
 @pytest.mark.slow
-def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite(embedded, remote, tmp_path, capsys):
+def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite(
+    embedded, remote, tmp_path, capsys
+):
     """Machine A produced the cache; machine B remade it with --overwrite (same settings: every file the
     same size, a new cache_id). A's staging directory, reused, must take B's cache, not resume its own."""
     a, b = tmp_path / "machine-a", tmp_path / "machine-b"
@@ -454,7 +472,8 @@ def test_a_reused_staging_dir_follows_the_store_after_another_machines_overwrite
     tars = {r: i.etag for r, i in remote.listing().items() if r.endswith(".tar")}
     again = run(remote.cmd(embedded, a), env=ENV)
     assert again.returncode == 0, again.stderr
-    assert {r: i.etag for r, i in remote.listing().items() if r.endswith(".tar")} == tars  # nothing recomputed
+    # nothing recomputed
+    assert {r: i.etag for r, i in remote.listing().items() if r.endswith(".tar")} == tars
     assert remote.manifest()["cache_id"] == second
     assert {k: remote.store.get(KEYS.shard_index(k))[0] for k in remote.shard_ids("idx")} == indexes
     assert json.loads(open(CachePaths(a).manifest, "rb").read())["cache_id"] == second
@@ -488,8 +507,18 @@ def test_a_follow_loader_reads_every_sample_once_while_the_producer_uploads(
     # certain to read shards before the cache is complete. One writer, so that shards 0-3 (the loader's
     # first window) are up before shard 4 (with several, shard 4 may be sealed first and hold them back).
     proxy.fail_next(1, "stall", match=matching(method="PUT", suffix="/" + KEYS.shard_tar(4)), stall_s=3)
-    producer = start(remote.cmd(embedded, tmp_path / "staging", "--staging-limit", "1", "--writer-threads", "1",
-                                options=client_options(proxy.endpoint)), env=ENV)
+    producer = start(
+        remote.cmd(
+            embedded,
+            tmp_path / "staging",
+            "--staging-limit",
+            "1",
+            "--writer-threads",
+            "1",
+            options=client_options(proxy.endpoint),
+        ),
+        env=ENV,
+    )
     seen: list[tuple[float, list[int], list[bool]]] = []
     try:
         store = remote.store
@@ -597,9 +626,24 @@ def test_the_ranks_of_one_node_starting_together_on_a_new_staging_dir_are_not_re
     for attempt in range(3):
         staging = str(tmp_path / f"staging-{attempt}")
         at = time.time() + 1.0  # every racer starts its check at this instant
-        racers = [subprocess.Popen([sys.executable, "-c", _RACER, remote.url, staging, json.dumps(remote.options),
-                                    repr(at), leader], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                  for leader in ("1", "0", "0", "0")]  # rank 0 and three others
+        racers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _RACER,
+                    remote.url,
+                    staging,
+                    json.dumps(remote.options),
+                    repr(at),
+                    leader,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for leader in ("1", "0", "0", "0")
+        ]  # rank 0 and three others
         said = [p.communicate(timeout=60) for p in racers]
         assert [out.strip() for out, _ in said] == ["ok"] * len(racers), (attempt, said)
         with open(CachePaths(staging).staging_mark) as handle:
@@ -631,8 +675,10 @@ def test_a_store_that_keeps_failing_ends_in_an_error_naming_the_object_and_a_rer
     # failure comes, so the failure reaches it there (not only at the end of the run). One writer: shards
     # are sealed in plan order, so exactly those before the failing one are published (with several, a
     # later shard sealed first may go up first).
-    failed = run(remote.cmd(embedded, staging, "--staging-limit", "1", "--writer-threads", "1", options=failing),
-                 env=ENV)
+    failed = run(
+        remote.cmd(embedded, staging, "--staging-limit", "1", "--writer-threads", "1", options=failing),
+        env=ENV,
+    )
     assert failed.returncode == 1, failed.stderr
     lines = _error_lines(failed.stderr)
     assert len(lines) == 1, failed.stderr

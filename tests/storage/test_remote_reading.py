@@ -22,7 +22,12 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.nemo.dataset import DSparkMapDataset
 from dspark_cache.storage.backing import StorageOptions
 from dspark_cache.storage.cache import CacheDir, CacheReplacedError
-from dspark_cache.storage.remote.store import AccessDeniedError, NoSuchBucketError, ObjectStore, ObjectStoreError
+from dspark_cache.storage.remote.store import (
+    AccessDeniedError,
+    NoSuchBucketError,
+    ObjectStore,
+    ObjectStoreError,
+)
 from dspark_cache.storage.remote.url import RemoteURL, is_remote
 from tests.support.faultproxy import FaultProxy, matching
 from dspark_cache.storage.remote.localdir import LocalCopyError
@@ -67,7 +72,11 @@ def test_urls_are_remote_and_plain_paths_are_not():
     url = RemoteURL.parse("s3://bucket/a/b/")
     key = KEYS.shard_index(1)
     assert (url.bucket, url.prefix, url.key(key)) == ("bucket", "a/b", "a/b/" + key)
-    for bad, said in [("s3:///x", "no bucket"), ("ftp://b/x", "not an object store"), ("s3://b/a/../c", "'..'")]:
+    for bad, said in [
+        ("s3:///x", "no bucket"),
+        ("ftp://b/x", "not an object store"),
+        ("s3://b/a/../c", "'..'"),
+    ]:
         with pytest.raises(ValueError, match=said):
             RemoteURL.parse(bad)
 
@@ -79,7 +88,9 @@ def test_loader_over_s3_gives_the_local_batches_within_a_small_local_cache(local
     limit = sum(sizes) // 3
     options = dict(batch_size=4, shuffle=True, seed=7, num_workers=2, window=2)
     expected = _epochs(dspark_cache.build_dataloader(local, **options), 2)
-    loader = dspark_cache.build_dataloader(remote, local_cache_dir=str(tmp_path / "node"), cache_limit=limit, **options)
+    loader = dspark_cache.build_dataloader(
+        remote, local_cache_dir=str(tmp_path / "node"), cache_limit=limit, **options
+    )
     got = _epochs(loader, 2)
     mirror = loader.cache.backing
     assert [len(e) for e in got] == [len(e) for e in expected]
@@ -88,7 +99,12 @@ def test_loader_over_s3_gives_the_local_batches_within_a_small_local_cache(local
             assert a.keys() == b.keys()
             for key in a:
                 assert torch.equal(a[key], b[key]), (epoch, key)
-        ids = [int(i) for batch in ours for i, repeat in zip(batch["sample_ids"], batch["is_repeat"]) if not repeat]
+        ids = [
+            int(i)
+            for batch in ours
+            for i, repeat in zip(batch["sample_ids"], batch["is_repeat"])
+            if not repeat
+        ]
         assert sorted(ids) == sorted(dspark_cache.open_cache(local).sample_ids)
     # A third of the cache fits: the second epoch downloads again what was evicted.
     assert mirror.downloads > len(sizes)
@@ -113,8 +129,12 @@ def test_transient_faults_are_retried_and_every_sample_still_read(local, remote,
     proxy.fail_next(2, "reset", match=TARS)
     proxy.fail_next(1, "500", match=TARS)
     proxy.fail_next(1, "cut", match=TARS, cut_after=100_000)
-    with dspark_cache.open_cache(remote, storage_options=_via(proxy), local_cache_dir=str(tmp_path / "n")) as cache, \
-            dspark_cache.open_cache(local) as reference:
+    with (
+        dspark_cache.open_cache(
+            remote, storage_options=_via(proxy), local_cache_dir=str(tmp_path / "n")
+        ) as cache,
+        dspark_cache.open_cache(local) as reference,
+    ):
         assert [s["sample_id"] for s in cache.samples()] == reference.sample_ids
     assert proxy.faults["503"] == 2 and proxy.faults["reset"] == 2 and proxy.faults["500"] == 1
     assert proxy.faults["cut"] == 1
@@ -125,7 +145,9 @@ def test_a_store_that_stops_answering_ends_in_an_error_naming_the_object(remote,
     proxy.fail_next(None, "stall", match=TARS, stall_s=30)
     options = _via(proxy, client_options={"timeout": "1s"}, retry_config={"max_retries": 1})
     started = time.monotonic()
-    with dspark_cache.open_cache(remote, storage_options=options, local_cache_dir=str(tmp_path / "n")) as cache:
+    with dspark_cache.open_cache(
+        remote, storage_options=options, local_cache_dir=str(tmp_path / "n")
+    ) as cache:
         with pytest.raises(ObjectStoreError, match=r"reading s3://.*/runs/cache/shards/shard-\d{6}\.tar"):
             cache.read(0)
     assert time.monotonic() - started < 25
@@ -140,7 +162,9 @@ def test_a_corrupted_object_is_fetched_again_once_then_named(local, remote, prox
     node = str(tmp_path / "n")
     with dspark_cache.open_cache(remote, storage_options=_via(proxy), local_cache_dir=node) as cache:
         first = next(i for i, (shard, _) in enumerate(cache._order) if shard == 3)
-        with pytest.raises(CorruptShardError, match=r"s3://.*/runs/cache/shards/shard-000003\.tar.*downloaded twice"):
+        with pytest.raises(
+            CorruptShardError, match=r"s3://.*/runs/cache/shards/shard-000003\.tar.*downloaded twice"
+        ):
             cache.read(first)
         root = cache.cache.backing.root
     assert len(_tar_gets(proxy, os.path.basename(KEYS.shard_tar(3)))) == 2
@@ -407,8 +431,15 @@ def test_follow_mode_reads_a_cache_while_it_is_published_to_s3(local, s3_bucket,
     writer = threading.Thread(target=publish)
     started = time.monotonic()
     writer.start()
-    loader = dspark_cache.build_dataloader(url, batch_size=4, follow=True, poll_interval=0.2, follow_timeout=60,
-                                           storage_options=_via(proxy), local_cache_dir=str(tmp_path / "n"))
+    loader = dspark_cache.build_dataloader(
+        url,
+        batch_size=4,
+        follow=True,
+        poll_interval=0.2,
+        follow_timeout=60,
+        storage_options=_via(proxy),
+        local_cache_dir=str(tmp_path / "n"),
+    )
     ids = [int(i) for batch in loader for i, r in zip(batch["sample_ids"], batch["is_repeat"]) if not r]
     writer.join()
     elapsed = time.monotonic() - started
@@ -422,14 +453,21 @@ def test_access_denied_missing_bucket_and_missing_client_are_one_line(remote, tm
     with S3Server(check_credentials=True) as strict:
         bucket = unique_bucket_name()
         strict.make_bucket(bucket)
-        options = {"endpoint": strict.endpoint, "access_key_id": "AKIAWRONG0000000", "secret_access_key": "nope"}
+        options = {
+            "endpoint": strict.endpoint,
+            "access_key_id": "AKIAWRONG0000000",
+            "secret_access_key": "nope",
+        }
         with pytest.raises(AccessDeniedError, match=r"access denied \(403\).*AWS_ACCESS_KEY_ID") as denied:
             CacheDir(f"s3://{bucket}/c", storage=StorageOptions(options, str(tmp_path / "n")))
         assert "nope" not in str(denied.value) and "\n" not in str(denied.value)
     with pytest.raises(NoSuchBucketError, match="the bucket no-such-bucket-here does not exist"):
         CacheDir("s3://no-such-bucket-here/c", storage=StorageOptions(local_cache_dir=str(tmp_path / "n")))
     with pytest.raises(NotACacheError, match=r"s3://.*/nothing/here is not a dspark cache"):
-        CacheDir(remote.replace("runs/cache", "nothing/here"), storage=StorageOptions(local_cache_dir=str(tmp_path)))
+        CacheDir(
+            remote.replace("runs/cache", "nothing/here"),
+            storage=StorageOptions(local_cache_dir=str(tmp_path)),
+        )
     assert verify_main(["s3://no-such-bucket-here/c", "--local-cache-dir", str(tmp_path / "n")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not exist" in err
@@ -474,7 +512,10 @@ def test_staging_options_on_a_local_output_dir_are_a_usage_error(embedded, tmp_p
     args = ["--target-model", embedded.stock, "--input-data", embedded.data, "--output-dir", out]
     assert produce_main([*args, "--staging-dir", str(tmp_path / "s"), "--staging-limit", "1G"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--staging-dir, --staging-limit apply to an --output-dir on object storage" in err[0]
+    assert (
+        len(err) == 1
+        and "--staging-dir, --staging-limit apply to an --output-dir on object storage" in err[0]
+    )
     assert produce_main([*args.copy()[:-1], "s3://some-bucket/cache", "--staging-limit", "lots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--staging-limit='lots' is not a size" in err[0], err
@@ -552,7 +593,9 @@ def test_a_tar_object_larger_than_its_index_says_is_cut_not_streamed_whole(local
 def test_a_full_local_disk_is_named_at_once_not_retried_as_the_network(remote):
     store = ObjectStore(remote)
     started = time.monotonic()
-    with pytest.raises(ObjectStoreError, match=r"the local file /dev/full could not be written \(No space left"):
+    with pytest.raises(
+        ObjectStoreError, match=r"the local file /dev/full could not be written \(No space left"
+    ):
         store.download(KEYS.shard_tar(0), "/dev/full")  # every write there fails with ENOSPC
     assert time.monotonic() - started < 5  # no backoff: no retry mends a full disk
 

@@ -19,7 +19,9 @@ def length_grouped_batches(samples: list[PlannedSample], max_batch_tokens: int,
     return [ordered[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
 
 
-def whole_batch_shards(batches: list[list[PlannedSample]], shard_size: int) -> list[list[list[PlannedSample]]]:
+def whole_batch_shards(
+    batches: list[list[PlannedSample]], shard_size: int
+) -> list[list[list[PlannedSample]]]:
     """The shards ``plan_from_rows`` cuts from these batches: a shard holds samples of similar length."""
     starts = shard_starts_of(np.array([len(b) for b in batches], dtype=np.int64), shard_size)
     return [batches[a:b] for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]

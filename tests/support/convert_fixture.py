@@ -22,11 +22,24 @@ TINY_MODEL = "hub-only/tiny-model"  # not a local directory: the tokenizer canno
 def tiny_manifest(num_samples: int, seq: int, shard_size: int, hidden: int, layer_ids: list[int],
                   num_layers: int, **overrides) -> dict:
     manifest = {
-        "target_model": TINY_MODEL, "target_model_type": "qwen3", "target_vocab_size": 100, "hidden_size": hidden,
-        "num_hidden_layers": num_layers, "seq_length": seq, "dtype": "bf16", "num_samples": num_samples,
-        "shard_size": shard_size, "target_hidden_dim": hidden * len(layer_ids), "target_last_hidden_dim": hidden,
-        "target_layer_ids": layer_ids, "train_data_path": "rows.jsonl", "train_split": None, "shuffle_seed": 42,
-        "mask_reasoning_content": False, "mask_generation_prompt": False, "chat_template_sha256": "0" * 64,
+        "target_model": TINY_MODEL,
+        "target_model_type": "qwen3",
+        "target_vocab_size": 100,
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "seq_length": seq,
+        "dtype": "bf16",
+        "num_samples": num_samples,
+        "shard_size": shard_size,
+        "target_hidden_dim": hidden * len(layer_ids),
+        "target_last_hidden_dim": hidden,
+        "target_layer_ids": layer_ids,
+        "train_data_path": "rows.jsonl",
+        "train_split": None,
+        "shuffle_seed": 42,
+        "mask_reasoning_content": False,
+        "mask_generation_prompt": False,
+        "chat_template_sha256": "0" * 64,
     }
     assert set(manifest) == set(NEMO_FIELDS)
     manifest.update(format_version=1, complete=True)
@@ -44,7 +57,9 @@ def write_tiny_nemo(dst: str, ids: list[list[int]], masks: list[list[int]], *, s
     full = {
         "input_ids": torch.tensor(ids, dtype=torch.int64),
         "loss_mask": torch.tensor(masks, dtype=torch.int64),
-        "target_hidden_states": torch.randn(n, seq, hidden * len(layer_ids), generator=gen).to(torch.bfloat16),
+        "target_hidden_states": torch.randn(n, seq, hidden * len(layer_ids), generator=gen).to(
+            torch.bfloat16
+        ),
     }
     if layer_ids[-1] == num_layers - 1:
         full["target_last_hidden_states"] = full["target_hidden_states"][..., -hidden:].clone()

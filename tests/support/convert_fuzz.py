@@ -24,7 +24,28 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.nemo import nemo_format
 
 PAD = 7
-_VALUES = [0, -1, 1, 2, 3, 7, 100, 10**12, 2**63, -(2**63), 10**30, "x", "", None, 1.5, True, False, [], {}, [1, 2]]
+_VALUES = [
+    0,
+    -1,
+    1,
+    2,
+    3,
+    7,
+    100,
+    10**12,
+    2**63,
+    -(2**63),
+    10**30,
+    "x",
+    "",
+    None,
+    1.5,
+    True,
+    False,
+    [],
+    {},
+    [1, 2],
+]
 _HEADER_CHARS = b'0123456789",:{}[]x -'
 
 
@@ -132,7 +153,9 @@ def _mutate_header(src: str, dst: str, reference: str, rng: random.Random) -> st
     (length,) = struct.unpack("<Q", raw[:8])
     how = rng.choice(["length", "char", "char", "char", "truncate", "append", "nest"])
     if how == "length":
-        value = rng.choice([0, 2, 7, length - 8, length + 8, len(raw), len(raw) - 8, 2**63, 2**64 - 1, 1 << 30])
+        value = rng.choice(
+            [0, 2, 7, length - 8, length + 8, len(raw), len(raw) - 8, 2**63, 2**64 - 1, 1 << 30]
+        )
         raw = struct.pack("<Q", value) + raw[8:]
         how = f"length {value}"
     elif how == "char":
@@ -193,7 +216,9 @@ def _mutate_dst(src: str, dst: str, reference: str, rng: random.Random) -> str:
         path = paths.manifest
         with open(path) as handle:
             text = handle.read()
-        text = rng.choice([text[: len(text) // 2], "[]", _nested(100_000), text.replace('"seq_length":', '"x":')])
+        text = rng.choice(
+            [text[: len(text) // 2], "[]", _nested(100_000), text.replace('"seq_length":', '"x":')]
+        )
         with open(path, "w") as handle:
             handle.write(text)
         return "its manifest damaged"

@@ -316,7 +316,9 @@ class FaultProxy:
         listener.settimeout(0.1)  # accept() polls the stop flag
         self._listener = listener
         self.port = listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"faultproxy-{self.port}", daemon=True)
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"faultproxy-{self.port}", daemon=True
+        )
         self._acceptor.start()
         log.info("fault proxy %s -> %s:%d", self.endpoint, *self.upstream)
         return self
@@ -483,7 +485,14 @@ class FaultProxy:
                         if self._stopping.is_set():
                             return
                 if plan is not None and plan.kind not in _FORWARDED:
-                    log.info("fault %s on %s %s (connection %d, request %d)", plan.kind, method, target, serial, index)
+                    log.info(
+                        "fault %s on %s %s (connection %d, request %d)",
+                        plan.kind,
+                        method,
+                        target,
+                        serial,
+                        index,
+                    )
                     self._inject(plan, client, reader, head)
                     return
                 if upstream is None:
@@ -621,9 +630,14 @@ class FaultProxy:
         if self.dialect == "openai":
             return status, "application/json", json.dumps(
                 {"error": {"message": message, "type": code, "code": int(plan.kind)}}).encode()
-        return status, "application/xml", (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                                           f"<Message>{message}</Message><RequestId>faultproxy</RequestId></Error>"
-                                           ).encode()
+        return (
+            status,
+            "application/xml",
+            (
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                f"<Message>{message}</Message><RequestId>faultproxy</RequestId></Error>"
+            ).encode(),
+        )
 
 
 def _framing(method: str, status: int, headers: dict[str, str]) -> str:

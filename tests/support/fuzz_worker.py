@@ -49,7 +49,9 @@ _VALUES = [0, -1, 1, 7, 4096, 2**31, 2**63, -(2**63), 10**30, "x", None, 1.5, []
 def _nudge(value, rng: random.Random):
     if isinstance(value, bool) or not isinstance(value, int):
         return rng.choice(_VALUES)
-    return rng.choice([value + 1, value - 1, value * 2, -value, value + 512, value + 4096, rng.choice(_VALUES)])
+    return rng.choice(
+        [value + 1, value - 1, value * 2, -value, value + 512, value + 4096, rng.choice(_VALUES)]
+    )
 
 
 def _json_files(root: str, rng: random.Random, kind: str) -> str:
@@ -158,7 +160,9 @@ def _mutate_header(root: str, rng: random.Random) -> str:
 def _mutate_special(root: str, rng: random.Random) -> str:
     paths = CachePaths(root)
     shards = paths.indexed_shard_ids()
-    path = rng.choice([paths.shard_tar(i) for i in shards] + [paths.shard_index(i) for i in shards] + [paths.manifest])
+    path = rng.choice(
+        [paths.shard_tar(i) for i in shards] + [paths.shard_index(i) for i in shards] + [paths.manifest]
+    )
     os.unlink(path)
     how = rng.choice(["fifo", "dev_zero", "directory", "dangling"])
     {"fifo": lambda: os.mkfifo(path), "dev_zero": lambda: os.symlink("/dev/zero", path),
@@ -241,7 +245,9 @@ def mutate_tokens(root: str, rng: random.Random) -> str:
     token = rng.randrange(entry[1])
     if rng.random() < 0.6:
         name, fmt, width = "input_ids", "<i", 4
-        value = rng.choice([vocab, vocab + 1, vocab + rng.randrange(1, 1 << 20), 2**31 - 1, -1, -vocab, -(2**31)])
+        value = rng.choice(
+            [vocab, vocab + 1, vocab + rng.randrange(1, 1 << 20), 2**31 - 1, -1, -vocab, -(2**31)]
+        )
     else:
         name, fmt, width = "loss_mask", "<B", 1
         value = rng.choice([2, 3, 127, 128, 255])

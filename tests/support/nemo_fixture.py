@@ -63,5 +63,7 @@ def write_nemo_cache(src: str, dst: str, shard_size: int, **manifest_overrides) 
     manifest.update(manifest_overrides)
     with open(os.path.join(dst, "manifest.json"), "w") as handle:
         json.dump(manifest, handle, indent=2, sort_keys=True)
-    shutil.copy(os.path.join(src, "target_weights.safetensors"), os.path.join(dst, "target_weights.safetensors"))
+    shutil.copy(
+        os.path.join(src, "target_weights.safetensors"), os.path.join(dst, "target_weights.safetensors")
+    )
     return dst

@@ -20,8 +20,10 @@ from tests.support.plan_files import rechecksum
 
 _NAMES = CachePaths("")  # only the names of the files inside plan/
 _PART_ARRAYS = {kind: os.path.basename(_NAMES.plan_part(0, kind)) for kind in ("ids", "mask", "rows")}
-ARRAYS = (*_PART_ARRAYS.values(),
-          *(os.path.basename(_NAMES.plan_array(name)) for name in ("samples", "batches", "shards", "shard_bytes")))
+ARRAYS = (
+    *_PART_ARRAYS.values(),
+    *(os.path.basename(_NAMES.plan_array(name)) for name in ("samples", "batches", "shards", "shard_bytes")),
+)
 PLAN_HEADER = os.path.basename(_NAMES.plan_header)
 HEADERS = (os.path.basename(_NAMES.plan_part_header(0)), PLAN_HEADER)
 

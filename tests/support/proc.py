@@ -101,7 +101,9 @@ def published(cache_dir: str) -> int:
     return sum(1 for e in events(cache_dir) if e["kind"] == "shard_published")
 
 
-def assert_same_samples(a_dir, b_dir, exact: bool = True, tolerance: tuple[float, float] = (1e-4, 1e-5)) -> int:
+def assert_same_samples(
+    a_dir, b_dir, exact: bool = True, tolerance: tuple[float, float] = (1e-4, 1e-5)
+) -> int:
     """Every sample of cache ``a`` equals ``b``'s (ids, masks, hidden states), none missing or extra; each a
     path or an opened cache. Not ``exact``: the states within ``tolerance`` (rtol, atol)."""
     a = dspark_cache.open_cache(a_dir) if isinstance(a_dir, str) else a_dir

@@ -27,7 +27,9 @@ def chatml_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
 
 
 def generation_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    enc = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     return list(enc["input_ids"]), list(enc["assistant_masks"])
 
 

@@ -27,8 +27,16 @@ BASE = ("--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--no-progress", 
 
 def regen_cmd(endpoints: list[str], data: str, out: str, *extra: str) -> list[str]:
     ends = [a for url in endpoints for a in ("--endpoint", url)]
-    return [os.path.join(BIN, "dspark-regenerate"), "--input-data", str(data), "--output", str(out), *ends, *BASE,
-            *extra]
+    return [
+        os.path.join(BIN, "dspark-regenerate"),
+        "--input-data",
+        str(data),
+        "--output",
+        str(out),
+        *ends,
+        *BASE,
+        *extra,
+    ]
 
 
 def regenerate(endpoints: list[str], data: str, out: str, *extra: str, timeout: float = 300,

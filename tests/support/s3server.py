@@ -53,11 +53,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def client_options(endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY, **extra) -> dict:
+def client_options(
+    endpoint: str, access_key: str = ACCESS_KEY, secret_key: str = SECRET_KEY, **extra
+) -> dict:
     """The object-store client's storage options for an S3 server at ``endpoint`` (ours, or a fault
     proxy in front of it), with ``extra`` options."""
-    return {"endpoint": endpoint, "access_key_id": access_key, "secret_access_key": secret_key, "region": REGION,
-            **extra}
+    return {
+        "endpoint": endpoint,
+        "access_key_id": access_key,
+        "secret_access_key": secret_key,
+        "region": REGION,
+        **extra,
+    }
 
 
 class S3Server:
@@ -157,7 +164,9 @@ class S3Server:
             except (urllib.error.URLError, ConnectionError, socket.timeout, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"moto server did not answer on {self.endpoint} within {START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"moto server did not answer on {self.endpoint} within {START_TIMEOUT_S:.0f} s"
+                )
             time.sleep(0.05)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -209,7 +218,9 @@ class S3Server:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.read()
         except urllib.error.HTTPError as exc:  # say what moto said (e.g. InvalidBucketName)
-            raise RuntimeError(f"{method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
+            raise RuntimeError(
+                f"{method} {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}"
+            ) from None
 
     def make_bucket(self, name: str) -> str:
         """Create bucket ``name``; returns ``"s3://name"``."""

@@ -65,13 +65,29 @@ class Server:
                "TOKENIZERS_PARALLELISM": "false", **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [os.path.join(BIN, "transformers"), "serve", self.model, "--host", "127.0.0.1", "--port",
-                 str(self.port), "--device", "cpu", *self.extra], env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                [
+                    os.path.join(BIN, "transformers"),
+                    "serve",
+                    self.model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--device",
+                    "cpu",
+                    *self.extra,
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(
+                    f"transformers serve exited with {self.proc.returncode}; see {self.log_path}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as resp:
                     if resp.status == 200:
@@ -80,7 +96,9 @@ class Server:
                 pass
             time.sleep(0.25)
         self.kill()
-        raise RuntimeError(f"transformers serve did not answer within {START_TIMEOUT_S:g} s; see {self.log_path}")
+        raise RuntimeError(
+            f"transformers serve did not answer within {START_TIMEOUT_S:g} s; see {self.log_path}"
+        )
 
     def kill(self) -> None:
         """SIGKILL the server (the whole session it leads) and wait for it: the port stops answering."""

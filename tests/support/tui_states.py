@@ -21,20 +21,50 @@ DEVICE_BYTES = 18_950_000_000  # allocated on its GPU: the weights and a batch's
 
 def manifest(num_shards: int, complete: bool = False) -> Manifest:
     return Manifest(
-        complete=complete, target_model="Qwen/Qwen3-8B", target_model_type="qwen3", target_vocab_size=151936,
-        hidden_size=4096, num_hidden_layers=36, seq_length=4096, dtype="bf16", num_samples=num_shards * 10,
-        planned_samples=num_shards * 10, shard_size=10, target_hidden_dim=5 * 4096, target_last_hidden_dim=4096,
-        target_layer_ids=[1, 10, 18, 26, 35], train_data_path="/data/regen.jsonl", compute_dtype="bf16",
-        num_rows=num_shards * 10 + 3, num_shards=num_shards, planned_tokens=num_shards * SHARD_TOKENS,
-        planned_bytes=num_shards * SHARD_BYTES, created_at=NOW - 3600, completed_at=NOW - 60 if complete else None,
+        complete=complete,
+        target_model="Qwen/Qwen3-8B",
+        target_model_type="qwen3",
+        target_vocab_size=151936,
+        hidden_size=4096,
+        num_hidden_layers=36,
+        seq_length=4096,
+        dtype="bf16",
+        num_samples=num_shards * 10,
+        planned_samples=num_shards * 10,
+        shard_size=10,
+        target_hidden_dim=5 * 4096,
+        target_last_hidden_dim=4096,
+        target_layer_ids=[1, 10, 18, 26, 35],
+        train_data_path="/data/regen.jsonl",
+        compute_dtype="bf16",
+        num_rows=num_shards * 10 + 3,
+        num_shards=num_shards,
+        planned_tokens=num_shards * SHARD_TOKENS,
+        planned_bytes=num_shards * SHARD_BYTES,
+        created_at=NOW - 3600,
+        completed_at=NOW - 60 if complete else None,
     )
 
 
 def status(rank: int, world: int, state: str, age: float, **kw) -> RankStatus:
-    fields = dict(rank=rank, world_size=world, run_id="r1", pid=1000 + rank, host="node-a", state=state,
-                  updated_at=NOW - age, started_at=NOW - 3000, shards_done=3, shards_owned=10, samples_done=30,
-                  tokens_done=60_000, tokens_per_s=20_000.0, bytes_per_s=40e6, inflight_bytes=256_000_000,
-                  stage_seconds={"data": 2.0, "device": 900.0, "copy": 30.0, "backpressure": 5.0, "write": 600.0})
+    fields = dict(
+        rank=rank,
+        world_size=world,
+        run_id="r1",
+        pid=1000 + rank,
+        host="node-a",
+        state=state,
+        updated_at=NOW - age,
+        started_at=NOW - 3000,
+        shards_done=3,
+        shards_owned=10,
+        samples_done=30,
+        tokens_done=60_000,
+        tokens_per_s=20_000.0,
+        bytes_per_s=40e6,
+        inflight_bytes=256_000_000,
+        stage_seconds={"data": 2.0, "device": 900.0, "copy": 30.0, "backpressure": 5.0, "write": 600.0},
+    )
     fields.update(kw)
     return RankStatus(**fields)
 
@@ -43,14 +73,26 @@ def event(rank: int, age: float, kind: str, message: str, **data) -> Event:
     return Event(time=NOW - age, rank=rank, kind=kind, message=message, data=data)
 
 
-def build(root: str, *, num_shards: int, published: list[int], writing: list[int] = (), complete: bool = False,
-          ranks: list[RankStatus] = (), events: list[Event] = ()) -> str:
+def build(
+    root: str,
+    *,
+    num_shards: int,
+    published: list[int],
+    writing: list[int] = (),
+    complete: bool = False,
+    ranks: list[RankStatus] = (),
+    events: list[Event] = (),
+) -> str:
     shutil.rmtree(root, ignore_errors=True)
     paths = CachePaths(root)
     paths.ensure_dirs()
-    atomic_write_bytes(paths.manifest, encode_json(manifest(num_shards, complete), pretty=True), durable=False)
+    atomic_write_bytes(
+        paths.manifest, encode_json(manifest(num_shards, complete), pretty=True), durable=False
+    )
     for shard in published:
-        samples = [SampleEntry(shard * 10 + i, SHARD_TOKENS // 10, 100, 512, SHARD_BYTES // 10, 0) for i in range(10)]
+        samples = [
+            SampleEntry(shard * 10 + i, SHARD_TOKENS // 10, 100, 512, SHARD_BYTES // 10, 0) for i in range(10)
+        ]
         index = ShardIndex(shard_id=shard, tar_bytes=SHARD_BYTES, tar_xxh3=0, samples=samples)
         with open(paths.shard_index(shard), "wb") as handle:
             handle.write(encode_json(index))
@@ -112,7 +154,8 @@ def finished(root: str) -> str:
     """A complete cache of 12 shards, all published by its one run of 2940 s."""
     return build(root, num_shards=12, published=list(range(12)), complete=True,
                  ranks=[status(0, 1, "finished", 60.0, shards_done=12, shards_owned=12,
-                               bytes_written=12 * SHARD_BYTES, weight_bytes=WEIGHT_BYTES)],  # on CPU: no device
+                               # on CPU: no device
+                               bytes_written=12 * SHARD_BYTES, weight_bytes=WEIGHT_BYTES)],
                  events=[event(0, 60, "finished", "cache complete", samples=120)])
 
 
@@ -121,10 +164,17 @@ def writer_lanes_run(root: str) -> str:
     ``PARTIAL_AGE`` s ago: rank 0's device is on shard 32 of its 30-32, rank 1 has five lanes, rank 2
     is an older producer's, whose heartbeat has no ``writing`` and names only its device's shard, and
     rank 3 failed on shard 55 (its writer's: the one its heartbeat names)."""
-    build(root, num_shards=60, published=list(range(30)), writing=[30, 31, 32, 40, 41, 42, 43, 44, 50],
-          ranks=[status(0, 4, "running", 1.0, shard=32, writing=[30, 31, 32]),
-                 status(1, 4, "running", 1.0, shard=44, writing=[40, 41, 42, 43, 44]),
-                 status(3, 4, "failed", 1.0, shard=55, writing=[54, 55], last_error="disk full writing shard 55")])
+    build(
+        root,
+        num_shards=60,
+        published=list(range(30)),
+        writing=[30, 31, 32, 40, 41, 42, 43, 44, 50],
+        ranks=[
+            status(0, 4, "running", 1.0, shard=32, writing=[30, 31, 32]),
+            status(1, 4, "running", 1.0, shard=44, writing=[40, 41, 42, 43, 44]),
+            status(3, 4, "failed", 1.0, shard=55, writing=[54, 55], last_error="disk full writing shard 55"),
+        ],
+    )
     older = msgspec.json.decode(encode_json(status(2, 4, "running", 1.0, shard=50)))
     del older["writing"]
     atomic_write_bytes(CachePaths(root).status(2), msgspec.json.encode(older), durable=False)
@@ -146,23 +196,57 @@ def tensor_parallel_run(root: str) -> str:
 
 
 LONG_DIR = "/lustre/projects/speculative-decoding/caches/" + "qwen3-235b-a22b-regen-" * 6 + "v2"
-LONG_ERROR = (f"OSError: [Errno 28] No space left on device: '{LONG_DIR}/shards/shard-000123.tar.partial' while "
-              "writing 1073741824 bytes (rerun dspark-produce with the same arguments to resume)")
+LONG_ERROR = (
+    f"OSError: [Errno 28] No space left on device: '{LONG_DIR}/shards/shard-000123.tar.partial' while "
+    "writing 1073741824 bytes (rerun dspark-produce with the same arguments to resume)"
+)
 
 
 def huge_run(root: str) -> str:
     """A run of 10^12 tokens from a long path: every number wide, every path and error longer than a line."""
-    build(root, num_shards=10, published=[0], writing=[1], ranks=[
-        status(0, 2, "running", 1.0, shard=1, shards_done=123_456, shards_owned=1_234_567, weight_bytes=WEIGHT_BYTES,
-               device_memory_bytes=DEVICE_BYTES, host="gpu-node-" + "x" * 60),
-        status(12_345, 24_690, "incomplete", 3 * 86400.0, group=6789, group_size=2, shards_done=1_234_567,
-               shards_owned=1_234_567, weight_bytes=WEIGHT_BYTES, device_memory_bytes=DEVICE_BYTES,
-               last_error=LONG_ERROR)],
-        events=[event(0, 30, "error", LONG_ERROR, shard=3), event(0, 20, "warning", "x" * 120)])
+    build(
+        root,
+        num_shards=10,
+        published=[0],
+        writing=[1],
+        ranks=[
+            status(
+                0,
+                2,
+                "running",
+                1.0,
+                shard=1,
+                shards_done=123_456,
+                shards_owned=1_234_567,
+                weight_bytes=WEIGHT_BYTES,
+                device_memory_bytes=DEVICE_BYTES,
+                host="gpu-node-" + "x" * 60,
+            ),
+            status(
+                12_345,
+                24_690,
+                "incomplete",
+                3 * 86400.0,
+                group=6789,
+                group_size=2,
+                shards_done=1_234_567,
+                shards_owned=1_234_567,
+                weight_bytes=WEIGHT_BYTES,
+                device_memory_bytes=DEVICE_BYTES,
+                last_error=LONG_ERROR,
+            ),
+        ],
+        events=[event(0, 30, "error", LONG_ERROR, shard=3), event(0, 20, "warning", "x" * 120)],
+    )
     big = manifest(10)
     big.target_model = "meta-llama/" + "Llama-4-Maverick-17B-128E-Instruct-" * 4 + "FP8"
     big.train_data_path = f"{LONG_DIR}/inputs/{'regenerated-conversations-' * 5}part-00001-of-00064.jsonl"
     big.num_samples = big.planned_samples = 987_654_321_000
-    big.planned_tokens, big.planned_bytes, big.num_shards, big.shard_size = 10**12, 2 * 10**15, 9_876_543, 2 * 10**5
+    big.planned_tokens, big.planned_bytes, big.num_shards, big.shard_size = (
+        10**12,
+        2 * 10**15,
+        9_876_543,
+        2 * 10**5,
+    )
     atomic_write_bytes(CachePaths(root).manifest, encode_json(big, pretty=True), durable=False)
     return root

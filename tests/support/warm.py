@@ -47,8 +47,20 @@ BASE_ENV = dict(os.environ)
 CALL_TIME_PREFIXES = ("DSPARK_",)
 # PYTHONUNBUFFERED is read at start-up, and a child's streams are made as start-up makes them.
 # TORCHINDUCTOR_CACHE_DIR is set by torch itself, in the test process, the first time it asks.
-CALL_TIME_KEYS = frozenset({"PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                            "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHINDUCTOR_CACHE_DIR"})
+CALL_TIME_KEYS = frozenset(
+    {
+        "PYTHONUNBUFFERED",
+        "PYTEST_CURRENT_TEST",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHINDUCTOR_CACHE_DIR",
+    }
+)
 
 # Read when imported by huggingface_hub, transformers and datasets, and by nothing torch imports.
 HUB_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_")
@@ -79,9 +91,20 @@ class Kind:
 
 
 KINDS = (
-    Kind("full", ("torch", "transformers", "transformers.models.qwen3.modeling_qwen3",
-                  "transformers.models.qwen3_moe.modeling_qwen3_moe", "dspark_cache.cli", "dspark_cache.producer.run",
-                  "dspark_cache.producer.pipeline", "dspark_cache.loader", "dspark_cache.verify.checks")),
+    Kind(
+        "full",
+        (
+            "torch",
+            "transformers",
+            "transformers.models.qwen3.modeling_qwen3",
+            "transformers.models.qwen3_moe.modeling_qwen3_moe",
+            "dspark_cache.cli",
+            "dspark_cache.producer.run",
+            "dspark_cache.producer.pipeline",
+            "dspark_cache.loader",
+            "dspark_cache.verify.checks",
+        ),
+    ),
     Kind("torch", ("torch", "numpy", "msgspec"), HUB_PREFIXES),
 )
 
@@ -91,7 +114,11 @@ def _scripts() -> dict[str, str]:
     """Our console scripts' names and ``module:function`` targets, as installed."""
     from importlib.metadata import entry_points
 
-    return {ep.name: ep.value for ep in entry_points(group="console_scripts") if ep.value.startswith(PACKAGE + ".")}
+    return {
+        ep.name: ep.value
+        for ep in entry_points(group="console_scripts")
+        if ep.value.startswith(PACKAGE + ".")
+    }
 
 
 # -- the warm interpreter ---------------------------------------------------------------------------
@@ -165,11 +192,19 @@ def _child(request: dict, fds: list[int]) -> Any:
     unbuffered = bool(request["env"].get("PYTHONUNBUFFERED"))
     encoding = sys.stdout.encoding
     sys.stdin = sys.__stdin__ = io.open(0, "r", encoding=encoding, closefd=False)
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
-                                                   encoding, line_buffering=os.isatty(1), write_through=unbuffered)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),
-                                                   encoding, "backslashreplace", line_buffering=True,
-                                                   write_through=unbuffered)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
+        encoding,
+        line_buffering=os.isatty(1),
+        write_through=unbuffered,
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),
+        encoding,
+        "backslashreplace",
+        line_buffering=True,
+        write_through=unbuffered,
+    )
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -244,8 +279,13 @@ class _Interpreter:
     def __init__(self, kind: Kind) -> None:
         self.dir = tempfile.mkdtemp(prefix=f"dspark-warm-{kind.name}-")
         self.path = os.path.join(self.dir, "sock")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", self.path, *kind.preload],
-                                     env=BASE_ENV, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", self.path, *kind.preload],
+            env=BASE_ENV,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the warm interpreter did not start (exit {self.proc.wait()})")
         atexit.register(self.close)
@@ -286,8 +326,20 @@ class WarmProcess:
     pipes, ``poll``/``wait``/``communicate``, ``send_signal``/``kill``, ``returncode``
     (minus the signal for a process a signal ended)."""
 
-    def __init__(self, interpreter: _Interpreter, args: list[str], argv: list[str], env: dict[str, str], *,
-                 stdin: Any, stdout: Any, stderr: Any, text: bool, new_session: bool, cwd: str | None) -> None:
+    def __init__(
+        self,
+        interpreter: _Interpreter,
+        args: list[str],
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        stdin: Any,
+        stdout: Any,
+        stderr: Any,
+        text: bool,
+        new_session: bool,
+        cwd: str | None,
+    ) -> None:
         self.args = args
         self.returncode: int | None = None
         self._text = text
@@ -400,8 +452,18 @@ def popen(cmd: list[str], env: dict[str, str] | None = None, *, code: bool = Fal
     if kind is None:
         return subprocess.Popen(cmd, env=full_env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                                 start_new_session=start_new_session, cwd=cwd)
-    return WarmProcess(_interpreter(kind), cmd, argv, full_env, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
-                       new_session=start_new_session, cwd=cwd)
+    return WarmProcess(
+        _interpreter(kind),
+        cmd,
+        argv,
+        full_env,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        text=text,
+        new_session=start_new_session,
+        cwd=cwd,
+    )
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, *, timeout: float | None = None, stdin: Any = None,

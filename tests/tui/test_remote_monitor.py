@@ -44,8 +44,19 @@ def complete(s3_server, embedded, tmp_path_factory):
     bucket = unique_bucket_name("monitor")
     url = s3_server.make_bucket(bucket) + "/runs/done"
     staging = tmp_path_factory.mktemp("staging") / "done"
-    assert run_produce(embedded.stock, embedded.data, url, *ARGS, "--storage-options", json.dumps(s3_server.options()),
-                       "--staging-dir", str(staging)) == 0
+    assert (
+        run_produce(
+            embedded.stock,
+            embedded.data,
+            url,
+            *ARGS,
+            "--storage-options",
+            json.dumps(s3_server.options()),
+            "--staging-dir",
+            str(staging),
+        )
+        == 0
+    )
     yield url
     s3_server.remove_bucket(bucket)
 
@@ -59,7 +70,14 @@ def _num_shards(store: ObjectStore) -> int:
 def test_once_reports_a_complete_remote_cache(complete, s3_server, tmp_path, capsys):
     store = ObjectStore(complete, s3_server.options())
     shards = _num_shards(store)
-    argv = [complete, "--once", "--local-cache-dir", str(tmp_path), "--storage-options", json.dumps(s3_server.options())]
+    argv = [
+        complete,
+        "--once",
+        "--local-cache-dir",
+        str(tmp_path),
+        "--storage-options",
+        json.dumps(s3_server.options()),
+    ]
     assert monitor_main(argv) == 0
     out = capsys.readouterr().out
     assert f"{complete} (object storage)" in out
@@ -104,21 +122,27 @@ def test_a_refresh_makes_five_requests_when_nothing_changed(complete, s3_server,
 
 def test_scans_refresh_at_most_every_period_and_a_failed_refresh_is_a_warning(complete, s3_server, tmp_path):
     with FaultProxy("127.0.0.1", s3_server.port) as proxy:
-        quick = {"max_retries": 0, "retry_timeout": timedelta(seconds=5)}  # a failure ends the request at once
-        view = RemoteView(complete, StorageOptions({**s3_server.options(proxy.endpoint), "retry_config": quick},
-                                                   str(tmp_path)))
+        # a failure ends the request at once
+        quick = {"max_retries": 0, "retry_timeout": timedelta(seconds=5)}
+        view = RemoteView(
+            complete,
+            StorageOptions({**s3_server.options(proxy.endpoint), "retry_config": quick}, str(tmp_path)),
+        )
         ticks = [0.0]
         scanner = RemoteScanner(view, 30.0, monotonic=lambda: ticks[0])
         first = scanner.scan()
         assert first.remote and first.path == complete and first.complete and first.disk_free is None
         made = proxy.requests
         ticks[0] = 29.0
-        assert scanner.scan().published == first.published and proxy.requests == made  # within the period: none
+        # within the period: none
+        assert scanner.scan().published == first.published and proxy.requests == made
         proxy.fail_next(None, "503")
         ticks[0] = 30.0
         failed = scanner.scan()
         assert failed.published == first.published  # shown as last read
-        assert any(w.startswith(f"could not refresh from {complete}") for w in failed.warnings), failed.warnings
+        assert any(w.startswith(f"could not refresh from {complete}") for w in failed.warnings), (
+            failed.warnings
+        )
         proxy.clear()
         ticks[0] = 60.0
         assert not scanner.scan().warnings
@@ -298,7 +322,9 @@ def test_errors_are_one_line_and_exit_2_or_1_for_a_store_that_refuses(complete, 
         bucket = unique_bucket_name()
         strict.make_bucket(bucket)
         wrong = {**strict.options(), "access_key_id": "AKIAWRONG0000000", "secret_access_key": "nope"}
-        assert monitor_main([f"s3://{bucket}/c", "--once", *node, "--storage-options", json.dumps(wrong)]) == 1
+        assert (
+            monitor_main([f"s3://{bucket}/c", "--once", *node, "--storage-options", json.dumps(wrong)]) == 1
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "access denied (403)" in err[0] and "nope" not in err[0], err
         assert verify_main([f"s3://{bucket}/c", "--local-cache-dir", str(tmp_path / "v"),
@@ -313,8 +339,9 @@ def test_errors_are_one_line_and_exit_2_or_1_for_a_store_that_refuses(complete, 
     code = ("import sys; sys.modules['obstore'] = None\n"
             "from dspark_cache.cli import monitor\n"
             "sys.exit(monitor(sys.argv[1:]))\n")
-    done = subprocess.run([sys.executable, "-c", code, complete, "--once", *node], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code, complete, "--once", *node], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         'dspark-monitor: error: caches on object storage need the optional client: pip install '
@@ -336,7 +363,9 @@ def _running(store: ObjectStore, paths: CachePaths) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_the_s_key_stops_a_producer_writing_to_s3(embedded, s3_server, s3_bucket, tmp_path, monkeypatch):
+async def test_the_s_key_stops_a_producer_writing_to_s3(
+    embedded, s3_server, s3_bucket, tmp_path, monkeypatch
+):
     url = f"{s3_bucket}/live"
     monkeypatch.setenv("DSPARK_SYNC_INTERVAL", "0.3")  # the producer's and the monitor's
     storage = s3_server.options()

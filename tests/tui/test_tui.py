@@ -68,7 +68,11 @@ async def test_finished_cache_shows_summary(small_cache):
         snap = await app.first_snapshot()
         m = dspark_cache.open_cache(small_cache).manifest
         text = plain(app.query_one("#progress-text"))
-        assert text.startswith("complete") and f"{m.num_samples} samples" in text and f"{m.num_shards} shards" in text
+        assert (
+            text.startswith("complete")
+            and f"{m.num_samples} samples" in text
+            and f"{m.num_shards} shards" in text
+        )
         assert f"{m.num_shards} published" in plain(app.query_one("#shards"))
         assert "finished" in str(app.query_one("#ranks").get_row_at(0)[1])
         assert "cache complete" in plain(app.query_one("#events"))
@@ -119,7 +123,8 @@ async def test_a_slow_read_never_freezes_the_screen(tmp_path):
 
 
 def test_missing_directory_exits_2_only_with_no_wait(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("dspark_cache.tui.report.has_terminal", lambda: True)  # without one: tests/test_tui_report.py
+    # without one: tests/test_tui_report.py
+    monkeypatch.setattr("dspark_cache.tui.report.has_terminal", lambda: True)
     assert monitor_main([str(tmp_path / "nope"), "--no-wait"]) == 2
     assert "nope does not exist" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
@@ -137,7 +142,9 @@ async def test_a_directory_not_there_yet_is_waited_for(tmp_path):
     app = app_for(root)
     async with app.run_test(size=(80, 24)):
         await app.first_snapshot()
-        assert "does not exist yet; waiting for it to appear" in " ".join(plain(app.query_one("#header")).split())
+        assert "does not exist yet; waiting for it to appear" in " ".join(
+            plain(app.query_one("#header")).split()
+        )
         tui_states.live_run(root)
         await app.refreshed()
         assert "Qwen/Qwen3-8B" in plain(app.query_one("#header"))
@@ -152,13 +159,19 @@ def test_stale_is_formats_liveness_rule():
     fresh, silent = (tui_states.status(0, 1, "running", age) for age in (STALE_AFTER_S, STALE_AFTER_S + 0.1))
     done = tui_states.status(0, 1, "finished", 10 * STALE_AFTER_S)
     assert rank_is_live(fresh, now) and not rank_is_stale(fresh, now)
-    assert rank_is_stale(silent, now) and not rank_is_live(silent, now) and rank_is_live(silent, now, timeout=300)
+    assert (
+        rank_is_stale(silent, now)
+        and not rank_is_live(silent, now)
+        and rank_is_live(silent, now, timeout=300)
+    )
     assert not rank_is_live(done, now) and not rank_is_stale(done, now)  # a finished rank is neither
 
 
 def test_thousands_of_shards_stay_readable():
     states = ["published"] * 5000 + ["writing"] + ["pending"] * 4999
-    cells, per, _ = shard_map(len(states), {s: [i for i, x in enumerate(states) if x == s] for s in PLACED}, 800)
+    cells, per, _ = shard_map(
+        len(states), {s: [i for i, x in enumerate(states) if x == s] for s in PLACED}, 800
+    )
     assert len(cells) <= 800 and per == 13
     assert "writing" in cells  # one shard in flight is never averaged away
 
@@ -247,8 +260,12 @@ async def test_rank_memory_is_shown_whole_in_every_layout(tmp_path):
         assert whole_rows(app)
         await pilot.resize_terminal(80, 24)
         await pilot.pause()
-        assert [rank_cells(app, r)["weights/mem"] for r in range(4)] == ["8.2G/9.5G", "8.2G/9.6G", "8.2G/9.7G",
-                                                                        "8.2G/9.8G"]
+        assert [rank_cells(app, r)["weights/mem"] for r in range(4)] == [
+            "8.2G/9.5G",
+            "8.2G/9.6G",
+            "8.2G/9.7G",
+            "8.2G/9.8G",
+        ]
         assert rank_cells(app, 3)["last error"].startswith("CUDA out") and whole_rows(app)
         tui_states.finished(root)  # a run on CPU: weights measured, no device memory
         await app.refreshed()
@@ -284,7 +301,8 @@ def test_rates_count_only_work_of_the_live_run():
     tracker = RateTracker(window=10.0)
     for state, at, tokens in (("loading", 0, 0), ("running", 1, 0), ("running", 2, base)):
         assert tracker.observe([beat(state, at, tokens)]) == (None,)  # nothing of this run measured yet
-    assert tracker.observe([beat("running", 6, base + 4_000, 8_000_000)]) == (None,)  # a burst, 4 s: too short
+    # a burst, 4 s: too short
+    assert tracker.observe([beat("running", 6, base + 4_000, 8_000_000)]) == (None,)
     (rate,) = tracker.observe([beat("running", 7, base + 5_000, 10_000_000)])
     assert rate.tokens_per_s == rate.average_tokens_per_s == 1_000.0 and rate.bytes_per_s == 2_000_000.0
     for second in range(8, 30):  # steady 1k tokens/s, then 3k tokens/s in the last 10 s
@@ -470,7 +488,11 @@ async def test_no_cache_file_is_touched_on_the_ui_thread(tmp_path):
     seen: list[tuple[str, int]] = []
 
     def hook(event: str, args: tuple) -> None:  # audit hooks cannot be removed: only record this root
-        if event in ("open", "os.listdir", "os.scandir", "os.mkdir") and args and str(args[0]).startswith(root):
+        if (
+            event in ("open", "os.listdir", "os.scandir", "os.mkdir")
+            and args
+            and str(args[0]).startswith(root)
+        ):
             seen.append((event, threading.get_ident()))
 
     sys.addaudithook(hook)
@@ -498,5 +520,7 @@ async def test_a_rate_of_one_point_is_a_flat_baseline_not_a_solid_bar(tmp_path):
         assert len(app.snapshot.history) == 1
         for line in ("#tok-line", "#mb-line"):
             chart = app.query_one(line, Sparkline)
-            drawn = "".join(segment.text for strip in chart.render_lines(chart.region.reset_offset) for segment in strip)
+            drawn = "".join(
+                segment.text for strip in chart.render_lines(chart.region.reset_offset) for segment in strip
+            )
             assert "█" not in drawn and "▁" in drawn, (line, drawn)

@@ -23,7 +23,9 @@ from tests.support.proc import producer_cmd, run
 
 def test_lines_break_only_between_pieces_and_long_pieces_keep_both_ends():
     path = CachePaths("/data/" + "very-long-directory/" * 6).shard_tar(42)
-    para = Para([piece("written 880.0 MB"), piece("of 2.4 GB projected"), *words("at $path now", path=path)], " ")
+    para = Para(
+        [piece("written 880.0 MB"), piece("of 2.4 GB projected"), *words("at $path now", path=path)], " "
+    )
     shown = fit([para], 30).plain.splitlines()
     assert shown[:2] == ["written 880.0 MB", "of 2.4 GB projected at"]
     assert shown[2].startswith("/data/very-lon") and shown[2].endswith("000042.tar") and "…" in shown[2]
@@ -57,14 +59,28 @@ async def test_80x24_fits_every_value_of_a_huge_run_on_one_line(tmp_path):
             if view.display and view.content_region.width:
                 content = view.content
                 shown = content.plain if isinstance(content, Text) else str(content)
-                assert all(cell_len(line) <= view.content_region.width for line in shown.splitlines()), view.id
+                assert all(cell_len(line) <= view.content_region.width for line in shown.splitlines()), (
+                    view.id
+                )
         rows = await screen_rows(app, pilot)
-        for value in ("samples 10/987654321000", "tokens 20.0k/1.0T", "shards 1/9876543", "ETA ?",
-                      "written 40.0 MB", "of 2.0 PB projected", "the rest (2.0 PB)", "bf16 cache / bf16 compute",
-                      "00064.jsonl", "9876540 pending", "3d00h ago", "123.5k/1.2M"):
+        for value in (
+            "samples 10/987654321000",
+            "tokens 20.0k/1.0T",
+            "shards 1/9876543",
+            "ETA ?",
+            "written 40.0 MB",
+            "of 2.0 PB projected",
+            "the rest (2.0 PB)",
+            "bf16 cache / bf16 compute",
+            "00064.jsonl",
+            "9876540 pending",
+            "3d00h ago",
+            "123.5k/1.2M",
+        ):
             assert any(value in row for row in rows), value
         header = [row for row in rows if "meta-llama/" in row][0]
-        assert "…" in header and "(qwen3, 36 layers, H=4096)" in header  # the long name shortened, not wrapped
+        # the long name shortened, not wrapped
+        assert "…" in header and "(qwen3, 36 layers, H=4096)" in header
         ranks = app.query_one("#ranks")
         assert 0 < ranks.virtual_size.width <= ranks.size.width  # whole rows: the narrow columns were chosen
         labels = [str(c.label) for c in ranks.ordered_columns]
@@ -116,7 +132,9 @@ async def test_a_partial_is_writing_only_while_a_live_rank_writes_it(tmp_path):
 def fitted_lines(view: Fitted) -> list[str]:
     """What a fitted view shows, line by line, each checked against its width."""
     shown = view.content.plain.splitlines()
-    assert view.content_region.width and all(cell_len(line) <= view.content_region.width for line in shown), shown
+    assert view.content_region.width and all(cell_len(line) <= view.content_region.width for line in shown), (
+        shown
+    )
     return shown
 
 

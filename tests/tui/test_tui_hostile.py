@@ -22,7 +22,14 @@ import pytest
 
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.tui.app import MonitorApp
-from dspark_cache.tui.display import clock_time, human_bytes, human_count, human_duration, integer, short_bytes
+from dspark_cache.tui.display import (
+    clock_time,
+    human_bytes,
+    human_count,
+    human_duration,
+    integer,
+    short_bytes,
+)
 from dspark_cache.tui.tail import TAIL_WINDOW
 from tests.support import tui_states
 from tests.support.monitor import app_for, plain
@@ -146,7 +153,8 @@ def test_fifos_directories_and_outside_symlinks_are_skipped_with_a_warning(tmp_p
     outside.mkdir()
     (outside / "events.jsonl").write_bytes(event_line(1, "OUTSIDE EVENT"))
     write_json(str(outside / "status.json"), status_dict(7))
-    os.mkfifo(outside / os.path.basename(CachePaths(str(tmp_path)).status(0)))  # reached only through a status/ symlinked out of the cache
+    # reached only through a status/ symlinked out of the cache
+    os.mkfifo(outside / os.path.basename(CachePaths(str(tmp_path)).status(0)))
 
     junk = live(tmp_path / "junk")
     os.remove(junk.events(1))
@@ -216,7 +224,9 @@ def test_huge_event_log_and_billion_shard_plan_stay_bounded(tmp_path):
         handle.write(event_line(1, "the newest event") + b'{"time": 1, "half a li')
 
     billion = live(tmp_path / "billion")
-    write_json(billion.manifest, manifest_dict(num_shards=10**9, planned_samples=10**10, planned_tokens=10**13))
+    write_json(
+        billion.manifest, manifest_dict(num_shards=10**9, planned_samples=10**10, planned_tokens=10**13)
+    )
 
     log_shown, billion_shown = watch_in_child(huge_log.root, billion.root)
 
@@ -227,7 +237,8 @@ def test_huge_event_log_and_billion_shard_plan_stay_bounded(tmp_path):
             "(one cell = 1250000 shards)") in shards
     assert len(shards.splitlines()[-1]) <= 800
     assert "shards 22/1000000000" in billion_shown["progress"]
-    assert "manifest.json: num_shards 1000000000 is not in [0, " in billion_shown["warnings"]  # shown, and flagged
+    # shown, and flagged
+    assert "manifest.json: num_shards 1000000000 is not in [0, " in billion_shown["warnings"]
     assert billion_shown["peak"] < MEMORY_BOUND, f"{billion_shown['peak'] / 2**20:.0f} MiB for 1e9 shards"
 
 
@@ -313,7 +324,9 @@ async def test_vanishing_rate_gives_an_infinite_eta(tmp_path):
 @pytest.mark.anyio
 async def test_counts_that_jump_shrink_or_overflow_give_placeholders_not_rates(tmp_path):
     paths = live(tmp_path / "c")
-    write_json(paths.status(0), status_dict(0, tokens_done=1, bytes_written=10, updated_at=tui_states.NOW - 9))
+    write_json(
+        paths.status(0), status_dict(0, tokens_done=1, bytes_written=10, updated_at=tui_states.NOW - 9)
+    )
     write_json(paths.status(1), status_dict(1, tokens_done=10**9, updated_at=tui_states.NOW - 9))
 
     def next_heartbeats() -> None:
@@ -366,8 +379,13 @@ async def test_markup_and_dollars_in_file_strings_are_shown_literally(tmp_path):
 # --- 4. corrupt or foreign manifests -------------------------------------------------------------
 
 
-NEMO_MANIFEST = json.dumps({k: v for k, v in manifest_dict(format_version=1).items()
-                            if k in ("format_version", "target_model", "hidden_size", "num_samples", "dtype")})
+NEMO_MANIFEST = json.dumps(
+    {
+        k: v
+        for k, v in manifest_dict(format_version=1).items()
+        if k in ("format_version", "target_model", "hidden_size", "num_samples", "dtype")
+    }
+)
 
 
 @pytest.mark.anyio
@@ -403,4 +421,11 @@ def test_formatters_never_raise_and_use_placeholders():
         "?", "∞", "—", ">999P", "∞", "512B", "1.1G"]
     assert [integer(x) for x in (-1, -(10**4000), 10**4000, 42)] == ["—", "—", "∞", "42"]
     assert [human_count(x) for x in (-(10**400), 10**16)] == ["—", ">999T"]
-    assert [clock_time(x) for x in (nan, inf, -1.0, 1e300, 1e18, 0.0)] == ["?", "?", "?", "?", "?", "00:00:00"]
+    assert [clock_time(x) for x in (nan, inf, -1.0, 1e300, 1e18, 0.0)] == [
+        "?",
+        "?",
+        "?",
+        "?",
+        "?",
+        "00:00:00",
+    ]

@@ -21,7 +21,8 @@ from tests.support.proc import producer_cmd
 from tests.support import warm
 
 MONITOR = os.path.join(os.path.dirname(sys.executable), "dspark-monitor")
-REPORT_TIMEOUT = 60.0  # a report takes about a second (at most MEASURE_S more for a live rate); the app never ends
+# a report takes about a second (at most MEASURE_S more for a live rate); the app never ends
+REPORT_TIMEOUT = 60.0
 
 
 def monitor_into_file(tmp_path, *args: str) -> tuple[int, str, str]:
@@ -65,10 +66,13 @@ def test_a_pipe_gets_the_report_and_exit_1_when_a_rank_failed_or_fell_silent(tmp
     assert "progress: samples 20/60  tokens 40.0k/120.0k  shards 2/6  no producer running" in text
     assert "shards: 2 published  0 writing  1 abandoned (rerun resumes)  2 pending  1 failed" in text
     assert "state failed" in text and "last error: CUDA out of memory on shard 3" in text
-    assert "rank 1, state STALE, shard 2" in text and re.search(r"heartbeat 1m0\ds ago", text)  # a loaded machine
+    # a loaded machine
+    assert "rank 1, state STALE, shard 2" in text and re.search(r"heartbeat 1m0\ds ago", text)
     assert "errors (newest last):" in text
-    assert text.rstrip().endswith("next: rank 0 failed, rank 1 silent (STALE heartbeat): once no rank runs, rerun the "
-                                  "same dspark-produce command to resume (published shards are kept)")
+    assert text.rstrip().endswith(
+        "next: rank 0 failed, rank 1 silent (STALE heartbeat): once no rank runs, rerun the "
+        "same dspark-produce command to resume (published shards are kept)"
+    )
 
 
 def test_without_a_terminal_a_missing_directory_is_not_waited_for(tmp_path, capsys, monkeypatch):
@@ -77,7 +81,9 @@ def test_without_a_terminal_a_missing_directory_is_not_waited_for(tmp_path, caps
     assert "later does not exist" in err and "only on a terminal" in err
     started = []
     monkeypatch.setattr("dspark_cache.tui.report.has_terminal", lambda: True)
-    monkeypatch.setattr("dspark_cache.tui.app.MonitorApp.run", lambda app: started.append(app.scanner.paths.root))
+    monkeypatch.setattr(
+        "dspark_cache.tui.app.MonitorApp.run", lambda app: started.append(app.scanner.paths.root)
+    )
     assert monitor([str(tmp_path / "later")]) == 0  # on a terminal the app starts and waits for it
     assert started == [str(tmp_path / "later")]
 
@@ -145,8 +151,23 @@ def test_once_right_after_a_sigkill_says_the_rank_died(embedded, tmp_path):
     from tests.support.proc import kill_group, start, wait_for
 
     out = str(tmp_path / "cache")
-    proc = start(producer_cmd(*produce_args(embedded.stock, embedded.data, out, "--seq-length", "256",
-                                            "--shard-size", "1", "--batch-size", "1", "--writer-threads", "2")))
+    proc = start(
+        producer_cmd(
+            *produce_args(
+                embedded.stock,
+                embedded.data,
+                out,
+                "--seq-length",
+                "256",
+                "--shard-size",
+                "1",
+                "--batch-size",
+                "1",
+                "--writer-threads",
+                "2",
+            )
+        )
+    )
     wait_for(lambda: len(CachePaths(out).indexed_shard_ids()) >= 2 or proc.poll() is not None, poll=0.005)
     assert proc.poll() is None, "the producer finished before it could be killed"
     kill_group(proc)

@@ -112,9 +112,14 @@ def compare_caches(nemo_dir: str, dspark_dir: str, *, pad_id: int, hidden_tol: f
                     pos = int((ref != got).nonzero()[0])
                     diff_pos = (ref != got).nonzero().flatten().tolist()
                     first = {
-                        "sample": i, "key": key, "position": pos, "length": length,
-                        "differing_positions": diff_pos[:40], "num_differing": len(diff_pos),
-                        "nemo_values": ref[diff_pos[:40]].tolist(), "dspark_values": got[diff_pos[:40]].tolist(),
+                        "sample": i,
+                        "key": key,
+                        "position": pos,
+                        "length": length,
+                        "differing_positions": diff_pos[:40],
+                        "num_differing": len(diff_pos),
+                        "nemo_values": ref[diff_pos[:40]].tolist(),
+                        "dspark_values": got[diff_pos[:40]].tolist(),
                         "tokens_there": _decode(tokenizer, nemo["input_ids"][i, diff_pos[:40]].tolist()),
                     }
         tail_ids = nemo["input_ids"][i, length:]
@@ -174,7 +179,9 @@ def compare_nemo_layouts(ref_dir: str, other_dir: str) -> dict[str, Any]:
         report["problems"].append(f"shard keys differ: {sorted(a)} vs {sorted(b)}")
     for key in a.keys() & b.keys():
         if a[key].dtype != b[key].dtype or a[key].shape != b[key].shape:
-            report["problems"].append(f"{key}: {b[key].dtype}{list(b[key].shape)} != {a[key].dtype}{list(a[key].shape)}")
+            report["problems"].append(
+                f"{key}: {b[key].dtype}{list(b[key].shape)} != {a[key].dtype}{list(a[key].shape)}"
+            )
     report["status"] = "mismatch" if report["problems"] else "ok"
     return report
 
@@ -229,11 +236,19 @@ def compare_quantised_run(ref: dict[str, Any], other: dict[str, Any], *, rel_tol
     if rel > rel_tol:
         problems.append(f"last-epoch mean loss {final:.5f} vs {ref_final:.5f} ({rel:.2%} > {rel_tol:.2%})")
     diffs = [abs(x - y) for x, y in zip(a, b)]
-    return {"steps": len(b), "max_abs_diff": max(diffs) if diffs else None, "losses": b, "reference_losses": a,
-            "last_epoch_mean": final, "reference_last_epoch_mean": ref_final, "relative_diff": rel,
-            "max_relative_step_diff": max((d / abs(x) for d, x in zip(diffs, a)), default=None),
-            "max_hidden_sum_rel_diff": max(moved, default=None),
-            "problems": problems, "status": "mismatch" if problems else "ok"}
+    return {
+        "steps": len(b),
+        "max_abs_diff": max(diffs) if diffs else None,
+        "losses": b,
+        "reference_losses": a,
+        "last_epoch_mean": final,
+        "reference_last_epoch_mean": ref_final,
+        "relative_diff": rel,
+        "max_relative_step_diff": max((d / abs(x) for d, x in zip(diffs, a)), default=None),
+        "max_hidden_sum_rel_diff": max(moved, default=None),
+        "problems": problems,
+        "status": "mismatch" if problems else "ok",
+    }
 
 
 def diagnose(ref: dict[str, Any], other: dict[str, Any], sample_of_row: dict[str, int], tol: float) -> str:
@@ -256,14 +271,18 @@ def diagnose(ref: dict[str, Any], other: dict[str, Any], sample_of_row: dict[str
         if x["rows"] != y["rows"]:
             return f"step {step}: batch holds samples {names(y['rows'])}, NeMo's holds {names(x['rows'])} (sample order)"
         if x["loss_mask"] != y["loss_mask"]:
-            which = [names(x["rows"])[k] for k, (p, q) in enumerate(zip(x["loss_mask"], y["loss_mask"])) if p != q]
+            which = [
+                names(x["rows"])[k] for k, (p, q) in enumerate(zip(x["loss_mask"], y["loss_mask"])) if p != q
+            ]
             return f"step {step}: same samples, loss_mask differs for samples {which}"
         for key in ("hidden_sum", "last_hidden_sum"):
             if abs(x[key] - y[key]) > 1e-3 * max(1.0, abs(x[key])):
                 return f"step {step}: same samples and masks, {key} over real tokens differs: {y[key]} vs {x[key]}"
         if abs(x["loss"] - y["loss"]) > tol:
-            return (f"step {step}: identical batch inputs and RNG state, loss {y['loss']:.7f} vs {x['loss']:.7f}: "
-                    "the difference comes from the model/optimizer state (an earlier step's numerics)")
+            return (
+                f"step {step}: identical batch inputs and RNG state, loss {y['loss']:.7f} vs {x['loss']:.7f}: "
+                "the difference comes from the model/optimizer state (an earlier step's numerics)"
+            )
     return "inputs identical at every recorded micro-batch; only the step count / logging differs"
 
 

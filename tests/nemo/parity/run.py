@@ -111,7 +111,9 @@ class Harness:
         rows, stats = [], {"single_turn": 0, "multi_turn": 0, "sharegpt": 0, "reasoning": 0, "truncated": 0}
         for row in sample_rows(600, seed=0):
             if "conversations" in row:
-                messages = [{"role": sharegpt_roles[m["from"]], "content": m["value"]} for m in row["conversations"]]
+                messages = [
+                    {"role": sharegpt_roles[m["from"]], "content": m["value"]} for m in row["conversations"]
+                ]
             else:
                 messages = row["messages"]
             turns = sum(m["role"] == "assistant" for m in messages)
@@ -151,11 +153,20 @@ class Harness:
         suffix = "_mgp" if mgp else ""
         label = "cache --mask-generation-prompt" if mgp else "cache"
         if mgp and not self.ours_supports("--mask-generation-prompt"):
-            self.check(label, "pending", note="dspark-produce --help does not list --mask-generation-prompt yet")
+            self.check(
+                label, "pending", note="dspark-produce --help does not list --mask-generation-prompt yet"
+            )
             return False
         nemo_dir, ours_dir = self.path("nemo_cache" + suffix), self.path("ours_cache" + suffix)
-        ok, t_nemo = self.sh("precompute_nemo" + suffix, [self.args.nemo_python, os.path.join(HERE, "runner.py"),
-                                                          "precompute", *self.producer_flags(nemo_dir, mgp)])
+        ok, t_nemo = self.sh(
+            "precompute_nemo" + suffix,
+            [
+                self.args.nemo_python,
+                os.path.join(HERE, "runner.py"),
+                "precompute",
+                *self.producer_flags(nemo_dir, mgp),
+            ],
+        )
         if not ok:
             self.check(label, "crash", note="NeMo precompute_dspark failed (see logs)")
             return False
@@ -243,7 +254,9 @@ checkpoint:
         have_dspark_nemo = os.path.exists(os.path.join(ROOT, "dspark_cache", "nemo", "__main__.py"))
         ref = self.train("nemo", "nemo", self.path("nemo_cache"), recipe)
         if ref is None:
-            self.check("train nemo (reference)", "crash", note="NeMo's recipe failed on NeMo's cache (see logs)")
+            self.check(
+                "train nemo (reference)", "crash", note="NeMo's recipe failed on NeMo's cache (see logs)"
+            )
             return
         losses = compare._losses(ref)
         self.check("train nemo (reference)", "ok", count=len(losses), diff=0.0,
@@ -252,13 +265,29 @@ checkpoint:
         sample_of_row = {compare.row_hash(row): i for i, row in enumerate(nemo_cache_rows)}
 
         modes = [
-            ("ours", "dspark", self.path("ours_cache"), None if have_dspark_nemo else "dspark_cache.nemo missing"),
-            ("imported", "dspark", imported,
-             "dspark_cache.nemo missing" if not have_dspark_nemo else
-             ".venv/bin/dspark-convert missing" if imported is None else None),
+            (
+                "ours",
+                "dspark",
+                self.path("ours_cache"),
+                None if have_dspark_nemo else "dspark_cache.nemo missing",
+            ),
+            (
+                "imported",
+                "dspark",
+                imported,
+                "dspark_cache.nemo missing"
+                if not have_dspark_nemo
+                else ".venv/bin/dspark-convert missing"
+                if imported is None
+                else None,
+            ),
             ("exported", "nemo", exported, ".venv/bin/dspark-convert missing" if exported is None else None),
-            ("nemo-cache+dspark", "dspark", self.path("nemo_cache"),
-             None if have_dspark_nemo else "dspark_cache.nemo missing"),
+            (
+                "nemo-cache+dspark",
+                "dspark",
+                self.path("nemo_cache"),
+                None if have_dspark_nemo else "dspark_cache.nemo missing",
+            ),
         ]
         for name, mode, cache, pending in modes:
             label = f"train {name}"
@@ -272,7 +301,9 @@ checkpoint:
                 continue
             data = self.train(name, mode, cache, recipe)
             if data is None:
-                self.check(label, "crash", note=f"recipe failed with --mode {mode} on {os.path.basename(cache)}")
+                self.check(
+                    label, "crash", note=f"recipe failed with --mode {mode} on {os.path.basename(cache)}"
+                )
                 continue
             report = compare.compare_runs(ref, data, tol=self.args.loss_tol, sample_of_row=sample_of_row)
             info = data.get("info", {})
@@ -309,18 +340,23 @@ checkpoint:
         if data is None:
             self.check(label, "crash", note="dspark-produce --dtype fp8 or the recipe failed (see logs)")
             return
-        report = compare.compare_quantised_run(ref, data, rel_tol=self.args.fp8_loss_rtol, epochs=self.args.epochs)
+        report = compare.compare_quantised_run(
+            ref, data, rel_tol=self.args.fp8_loss_rtol, epochs=self.args.epochs
+        )
         sizes = [shard_bytes(self.path("ours_cache")), shard_bytes(cache)]
         report["shard_bytes"] = {"fp32": sizes[0], "fp8": sizes[1]}
         note = "; ".join(report["problems"]) or (
             f"last-epoch mean loss {report['last_epoch_mean']:.5f} vs {report['reference_last_epoch_mean']:.5f} "
             f"({report['relative_diff']:.3%}), worst step {report['max_relative_step_diff']:.2%}, hidden sums moved "
             f"up to {report['max_hidden_sum_rel_diff']:.2e}; "
-            f"shards {sizes[1] / sizes[0]:.3f}x the fp32 cache's")
+            f"shards {sizes[1] / sizes[0]:.3f}x the fp32 cache's"
+        )
         self.check(label, report["status"], count=report["steps"], diff=report["max_abs_diff"], note=note,
                    report=report)
 
-    def superset(self, ref: dict[str, Any], recipe: str, have_dspark_nemo: bool, sample_of_row: dict[str, int]) -> None:
+    def superset(
+        self, ref: dict[str, Any], recipe: str, have_dspark_nemo: bool, sample_of_row: dict[str, int]
+    ) -> None:
         """One cache of every layer trains the recipe's drafter (layers 1, 2) as the cache made for it does."""
         label = "train superset cache"
         if not have_dspark_nemo:
@@ -333,7 +369,9 @@ checkpoint:
         ok, _ = self.sh("produce_ours_superset", [self.ours_bin("dspark-produce"), *flags])
         data = self.train("superset", "dspark", cache, recipe) if ok else None
         if data is None:
-            self.check(label, "crash", note="dspark-produce of the superset cache or the recipe failed (see logs)")
+            self.check(
+                label, "crash", note="dspark-produce of the superset cache or the recipe failed (see logs)"
+            )
             return
         report = compare.compare_runs(ref, data, tol=self.args.loss_tol, sample_of_row=sample_of_row)
         dedicated = self.path("train", "ours.json")
@@ -467,10 +505,17 @@ checkpoint:
         self.caches(mgp=True)
         imported = exported = None
         if cache_ok or os.path.exists(self.path("nemo_cache")):
-            imported = self.convert(self.path("nemo_cache"), self.path("imported"), "dspark", "convert_import")
+            imported = self.convert(
+                self.path("nemo_cache"), self.path("imported"), "dspark", "convert_import"
+            )
             if imported:
-                report = compare.compare_caches(self.path("nemo_cache"), imported, pad_id=self.tokenizer.pad_token_id,
-                                                hidden_tol=self.args.hidden_tol, tokenizer=self.tokenizer)
+                report = compare.compare_caches(
+                    self.path("nemo_cache"),
+                    imported,
+                    pad_id=self.tokenizer.pad_token_id,
+                    hidden_tol=self.args.hidden_tol,
+                    tokenizer=self.tokenizer,
+                )
                 self.check("convert nemo -> dspark", report["status"], count=report["samples_dspark"],
                            diff=max(report["hidden_max_abs_diff"].values()),
                            note="; ".join(report["problems"]), report=report)
@@ -478,8 +523,13 @@ checkpoint:
                 self.check("convert nemo -> dspark", "pending", note=".venv/bin/dspark-convert missing")
             exported = self.convert(self.path("ours_cache"), self.path("exported"), "nemo", "convert_export")
             if exported:
-                report = compare.compare_caches(exported, self.path("ours_cache"), pad_id=self.tokenizer.pad_token_id,
-                                                hidden_tol=self.args.hidden_tol, tokenizer=self.tokenizer)
+                report = compare.compare_caches(
+                    exported,
+                    self.path("ours_cache"),
+                    pad_id=self.tokenizer.pad_token_id,
+                    hidden_tol=self.args.hidden_tol,
+                    tokenizer=self.tokenizer,
+                )
                 layout = compare.compare_nemo_layouts(self.path("nemo_cache"), exported)
                 report["problems"] += layout["problems"]
                 status = "mismatch" if report["problems"] else "ok"
@@ -525,12 +575,23 @@ def main(argv: list[str] | None = None) -> int:
                         default=["ours", "imported", "exported", "nemo-cache+dspark", "fp8", "superset",
                                  "mixture", "zstd"],
                         help="training modes besides the nemo reference")
-    parser.add_argument("--fp8-loss-rtol", type=float, default=0.01,
-                        help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much")
-    parser.add_argument("--fp8-dtype", choices=["fp8", "fp8_e5m2"], default="fp8",
-                        help="mode fp8: the cache dtype (fp8_e5m2 has twice e4m3's error: the loss must see it)")
-    parser.add_argument("--negative-control", action="store_true",
-                        help="also train from the --mask-generation-prompt cache and require a detected mismatch")
+    parser.add_argument(
+        "--fp8-loss-rtol",
+        type=float,
+        default=0.01,
+        help="mode fp8: the last-epoch mean loss may differ from the fp32 reference's by this much",
+    )
+    parser.add_argument(
+        "--fp8-dtype",
+        choices=["fp8", "fp8_e5m2"],
+        default="fp8",
+        help="mode fp8: the cache dtype (fp8_e5m2 has twice e4m3's error: the loss must see it)",
+    )
+    parser.add_argument(
+        "--negative-control",
+        action="store_true",
+        help="also train from the --mask-generation-prompt cache and require a detected mismatch",
+    )
     args = parser.parse_args(argv)
     if not os.path.exists(args.nemo_python):
         parser.error(f"{args.nemo_python} missing: run `make test-nemo` (it creates .venv-nemo)")
