@@ -414,7 +414,7 @@ class Capture:
         target = self.report["target"] = {
             "config": s.dims, "layer_ids": list(s.layer_ids), "compute_dtype": "bf16",
             "weights_gb": round(self.runner.weight_bytes / 1e9, 2),
-            "build_s": round(time.perf_counter() - built, 1), "mask_path_sync_free": self.runner.sync_free,
+            "build_s": round(time.perf_counter() - built, 1), "mask_path_sync_free": self.runner.masks_without_waiting,
             "bytes_per_token": staged_bytes_per_token(self.shape),
             "gpu_memory_gb": round(torch.cuda.memory_allocated(s.device) / 1e9, 2) if s.cuda else None}
         print(f"target built in {target['build_s']} s: {target['weights_gb']} GB of weights, "

@@ -299,7 +299,7 @@ def check_efficiency(
     efficiency = {
         "target": "Qwen3-0.6B shape (random weights)" if not tiny else "embedded tiny Qwen3 (CPU mode)",
         "compute_dtype": str(compute),
-        "mask_path_sync_free": runner.sync_free,
+        "mask_path_sync_free": runner.masks_without_waiting,
         "load_s": round(load_s, 2),
         "rows": rows,
         "seq_length": seq,

@@ -337,7 +337,7 @@ class Appender:
         self.path = path
         self.every = every
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        self._unsynced = 0
+        self._not_durable = 0
 
     def append(self, line: bytes) -> None:
         """Append ``line``; :class:`OutputError` naming the file when it cannot be (a full disk): what is
@@ -349,22 +349,23 @@ class Appender:
                 view = view[os.write(self._fd, view):]
         except OSError as exc:
             raise _failed_write(self.path, exc, "appending a row") from None
-        self._unsynced += 1
-        if self._unsynced >= self.every:
-            self.sync()
+        self._not_durable += 1
+        if self._not_durable >= self.every:
+            self.make_durable()
 
-    def sync(self) -> None:
-        if self._unsynced:
+    def make_durable(self) -> None:
+        """fsync the rows appended since the last time (every ``every`` rows, and at close)."""
+        if self._not_durable:
             try:
                 os.fsync(self._fd)
             except OSError as exc:
-                raise _failed_write(self.path, exc, "syncing the rows appended") from None
-            self._unsynced = 0
+                raise _failed_write(self.path, exc, "making the rows appended durable (fsync)") from None
+            self._not_durable = 0
 
     def close(self) -> None:
         if self._fd >= 0:
             try:
-                self.sync()
+                self.make_durable()
             finally:
                 os.close(self._fd)
                 self._fd = -1
@@ -463,4 +464,4 @@ class OrderedWriter:
         try:
             fsync_dir(folder)
         except OSError as exc:
-            raise _failed_write(folder, exc, "syncing the output's directory") from None
+            raise _failed_write(folder, exc, "making the output's directory durable (fsync)") from None

@@ -157,7 +157,7 @@ def test_producer_loop_has_no_host_sync(embedded, tmp_path):
     hidden = json.load(open(f"{embedded.stock}/config.json"))["hidden_size"]
     device = torch.device("cuda")
     runner = TargetRunner(embedded.stock, [1, layers - 1], layers, device, torch.bfloat16, torch.bfloat16)
-    assert runner.sync_free
+    assert runner.masks_without_waiting
     paths = CachePaths(str(tmp_path))
     import os
 

@@ -221,14 +221,14 @@ def test_pipeline_main_loop_never_waits_for_the_device(tiny_target, tmp_path, at
     runner = TargetRunner(
         tiny_target, [1, layers - 1], layers, torch.device("cpu"), torch.float32, torch.float32, attn
     )
-    assert runner.sync_free
+    assert runner.masks_without_waiting
     shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
     with HostSyncTrap() as trap:
         run_pipeline(shards, runner.forward, output=CacheOutput(_paths(tmp_path / "ours").root), shape=shape,
                      device=torch.device("cpu"), pad_id=0, max_inflight_bytes=1 << 20)
     assert trap.count == 0, trap.where
     # Control: the model's own masks wait once per forward, and the trap sees it.
-    runner.sync_free = False
+    runner.masks_without_waiting = False
     with HostSyncTrap() as trap:
         run_pipeline(
             shards,
@@ -257,7 +257,7 @@ def test_a_mask_mapping_the_model_reads_differently_is_refused(tiny_target, monk
     layers = config["num_hidden_layers"]
     eager = TargetRunner(tiny_target, [1], layers, torch.device("cpu"), torch.float32, torch.float32, "eager")
     sdpa = TargetRunner(tiny_target, [1], layers, torch.device("cpu"), torch.float32, torch.float32, "sdpa")
-    assert not eager.sync_free and sdpa.sync_free
+    assert not eager.masks_without_waiting and sdpa.masks_without_waiting
 
 
 def test_device_choices_are_checked(monkeypatch):

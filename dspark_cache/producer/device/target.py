@@ -195,7 +195,7 @@ class TargetRunner:
             device = output_device(self.base, device)
         self.hidden_size = int(self.text_config(model).hidden_size)
         self.masks = CausalMasks(self.text_config(model), compute_dtype)
-        self.sync_free = masks_match(
+        self.masks_without_waiting = masks_match(
             self.base, self.masks, int(model.get_input_embeddings().weight.shape[0]), device
         )
         self.device = device
@@ -280,7 +280,7 @@ class TargetRunner:
         (HF ``hidden_states[N]``). The causal masks are ours (see masks.py), so the forward never
         waits for the device."""
         self._captured.clear()
-        masks = self.masks.mapping(*input_ids.shape, input_ids.device) if self.sync_free else None
+        masks = self.masks.mapping(*input_ids.shape, input_ids.device) if self.masks_without_waiting else None
         return full_tensor(
             self.base(input_ids=input_ids, attention_mask=masks, use_cache=False).last_hidden_state
         )
