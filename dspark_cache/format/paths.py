@@ -16,7 +16,7 @@ STOP_REQUEST = f"{CONTROL_DIR}/stop"
 LOCK = f"{CONTROL_DIR}/lock"  # flock-ed by the producer job that owns the directory
 LEASE = f"{CONTROL_DIR}/lease.json"  # on object storage: the producer job's lease (storage/remote/lease.py)
 STAGING_MARK = ".dspark-staging"  # in a staging directory: the URL whose cache it stages
-STAGING_STATE = ".dspark-staging-state"  # and its bookkeeping as a copy of the store's (remote.localdir)
+STAGING_RECORDS = ".dspark-staging-records"  # and its bookkeeping as a copy of the store's (remote.localdir)
 CLAIM_PREFIX = "complete-"  # control/complete-<run id>: the one rank that marks a run's cache complete
 LOGS_DIR = "logs"  # the producer's own log when it runs under the monitor (--tui)
 PLAN_DIR = "plan"  # the tokenised input and its batching, kept for reruns (producer/plan/store.py)
@@ -158,8 +158,8 @@ class CachePaths:
         return os.path.join(self.root, STAGING_MARK)
 
     @property
-    def staging_state(self) -> str:
-        return os.path.join(self.root, STAGING_STATE)
+    def staging_records(self) -> str:
+        return os.path.join(self.root, STAGING_RECORDS)
 
     def relative(self, path: str) -> str:
         """``path`` (inside the cache) relative to its root, with ``/``: the object key under a remote prefix."""

@@ -107,7 +107,7 @@ def test_a_staging_download_cut_short_by_a_kill_is_removed_at_the_next_check(s3_
     output = RemoteOutput(f"{s3_bucket}/cache", staging_dir=str(staging),
                           storage=StorageOptions(client_options(proxy.endpoint)))
     output.check()
-    temporaries = replica_dirs(CachePaths(str(staging)).staging_state)[1]
+    temporaries = replica_dirs(CachePaths(str(staging)).staging_records)[1]
     left = os.path.join(temporaries, f"{RELATIVE}.0123abcd")
     with open(left, "wb") as handle:
         handle.write(b"partial")

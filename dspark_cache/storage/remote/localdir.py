@@ -11,7 +11,7 @@ in local directories, and serve what they find there as the store's. Two rules k
   can write there can plant files this process would serve as the store's.
 
 Each such directory is the cache's layout plus one bookkeeping directory of its own (``.mirror``,
-``.view``, the staging directory's ``.dspark-staging-state``), which holds, as :func:`replica_dirs`
+``.view``, the staging directory's ``.dspark-staging-records``), which holds, as :func:`replica_dirs`
 names them, the record of what each copied file is a copy of (``seen``, :mod:`.copies`) and the
 downloads in progress (``tmp``): :class:`Temporaries`, each locked by its writer while it lives.
 """
@@ -129,17 +129,17 @@ def _check_owned(path: str, what: str, option: str) -> None:
             f"only you wrote there (or remove it), or choose another {option}")
 
 
-def replica_dirs(state: str) -> tuple[str, str]:
-    """``(seen, tmp)`` of a node-local copy whose bookkeeping directory is ``state`` (the module's
+def replica_dirs(records: str) -> tuple[str, str]:
+    """``(seen, tmp)`` of a node-local copy whose bookkeeping directory is ``records`` (the module's
     docstring)."""
-    return os.path.join(state, "seen"), os.path.join(state, "tmp")
+    return os.path.join(records, "seen"), os.path.join(records, "tmp")
 
 
-def own_replica_dirs(state: str, root: str, *, what: str = "local copy",
+def own_replica_dirs(records: str, root: str, *, what: str = "local copy",
                      option: str = "--local-cache-dir") -> None:
     """Make the bookkeeping directories of the copy at ``root`` (:func:`replica_dirs`), as
     :func:`own_directory` makes and checks a directory."""
-    for directory in (state, *replica_dirs(state)):
+    for directory in (records, *replica_dirs(records)):
         own_directory(directory, root, what=what, option=option)
 
 

@@ -83,7 +83,7 @@ class RemoteOutput(CacheOutput):
         self.staging_limit = staging_limit if staging_limit is not None else STAGING_LIMIT
         self._lease: Lease | None = None
         self.lease_wait = lease_wait
-        self._copies = LocalCopies(self.store, self.root, self.paths.staging_state)
+        self._copies = LocalCopies(self.store, self.root, self.paths.staging_records)
         self._sync = StagingSync(self.store, self.paths, rank, self._copies, self._holds)
         self._puller = StagingPull(self.store, self.paths, self._sync, self._copies)
         self._syncing = False

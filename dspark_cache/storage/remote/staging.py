@@ -6,7 +6,7 @@ directory names the URL it stages in ``.dspark-staging``, made by the first proc
 empty (the ranks of a node race for that, and one link wins) and checked by every later one. The
 ranks of a job compare :func:`staging_identity` to know which of them share rank 0's directory.
 What the store's files brought down are copies of, and the downloads in progress, are kept in
-``.dspark-staging-state`` as every node-local copy keeps them (:func:`.localdir.replica_dirs`).
+``.dspark-staging-records`` as every node-local copy keeps them (:func:`.localdir.replica_dirs`).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def claim_staging(paths: CachePaths, url: str) -> None:
             f"staging directory {root} stages {staged}, not {url}; two caches cannot share one --staging-dir: "
             "choose another (or remove that one once its producer is done)"
         )
-    own_replica_dirs(paths.staging_state, root, what="staging directory", option="--staging-dir")
-    Temporaries(replica_dirs(paths.staging_state)[1]).clean()  # downloads of a process killed midway
+    own_replica_dirs(paths.staging_records, root, what="staging directory", option="--staging-dir")
+    Temporaries(replica_dirs(paths.staging_records)[1]).clean()  # downloads of a process killed midway
 
 
 def missing_top(root: str) -> str | None:
