@@ -149,14 +149,6 @@ class MixtureMapDataset(DSparkMapDataset):
                                          pin_memory=pinned, nemo_keys_only=True, keep=4, native=self.native)
         return self._reader
 
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-        if self._cache is not None:
-            self._cache.close()
-        self._reader = self._cache = None
-
-
 def _locate(bases: list[int], shard: int) -> tuple[int, int]:
     source = int(np.searchsorted(bases, shard, side="right")) - 1
     return source, shard - bases[source]

@@ -4,7 +4,7 @@ The main thread reads the input (the producer's ``InputSource``, so every input 
 of ``dspark-produce`` holds) and hands rows to ``--concurrency`` worker threads, never more than a
 window ahead of the oldest row not yet written (what waits in memory stays bounded); each worker
 regenerates one row's turns (sequential requests: each turn needs the one before) and hands the
-outcome back; the main thread writes outcomes in input order (``output.OrderedWriter``).
+outcome back; the main thread writes outcomes in input order (``writer.OrderedWriter``).
 Interrupted (Ctrl-C, SIGTERM), it writes what is complete in order, fsyncs and exits 3: a rerun resumes.
 
 A run none of whose rows gets an answer stops (exit 1) once :data:`ENDPOINT_WIDE_AFTER` rows failed or were
@@ -33,10 +33,11 @@ from dspark_cache.producer import InputError, InputSource, InvalidRow, RawRow, c
 from dspark_cache.regenerate.conversation import regenerate, targets
 from dspark_cache.regenerate.endpoints import EndpointError, EndpointPool, NoEndpointError, Reply, RowFailed
 from dspark_cache.regenerate.output import (
-    REJECTED, TRUNCATED, Finished, OrderedWriter, OutputError, OutputFiles, Skipped, answered_before,
-    check_resume, done_rows, encode_line, take_lock,
+    REJECTED, TRUNCATED, OutputError, OutputFiles, Skipped, answered_before, check_resume, done_rows,
+    encode_line, take_lock,
 )
 from dspark_cache.regenerate.settings import RegenerateConfig, identity, regeneration, row_seed
+from dspark_cache.regenerate.writer import Finished, OrderedWriter
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +278,9 @@ def endpoint_wide(unanswered: list[Skipped], files: OutputFiles) -> RunError:
     """The run's stop when no row got an answer: the endpoint and the cause (the server's words on the last
     row), and what to do; the rows are listed in OUTPUT.failed, none recorded as done."""
     last = unanswered[-1]
-    n = len(unanswered)
-    some = "every row sent" if n < ENDPOINT_WIDE_AFTER else f"the first {n} rows sent"
+    # the rule's count, not len(unanswered): rows finishing out of order can pass it by a few at once
+    some = ("every row sent" if len(unanswered) < ENDPOINT_WIDE_AFTER
+            else f"the first {ENDPOINT_WIDE_AFTER} rows sent")
     return RunError(f"{some} failed or was rejected and none got an answer, so the endpoint refuses every "
                     f"row alike (the last, {last.where}: {last.detail}). Nothing was recorded as done (the "
                     f"rows are listed in {files.failed}): fix the server or --endpoint/--model, then rerun "

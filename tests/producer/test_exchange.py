@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 
 import dspark_cache.producer.device.ranks as ranks
 from dspark_cache.producer.device.topology import Topology

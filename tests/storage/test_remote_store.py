@@ -159,10 +159,10 @@ def test_an_unknown_or_doubled_option_is_refused_by_name(local_cache_url, s3_ser
 
 _PANIC = """
 import sys
-import dspark_cache.storage.remote.store as store
+import dspark_cache.storage.remote.client as client
 # Labelled stand-in: every panic of obstore's configuration known today comes from an HTTP-client key
 # given among the store's keys, which _client_settings now moves; skipping that step, the client panics.
-store._client_settings = lambda config: (dict(config), {}, None)
+client._client_settings = lambda config: (dict(config), {}, None)
 from dspark_cache.cli import verify
 sys.exit(verify(sys.argv[1:]))
 """

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 from dspark_cache.format.atomic import atomic_write_with
 from dspark_cache.format.errors import CacheError
 from dspark_cache.storage.remote.node import hold_lock
-from dspark_cache.storage.remote.store import client_endpoint
+from dspark_cache.storage.remote.client import client_endpoint
 from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)

@@ -385,17 +385,6 @@ class NodeMirror:
         finally:
             os.close(lock)
 
-    def local_bytes(self) -> int:
-        """Bytes of tars on this node's copy now."""
-        total = 0
-        for name in os.listdir(self.paths.shards_dir):
-            if (self.paths.shard_file(name) or (0, ""))[1] == "tar":
-                try:
-                    total += os.stat(os.path.join(self.paths.shards_dir, name)).st_size
-                except FileNotFoundError:
-                    pass
-        return total
-
     def close(self) -> None:
         with self._lock:
             self._closed = True

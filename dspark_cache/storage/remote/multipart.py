@@ -22,7 +22,8 @@ import logging
 import os
 from typing import Any, Callable
 
-from dspark_cache.storage.remote.store import ObjectStoreError, client_endpoint
+from dspark_cache.storage.remote.client import client_endpoint
+from dspark_cache.storage.remote.store import ObjectStoreError
 from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)

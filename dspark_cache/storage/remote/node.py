@@ -1,7 +1,7 @@
 """What the processes of one node share a remote cache's local copy with: file locks, the download threads.
 
 ``hold_lock`` is an ``flock`` on a file (created), blocking or not; ``process_alive`` says whether
-the process that named a temporary still runs; ``release_all`` closes a mirror's held locks (its
+a process of this host still runs (the lease's dead holder); ``release_all`` closes a mirror's held locks (its
 finalizer); :class:`DaemonThreads` runs downloads and uploads on daemon threads.
 """
 

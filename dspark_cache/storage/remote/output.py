@@ -33,7 +33,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
@@ -53,7 +52,7 @@ from dspark_cache.storage.remote.lease import Lease
 from dspark_cache.storage.remote.multipart import abort_unfinished_uploads
 from dspark_cache.storage.remote.pull import StagingPull
 from dspark_cache.storage.remote.staging import (claim_staging, default_staging_dir, discard_staging,
-                                                missing_top, staging_identity)
+                                                missing_top)
 from dspark_cache.storage.remote.store import ConditionFailedError, ObjectInfo, ObjectStore
 from dspark_cache.storage.remote.sync import StagingSync
 from dspark_cache.storage.remote.uploads import ShardUploads

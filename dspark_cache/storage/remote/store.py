@@ -10,15 +10,7 @@ names the extra.
 Credentials come the client's standard way: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
 ``AWS_SESSION_TOKEN``, web identity, instance metadata; ``AWS_ENDPOINT_URL`` or
 ``AWS_ENDPOINT_URL_S3`` for S3-compatible stores (MinIO, Ceph, R2, ...), ``AWS_ALLOW_HTTP=true``
-for a plain-http endpoint. ``storage_options`` (``--storage-options JSON``) adds the client's
-configuration keys (``endpoint``, ``region``, ``access_key_id``, ...) plus ``client_options``
-and ``retry_config``; their values are never logged or put in a message. A client option given at the
-top level (``{"allow_http": true, "timeout": "30s"}``, with or without the store's ``aws_`` prefix) is
-moved into ``client_options``, as are ``max_retries`` and ``retry_timeout`` into ``retry_config``
-(durations in seconds or as the client's strings); an unknown key is refused by name.
-
-A panic of the client library (a Rust ``panic!``, which Python sees as a ``BaseException`` and Rust
-reports with its own lines on stderr) comes out as the same one-line error as any other failure.
+for a plain-http endpoint; ``storage_options`` and the client's configuration are :mod:`.client`'s.
 
 Keys under the cache's prefix that the client cannot represent (an empty segment ``a//b``, a ``.``
 or ``..`` segment, control characters: written by another tool) are skipped by every listing, each
@@ -32,55 +24,35 @@ backoff. A missing object is not an error: reads return ``None``.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import pathlib
 import random
 import re
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CONTROL_DIR, EVENTS_DIR, MANIFEST, PLAN_DIR, SHARDS_DIR, STATUS_DIR, \
     TARGET_WEIGHTS
+from dspark_cache.storage.remote.client import configure, first_line, is_panic
 from dspark_cache.storage.remote.url import RemoteURL
 
 log = logging.getLogger(__name__)
 
-EXTRA = "dspark-cache[s3]"
 _CHUNK = 8 << 20  # streamed reads and writes move this much at a time
 _MULTIPART = 64 << 20  # uploads larger than this go in parts, several in flight
 _LOCAL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 _ATTEMPTS = 2  # one whole-object retry on top of the client's own (which resumes a cut download itself)
 _T = TypeVar("_T")
-_STDERR_HELD = threading.Lock()  # _panics_quiet's hold on file descriptor 2
-# The HTTP client's options (obstore's ClientConfig): given at the top level of the storage options, the
-# client would take them for the store's own keys and panic; they are moved into client_options.
-CLIENT_KEYS = frozenset((
-    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "default_headers",
-    "http1_only", "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle",
-    "http2_only", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate",
-    "proxy_excludes", "root_certificate", "randomize_addresses", "read_timeout", "timeout", "user_agent"))
-RETRY_KEYS = frozenset(("max_retries", "retry_timeout", "backoff"))
-_DURATIONS = ("retry_timeout", "init_backoff", "max_backoff")  # timedeltas for the client; seconds in JSON
-_STORE_PREFIXES = ("aws_", "google_", "azure_")
 # The cache's own names at its root: what a listing of the root that a key the client cannot represent
 # broke still finds (each file asked for, each directory listed on its own).
 _ROOT_FILES = (MANIFEST, TARGET_WEIGHTS)
 _ROOT_DIRS = (SHARDS_DIR, STATUS_DIR, EVENTS_DIR, CONTROL_DIR, PLAN_DIR)
 # How the client names the key it could not parse, in its error's message.
 _BAD_KEY = re.compile(r'Path "(.*?)"(?=:? ?(?:contained empty path segment|Encountered illegal))', re.DOTALL)
-
-
-class MissingExtraError(CacheError):
-    """The object-store client is not installed."""
 
 
 class ObjectStoreError(CacheError):
@@ -112,123 +84,9 @@ class ObjectInfo:
     modified: float  # seconds since the epoch
 
 
-def _client() -> Any:
-    try:
-        import obstore
-        import obstore.store  # noqa: F401  (the submodule from_url lives in)
-    except ImportError as exc:
-        raise MissingExtraError(
-            f'caches on object storage need the optional client: pip install "{EXTRA}" (obstore), then rerun'
-        ) from exc
-    return obstore
-
-
-def _default_client_options(endpoint: str | None) -> dict[str, Any]:
-    options: dict[str, Any] = {"timeout": "300s", "connect_timeout": "10s"}
-    if endpoint and endpoint.startswith("http://"):
-        options["allow_http"] = True  # a local MinIO or test server: the user pointed us there
-    return options
-
-
-def _default_retry() -> dict[str, Any]:
-    return {
-        "max_retries": 8,
-        "retry_timeout": timedelta(minutes=3),
-        "backoff": {
-            "init_backoff": timedelta(milliseconds=100),
-            "max_backoff": timedelta(seconds=15),
-            "base": 2,
-        },
-    }
-
-
-def client_endpoint(config: dict[str, Any]) -> str | None:
-    """The endpoint the client talks to: the options' spelling of it, else the AWS_ENDPOINT_URL variables."""
-    for key in ("aws_endpoint_url_s3", "endpoint_url", "endpoint", "aws_endpoint", "aws_endpoint_url"):
-        if config.get(key):
-            return str(config[key])
-    return (
-        os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-        or os.environ.get("AWS_ENDPOINT")
-    )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split("Debug source:")[0].split())  # obstore appends a multi-line Debug dump
-    return text[:300] + ("..." if len(text) > 300 else "")
-
-
 def shown_key(key: str) -> str:
     """A key as a message shows it: control characters escaped (``\\x01``), the rest as it is."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in key)
-
-
-def is_panic(exc: BaseException) -> bool:
-    """A panic of the client library (pyo3's ``PanicException``, a ``BaseException`` no module exports)."""
-    return type(exc).__name__ == "PanicException"
-
-
-@contextlib.contextmanager
-def _panics_quiet() -> Iterator[None]:
-    """While the client is configured, file descriptor 2 goes to a temporary file: a panic's own report
-    (the message, and a backtrace where RUST_BACKTRACE is set), which Rust writes there itself, is
-    dropped, as the error raised for it says the same in one line; anything else written is passed on."""
-    sys.stderr.flush()
-    with _STDERR_HELD, tempfile.TemporaryFile() as held:  # one at a time: fd 2 is the process's
-        saved = os.dup(2)
-        panicked = False
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        except BaseException as exc:
-            panicked = is_panic(exc)
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            if not panicked:
-                held.seek(0)
-                written = held.read()
-                if written:
-                    os.write(2, written)
-
-
-def _client_settings(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
-    """The storage options split as the client takes them: the store's keys, the HTTP client's options and
-    the retry configuration (``None``: the default); client and retry keys given at the top level are
-    moved where they belong (``ValueError`` where one is also given there)."""
-    config = dict(config)
-    client = dict(config.pop("client_options", None) or {})
-    given_retry = config.pop("retry_config", None)
-    retry = dict(given_retry) if given_retry else None
-    top_retry: dict[str, Any] = {}
-    for key in list(config):
-        bare = key.lower()
-        bare = next((bare[len(p):] for p in _STORE_PREFIXES if bare.startswith(p)), bare)
-        section, into = ("client_options", client) if bare in CLIENT_KEYS else (
-            ("retry_config", top_retry) if bare in RETRY_KEYS else (None, None))
-        if into is None:
-            continue
-        if bare in into or (section == "retry_config" and retry is not None and bare in retry):
-            raise ValueError(f"{key} is given both at the top level and in {section}; keep one")
-        into[bare] = config.pop(key)
-    if top_retry:
-        retry = {**(retry or _default_retry()), **top_retry}
-    if retry is not None:
-        retry = {k: _duration(k, v) for k, v in retry.items()}
-        if isinstance(retry.get("backoff"), dict):
-            retry["backoff"] = {k: _duration(k, v) for k, v in retry["backoff"].items()}
-    if "endpoint_url" in config:  # the spelling boto3 and s3fs users know
-        config["endpoint"] = config.pop("endpoint_url")
-    return config, client, retry
-
-
-def _duration(name: str, value: Any) -> Any:
-    """A retry duration given in seconds (JSON has no timedelta) as the client's timedelta."""
-    if name in _DURATIONS and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return timedelta(seconds=value)
-    return value
 
 
 class ObjectStore:
@@ -237,33 +95,13 @@ class ObjectStore:
 
     def __init__(self, url: str | RemoteURL, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url if isinstance(url, RemoteURL) else RemoteURL.parse(url)
-        obstore = _client()
-        self._obstore = obstore
         self._pid = os.getpid()
         self._named: set[str] = set()  # keys the client cannot represent, each warned about once
-        advice = "check --storage-options / storage_options keys and the AWS_* variables"
         try:
-            config, client, retry = _client_settings(storage_options or {})
-        except ValueError as exc:
-            raise ObjectStoreError(f"{self.url}: the storage options: {exc}; {advice}") from None
-        client_options = {**_default_client_options(client_endpoint(config)), **client}
-        try:
-            with _panics_quiet():
-                self._store = obstore.store.from_url(self.url.store_url, config=config or None,
-                                                     client_options=client_options,
-                                                     retry_config=retry or _default_retry())
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # an unknown key, a malformed value, a panic: never echo the values
-            unknown = re.search(r"(?:Configuration key: '|Invalid key: )([^'.\s]+)", str(exc))
-            if unknown:
-                raise ObjectStoreError(
-                    f"{self.url}: the storage option {unknown[1]!r} is not one the object-store client knows "
-                    f"for {self.url.scheme}://; {advice}") from None
-            what = "failed on" if is_panic(exc) else "refused"
-            raise ObjectStoreError(
-                f"{self.url}: the object-store client {what} its configuration ({type(exc).__name__}: "
-                f"{_first_line(exc)}); {advice}") from None
+            self._obstore, self._store = configure(self.url, storage_options)
+        except ValueError as exc:  # never the values: they may hold secrets
+            raise ObjectStoreError(f"{self.url}: {exc}; check --storage-options / storage_options keys and the "
+                                   "AWS_* variables") from None
 
     def __repr__(self) -> str:  # never the options: they may hold secrets
         return f"ObjectStore({str(self.url)!r})"
@@ -276,7 +114,7 @@ class ObjectStore:
     def _translate(self, exc: Exception, what: str, relative: str) -> CacheError:
         errors = self._obstore.exceptions
         where = self.name(relative)
-        text = _first_line(exc)
+        text = first_line(exc)
         full = str(exc)  # the markers may sit past the first line's 300 characters (a long request URL)
         if "NoSuchBucket" in full or "bucket does not exist" in full.lower():
             return NoSuchBucketError(
@@ -319,7 +157,7 @@ class ObjectStore:
             if not is_panic(exc):
                 raise
             raise ObjectStoreError(f"{what} {self.name(relative)}: the object-store client failed (panic: "
-                                   f"{_first_line(exc)}); rerun, and report it if it repeats") from None
+                                   f"{first_line(exc)}); rerun, and report it if it repeats") from None
 
     def _failed(self, exc: Exception, what: str, relative: str, missing: Any) -> Any:
         """``missing`` for an absent object (``FileNotFoundError`` where none is given); else the error translated."""
