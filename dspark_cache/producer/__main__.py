@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     from dspark_cache.cli import produce_rank
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: its agent is our parent
-        from dspark_cache.format.lifetime import PARENT_DEATH_SIGNAL, die_with_parent
+        from dspark_cache.cli.lifetime import PARENT_DEATH_SIGNAL, die_with_parent
 
         # An agent SIGKILLed by a scheduler cannot forward its signal: the rank would run on, or wait in
         # a collective for a partner, forever. The notice stops it at a shard boundary, resumable.

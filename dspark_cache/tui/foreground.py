@@ -9,7 +9,7 @@ import sys
 import time
 
 from dspark_cache.cli.conventions import UsageError
-from dspark_cache.format.lifetime import PARENT_DEATH_SIGNAL, exec_with_parent
+from dspark_cache.cli.lifetime import PARENT_DEATH_SIGNAL, exec_with_parent
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.storage.remote.url import is_remote
 from dspark_cache.tui.app import MonitorApp

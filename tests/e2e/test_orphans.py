@@ -98,7 +98,7 @@ def test_sigkill_at_four_moments_leaves_no_process_and_a_rerun_completes(embedde
 
 PARENT = """
 import subprocess, sys
-from dspark_cache.format.lifetime import exec_with_parent
+from dspark_cache.cli.lifetime import exec_with_parent
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], preexec_fn=exec_with_parent())
 print(child.pid, flush=True)
 child.wait()

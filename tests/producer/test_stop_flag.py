@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from dspark_cache.format.lifetime import PARENT_DEATH_SIGNAL
+from dspark_cache.cli.lifetime import PARENT_DEATH_SIGNAL
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.producer.report.signals import StopFlag
 

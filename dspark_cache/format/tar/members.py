@@ -35,12 +35,6 @@ class TarCursor:
     def __init__(self) -> None:
         self.offset = 0
 
-    def place(self, specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[int, PayloadLayout]:
-        """Place one sample stored as laid out; returns the payload's file offset and its layout."""
-        data_offset, layout = self.lay_out(specs, metadata)
-        self.advance(layout.size)
-        return data_offset, layout
-
     def lay_out(self, specs: list[TensorSpec], metadata: dict[str, str]) -> tuple[int, PayloadLayout]:
         """The next sample's payload offset and layout, not yet placed: :meth:`advance` by the size it
         is stored in (a compressed sample's is known once its frame is made)."""

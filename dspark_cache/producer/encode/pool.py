@@ -18,7 +18,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterable, Iterator
 
-from dspark_cache.format.lifetime import die_with_parent
+from dspark_cache.cli.lifetime import die_with_parent
 from dspark_cache.producer.encode.chat import EncodedRow
 from dspark_cache.producer.encode.template import ChatTemplateError
 from dspark_cache.producer.inputs.rows import InvalidRow, RawRow

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 
-from dspark_cache.format.lifetime import PARENT_DEATH_SIGNAL
+from dspark_cache.cli.lifetime import PARENT_DEATH_SIGNAL
 from dspark_cache.format.paths import CachePaths
 
 log = logging.getLogger(__name__)
