@@ -93,8 +93,8 @@ class RegeneratedInput(Regeneration, kw_only=True, frozen=True):
     rows: int = 0
 
 
-class RankState:
-    """``RankStatus.state``: what a producer rank is doing. The producer writes only these."""
+class RankPhase:
+    """``RankStatus.phase``: where in its run a producer rank is. The producer writes only these."""
 
     PLANNING = "planning"  # reading and tokenising the input (the heartbeat starts after it)
     LOADING = "loading"  # loading the target onto the device
@@ -250,7 +250,8 @@ class RankStatus(msgspec.Struct, kw_only=True):
     run_id: str = ""
     pid: int
     host: str
-    state: str  # one of RankState.ALL
+    # One of RankPhase.ALL; spelled "state" on disk, as every producer has written it.
+    phase: str = msgspec.field(name="state")
     updated_at: float
     started_at: float
     shard: int | None = None  # the shard the device computes now

@@ -18,10 +18,10 @@ import msgspec
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.files import read_regular
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import RankState, RankStatus, decode_json
+from dspark_cache.format.schema import RankPhase, RankStatus, decode_json
 
-# States in which a rank claims to be working: silence in one of them means it died or hangs.
-ACTIVE_RANK_STATES = RankState.ACTIVE  # states whose heartbeat a live rank keeps fresh
+# Phases in which a rank claims to be working: silence in one of them means it died or hangs.
+ACTIVE_PHASES = RankPhase.ACTIVE  # phases whose heartbeat a live rank keeps fresh
 MAX_STATUS_BYTES = 1 << 20  # a heartbeat is a few hundred bytes
 HEARTBEAT_EVERY_S = 1.0  # a working rank rewrites its status this often, even during a long step
 STALE_AFTER_S = 10.0  # ten missed heartbeats: the monitor shows the rank as STALE
@@ -53,7 +53,7 @@ def rank_is_live(status: RankStatus, now: float, timeout: float = STALE_AFTER_S,
 
     A heartbeat from the future (clocks of two hosts disagree) counts as fresh.
     """
-    return (status.state in ACTIVE_RANK_STATES and now - status.updated_at <= timeout
+    return (status.phase in ACTIVE_PHASES and now - status.updated_at <= timeout
             and not (processes and process_gone(status)))
 
 
@@ -61,7 +61,7 @@ def rank_is_stale(status: RankStatus, now: float, timeout: float = STALE_AFTER_S
                   processes: bool = False) -> bool:
     """Whether the rank claims to be working but has been silent for more than ``timeout`` s (or, with
     ``processes``, its process is known gone)."""
-    return status.state in ACTIVE_RANK_STATES and not rank_is_live(status, now, timeout, processes=processes)
+    return status.phase in ACTIVE_PHASES and not rank_is_live(status, now, timeout, processes=processes)
 
 
 def partial_is_written(shard: int, modified_at: float, statuses: Iterable[RankStatus], now: float,

@@ -21,7 +21,7 @@ import xxhash
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.sample import CACHE_DTYPES
-from dspark_cache.format.schema import EventKind, Manifest, RankState
+from dspark_cache.format.schema import EventKind, Manifest, RankPhase
 from dspark_cache.format.weights import weights_problem
 from dspark_cache.producer.device.model_group import (
     DRAIN, END, GO, GroupSync, PartnerWatch, distributed_config, group_error, join_group, leave_group,
@@ -144,7 +144,7 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
     Group 0 (rank 0 without model parallelism) extracts the target weights: one file per job.
     """
     topology = topology or Topology()
-    status.update(force=True, state=RankState.LOADING)
+    status.update(force=True, phase=RankPhase.LOADING)
     if not topology.model_parallel:
         runner = _loaded(p, status, None)
         if p.cfg.device_map is not None:  # the pipeline works where the spread-out decoder leaves its output
@@ -259,7 +259,7 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
         with writing_lock:
             if stats.current_shard not in published:  # its last batch may be written and published already
                 writing.add(stats.current_shard)
-            status.update(state=RankState.RUNNING, shard=stats.current_shard, writing=sorted(writing),
+            status.update(phase=RankPhase.RUNNING, shard=stats.current_shard, writing=sorted(writing),
                           samples_done=base["samples"] + stats.samples,
                           tokens_done=base["tokens"] + stats.tokens, bytes_written=stats.bytes,
                           inflight_bytes=budget.inflight, stage_seconds=stats.times.as_dict(),
@@ -268,7 +268,7 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
 
     # Resumed work counts as done from the first heartbeat of the run, so the rate anchor taken
     # here does not see the jump to it (a resume read as 50x the real tokens/s).
-    status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned), samples_done=base["samples"],
+    status.update(force=True, phase=RankPhase.RUNNING, shards_owned=len(owned), samples_done=base["samples"],
                   tokens_done=base["tokens"])
     try:
         stats = run_pipeline(owned, forward, output=p.output, shape=p.shape, device=p.device,
@@ -303,7 +303,7 @@ def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
     stats = PipelineStats()
     status.event(EventKind.STARTED, f"computing {len(owned)} shards on {p.device} with the writer of its "
                  "model-parallel group", shards=[s.shard_id for s in owned], device=str(p.device))
-    status.update(force=True, state=RankState.RUNNING, shards_owned=len(owned))
+    status.update(force=True, phase=RankPhase.RUNNING, shards_owned=len(owned))
     schedule = ShardSchedule(owned, lanes)
     drained = False
     while True:
@@ -321,7 +321,7 @@ def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
         runner.compute_only(ids)
         stats.samples += len(step.batch)
         stats.tokens += sum(s.length for s in step.batch)
-        status.update(state=RankState.RUNNING, shard=step.shard.shard_id,
+        status.update(phase=RankPhase.RUNNING, shard=step.shard.shard_id,
                       device_memory_bytes=_device_memory(p.cfg, p.device))
         if step.closes:
             stats.shards += 1
@@ -339,7 +339,7 @@ def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id
     def abandon(reason: str) -> None:  # the watch thread: this rank is stuck in a collective
         error = group_error(reason, topology)
         log.error("%s", error)
-        status.update(force=True, state=RankState.FAILED, last_error=str(error))
+        status.update(force=True, phase=RankPhase.FAILED, last_error=str(error))
         status.event(EventKind.ERROR, str(error))
         logging.shutdown()
         os._exit(1)  # the main thread cannot be woken from a collective; the group's shards wait for a rerun

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dspark_cache.format.schema import EventKind, Manifest, RankState
+from dspark_cache.format.schema import EventKind, Manifest, RankPhase
 from dspark_cache.format.weights import TargetWeightsError, check_cache_weights
 from dspark_cache.producer.device.ranks import await_other_ranks
 from dspark_cache.producer.device.topology import Topology
@@ -50,7 +50,7 @@ def finish(p: Prepared, status: StatusReporter, run_id: str, me: Topology) -> tu
     (their owner stopped without publishing them: a rerun completes them).
     """
     planned = {s.shard_id for s in p.plan.shards}
-    status.update(force=True, state=RankState.WAITING)
+    status.update(force=True, phase=RankPhase.WAITING)
     missing = await_other_ranks(p.paths, planned, me, run_id, p.cfg.rank_timeout, refresh=p.exchange.refresh)
     if missing:
         return p.manifest, sorted(missing)

@@ -16,7 +16,7 @@ import logging
 import time
 
 from dspark_cache.format.errors import CacheError
-from dspark_cache.format.schema import EventKind, Manifest, RankState
+from dspark_cache.format.schema import EventKind, Manifest, RankPhase
 from dspark_cache.producer.compute import (
     Computed, compute_shards, repair_complete_weights, write_missing_target_weights,
 )
@@ -96,7 +96,7 @@ def _run_locked(p: Prepared, topology: Topology, run_id: str, existing: Manifest
     try:
         return _run_rank(p, topology, run_id, existing, status, stop, started)
     except BaseException as exc:
-        status.update(force=True, state=RankState.FAILED, last_error=str(exc) or type(exc).__name__)
+        status.update(force=True, phase=RankPhase.FAILED, last_error=str(exc) or type(exc).__name__)
         shard = status.status.shard  # the failed shard (a writer's, else the device's): the monitor marks it
         status.event(
             EventKind.ERROR, f"producer failed: {exc}", **({"shard": shard} if shard is not None else {})
@@ -121,7 +121,7 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
     if existing is not None and existing.complete and not todo:
         repair_complete_weights(p, existing, topology, status, run_id)
         log.info("%s is already complete: nothing to do", p.paths.root)
-        status.update(force=True, state=RankState.FINISHED)
+        status.update(force=True, phase=RankPhase.FINISHED)
         return RunResult(existing, p.plan, None, time.time() - started, output=p.output)
     computed = compute_shards(p, owned, status, stop, topology, run_id) if owned else Computed(None)
     p.output.flush()  # a cache on object storage: the last shards' uploads (a failed one raises here)
@@ -135,15 +135,15 @@ def _run_rank(p: Prepared, topology: Topology, run_id: str, existing: Manifest |
     if stopped:
         reason = stop.reason if stop() else (f"model-parallel group {topology.group} stopped "
                                              f"(ranks {topology.group_ranks()})")
-        status.update(force=True, state=RankState.STOPPED)
+        status.update(force=True, phase=RankPhase.STOPPED)
         status.event(EventKind.STOPPED, f"stopped ({reason}); rerun the same command to resume")
         return RunResult(p.manifest, p.plan, stats, time.time() - started, stopped=True, output=p.output)
     manifest, missing = finish(p, status, run_id, topology)
     if missing:
-        status.update(force=True, state=RankState.INCOMPLETE)
+        status.update(force=True, phase=RankPhase.INCOMPLETE)
         status.event(EventKind.ERROR, f"shards {missing} were not published (their rank stopped); rerun to "
                      "complete them", missing=missing)
     else:
-        status.update(force=True, state=RankState.FINISHED, samples_done=p.plan.num_samples,
+        status.update(force=True, phase=RankPhase.FINISHED, samples_done=p.plan.num_samples,
                       tokens_done=p.plan.num_tokens)
     return RunResult(manifest, p.plan, stats, time.time() - started, missing=missing, output=p.output)

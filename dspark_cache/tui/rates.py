@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from dspark_cache.format.schema import RankState, RankStatus
+from dspark_cache.format.schema import RankPhase, RankStatus
 from dspark_cache.tui.display import as_float
 
 RATE_WINDOW_S = 10.0  # "now" is the rate over about this much of the producer's time
@@ -103,7 +103,7 @@ def per_second(a: _Beat, b: _Beat) -> tuple[float | None, float | None]:
 
 def _beat(status: RankStatus) -> _Beat | None:
     """The counts of a heartbeat that reports work of the run; None for one that cannot be used."""
-    if status.state != RankState.RUNNING or status.tokens_done <= 0:  # 0: no batch of this run reported yet
+    if status.phase != RankPhase.RUNNING or status.tokens_done <= 0:  # 0: no batch of this run reported yet
         return None
     if not math.isfinite(status.updated_at) or status.bytes_written < 0:
         return None
@@ -136,7 +136,7 @@ class RateTracker:
             beat = _beat(status)
             if beat is not None:
                 beats.add(beat, self.window)
-            rates.append(beats.rate() if status.state == RankState.RUNNING else None)
+            rates.append(beats.rate() if status.phase == RankPhase.RUNNING else None)
         self._runs = seen
         return tuple(rates)
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Callable, TextIO
 
 from dspark_cache.cli.conventions import EXIT_ERROR, EXIT_NOT_A_CACHE, EXIT_OK
-from dspark_cache.format.schema import RankState
+from dspark_cache.format.schema import RankPhase
 from dspark_cache.format.status import HEARTBEAT_EVERY_S
 from dspark_cache.tui.display import clip, clock_time
 from dspark_cache.tui.fit import Para, fit
@@ -25,7 +25,7 @@ from dspark_cache.tui.widgets.events import event_lines
 from dspark_cache.tui.widgets.header import header
 from dspark_cache.tui.widgets.progress import progress
 from dspark_cache.tui.widgets.ranks import COLUMNS, ERROR, row
-from dspark_cache.tui.widgets.shardmap import shard_counts, shard_map, shard_states
+from dspark_cache.tui.widgets.shardmap import shard_counts, shard_map, shard_phases
 from dspark_cache.tui.widgets.throughput import rate_labels
 from dspark_cache.tui.widgets.warnings import warning_lines
 
@@ -33,7 +33,7 @@ from dspark_cache.tui.widgets.warnings import warning_lines
 MEASURE_S = MIN_SPAN_S + 2 * HEARTBEAT_EVERY_S
 RECENT_EVENTS = 8
 RECENT_ERRORS = 5
-FAILED_STATES = (RankState.FAILED, RankState.INCOMPLETE)
+FAILED_PHASES = (RankPhase.FAILED, RankPhase.INCOMPLETE)
 
 
 def has_terminal() -> bool:
@@ -47,7 +47,7 @@ def measured_snapshot(scanner: CacheScanner, every: float, sleep: Callable[[floa
     until its rate is measured (a finished or dead cache is reported at once)."""
     snap = scanner.scan()
     deadline = time.monotonic() + measure
-    while (snap.tokens_per_s is None and any(r.state == RankState.RUNNING for r in snap.live_ranks)
+    while (snap.tokens_per_s is None and any(r.phase == RankPhase.RUNNING for r in snap.live_ranks)
            and time.monotonic() < deadline):
         sleep(max(0.0, min(every, deadline - time.monotonic())))
         snap = scanner.scan()
@@ -66,7 +66,7 @@ def lines(snap: Snapshot) -> list[str]:
     out += ["rates: " + "; ".join(_flat(rate_labels(snap)))]
     out += ["disk: " + "; ".join(_flat(disk(snap)))]
     if snap.manifest.num_shards > 0:
-        _, per, counts = shard_map(snap.manifest.num_shards, shard_states(snap))
+        _, per, counts = shard_map(snap.manifest.num_shards, shard_phases(snap))
         out += ["shards: " + text for text in _flat([shard_counts(counts, per)])]
     out += ["ranks:" if snap.ranks else "ranks: no status file yet"]
     for status, rate in snap.rank_rates():
@@ -96,8 +96,8 @@ def broken_ranks(snap: Snapshot) -> list[str]:
     """Why the run needs attention: ranks that failed, or claim to work but have fallen silent."""
     out = []
     for status in snap.ranks:
-        if status.state in FAILED_STATES:
-            out.append(f"rank {status.rank} {clip(status.state, 16)}")
+        if status.phase in FAILED_PHASES:
+            out.append(f"rank {status.rank} {clip(status.phase, 16)}")
         elif snap.is_dead(status):
             out.append(f"rank {status.rank} died (its process {status.pid} on this host is gone)")
         elif snap.is_stale(status):

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from dspark_cache.format.schema import Event, Manifest, RankState, RankStatus, ShardIndex
+from dspark_cache.format.schema import Event, Manifest, RankPhase, RankStatus, ShardIndex
 from dspark_cache.format.status import STALE_AFTER_S, process_gone, rank_is_live, rank_is_stale
 from dspark_cache.tui.display import as_float
 from dspark_cache.tui.rates import RankRate, RunAverage, run_average, summed, tokens_per_byte
@@ -86,7 +86,7 @@ class Snapshot:
 
     def is_dead(self, status: RankStatus) -> bool:
         """Whether ``status`` claims to be working but its process, on this host, is gone (a SIGKILL)."""
-        return status.state in RankState.ACTIVE and process_gone(status)
+        return status.phase in RankPhase.ACTIVE and process_gone(status)
 
     @property
     def samples_done(self) -> int:

@@ -1,4 +1,4 @@
-"""Hand-made cache directories in chosen states, written with the real on-disk structs."""
+"""Hand-made cache directories in chosen phases, written with the real on-disk structs."""
 
 from __future__ import annotations
 
@@ -46,14 +46,14 @@ def manifest(num_shards: int, complete: bool = False) -> Manifest:
     )
 
 
-def status(rank: int, world: int, state: str, age: float, **kw) -> RankStatus:
+def status(rank: int, world: int, phase: str, age: float, **kw) -> RankStatus:
     fields = dict(
         rank=rank,
         world_size=world,
         run_id="r1",
         pid=1000 + rank,
         host="node-a",
-        state=state,
+        phase=phase,
         updated_at=NOW - age,
         started_at=NOW - 3000,
         shards_done=3,
@@ -186,12 +186,12 @@ OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 3; 139.8 GiB total ca
 
 def tensor_parallel_run(root: str) -> str:
     """``--tp-size 2`` on 4 GPUs: each rank holds half the weights; rank 3 ran out of device memory."""
-    def rank(r: int, state: str = "running", **kw) -> RankStatus:
-        return status(r, 4, state, 1.0, shard=r, group=r // 2, group_size=2, weight_bytes=WEIGHT_BYTES // 2,
+    def rank(r: int, phase: str = "running", **kw) -> RankStatus:
+        return status(r, 4, phase, 1.0, shard=r, group=r // 2, group_size=2, weight_bytes=WEIGHT_BYTES // 2,
                       device_memory_bytes=DEVICE_BYTES // 2 + r * 100_000_000, **kw)
 
     return build(root, num_shards=8, published=[], writing=[0, 2],
-                 ranks=[rank(0), rank(1), rank(2), rank(3, state="failed", last_error=OOM)],
+                 ranks=[rank(0), rank(1), rank(2), rank(3, phase="failed", last_error=OOM)],
                  events=[event(3, 2, "error", OOM)])
 
 

@@ -84,7 +84,7 @@ def test_once_reports_a_complete_remote_cache(complete, s3_server, tmp_path, cap
     assert "progress: complete" in out and f"{shards} shards" in out
     assert f"shards: {shards} published  0 writing  0 pending  0 failed" in out
     assert "on object storage" in out and "stored " in out and "free " not in out
-    assert "rank 0, state finished" in out and "cache complete" in out
+    assert "rank 0, phase finished" in out and "cache complete" in out
     copied = []
     for _, directories, names in os.walk(tmp_path):
         directories[:] = [d for d in directories if not d.startswith(".")]  # the bookkeeping (.view): no copy
@@ -358,7 +358,7 @@ def _running(store: ObjectStore, paths: CachePaths) -> bool:
     except msgspec.DecodeError:
         return False
     indexes = [n for n in store.list(SHARDS_DIR) if n.endswith(".idx")]
-    return status.state == "running" and len(indexes) >= 2
+    return status.phase == "running" and len(indexes) >= 2
 
 
 @pytest.mark.slow
@@ -391,7 +391,7 @@ async def test_the_s_key_stops_a_producer_writing_to_s3(
         async with app.run_test(size=(140, 60)) as pilot:
             snap = await app.first_snapshot()
             assert snap.remote and snap.manifest is not None and not snap.complete
-            assert [r.state for r in snap.live_ranks] == ["running"] and len(snap.published) >= 2
+            assert [r.phase for r in snap.live_ranks] == ["running"] and len(snap.published) >= 2
             assert f"{url} (object storage)" in plain(app.query_one("#header"))
             assert "on object storage" in plain(app.query_one("#disk"))
             assert app.check_action("request_stop", ())

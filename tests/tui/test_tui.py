@@ -426,7 +426,7 @@ async def test_s_key_stops_a_real_producer_which_then_resumes(embedded, tmp_path
         app = MonitorApp(out, refresh=0.2, clock=lambda: frozen)
         async with app.run_test(size=(140, 60)) as pilot:
             snap = await app.first_snapshot()
-            assert snap.manifest is not None and snap.ranks[0].state == "running"
+            assert snap.manifest is not None and snap.ranks[0].phase == "running"
             await pilot.press("s")
             await pilot.pause()
         os.killpg(producer.pid, signal.SIGCONT)
@@ -461,7 +461,7 @@ async def test_foreground_monitor_quits_by_stopping_its_producer(embedded, tmp_p
             os.kill(child.pid, signal.SIGSTOP)  # still mid-run when q is pressed, however slow the start
             app = ForegroundMonitor(out, child, str(log))
             async with app.run_test(size=(140, 60)) as pilot:
-                assert (await app.first_snapshot()).ranks[0].state == "running"
+                assert (await app.first_snapshot()).ranks[0].phase == "running"
                 await pilot.press("q", "y")  # asked, then SIGTERM: pending until the child runs again
             os.kill(child.pid, signal.SIGCONT)
             assert child.wait(timeout=120) == 3

@@ -99,7 +99,7 @@ def test_a_killed_producers_partial_is_abandoned_not_writing(embedded, tmp_path)
     assert len(partials) == 1
     later = time.time() + 60  # a minute after the kill: rank 0's last heartbeat says "running", on a shard
     snap = CacheScanner(out, clock=lambda: later).scan()
-    assert snap.ranks[0].state == "running" and snap.is_stale(snap.ranks[0])
+    assert snap.ranks[0].phase == "running" and snap.is_stale(snap.ranks[0])
     assert not snap.writing and len(snap.abandoned) == 1
     assert CachePaths(out).shard_partial(next(iter(snap.abandoned))) == partials[0]
     report = "\n".join(lines(snap))

@@ -43,7 +43,7 @@ def test_into_a_file_the_monitor_prints_one_report_and_exits(tmp_path):
     assert "\x1b" not in text  # plain lines, no screen codes
     assert "progress: complete: 120 samples, 240.0k tokens, 12 shards, 480.0 MB (2000 B/token)" in text
     assert "shards: 12 published  0 writing  0 pending  0 failed" in text
-    assert "rank 0, state finished, shard -, host/pid node-a/1000, run shards 12/12" in text
+    assert "rank 0, phase finished, shard -, host/pid node-a/1000, run shards 12/12" in text
     assert "07:59:00 r0 finished        cache complete" in text and "next:" not in text
 
 
@@ -65,9 +65,9 @@ def test_a_pipe_gets_the_report_and_exit_1_when_a_rank_failed_or_fell_silent(tmp
     text = proc.stdout
     assert "progress: samples 20/60  tokens 40.0k/120.0k  shards 2/6  no producer running" in text
     assert "shards: 2 published  0 writing  1 abandoned (rerun resumes)  2 pending  1 failed" in text
-    assert "state failed" in text and "last error: CUDA out of memory on shard 3" in text
+    assert "phase failed" in text and "last error: CUDA out of memory on shard 3" in text
     # a loaded machine
-    assert "rank 1, state STALE, shard 2" in text and re.search(r"heartbeat 1m0\ds ago", text)
+    assert "rank 1, phase STALE, shard 2" in text and re.search(r"heartbeat 1m0\ds ago", text)
     assert "errors (newest last):" in text
     assert text.rstrip().endswith(
         "next: rank 0 failed, rank 1 silent (STALE heartbeat): once no rank runs, rerun the "
@@ -129,7 +129,7 @@ def test_a_live_runs_report_waits_for_its_measured_rate(tmp_path):
     assert "progress: samples 220/600  tokens 440.0k/1.2M  shards 22/60  1.5k tok/s  ETA 8m26s" in text
     assert "rates: tokens/s now 1.5k   peak 1.5k; written/s now 5.0 MB   peak 5.0 MB" in text
     assert "disk: written 880.0 MB of 2.4 GB projected; free 500.0 MB; the rest (1.5 GB) will not fit" in text
-    assert "rank 1, state STALE" in text and exit_code(snap) == 1
+    assert "rank 1, phase STALE" in text and exit_code(snap) == 1
 
 
 @pytest.mark.slow
@@ -176,4 +176,4 @@ def test_once_right_after_a_sigkill_says_the_rank_died(embedded, tmp_path):
     assert time.monotonic() - started < 10  # within the heartbeat's patience: the process check, not its age
     assert code == 1, text + err
     assert re.search(r"next: rank 0 died \(its process \d+ on this host is gone\)", text), text
-    assert "no producer running" in text and "state STALE" in text
+    assert "no producer running" in text and "phase STALE" in text

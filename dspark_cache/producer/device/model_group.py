@@ -32,7 +32,7 @@ import msgspec
 
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import RankState
+from dspark_cache.format.schema import RankPhase
 from dspark_cache.format.status import process_gone, rank_is_stale, read_rank_status
 from dspark_cache.producer.device.topology import ParallelError, Topology
 
@@ -205,9 +205,9 @@ class PartnerWatch:
                 continue
             who = (f"rank {rank} of model-parallel group {self.topology.group} "
                    f"(ranks {self.topology.group_ranks()})")
-            if s.state == RankState.FAILED:
+            if s.phase == RankPhase.FAILED:
                 return f"{who} failed: {s.last_error or 'no message'}"
-            if s.state in RankState.ACTIVE and process_gone(s):
+            if s.phase in RankPhase.ACTIVE and process_gone(s):
                 return f"{who} died (process {s.pid} is gone)"
             if rank_is_stale(s, now, self.timeout):
                 return (

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import RankState, RankStatus
+from dspark_cache.format.schema import RankPhase, RankStatus
 from dspark_cache.format.status import rank_is_live, read_rank_statuses
 from dspark_cache.producer.device.topology import Topology
 
@@ -142,7 +142,7 @@ def assign_shards(todo: Sequence[S], owners: int) -> list[list[S]]:
 def _may_publish(status: RankStatus) -> bool:
     """Whether the rank can still publish shards: it has not finished its own work yet, and it
     writes (a model-parallel group's first rank; its partners only compute)."""
-    working = status.state in (RankState.PLANNING, RankState.LOADING, RankState.RUNNING)
+    working = status.phase in (RankPhase.PLANNING, RankPhase.LOADING, RankPhase.RUNNING)
     return working and status.rank % max(1, status.group_size) == 0
 
 

@@ -1,6 +1,6 @@
 """What the producer tells the world: a per-rank heartbeat file, an append-only event log, the plan's announcement.
 
-State and event-kind strings come from ``format.schema`` (``RankState``, ``EventKind``): the monitor
+State and event-kind strings come from ``format.schema`` (``RankPhase``, ``EventKind``): the monitor
 reads what is written here.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from dspark_cache.format.atomic import atomic_write_bytes
 from dspark_cache.format.errors import CacheError
 from dspark_cache.format.paths import CachePaths
-from dspark_cache.format.schema import Event, EventKind, Manifest, RankState, RankStatus, encode_json
+from dspark_cache.format.schema import Event, EventKind, Manifest, RankPhase, RankStatus, encode_json
 from dspark_cache.producer.plan.batches import Plan
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class StatusReporter:
         now = time.time()
         self.status = RankStatus(
             rank=rank, world_size=world_size, run_id=run_id, pid=os.getpid(), host=socket.gethostname(),
-            state=RankState.PLANNING, updated_at=now, started_at=now, group=group, group_size=group_size,
+            phase=RankPhase.PLANNING, updated_at=now, started_at=now, group=group, group_size=group_size,
         )
         self._last_write = 0.0
         self._lock = threading.Lock()
@@ -106,10 +106,10 @@ class StatusReporter:
 
     def _update_rates(self, now: float) -> None:
         s = self.status
-        if self._rate_anchor is None or s.state != RankState.RUNNING or not self._anchor_running:
+        if self._rate_anchor is None or s.phase != RankPhase.RUNNING or not self._anchor_running:
             # Anchored afresh on entering RUNNING: the counts jump there to the resumed work.
             self._rate_anchor = (now, s.tokens_done, s.bytes_written)
-            self._anchor_running = s.state == RankState.RUNNING
+            self._anchor_running = s.phase == RankPhase.RUNNING
             return
         t0, tokens0, bytes0 = self._rate_anchor
         if now - t0 >= 2.0:  # rates over a few seconds are steadier than per batch

@@ -1,4 +1,4 @@
-"""Per-rank table: state, the shards in flight, this run's shards, measured rate, memory, heartbeat age
+"""Per-rank table: phase, the shards in flight, this run's shards, measured rate, memory, heartbeat age
 (stale ranks highlighted).
 
 Counts of finished work are not repeated here: samples and tokens done come from the published
@@ -22,8 +22,8 @@ from typing import Callable
 from rich.text import Text
 from textual.widgets import DataTable
 
-from dspark_cache.format.schema import RankState, RankStatus
-from dspark_cache.format.status import ACTIVE_RANK_STATES
+from dspark_cache.format.schema import RankPhase, RankStatus
+from dspark_cache.format.status import ACTIVE_PHASES
 from dspark_cache.tui.display import (
     clip, human_bytes, human_count, human_duration, integer, short_bytes, short_count,
 )
@@ -31,14 +31,14 @@ from dspark_cache.tui.rates import RankRate
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 
-COLUMNS = ("rank", "state", "shard", "host/pid", "run shards", "tok/s", "inflight", "weights", "device mem",
+COLUMNS = ("rank", "phase", "shard", "host/pid", "run shards", "tok/s", "inflight", "weights", "device mem",
            "heartbeat", "last error")
 # 80 cells
-COMPACT_COLUMNS = ("rank", "state", "run shards", "tok/s", "weights/mem", "heartbeat", "last error")
+COMPACT_COLUMNS = ("rank", "phase", "run shards", "tok/s", "weights/mem", "heartbeat", "last error")
 # when even those do not fit
-NARROW_COLUMNS = ("rank", "state", "run shards", "tok/s", "heartbeat", "last error")
+NARROW_COLUMNS = ("rank", "phase", "run shards", "tok/s", "heartbeat", "last error")
 LAYOUTS = (COLUMNS, COMPACT_COLUMNS, NARROW_COLUMNS)  # the first whose row fits is shown
-STATE_CHARS = max(len(state) for state in RankState.ALL)  # a state no producer writes is clipped to these
+PHASE_CHARS = max(len(phase) for phase in RankPhase.ALL)  # a phase no producer writes is clipped to these
 ERROR = "last error"
 ERROR_CHARS, MIN_ERROR_CHARS = 60, 12  # the last error shown: at most, and at least however narrow the table
 
@@ -92,11 +92,11 @@ class RankTable(DataTable):
 def row(r: RankStatus, rate: RankRate | None, snap: Snapshot) -> dict[str, Text]:
     """One rank's cells by column; every cell is plain Text, so a file's brackets are never read as markup."""
     stale = snap.is_stale(r)
-    style = "bold red" if stale or r.state == "failed" else ("green" if r.state == "finished" else "")
-    active = r.state in ACTIVE_RANK_STATES
+    style = "bold red" if stale or r.phase == "failed" else ("green" if r.phase == "finished" else "")
+    active = r.phase in ACTIVE_PHASES
     return {
         "rank": Text(rank_label(r), style=style),
-        "state": Text("STALE" if stale else clip(r.state, STATE_CHARS), style=style),
+        "phase": Text("STALE" if stale else clip(r.phase, PHASE_CHARS), style=style),
         "shard": Text(in_flight(r)),
         "host/pid": Text(f"{clip(r.host, 40)}/{integer(r.pid)}"),
         "run shards": Text(f"{short_count(r.shards_done)}/{short_count(r.shards_owned)}"),
@@ -117,7 +117,7 @@ def in_flight(r: RankStatus) -> str:
     """The shards a working rank writes now, ``20,21,22`` (its writer lanes' and any whose last batches
     still wait for their writer), ``20,21,22 +5`` for more. An older producer's heartbeat names only the shard its device computes, and a failed
     rank's the shard it failed on: that one, then."""
-    working = r.writing if r.state in ACTIVE_RANK_STATES else []
+    working = r.writing if r.phase in ACTIVE_PHASES else []
     shards = working or ([] if r.shard is None else [r.shard])
     if not shards:
         return "-"

@@ -13,56 +13,56 @@ from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.widgets import VIEW
 from dspark_cache.tui.widgets.fitted import Fitted
 
-# state -> (glyph, style); a bucket shows its most urgent state, in this order
-STATES = {
+# phase -> (glyph, style); a bucket shows its most urgent phase, in this order
+PHASES = {
     "failed": ("✖", "bold red"),
     "abandoned": ("░", "red"),  # a .partial no live rank writes (format.status.partial_is_written)
     "writing": ("▒", "yellow"),
     "pending": ("·", "grey50"),
     "published": ("█", "green"),
 }
-URGENCY = tuple(STATES)
+URGENCY = tuple(PHASES)
 PLACED = ("writing", "abandoned", "failed", "published")  # of a shard in several, the last one named wins
 MAX_CELLS = 800
 
 
-def shard_map(total: int, by_state: Mapping[str, Collection[int]],
+def shard_map(total: int, by_phase: Mapping[str, Collection[int]],
               cells: int = MAX_CELLS) -> tuple[list[str], int, dict[str, int]]:
-    """``(cell states, shards per cell, count per state)`` for shards ``0..total-1``; ``by_state``
+    """``(cell phases, shards per cell, count per phase)`` for shards ``0..total-1``; ``by_phase``
     names the shards that are not pending.
 
     Work and memory follow the shards that have files, never ``total``: a manifest may plan a
     billion shards, and pending is whatever is left in each cell.
     """
     total = max(0, total)
-    placed = _placed(total, by_state)
+    placed = _placed(total, by_phase)
     per = max(1, -(-total // cells))
     size = -(-total // per)
     marks: list[Counter] = [Counter() for _ in range(size)]
-    for shard, state in placed.items():
-        marks[shard // per][state] += 1
-    states = [_cell_state(m, min(per, total - i * per)) for i, m in enumerate(marks)]
+    for shard, phase in placed.items():
+        marks[shard // per][phase] += 1
+    phases = [_cell_phase(m, min(per, total - i * per)) for i, m in enumerate(marks)]
     counts = Counter(placed.values())
     counts["pending"] = total - len(placed)
-    return states, per, {s: counts[s] for s in URGENCY}
+    return phases, per, {s: counts[s] for s in URGENCY}
 
 
-def _placed(total: int, by_state: Mapping[str, Iterable[int]]) -> dict[int, str]:
-    """The state of every shard that is not pending; published wins over an earlier failure."""
+def _placed(total: int, by_phase: Mapping[str, Iterable[int]]) -> dict[int, str]:
+    """The phase of every shard that is not pending; published wins over an earlier failure."""
     placed: dict[int, str] = {}
-    for state in PLACED:
-        placed.update({s: state for s in by_state.get(state, ()) if 0 <= s < total})
+    for phase in PLACED:
+        placed.update({s: phase for s in by_phase.get(phase, ()) if 0 <= s < total})
     return placed
 
 
-def _cell_state(marks: Counter, shards: int) -> str:
+def _cell_phase(marks: Counter, shards: int) -> str:
     if sum(marks.values()) < shards:
         marks = marks + Counter(pending=1)
     return min(marks, key=URGENCY.index)
 
 
 class ShardMap(Fitted):
-    """Counts per shard state, then one cell per shard (or bucket of shards)."""
+    """Counts per shard phase, then one cell per shard (or bucket of shards)."""
 
     DEFAULT_CLASSES = VIEW
     DEFAULT_CSS = "ShardMap { height: auto; max-height: 14; border: round $primary; padding: 0 1; }"
@@ -72,13 +72,13 @@ class ShardMap(Fitted):
         if total <= 0:
             self.show_paras([Para([piece("no shards planned yet")])])
             return
-        cells, per, counts = shard_map(total, shard_states(snap))
-        grid = Para([Text(STATES[state][0], style=STATES[state][1]) for state in cells], "")
+        cells, per, counts = shard_map(total, shard_phases(snap))
+        grid = Para([Text(PHASES[phase][0], style=PHASES[phase][1]) for phase in cells], "")
         self.show_paras([shard_counts(counts, per), grid])
 
 
-def shard_states(snap: Snapshot) -> dict[str, Collection[int]]:
-    """The shards of ``snap`` that are not pending, by state."""
+def shard_phases(snap: Snapshot) -> dict[str, Collection[int]]:
+    """The shards of ``snap`` that are not pending, by phase."""
     return {
         "published": snap.published,
         "writing": snap.writing,
