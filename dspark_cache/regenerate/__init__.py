@@ -11,7 +11,7 @@ per concept, importing one way:
 * ``endpoints``: the endpoints in rotation, a dead one taken out and tried again later, the
   model each serves (``/v1/models``), and the retry loop of one chat request.
 * ``conversation``: which assistant turns a row regenerates (``--turns``) and the row rebuilt.
-* ``output``: the output file and its sidecars (state, lock, skipped rows, failed rows) and the resume
+* ``output``: the output file and its sidecars (run record, lock, skipped rows, failed rows) and the resume
   index; ``writer``: the writer that appends rows in input order.
 * ``run``: reading, the worker threads, progress, the policies; ``cli``: the command line.
 

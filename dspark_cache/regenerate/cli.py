@@ -67,8 +67,8 @@ def dry_run(cfg) -> int:
         if cfg.overwrite:
             done = "--overwrite: none kept"
         else:
-            state = check_identity(files, identity(cfg, source.content_sha256(), pool.model))
-            done = f"{len(done_rows(files, cut=False)) if state is not None else 0} already done"
+            record = check_identity(files, identity(cfg, source.content_sha256(), pool.model))
+            done = f"{len(done_rows(files, cut=False)) if record is not None else 0} already done"
     except (RunError, OutputError, InputError) as exc:
         return error(PROG, str(exc))
     counted = "an unknown number of" if total is None else str(total)

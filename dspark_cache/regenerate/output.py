@@ -3,8 +3,9 @@
 ``OUTPUT`` (e.g. ``regen.jsonl``) holds one JSON object per line, what ``dspark-produce`` reads;
 next to it:
 
-* ``OUTPUT.state``: the run's :class:`~dspark_cache.regenerate.settings.Identity` (msgspec JSON),
-  written before the first row; a rerun with other settings is refused.
+* ``OUTPUT.run``: the run record, the run's :class:`~dspark_cache.regenerate.settings.Identity`
+  (msgspec JSON), written before the first row; a rerun with other settings is refused. (Version
+  0.2.0 named it ``OUTPUT.state``; a rerun finds it under that name and renames it.)
 * ``OUTPUT.lock``: an flock (``storage.lock``): one run per output.
 * ``OUTPUT.skipped``: rows that are done but not in the output (invalid, dropped as truncated, or
   rejected by the server), one JSON object per line: they are not asked again.
@@ -51,7 +52,7 @@ from dspark_cache.storage.lock import DirectoryLock, hold_exclusive
 log = logging.getLogger(__name__)
 
 # /2: the row's source moved inside its ``regenerated`` record, a local input is named by its absolute path.
-STATE_FORMAT = "dspark-regenerate/2"
+RECORD_FORMAT = "dspark-regenerate/2"
 REJECTED = "rejected"  # a Skipped's reason: the server refused the row's request (a 4xx, an odd answer)
 TRUNCATED = "truncated"  # ... the server answered, a turn cut at --max-tokens, and --on-truncated drop
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -89,10 +90,10 @@ class OutputError(CacheError):
     """The output cannot be written or resumed; the message says what to do."""
 
 
-class State(msgspec.Struct, kw_only=True):
-    """``OUTPUT.state``."""
+class RunRecord(msgspec.Struct, kw_only=True):
+    """``OUTPUT.run``: how the output's rows are made."""
 
-    format: str = STATE_FORMAT
+    format: str = RECORD_FORMAT
     identity: Identity
     created_at: float = 0.0
 
@@ -125,7 +126,12 @@ class OutputFiles:
     path: str
 
     @property
-    def state(self) -> str:
+    def run(self) -> str:
+        return self.path + ".run"
+
+    @property
+    def legacy_run(self) -> str:
+        """Where version 0.2.0 kept the run record (the name is read, never written)."""
         return self.path + ".state"
 
     @property
@@ -142,15 +148,15 @@ class OutputFiles:
 
     def data_files(self) -> list[str]:
         """What ``--overwrite`` removes (never the lock file: someone may be waiting on it)."""
-        return [self.path, self.state, self.skipped, self.failed]
+        return [self.path, self.run, self.legacy_run, self.skipped, self.failed]
 
     def exists(self) -> bool:
-        return any(os.path.exists(p) for p in (self.path, self.state, self.skipped))
+        return any(os.path.exists(p) for p in (self.path, self.run, self.legacy_run, self.skipped))
 
     @classmethod
     def of(cls, output: str) -> OutputFiles:
         """The files of ``--output``, named after its real path: a symlink and its target are one output
-        (one lock, one state), whichever a run is given."""
+        (one lock, one run record), whichever a run is given."""
         return cls(os.path.realpath(output))
 
 
@@ -205,37 +211,43 @@ def take_lock(files: OutputFiles) -> DirectoryLock | None:
         raise
 
 
-def read_state(files: OutputFiles) -> State | None:
+def _record_path(files: OutputFiles) -> str:
+    """The run record's file: ``OUTPUT.run``, or an older version's ``OUTPUT.state`` when only it exists."""
+    return files.run if os.path.exists(files.run) or not os.path.exists(files.legacy_run) else files.legacy_run
+
+
+def read_record(files: OutputFiles) -> RunRecord | None:
+    path = _record_path(files)
     try:
-        with open(files.state, "rb") as handle:
-            state = msgspec.json.decode(handle.read(), type=State)
+        with open(path, "rb") as handle:
+            record = msgspec.json.decode(handle.read(), type=RunRecord)
     except FileNotFoundError:
         return None
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise OutputError(
-            f"{files.state} is not a dspark-regenerate state file ({exc}); pass --overwrite to start "
+            f"{path} is not a dspark-regenerate run record ({exc}); pass --overwrite to start "
             "over, or choose another --output"
         ) from None
-    if state.format != STATE_FORMAT:
+    if record.format != RECORD_FORMAT:
         raise OutputError(
-            f"{files.path} was written by another version of dspark-regenerate ({state.format}, this "
-            f"one writes {STATE_FORMAT}): resume it with that version, pass --overwrite to start over, "
+            f"{files.path} was written by another version of dspark-regenerate ({record.format}, this "
+            f"one writes {RECORD_FORMAT}): resume it with that version, pass --overwrite to start over, "
             "or choose another --output"
         )
-    return state
+    return record
 
 
-def check_identity(files: OutputFiles, new: Identity) -> State | None:
-    """The output's state when a run of ``new`` may resume it, None when there is nothing to resume; raises
-    :class:`OutputError` when the output was made otherwise, or holds rows with no state to say how."""
-    old = read_state(files)
+def check_identity(files: OutputFiles, new: Identity) -> RunRecord | None:
+    """The output's run record when a run of ``new`` may resume it, None when there is nothing to resume;
+    raises :class:`OutputError` when the output was made otherwise, or holds rows no record explains."""
+    old = read_record(files)
     if old is None:
-        # Rows without a state: not ours, or ours with the state deleted. Either way nothing says how they were
-        # made, and a run must not count them (a leftover OUTPUT.skipped would silently drop its rows).
+        # Rows without a record: not ours, or ours with the record deleted. Either way nothing says how they
+        # were made, and a run must not count them (a leftover OUTPUT.skipped would silently drop its rows).
         leftovers = [p for p in (files.path, files.skipped) if os.path.exists(p) and os.path.getsize(p) > 0]
         if leftovers:
             raise OutputError(
-                f"{' and '.join(leftovers)} exist{'s' if len(leftovers) == 1 else ''} but {files.state} "
+                f"{' and '.join(leftovers)} exist{'s' if len(leftovers) == 1 else ''} but {files.run} "
                 "does not, so nothing says how those rows were made: pass --overwrite to start over, "
                 "or choose another --output"
             )
@@ -257,8 +269,10 @@ def check_resume(files: OutputFiles, new: Identity, overwrite: bool) -> bool:
             if os.path.exists(path):
                 os.unlink(path)
     if check_identity(files, new) is None:
-        _write_state(files, State(identity=new, created_at=time.time()))
+        _write_record(files, RunRecord(identity=new, created_at=time.time()))
         return False
+    if _record_path(files) == files.legacy_run:  # resumed under this version: its name from now on
+        os.replace(files.legacy_run, files.run)
     return True
 
 
@@ -275,8 +289,8 @@ def write_lines(path: str, lines: list[bytes], what: str) -> None:
         raise failed_write(path, exc, what) from None
 
 
-def _write_state(files: OutputFiles, state: State) -> None:
-    write_lines(files.state, [msgspec.json.encode(state) + b"\n"], "writing the run's state")
+def _write_record(files: OutputFiles, record: RunRecord) -> None:
+    write_lines(files.run, [msgspec.json.encode(record) + b"\n"], "writing the run record")
 
 
 def _lines(path: str, cut: bool) -> Iterator[bytes]:

@@ -186,19 +186,37 @@ def test_resume_index_cuts_a_torn_line_and_refuses_an_edited_file(tmp_path):
         done_rows(files)
 
 
-def test_rows_without_a_state_are_not_resumed_nor_counted(tmp_path):
-    """An output (or its skipped list) whose state file is gone says nothing of how its rows were made: a run
+def test_rows_without_a_run_record_are_not_resumed_nor_counted(tmp_path):
+    """An output (or its skipped list) whose run record is gone says nothing of how its rows were made: a run
     refuses it instead of skipping the rows it lists."""
     files = OutputFiles(str(tmp_path / "o.jsonl"))
     new = identity(RegenerateConfig(input_data="in.jsonl", output=files.path), "abc", "m")
     with open(files.skipped, "wb") as handle:
         handle.write(b'{"index":0,"where":"in.jsonl:1","reason":"truncated"}\n')
     with pytest.raises(
-        OutputError, match=r"o\.jsonl\.skipped exists but .*o\.jsonl\.state does not.*--overwrite"
+        OutputError, match=r"o\.jsonl\.skipped exists but .*o\.jsonl\.run does not.*--overwrite"
     ):
         check_resume(files, new, overwrite=False)
     assert check_resume(files, new, overwrite=True) is False and not os.path.exists(files.skipped)
     assert check_resume(files, new, overwrite=False) is True
+
+
+def test_an_output_of_version_0_2_resumes_and_its_record_takes_the_new_name(tmp_path):
+    """0.2.0 kept the run record as ``OUTPUT.state``: a rerun reads it there, checks it as ever, and renames
+    it to ``OUTPUT.run``; ``--overwrite`` removes it under either name."""
+    files = OutputFiles(str(tmp_path / "o.jsonl"))
+    new = identity(RegenerateConfig(input_data="in.jsonl", output=files.path), "abc", "m")
+    assert check_resume(files, new, overwrite=False) is False
+    os.replace(files.run, files.legacy_run)  # the output as 0.2.0 left it
+    other = identity(RegenerateConfig(input_data="in.jsonl", output=files.path, temperature=0.5), "abc", "m")
+    with pytest.raises(OutputError, match="temperature"):
+        check_resume(files, other, overwrite=False)
+    assert os.path.exists(files.legacy_run) and not os.path.exists(files.run)  # a refusal renames nothing
+    assert check_resume(files, new, overwrite=False) is True
+    assert os.path.exists(files.run) and not os.path.exists(files.legacy_run)
+    os.replace(files.run, files.legacy_run)
+    assert check_resume(files, new, overwrite=True) is False
+    assert os.path.exists(files.run) and not os.path.exists(files.legacy_run)
 
 
 def test_a_local_input_is_identified_by_its_absolute_path(tmp_path, monkeypatch):
@@ -353,7 +371,7 @@ def test_a_symlink_and_its_target_are_one_output(tmp_path):
             lock.release()
     assert held.returncode == 1 and f"pid {os.getpid()}" in held.stderr, held.stderr
     assert target.read_bytes() == written and link.is_symlink()
-    assert not (tmp_path / "link.jsonl.lock").exists() and not (tmp_path / "link.jsonl.state").exists()
+    assert not (tmp_path / "link.jsonl.lock").exists() and not (tmp_path / "link.jsonl.run").exists()
 
 
 def test_a_trickling_answer_is_a_timeout(tmp_path):
@@ -454,7 +472,7 @@ def test_a_full_disk_is_one_line_and_a_rerun_resumes(tmp_path, how):
             state = run_regenerate([endpoint.endpoint], data, str(tmp_path / "other.jsonl"),
                                    env={"DSPARK_FAIL_WRITES_AFTER": "0"})
             assert state.returncode == 1 and state.stderr.count("\n") == 1, state.stderr
-            assert f"{tmp_path / 'other.jsonl.state'}: the disk is full" in state.stderr
+            assert f"{tmp_path / 'other.jsonl.run'}: the disk is full" in state.stderr
 
 
 def test_rows_answered_then_dropped_as_truncated_prove_the_endpoint(tmp_path):

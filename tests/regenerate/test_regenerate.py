@@ -216,7 +216,7 @@ def test_torn_last_line_is_cut_off_on_resume(server, rows_file, reference_files,
     out = tmp_path / "regen.jsonl"
     lines = _lines(reference)
     # The reference run's output as a kill in the middle of an append leaves it: whole rows, then part of one.
-    shutil.copyfile(reference_files.state, OutputFiles(str(out)).state)
+    shutil.copyfile(reference_files.run, OutputFiles(str(out)).run)
     out.write_bytes(b"".join(lines[:-6]) + lines[-6][:40])
     done = regenerate([server.url], rows_file, str(out), "--concurrency", "2")
     assert done.returncode == 0, done.stderr
@@ -452,7 +452,7 @@ def test_dry_run_checks_endpoints_and_counts_rows(server, rows_file, reference_f
     assert "does not answer" in done.stderr
     assert not os.listdir(tmp_path)
     # An output a run is appending to, seen mid-line: counted, left exactly as it is (the line is the run's).
-    shutil.copyfile(reference_files.state, OutputFiles(str(out)).state)
+    shutil.copyfile(reference_files.run, OutputFiles(str(out)).run)
     lines = _lines(reference)
     out.write_bytes(b"".join(lines[:10]) + lines[10][:30])
     done = regenerate([server.url], rows_file, str(out), "--dry-run")
