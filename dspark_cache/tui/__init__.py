@@ -1,1 +1,1 @@
-"""``dspark-monitor``: a Textual view of a cache directory (reads files only; never imports torch)."""
+"""``dspark-monitor``: a Textual app over a cache directory (reads files only; never imports torch)."""

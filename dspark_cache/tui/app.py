@@ -18,7 +18,7 @@ from dspark_cache.tui.help import HelpScreen
 from dspark_cache.tui.scan import CacheScanner
 from dspark_cache.tui.snapshot import Snapshot
 from dspark_cache.tui.watcher import CacheWatcher, SnapshotScanned, StopRequested
-from dspark_cache.tui.widgets import VIEW, SnapshotView
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT, ShowsSnapshot
 from dspark_cache.tui.widgets.disk import DiskPanel
 from dspark_cache.tui.widgets.events import EventLog
 from dspark_cache.tui.widgets.fitted import Fitted
@@ -44,7 +44,7 @@ class MonitorApp(App[None]):
     A :class:`~dspark_cache.tui.watcher.CacheWatcher` on a thread worker scans the cache every
     ``refresh`` seconds and posts a :class:`SnapshotScanned`; the UI thread reads and writes no
     cache file (the stop request is written by the watcher thread too), it renders the snapshot
-    in every widget of the class :data:`~dspark_cache.tui.widgets.VIEW`.
+    in every widget of the class :data:`~dspark_cache.tui.widgets.SHOWS_SNAPSHOT`.
 
     Everything below the header scrolls (arrows, page keys, the mouse); below
     :data:`COMPACT_BELOW` the panels keep only a titled top rule and the rank table its
@@ -63,7 +63,7 @@ class MonitorApp(App[None]):
     #middle { height: auto; }
     #middle > * { width: 1fr; }
     #notice { height: auto; padding: 0 1; }
-    MonitorApp.-compact #body > .snapshot-view, MonitorApp.-compact #middle > .snapshot-view {
+    MonitorApp.-compact #body > .shows-snapshot, MonitorApp.-compact #middle > .shows-snapshot {
         border: none; border-top: solid $primary; padding: 0 1;
     }
     MonitorApp.-compact #ranks { padding: 0; }
@@ -141,10 +141,10 @@ class MonitorApp(App[None]):
         self._shown = asyncio.Event()
 
     def show_snapshot(self, snap: Snapshot) -> None:
-        """Render ``snap`` in every view, and the stop notice (on the UI thread: no file is read)."""
-        for view in self.query(f".{VIEW}"):
+        """Render ``snap`` in every widget that shows one, and the stop notice (on the UI thread: no file is read)."""
+        for widget in self.query(f".{SHOWS_SNAPSHOT}"):
             try:
-                cast(SnapshotView, view).show(snap)
+                cast(ShowsSnapshot, widget).show(snap)
             except NoMatches:  # its parts are still mounting (or already gone): the next snapshot shows it
                 continue
         self.show_notice(STOP_NOTICE if snap.stop_requested and snap.live_ranks else None)

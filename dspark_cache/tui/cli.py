@@ -96,38 +96,38 @@ def run_remote(args: argparse.Namespace, once: bool) -> int:
 
     storage = storage_from_args(args)
     try:
-        from dspark_cache.tui.remote.view import RemoteView
+        from dspark_cache.tui.remote.monitorcopy import MonitorCopy
 
-        view = RemoteView(args.cache_dir, storage)
+        copy = MonitorCopy(args.cache_dir, storage)
     except ValueError as exc:  # a URL that is not one of a store we read
         raise UsageError(str(exc)) from None
     except (CacheError, OSError) as exc:
         return error(PROG, str(exc), reader_failure_code(exc))
     from dspark_cache.tui.remote.scanner import RemoteScanner, remote_period
 
-    every = remote_period(view, args.refresh)
+    every = remote_period(copy, args.refresh)
     now = once or args.no_wait  # read before anything is shown: what is not there is an error
     scanner: RemoteScanner | None = None
     try:
         try:
-            view.refresh() if now else view.check()
+            copy.refresh() if now else copy.check()
         except (CacheError, OSError) as exc:
             return error(PROG, str(exc), reader_failure_code(exc))
-        if now and not view.found:
+        if now and not copy.found:
             raise UsageError(
-                f"no dspark cache is stored at {view.remote} (no manifest, shard, heartbeat or event "
+                f"no dspark cache is stored at {copy.remote} (no manifest, shard, heartbeat or event "
                 "log there yet); pass the --output-dir of a dspark-produce run (only on a terminal "
                 "and without --no-wait or --once does the monitor wait for it)"
             )
-        scanner = RemoteScanner(view, every, refreshed=now)
+        scanner = RemoteScanner(copy, every, refreshed=now)
         if once:
-            return print_report(view.remote, every, scanner=scanner)
+            return print_report(copy.remote, every, scanner=scanner)
         from dspark_cache.tui.app import MonitorApp
 
-        MonitorApp(view.remote, refresh=every, scanner=scanner).run()
+        MonitorApp(copy.remote, refresh=every, scanner=scanner).run()
         return EXIT_OK
     finally:
-        (scanner or view).close()  # the scanner first: no refresh of a view let go
+        (scanner or copy).close()  # the scanner first: no refresh of a copy let go
 
 
 if __name__ == "__main__":  # the entry's path in scripts written for an earlier release

@@ -2,7 +2,7 @@
 
 Textual wraps a line at its spaces and folds a word wider than the line mid-word: ``880.0 MB``
 could end one line and start the next as ``MB``, a path or a long number be cut anywhere. So a
-view says what may not be broken: a :class:`Para` is a list of pieces (a value with its label, a
+widget says what may not be broken: a :class:`Para` is a list of pieces (a value with its label, a
 word of a sentence), lines break only between pieces, and a piece wider than a whole line is
 shortened in its middle with an ellipsis, which keeps both a path's start and its file name.
 """

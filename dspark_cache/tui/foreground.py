@@ -31,7 +31,7 @@ class ForegroundMonitor(MonitorApp):
         self.log_path = log_path
 
     def show_snapshot(self, snap: Snapshot) -> None:
-        """The monitor's view, and once the producer has exited, its exit code instead of the notice."""
+        """The monitor's panels, and once the producer has exited, its exit code instead of the notice."""
         super().show_snapshot(snap)
         code = self.child.poll()
         if code is not None:

@@ -2,7 +2,7 @@
 
 A full-screen app writing into a file would never end (no one can press ``q``) and fill the file
 with escape codes, so without a terminal the monitor prints what its panels show as plain lines,
-from the same views (:mod:`dspark_cache.tui.widgets`), and exits with a code a script can test.
+from the same widgets (:mod:`dspark_cache.tui.widgets`), and exits with a code a script can test.
 """
 
 from __future__ import annotations

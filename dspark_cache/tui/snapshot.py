@@ -1,4 +1,4 @@
-"""What the monitor shows: one immutable view of a cache directory, made on the watcher thread.
+"""What the monitor shows: one immutable snapshot of a cache directory, made on the watcher thread.
 
 The watcher thread makes a :class:`Snapshot` and the UI thread renders it, so nothing in it is
 shared with the scanner's own state: the collections are tuples, frozensets and a read-only
@@ -43,7 +43,7 @@ class ShardSummary:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One view of a cache directory at time ``now``, immutable once made.
+    """A cache directory as read at time ``now``, immutable once made.
 
     ``path`` is what the monitor names: the directory, or the URL of a cache on object storage
     (``remote``), whose local copy the scanner read; its heartbeats reach that copy a sync interval

@@ -32,7 +32,7 @@ from dspark_cache.storage.remote.url import RemoteURL, is_remote
 from tests.support.faultproxy import FaultProxy, matching
 from dspark_cache.storage.remote.localdir import LocalCopyError
 from dspark_cache.storage.remote.staging import default_staging_dir
-from dspark_cache.tui.remote.view import RemoteView
+from dspark_cache.tui.remote.monitorcopy import MonitorCopy
 from tests.support.proc import assert_same_samples, run, start
 from tests.support.remote import KEYS, publish_shard, upload_cache
 from tests.support.s3server import S3Server, unique_bucket_name
@@ -335,10 +335,10 @@ def test_two_endpoints_with_the_same_bucket_and_prefix_never_share_a_local_copy(
         # The producer's staging directory and the monitor's copy are keyed alike.
         dirs = {default_staging_dir(RemoteURL.parse(url), node, {"endpoint": s.endpoint}) for s in (a, b)}
         assert len(dirs) == 2
-        views = [RemoteView(url, StorageOptions({"endpoint": s.endpoint}, node)) for s in (a, b)]
-        assert views[0].root != views[1].root and not any(v._private for v in views)
-        for view in views:
-            view.close()
+        copies = [MonitorCopy(url, StorageOptions({"endpoint": s.endpoint}, node)) for s in (a, b)]
+        assert copies[0].root != copies[1].root and not any(v._private for v in copies)
+        for copy in copies:
+            copy.close()
 
 
 def _node_tar_bytes(node: str) -> int:

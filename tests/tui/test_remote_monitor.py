@@ -1,5 +1,5 @@
 """``dspark-monitor s3://bucket/prefix``: caches a real producer writes to a real S3 server (moto), seen
-through the monitor's local copy of their small files (``tui/remote/view.py``), polled at a bounded
+through the monitor's local copy of their small files (``tui/remote/monitorcopy.py``), polled at a bounded
 cost; the stop request put on the store stops a running producer."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dspark_cache.storage.remote.localdir import LocalCopyError
 from dspark_cache.storage.remote.store import ObjectStore
 from dspark_cache.tui.app import MonitorApp
 from dspark_cache.tui.remote.scanner import RemoteScanner
-from dspark_cache.tui.remote.view import RemoteView
+from dspark_cache.tui.remote.monitorcopy import MonitorCopy
 from dspark_cache.tui.scan import CacheScanner
 from tests.support.faultproxy import FaultProxy
 from tests.support.monitor import plain
@@ -87,7 +87,7 @@ def test_once_reports_a_complete_remote_cache(complete, s3_server, tmp_path, cap
     assert "rank 0, phase finished" in out and "cache complete" in out
     copied = []
     for _, directories, names in os.walk(tmp_path):
-        directories[:] = [d for d in directories if not d.startswith(".")]  # the bookkeeping (.view): no copy
+        directories[:] = [d for d in directories if not d.startswith(".")]  # the bookkeeping (.monitor): no copy
         copied += names
     assert not [name for name in copied if name.endswith(".tar")]  # never a tar
     assert sum(name.endswith(".idx") for name in copied) == shards
@@ -100,36 +100,36 @@ def test_a_refresh_makes_five_requests_when_nothing_changed(complete, s3_server,
     shards = _num_shards(ObjectStore(complete, s3_server.options()))
     with FaultProxy("127.0.0.1", s3_server.port) as proxy:
         storage = StorageOptions(s3_server.options(proxy.endpoint), str(tmp_path))
-        view = RemoteView(complete, storage)
-        view.refresh()
+        copy = MonitorCopy(complete, storage)
+        copy.refresh()
         gets = [s.target for s in proxy.log if s.method == "GET" and "list-type" not in s.target]
         assert not [t for t in gets if ".tar" in t]
         assert sum(".idx" in t for t in gets) == shards
         assert len(gets) == shards + 3  # and the manifest, the heartbeat and the event log's segment
-        assert view.requests["get"] == len(gets)
-        for again in range(2):  # the same view, then a new monitor's on the same copy
+        assert copy.requests["get"] == len(gets)
+        for again in range(2):  # the same copy, then a new monitor's on the same copy
             if again:
-                view.close()
-                view = RemoteView(complete, storage)
+                copy.close()
+                copy = MonitorCopy(complete, storage)
             proxy.reset_counters()
-            view.refresh()
+            copy.refresh()
             seen = sorted((s.method, "list" if "list-type" in s.target else s.target.rsplit("/", 1)[-1])
                           for s in proxy.log)
             heads = [("HEAD", MANIFEST), ("HEAD", os.path.basename(KEYS.stop_request))]
             assert seen == [("GET", "list")] * 3 + heads, seen
-        view.close()
+        copy.close()
 
 
 def test_scans_refresh_at_most_every_period_and_a_failed_refresh_is_a_warning(complete, s3_server, tmp_path):
     with FaultProxy("127.0.0.1", s3_server.port) as proxy:
         # a failure ends the request at once
         quick = {"max_retries": 0, "retry_timeout": timedelta(seconds=5)}
-        view = RemoteView(
+        copy = MonitorCopy(
             complete,
             StorageOptions({**s3_server.options(proxy.endpoint), "retry_config": quick}, str(tmp_path)),
         )
         ticks = [0.0]
-        scanner = RemoteScanner(view, 30.0, monotonic=lambda: ticks[0])
+        scanner = RemoteScanner(copy, 30.0, monotonic=lambda: ticks[0])
         first = scanner.scan()
         assert first.remote and first.path == complete and first.complete and first.disk_free is None
         made = proxy.requests
@@ -166,55 +166,55 @@ def test_removals_are_mirrored_and_event_segments_followed(complete, s3_server, 
     url = complete.replace("runs/done", "runs/copy")
     store = ObjectStore(url, s3_server.options())
     _copy_small_objects(ObjectStore(complete, s3_server.options()), store)
-    view = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
-    view.refresh()
-    paths = CachePaths(view.root)
-    scanner = CacheScanner(view.root)
+    copy = MonitorCopy(url, StorageOptions(s3_server.options(), str(tmp_path)))
+    copy.refresh()
+    paths = CachePaths(copy.root)
+    scanner = CacheScanner(copy.root)
     before = scanner.scan()
     assert before.complete and len(before.published) == _num_shards(store) and before.ranks
     # What is gone from the store is gone from the copy.
     store.delete(paths.relative(paths.shard_index(1)))
     store.delete(paths.relative(paths.status(0)))
-    view.refresh()
+    copy.refresh()
     after = scanner.scan()
     assert 1 not in after.published and len(after.published) == len(before.published) - 1 and not after.ranks
     assert not os.path.exists(paths.shard_index(1)) and not os.path.exists(paths.status(0))
     # A log in segments: the local file is their concatenation and only grows while the log does.
     segment = [paths.relative(paths.events_segment(7, k)) for k in range(2)]
     store.put(segment[0], _event(7, 0))
-    view.refresh()
+    copy.refresh()
     inode = os.stat(paths.events(7)).st_ino
     store.put(segment[0], _event(7, 0) + _event(7, 1))  # the open segment rewritten, grown
     store.put(segment[1], _event(7, 2))
-    view.refresh()
+    copy.refresh()
     assert open(paths.events(7), "rb").read() == _event(7, 0) + _event(7, 1) + _event(7, 2)
     assert os.stat(paths.events(7)).st_ino == inode  # appended in place: the monitor's tail reads on
     shown = [e.message for e in scanner.scan().events if e.rank == 7]
     assert shown == ["event 0", "event 1", "event 2"]
-    gets = view.requests["get"]
-    view.refresh()
-    assert view.requests["get"] == gets  # nothing changed: nothing fetched
+    gets = copy.requests["get"]
+    copy.refresh()
+    assert copy.requests["get"] == gets  # nothing changed: nothing fetched
     # The log started again (--overwrite): replaced whole.
     store.delete(segment[1])
     store.put(segment[0], _event(7, 9))
-    view.refresh()
+    copy.refresh()
     assert open(paths.events(7), "rb").read() == _event(7, 9)
     store.delete(segment[0])
-    view.refresh()
+    copy.refresh()
     assert not os.path.exists(paths.events(7))
     # A manifest that is not one is named by its URL.
     store.put(MANIFEST, b"garbage")
-    damaged = RemoteScanner(view, 0.0).scan()
+    damaged = RemoteScanner(copy, 0.0).scan()
     assert damaged.manifest is None and f"{url}/{MANIFEST}" in damaged.manifest_error, damaged.manifest_error
-    assert view.root not in damaged.manifest_error
+    assert copy.root not in damaged.manifest_error
     # A second monitor of the same cache on this node gets a directory of its own.
-    other = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
-    assert other.root != view.root
+    other = MonitorCopy(url, StorageOptions(s3_server.options(), str(tmp_path)))
+    assert other.root != copy.root
     other.refresh()
     assert len(CacheScanner(other.root).scan().published) == len(after.published)
     other.close()
     assert not os.path.exists(other.root)
-    view.close()
+    copy.close()
 
 
 def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, s3_server, tmp_path, capsys):
@@ -222,25 +222,25 @@ def test_a_doctored_or_open_monitor_copy_is_never_shown_as_the_stores(complete, 
     next monitor shows the store's; a copy others may write is refused, naming it."""
     store = ObjectStore(complete, s3_server.options())
     storage = StorageOptions(s3_server.options(), str(tmp_path / "node"))
-    view = RemoteView(complete, storage)
-    view.refresh()
-    root, paths = view.root, CachePaths(view.root)
-    view.close()
+    copy = MonitorCopy(complete, storage)
+    copy.refresh()
+    root, paths = copy.root, CachePaths(copy.root)
+    copy.close()
     planted = [paths.manifest, paths.shard_index(0), paths.status(0)]
     for path in planted:
         with open(path, "r+b") as handle:  # written over in place: same size, same name
             data = handle.read()
             handle.seek(0)
             handle.write(data.replace(b"0", b"1"))
-    view = RemoteView(complete, storage)
-    assert view.root == root
-    view.refresh()
+    copy = MonitorCopy(complete, storage)
+    assert copy.root == root
+    copy.refresh()
     for path in planted:
         assert open(path, "rb").read() == store.get(paths.relative(path))[0], path
-    view.close()
+    copy.close()
     os.chmod(root, 0o757)
     with pytest.raises(LocalCopyError, match=rf"monitor's copy {re.escape(root)} is writable by other"):
-        RemoteView(complete, storage)
+        MonitorCopy(complete, storage)
     argv = [complete, "--once", "--local-cache-dir", str(tmp_path / "node"), "--storage-options",
             json.dumps(s3_server.options())]
     capsys.readouterr()
@@ -260,50 +260,50 @@ def test_an_oversized_segment_is_a_warning_not_a_log(complete, s3_server, tmp_pa
     monkeypatch.setattr(eventlog, "MAX_SEGMENT_BYTES", limit)
     store.put(paths.relative(paths.events_segment(8, 0)), _event(8, 0))
     store.put(paths.relative(paths.events_segment(9, 0)), _event(9, 0) + _event(9, 1))
-    view = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
-    view.refresh()
-    local = CachePaths(view.root)
+    copy = MonitorCopy(url, StorageOptions(s3_server.options(), str(tmp_path)))
+    copy.refresh()
+    local = CachePaths(copy.root)
     assert open(local.events(8), "rb").read() == _event(8, 0)
     assert not os.path.exists(local.events(9))
-    assert len(view.warnings) == 1 and "rank 9's events are not shown" in view.warnings[0], view.warnings
-    assert f"{url}/{paths.relative(paths.events_segment(9, 0))}" in view.warnings[0]
+    assert len(copy.warnings) == 1 and "rank 9's events are not shown" in copy.warnings[0], copy.warnings
+    assert f"{url}/{paths.relative(paths.events_segment(9, 0))}" in copy.warnings[0]
     # Once the store holds a log that fits, it is shown.
     store.put(paths.relative(paths.events_segment(9, 0)), _event(9, 5))
-    view.refresh()
-    assert open(local.events(9), "rb").read() == _event(9, 5) and not view.warnings
-    view.close()
+    copy.refresh()
+    assert open(local.events(9), "rb").read() == _event(9, 5) and not copy.warnings
+    copy.close()
 
 
 def test_a_log_stored_whole_is_copied_once_per_version(complete, s3_server, tmp_path, monkeypatch):
-    from dspark_cache.tui.remote import view as view_module
+    from dspark_cache.tui.remote import monitorcopy
 
     url = complete.replace("runs/done", "runs/whole-log")
     store = ObjectStore(url, s3_server.options())
     paths = CachePaths("/cache")
     whole = paths.relative(paths.events(3))  # a local cache uploaded as it is: one object per log
     store.put(whole, _event(3, 0) + _event(3, 1))
-    view = RemoteView(url, StorageOptions(s3_server.options(), str(tmp_path)))
-    view.refresh()
-    local = CachePaths(view.root)
+    copy = MonitorCopy(url, StorageOptions(s3_server.options(), str(tmp_path)))
+    copy.refresh()
+    local = CachePaths(copy.root)
     assert open(local.events(3), "rb").read() == _event(3, 0) + _event(3, 1)
-    gets = view.requests["get"]
-    view.refresh()
-    assert view.requests["get"] == gets  # the same version: not fetched again
+    gets = copy.requests["get"]
+    copy.refresh()
+    assert copy.requests["get"] == gets  # the same version: not fetched again
     # The run resumed onto the store: the log goes on in segments, then (uploaded again) whole.
     store.delete(whole)
     store.put(paths.relative(paths.events_segment(3, 0)), _event(3, 7))
-    view.refresh()
+    copy.refresh()
     assert open(local.events(3), "rb").read() == _event(3, 7)
     store.delete(paths.relative(paths.events_segment(3, 0)))
     store.put(whole, _event(3, 0) + _event(3, 1))
-    view.refresh()
+    copy.refresh()
     assert open(local.events(3), "rb").read() == _event(3, 0) + _event(3, 1)
     # One past the limit is a warning, and no log.
-    monkeypatch.setattr(view_module, "MAX_LOG_BYTES", 8)
+    monkeypatch.setattr(monitorcopy, "MAX_LOG_BYTES", 8)
     store.put(whole, _event(3, 2))
-    view.refresh()
-    assert not os.path.exists(local.events(3)) and "rank 3's events are not shown" in view.warnings[0]
-    view.close()
+    copy.refresh()
+    assert not os.path.exists(local.events(3)) and "rank 3's events are not shown" in copy.warnings[0]
+    copy.close()
 
 
 def test_errors_are_one_line_and_exit_2_or_1_for_a_store_that_refuses(complete, s3_server, tmp_path, capsys):
@@ -385,8 +385,8 @@ async def test_the_s_key_stops_a_producer_writing_to_s3(
         # Frozen mid-run, so that it cannot finish before the key is pressed however slow the monitor is.
         os.killpg(producer.pid, signal.SIGSTOP)
         frozen = time.time()  # the monitor's clock stops with the producer: its heartbeat stays fresh
-        view = RemoteView(url, StorageOptions(storage, str(tmp_path / "node")))
-        scanner = RemoteScanner(view, 0.3, clock=lambda: frozen)
+        copy = MonitorCopy(url, StorageOptions(storage, str(tmp_path / "node")))
+        scanner = RemoteScanner(copy, 0.3, clock=lambda: frozen)
         app = MonitorApp(url, refresh=0.3, scanner=scanner)
         async with app.run_test(size=(140, 60)) as pilot:
             snap = await app.first_snapshot()

@@ -1,7 +1,7 @@
 """Objects of a remote cache copied into a local directory, each with the version it was copied from.
 
 Every node-local copy of a remote cache (the readers' mirror, a producer's staging directory, a
-monitor's view) is made and judged here, one way: :meth:`LocalCopies.unchanged` says whether the local
+monitor's copy) is made and judged here, one way: :meth:`LocalCopies.unchanged` says whether the local
 file is the store's current version (size and ETag, recorded per object as a :class:`CopiedFrom` in the
 copy's ``seen`` directory, :func:`.localdir.replica_dirs`), and :meth:`LocalCopies.download` (streamed) or
 :meth:`LocalCopies.write` (bytes at hand) replaces it: into a locked temporary (``localdir.Temporaries``),

@@ -1,6 +1,6 @@
 """Where a remote cache's node-local directories are, and whether this process may trust one it finds.
 
-Readers (``mirror``), producers (``staging``) and monitors (``view``) keep copies of a store's objects
+Readers (``mirror``), producers (``staging``) and monitors (``monitor``) keep copies of a store's objects
 in local directories, and serve what they find there as the store's. Two rules keep that honest:
 
 * a directory is keyed by the store's identity (the endpoint, or the account, the client talks to)
@@ -11,7 +11,7 @@ in local directories, and serve what they find there as the store's. Two rules k
   can write there can plant files this process would serve as the store's.
 
 Each such directory is the cache's layout plus one bookkeeping directory of its own (``.mirror``,
-``.view``, the staging directory's ``.dspark-staging-records``), which holds, as :func:`replica_dirs`
+``.monitor``, the staging directory's ``.dspark-staging-records``), which holds, as :func:`replica_dirs`
 names them, the record of what each copied file is a copy of (``seen``, :mod:`.copies`) and the
 downloads in progress (``tmp``): :class:`Temporaries`, each locked by its writer while it lives.
 """

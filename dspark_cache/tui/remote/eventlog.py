@@ -2,7 +2,7 @@
 
 Objects cannot be appended to, so a producer puts its event log as segments
 (``events/rank-N.jsonl.K``, :mod:`.sync`): each rewritten while it grows, left alone once full. A
-monitor (:class:`~.view.RemoteView`) keeps each rank's log as one local file, the concatenation of
+monitor (:class:`~.monitorcopy.MonitorCopy`) keeps each rank's log as one local file, the concatenation of
 the segments it follows: from the first look on, the newest segments (at least ``events_tail`` bytes
 of them), then each segment as it grows or appears, appended. A log that does not continue the
 local one (a segment followed is gone or shrank, or its bytes differ: the log was started again on

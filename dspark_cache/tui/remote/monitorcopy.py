@@ -1,28 +1,28 @@
-"""A cache on object storage as a monitor sees it: :class:`RemoteView`, a local directory that follows the store.
+"""A cache on object storage as a monitor sees it: :class:`MonitorCopy`, a local directory that follows the store.
 
 ``dspark-monitor`` reads a cache directory's small files (manifest, shard indexes, heartbeats, event
-logs, the stop request) and never a tar. For a cache at ``s3://bucket/prefix`` this view keeps a
-local directory, :attr:`RemoteView.root`, holding exactly those files as the store holds them, so
+logs, the stop request) and never a tar. For a cache at ``s3://bucket/prefix`` this copy keeps a
+local directory, :attr:`MonitorCopy.root`, holding exactly those files as the store holds them, so
 the monitor's directory reader works on it unchanged:
 
-* :meth:`RemoteView.refresh` brings them down at a bounded cost: a HEAD of the manifest, one LIST
+* :meth:`MonitorCopy.refresh` brings them down at a bounded cost: a HEAD of the manifest, one LIST
   of each of ``shards/``, ``status/`` and ``events/`` (one request per 1000 objects), a HEAD of the
   stop request, and a GET only of an object whose size or ETag changed since it was copied (an
   index is fetched once; a heartbeat each time its rank re-puts it). Tars are never read. What is
   gone from the store is removed here.
 * a rank's event log is stored as segments (``events/rank-N.jsonl.K``, the last rewritten while it
   grows); here it is one file that only grows while the run's log grows (:mod:`.eventlog`).
-* :meth:`RemoteView.request_stop` puts the stop request (``control/stop``) on the store, where the
+* :meth:`MonitorCopy.request_stop` puts the stop request (``control/stop``) on the store, where the
   producer's sync thread brings it into its staging directory.
 
 Layout: ``<local_cache_dir>/monitor/<scheme>/<store>/<bucket>/<prefix>/`` (next to the readers' copies,
-never one of them; ``<store>``: the endpoint or account, :func:`.localdir.store_key`), with ``.view/``
+never one of them; ``<store>``: the endpoint or account, :func:`.localdir.store_key`), with ``.monitor/``
 its bookkeeping as every node-local copy keeps it (:func:`.localdir.replica_dirs`: what each file was
 copied from, so that a monitor started again fetches nothing that did not change; the downloads in
 progress), plus what was followed of each segmented log (``copied.json``). A file found there is shown
 only once authenticated (:class:`.copies.LocalCopies`), in a directory only this user may write
 (:func:`.localdir.own_directory`). A second monitor of the same cache on the node takes a private
-directory beside it instead (removed by :meth:`RemoteView.close`).
+directory beside it instead (removed by :meth:`MonitorCopy.close`).
 """
 
 from __future__ import annotations
@@ -56,16 +56,16 @@ log = logging.getLogger(__name__)
 EVENTS_TAIL = 256 * 1024
 MAX_LOG_BYTES = 64 << 20  # a whole (unsegmented) log, as a local cache uploaded as it is holds one
 _GET_THREADS = 8  # index GETs in flight at once (a first look at a cache of thousands of shards)
-_STATE = ".view"
+_RECORDS = ".monitor"
 _DIGITS = re.compile(r"[0-9]+")
 
 
-def default_view_dir(url: RemoteURL, storage: StorageOptions) -> tuple[str, str]:
+def default_copy_dir(url: RemoteURL, storage: StorageOptions) -> tuple[str, str]:
     """``(base, directory)``: ``<local cache dir>/monitor/<scheme>/<store>/<bucket>/<prefix>``."""
     return local_copy_dir("monitor", url, storage.storage_options, storage.local_cache_dir)
 
 
-class RemoteView:
+class MonitorCopy:
     """The monitor's local copy of the small files of the cache at ``url`` (see the module's docstring).
 
     ``refresh()`` brings it up to date (it raises a one-line :class:`CacheError`: a missing bucket,
@@ -87,10 +87,10 @@ class RemoteView:
         self.warnings: list[str] = []
         self.found = False  # whether the last refresh found any object of a cache under the prefix
         self._private = False
-        base, self.root = default_view_dir(self.url, storage)
-        own_directory(os.path.join(self.root, _STATE), base, what="monitor's copy")
+        base, self.root = default_copy_dir(self.url, storage)
+        own_directory(os.path.join(self.root, _RECORDS), base, what="monitor's copy")
         self._held = hold_lock(
-            os.path.join(self._state_dir(self.root), "monitor.held"), fcntl.LOCK_EX | fcntl.LOCK_NB
+            os.path.join(self._records_dir(self.root), "monitor.held"), fcntl.LOCK_EX | fcntl.LOCK_NB
         )
         if self._held is None:  # another monitor of this cache on this node: a directory of our own
             self.root = tempfile.mkdtemp(prefix=f"{os.path.basename(self.root) or self.url.bucket}.",
@@ -100,17 +100,17 @@ class RemoteView:
         for directory in (self.paths.shards_dir, self.paths.status_dir, self.paths.events_dir,
                           self.paths.control_dir):
             own_directory(directory, self.root, what="monitor's copy")
-        own_replica_dirs(os.path.join(self.root, _STATE), self.root, what="monitor's copy")
-        self.copies = LocalCopies(self.store, self.root, os.path.join(self.root, _STATE))
+        own_replica_dirs(os.path.join(self.root, _RECORDS), self.root, what="monitor's copy")
+        self.copies = LocalCopies(self.store, self.root, os.path.join(self.root, _RECORDS))
         self.copies.temporaries.clean()  # an earlier monitor's downloads, cut short
         self.logs = SegmentedLogs(self.paths, self._get, self.store.name, events_tail)
         self._saved: str | None = None
         # started at the first refresh with several objects to fetch
         self._threads: DaemonThreads | None = None
-        self._load_state()
+        self._load_records()
 
     def __repr__(self) -> str:
-        return f"RemoteView({self.remote!r} at {self.root!r})"
+        return f"MonitorCopy({self.remote!r} at {self.root!r})"
 
     # -- requests, counted --------------------------------------------------------------------
 
@@ -140,7 +140,7 @@ class RemoteView:
                              self._head(self.paths.relative(self.paths.stop_request)), MAX_STOP_BYTES)
             self.found = manifest or bool(shards or status or events)
         finally:
-            self._save_state()
+            self._save_records()
 
     def check(self) -> None:
         """Whether the store answers for this cache (one LIST): a missing bucket or refused credentials
@@ -282,31 +282,31 @@ class RemoteView:
         self.requests["put"] += 1
         etag = self.store.put(relative, note)
         self.copies.write(relative, note, ObjectInfo(len(note), etag, 0.0))
-        self._save_state()
+        self._save_records()
 
     # -- what was copied from what ------------------------------------------------------------
 
     @staticmethod
-    def _state_dir(root: str) -> str:
-        directory = os.path.join(root, _STATE)
+    def _records_dir(root: str) -> str:
+        directory = os.path.join(root, _RECORDS)
         os.makedirs(directory, exist_ok=True)
         return directory
 
-    def _state_file(self) -> str:
-        return os.path.join(self._state_dir(self.root), "copied.json")
+    def _records_file(self) -> str:
+        return os.path.join(self._records_dir(self.root), "copied.json")
 
-    def _load_state(self) -> None:
+    def _load_records(self) -> None:
         """What an earlier monitor followed of each segmented log, where the local file is still as it left
         it (the copies of single objects have their records in ``seen``)."""
         try:
-            with open(self._state_file(), encoding="utf-8") as handle:
+            with open(self._records_file(), encoding="utf-8") as handle:
                 # others may have rewritten it: no word of it holds
                 if not private(os.fstat(handle.fileno())):
                     return
-                state = json.load(handle)
-            if state.get("url") != self.remote:
+                records = json.load(handle)
+            if records.get("url") != self.remote:
                 return
-            for rank, entry in state["logs"].items():
+            for rank, entry in records["logs"].items():
                 known = LogCopy(
                     int(entry["first"]), {int(k): (int(s), str(e)) for k, (s, e) in entry["parts"].items()}
                 )
@@ -318,17 +318,17 @@ class RemoteView:
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
             self.logs.copies = {}  # unreadable: every segmented log is fetched again once
 
-    def _save_state(self) -> None:
-        state: dict[str, Any] = {
+    def _save_records(self) -> None:
+        records: dict[str, Any] = {
             "url": self.remote,
             "logs": {str(rank): {"first": known.first,
                                  "parts": {str(k): list(v) for k, v in sorted(known.parts.items())},
                                  **_identity_of(self.paths.events(rank))}
                      for rank, known in sorted(self.logs.copies.items())}}
-        text = json.dumps(state, sort_keys=True)
+        text = json.dumps(records, sort_keys=True)
         if text != self._saved:
             try:
-                write_private(self._state_file(), text.encode())
+                write_private(self._records_file(), text.encode())
                 self._saved = text
             except OSError as exc:  # the next monitor fetches again: never a reason to stop this one
                 log.debug("could not record the monitor's copies in %s: %s", self.root, exc)
@@ -347,7 +347,7 @@ class RemoteView:
 
 
 def _identity_of(path: str) -> dict[str, int]:
-    """:func:`_identity` as the state file records it (-1: no file)."""
+    """:func:`_identity` as the records file holds it (-1: no file)."""
     inode, ctime_ns = _identity(path) or (-1, -1)
     return {"inode": inode, "ctime_ns": ctime_ns}
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dspark_cache.tui.display import human_bytes
 from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 from dspark_cache.tui.widgets.fitted import Fitted
 
 
 class DiskPanel(Fitted):
     """Bytes written, projected and free; a warning when the rest of the plan will not fit."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = "DiskPanel { height: auto; border: round $primary; padding: 0 1; }"
 
     def show(self, snap: Snapshot) -> None:

@@ -8,7 +8,7 @@ from dspark_cache.format.schema import Event
 from dspark_cache.tui.display import clip, clock_time, integer
 from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 from dspark_cache.tui.widgets.fitted import Fitted
 
 STYLES = {"error": "bold red", "warning": "yellow", "finished": "bold green", "stopped": "yellow",
@@ -19,7 +19,7 @@ KIND_WIDTH = 15  # the longest kind the producer writes, so that the messages li
 class EventLog(Fitted):
     """The newest ``rows`` events; a long message goes on below its start, never under the times."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = "EventLog { height: auto; max-height: 12; border: round $primary; padding: 0 1; }"
 
     def __init__(self, *args, rows: int = 8, **kwargs) -> None:

@@ -8,7 +8,7 @@ from dspark_cache.format.schema import Manifest
 from dspark_cache.tui.display import clip, integer
 from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 from dspark_cache.tui.widgets.fitted import Fitted
 
 MAX_LAYER_IDS = 16  # a manifest may list any number; the header stays one line
@@ -17,7 +17,7 @@ MAX_LAYER_IDS = 16  # a manifest may list any number; the header stays one line
 class RunHeader(Fitted):
     """Who the run is for, from the manifest; or why the directory cannot be shown."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = "RunHeader { height: auto; padding: 0 1; background: $boost; }"
 
     def show(self, snap: Snapshot) -> None:

@@ -10,14 +10,14 @@ from dspark_cache.format.schema import Manifest
 from dspark_cache.tui.display import as_float, human_bytes, human_count, human_duration, integer
 from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 from dspark_cache.tui.widgets.fitted import Fitted
 
 
 class OverallProgress(Vertical):
     """Samples, tokens and shards done of the plan, with a bar of the tokens; the summary once complete."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = """
     OverallProgress { height: auto; border: round $primary; padding: 0 1; }
     OverallProgress ProgressBar { width: 100%; }

@@ -29,7 +29,7 @@ from dspark_cache.tui.display import (
 )
 from dspark_cache.tui.rates import RankRate
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 
 COLUMNS = ("rank", "phase", "shard", "host/pid", "run shards", "tok/s", "inflight", "weights", "device mem",
            "heartbeat", "last error")
@@ -46,7 +46,7 @@ ERROR_CHARS, MIN_ERROR_CHARS = 60, 12  # the last error shown: at most, and at l
 class RankTable(DataTable):
     """One row per rank status file; fewer columns when :attr:`compact` or when the others do not fit."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = "RankTable { height: auto; border: round $primary; }"
 
     def __init__(self, *args, **kwargs) -> None:

@@ -10,7 +10,7 @@ from rich.text import Text
 from dspark_cache.tui.display import integer
 from dspark_cache.tui.fit import Para, piece
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 from dspark_cache.tui.widgets.fitted import Fitted
 
 # phase -> (glyph, style); a bucket shows its most urgent phase, in this order
@@ -64,7 +64,7 @@ def _cell_phase(marks: Counter, shards: int) -> str:
 class ShardMap(Fitted):
     """Counts per shard phase, then one cell per shard (or bucket of shards)."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = "ShardMap { height: auto; max-height: 14; border: round $primary; padding: 0 1; }"
 
     def show(self, snap: Snapshot) -> None:

@@ -8,7 +8,7 @@ from textual.widgets import Static
 
 from dspark_cache.tui.display import human_duration
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 
 # On CUDA, device and copy are GPU time from CUDA events; wait is the writer waiting for a copy.
 LABELS = {"data": "data", "device": "device", "copy": "copy", "backpressure": "waiting on writer",
@@ -21,7 +21,7 @@ PLAIN_SECONDS = 1e6  # up to here seconds are shown as such; beyond, as a capped
 class StageBreakdown(Static):
     """Seconds per stage, summed over ranks, as bars scaled to the largest."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = "StageBreakdown { height: auto; border: round $primary; padding: 0 1; }"
 
     def show(self, snap: Snapshot) -> None:

@@ -11,7 +11,7 @@ from textual.widgets import Sparkline
 from dspark_cache.tui.display import as_float, human_bytes, human_count
 from dspark_cache.tui.fit import Para, piece
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 from dspark_cache.tui.widgets.fitted import Fitted
 
 MAX_RATE = 1e300  # a whole history of these still sums to a finite number
@@ -21,7 +21,7 @@ class ThroughputChart(Vertical):
     """Tokens/s and bytes/s of the live ranks, now, at peak, and as sparklines over the history;
     with no rank live, the newest run's average (:func:`~dspark_cache.tui.rates.run_average`)."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = """
     ThroughputChart { height: 8; border: round $primary; padding: 0 1; }
     ThroughputChart Sparkline { height: 2; }

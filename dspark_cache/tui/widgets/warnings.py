@@ -6,16 +6,16 @@ from __future__ import annotations
 from dspark_cache.tui.display import clip
 from dspark_cache.tui.fit import Para, piece, words
 from dspark_cache.tui.snapshot import Snapshot
-from dspark_cache.tui.widgets import VIEW
+from dspark_cache.tui.widgets import SHOWS_SNAPSHOT
 from dspark_cache.tui.widgets.fitted import Fitted
 
-MAX_SHOWN = 5  # a directory full of junk must not push the rest of the view off screen
+MAX_SHOWN = 5  # a directory full of junk must not push the other panels off screen
 
 
 class FileWarnings(Fitted):
     """The files skipped by the last scan, and why; hidden when there are none."""
 
-    DEFAULT_CLASSES = VIEW
+    DEFAULT_CLASSES = SHOWS_SNAPSHOT
     DEFAULT_CSS = "FileWarnings { height: auto; padding: 0 1; color: $warning; }"
 
     def show(self, snap: Snapshot) -> None:
