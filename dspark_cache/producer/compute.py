@@ -24,7 +24,7 @@ from dspark_cache.format.sample import CACHE_DTYPES
 from dspark_cache.format.schema import EventKind, Manifest, RankPhase
 from dspark_cache.format.weights import weights_problem
 from dspark_cache.producer.device.model_group import (
-    DRAIN, END, GO, GroupSync, PartnerWatch, distributed_config, group_error, join_group, leave_group,
+    DRAIN, END, GO, GroupAgreement, PartnerWatch, distributed_config, group_error, join_group, leave_group,
 )
 from dspark_cache.producer.device.ranks import job_store
 from dspark_cache.producer.device.target import TargetRunner
@@ -153,20 +153,20 @@ def compute_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
             ensure_target_weights(p, runner)
         stats, _ = _write_shards(p, owned, status, runner.forward, p.cfg.writers, stop)
         return Computed(stats)
-    with _model_group(p, topology, status, run_id) as sync:
+    with _model_group(p, topology, status, run_id) as agreement:
         runner = _loaded(p, status, distributed_config(topology))
         if topology.group == 0:
             ensure_target_weights(p, runner, write=topology.writer)
-        lanes = sync.least(p.cfg.writers)  # every rank must run the writer's schedule
+        lanes = agreement.least(p.cfg.writers)  # every rank must run the writer's schedule
         if not topology.writer:
-            return _follow_shards(p, owned, status, stop, runner, sync, lanes)
-        agreed = _AgreedStop(sync, stop)
+            return _follow_shards(p, owned, status, stop, runner, agreement, lanes)
+        agreed = _AgreedStop(agreement, stop)
         try:
             role = f" as the writer of model-parallel group {topology.group}"
-            forward = _tracked(runner, sync)
+            forward = _tracked(runner, agreement)
             stats, group_stopped = _write_shards(p, owned, status, forward, lanes, agreed, role)
         finally:
-            sync.close()
+            agreement.close()
         return Computed(stats, group_stopped or agreed.drained)
 
 
@@ -193,25 +193,25 @@ class _AgreedStop:
     same steps, see ``_follow_shards``): True = begin no shard; a partner that ended raises ``GroupStopped``.
     ``drained``: the group agreed to stop (asked by this rank or by a partner)."""
 
-    def __init__(self, sync: GroupSync, stop: StopFlag) -> None:
-        self.sync, self.stop = sync, stop
+    def __init__(self, agreement: GroupAgreement, stop: StopFlag) -> None:
+        self.agreement, self.stop = agreement, stop
         self.drained = False
 
     def __call__(self) -> bool:
-        agreed = self.sync.agree(DRAIN if self.stop() else GO)
+        agreed = self.agreement.agree(DRAIN if self.stop() else GO)
         if agreed == END:
             raise GroupStopped
         self.drained = self.drained or agreed == DRAIN
         return agreed == DRAIN
 
 
-def _tracked(runner: TargetRunner, sync: GroupSync) -> Forward:
-    """The writer's forward, marked while it runs (see ``model_group.GroupSync.close``)."""
+def _tracked(runner: TargetRunner, agreement: GroupAgreement) -> Forward:
+    """The writer's forward, marked while it runs (see ``model_group.GroupAgreement.close``)."""
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> Any:
-        sync.in_forward = True  # a failure from here on may leave the partners inside a collective
+        agreement.in_forward = True  # a failure from here on may leave the partners inside a collective
         result = runner.forward(ids, mask)
-        sync.in_forward = False
+        agreement.in_forward = False
         return result
 
     return forward
@@ -292,7 +292,7 @@ def _write_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, f
 
 
 def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, stop: StopFlag,
-                   runner: TargetRunner, sync: GroupSync, lanes: int) -> Computed:
+                   runner: TargetRunner, agreement: GroupAgreement, lanes: int) -> Computed:
     """A writer's partner: the same forwards, batch for batch, and nothing written.
 
     It runs the writer's schedule (same shards, same lanes) and agrees with the writer before each
@@ -307,7 +307,7 @@ def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
     schedule = ShardSchedule(owned, lanes)
     drained = False
     while True:
-        agreed = sync.agree(DRAIN if stop() else GO)
+        agreed = agreement.agree(DRAIN if stop() else GO)
         if agreed == END:
             return Computed(stats, group_stopped=True)
         if agreed == DRAIN:
@@ -326,15 +326,16 @@ def _follow_shards(p: Prepared, owned: list[ShardPlan], status: StatusReporter, 
         if step.closes:
             stats.shards += 1
             status.update(force=True, shards_done=stats.shards, shard=None)
-    sync.close()
+    agreement.close()
     return Computed(stats, group_stopped=drained)
 
 
 @contextmanager
-def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id: str) -> Iterator[GroupSync]:
+def _model_group(p: Prepared, topology: Topology, status: StatusReporter,
+                 run_id: str) -> Iterator[GroupAgreement]:
     """This rank inside its model-parallel group, watched: a partner that fails, dies or falls silent
     ends this rank too (never a hang), and a collective that fails because of one says so."""
-    sync = join_group(topology, p.device, job_store(topology))
+    agreement = join_group(topology, p.device, job_store(topology))
 
     def abandon(reason: str) -> None:  # the watch thread: this rank is stuck in a collective
         error = group_error(reason, topology)
@@ -347,7 +348,7 @@ def _model_group(p: Prepared, topology: Topology, status: StatusReporter, run_id
     watch = PartnerWatch(p.paths, topology, run_id, p.cfg.rank_timeout, abandon)
     watch.start()
     try:
-        yield sync
+        yield agreement
     except RuntimeError as exc:  # how a collective fails (gloo at once, NCCL at its timeout)
         reason = watch.wait_gone()
         if reason is not None:

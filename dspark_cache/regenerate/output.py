@@ -213,7 +213,8 @@ def take_lock(files: OutputFiles) -> DirectoryLock | None:
 
 def _record_path(files: OutputFiles) -> str:
     """The run record's file: ``OUTPUT.run``, or an older version's ``OUTPUT.state`` when only it exists."""
-    return files.run if os.path.exists(files.run) or not os.path.exists(files.legacy_run) else files.legacy_run
+    legacy = os.path.exists(files.legacy_run) and not os.path.exists(files.run)
+    return files.legacy_run if legacy else files.run
 
 
 def read_record(files: OutputFiles) -> RunRecord | None:

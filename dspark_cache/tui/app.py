@@ -141,7 +141,8 @@ class MonitorApp(App[None]):
         self._shown = asyncio.Event()
 
     def show_snapshot(self, snap: Snapshot) -> None:
-        """Render ``snap`` in every widget that shows one, and the stop notice (on the UI thread: no file is read)."""
+        """Render ``snap`` in every widget that shows one, and the stop notice (on the UI thread: no file
+        is read)."""
         for widget in self.query(f".{SHOWS_SNAPSHOT}"):
             try:
                 cast(ShowsSnapshot, widget).show(snap)

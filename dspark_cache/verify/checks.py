@@ -210,11 +210,12 @@ def produce_command(manifest: Manifest, cache: str) -> str:
     return " ".join([command_hint("dspark-produce"), *(shlex.quote(a) for a in argv)])
 
 
-def headline_state(report: Report) -> str:
-    """The verdict, first on the headline: what is wrong before how much is fine."""
-    states = (["CORRUPT"] if report.corrupt or report.problems else []) + \
+def verdict(report: Report) -> str:
+    """The verdict, first on the headline: what is wrong before how much is fine (``--json``: its
+    ``state``, the key's name since the first version)."""
+    found = (["CORRUPT"] if report.corrupt or report.problems else []) + \
         (["INCOMPLETE"] if report.missing or not report.complete else [])
-    return ", ".join(states) or "complete"
+    return ", ".join(found) or "complete"
 
 
 def _blamed(problem: dict) -> str:
@@ -227,7 +228,7 @@ def _blamed(problem: dict) -> str:
 def print_report(report: Report) -> None:
     """The report for people: what is wrong, file by file, and what to do about it."""
     print(
-        f"{report.cache}: {headline_state(report)}, {report.shards_ok}/{report.shards_total} shards verified, "
+        f"{report.cache}: {verdict(report)}, {report.shards_ok}/{report.shards_total} shards verified, "
         f"{report.samples_ok} samples"
     )
     for problem in report.problems:

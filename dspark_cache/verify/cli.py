@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Verify (and repair), print the report; 0 when the cache is complete and intact, 1 when not."""
-    from dspark_cache.verify.checks import headline_state, print_report, repair, verify_cache
+    from dspark_cache.verify.checks import verdict, print_report, repair, verify_cache
 
     storage = storage_from_args(args)
     try:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NOT_A_CACHE
     if args.json:
         print(
-            msgspec.json.encode({**asdict(report), "ok": report.ok, "state": headline_state(report)}).decode()
+            msgspec.json.encode({**asdict(report), "ok": report.ok, "state": verdict(report)}).decode()
         )
     else:
         print_report(report)

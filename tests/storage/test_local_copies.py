@@ -24,10 +24,10 @@ FAST_FAILING = {"max_retries": 0, "retry_timeout": 2}  # a cut download fails in
 
 @pytest.fixture
 def copies(s3_bucket, proxy, tmp_path) -> LocalCopies:
-    root, state = str(tmp_path / "copy"), str(tmp_path / "copy" / ".state")
-    own_replica_dirs(state, root)
+    root, records = str(tmp_path / "copy"), str(tmp_path / "copy" / ".records")
+    own_replica_dirs(records, root)
     store = ObjectStore(f"{s3_bucket}/cache", client_options(proxy.endpoint, **FAST_FAILING))
-    return LocalCopies(store, root, state)
+    return LocalCopies(store, root, records)
 
 
 def _temporaries(directory: str) -> list[str]:

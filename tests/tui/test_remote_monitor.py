@@ -87,7 +87,8 @@ def test_once_reports_a_complete_remote_cache(complete, s3_server, tmp_path, cap
     assert "rank 0, phase finished" in out and "cache complete" in out
     copied = []
     for _, directories, names in os.walk(tmp_path):
-        directories[:] = [d for d in directories if not d.startswith(".")]  # the bookkeeping (.monitor): no copy
+        # the bookkeeping (.monitor): no copy
+        directories[:] = [d for d in directories if not d.startswith(".")]
         copied += names
     assert not [name for name in copied if name.endswith(".tar")]  # never a tar
     assert sum(name.endswith(".idx") for name in copied) == shards

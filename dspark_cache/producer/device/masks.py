@@ -2,8 +2,8 @@
 
 Left to itself, a Hugging Face decoder given no attention mask looks for packed sequences in its
 position ids (``find_packed_sequence_indices``), whose ``if (...).all()`` copies a flag from the
-device: one host sync per forward, so the host can never queue more than one batch ahead. Our
-batches are never packed (one sample per row, right-padded, causal), so we build the mask
+device: the host waits on the device once per forward, so it can never queue more than one batch
+ahead. Our batches are never packed (one sample per row, right-padded, causal), so we build the mask
 mapping the model would build, with transformers' own functions for its attention
 implementation, minus the packing check, and hand it to the model as a dict (which decoders of
 transformers >= 4.56 take as is). Whether the model really accepts it is checked once per run
@@ -102,5 +102,5 @@ def masks_match(base: torch.nn.Module, masks: CausalMasks, vocab_size: int, devi
     same = float((theirs.float() - ours.float()).abs().max()) <= 1e-3 * scale
     if not same:
         log.warning("the target reads the mask mapping differently from its own masks: using its own "
-                    "(one host sync per forward)")
+                    "(the host waiting on the device once per forward)")
     return same

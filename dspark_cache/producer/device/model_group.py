@@ -12,8 +12,8 @@ own group, and :class:`PartnerWatch` makes that group exit: gloo reports a dead 
 NCCL only after its timeout, so the watch also reads the partners' heartbeats and ends this
 process when one has failed, died or gone silent.
 
-Before each batch the group agrees, over a small gloo group on the host (no device sync), to
-compute it (:class:`GroupSync`): the writer says yes before each forward and no when its pipeline
+Before each batch the group agrees, over a small gloo group on the host (the device is never waited on), to
+compute it (:class:`GroupAgreement`): the writer says yes before each forward and no when its pipeline
 ends (done, stopped or failed); the others say no to stop at a shard boundary. So every rank
 runs the same forwards, and no rank waits in a collective for one that has left.
 
@@ -112,7 +112,7 @@ def distributed_config(topology: Topology) -> Any:
 GO, DRAIN, END = 2, 1, 0  # what a group agrees before a batch: the least any rank says wins
 
 
-class GroupSync:
+class GroupAgreement:
     """The group's agreement before each batch: a one-int all-reduce on a gloo group (host only)."""
 
     def __init__(self, group: Any) -> None:
@@ -144,7 +144,7 @@ class GroupSync:
             self.agree(END)
 
 
-def join_group(topology: Topology, device: torch.device, store: Any) -> GroupSync:
+def join_group(topology: Topology, device: torch.device, store: Any) -> GroupAgreement:
     """Make this group's process group the process's default one (the set-up group must be gone)."""
     import torch.distributed as dist
 
@@ -157,7 +157,7 @@ def join_group(topology: Topology, device: torch.device, store: Any) -> GroupSyn
                             world_size=topology.group_size, timeout=GROUP_TIMEOUT, **extra)
     log.info("rank %d joined model-parallel group %d (ranks %s, %s)", topology.rank, topology.group,
              topology.group_ranks(), backend)
-    return GroupSync(dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT))
+    return GroupAgreement(dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT))
 
 
 def leave_group() -> None:

@@ -8,7 +8,8 @@ order of :mod:`~dspark_cache.producer.pipeline.schedule`) append earlier batches
 memory is the ring: the main thread claims a batch's region before it queues the copies and
 waits while the ring is full, so staged bytes never exceed ``--max-inflight-bytes`` (or one
 batch, when a single batch is larger). Nothing in the loop waits for the device: the model's
-masks are built without a host sync (:mod:`~dspark_cache.producer.device.masks`) and the non-finite
+masks are built without the host waiting on the device
+(:mod:`~dspark_cache.producer.device.masks`) and the non-finite
 check stays on the device until the writer reads it. FP8 caches are quantised on the device,
 after that check and before the copy (:func:`stored_states`): half the bytes cross PCIe and
 land in host memory.
@@ -52,7 +53,7 @@ def _positions_finite(x: torch.Tensor) -> torch.Tensor:
 
 
 def finite_flags(hidden: torch.Tensor, last: torch.Tensor | None, real: torch.Tensor) -> torch.Tensor:
-    """Per sample: are all its real positions finite? Computed on the device, no sync.
+    """Per sample: are all its real positions finite? Computed on the device; the host does not wait for it.
 
     ``real`` is the batch's ``[B, T]`` mask of real tokens, already on the device (collate's
     attention mask): building it from a list of lengths would copy pageable host memory to

@@ -107,12 +107,12 @@ def authenticate(path: str, entry: CopiedFrom, limit: int,
 
 class LocalCopies:
     """Copies of ``store``'s objects under ``root`` (paths relative to the cache), kept as
-    :func:`.localdir.replica_dirs` says for the bookkeeping directory ``state`` (records in its ``seen``,
+    :func:`.localdir.replica_dirs` says for the bookkeeping directory ``records`` (records in its ``seen``,
     downloads in progress in its ``tmp``: both made by the caller, as its directory rule says)."""
 
-    def __init__(self, store: ObjectStore, root: str, state: str) -> None:
+    def __init__(self, store: ObjectStore, root: str, records: str) -> None:
         self.store, self.root = store, root
-        self._seen_dir, temporaries = replica_dirs(state)
+        self._seen_dir, temporaries = replica_dirs(records)
         self.temporaries = Temporaries(temporaries)
         # relative path -> (the local file's stat, the record) once authenticated in this process
         self._verified: dict[str, tuple[StatKey, CopiedFrom]] = {}

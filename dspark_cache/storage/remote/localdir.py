@@ -7,7 +7,7 @@ in local directories, and serve what they find there as the store's. Two rules k
   and the URL: ``s3://b/p`` on two S3-compatible endpoints are two caches, and never share a copy
   (:func:`store_key`);
 * a directory that another user owns, or that others may write (a group or other write bit), on the
-  way from the local cache directory down to the copy, is refused (:func:`own_directory`): whoever
+  way from the ``--local-cache-dir`` base down to the copy, is refused (:func:`own_directory`): whoever
   can write there can plant files this process would serve as the store's.
 
 Each such directory is the cache's layout plus one bookkeeping directory of its own (``.mirror``,
@@ -84,8 +84,9 @@ def store_key(url: RemoteURL, storage_options: dict[str, Any] | None) -> str:
 
 def local_copy_dir(kind: str | None, url: RemoteURL, storage_options: dict[str, Any] | None,
                    local_cache_dir: str | os.PathLike | None) -> tuple[str, str]:
-    """``(base, directory)``: ``<base>/[kind/]<scheme>/<store>/<bucket>/<prefix>`` under the local cache
-    directory ``base`` (``kind``: ``staging``, ``monitor``; ``None``: the readers' copy)."""
+    """``(base, directory)``: ``<base>/[kind/]<scheme>/<store>/<bucket>/<prefix>`` under the node-local
+    base ``base`` (``--local-cache-dir``); ``kind``: ``staging``, ``monitor``, or ``None``: the readers'
+    copy."""
     base = os.path.abspath(os.fspath(local_cache_dir or default_local_cache_dir()))
     parts = [kind] if kind else []
     parts += [url.scheme, store_key(url, storage_options), url.bucket, *filter(None, url.prefix.split("/"))]

@@ -63,7 +63,7 @@ __all__ = ["NodeMirror", "default_local_cache_dir"]
 
 
 class NodeMirror:
-    """The node-local copy of one remote cache. ``root`` is the local cache directory to read.
+    """The node-local copy of one remote cache. ``root`` is the node-local directory to read.
 
     ``refresh_manifest()``/``refresh_listing()`` copy the small objects in (rate-bounded unless
     ``force``); ``tar_size(id)`` is a published shard's size in the store; ``acquire(index)``
@@ -86,7 +86,8 @@ class NodeMirror:
         own_replica_dirs(self._meta, self.root)
         self.copies = LocalCopies(self.store, self.root, self._meta)
         if cache_limit is not None and cache_limit <= 0:
-            raise ValueError(f"cache_limit={cache_limit}: it is the local cache's size in bytes, more than 0")
+            raise ValueError(f"cache_limit={cache_limit}: it is the most bytes of shards kept on this node, "
+                             "more than 0")
         self.cache_limit = cache_limit if cache_limit is not None else int(
             shutil.disk_usage(self.root).free * _DEFAULT_SHARE)
         self.poll = poll
@@ -377,7 +378,8 @@ class NodeMirror:
                     os.close(fd)
             if total > self.cache_limit:
                 log.info(
-                    "the local cache at %s holds %d bytes, over its limit of %d: every shard there is in use",
+                    "the node-local copies at %s hold %d bytes, over their limit of %d: every shard there is in "
+                    "use",
                     self.root,
                     total,
                     self.cache_limit,

@@ -35,7 +35,7 @@ class StagingDirectoryError(CacheError):
 
 def default_staging_dir(url: RemoteURL, local_cache_dir: str | None,
                         storage_options: dict[str, Any] | None = None) -> str:
-    """``<local cache dir>/staging/<scheme>/<store>/<bucket>/<prefix>``: next to the readers' copies, never
+    """``<--local-cache-dir>/staging/<scheme>/<store>/<bucket>/<prefix>``: next to the readers' copies, never
     one of them, and one per store (``<store>``: the endpoint or account, :func:`.localdir.store_key`)."""
     return local_copy_dir("staging", url, storage_options, local_cache_dir)[1]
 

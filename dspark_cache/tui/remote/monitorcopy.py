@@ -1,4 +1,5 @@
-"""A cache on object storage as a monitor sees it: :class:`MonitorCopy`, a local directory that follows the store.
+"""A cache on object storage as a monitor sees it: :class:`MonitorCopy`, a local directory that follows
+the store.
 
 ``dspark-monitor`` reads a cache directory's small files (manifest, shard indexes, heartbeats, event
 logs, the stop request) and never a tar. For a cache at ``s3://bucket/prefix`` this copy keeps a
@@ -54,14 +55,14 @@ log = logging.getLogger(__name__)
 
 # bytes of a log's newest segments fetched at the first look (the monitor's tail window)
 EVENTS_TAIL = 256 * 1024
-MAX_LOG_BYTES = 64 << 20  # a whole (unsegmented) log, as a local cache uploaded as it is holds one
+MAX_LOG_BYTES = 64 << 20  # a whole (unsegmented) log: what a cache written locally, then uploaded, holds
 _GET_THREADS = 8  # index GETs in flight at once (a first look at a cache of thousands of shards)
 _RECORDS = ".monitor"
 _DIGITS = re.compile(r"[0-9]+")
 
 
 def default_copy_dir(url: RemoteURL, storage: StorageOptions) -> tuple[str, str]:
-    """``(base, directory)``: ``<local cache dir>/monitor/<scheme>/<store>/<bucket>/<prefix>``."""
+    """``(base, directory)``: ``<--local-cache-dir>/monitor/<scheme>/<store>/<bucket>/<prefix>``."""
     return local_copy_dir("monitor", url, storage.storage_options, storage.local_cache_dir)
 
 
@@ -257,7 +258,8 @@ class MonitorCopy:
         return listing
 
     def _copy_whole_log(self, rank: int, info: ObjectInfo) -> None:
-        """A log stored whole (a local cache uploaded as it is): copied once per version, streamed to disk."""
+        """A log stored whole (a cache written locally, then uploaded): copied once per version, streamed
+        to disk."""
         relative = self.paths.relative(self.paths.events(rank))
         self.logs.copies.pop(rank, None)
         if self.copies.unchanged(relative, info):
