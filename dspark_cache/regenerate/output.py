@@ -4,8 +4,9 @@
 next to it:
 
 * ``OUTPUT.run``: the run record, the run's :class:`~dspark_cache.regenerate.settings.Identity`
-  (msgspec JSON), written before the first row; a rerun with other settings is refused. (Version
-  0.2.0 named it ``OUTPUT.state``; a rerun finds it under that name and renames it.)
+  (msgspec JSON), written before the first row; a rerun with other settings is refused. (Earlier
+  builds named it ``OUTPUT.state``; a rerun finds it under that name and renames it, after which
+  those builds no longer resume the output.)
 * ``OUTPUT.lock``: an flock (``storage.lock``): one run per output.
 * ``OUTPUT.skipped``: rows that are done but not in the output (invalid, dropped as truncated, or
   rejected by the server), one JSON object per line: they are not asked again.
@@ -131,7 +132,7 @@ class OutputFiles:
 
     @property
     def legacy_run(self) -> str:
-        """Where version 0.2.0 kept the run record (the name is read, never written)."""
+        """Where earlier builds kept the run record (the name is read, never written)."""
         return self.path + ".state"
 
     @property
@@ -149,9 +150,6 @@ class OutputFiles:
     def data_files(self) -> list[str]:
         """What ``--overwrite`` removes (never the lock file: someone may be waiting on it)."""
         return [self.path, self.run, self.legacy_run, self.skipped, self.failed]
-
-    def exists(self) -> bool:
-        return any(os.path.exists(p) for p in (self.path, self.run, self.legacy_run, self.skipped))
 
     @classmethod
     def of(cls, output: str) -> OutputFiles:
@@ -211,19 +209,25 @@ def take_lock(files: OutputFiles) -> DirectoryLock | None:
         raise
 
 
-def _record_path(files: OutputFiles) -> str:
-    """The run record's file: ``OUTPUT.run``, or an older version's ``OUTPUT.state`` when only it exists."""
-    legacy = os.path.exists(files.legacy_run) and not os.path.exists(files.run)
-    return files.legacy_run if legacy else files.run
+def _read_record_bytes(files: OutputFiles) -> tuple[str, bytes] | None:
+    """The run record's file and bytes: ``OUTPUT.run``, else an earlier build's ``OUTPUT.state``, else
+    ``OUTPUT.run`` again (a run holding the lock may rename one to the other while a dry run looks)."""
+    for path in (files.run, files.legacy_run, files.run):
+        try:
+            with open(path, "rb") as handle:
+                return path, handle.read()
+        except FileNotFoundError:
+            continue
+    return None
 
 
 def read_record(files: OutputFiles) -> RunRecord | None:
-    path = _record_path(files)
-    try:
-        with open(path, "rb") as handle:
-            record = msgspec.json.decode(handle.read(), type=RunRecord)
-    except FileNotFoundError:
+    found = _read_record_bytes(files)
+    if found is None:
         return None
+    path, data = found
+    try:
+        record = msgspec.json.decode(data, type=RunRecord)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise OutputError(
             f"{path} is not a dspark-regenerate run record ({exc}); pass --overwrite to start "
@@ -272,8 +276,11 @@ def check_resume(files: OutputFiles, new: Identity, overwrite: bool) -> bool:
     if check_identity(files, new) is None:
         _write_record(files, RunRecord(identity=new, created_at=time.time()))
         return False
-    if _record_path(files) == files.legacy_run:  # resumed under this version: its name from now on
-        os.replace(files.legacy_run, files.run)
+    if not os.path.exists(files.run):  # an earlier build's record, resumed: its name from now on
+        try:
+            os.replace(files.legacy_run, files.run)
+        except OSError as exc:
+            raise failed_write(files.legacy_run, exc, "renaming the run record") from None
     return True
 
 

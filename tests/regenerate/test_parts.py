@@ -201,13 +201,13 @@ def test_rows_without_a_run_record_are_not_resumed_nor_counted(tmp_path):
     assert check_resume(files, new, overwrite=False) is True
 
 
-def test_an_output_of_version_0_2_resumes_and_its_record_takes_the_new_name(tmp_path):
-    """0.2.0 kept the run record as ``OUTPUT.state``: a rerun reads it there, checks it as ever, and renames
-    it to ``OUTPUT.run``; ``--overwrite`` removes it under either name."""
+def test_an_earlier_builds_output_resumes_and_its_record_takes_the_new_name(tmp_path):
+    """Earlier builds kept the run record as ``OUTPUT.state``: a rerun reads it there, checks it as ever,
+    and renames it to ``OUTPUT.run``; ``--overwrite`` removes it under either name."""
     files = OutputFiles(str(tmp_path / "o.jsonl"))
     new = identity(RegenerateConfig(input_data="in.jsonl", output=files.path), "abc", "m")
     assert check_resume(files, new, overwrite=False) is False
-    os.replace(files.run, files.legacy_run)  # the output as 0.2.0 left it
+    os.replace(files.run, files.legacy_run)  # the output as an earlier build left it
     other = identity(RegenerateConfig(input_data="in.jsonl", output=files.path, temperature=0.5), "abc", "m")
     with pytest.raises(OutputError, match="temperature"):
         check_resume(files, other, overwrite=False)
@@ -217,6 +217,28 @@ def test_an_output_of_version_0_2_resumes_and_its_record_takes_the_new_name(tmp_
     os.replace(files.run, files.legacy_run)
     assert check_resume(files, new, overwrite=True) is False
     assert os.path.exists(files.run) and not os.path.exists(files.legacy_run)
+
+
+def test_a_record_that_cannot_be_renamed_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A directory where the record may be read but not renamed (as root, no mode bit refuses it: the
+    refusal is injected) stops the run with the record's name and what to do, not a traceback."""
+    import errno
+
+    from dspark_cache.regenerate import output
+
+    files = OutputFiles(str(tmp_path / "o.jsonl"))
+    new = identity(RegenerateConfig(input_data="in.jsonl", output=files.path), "abc", "m")
+    check_resume(files, new, overwrite=False)
+    os.replace(files.run, files.legacy_run)
+
+    def refused(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", src)
+
+    monkeypatch.setattr(output.os, "replace", refused)
+    with pytest.raises(OutputError, match=r"o\.jsonl\.state: cannot be written \(Permission denied\) while "
+                                          r"renaming the run record: fix the file or its directory"):
+        check_resume(files, new, overwrite=False)
+    assert os.path.exists(files.legacy_run)
 
 
 def test_a_local_input_is_identified_by_its_absolute_path(tmp_path, monkeypatch):
