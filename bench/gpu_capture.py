@@ -19,9 +19,9 @@ at 32 samples a shard and keep one writer busy long after the others: equal shar
 of a long run, where neighbouring shards are alike.)
 
 Steps, after a warm-up (every batch shape once, and a short pipeline run):
-  forward alone  the same batches through collate, the forward and the finite check, nothing staged
-                 or written (``gpu_check.time_forward``, synchronised), first and last; the faster of
-                 the two is the reference
+  forward alone  the same batches through collate, the forward and the finite check, nothing copied
+                 to the host or written (``gpu_check.time_forward``, synchronised), first and last;
+                 the faster of the two is the reference
   fp8            a short run each in BF16 and F8_E4M3 through a HostCopier that counts what it is asked to
                  copy: with FP8 only the codes and scales cross to the host (24,600 bytes a token, not
                  49,152), float8 already on the device; on CUDA the profiler's device-to-host memcpy
@@ -169,7 +169,7 @@ def bytes_of(shards: list[ShardPlan], shape: SampleShape) -> int:
     return sum(predict_shard_bytes(shape, s.sample_ids.tolist(), s.lengths.tolist()) for s in shards)
 
 
-def staged_bytes_per_token(shape: SampleShape) -> int:
+def ring_bytes_per_token(shape: SampleShape) -> int:
     """What one token of this layout takes from the device: every stored tensor but ids and mask."""
     return sum(spec.nbytes for spec in shape.specs(1) if spec.name not in (INPUT_IDS, LOSS_MASK))
 
@@ -223,8 +223,9 @@ def pipeline_run(shards: list[ShardPlan], forward: Forward, shape: SampleShape, 
     spanned = SpannedForward(forward, device.type == "cuda")
     ring = {"capacity": 0, "peak": 0}
 
-    def seen(stats: PipelineStats, staging: HostRing) -> None:
-        ring.update(capacity=staging.capacity, peak=staging.peak)  # the peak grows only at claims, made here
+    def seen(stats: PipelineStats, ring_now: HostRing) -> None:
+        # the peak grows only at claims, made here
+        ring.update(capacity=ring_now.capacity, peak=ring_now.peak)
 
     try:
         sync(device)
@@ -248,11 +249,11 @@ def pipeline_run(shards: list[ShardPlan], forward: Forward, shape: SampleShape, 
         "dropped_nonfinite": sum(s.num_samples for s in shards) - stats.samples, "tokens": stats.tokens,
         "bytes": stats.bytes, "stage_seconds": stats.times.as_dict(), "ring_capacity": ring["capacity"],
         "ring_peak": ring["peak"], "complete": stats.shards == len(shards), "compression": shape.compression,
-        "states_gb_per_s": round(stats.tokens * staged_bytes_per_token(shape) / seconds / 1e9, 3),
+        "states_gb_per_s": round(stats.tokens * ring_bytes_per_token(shape) / seconds / 1e9, 3),
     }
 
 
-class CountingStager(HostCopier):
+class CountingCopier(HostCopier):
     """The real HostCopier, noting what each batch asks it to copy to the host: the stored tensors' dtype
     and device, and the bytes of their real tokens (plus the finite flags)."""
 
@@ -261,7 +262,7 @@ class CountingStager(HostCopier):
         self.copied = self.flags = self.tokens = self.region_bytes = 0
         self.tensors: dict[str, str] = {}
 
-    def stage(self, region: Region, shapes: list[tuple[tuple[int, ...], torch.dtype]], names: list[str],
+    def copy_in(self, region: Region, shapes: list[tuple[tuple[int, ...], torch.dtype]], names: list[str],
               stored: dict[str, torch.Tensor], finite: torch.Tensor, lengths: list[int], clock: BatchClock
               ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
         for name in names:
@@ -271,7 +272,7 @@ class CountingStager(HostCopier):
         self.flags += finite.nbytes
         self.tokens += sum(lengths)
         self.region_bytes += region.size
-        return super().stage(region, shapes, names, stored, finite, lengths, clock)
+        return super().copy_in(region, shapes, names, stored, finite, lengths, clock)
 
 
 def profiled_dtoh(run: Callable[[], dict[str, Any]], device: torch.device, work: str
@@ -321,11 +322,11 @@ def check_fp8(shards: list[ShardPlan], runner: TargetRunner, bf16: SampleShape, 
     fp8 = SampleShape(bf16.layer_ids, bf16.num_layers, bf16.hidden_size, "F8_E4M3")
     result: dict[str, Any] = {"shards": len(shards), "tokens": sum(s.num_tokens for s in shards)}
     for label, shape in (("bf16", bf16), ("fp8", fp8)):
-        copier = CountingStager(device)
+        copier = CountingCopier(device)
         run, dtoh = profiled_dtoh(lambda: pipeline_run(shards, runner.forward, shape, device, base, writers,
                                                        budget, copier=copier), device, base)
         part = result[label] = {
-            "expected_bytes_per_token": staged_bytes_per_token(shape),
+            "expected_bytes_per_token": ring_bytes_per_token(shape),
             "copied_bytes_per_token": copier.copied / copier.tokens if copier.tokens else 0.0,
             "copied_bytes": copier.copied + copier.flags, "ring_bytes_claimed": copier.region_bytes,
             "tensors": copier.tensors, "profiler_dtoh": dtoh, "pipeline_s": run["pipeline_s"],
@@ -415,7 +416,7 @@ class Capture:
             "config": s.dims, "layer_ids": list(s.layer_ids), "compute_dtype": "bf16",
             "weights_gb": round(self.runner.weight_bytes / 1e9, 2),
             "build_s": round(time.perf_counter() - built, 1), "mask_path_sync_free": self.runner.masks_without_waiting,
-            "bytes_per_token": staged_bytes_per_token(self.shape),
+            "bytes_per_token": ring_bytes_per_token(self.shape),
             "gpu_memory_gb": round(torch.cuda.memory_allocated(s.device) / 1e9, 2) if s.cuda else None}
         print(f"target built in {target['build_s']} s: {target['weights_gb']} GB of weights, "
               f"{target['bytes_per_token']} bytes a token", flush=True)

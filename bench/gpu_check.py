@@ -7,7 +7,7 @@
   (a) stream safety: a fake target fills every batch with its batch number, the pipeline stages
       and writes it, and every stored sample must hold its own batch's number. A control run with
       ``record_stream`` disabled must show corruption, or the check could not have failed.
-  (b) host syncs per step of the producer's loop with the real-shape target below:
+  (b) host waits on the device per step of the producer's loop with the real-shape target below:
       ``torch.cuda.set_sync_debug_mode`` (every thread) and a dispatch-mode trap (main thread).
   (c) pinned host memory: the host ring and ``torch.cuda.host_memory_stats()`` against
       ``--max-inflight-bytes``.
@@ -209,7 +209,7 @@ class SyncRecorder:
 
 def time_forward(batches: list[list[PlannedSample]], forward: Forward, device: torch.device) -> float:
     """Seconds for the device alone on these batches: what the pipeline's main thread computes per
-    batch (collate, the forward, the finite check), nothing staged or written; synchronised."""
+    batch (collate, the forward, the finite check), nothing copied to the host or written; synchronised."""
     sync(device)
     start = time.perf_counter()
     for batch in batches:
@@ -328,15 +328,16 @@ def check_efficiency(
     host_syncs["ok"] = trap.count == 0 and (device.type != "cuda" or
                                             all(not k.startswith("MainThread") for k in syncs.where))
     pinned = {"budget": budget, "ring_capacity": ring_capacity, "ring_peak": ring_peak,
-              "largest_batch_staged": max_batch_bytes(shards, shape)}
+              "largest_batch_in_ring": max_batch_bytes(shards, shape)}
+    largest = pinned["largest_batch_in_ring"]
     if device.type == "cuda":
         stats_now = torch.cuda.host_memory_stats()
         pinned["host_allocator"] = {k: v for k, v in stats_now.items() if "bytes" in k}
         reserved = max((v for k, v in stats_now.items() if "reserved" in k and "peak" in k), default=0)
-        pinned["ok"] = ring_capacity <= budget + pinned["largest_batch_staged"] and reserved <= 256 << 20
+        pinned["ok"] = ring_capacity <= budget + largest and reserved <= 256 << 20
     else:
         pinned["host_allocator"] = "skipped: CUDA only"
-        pinned["ok"] = ring_capacity <= budget + pinned["largest_batch_staged"] and ring_peak <= ring_capacity
+        pinned["ok"] = ring_capacity <= budget + largest and ring_peak <= ring_capacity
     return efficiency, host_syncs, pinned
 
 

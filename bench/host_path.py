@@ -156,7 +156,7 @@ class SyntheticDevice:
     def synchronize(self) -> None:
         pass
 
-    def stage(self, region: Region, shapes, names, stored, finite, lengths, clock: BatchClock):
+    def copy_in(self, region: Region, shapes, names, stored, finite, lengths, clock: BatchClock):
         ring = region.ring
         if id(ring) not in self.filled:
             started = time.perf_counter()
@@ -170,14 +170,14 @@ class SyntheticDevice:
             self.fill_seconds += time.perf_counter() - started
             self.filled.add(id(ring))
         views = iter(region.views(shapes))
-        staged = [{name: next(views) for name in names} for _ in lengths]
+        in_ring = [{name: next(views) for name in names} for _ in lengths]
         finite_host = next(views)
         finite_host.fill_(True)
         clock.mark("copy")
         clock.mark("copy_done")
         if self.gbps is None:
-            return staged, finite_host, None
-        return staged, finite_host, SyntheticEvent(max(self._busy_until, time.perf_counter()))
+            return in_ring, finite_host, None
+        return in_ring, finite_host, SyntheticEvent(max(self._busy_until, time.perf_counter()))
 
 
 class Reaper:

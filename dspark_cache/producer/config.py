@@ -288,8 +288,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="padded-token budget per batch (default batch-size x seq-length)")
     p.add_argument("--max-inflight-bytes", type=int, default=1 << 30,
-                   help="host bytes staged between device and writers before the device waits, all writers' "
-                   "batches together (default 1 GiB)")
+                   help="bytes the host ring holds between device and writers before the device waits, all "
+                   "writers' batches together (default 1 GiB)")
     p.add_argument("--writer-threads", type=int, default=None,
                    help="shards written at once, each by its own thread (default: one per core this rank "
                    f"has, at most {MAX_WRITER_THREADS}; here {default_writer_threads()}); the cache's bytes "

@@ -78,7 +78,7 @@ def test_bf16_default_path_matches_cpu_bf16(embedded, tmp_path):
         assert diff.mean() < 0.02 and diff.max() < 0.5  # bf16 kernels differ by rounding, not by meaning
 
 
-def test_staged_batches_survive_the_next_forward(tmp_path):
+def test_the_rings_batches_survive_the_next_forward(tmp_path):
     """Every batch filled with its own number: a region or device buffer reused too early shows."""
     import itertools
 

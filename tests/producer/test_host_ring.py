@@ -153,7 +153,7 @@ def _read_shards(root: str) -> dict[int, torch.Tensor]:
 
 
 @pytest.mark.parametrize("budget_batches,writers", [(1, 1), (3, 1), (3, 3), (1, 2)])
-def test_writer_bound_run_keeps_staged_bytes_within_budget_and_exact(tmp_path, budget_batches, writers):
+def test_writer_bound_run_keeps_the_rings_bytes_within_budget_and_exact(tmp_path, budget_batches, writers):
     rng = random.Random(budget_batches)
     lengths = [[rng.choice([3, 17, 64, 200, 511]) for _ in range(rng.randint(1, 4))] for _ in range(40)]
     shards = _numbered_plan(lengths, shard_size=4)
@@ -181,7 +181,7 @@ def test_writer_bound_run_keeps_staged_bytes_within_budget_and_exact(tmp_path, b
     for sid, hidden in stored.items():
         n = hidden.shape[0]
         want = (sid * 10000 + torch.arange(n, dtype=torch.float32)).view(n, 1).expand(n, 2 * HIDDEN)
-        assert torch.equal(hidden, want), f"sample {sid} was overwritten while staged"
+        assert torch.equal(hidden, want), f"sample {sid} was overwritten while in the ring"
 
 
 def test_stage_times_add_up_on_a_cpu(tmp_path):
@@ -299,16 +299,16 @@ def test_the_mask_check_sees_a_wrong_sliding_window(monkeypatch):
     assert not masks.masks_match(base, masks.CausalMasks(config, torch.float32), 64, torch.device("cpu"))
 
 
-class _SpyStager(HostCopier):
+class _SpyCopier(HostCopier):
     """The real copier, noting what crosses to the host: each stored tensor's dtype and the region's bytes."""
 
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
         self.crossed: list[tuple[dict[str, torch.dtype], int, int]] = []
 
-    def stage(self, region, shapes, names, stored, finite, lengths, clock):
+    def copy_in(self, region, shapes, names, stored, finite, lengths, clock):
         self.crossed.append(({k: v.dtype for k, v in stored.items()}, region.size, sum(lengths)))
-        return super().stage(region, shapes, names, stored, finite, lengths, clock)
+        return super().copy_in(region, shapes, names, stored, finite, lengths, clock)
 
 
 @pytest.mark.parametrize("code", ["F8_E4M3", "F8_E5M2"])
@@ -317,7 +317,7 @@ def test_fp8_codes_and_scales_alone_cross_to_the_host(tmp_path, code):
     a float32 scale per (token, layer), never the 2-4 byte states."""
     h = 256
     shape = SampleShape((0, 1), 3, h, code)  # the final state (2) is stored apart, with its scales
-    spy = _SpyStager()
+    spy = _SpyCopier()
     forward = lambda ids, mask: (torch.randn(*ids.shape, 2 * h), torch.randn(*ids.shape, h))  # noqa: E731
     shards = _plan([[40, 33], [20], [64, 60, 2]], shard_size=2)
     run_pipeline(
@@ -371,23 +371,23 @@ def test_a_ring_too_small_for_the_writers_is_named(tmp_path, caplog):
 
 
 class _SlowPublish(CacheOutput):
-    """The n-th shard's publication waits (at most 5 s) until the device has staged batch n + 1: a writer
+    """The n-th shard's publication waits (at most 5 s) until the device has copied batch n + 1 in: a writer
     that kept its batch's ring space through the publication would leave the device none."""
 
     def __init__(self, root: str, batches: int) -> None:
         super().__init__(root)
-        self.staged, self.waited, self.batches = 0, [], batches
+        self.copied, self.waited, self.batches = 0, [], batches
         self.cond = threading.Condition()
 
     def on_batch(self, stats, ring) -> None:
         with self.cond:
-            self.staged += 1
+            self.copied += 1
             self.cond.notify_all()
 
     def publish(self, writer, nonfinite=None, published=None):
         with self.cond:
             wanted = min(len(self.waited) + 2, self.batches)  # the last shard has no next batch
-            self.waited.append(self.cond.wait_for(lambda: self.staged >= wanted, timeout=5))
+            self.waited.append(self.cond.wait_for(lambda: self.copied >= wanted, timeout=5))
         return super().publish(writer, nonfinite, published)
 
 
@@ -396,7 +396,7 @@ def test_a_publication_does_not_hold_ring_space(tmp_path):
     output = _SlowPublish(_paths(tmp_path).root, 4)
     run_pipeline(shards, NumberedForward(), output=output, shape=SHAPE, device=torch.device("cpu"), pad_id=0,
                  max_inflight_bytes=aligned(100 * 2 * HIDDEN * 4) + ALIGN, on_batch=output.on_batch)
-    # A ring of one batch: the next batch is staged once this one's bytes are in the file, while its
+    # A ring of one batch: the next batch is copied in once this one's bytes are in the file, while its
     # shard is being published.
     assert output.waited == [True] * 4
 

@@ -5,7 +5,7 @@
 * ``schedule``: the order batches are computed in with several shards in flight (``ShardSchedule``,
   which a model-parallel group's partners run too).
 * ``host_ring``: the fixed host-memory ring (``HostRing``) and the copies into it (``HostCopier``).
-* ``writer``: the writer lanes, a thread and an open shard each, which append staged batches to
+* ``writer``: the writer lanes, a thread and an open shard each, which append the host ring's batches to
   their shards and publish them (``WriterLanes``, ``PipelineStats``).
 * ``timing``: stage times from CUDA events on a GPU, host timers on a CPU.
 * ``tensors``: torch dtypes of the format's codes, tensors as writer bytes, FP8 quantisation.

@@ -1,7 +1,7 @@
 """Host memory between the device and the writer: one fixed ring, claimed before the copy, and the
 copies into it (:class:`HostCopier`).
 
-Every staged batch lives in a region of one block of host memory (pinned when the device is a
+Every batch copied to the host lives in a region of one block of host memory (pinned when the device is a
 GPU), allocated once and sized by ``--max-inflight-bytes`` (never more than the run needs). The
 main thread claims a region *before* it queues the device-to-host copies and waits while the
 ring is full; the writer releases it once the bytes are in the shard file. So pinned memory is
@@ -165,7 +165,7 @@ class HostRing:
 
 
 def ring_capacity(budget: int, largest_batch: int, total: int) -> int:
-    """The budget, but never more than the whole run stages nor less than its largest batch."""
+    """The budget, but never more than the whole run copies in nor less than its largest batch."""
     return max(largest_batch, min(budget, total))
 
 
@@ -181,29 +181,29 @@ class HostCopier:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def stage(self, region: Region, shapes: list[tuple[tuple[int, ...], torch.dtype]], names: list[str],
+    def copy_in(self, region: Region, shapes: list[tuple[tuple[int, ...], torch.dtype]], names: list[str],
               stored: dict[str, torch.Tensor], finite: torch.Tensor, lengths: list[int], clock: BatchClock
               ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor, torch.cuda.Event | None]:
         """Queue the copies of each sample's real tokens of every ``stored`` tensor (``names``: in
         the order of ``shapes``) into the region; returns the host views, the flags and the event
         recorded after the last copy (None on a CPU, where the copies are done on return)."""
         views = iter(region.views(shapes))
-        staged = [{name: next(views) for name in names} for _ in lengths]
+        in_ring = [{name: next(views) for name in names} for _ in lengths]
         finite_host = next(views)
         if self.stream is not None:
             # Copies wait for the forward on the device, not on the host.
             self.stream.wait_stream(torch.cuda.current_stream(finite.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             clock.mark("copy", self.stream)
-            for b, (n, sample) in enumerate(zip(lengths, staged)):
+            for b, (n, sample) in enumerate(zip(lengths, in_ring)):
                 for name, dst in sample.items():
                     dst.copy_(stored[name][b, :n], non_blocking=self.cuda)
             finite_host.copy_(finite, non_blocking=self.cuda)
             clock.mark("copy_done", self.stream)
         if self.stream is None:
-            return staged, finite_host, None
+            return in_ring, finite_host, None
         ready = torch.cuda.Event()
         ready.record(self.stream)
         for src in (*stored.values(), finite):
             src.record_stream(self.stream)  # keep device memory alive until the copy ends
-        return staged, finite_host, ready
+        return in_ring, finite_host, ready

@@ -6,7 +6,7 @@ the device and copied into the host ring (pinned host memory,
 (:mod:`~dspark_cache.producer.pipeline.writer`, one shard open on each, batches taken in the
 order of :mod:`~dspark_cache.producer.pipeline.schedule`) append earlier batches to their shards. Host
 memory is the ring: the main thread claims a batch's region before it queues the copies and
-waits while the ring is full, so staged bytes never exceed ``--max-inflight-bytes`` (or one
+waits while the ring is full, so the ring's bytes never exceed ``--max-inflight-bytes`` (or one
 batch, when a single batch is larger). Nothing in the loop waits for the device: the model's
 masks are built without the host waiting on the device
 (:mod:`~dspark_cache.producer.device.masks`) and the non-finite
@@ -79,15 +79,15 @@ def stored_states(
     return out
 
 
-_NOT_STAGED = (INPUT_IDS, LOSS_MASK)  # the writer takes these from the plan, not from the device
+_NOT_COPIED = (INPUT_IDS, LOSS_MASK)  # the writer takes these from the plan, not from the device
 
 
-def _staged_names(shape: SampleShape) -> list[str]:
+def _ring_names(shape: SampleShape) -> list[str]:
     """The tensors a sample takes from the device, in storage order (``shape.specs``)."""
-    return [spec.name for spec in shape.specs(1) if spec.name not in _NOT_STAGED]
+    return [spec.name for spec in shape.specs(1) if spec.name not in _NOT_COPIED]
 
 
-def _staged_shapes(
+def _ring_shapes(
     shape: SampleShape, batch: list[PlannedSample]
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Views a batch takes in the ring: each sample's stored float tensors (scales, hidden and final
@@ -95,7 +95,7 @@ def _staged_shapes(
     shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
     for sample in batch:
         shapes += [(spec.shape, torch_dtype(spec.dtype)) for spec in shape.specs(sample.length)
-                   if spec.name not in _NOT_STAGED]
+                   if spec.name not in _NOT_COPIED]
     return shapes + [((len(batch),), torch.bool)]
 
 
@@ -146,7 +146,7 @@ def run_pipeline(
     device (one with no NaN to find; one whose batches are already in host memory). ``on_batch``
     sees the ring (``inflight``, ``peak``, ``capacity`` bytes) after each batch.
     """
-    sizes = [region_bytes(_staged_shapes(shape, batch)) for shard in shards for batch in shard.batches]
+    sizes = [region_bytes(_ring_shapes(shape, batch)) for shard in shards for batch in shard.batches]
     capacity = ring_capacity(max_inflight_bytes, max(sizes, default=0), sum(sizes))
     _warn_if_lanes_starve(capacity, sizes, writer_threads, len(shards))
     ring = HostRing(capacity, device.type == "cuda")
@@ -190,7 +190,7 @@ def run_pipeline(
 
 
 def _warn_if_lanes_starve(capacity: int, sizes: list[int], writers: int, shards: int) -> None:
-    """Every writer has work only while the ring holds a batch for each and one being staged: say so
+    """Every writer has work only while the ring holds a batch for each and one being copied in: say so
     when it cannot (at large hidden sizes a batch is hundreds of MB)."""
     if not sizes or writers < 2 or shards < 2:
         return
@@ -213,7 +213,7 @@ class _Step:
         self.check_finite, self.ring, self.writers, self.stats = check_finite, ring, writers, stats
         self.cuda = device.type == "cuda"
         self.copier = copier or HostCopier(device)
-        self.names = _staged_names(shape)
+        self.names = _ring_names(shape)
 
     def run(self, step: Step) -> bool:
         """Queue the batch for its lane's writer; False when a writer failed while we waited."""
@@ -231,17 +231,17 @@ class _Step:
         stored = stored_states(self.shape, hidden, last)
         del hidden, last  # an FP8 batch's unquantised states can go as soon as they are quantised
         clock.mark("forward_done")
-        shapes = _staged_shapes(self.shape, batch)
+        shapes = _ring_shapes(self.shape, batch)
         t1 = time.perf_counter()
         region = self.ring.claim(region_bytes(shapes), abort=lambda: self.writers.error is not None)
         times.backpressure += time.perf_counter() - t1
         if region is None:
             return False
-        staged, finite_host, ready = self.copier.stage(region, shapes, self.names, stored, finite,
+        in_ring, finite_host, ready = self.copier.copy_in(region, shapes, self.names, stored, finite,
                                                        [s.length for s in batch], clock)
         if ready is None:  # the stages ran on this thread: host times are exact
             times.device += clock.seconds("forward", "forward_done")
             times.copy += clock.seconds("copy", "copy_done")
-        self.writers.put(step.lane, WriteJob(step.shard, batch, staged, finite_host, ready, region, clock,
+        self.writers.put(step.lane, WriteJob(step.shard, batch, in_ring, finite_host, ready, region, clock,
                                              step.closes))
         return True

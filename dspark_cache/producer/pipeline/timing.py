@@ -19,7 +19,7 @@ class StageTimes:
     """Seconds per stage, summed over batches (what the monitor's breakdown shows).
 
     data: building batches on the host; device: the target's forward (+ finite check);
-    copy: device-to-host copies; backpressure: the main thread waiting for staging memory;
+    copy: device-to-host copies; backpressure: the main thread waiting for room in the host ring;
     wait: the writer waiting for a batch's copy to finish; write: the writer encoding and writing.
     """
 

@@ -1,4 +1,4 @@
-"""The writer lanes: staged batches -> shard tars, one shard per thread, each published whole."""
+"""The writer lanes: the host ring's batches -> shard tars, one shard per thread, each published whole."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class PipelineStats:
 
 @dataclass
 class WriteJob:
-    """One staged batch: its samples' tensors are views of ``region`` in the host ring."""
+    """One batch in the host ring: its samples' tensors are views of ``region`` in the host ring."""
 
     shard: ShardPlan
     samples: list[PlannedSample]
@@ -56,11 +56,11 @@ class WriteJob:
 
 
 class WriterLanes:
-    """``count`` writer threads, one shard open on each (see ``schedule``): each appends its staged
+    """``count`` writer threads, one shard open on each (see ``schedule``): each appends its
     batches to its shard in order and publishes the shard when its last batch is in.
 
     A batch's region goes back to the ring once its bytes are in the shard file (or the batch is
-    dropped after an error), which is what lets the main thread stage the next one. The first
+    dropped after an error), which is what lets the main thread copy the next one in. The first
     error of any lane stops every lane: their unfinished shards are abandoned (a rerun recomputes
     them); published shards stay published.
     """
@@ -146,7 +146,7 @@ class _Lane(threading.Thread):
                     self._wait_for_copy(job)
                     appended = lanes.error is None and self._append(job)
                 finally:
-                    # The bytes are in the file (or the batch is dropped): the device may stage into
+                    # The bytes are in the file (or the batch is dropped): the device may copy into
                     # this space while the shard is published (fsync, rename, index; an upload's wait).
                     lanes.ring.release(job.region)
                 if appended and job.closes_shard:
@@ -171,12 +171,12 @@ class _Lane(threading.Thread):
             self._writer = ShardWriter(lanes.output.paths, job.shard.shard_id, durable=lanes.durable,
                                        cache_id=lanes.cache_id, compression_level=lanes.compression_level)
         samples = []
-        for sample, staged, finite in zip(job.samples, job.tensors, job.finite.tolist()):
+        for sample, in_ring, finite in zip(job.samples, job.tensors, job.finite.tolist()):
             if not finite:
                 self._drop_nonfinite(sample, job.shard)
                 continue
-            # The writer takes buffers: the staged tensors as byte views, ids and mask as they are.
-            buffers = {name: byte_view(t) for name, t in staged.items()}
+            # The writer takes buffers: the ring's tensors as byte views, ids and mask as they are.
+            buffers = {name: byte_view(t) for name, t in in_ring.items()}
             buffers.update({INPUT_IDS: sample.input_ids, LOSS_MASK: sample.loss_mask})
             samples.append(SampleToWrite(sample.sample_id, sample.loss_tokens, shape.specs(sample.length),
                                          shape.metadata(sample.sample_id), buffers))
