@@ -12,8 +12,10 @@ exit-code table, ``--version``, ``--log-level``, one-line usage errors) and runs
 * ``dspark-regenerate``: ``regenerate/cli.py`` (the run is ``regenerate/run.py``)
 
 A part's module is imported only when its script runs, so the parts never import each other
-through here and ``dspark-monitor`` never imports torch. A part never imports this package: only
-its ``python -m`` entry (its ``__main__.py``) starts from here, as the console script does.
+through here and ``dspark-monitor`` never imports torch. A part never imports this module: only
+its ``python -m`` entry (its ``__main__.py``) starts from here, as the console script does. What
+every console program shares is in modules of their own that any part may import: ``conventions``
+(exit codes, usage errors) and ``lifetime`` (children that end with their parent).
 """
 
 from __future__ import annotations

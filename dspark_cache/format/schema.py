@@ -132,7 +132,7 @@ class SkippedRow(msgspec.Struct, frozen=True):
 
 
 class Manifest(msgspec.Struct, kw_only=True):
-    """Run identity, plan and completion state of a cache (``manifest.json``)."""
+    """Run identity, plan and completion of a cache (``manifest.json``)."""
 
     format_version: str = FORMAT_ID
     complete: bool = False

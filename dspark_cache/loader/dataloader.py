@@ -52,7 +52,7 @@ class DSparkLoader(NemoAttributes):
             self.cache.close()
             raise
         if config.expect:
-            check_expectations(self.cache.manifest, config.expect, where=path, delivered=layout.state_code,
+            check_expectations(self.cache.manifest, config.expect, where=path, delivered=layout.states_code,
                                layers=layout.delivered_layer_ids)
         self.rank, self.world_size = config.ranks()
         self.epoch, self.offset = config.epoch, 0

@@ -57,10 +57,10 @@ class OpenSources:
             check_sources(manifests, self.names, layers_given=config.target_layer_ids is not None,
                           same_seq_length=config.pad_to == "seq_length")
             self.layouts = [_layout(m, config, name) for m, name in zip(manifests, self.names)]
-            check_handed_out([lay.state_code for lay in self.layouts], self.names)
+            check_handed_out([lay.states_code for lay in self.layouts], self.names)
             if config.expect:
                 for m, name, lay in zip(manifests, self.names, self.layouts):
-                    check_expectations(m, config.expect, where=name, delivered=lay.state_code,
+                    check_expectations(m, config.expect, where=name, delivered=lay.states_code,
                                        layers=lay.delivered_layer_ids)
             self.bases, base = [], 0
             for m in manifests:

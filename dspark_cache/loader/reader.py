@@ -140,7 +140,7 @@ class BatchLayout:
         return layer_picks(self.shape, self.out_code, self.select).table
 
     @property
-    def state_code(self) -> str:
+    def states_code(self) -> str:
         """The dtype code of the states handed out."""
         return self.out_code or self.shape.dtype
 
@@ -159,7 +159,7 @@ def batch_fields(layouts: "list[BatchLayout]", nemo_keys_only: bool) -> tuple[Fi
     cache, or a mixture's, which hand out the same states: dtype and hidden dimension)."""
     first = layouts[0]
     # Per-token int64 fields are rewritten whole for every batch (a few bytes per token).
-    dtype = torch_dtype(first.state_code)
+    dtype = torch_dtype(first.states_code)
     fields = [Field(HIDDEN, first.hidden_dim, dtype, True),
               Field(LAST_HIDDEN, first.shape.hidden_size, dtype, True),
               *(Field(name, 1, torch.int64, False, scalar=True) for name in (INPUT_IDS, LOSS_MASK))]

@@ -97,7 +97,7 @@ def dequantize(batch: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16) ->
         checks.append((name, scales_bad, codes_bad))
         groups = states.unflatten(-1, (scales.shape[-1], -1)).to(torch.float32)
         out[name] = (groups * scales.unsqueeze(-1)).flatten(-2).to(dtype)
-    if bool(torch.stack([bad.any() for _, s, c in checks for bad in (s, c)]).any()):  # the one sync
+    if bool(torch.stack([bad.any() for _, s, c in checks for bad in (s, c)]).any()):  # the one host wait
         _refuse(checks, batch)
     return out
 

@@ -145,7 +145,7 @@ class _Endpoint:
 
 
 class EndpointPool:
-    """The endpoints, their state, and :meth:`chat` (a request with retries); thread-safe."""
+    """The endpoints, which are up, and :meth:`chat` (a request with retries); thread-safe."""
 
     def __init__(self, urls: list[str], api_key: str | None = None, timeout: float = 600.0, retries: int = 6,
                  give_up_after: float = 300.0) -> None:

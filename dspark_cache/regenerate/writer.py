@@ -130,7 +130,7 @@ class OrderedWriter:
         self.failed.extend(self._held)
         self._held.clear()
         first: OutputError | None = None
-        for step in (self._rows.close, self._skipped.close, self._write_failed, self._sync_dir):
+        for step in (self._rows.close, self._skipped.close, self._write_failed, self._fsync_dir):
             try:
                 step()
             except OutputError as exc:
@@ -145,7 +145,7 @@ class OrderedWriter:
         elif os.path.exists(self.files.failed):
             os.unlink(self.files.failed)
 
-    def _sync_dir(self) -> None:
+    def _fsync_dir(self) -> None:
         """The appended files' creation (and the old failed list's removal) made durable."""
         folder = os.path.dirname(self.files.path)
         try:

@@ -24,7 +24,7 @@ class LogTail:
 
     def read(self, handle: BinaryIO, st: os.stat_result) -> list[bytes]:
         """Complete lines appended since the last call (at most ``window`` bytes of them)."""
-        self._sync(st)
+        self._realign(st)
         handle.seek(self.offset)
         # + the byte before a jump, which tells if a line starts there; sized to the file, as
         # read(n) reserves n bytes up front
@@ -40,7 +40,7 @@ class LogTail:
         self.offset += end
         return data[start:end].splitlines()
 
-    def _sync(self, st: os.stat_result) -> None:
+    def _realign(self, st: os.stat_result) -> None:
         identity = (st.st_dev, st.st_ino)
         if identity != self.identity or st.st_size < self.offset:  # a new, replaced or truncated log
             self.identity, self.offset, self.aligned = identity, 0, True

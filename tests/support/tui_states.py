@@ -1,4 +1,4 @@
-"""Hand-made cache directories in chosen phases, written with the real on-disk structs."""
+"""Hand-made cache directories, each a chosen moment of a run, written with the real on-disk structs."""
 
 from __future__ import annotations
 

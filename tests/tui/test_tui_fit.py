@@ -55,12 +55,12 @@ async def test_80x24_fits_every_value_of_a_huge_run_on_one_line(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         await app.first_snapshot()
         await pilot.pause()
-        for view in app.query(Fitted):  # laid out to its own width: Textual never wraps (or folds) a line
-            if view.display and view.content_region.width:
-                content = view.content
+        for widget in app.query(Fitted):  # laid out to its own width: Textual never wraps (or folds) a line
+            if widget.display and widget.content_region.width:
+                content = widget.content
                 shown = content.plain if isinstance(content, Text) else str(content)
-                assert all(cell_len(line) <= view.content_region.width for line in shown.splitlines()), (
-                    view.id
+                assert all(cell_len(line) <= widget.content_region.width for line in shown.splitlines()), (
+                    widget.id
                 )
         rows = await screen_rows(app, pilot)
         for value in (
@@ -129,12 +129,11 @@ async def test_a_partial_is_writing_only_while_a_live_rank_writes_it(tmp_path):
         assert "0 writing  3 abandoned (rerun resumes)" in shown and "▒" not in shown
 
 
-def fitted_lines(view: Fitted) -> list[str]:
-    """What a fitted view shows, line by line, each checked against its width."""
-    shown = view.content.plain.splitlines()
-    assert view.content_region.width and all(cell_len(line) <= view.content_region.width for line in shown), (
-        shown
-    )
+def fitted_lines(widget: Fitted) -> list[str]:
+    """What a fitted widget shows, line by line, each checked against its width."""
+    shown = widget.content.plain.splitlines()
+    width = widget.content_region.width
+    assert width and all(cell_len(line) <= width for line in shown), shown
     return shown
 
 

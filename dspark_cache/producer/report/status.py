@@ -1,6 +1,6 @@
 """What the producer tells the world: a per-rank heartbeat file, an append-only event log, the plan's announcement.
 
-State and event-kind strings come from ``format.schema`` (``RankPhase``, ``EventKind``): the monitor
+Phase and event-kind strings come from ``format.schema`` (``RankPhase``, ``EventKind``): the monitor
 reads what is written here.
 """
 

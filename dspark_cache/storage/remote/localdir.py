@@ -1,7 +1,8 @@
 """Where a remote cache's node-local directories are, and whether this process may trust one it finds.
 
-Readers (``mirror``), producers (``staging``) and monitors (``monitor``) keep copies of a store's objects
-in local directories, and serve what they find there as the store's. Two rules keep that honest:
+Readers (``mirror``), producers (``staging``) and monitors (``tui.remote.monitorcopy``) keep copies
+of a store's objects in local directories, and serve what they find there as the store's. Two rules
+keep that honest:
 
 * a directory is keyed by the store's identity (the endpoint, or the account, the client talks to)
   and the URL: ``s3://b/p`` on two S3-compatible endpoints are two caches, and never share a copy
