@@ -15,7 +15,7 @@ from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.storage.cache import CacheDir
 from dspark_cache.verify import verify_cache
-from tests.support.produce import produce_args
+from tests.support.produce import produce_args, small_run
 from tests.support.proc import (
     assert_same_samples,
     kill_group,
@@ -27,18 +27,7 @@ from tests.support.proc import (
     wait_for,
 )
 
-ARGS = (
-    "--seq-length",
-    "256",
-    "--shard-size",
-    "2",
-    "--batch-size",
-    "2",
-    "--dtype",
-    "fp32",
-    "--num-workers",
-    "0",
-)
+ARGS = small_run(2, 2)
 
 
 @pytest.mark.slow
@@ -107,23 +96,7 @@ def test_sigterm_stops_both_ranks_and_each_says_stopped(embedded, tmp_path):
     """SIGTERM to every rank of a 2-rank job (as torchrun forwards it): each finishes its shard in flight,
     reports stopped (rank 1's line too, not "done") and exits 3; a rerun completes the cache."""
     out = str(tmp_path / "cache")
-    cmd = producer_cmd(
-        *produce_args(
-            embedded.stock,
-            embedded.data,
-            out,
-            "--seq-length",
-            "256",
-            "--shard-size",
-            "1",
-            "--batch-size",
-            "1",
-            "--dtype",
-            "fp32",
-            "--num-workers",
-            "0",
-        )
-    )
+    cmd = producer_cmd(*produce_args(embedded.stock, embedded.data, out, *small_run(1, 1)))
     ranks = start_ranks(cmd, 2)
     try:
         wait_for(lambda: published(out) >= 2 or any(r.poll() is not None for r in ranks), timeout=240)
@@ -139,24 +112,6 @@ def test_sigterm_stops_both_ranks_and_each_says_stopped(embedded, tmp_path):
         assert '"state":"stopped"' in status, status
     report = verify_cache(out)
     assert not report.complete and not report.corrupt
-    done = run(
-        producer_cmd(
-            *produce_args(
-                embedded.stock,
-                embedded.data,
-                out,
-                "--seq-length",
-                "256",
-                "--shard-size",
-                "1",
-                "--batch-size",
-                "1",
-                "--dtype",
-                "fp32",
-                "--num-workers",
-                "0",
-            )
-        )
-    )
+    done = run(cmd)  # the same command resumes
     assert done.returncode == 0, done.stderr
     assert verify_cache(out).ok

@@ -19,7 +19,7 @@ from dspark_cache.producer.device.model_group import check_target, target_proble
 from dspark_cache.producer.device.topology import ParallelError, Topology, check_topology
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
-from tests.support.produce import produce_args, run_produce
+from tests.support.produce import produce_args, run_produce, small_run
 from tests.support.proc import (
     assert_same_samples,
     events,
@@ -32,18 +32,7 @@ from tests.support.proc import (
     wait_for,
 )
 
-ARGS = (
-    "--seq-length",
-    "256",
-    "--shard-size",
-    "2",
-    "--batch-size",
-    "2",
-    "--dtype",
-    "fp32",
-    "--num-workers",
-    "0",
-)
+ARGS = small_run(2, 2)
 
 
 def statuses(out: str) -> dict[int, dict]:

@@ -19,7 +19,7 @@ from dspark_cache.cli.conventions import EXIT_USAGE
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.format.tar.reader import load_shard_index
 from dspark_cache.verify import verify_cache
-from tests.support.produce import produce_args, run_produce, write_jsonl
+from tests.support.produce import produce_args, run_produce, small_run, write_jsonl
 from tests.support.proc import BIN, producer_cmd, run, start, wait_for
 
 ARGS = ("--seq-length", "128", "--shard-size", "4", "--batch-size", "2", "--num-workers", "0")
@@ -215,21 +215,7 @@ def test_a_stop_that_lands_on_the_last_shard_completes_the_job(embedded, tmp_pat
     """One shard, so the shard in flight is the last: the stop finishes it, and then the work is all done."""
     out = str(tmp_path / "cache")
     proc = start(
-        producer_cmd(
-            *produce_args(
-                embedded.stock,
-                embedded.data,
-                out,
-                "--seq-length",
-                "256",
-                "--shard-size",
-                "1000",
-                "--batch-size",
-                "1",
-                "--num-workers",
-                "0",
-            )
-        )
+        producer_cmd(*produce_args(embedded.stock, embedded.data, out, *small_run(1000, 1, dtype=None)))
     )
     try:
         partial = CachePaths(out).shard_partial(0)

@@ -23,21 +23,10 @@ import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
 from tests.support.plan_files import deadline, rechecksum
-from tests.support.produce import produce_args, run_produce, write_jsonl
+from tests.support.produce import produce_args, run_produce, small_run, write_jsonl
 from tests.support.proc import assert_same_samples, producer_cmd, run
 
-ARGS = (
-    "--seq-length",
-    "256",
-    "--shard-size",
-    "4",
-    "--batch-size",
-    "4",
-    "--dtype",
-    "fp32",
-    "--num-workers",
-    "0",
-)
+ARGS = small_run(4, 4)
 
 
 def _edit(path: str):

@@ -12,21 +12,10 @@ import xxhash
 import dspark_cache
 from dspark_cache.format.paths import CachePaths
 from dspark_cache.verify import verify_cache
-from tests.support.produce import run_produce, write_jsonl
+from tests.support.produce import run_produce, small_run, write_jsonl
 from tests.support.proc import assert_same_samples
 
-ARGS = (
-    "--seq-length",
-    "256",
-    "--shard-size",
-    "4",
-    "--batch-size",
-    "4",
-    "--dtype",
-    "fp32",
-    "--num-workers",
-    "0",
-)
+ARGS = small_run(4, 4)
 
 
 def _stamps(out: str) -> dict[str, tuple[int, int]]:

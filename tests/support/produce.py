@@ -12,6 +12,14 @@ def produce_args(target: str, data: str, out: str, *extra: str) -> list[str]:
             "--log-level", "WARNING", *extra]
 
 
+def small_run(shard_size: int, batch_size: int, *extra: str, dtype: str | None = "fp32") -> tuple[str, ...]:
+    """The options of the tests' small CPU runs: 256-token rows, these shard and batch sizes, rows encoded
+    in the process (no worker pool), ``dtype`` stored (``None``: the default)."""
+    stored = ("--dtype", dtype) if dtype else ()
+    return ("--seq-length", "256", "--shard-size", str(shard_size), "--batch-size", str(batch_size), *stored,
+            "--num-workers", "0", *extra)
+
+
 def run_produce(target: str, data: str, out: str, *extra: str) -> int:
     """The exit code of the torchrun entry's ``main`` on :func:`produce_args`."""
     from dspark_cache.producer.__main__ import main
