@@ -80,12 +80,7 @@ def dry_run(cfg: ProduceConfig) -> int:
     from dspark_cache.producer.config import cache_output
     from dspark_cache.producer.device.ranks import new_run_id
     from dspark_cache.producer.device.topology import Topology
-    from dspark_cache.producer.plan.store import (
-        forget_found,
-        found_directory,
-        keep_plan_files,
-        leave_as_found,
-    )
+    from dspark_cache.producer.plan.found import forget_found, found_directory, keep_plan_files, leave_as_found
     from dspark_cache.producer.prepare import prepare, resolve_settings
     from dspark_cache.producer.report.summary import layers_cost, plan_report
     from dspark_cache.producer.resume import take_directory

@@ -25,7 +25,7 @@ from dspark_cache.producer.device.model_group import check_target
 from dspark_cache.producer.device.ranks import assign_shards, barrier_before_setup, new_run_id, share_setup
 from dspark_cache.producer.device.topology import Topology, check_topology
 from dspark_cache.producer.finish import finish
-from dspark_cache.producer.plan.store import found_directory
+from dspark_cache.producer.plan.found import found_directory
 from dspark_cache.producer.prepare import Prepared, prepare, resolve_settings
 from dspark_cache.producer.report.signals import StopFlag
 from dspark_cache.producer.report.summary import RunResult
